@@ -1,0 +1,57 @@
+"""Typed exceptions and the error codes carried on the wire."""
+
+from __future__ import annotations
+
+# Error codes a worker may answer with (Error.code). Clients map them back to exceptions.
+INVALID_REQUEST = "invalid_request"
+PROMPT_TOO_LONG = "prompt_too_long"
+ENGINE_ERROR = "engine_error"
+WORKER_FAILED = "worker_failed"
+DEADLINE_EXCEEDED = "deadline_exceeded"
+UNSUPPORTED_SCHEMA = "unsupported_schema"
+
+ERROR_CODES = frozenset(
+    {INVALID_REQUEST, PROMPT_TOO_LONG, ENGINE_ERROR, WORKER_FAILED, DEADLINE_EXCEEDED, UNSUPPORTED_SCHEMA}
+)
+
+
+class BatchfleetError(Exception):
+    """Base class of every batchfleet error."""
+
+
+class ConfigError(BatchfleetError, ValueError):
+    """A configuration value is invalid; raised at startup."""
+
+
+class ProtocolError(BatchfleetError, ValueError):
+    """A wire message could not be decoded or failed validation."""
+
+    def __init__(self, message: str, code: str = INVALID_REQUEST) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PromptTooLong(BatchfleetError, ValueError):
+    """The prompt does not fit the largest bucket, or prompt + max_new_tokens > max_seq_len."""
+
+
+class QueueFull(BatchfleetError):
+    """The bucket's queue holds max_queue_len entries; nothing was enqueued."""
+
+
+class FleetUnavailable(BatchfleetError):
+    """No worker has published the fleet's tokenizer and limits under this namespace."""
+
+
+class Timeout(BatchfleetError, TimeoutError):
+    """No result arrived within the caller's timeout (or the request's deadline passed)."""
+
+
+class JobFailed(BatchfleetError):
+    """The worker answered the request with an error; `code` is one of ERROR_CODES."""
+
+    def __init__(self, job_id: str, code: str, message: str) -> None:
+        super().__init__(f"job {job_id} failed [{code}]: {message}")
+        self.job_id = job_id
+        self.code = code
+        self.message = message

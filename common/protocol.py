@@ -1,0 +1,235 @@
+"""Wire types: Request (producer -> worker), Result and Error (worker -> producer).
+
+Each is a small dataclass with explicit msgpack encode/decode, a schema version and bounded decoding:
+a payload is size-checked before unpacking and every container length is capped, so a hostile entry
+cannot make a worker allocate without bound. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from common.errors import UNSUPPORTED_SCHEMA, ProtocolError
+from common.keys import valid_job_id
+
+SCHEMA_VERSION = 1
+MAX_PAYLOAD_BYTES = 1 << 20  # 1 MiB: far above 4096 token ids + stop strings
+MAX_TOKENS = 1 << 16  # prompt or completion length cap at decode time (the worker checks its own limits)
+MAX_STOP = 16
+MAX_STOP_CHARS = 256
+MAX_TEXT_CHARS = 1 << 20
+FINISH_REASONS = ("stop", "length", "eos")
+
+
+def _unpack(data: bytes) -> dict[str, Any]:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError("payload must be bytes")
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise ProtocolError(f"payload of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    try:
+        obj = msgpack.unpackb(
+            bytes(data),
+            raw=False,
+            strict_map_key=True,
+            max_str_len=MAX_TEXT_CHARS,
+            max_bin_len=0,
+            max_array_len=MAX_TOKENS,
+            max_map_len=64,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises a zoo of types (ExtraData, ValueError, UnicodeDecodeError...)
+        raise ProtocolError(f"undecodable payload: {type(exc).__name__}: {exc}"[:300]) from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"payload must be a map, got {type(obj).__name__}")
+    version = obj.get("v")
+    if version != SCHEMA_VERSION:
+        raise ProtocolError(f"unsupported schema version {version!r} (this side speaks {SCHEMA_VERSION})",
+                            code=UNSUPPORTED_SCHEMA)
+    return obj
+
+
+def _pack(obj: dict[str, Any]) -> bytes:
+    return msgpack.packb({"v": SCHEMA_VERSION, **obj}, use_bin_type=True)
+
+
+def _int(obj: dict, key: str, lo: int, hi: int, default: int | None = None) -> int:
+    value = obj.get(key, default)
+    if type(value) is not int or not lo <= value <= hi:  # bool is an int subclass: rejected on purpose
+        raise ProtocolError(f"{key} must be an integer in [{lo}, {hi}], got {value!r}"[:200])
+    return value
+
+
+def _float(obj: dict, key: str, lo: float, hi: float, default: float) -> float:
+    value = obj.get(key, default)
+    if type(value) not in (int, float) or not math.isfinite(value) or not lo <= value <= hi:
+        raise ProtocolError(f"{key} must be a number in [{lo}, {hi}], got {value!r}"[:200])
+    return float(value)
+
+
+def _opt_float(obj: dict, key: str) -> float | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        raise ProtocolError(f"{key} must be a non-negative number or nil, got {value!r}"[:200])
+    return float(value)
+
+
+def _str(obj: dict, key: str, max_len: int = 256) -> str:
+    value = obj.get(key)
+    if not isinstance(value, str) or len(value) > max_len:
+        raise ProtocolError(f"{key} must be a string of at most {max_len} chars")
+    return value
+
+
+def _tokens(obj: dict, key: str, min_len: int) -> list[int]:
+    value = obj.get(key)
+    if not isinstance(value, list) or len(value) < min_len:
+        raise ProtocolError(f"{key} must be a list of at least {min_len} token ids")
+    for tok in value:
+        if type(tok) is not int or not 0 <= tok < 2**31:
+            raise ProtocolError(f"{key} holds an invalid token id {tok!r}"[:200])
+    return value
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation job. ``prompt`` is token ids: producers tokenize with the fleet's tokenizer."""
+
+    id: str
+    prompt: list[int]
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    deadline: float | None = None  # unix time after which the answer is useless
+    enqueued_at: float = 0.0  # unix time the producer enqueued it
+    reply_key: str = ""
+
+    def encode(self) -> bytes:
+        return _pack({
+            "id": self.id, "prompt": list(self.prompt), "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+            "stop": list(self.stop), "deadline": self.deadline, "enqueued_at": self.enqueued_at,
+            "reply_key": self.reply_key,
+        })
+
+    @classmethod
+    def decode(cls, data: bytes) -> Request:
+        """Decode and validate; raises ProtocolError with a message fit for the client."""
+        obj = _unpack(data)
+        job_id = obj.get("id")
+        if not valid_job_id(job_id):
+            raise ProtocolError("id must be 1-128 chars of [A-Za-z0-9_.-]")
+        stop = obj.get("stop", [])
+        if not isinstance(stop, list) or len(stop) > MAX_STOP:
+            raise ProtocolError(f"stop must be a list of at most {MAX_STOP} strings")
+        for s in stop:
+            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
+                raise ProtocolError(f"each stop string must be 1-{MAX_STOP_CHARS} chars of valid UTF-8")
+        seed = obj.get("seed")
+        if seed is not None:
+            seed = _int(obj, "seed", 0, 2**63 - 1)
+        return cls(
+            id=job_id,
+            prompt=_tokens(obj, "prompt", 1),
+            max_new_tokens=_int(obj, "max_new_tokens", 1, MAX_TOKENS),
+            temperature=_float(obj, "temperature", 0.0, 100.0, 0.0),
+            top_p=_float(obj, "top_p", 1e-6, 1.0, 1.0),
+            top_k=_int(obj, "top_k", 0, 1 << 20, 0),
+            seed=seed,
+            stop=tuple(stop),
+            deadline=_opt_float(obj, "deadline"),
+            enqueued_at=_float(obj, "enqueued_at", 0.0, 1e11, 0.0),
+            reply_key=_str(obj, "reply_key"),
+        )
+
+
+@dataclass(frozen=True)
+class Result:
+    """A finished generation, with the timings a user can see (all relative to ``enqueued_at``)."""
+
+    id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "eos"
+    prompt_tokens: int
+    completion_tokens: int
+    queue_ms: float  # enqueue -> the batch holding it started
+    ttft_ms: float  # enqueue -> first token computed
+    total_ms: float  # enqueue -> reply written
+    worker: str
+    batch_size: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        return _pack({
+            "kind": "result", "id": self.id, "token_ids": list(self.token_ids), "text": self.text,
+            "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens, "queue_ms": self.queue_ms, "ttft_ms": self.ttft_ms,
+            "total_ms": self.total_ms, "worker": self.worker, "batch_size": self.batch_size,
+            "extra": self.extra,
+        })
+
+
+@dataclass(frozen=True)
+class Error:
+    """A request that could not be served; ``code`` is one of common.errors.ERROR_CODES."""
+
+    id: str
+    code: str
+    message: str
+
+    def encode(self) -> bytes:
+        return _pack({"kind": "error", "id": self.id, "code": self.code, "message": self.message[:2000]})
+
+
+def decode_reply(data: bytes) -> Result | Error:
+    """Decode what a worker pushed to a reply key."""
+    obj = _unpack(data)
+    kind = obj.get("kind")
+    if kind == "error":
+        return Error(id=obj["id"], code=obj["code"], message=obj["message"])
+    if kind != "result":
+        raise ProtocolError(f"unknown reply kind {kind!r}")
+    return Result(
+        id=obj["id"], token_ids=list(obj["token_ids"]), text=obj["text"], finish_reason=obj["finish_reason"],
+        prompt_tokens=obj["prompt_tokens"], completion_tokens=obj["completion_tokens"],
+        queue_ms=obj["queue_ms"], ttft_ms=obj["ttft_ms"], total_ms=obj["total_ms"], worker=obj["worker"],
+        batch_size=obj["batch_size"], extra=obj.get("extra") or {},
+    )
+
+
+@dataclass(frozen=True)
+class FleetInfo:
+    """What workers publish so producers can tokenize and route without model files or torch."""
+
+    model: str
+    tokenizer_json: str  # the `tokenizers` serialization of the served tokenizer
+    buckets: tuple[int, ...]
+    max_seq_len: int
+    max_batch_size: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self) -> bytes:
+        return _pack({
+            "model": self.model, "tokenizer_json": self.tokenizer_json, "buckets": list(self.buckets),
+            "max_seq_len": self.max_seq_len, "max_batch_size": self.max_batch_size,
+            "vocab_size": self.vocab_size, "eos_token_ids": list(self.eos_token_ids),
+        })
+
+    @classmethod
+    def decode(cls, data: bytes) -> FleetInfo:
+        obj = _unpack(data)
+        return cls(
+            model=obj["model"], tokenizer_json=obj["tokenizer_json"], buckets=tuple(obj["buckets"]),
+            max_seq_len=obj["max_seq_len"], max_batch_size=obj["max_batch_size"],
+            vocab_size=obj["vocab_size"], eos_token_ids=tuple(obj["eos_token_ids"]),
+        )

@@ -1,0 +1,1 @@
+"""batchfleet worker: stream consumer, batcher, engines and the loop that wires them."""
