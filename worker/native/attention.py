@@ -1,0 +1,75 @@
+"""Attention over the paged KV pool.
+
+Pool layout per layer: ``kv[layer]``: [2, num_blocks + 1, block_size, Hkv, D]; the extra last block is
+a trash block that padding tokens write to, so padding never touches a live block. Block tables are
+padded with the trash block id and masked out by length.
+
+Paths (measured numbers in docs/NATIVE_ENGINE.md):
+- prefill: the prompt's own K/V are attended directly with causal SDPA (right padding: a real query
+  only sees earlier, real keys), then scattered into the pool; no pool read is needed since prefills
+  always start from position 0 (a preempted sequence is recomputed from scratch).
+- decode, ``gather``: index_select the sequence's blocks into a dense [B, Hkv, T, D] view and run SDPA
+  with a length mask; query heads of one KV group ride along the query-length axis, so GQA needs
+  no K/V expansion.
+- decode on NPU: torch_npu's paged attention (``npu_incre_flash_attention`` with a block table),
+  chosen at runtime; untested (no NPU available here).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """pool: [2, NB + 1, bs, Hkv, D]; slots: [N] flat slot ids; k, v: [N, Hkv, D]."""
+    flat = pool.view(2, -1, *pool.shape[-2:])  # [2, (NB + 1) * bs, Hkv, D]
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, S, H, D], k/v: [B, S, Hkv, D] right-padded prompts -> [B, S, H * D]."""
+    B, S, H, D = q.shape
+    gqa = k.shape[2] != H
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       is_causal=True, scale=scale, enable_gqa=gqa)  # [B, H, S, D]
+    return o.transpose(1, 2).reshape(B, S, H * D)
+
+
+def decode_mask(ctx_lens: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """ctx_lens: [B] tokens in cache incl. the current one -> bool [B, 1, 1, T], True = attend."""
+    pos = torch.arange(num_slots, device=ctx_lens.device)
+    return (pos[None, :] < ctx_lens[:, None])[:, None, None, :]
+
+
+def decode_attention_gather(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
+                            mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, H, D]; pool: [2, NB + 1, bs, Hkv, D]; block_tables: [B, M] -> [B, H * D]."""
+    B, H, D = q.shape
+    bs, Hkv = pool.shape[2], pool.shape[3]
+    M = block_tables.shape[1]
+    idx = block_tables.reshape(-1)
+    # k, v: [B, Hkv, M * bs, D] (strided views of one gathered copy each)
+    k = pool[0].index_select(0, idx).view(B, M * bs, Hkv, D).transpose(1, 2)
+    v = pool[1].index_select(0, idx).view(B, M * bs, Hkv, D).transpose(1, 2)
+    qg = q.view(B, Hkv, H // Hkv, D)  # one KV group's query heads along the query axis
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, G, D]
+    return o.reshape(B, H * D)
+
+
+def decode_attention_npu(q: torch.Tensor, pool: torch.Tensor, block_tables: torch.Tensor,
+                         ctx_lens: list[int], scale: float) -> torch.Tensor:  # pragma: no cover
+    """torch_npu paged decode attention (untested: no NPU here). q: [B, H, D] -> [B, H * D]."""
+    import torch_npu
+
+    B, H, D = q.shape
+    nb1, bs, Hkv = pool.shape[1], pool.shape[2], pool.shape[3]
+    k = pool[0].view(nb1, bs, Hkv * D)  # BSH layout expected by the op
+    v = pool[1].view(nb1, bs, Hkv * D)
+    o = torch_npu.npu_incre_flash_attention(
+        q.view(B, 1, H * D), k, v, num_heads=H, num_key_value_heads=Hkv, scale_value=scale,
+        input_layout="BSH", block_table=block_tables.to(torch.int32), block_size=bs,
+        actual_seq_lengths=ctx_lens,
+    )
+    return o.view(B, H * D)

@@ -1,0 +1,191 @@
+"""NativeEngine: the worker's Engine API over the scheduler (pure Python) and the model runner.
+
+Each ``step()`` is two-phase: ``batch = scheduler.schedule()`` -> ``tokens = runner.run(batch)`` ->
+``scheduler.postprocess(batch, tokens)``. Requests may be added between steps (continuous batching);
+they join at the next step, and finished ones leave (and free their KV blocks) at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.config import DynamicBatchingConfig, EngineConfig
+from worker.engine.base import Completion, GenRequest
+from worker.models import LoadedModel
+from worker.native.block_manager import BlockManager
+from worker.native.runner import ModelRunner
+from worker.native.scheduler import ScheduledBatch, Scheduler
+from worker.native.sequence import Sequence as Seq
+from worker.sampling import StopChecker, make_generator
+
+
+@dataclass
+class ReqState:
+    """Per-request engine data carried as ``Sequence.payload``."""
+
+    req: GenRequest
+    gen: torch.Generator | None
+    checker: StopChecker
+    started_at: float = 0.0
+    first_token_at: float = 0.0
+    batch_size: int = 0
+
+
+def contiguous_waste(seq_lens: Iterable[int], max_seq_len: int) -> int:
+    """Slots a contiguous cache reserving ``max_seq_len`` per sequence would waste for these lengths."""
+    return sum(max_seq_len - n for n in seq_lens)
+
+
+def eos_ids_of(model: torch.nn.Module, tokenizer) -> frozenset[int]:
+    """EOS ids as transformers' generate sees them (config and generation config)."""
+    ids: set[int] = set()
+    for src in (model.config, getattr(model, "generation_config", None)):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if eos is None:
+            continue
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class NativeEngine:
+    """Paged-KV continuous-batching engine (see docs/NATIVE_ENGINE.md).
+
+    Extra API beyond the Engine protocol: ``abort(ids)`` frees and forgets requests (returns the ids
+    found), ``reset()`` drops everything, ``last_step_ids`` lists the ids of the step that ran last
+    (the ones to abort if ``step()`` raised). A raising step leaves the engine consistent: a failed
+    prefill puts its sequences back in the queue; a failed decode leaves them as before the step.
+    """
+
+    accepts_joins = True
+
+    def __init__(self, loaded: LoadedModel, batching: DynamicBatchingConfig, cfg: EngineConfig, *,
+                 num_blocks: int | None = None, max_prefill_tokens: int = 16384) -> None:
+        self.loaded = loaded
+        self.batching = batching
+        self.cfg = cfg
+        self.tokenizer = loaded.tokenizer
+        self.eos_ids = eos_ids_of(loaded.model, loaded.tokenizer)
+        self.runner = ModelRunner(loaded.model, cfg.block_size, batching.max_batch_size, batching.max_seq_len,
+                                  kv_cache_gb=cfg.kv_cache_gb, buckets=batching.buckets,
+                                  padding=batching.padding, num_blocks=num_blocks)
+        self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.blocks, batching.max_batch_size,
+                                   max_prefill_tokens=max(max_prefill_tokens, batching.buckets[-1]))
+        self._errors: list[Completion] = []
+        self.last_step_ids: list[str] = []
+        self._counters = dict(steps=0, prefill_steps=0, decode_steps=0, tokens_generated=0,
+                              peak_contiguous_waste=0)
+
+    # -- Engine API -------------------------------------------------------------------------------
+    def add(self, requests: Sequence[GenRequest]) -> None:
+        """Queue requests; they start at the next step (invalid ones come back as error completions)."""
+        for req in requests:
+            state = ReqState(req=req, gen=make_generator(req, self.runner.device),
+                             checker=StopChecker(req, self.eos_ids, self.tokenizer))
+            seq = Seq(id=req.id, token_ids=list(req.prompt), max_new_tokens=req.max_new_tokens,
+                      stopper=state.checker.push, payload=state)
+            try:
+                self._validate(req)
+                self.scheduler.add(seq)
+            except ValueError as exc:
+                self._errors.append(Completion(id=req.id, token_ids=[], text="", finish_reason="",
+                                               started_at=0.0, first_token_at=0.0, batch_size=0,
+                                               error=str(exc)))
+
+    def step(self) -> list[Completion]:
+        """Run one prefill or decode step; return the requests that finished in it."""
+        out, self._errors = self._errors, []
+        batch = self.scheduler.schedule()
+        if batch is None:
+            self.last_step_ids = []
+            return out
+        self.last_step_ids = [s.id for s in batch.seqs]
+        now = time.time()
+        if batch.is_prefill:
+            for seq in batch.seqs:
+                st: ReqState = seq.payload
+                if not st.started_at:
+                    st.started_at, st.batch_size = now, len(self.scheduler.running)
+        try:
+            tokens = self.runner.run(batch)
+        except BaseException:
+            self._rollback(batch)
+            raise
+        finished = self.scheduler.postprocess(batch, tokens)
+        now = time.time()
+        for seq in batch.seqs:
+            if not seq.payload.first_token_at:
+                seq.payload.first_token_at = now
+        self._count(batch)
+        return out + [self._completion(s) for s in finished]
+
+    def has_work(self) -> bool:
+        return bool(self._errors) or self.scheduler.has_work()
+
+    def num_active(self) -> int:
+        return len(self._errors) + self.scheduler.num_active()
+
+    def stats(self) -> dict[str, float]:
+        """KV accounting (blocks, slots wasted now and at peak, vs. a contiguous cache) and counters."""
+        s, b = self.scheduler, self.blocks
+        return {
+            "kv_blocks_total": b.num_blocks,
+            "kv_blocks_used": b.num_used,
+            "kv_blocks_peak": b.peak_used,
+            "kv_block_size": b.block_size,
+            "kv_slots_wasted": s.wasted_slots(),
+            "kv_slots_wasted_peak": s.peak_wasted,
+            "kv_slots_wasted_peak_per_seq": s.peak_wasted_per_seq,
+            "kv_slots_wasted_contiguous_peak": self._counters["peak_contiguous_waste"],
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "preemptions": s.num_preemptions,
+            **{k: v for k, v in self._counters.items() if k != "peak_contiguous_waste"},
+        }
+
+    # -- extras -----------------------------------------------------------------------------------
+    def abort(self, ids: Iterable[str]) -> list[str]:
+        """Forget requests (queued or running) and free their KV blocks; returns the ids found."""
+        ids = set(ids)
+        self._errors = [c for c in self._errors if c.id not in ids]
+        return [s.id for s in self.scheduler.abort(ids)]
+
+    def reset(self) -> None:
+        """Drop every request and free every block."""
+        self.abort([s.id for s in list(self.scheduler.running) + list(self.scheduler.waiting)])
+        self._errors = []
+
+    # -- internals --------------------------------------------------------------------------------
+    def _validate(self, req: GenRequest) -> None:
+        if not req.prompt:
+            raise ValueError("empty prompt")
+        if req.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if len(req.prompt) + req.max_new_tokens > self.batching.max_seq_len:
+            raise ValueError(f"prompt + max_new_tokens exceeds max_seq_len {self.batching.max_seq_len}")
+
+    def _rollback(self, batch: ScheduledBatch) -> None:
+        if batch.is_prefill:  # their KV is incomplete: back to the queue, to be recomputed
+            for seq in reversed(batch.seqs):
+                self.scheduler.requeue(seq)
+
+    def _count(self, batch: ScheduledBatch) -> None:
+        c = self._counters
+        c["steps"] += 1
+        c["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
+        c["tokens_generated"] += len(batch.seqs)
+        waste = contiguous_waste((s.num_cached for s in self.scheduler.running), self.batching.max_seq_len)
+        c["peak_contiguous_waste"] = max(c["peak_contiguous_waste"], waste)
+
+    def _completion(self, seq: Seq) -> Completion:
+        st: ReqState = seq.payload
+        return Completion(id=seq.id, token_ids=list(st.checker.tokens), text=st.checker.text(),
+                          finish_reason=st.checker.reason or "length", started_at=st.started_at,
+                          first_token_at=st.first_token_at, batch_size=st.batch_size,
+                          extra={"preemptions": seq.num_preemptions})

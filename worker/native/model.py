@@ -1,0 +1,142 @@
+"""Weights of a Llama-family decoder (Llama, Mistral, Qwen2) and the engine's own forward pass.
+
+The weights stay those of the transformers module (q/k/v and gate/up are fused once and the module's
+parameters re-pointed at views of the fused tensors, so nothing is stored twice). The forward never
+touches transformers' cache: attention is a callback given by the runner, which owns the KV pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+# attn(layer_idx, q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, D]) -> [B, S, H * D]
+AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class LayerWeights:
+    in_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(H + 2 Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None  # [(H + 2 Hkv) * D] (Qwen2)
+    o: torch.Tensor  # [hidden, H * D]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * inter, hidden]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [hidden, inter]
+    down_bias: torch.Tensor | None
+
+
+def _fuse(mods: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of linears sharing an input; re-point them at views."""
+    with torch.no_grad():
+        w = torch.cat([m.weight for m in mods], 0).contiguous()
+        biases = [m.bias for m in mods]
+        b = None
+        if any(x is not None for x in biases):
+            b = torch.cat([x if x is not None else w.new_zeros(m.out_features) for x, m in zip(biases, mods)])
+        off = 0
+        for m in mods:
+            n = m.weight.shape[0]
+            m.weight.data = w[off : off + n]
+            if b is not None and m.bias is not None:
+                m.bias.data = b[off : off + n]
+            off += n
+    return w, b
+
+
+class NativeModel:
+    """Shapes, weights and forward of one decoder-only model."""
+
+    def __init__(self, hf_model: torch.nn.Module, max_positions: int) -> None:
+        cfg = hf_model.config
+        inner = hf_model.model
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.hidden = cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        self.act = ACT2FN[cfg.hidden_act]
+        self.vocab_size = cfg.vocab_size
+        attn0 = inner.layers[0].self_attn
+        self.scale = float(getattr(attn0, "scaling", self.head_dim**-0.5))
+        self.sliding_window = _sliding_window(cfg)
+        if self.sliding_window is not None and max_positions > self.sliding_window:
+            raise NotImplementedError(
+                f"sliding-window attention ({self.sliding_window}) is not implemented; "
+                f"use max_seq_len <= {self.sliding_window}"
+            )
+        p = next(hf_model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.embed = inner.embed_tokens.weight  # [V, hidden]
+        self.final_norm = inner.norm.weight
+        self.lm_head = hf_model.get_output_embeddings().weight  # [V, hidden]
+        self.layers: list[LayerWeights] = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv, qkv_b = _fuse([a.q_proj, a.k_proj, a.v_proj])
+            gate_up, gu_b = _fuse([m.gate_proj, m.up_proj])
+            self.layers.append(LayerWeights(
+                in_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_b,
+                o=a.o_proj.weight, o_bias=a.o_proj.bias, post_norm=layer.post_attention_layernorm.weight,
+                gate_up=gate_up, gate_up_bias=gu_b, down=m.down_proj.weight, down_bias=m.down_proj.bias,
+            ))
+        self.cos, self.sin = _rope_tables(inner.rotary_emb, max_positions, self.device, self.dtype)
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """transformers' LlamaRMSNorm, op for op (fp32 statistics, weight applied in model dtype)."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * xf.to(x.dtype)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, heads, D]; cos/sin: [B, S, 1, D] (rotate-half convention)."""
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttnFn,
+                last_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, positions: [B, S] -> logits [B, V] of position ``last_idx[b]`` (default S - 1)."""
+        B, S = tokens.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        cos = self.cos[positions].unsqueeze(2)  # [B, S, 1, D]
+        sin = self.sin[positions].unsqueeze(2)
+        h = F.embedding(tokens, self.embed)  # [B, S, hidden]
+        for i, lw in enumerate(self.layers):
+            x = self.rms_norm(h, lw.in_norm)
+            qkv = F.linear(x, lw.qkv, lw.qkv_bias).view(B, S, H + 2 * Hkv, D)
+            qk = self.rope(qkv[:, :, : H + Hkv], cos, sin)  # [B, S, H + Hkv, D]
+            o = attn(i, qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv :])  # [B, S, H * D]
+            h = h + F.linear(o, lw.o, lw.o_bias)
+            x = self.rms_norm(h, lw.post_norm)
+            gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
+            h = h + F.linear(self.act(gate) * up, lw.down, lw.down_bias)
+        if last_idx is None:
+            h = h[:, -1]
+        else:
+            h = h[torch.arange(B, device=h.device), last_idx]  # [B, hidden]
+        return F.linear(self.rms_norm(h, self.final_norm), self.lm_head)  # [B, V]
+
+
+def _sliding_window(cfg) -> int | None:
+    window = getattr(cfg, "sliding_window", None)
+    if window is None or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+def _rope_tables(rotary: torch.nn.Module, n: int, device: torch.device, dtype: torch.dtype):
+    """cos/sin [n, D] for positions 0..n-1 from the model's own rotary module (every scaling type
+    transformers implements, incl. attention_scaling), cast to the model dtype like transformers."""
+    with torch.no_grad():
+        pos = torch.arange(n, device=device)[None]
+        probe = torch.zeros(1, device=device, dtype=torch.float32)
+        cos, sin = rotary(probe, pos)
+    return cos[0].to(dtype).contiguous(), sin[0].to(dtype).contiguous()

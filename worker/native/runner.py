@@ -1,0 +1,134 @@
+"""The model runner: owns the KV pool and every tensor; turns a ScheduledBatch into sampled tokens."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from worker.native import attention as A
+from worker.native.block_manager import blocks_for
+from worker.native.model import NativeModel
+from worker.native.scheduler import ScheduledBatch
+from worker.sampling import sample
+
+log = logging.getLogger(__name__)
+
+FREE_MEMORY_FRACTION = 0.5  # of free device memory for the pool when kv_cache_gb is not given
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory of ``device`` (MemAvailable on CPU)."""
+    if device.type == "cpu":
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+        return 4 << 30
+    mod = getattr(torch, device.type)
+    free, _total = mod.mem_get_info(device)
+    return int(free)
+
+
+class ModelRunner:
+    """Runs prefill and decode steps of the engine's own forward over a paged KV pool."""
+
+    def __init__(self, hf_model: torch.nn.Module, block_size: int, max_batch_size: int, max_seq_len: int,
+                 kv_cache_gb: float | None = None, buckets: tuple[int, ...] = (), padding: str = "bucket",
+                 num_blocks: int | None = None) -> None:
+        self.model = NativeModel(hf_model, max_positions=max_seq_len)
+        self.device, self.dtype = self.model.device, self.model.dtype
+        self.block_size = block_size
+        self.buckets = tuple(buckets)
+        self.padding = padding
+        m = self.model
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.bytes_per_block = 2 * m.num_layers * block_size * m.num_kv_heads * m.head_dim * elem
+        self.num_blocks = num_blocks or self._size_pool(kv_cache_gb, max_batch_size, max_seq_len)
+        self.trash_block = self.num_blocks  # the extra block padding writes to
+        # kv: [L, 2, NB + 1, bs, Hkv, D]
+        self.kv = torch.zeros(m.num_layers, 2, self.num_blocks + 1, block_size, m.num_kv_heads, m.head_dim,
+                              device=self.device, dtype=self.dtype)
+        self.use_npu = self.device.type == "npu"
+        log.info("KV pool: %d blocks x %d slots (%.1f MiB)", self.num_blocks, block_size,
+                 self.kv.numel() * elem / 2**20)
+
+    def _size_pool(self, kv_cache_gb: float | None, max_batch_size: int, max_seq_len: int) -> int:
+        if kv_cache_gb is not None:
+            return max(1, int(kv_cache_gb * 2**30 // self.bytes_per_block))
+        cap = max_batch_size * blocks_for(max_seq_len, self.block_size)
+        fit = int(free_memory_bytes(self.device) * FREE_MEMORY_FRACTION // self.bytes_per_block)
+        return max(1, min(cap, fit))
+
+    # -- steps ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        """Compute one step for ``batch`` and return one sampled token per sequence."""
+        logits = self._prefill(batch) if batch.is_prefill else self._decode(batch)  # [B, V]
+        payloads = [s.payload for s in batch.seqs]
+        tokens = sample(logits, [p.req for p in payloads], [p.gen for p in payloads])
+        return tokens.tolist()
+
+    def padded_len(self, longest: int) -> int:
+        """Prefill length: the bucket holding the longest prompt ('bucket') or the longest ('longest')."""
+        if self.padding == "bucket":
+            for b in self.buckets:
+                if b >= longest:
+                    return b
+            return math.ceil(longest / self.block_size) * self.block_size  # recomputed, past all buckets
+        return longest
+
+    def _prefill(self, batch: ScheduledBatch) -> torch.Tensor:
+        seqs, bs, dev = batch.seqs, self.block_size, self.device
+        B = len(seqs)
+        S = self.padded_len(max(len(s) for s in seqs))
+        tokens = torch.zeros(B, S, dtype=torch.long)
+        slots = torch.full((B, S), self.trash_block * bs, dtype=torch.long)  # pads -> trash block
+        lens = torch.tensor([len(s) for s in seqs])
+        for b, s in enumerate(seqs):
+            n = len(s)
+            tokens[b, :n] = torch.tensor(s.token_ids)
+            table = torch.tensor(s.block_table)
+            pos = torch.arange(n)
+            slots[b, :n] = table[pos // bs] * bs + pos % bs
+        tokens, slots = tokens.to(dev), slots.view(-1).to(dev)
+        positions = torch.arange(S, device=dev).expand(B, S)
+        m = self.model
+
+        def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # q: [B, S, H, D]; k, v: [B, S, Hkv, D]
+            A.write_kv(self.kv[i], slots, k.reshape(B * S, m.num_kv_heads, m.head_dim),
+                       v.reshape(B * S, m.num_kv_heads, m.head_dim))
+            return A.prefill_attention(q, k, v, m.scale)
+
+        return m.forward(tokens, positions, attn, last_idx=(lens - 1).to(dev))
+
+    def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
+        seqs, bs, dev = batch.seqs, self.block_size, self.device
+        B = len(seqs)
+        M = max(len(s.block_table) for s in seqs)
+        trash = self.trash_block
+        tables = torch.tensor([s.block_table + [trash] * (M - len(s.block_table)) for s in seqs])
+        pos_list = [s.num_cached for s in seqs]
+        slot_list = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos_list)]
+        tokens = torch.tensor([[s.token_ids[-1]] for s in seqs]).to(dev)  # [B, 1]
+        positions = torch.tensor(pos_list).view(B, 1).to(dev)
+        slots = torch.tensor(slot_list).to(dev)
+        tables = tables.to(dev)
+        ctx = positions.view(B) + 1
+        mask = A.decode_mask(ctx, M * bs)
+        m = self.model
+        ctx_list = [p + 1 for p in pos_list]
+
+        def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # q: [B, 1, H, D]; k, v: [B, 1, Hkv, D]
+            pool = self.kv[i]
+            A.write_kv(pool, slots, k[:, 0], v[:, 0])
+            if self.use_npu:
+                o = A.decode_attention_npu(q[:, 0], pool, tables, ctx_list, m.scale)
+            else:
+                o = A.decode_attention_gather(q[:, 0].contiguous(), pool, tables, mask, m.scale)
+            return o.view(B, 1, -1)
+
+        return m.forward(tokens, positions, attn)

@@ -1,0 +1,52 @@
+"""One request's token state as the scheduler and block manager see it (pure Python, no torch)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Tokens of one request plus where their KV lives.
+
+    Invariants: while RUNNING between steps, ``num_cached == len(token_ids) - 1`` (the newest sampled
+    token has no KV yet); ``len(block_table) * block_size >= num_cached``. While WAITING,
+    ``num_cached == 0`` and ``block_table == []`` (a preempted sequence is recomputed from scratch).
+    """
+
+    id: str
+    token_ids: list[int]
+    max_new_tokens: int
+    stopper: Callable[[int], bool] | None = None  # token -> finished? (default: length only)
+    payload: Any = None  # the engine's per-request data (request, RNG, stop checker, timings)
+    num_prompt: int = 0
+    num_cached: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.num_prompt = len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    def append(self, token: int) -> bool:
+        """Add one sampled token; return True when the sequence is finished."""
+        self.token_ids.append(token)
+        if self.stopper is not None and self.stopper(token):
+            return True
+        return self.num_generated >= self.max_new_tokens
