@@ -104,7 +104,7 @@ class EngineConfig:
 
     model: str | None = None  # local HF checkpoint dir; None = the built-in default model
     preset: str = "tiny"  # built-in model preset when model is None: "tiny" or "bench"
-    engine: str = "native"
+    engine: str = "hf"
     mode: str = "dynamic"
     device: str = "cpu"
     dtype: str | None = None  # None = per-device default chosen by measurement (bf16 on CPU with AMX)
@@ -139,8 +139,26 @@ class WorkerConfig:
     batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     reply_ttl_s: int = 3600
+    max_queue_len: int = 10_000  # per bucket; published so producers refuse (QueueFull) beyond it; 0 = off
     name: str | None = None  # consumer name; None = host-pid-random
 
     def __post_init__(self) -> None:
         if self.reply_ttl_s < 1:
             raise ConfigError("reply_ttl_s must be >= 1")
+        if self.max_queue_len < 0:
+            raise ConfigError("max_queue_len must be >= 0")
+
+
+def connection_from_env(redis_url: str | None = None, namespace: str | None = None,
+                        environ: dict[str, str] | None = None) -> ConnectionConfig:
+    """ConnectionConfig from explicit values, else BATCHFLEET_REDIS_URL / BATCHFLEET_NAMESPACE, else defaults.
+
+    The one place that reads the environment for Python clients (the CLI gets the same via click envvar).
+    """
+    import os
+
+    env = os.environ if environ is None else environ
+    return ConnectionConfig(
+        redis_url=redis_url or env.get("BATCHFLEET_REDIS_URL") or DEFAULT_REDIS_URL,
+        namespace=namespace or env.get("BATCHFLEET_NAMESPACE") or DEFAULT_NAMESPACE,
+    )

@@ -217,12 +217,14 @@ class FleetInfo:
     max_batch_size: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    max_queue_len: int = 0  # per-bucket stream length at which producers get QueueFull; 0 = unbounded
 
     def encode(self) -> bytes:
         return _pack({
             "model": self.model, "tokenizer_json": self.tokenizer_json, "buckets": list(self.buckets),
             "max_seq_len": self.max_seq_len, "max_batch_size": self.max_batch_size,
             "vocab_size": self.vocab_size, "eos_token_ids": list(self.eos_token_ids),
+            "max_queue_len": self.max_queue_len,
         })
 
     @classmethod
@@ -232,4 +234,5 @@ class FleetInfo:
             model=obj["model"], tokenizer_json=obj["tokenizer_json"], buckets=tuple(obj["buckets"]),
             max_seq_len=obj["max_seq_len"], max_batch_size=obj["max_batch_size"],
             vocab_size=obj["vocab_size"], eos_token_ids=tuple(obj["eos_token_ids"]),
+            max_queue_len=obj.get("max_queue_len", 0),
         )

@@ -63,3 +63,6 @@ class Engine(Protocol):
 
     def stats(self) -> dict[str, float]:
         """Counters for status and benchmarks (e.g. KV blocks total/used/waste)."""
+
+    def reset(self) -> None:
+        """Drop every active request and free what it holds (called after step() raised)."""

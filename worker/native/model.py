@@ -36,10 +36,10 @@ def _fuse(mods: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | Non
     """Concatenate the weights (and biases) of linears sharing an input; re-point them at views."""
     with torch.no_grad():
         w = torch.cat([m.weight for m in mods], 0).contiguous()
-        biases = [m.bias for m in mods]
         b = None
-        if any(x is not None for x in biases):
-            b = torch.cat([x if x is not None else w.new_zeros(m.out_features) for x, m in zip(biases, mods)])
+        if any(m.bias is not None for m in mods):
+            parts = [m.bias if m.bias is not None else w.new_zeros(m.out_features) for m in mods]
+            b = torch.cat(parts)
         off = 0
         for m in mods:
             n = m.weight.shape[0]

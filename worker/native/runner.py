@@ -111,7 +111,7 @@ class ModelRunner:
         trash = self.trash_block
         tables = torch.tensor([s.block_table + [trash] * (M - len(s.block_table)) for s in seqs])
         pos_list = [s.num_cached for s in seqs]
-        slot_list = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos_list)]
+        slot_list = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos_list, strict=True)]
         tokens = torch.tensor([[s.token_ids[-1]] for s in seqs]).to(dev)  # [B, 1]
         positions = torch.tensor(pos_list).view(B, 1).to(dev)
         slots = torch.tensor(slot_list).to(dev)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from worker.native.block_manager import BlockManager, blocks_for
-from worker.native.sequence import Sequence, SeqStatus
+from worker.native.sequence import SeqStatus, Sequence
 
 
 @dataclass
@@ -52,9 +52,8 @@ class Scheduler:
         """Queue a sequence; ValueError if it could never fit in the whole pool."""
         need = blocks_for(len(seq) + seq.max_new_tokens, self.blocks.block_size)
         if need > self.blocks.num_blocks:
-            raise ValueError(
-                f"request needs {need} KV blocks at full length but the pool only has {self.blocks.num_blocks}"
-            )
+            raise ValueError(f"request needs {need} KV blocks at full length; "
+                             f"the pool only has {self.blocks.num_blocks}")
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
@@ -87,7 +86,7 @@ class Scheduler:
         """Record one sampled token per sequence of ``batch``; free and return finished ones."""
         assert len(tokens) == len(batch.seqs)
         finished = []
-        for seq, tok in zip(batch.seqs, tokens):
+        for seq, tok in zip(batch.seqs, tokens, strict=True):
             # the step wrote KV for every token but the newly sampled one
             seq.num_cached = len(seq.token_ids)
             if seq.append(tok):

@@ -1,0 +1,46 @@
+"""The ``batchfleet`` command. Subcommands load lazily so ``submit`` never imports torch."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import click
+
+from common.config import DEFAULT_REDIS_URL
+from common.keys import DEFAULT_NAMESPACE
+
+_COMMANDS = {
+    "worker": "worker.cli:worker",
+    "demo": "worker.demo:demo",
+    "submit": "producer.cli:submit",
+    "bulk": "producer.cli:bulk",
+    "status": "producer.cli:status",
+}
+
+
+def connection_options(fn):
+    """--redis-url / --namespace, shared by every command (and read from the same env vars)."""
+    fn = click.option("--namespace", envvar="BATCHFLEET_NAMESPACE", default=DEFAULT_NAMESPACE, show_default=True,
+                      help="Key namespace: isolates fleets (tenants) on one Redis.")(fn)
+    fn = click.option("--redis-url", envvar="BATCHFLEET_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True,
+                      help="redis://[user:pass@]host:port/db, rediss:// for TLS.")(fn)
+    return fn
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(_COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in _COMMANDS:
+            return None
+        module, attr = _COMMANDS[name].split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup)
+@click.option("--log-level", envvar="BATCHFLEET_LOG_LEVEL", default="INFO", show_default=True)
+def main(log_level: str) -> None:
+    """batchfleet: a Redis-streams LLM inference fleet with dynamic batching."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

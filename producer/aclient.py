@@ -1,0 +1,79 @@
+"""asyncio client with the same API as Client, for async web backends."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import redis.asyncio as aredis
+
+from common.config import connection_from_env
+from common.errors import FleetUnavailable, QueueFull, Timeout
+from common.protocol import Result
+from producer.client import ENQUEUE_SCRIPT
+from producer.core import FleetView, Params, Prompt, parse_reply
+
+
+class AsyncClient:
+    """``await client.generate(prompt)``; safe for many concurrent tasks on one instance."""
+
+    def __init__(self, redis_url: str | None = None, namespace: str | None = None) -> None:
+        self.conn = connection_from_env(redis_url, namespace)
+        self.keys = self.conn.keys
+        self.r = aredis.Redis.from_url(self.conn.redis_url, socket_timeout=self.conn.socket_timeout_s,
+                                       socket_connect_timeout=self.conn.socket_timeout_s, decode_responses=False)
+        self._enqueue = self.r.register_script(ENQUEUE_SCRIPT)
+        self._fleet = FleetView()
+        self._lock = asyncio.Lock()
+
+    async def fleet(self) -> FleetView:
+        if self._fleet.stale():
+            async with self._lock:
+                if self._fleet.stale():
+                    self._fleet.update(await self.r.get(self.keys.fleet))
+        if self._fleet.info is None:
+            raise FleetUnavailable(f"no worker has published a fleet under namespace {self.keys.namespace!r}; "
+                                   "start a worker first")
+        return self._fleet
+
+    async def submit(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
+                     **params) -> str:
+        fleet = await self.fleet()
+        bucket, req = fleet.build(self.keys, prompt, Params(**params), timeout, job_id)
+        ok = await self._enqueue(keys=[self.keys.stream(bucket)],
+                                 args=[fleet.info.max_queue_len, req.id, req.encode()])
+        if not ok:
+            raise QueueFull(f"bucket {bucket} holds {fleet.info.max_queue_len} entries; retry later")
+        return req.id
+
+    async def result(self, job_id: str, timeout: float | None = None) -> Result:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        chunk = self.conn.socket_timeout_s / 2
+        while True:
+            wait = chunk if deadline is None else min(chunk, deadline - time.monotonic())
+            if wait <= 0:
+                raise Timeout(f"no result for job {job_id} within {timeout} s")
+            got = await self.r.blpop([self.keys.reply(job_id)], timeout=max(wait, 0.01))
+            if got is not None:
+                return parse_reply(job_id, got[1])
+
+    async def generate(self, prompt: Prompt, *, timeout: float | None = None, **params) -> Result:
+        start = time.monotonic()
+        job_id = await self.submit(prompt, timeout=timeout, **params)
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+        return await self.result(job_id, timeout=left)
+
+    async def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,
+                            **params) -> list[Result]:
+        ids = [await self.submit(p, timeout=timeout, **params) for p in prompts]
+        return list(await asyncio.gather(*(self.result(i, timeout=timeout) for i in ids)))
+
+    async def aclose(self) -> None:
+        await self.r.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

@@ -1,0 +1,111 @@
+"""What the sync and async clients share: tokenizing, routing, building requests, reading replies.
+
+Nothing here does I/O; the clients own their connections.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from common.config import bucket_for
+from common.errors import DEADLINE_EXCEEDED, JobFailed, ProtocolError, Timeout
+from common.keys import Keys, valid_job_id
+from common.protocol import MAX_STOP, Error, FleetInfo, Request, Result, decode_reply
+
+Prompt = str | Sequence[int]
+FLEET_REFRESH_S = 30.0
+
+
+@dataclass
+class Params:
+    """Generation parameters accepted by generate/submit (validated here before anything is sent)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be an integer >= 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError("temperature must be in [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError("seed must be in [0, 2**63)")
+        if self.stop is not None:
+            if isinstance(self.stop, str):
+                self.stop = [self.stop]
+            if len(self.stop) > MAX_STOP or not all(isinstance(s, str) and s for s in self.stop):
+                raise ValueError(f"stop must be at most {MAX_STOP} non-empty strings")
+
+
+class FleetView:
+    """The fleet's tokenizer and limits as published by workers, cached and refreshed now and then."""
+
+    def __init__(self) -> None:
+        self.info: FleetInfo | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.fetched_at = 0.0
+
+    def stale(self) -> bool:
+        return self.info is None or time.monotonic() - self.fetched_at > FLEET_REFRESH_S
+
+    def update(self, raw: bytes | None) -> None:
+        if raw is None:
+            return
+        info = FleetInfo.decode(raw)
+        if self.info is None or info.tokenizer_json != self.info.tokenizer_json:
+            self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
+        self.info = info
+        self.fetched_at = time.monotonic()
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        assert self.info is not None and self.tokenizer is not None
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt).ids
+        ids = list(prompt)
+        if not ids or not all(type(t) is int and 0 <= t < self.info.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be a non-empty list of ints in [0, {self.info.vocab_size})")
+        return ids
+
+    def build(self, keys: Keys, prompt: Prompt, params: Params, timeout: float | None,
+              job_id: str | None) -> tuple[int, Request]:
+        """Tokenize, route (raises PromptTooLong) and build the request; returns (bucket, request)."""
+        assert self.info is not None
+        ids = self.tokenize(prompt)
+        bucket = bucket_for(self.info.buckets, self.info.max_seq_len, len(ids), params.max_new_tokens)
+        job_id = job_id or uuid.uuid4().hex
+        if not valid_job_id(job_id):
+            raise ValueError("job_id must be 1-128 chars of [A-Za-z0-9_.-]")
+        now = time.time()
+        req = Request(
+            id=job_id, prompt=ids, max_new_tokens=params.max_new_tokens, temperature=float(params.temperature),
+            top_p=float(params.top_p), top_k=params.top_k, seed=params.seed, stop=tuple(params.stop or ()),
+            deadline=now + timeout if timeout is not None else None, enqueued_at=now,
+            reply_key=keys.reply(job_id),
+        )
+        return bucket, req
+
+
+def parse_reply(job_id: str, raw: bytes) -> Result:
+    """Decode a reply; raise JobFailed (or Timeout for an expired deadline) for an Error."""
+    try:
+        reply = decode_reply(raw)
+    except ProtocolError as exc:
+        raise JobFailed(job_id, exc.code, f"undecodable reply: {exc}") from None
+    if isinstance(reply, Error):
+        if reply.code == DEADLINE_EXCEEDED:
+            raise Timeout(f"job {job_id}: {reply.message}")
+        raise JobFailed(job_id, reply.code, reply.message)
+    return reply

@@ -1,0 +1,99 @@
+"""``batchfleet demo``: the main job on embedded defaults, end to end on one machine.
+
+Uses the configured Redis if reachable (else a private one), starts one worker with the default model,
+sends 64 prompts from 32 threads through one Client, prints throughput / TTFT / batch size, and cleans
+up every process and key it created.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import click
+
+from common.cli import connection_options
+from common.keys import Keys
+from common.localredis import ensure_redis
+from worker.cli import engine_options
+
+WORDS = ("fleet batch token queue redis stream worker bucket cache paged decode prefill latency "
+         "throughput accelerator prompt model reply").split()
+
+
+def make_prompts(n: int, seed: int = 0) -> list[str]:
+    """Prompts of mixed lengths (8-400 bytes) so several buckets are used."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        target = rng.choice([rng.randint(8, 100), rng.randint(130, 240), rng.randint(260, 400)])
+        words: list[str] = []
+        while len(" ".join(words)) < target:
+            words.append(rng.choice(WORDS))
+        out.append(" ".join(words)[:target])
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+@click.command()
+@connection_options
+@engine_options
+@click.option("--requests", "n_requests", type=int, default=64, show_default=True)
+@click.option("--threads", type=int, default=32, show_default=True)
+@click.option("--max-new-tokens", type=int, default=32, show_default=True)
+def demo(redis_url: str, namespace: str, cache_dir: str, n_requests: int, threads: int, max_new_tokens: int,
+         **engine_kw) -> None:
+    """Run a worker and 32 producer threads against it; print a results table."""
+    from producer import Client
+    from worker.spawn import delete_namespace, spawn_worker
+
+    url, private = ensure_redis(redis_url)
+    click.echo(f"redis: {url}" + (" (private, started by the demo)" if private else ""))
+    ns = f"{namespace}-demo-{uuid.uuid4().hex[:6]}"
+    args = ["--cache-dir", cache_dir]
+    for key, value in engine_kw.items():
+        if value is not None:
+            args += [f"--{key.replace('_', '-')}", str(value)]
+    log = Path(tempfile.gettempdir()) / f"batchfleet-{ns}.log"
+    worker = None
+    try:
+        click.echo(f"starting worker (namespace {ns}, log {log}) ...")
+        worker = spawn_worker(url, ns, args, log_path=str(log))
+        prompts = make_prompts(n_requests)
+        with Client(url, ns) as client:
+            client.generate("warm up", max_new_tokens=2)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                results = list(pool.map(lambda p: client.generate(p, max_new_tokens=max_new_tokens), prompts))
+            wall = time.perf_counter() - t0
+        tokens = sum(r.completion_tokens for r in results)
+        ttft = [r.ttft_ms for r in results]
+        rows = [
+            ("requests", f"{len(results)} from {threads} threads"),
+            ("engine / mode", f"{engine_kw['engine']} / {engine_kw['mode']}"),
+            ("max_wait_ms / max_batch_size", f"{engine_kw['max_wait_ms']:g} / {engine_kw['max_batch_size']}"),
+            ("output tokens", str(tokens)),
+            ("wall time", f"{wall:.2f} s"),
+            ("throughput", f"{tokens / wall:.1f} tok/s"),
+            ("TTFT p50 / p99", f"{percentile(ttft, 50):.0f} / {percentile(ttft, 99):.0f} ms"),
+            ("mean batch size", f"{statistics.mean(r.batch_size for r in results):.1f}"),
+            ("buckets used", ", ".join(sorted({str(r.extra.get('bucket')) for r in results}))),
+        ]
+        click.echo("\n| metric | value |\n|---|---|")
+        for k, v in rows:
+            click.echo(f"| {k} | {v} |")
+    finally:
+        if worker is not None:
+            worker.stop()
+        delete_namespace(url, Keys(ns))
+        if private is not None:
+            private.stop()

@@ -1,0 +1,124 @@
+"""The honest baseline: transformers ``generate`` on one left-padded batch, run to completion.
+
+Padding ``bucket`` pads every prompt to its bucket length (static shapes); ``longest`` pads to the
+longest prompt of the batch. Per-request sampling and stop strings ride on a logits processor, so
+greedy rows stay plain greedy and a seeded row draws from its own generator.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+from common.config import DynamicBatchingConfig
+from worker.engine.base import Completion, GenRequest
+from worker.models import LoadedModel
+from worker.sampling import StopChecker, make_generator, sample
+
+
+class _RowSampler(LogitsProcessor):
+    """Chooses each row's token with the shared sampler and forces it (all other logits -inf).
+
+    Also records when the first token was produced and feeds every token to the row's StopChecker.
+    """
+
+    def __init__(self, reqs: Sequence[GenRequest], checkers: list[StopChecker], device: torch.device) -> None:
+        self.reqs = reqs
+        self.checkers = checkers
+        self.gens = [make_generator(r, device) for r in reqs]
+        self.first_token_at = 0.0
+        self.done = torch.zeros(len(reqs), dtype=torch.bool)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        # scores: [B, V]
+        tokens = sample(scores, self.reqs, self.gens)
+        if not self.first_token_at:
+            self.first_token_at = time.time()
+        for i, tok in enumerate(tokens.tolist()):
+            if not self.done[i]:
+                self.done[i] = self.checkers[i].push(tok)
+        forced = torch.full_like(scores, float("-inf"))
+        forced.scatter_(1, tokens[:, None], 0.0)
+        return forced
+
+
+class _RowsDone(StoppingCriteria):
+    """Per-row stop decided by the StopCheckers (eos, stop strings, each row's own max_new_tokens)."""
+
+    def __init__(self, sampler: _RowSampler) -> None:
+        self.sampler = sampler
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return self.sampler.done.to(input_ids.device).clone()
+
+
+class HFEngine:
+    """Runs each added batch to completion in one ``step``."""
+
+    accepts_joins = False
+
+    def __init__(self, loaded: LoadedModel, batching: DynamicBatchingConfig) -> None:
+        self.loaded = loaded
+        self.batching = batching
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self._pending: list[GenRequest] = []
+        self._batches = 0
+
+    def add(self, requests: Sequence[GenRequest]) -> None:
+        assert not self._pending, "hf engine takes a new batch only when idle"
+        self._pending = list(requests)
+
+    def has_work(self) -> bool:
+        return bool(self._pending)
+
+    def num_active(self) -> int:
+        return len(self._pending)
+
+    def reset(self) -> None:
+        self._pending = []
+
+    def stats(self) -> dict[str, float]:
+        return {"batches": self._batches}
+
+    def step(self) -> list[Completion]:
+        reqs, self._pending = self._pending, []
+        if not reqs:
+            return []
+        started = time.time()
+        width = max(len(r.prompt) for r in reqs)
+        if self.batching.padding == "bucket":
+            width = max(width, reqs[0].bucket)
+        device = self.loaded.device
+        # Left padding: every row's last prompt token sits at the same column.
+        ids = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(reqs), width), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[i, width - len(r.prompt):] = 1
+        checkers = [StopChecker(r, self.eos_ids, self.tokenizer) for r in reqs]
+        sampler = _RowSampler(reqs, checkers, device)
+        with torch.inference_mode():
+            self.model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                max_new_tokens=max(r.max_new_tokens for r in reqs), min_new_tokens=0,
+                logits_processor=LogitsProcessorList([sampler]),
+                stopping_criteria=StoppingCriteriaList([_RowsDone(sampler)]),
+                pad_token_id=self.pad_id, eos_token_id=None, num_beams=1,
+                temperature=None, top_p=None, top_k=None,
+            )
+        self._batches += 1
+        return [
+            Completion(id=r.id, token_ids=c.tokens, text=c.text(), finish_reason=c.reason or "length",
+                       started_at=started, first_token_at=sampler.first_token_at or time.time(),
+                       batch_size=len(reqs))
+            for r, c in zip(reqs, checkers)
+        ]
