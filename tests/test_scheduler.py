@@ -4,7 +4,7 @@ import pytest
 
 from worker.native.block_manager import BlockManager
 from worker.native.scheduler import Scheduler
-from worker.native.sequence import Sequence, SeqStatus
+from worker.native.sequence import SeqStatus, Sequence
 
 
 def seq(name: str, n: int, max_new: int = 8) -> Sequence:
@@ -63,14 +63,14 @@ def test_watermark_keeps_a_block_per_running_sequence():
     s = Scheduler(BlockManager(num_blocks=4, block_size=4), max_batch_size=4)
     s.add(seq("a", 4))
     step(s)  # a holds block 0; 3 free
-    s.add(seq("b", 12))  # needs 3 blocks; with 1 reserved for a only 2 are usable
+    s.add(seq("b", 12, max_new=1))  # needs 3 blocks; with 1 reserved for a only 2 are usable
     batch, _ = step(s)
     assert not batch.is_prefill and [x.id for x in s.waiting] == ["b"]
 
 
 def test_preemption_recomputes_newest_first():
     s = Scheduler(BlockManager(num_blocks=4, block_size=4), max_batch_size=4)
-    a, b = seq("a", 4, max_new=20), seq("b", 3, max_new=20)
+    a, b = seq("a", 4, max_new=12), seq("b", 3, max_new=12)
     s.add(a)
     s.add(b)
     step(s)  # a: [0], b: [1]; 2 free
@@ -90,7 +90,7 @@ def test_preemption_recomputes_newest_first():
 def test_lone_sequence_that_cannot_grow_is_preempted_not_crashed():
     s = Scheduler(BlockManager(num_blocks=2, block_size=4), max_batch_size=2)
     with pytest.raises(ValueError):
-        s.add(seq("big", 6, max_new=3))  # 9 tokens > 8 slots: rejected up front
+        s.add(seq("big", 6, max_new=4))  # KV for 9 tokens > 8 slots: rejected up front
     s.add(seq("ok", 5, max_new=3))
     for _ in range(3):
         step(s)

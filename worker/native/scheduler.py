@@ -50,7 +50,8 @@ class Scheduler:
     # -- queue management -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """Queue a sequence; ValueError if it could never fit in the whole pool."""
-        need = blocks_for(len(seq) + seq.max_new_tokens, self.blocks.block_size)
+        # the last sampled token never gets KV written
+        need = blocks_for(len(seq) + seq.max_new_tokens - 1, self.blocks.block_size)
         if need > self.blocks.num_blocks:
             raise ValueError(f"request needs {need} KV blocks at full length; "
                              f"the pool only has {self.blocks.num_blocks}")
