@@ -26,12 +26,13 @@ WORDS = ("fleet batch token queue redis stream worker bucket cache paged decode 
          "throughput accelerator prompt model reply").split()
 
 
-def make_prompts(n: int, seed: int = 0) -> list[str]:
-    """Prompts of mixed lengths (8-400 bytes) so several buckets are used."""
+def make_prompts(n: int, seed: int = 0, max_chars: int = 400) -> list[str]:
+    """Prompts of mixed lengths (8 to max_chars bytes) so several buckets are used."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        target = rng.choice([rng.randint(8, 100), rng.randint(130, 240), rng.randint(260, 400)])
+        m = max_chars
+        target = rng.choice([rng.randint(8, m // 4), rng.randint(m // 3, m * 6 // 10), rng.randint(m * 65 // 100, m)])
         words: list[str] = []
         while len(" ".join(words)) < target:
             words.append(rng.choice(WORDS))

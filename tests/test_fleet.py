@@ -1,0 +1,144 @@
+"""The fleet core end to end: real Redis, real tiny Llama through transformers, worker in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import msgpack
+import pytest
+import redis
+import torch
+
+from common.errors import JobFailed, PromptTooLong
+from common.keys import Keys
+from producer import AsyncClient, Client
+from worker.demo import make_prompts
+from worker.models import load_model
+
+
+def reference(model_dir, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers generate, one request alone, fp32, greedy."""
+    lm = reference.cache.get(model_dir) or load_model(model_dir, "cpu", "float32")
+    reference.cache[model_dir] = lm
+    out = lm.model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                            do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+reference.cache = {}
+
+
+def batch_records(redis_url: str, namespace: str) -> list[dict]:
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    return [fields for _, fields in r.xrange(Keys(namespace).batches)]
+
+
+def test_32_threads_one_client_get_own_answers_batched(start_worker, redis_url, namespace, tiny_model_dir):
+    start_worker(max_wait_ms=200)
+    prompts = make_prompts(32, seed=1, max_chars=250)
+    with Client(redis_url, namespace) as client:
+        fleet = client.fleet()
+        with ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(lambda p: client.generate(p, max_new_tokens=8, timeout=120), prompts))
+        ids = [fleet.tokenize(p) for p in prompts]
+    buckets = {r.extra["bucket"] for r in results}
+    assert len(buckets) >= 2, buckets
+    assert max(r.batch_size for r in results) > 1
+    for p_ids, res in zip(ids, results):
+        assert res.prompt_tokens == len(p_ids)
+        assert res.token_ids == reference(tiny_model_dir, p_ids, 8)  # own answer, same as sent alone
+        assert res.finish_reason == "length" and res.completion_tokens == 8
+    # worker-side records: no batch mixes buckets, and every request ran exactly once
+    bucket_of = {r.id: r.extra["bucket"] for r in results}
+    seen: list[str] = []
+    for rec in batch_records(redis_url, namespace):
+        ids_in = rec["ids"].split(",")
+        seen += ids_in
+        assert {bucket_of[i] for i in ids_in} == {int(rec["bucket"])}
+    assert sorted(seen) == sorted(bucket_of)
+
+
+def test_max_batch_size_one_never_batches(start_worker, redis_url, namespace):
+    start_worker(max_batch_size=1, max_wait_ms=20)
+    with Client(redis_url, namespace) as client, ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda p: client.generate(p, max_new_tokens=3), make_prompts(8, max_chars=250)))
+    assert [r.batch_size for r in results] == [1] * 8
+    assert all(rec["size"] == "1" for rec in batch_records(redis_url, namespace))
+
+
+def test_single_request_waits_about_max_wait(start_worker, redis_url, namespace):
+    start_worker(max_wait_ms=300)
+    with Client(redis_url, namespace) as client:
+        client.generate("warm", max_new_tokens=1)
+        res = client.generate("all alone", max_new_tokens=4)
+    # the batch closes max_wait_ms after enqueue: not before, and not much after
+    assert 290 <= res.queue_ms <= 450, res.queue_ms
+    assert res.total_ms < res.queue_ms + 2000
+
+
+def test_prompt_too_long_raised_client_side_nothing_enqueued(start_worker, redis_url, namespace):
+    start_worker(max_seq_len=300)
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(namespace)
+    before = sorted(r.scan_iter(match=keys.pattern))
+    with Client(redis_url, namespace) as client:
+        with pytest.raises(PromptTooLong):
+            client.submit("x" * 400)  # > largest bucket (256)
+        with pytest.raises(PromptTooLong):
+            client.submit("x" * 200, max_new_tokens=200)  # > max_seq_len
+        with pytest.raises(PromptTooLong):
+            client.generate_many(["ok", "y" * 999])  # validated before anything is sent
+    assert sorted(r.scan_iter(match=keys.pattern)) == before
+    assert all(r.xlen(keys.stream(b)) == 0 for b in (32, 64, 128, 256))
+
+
+def test_garbage_entries_do_not_stop_the_worker(start_worker, redis_url, namespace):
+    w = start_worker(max_wait_ms=10)
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(namespace)
+    stream = keys.stream(32)
+    r.xadd(stream, {"junk": b"\xff\x00"})  # no id: dead-lettered
+    r.xadd(stream, {"id": "bad1", "p": b"\xc1\xc1 not msgpack"})  # answered with an error
+    r.xadd(stream, {"id": "bad2", "p": msgpack.packb({"v": 1, "id": "bad2", "prompt": [10**6], "max_new_tokens": 2,
+                                                       "reply_key": keys.reply("bad2")})})
+    with Client(redis_url, namespace) as client:
+        res = client.generate("still serving?", max_new_tokens=3)
+        assert res.completion_tokens == 3
+        with pytest.raises(JobFailed) as exc:
+            client.result("bad1", timeout=10)
+        assert exc.value.code == "invalid_request"
+        with pytest.raises(JobFailed, match="vocabulary"):
+            client.result("bad2", timeout=10)
+    dead = r.xrange(keys.dead)
+    assert len(dead) == 1 and b"reason" in dead[0][1]
+    assert r.xlen(stream) == 0  # answered entries are acked and deleted
+    assert w.thread.is_alive()
+
+
+def test_async_client(start_worker, redis_url, namespace):
+    start_worker(max_wait_ms=50)
+
+    async def go():
+        async with AsyncClient(redis_url, namespace) as client:
+            results = await asyncio.gather(*(client.generate(p, max_new_tokens=4) for p in make_prompts(6, max_chars=250)))
+            many = await client.generate_many(["a", "b"], max_new_tokens=2)
+            return results, many
+
+    results, many = asyncio.run(go())
+    assert [r.completion_tokens for r in results] == [4] * 6 and len(many) == 2
+
+
+def test_reply_keys_expire_and_streams_do_not_grow(start_worker, redis_url, namespace):
+    start_worker(max_wait_ms=10, reply_ttl_s=30)
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(namespace)
+    with Client(redis_url, namespace) as client:
+        job = client.submit("ttl check", max_new_tokens=2)
+        deadline = time.monotonic() + 30
+        while not r.exists(keys.reply(job)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert 0 < r.ttl(keys.reply(job)) <= 30
+        client.result(job, timeout=10)
+    assert sum(r.xlen(keys.stream(b)) for b in (32, 64, 128, 256)) == 0
