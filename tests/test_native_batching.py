@@ -77,8 +77,8 @@ def sampled(i: int, n: int, seed: int, **kw) -> GenRequest:
 def test_seeded_sampling_is_batch_independent(loaded):
     alone = drain(_with(make_engine(loaded), [sampled(0, 20, seed=7)]))["r0"].token_ids
     others = [sampled(i, 10 + 9 * i, seed=i) for i in range(1, 5)] + [request(9, prompt(9, 33), 30)]
-    batched = run_all(make_engine(loaded, max_batch_size=8), [others[:2], [sampled(0, 20, seed=7)], others[2:]],
-                      join_every=2)
+    groups = [others[:2], [sampled(0, 20, seed=7)], others[2:]]
+    batched = run_all(make_engine(loaded, max_batch_size=8), groups, join_every=2)
     assert batched["r0"].token_ids == alone
     tiny_pool = make_engine(loaded, max_batch_size=6, num_blocks=6)  # with preemptions too
     squeezed = run_all(tiny_pool, [others, [sampled(0, 20, seed=7)]], join_every=1)
@@ -116,9 +116,8 @@ def test_invalid_requests_come_back_as_errors(loaded):
 
 
 def test_abort_and_reset_free_blocks(loaded):
-    engine = make_engine(loaded, max_batch_size=2)
+    engine = make_engine(loaded, max_batch_size=1)
     engine.add([request(i, prompt(i, 30), 50) for i in range(3)])
-    engine.step()
     engine.step()
     running = [s.id for s in engine.scheduler.running]
     waiting = [s.id for s in engine.scheduler.waiting]

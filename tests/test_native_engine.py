@@ -5,6 +5,7 @@ strategies and both modes."""
 from __future__ import annotations
 
 import pytest
+
 from tests.test_native_util import FAMILIES, build_model, hf_greedy, make_engine, prompt, request, run_all
 
 BUCKETS = (16, 32, 64, 128)
