@@ -44,3 +44,7 @@ class LazyGroup(click.Group):
 def main(log_level: str) -> None:
     """batchfleet: a Redis-streams LLM inference fleet with dynamic batching."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+if __name__ == "__main__":
+    main()

@@ -59,6 +59,11 @@ class Keys:
         return f"{self.namespace}:batches"
 
     @property
+    def flush(self) -> str:
+        """Counter a load generator bumps to close partial static batches ("static N" ends its load)."""
+        return f"{self.namespace}:flush"
+
+    @property
     def dead(self) -> str:
         """Capped dead-letter stream."""
         return f"{self.namespace}:dead"

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from common.config import ConnectionConfig, DynamicBatchingConfig, EngineConfig, bucket_for, parse_buckets
-from common.errors import ConfigError, ProtocolError, PromptTooLong
+from common.errors import ConfigError, PromptTooLong, ProtocolError
 from common.keys import Keys
 from common.protocol import Error, FleetInfo, Request, Result, decode_reply
 

@@ -142,3 +142,17 @@ def test_reply_keys_expire_and_streams_do_not_grow(start_worker, redis_url, name
         assert 0 < r.ttl(keys.reply(job)) <= 30
         client.result(job, timeout=10)
     assert sum(r.xlen(keys.stream(b)) for b in (32, 64, 128, 256)) == 0
+
+
+def test_static_batching_waits_for_full_batch_then_flush(start_worker, redis_url, namespace):
+    start_worker(max_wait_ms=float("inf"), max_batch_size=4)
+    r = redis.Redis.from_url(redis_url)
+    with Client(redis_url, namespace) as client:
+        jobs = [client.submit(f"static {i}", max_new_tokens=2) for i in range(6)]
+        first = [client.result(j, timeout=60) for j in jobs[:4]]
+        assert [x.batch_size for x in first] == [4] * 4
+        time.sleep(0.3)
+        assert r.exists(Keys(namespace).reply(jobs[4])) == 0  # a partial batch waits: no timeout
+        r.incr(Keys(namespace).flush)
+        rest = [client.result(j, timeout=60) for j in jobs[4:]]
+        assert [x.batch_size for x in rest] == [2, 2]

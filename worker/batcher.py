@@ -3,11 +3,12 @@
 Rule (exact): a bucket's batch closes when it holds ``max_batch_size`` entries, or when ``max_wait_ms``
 has passed since its OLDEST entry was enqueued, whichever is first. Buckets never share a batch. Among
 buckets with a closed batch, the one whose oldest entry has waited longest is served first.
-``max_wait_ms=None`` means "static": a batch closes only when full (or when ``flush`` is asked).
+``max_wait_ms=None`` (or infinity) means "static": a batch closes only when full (or on ``flush``).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -28,7 +29,8 @@ class Batcher(Generic[T]):
 
     def __init__(self, buckets: Iterable[int], max_batch_size: int, max_wait_ms: float | None) -> None:
         self.max_batch_size = max_batch_size
-        self.max_wait_s = None if max_wait_ms is None else max_wait_ms / 1000.0
+        static = max_wait_ms is None or math.isinf(max_wait_ms)
+        self.max_wait_s = None if static else max_wait_ms / 1000.0
         self._queues: dict[int, deque[Pending[T]]] = {b: deque() for b in buckets}
         self._flush = False
 
@@ -50,6 +52,10 @@ class Batcher(Generic[T]):
 
     def pending(self, bucket: int) -> int:
         return len(self._queues[bucket])
+
+    @property
+    def static(self) -> bool:
+        return self.max_wait_s is None
 
     def flush(self) -> None:
         """Close every non-empty batch now (end of load, shutdown)."""

@@ -172,6 +172,13 @@ class StreamConsumer:
             pipe.xdel(self.keys.stream(e.bucket), e.entry_id)
         pipe.execute()
 
+    def flush_counter(self) -> int:
+        raw = self.r.get(self.keys.flush)
+        try:
+            return int(raw) if raw is not None else 0
+        except ValueError:
+            return 0
+
     def server_time(self) -> float:
         sec, usec = self.r.time()
         return sec + usec / 1e6

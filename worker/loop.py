@@ -48,6 +48,8 @@ class WorkerLoop:
         self.counters = {"batches": 0, "completed": 0, "errors": 0, "dead_lettered": 0, "batched_requests": 0}
         self._last_heartbeat = 0.0
         self._backoff = 0.0
+        self._flush_seen = consumer.flush_counter() if self.batcher.static else 0
+        self._flush_checked = 0.0
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -88,6 +90,8 @@ class WorkerLoop:
             block_ms: int | None = None
         else:
             deadline = self.batcher.next_deadline()
+            if deadline is None and self.batcher.static and len(self.batcher):
+                deadline = now + 0.05  # poll the flush counter while a partial static batch waits
             block_ms = self.consumer.max_block_ms if deadline is None else int((deadline - now) * 1000) + 1
             if block_ms <= 0:
                 return
@@ -128,8 +132,20 @@ class WorkerLoop:
             self.consumer.write_replies(replies)
 
     # ---- scheduling ------------------------------------------------------------------------------
+    def _check_flush(self, now: float) -> None:
+        """Static batching waits for full batches; a bumped flush counter closes partial ones."""
+        if now - self._flush_checked < 0.05:
+            return
+        self._flush_checked = now
+        counter = self.consumer.flush_counter()
+        if counter != self._flush_seen:
+            self._flush_seen = counter
+            self.batcher.flush()
+
     def _admit(self, now: float) -> None:
         if not self.engine.has_work():
+            if self.batcher.static and len(self.batcher):
+                self._check_flush(now)
             if self.solo:
                 self._start([self.solo.popleft()], kind="solo")
                 return

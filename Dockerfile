@@ -1,0 +1,17 @@
+# One image for workers and producers. CPU torch by default; for CUDA/NPU hosts build FROM an image
+# with the matching torch (and torch_npu) preinstalled and pass --build-arg TORCH_SPEC="".
+FROM python:3.11-slim
+ARG TORCH_SPEC="torch==2.13.0"
+# e.g. --build-arg PIP_ARGS="--index-url <your CPU wheel index>" to get the small CPU-only torch build
+ARG PIP_ARGS=""
+ENV PYTHONUNBUFFERED=1 BATCHFLEET_CACHE_DIR=/cache
+WORKDIR /app
+RUN if [ -n "$TORCH_SPEC" ]; then pip install --no-cache-dir "$TORCH_SPEC" $PIP_ARGS; fi
+COPY pyproject.toml README.md ./
+COPY common ./common
+COPY producer ./producer
+COPY worker ./worker
+RUN pip install --no-cache-dir .
+VOLUME ["/cache", "/models"]
+ENTRYPOINT ["batchfleet"]
+CMD ["worker"]
