@@ -1,6 +1,6 @@
 """Native engine greedy outputs are token-identical to transformers' generate (fp32, one at a time)
 for Llama (MHA), Qwen2 (GQA + qkv bias) and Mistral (GQA 4:1), over 4 buckets, both padding
-strategies and both modes."""
+strategies and packed prefill, both decode attention paths (C kernel, gather + SDPA) and both modes."""
 
 from __future__ import annotations
 
@@ -33,11 +33,15 @@ def by_bucket(reqs):
     return list(groups.values())
 
 
-@pytest.mark.parametrize("padding", ["bucket", "longest"])
+@pytest.mark.parametrize("decode", ["kernel", "gather"])
+@pytest.mark.parametrize("padding", ["bucket", "longest", "packed"])
 @pytest.mark.parametrize("mode", ["dynamic", "continuous"])
-def test_greedy_matches_transformers(case, padding, mode):
+def test_greedy_matches_transformers(case, padding, mode, decode):
     loaded, reqs, refs = case
-    engine = make_engine(loaded, padding=padding, mode=mode, max_batch_size=4, buckets=BUCKETS)
+    prefill = "packed" if padding == "packed" else "padded"
+    engine = make_engine(loaded, padding="longest" if padding == "packed" else padding, mode=mode,
+                         max_batch_size=4, buckets=BUCKETS, prefill=prefill, decode=decode)
+    assert (engine.runner.prefill_mode, engine.runner.decode_mode) == (prefill, decode)
     groups = by_bucket(reqs)
     if mode == "continuous":  # split buckets so same-bucket requests also join mid-run
         groups = [g[i : i + 2] for g in groups for i in range(0, len(g), 2)]
@@ -57,6 +61,6 @@ def test_greedy_matches_transformers(case, padding, mode):
 def test_all_at_once_bigger_batch(case):
     """Every request queued at once with a batch limit of 8 (mixed buckets in one prefill)."""
     loaded, reqs, refs = case
-    engine = make_engine(loaded, padding="longest", max_batch_size=8, buckets=BUCKETS)
+    engine = make_engine(loaded, padding="bucket", max_batch_size=8, buckets=BUCKETS, prefill="padded")
     done = run_all(engine, [reqs])
     assert {k: v.token_ids for k, v in done.items()} == refs

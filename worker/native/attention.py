@@ -8,6 +8,10 @@ Paths (measured numbers in docs/NATIVE_ENGINE.md):
 - prefill: the prompt's own K/V are attended directly with causal SDPA (right padding: a real query
   only sees earlier, real keys), then scattered into the pool; no pool read is needed since prefills
   always start from position 0 (a preempted sequence is recomputed from scratch).
+- prefill, packed (varlen): prompts back to back in one row, one causal SDPA per prompt: no padding
+  compute at all (the default on CPU, where padding costs FLOPs linearly).
+- decode, ``kernel`` (CPU default): the C kernel of cpu_kernel.py reads K/V in place through the
+  block table (no copy), one pass over K and one over V.
 - decode, ``gather``: index_select the sequence's blocks into a dense [B, Hkv, T, D] view and run SDPA
   with a length mask; query heads of one KV group ride along the query-length axis, so GQA needs
   no K/V expansion.
@@ -35,6 +39,23 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        is_causal=True, scale=scale, enable_gqa=gqa)  # [B, H, S, D]
     return o.transpose(1, 2).reshape(B, S, H * D)
+
+
+def packed_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
+                             scale: float) -> torch.Tensor:
+    """Varlen prefill: q: [1, N, H, D], k/v: [1, N, Hkv, D] holding the prompts back to back
+    (lengths ``lens``, sum N) -> [1, N, H * D]; each prompt attends causally to itself only."""
+    _, N, H, D = q.shape
+    gqa = k.shape[2] != H
+    qt, kt, vt = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # [heads, N, D]
+    outs, start = [], 0
+    for n in lens:
+        end = start + n
+        o = F.scaled_dot_product_attention(qt[None, :, start:end], kt[None, :, start:end], vt[None, :, start:end],
+                                           is_causal=True, scale=scale, enable_gqa=gqa)  # [1, H, n, D]
+        outs.append(o[0].transpose(0, 1))  # [n, H, D]
+        start = end
+    return torch.cat(outs).view(1, N, H * D)
 
 
 def decode_mask(ctx_lens: torch.Tensor, num_slots: int) -> torch.Tensor:

@@ -65,7 +65,8 @@ class NativeEngine:
     accepts_joins = True
 
     def __init__(self, loaded: LoadedModel, batching: DynamicBatchingConfig, cfg: EngineConfig, *,
-                 num_blocks: int | None = None, max_prefill_tokens: int = 16384) -> None:
+                 num_blocks: int | None = None, max_prefill_tokens: int = 16384, prefill: str = "auto",
+                 decode: str = "auto") -> None:
         self.loaded = loaded
         self.batching = batching
         self.cfg = cfg
@@ -73,7 +74,7 @@ class NativeEngine:
         self.eos_ids = eos_ids_of(loaded.model, loaded.tokenizer)
         self.runner = ModelRunner(loaded.model, cfg.block_size, batching.max_batch_size, batching.max_seq_len,
                                   kv_cache_gb=cfg.kv_cache_gb, buckets=batching.buckets,
-                                  padding=batching.padding, num_blocks=num_blocks)
+                                  padding=batching.padding, num_blocks=num_blocks, prefill=prefill, decode=decode)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, batching.max_batch_size,
                                    max_prefill_tokens=max(max_prefill_tokens, batching.buckets[-1]))

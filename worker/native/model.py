@@ -103,7 +103,8 @@ class NativeModel:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttnFn,
                 last_idx: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, positions: [B, S] -> logits [B, V] of position ``last_idx[b]`` (default S - 1)."""
+        """tokens, positions: [B, S] -> logits [R, V] of the rows ``last_idx`` of the flattened [B * S]
+        tokens (default: the last position of each row, R = B)."""
         B, S = tokens.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         cos = self.cos[positions].unsqueeze(2)  # [B, S, 1, D]
@@ -118,11 +119,8 @@ class NativeModel:
             x = self.rms_norm(h, lw.post_norm)
             gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
             h = h + F.linear(self.act(gate) * up, lw.down, lw.down_bias)
-        if last_idx is None:
-            h = h[:, -1]
-        else:
-            h = h[torch.arange(B, device=h.device), last_idx]  # [B, hidden]
-        return F.linear(self.rms_norm(h, self.final_norm), self.lm_head)  # [B, V]
+        h = h[:, -1] if last_idx is None else h.reshape(B * S, -1)[last_idx]  # [R, hidden]
+        return F.linear(self.rms_norm(h, self.final_norm), self.lm_head)  # [R, V]
 
 
 def _sliding_window(cfg) -> int | None:

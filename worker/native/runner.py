@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from worker.native import attention as A
+from worker.native import cpu_kernel
 from worker.native.block_manager import blocks_for
 from worker.native.model import NativeModel
 from worker.native.scheduler import ScheduledBatch
@@ -36,7 +37,9 @@ class ModelRunner:
 
     def __init__(self, hf_model: torch.nn.Module, block_size: int, max_batch_size: int, max_seq_len: int,
                  kv_cache_gb: float | None = None, buckets: tuple[int, ...] = (), padding: str = "bucket",
-                 num_blocks: int | None = None) -> None:
+                 num_blocks: int | None = None, prefill: str = "auto", decode: str = "auto") -> None:
+        """prefill: "padded" (per ``padding``), "packed" (varlen) or "auto" (packed on CPU);
+        decode: "kernel" (C kernel, CPU), "gather" (gather + SDPA), "npu" or "auto"."""
         self.model = NativeModel(hf_model, max_positions=max_seq_len)
         self.device, self.dtype = self.model.device, self.model.dtype
         self.block_size = block_size
@@ -50,9 +53,20 @@ class ModelRunner:
         # kv: [L, 2, NB + 1, bs, Hkv, D]
         self.kv = torch.zeros(m.num_layers, 2, self.num_blocks + 1, block_size, m.num_kv_heads, m.head_dim,
                               device=self.device, dtype=self.dtype)
-        self.use_npu = self.device.type == "npu"
-        log.info("KV pool: %d blocks x %d slots (%.1f MiB)", self.num_blocks, block_size,
-                 self.kv.numel() * elem / 2**20)
+        cpu = self.device.type == "cpu"
+        self.prefill_mode = ("packed" if cpu else "padded") if prefill == "auto" else prefill
+        if decode == "auto":
+            decode = "npu" if self.device.type == "npu" else "gather"
+            if cpu and cpu_kernel.supports(self.dtype):
+                decode = "kernel"
+        if decode == "kernel" and not (cpu and cpu_kernel.supports(self.dtype)):
+            raise ValueError(f"the C decode kernel needs a CPU and float32/bfloat16, not {self.device}/{self.dtype}")
+        if self.prefill_mode not in ("padded", "packed") or decode not in ("kernel", "gather", "npu"):
+            raise ValueError(f"unknown prefill {prefill!r} or decode {decode!r} path")
+        self.decode_mode = decode
+        self.num_threads = torch.get_num_threads()  # read once; never changed here
+        log.info("KV pool: %d blocks x %d slots (%.1f MiB); prefill %s, decode %s", self.num_blocks, block_size,
+                 self.kv.numel() * elem / 2**20, self.prefill_mode, self.decode_mode)
 
     def _size_pool(self, kv_cache_gb: float | None, max_batch_size: int, max_seq_len: int) -> int:
         if kv_cache_gb is not None:
@@ -80,55 +94,77 @@ class ModelRunner:
         return longest
 
     def _prefill(self, batch: ScheduledBatch) -> torch.Tensor:
-        seqs, bs, dev = batch.seqs, self.block_size, self.device
+        return self._prefill_packed(batch) if self.prefill_mode == "packed" else self._prefill_padded(batch)
+
+    def _slots(self, seqs) -> list[int]:
+        bs = self.block_size
+        return [t[p // bs] * bs + p % bs for s in seqs for t in (s.block_table,) for p in range(len(s))]
+
+    def _prefill_packed(self, batch: ScheduledBatch) -> torch.Tensor:
+        seqs, dev, m = batch.seqs, self.device, self.model
+        lens = [len(s) for s in seqs]
+        N = sum(lens)
+        tokens = torch.tensor([t for s in seqs for t in s.token_ids], device=dev).view(1, N)
+        positions = torch.cat([torch.arange(n) for n in lens]).view(1, N).to(dev)
+        slots = torch.tensor(self._slots(seqs), device=dev)  # [N]
+        last = torch.tensor(lens).cumsum(0).sub(1).to(dev)  # [B] flat index of each prompt's last token
+
+        def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # q: [1, N, H, D]; k, v: [1, N, Hkv, D]
+            A.write_kv(self.kv[i], slots, k[0], v[0])
+            return A.packed_prefill_attention(q, k, v, lens, m.scale)
+
+        return m.forward(tokens, positions, attn, last_idx=last)
+
+    def _prefill_padded(self, batch: ScheduledBatch) -> torch.Tensor:
+        seqs, bs, dev, m = batch.seqs, self.block_size, self.device, self.model
         B = len(seqs)
         S = self.padded_len(max(len(s) for s in seqs))
         tokens = torch.zeros(B, S, dtype=torch.long)
         slots = torch.full((B, S), self.trash_block * bs, dtype=torch.long)  # pads -> trash block
-        lens = torch.tensor([len(s) for s in seqs])
         for b, s in enumerate(seqs):
             n = len(s)
             tokens[b, :n] = torch.tensor(s.token_ids)
-            table = torch.tensor(s.block_table)
-            pos = torch.arange(n)
-            slots[b, :n] = table[pos // bs] * bs + pos % bs
+            slots[b, :n] = torch.tensor(self._slots([s]))
         tokens, slots = tokens.to(dev), slots.view(-1).to(dev)
         positions = torch.arange(S, device=dev).expand(B, S)
-        m = self.model
+        last = torch.tensor([b * S + len(s) - 1 for b, s in enumerate(seqs)], device=dev)
 
         def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # q: [B, S, H, D]; k, v: [B, S, Hkv, D]
+            # q: [B, S, H, D]; k, v: [B, S, Hkv, D]; right padding + causal: real queries see real keys only
             A.write_kv(self.kv[i], slots, k.reshape(B * S, m.num_kv_heads, m.head_dim),
                        v.reshape(B * S, m.num_kv_heads, m.head_dim))
             return A.prefill_attention(q, k, v, m.scale)
 
-        return m.forward(tokens, positions, attn, last_idx=(lens - 1).to(dev))
+        return m.forward(tokens, positions, attn, last_idx=last)
 
     def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
-        seqs, bs, dev = batch.seqs, self.block_size, self.device
+        seqs, bs, dev, m = batch.seqs, self.block_size, self.device, self.model
         B = len(seqs)
         M = max(len(s.block_table) for s in seqs)
         trash = self.trash_block
-        tables = torch.tensor([s.block_table + [trash] * (M - len(s.block_table)) for s in seqs])
+        tables = torch.tensor([s.block_table + [trash] * (M - len(s.block_table)) for s in seqs], device=dev)
         pos_list = [s.num_cached for s in seqs]
         slot_list = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos_list, strict=True)]
-        tokens = torch.tensor([[s.token_ids[-1]] for s in seqs]).to(dev)  # [B, 1]
-        positions = torch.tensor(pos_list).view(B, 1).to(dev)
-        slots = torch.tensor(slot_list).to(dev)
-        tables = tables.to(dev)
-        ctx = positions.view(B) + 1
-        mask = A.decode_mask(ctx, M * bs)
-        m = self.model
+        tokens = torch.tensor([[s.token_ids[-1]] for s in seqs], device=dev)  # [B, 1]
+        positions = torch.tensor(pos_list, device=dev).view(B, 1)
+        slots = torch.tensor(slot_list, device=dev)
+        ctx = positions.view(B) + 1  # [B] tokens to attend, incl. the current one
+        mode = self.decode_mode
+        mask = A.decode_mask(ctx, M * bs) if mode == "gather" else None
         ctx_list = [p + 1 for p in pos_list]
 
         def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # q: [B, 1, H, D]; k, v: [B, 1, Hkv, D]
             pool = self.kv[i]
             A.write_kv(pool, slots, k[:, 0], v[:, 0])
-            if self.use_npu:
-                o = A.decode_attention_npu(q[:, 0], pool, tables, ctx_list, m.scale)
+            q1 = q[:, 0].contiguous()  # [B, H, D]
+            if mode == "kernel":
+                o = cpu_kernel.paged_decode(q1, pool, tables, ctx, m.scale, self.num_threads)
+            elif mode == "npu":
+                o = A.decode_attention_npu(q1, pool, tables, ctx_list, m.scale)
             else:
-                o = A.decode_attention_gather(q[:, 0].contiguous(), pool, tables, mask, m.scale)
-            return o.view(B, 1, -1)
+                o = A.decode_attention_gather(q1, pool, tables, mask, m.scale)
+            return o.reshape(B, 1, -1)
 
         return m.forward(tokens, positions, attn)

@@ -1,0 +1,100 @@
+"""Build (once, cached) and call the C paged-decode-attention kernel for CPU (``paged_decode.c``).
+
+The kernel reads K/V in place from the block pool, so a decode step never copies the cache. It is a
+plain C shared library built with the system C compiler in about a second and called through ctypes
+(no torch headers, no torch.compile). It links the libgomp torch already loaded (same soname), so
+there is one OpenMP runtime. If no compiler is found or the build fails, ``load()`` returns None and
+the runner falls back to gather + SDPA. Disable with BATCHFLEET_NATIVE_KERNEL=0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+          "-fassociative-math", "-fno-signed-zeros"]
+_DTYPES = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("BATCHFLEET_KERNEL_CACHE") or Path.home() / ".cache" / "batchfleet" / "kernels"
+    return Path(root)
+
+
+def _cpu_key() -> str:
+    try:  # -march=native: a library is only valid for the CPU flags it was built for
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return flags
+
+
+@lru_cache(maxsize=1)
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, building it on first use; None when unavailable."""
+    if os.environ.get("BATCHFLEET_NATIVE_KERNEL", "1") == "0":
+        return None
+    cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    if cc is None:
+        log.warning("no C compiler found: native decode falls back to gather + SDPA")
+        return None
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join(CFLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"paged_decode-{key}.so"
+    try:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+            os.close(fd)
+            try:
+                subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+                               timeout=120)
+                os.replace(tmp, target)  # atomic: concurrent workers never load a half-written file
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("native decode kernel unavailable (%s): falling back to gather + SDPA", exc)
+        return None
+    for name in _DTYPES.values():
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def supports(dtype: torch.dtype) -> bool:
+    """Whether the kernel handles this dtype (and could be built)."""
+    return dtype in _DTYPES and load() is not None
+
+
+def paged_decode(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor, scale: float,
+                 num_threads: int) -> torch.Tensor:
+    """q: [B, H, D] contiguous; pool: [2, NB + 1, bs, Hkv, D]; tables: [B, M] int64; ctx: [B] int64
+    -> out [B, H, D]. All on CPU, contiguous."""
+    lib = load()
+    assert lib is not None and q.is_contiguous() and pool.is_contiguous()
+    assert tables.dtype == torch.int64 and ctx.dtype == torch.int64 and tables.is_contiguous()
+    B, H, D = q.shape
+    bs, Hkv = pool.shape[2], pool.shape[3]
+    out = torch.empty_like(q)
+    # enough work items for every thread: whole sequences when the batch is big, else head by head
+    hc = Hkv if B >= 4 * num_threads else 1
+    fn = getattr(lib, _DTYPES[q.dtype])
+    fn(q.data_ptr(), pool[0].data_ptr(), pool[1].data_ptr(), tables.data_ptr(), ctx.data_ptr(), out.data_ptr(),
+       B, H, Hkv, D, bs, tables.shape[1], float(scale), hc, int(num_threads))
+    return out
