@@ -141,12 +141,21 @@ class WorkerConfig:
     reply_ttl_s: int = 3600
     max_queue_len: int = 10_000  # per bucket; published so producers refuse (QueueFull) beyond it; 0 = off
     name: str | None = None  # consumer name; None = host-pid-random
+    claim_idle_ms: int = 30_000  # entries pending this long on a silent consumer are reclaimed by live ones
+    max_deliveries: int = 3  # a delivery beyond this dead-letters the entry and answers worker_failed
+    reclaim_budget: int = 256  # most entries one reclaim tick may take over (across all buckets)
 
     def __post_init__(self) -> None:
         if self.reply_ttl_s < 1:
             raise ConfigError("reply_ttl_s must be >= 1")
         if self.max_queue_len < 0:
             raise ConfigError("max_queue_len must be >= 0")
+        if self.claim_idle_ms < 100:
+            raise ConfigError("claim_idle_ms must be >= 100")
+        if self.max_deliveries < 1:
+            raise ConfigError("max_deliveries must be >= 1")
+        if self.reclaim_budget < 1:
+            raise ConfigError("reclaim_budget must be >= 1")
 
 
 def connection_from_env(redis_url: str | None = None, namespace: str | None = None,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import redis.asyncio as aredis
 
@@ -12,13 +13,15 @@ from common.config import connection_from_env
 from common.errors import FleetUnavailable, QueueFull, Timeout
 from common.protocol import Result
 from producer.client import ENQUEUE_SCRIPT
-from producer.core import FleetView, Params, Prompt, parse_reply
+from producer.core import RETRY_S, TRANSIENT, Backoff, FleetView, Params, Prompt, parse_reply
+
+T = TypeVar("T")
 
 
 class AsyncClient:
     """``await client.generate(prompt)``; safe for many concurrent tasks on one instance."""
 
-    def __init__(self, redis_url: str | None = None, namespace: str | None = None) -> None:
+    def __init__(self, redis_url: str | None = None, namespace: str | None = None, retry_s: float = RETRY_S) -> None:
         self.conn = connection_from_env(redis_url, namespace)
         self.keys = self.conn.keys
         self.r = aredis.Redis.from_url(self.conn.redis_url, socket_timeout=self.conn.socket_timeout_s,
@@ -26,12 +29,30 @@ class AsyncClient:
         self._enqueue = self.r.register_script(ENQUEUE_SCRIPT)
         self._fleet = FleetView()
         self._lock = asyncio.Lock()
+        self.retry_s = retry_s
+        self._backoff = Backoff()
+
+    async def _retry(self, call: Callable[[], Awaitable[T]], deadline: float | None) -> T:
+        """Await ``call()``; on a connection error back off and retry until ``deadline`` (monotonic)."""
+        attempt = 0
+        while True:
+            try:
+                out = await call()
+                self._backoff.ok()
+                return out
+            except TRANSIENT as exc:
+                wait = Backoff.wait_left(deadline, self._backoff.delay(attempt, exc))
+                if wait <= 0:
+                    raise
+                await asyncio.sleep(wait)
+                attempt += 1
 
     async def fleet(self) -> FleetView:
         if self._fleet.stale():
             async with self._lock:
                 if self._fleet.stale():
-                    self._fleet.update(await self.r.get(self.keys.fleet))
+                    raw = await self._retry(lambda: self.r.get(self.keys.fleet), time.monotonic() + self.retry_s)
+                    self._fleet.update(raw)
         if self._fleet.info is None:
             raise FleetUnavailable(f"no worker has published a fleet under namespace {self.keys.namespace!r}; "
                                    "start a worker first")
@@ -41,8 +62,10 @@ class AsyncClient:
                      **params) -> str:
         fleet = await self.fleet()
         bucket, req = fleet.build(self.keys, prompt, Params(**params), timeout, job_id)
-        ok = await self._enqueue(keys=[self.keys.stream(bucket)],
-                                 args=[fleet.info.max_queue_len, req.id, req.encode()])
+        limit = self.retry_s if timeout is None else min(self.retry_s, timeout)
+        ok = await self._retry(lambda: self._enqueue(keys=[self.keys.stream(bucket)],
+                                                     args=[fleet.info.max_queue_len, req.id, req.encode()]),
+                               time.monotonic() + limit)
         if not ok:
             raise QueueFull(f"bucket {bucket} holds {fleet.info.max_queue_len} entries; retry later")
         return req.id
@@ -50,11 +73,19 @@ class AsyncClient:
     async def result(self, job_id: str, timeout: float | None = None) -> Result:
         deadline = None if timeout is None else time.monotonic() + timeout
         chunk = self.conn.socket_timeout_s / 2
+        attempt = 0
         while True:
             wait = chunk if deadline is None else min(chunk, deadline - time.monotonic())
             if wait <= 0:
                 raise Timeout(f"no result for job {job_id} within {timeout} s")
-            got = await self.r.blpop([self.keys.reply(job_id)], timeout=max(wait, 0.01))
+            try:
+                got = await self.r.blpop([self.keys.reply(job_id)], timeout=max(wait, 0.01))
+            except TRANSIENT as exc:  # Redis restarting or connection dropped: reconnect until timeout
+                await asyncio.sleep(max(0.0, Backoff.wait_left(deadline, self._backoff.delay(attempt, exc))))
+                attempt += 1
+                continue
+            self._backoff.ok()
+            attempt = 0
             if got is not None:
                 return parse_reply(job_id, got[1])
 

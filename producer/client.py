@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import redis
 
 from common.config import connection_from_env
 from common.errors import FleetUnavailable, QueueFull, Timeout
 from common.protocol import Result
-from producer.core import FleetView, Params, Prompt, parse_reply
+from producer.core import RETRY_S, TRANSIENT, Backoff, FleetView, Params, Prompt, parse_reply
+
+T = TypeVar("T")
 
 # KEYS: stream. ARGV: max_len (0 = unbounded), id, payload. Returns 0 when the queue is full.
 ENQUEUE_SCRIPT = """
@@ -28,9 +31,11 @@ class Client:
     Args:
         redis_url: defaults to $BATCHFLEET_REDIS_URL, else redis://127.0.0.1:6379/0.
         namespace: defaults to $BATCHFLEET_NAMESPACE, else ``bf``.
+        retry_s: how long ``submit``/``fleet`` keep retrying through a Redis outage (capped exponential
+            backoff) before raising the connection error; ``result`` retries until its own timeout.
     """
 
-    def __init__(self, redis_url: str | None = None, namespace: str | None = None) -> None:
+    def __init__(self, redis_url: str | None = None, namespace: str | None = None, retry_s: float = RETRY_S) -> None:
         self.conn = connection_from_env(redis_url, namespace)
         self.keys = self.conn.keys
         # redis-py's pool hands each thread its own connection, so blocking waits do not serialize.
@@ -39,13 +44,31 @@ class Client:
         self._enqueue = self.r.register_script(ENQUEUE_SCRIPT)
         self._fleet = FleetView()
         self._lock = threading.Lock()
+        self.retry_s = retry_s
+        self._backoff = Backoff()
+
+    def _retry(self, call: Callable[[], T], deadline: float | None) -> T:
+        """Run ``call``; on a connection error back off and retry until ``deadline`` (monotonic)."""
+        attempt = 0
+        while True:
+            try:
+                out = call()
+                self._backoff.ok()
+                return out
+            except TRANSIENT as exc:
+                wait = Backoff.wait_left(deadline, self._backoff.delay(attempt, exc))
+                if wait <= 0:
+                    raise
+                time.sleep(wait)
+                attempt += 1
 
     def fleet(self) -> FleetView:
         """The fleet description workers published (tokenizer, buckets, limits)."""
         if self._fleet.stale():
             with self._lock:
                 if self._fleet.stale():
-                    self._fleet.update(self.r.get(self.keys.fleet))
+                    raw = self._retry(lambda: self.r.get(self.keys.fleet), time.monotonic() + self.retry_s)
+                    self._fleet.update(raw)
         if self._fleet.info is None:
             raise FleetUnavailable(f"no worker has published a fleet under namespace {self.keys.namespace!r}; "
                                    "start a worker first")
@@ -53,24 +76,43 @@ class Client:
 
     def submit(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
                **params) -> str:
-        """Enqueue one prompt; returns its job id. Raises PromptTooLong / QueueFull before enqueueing."""
+        """Enqueue one prompt; returns its job id. Raises PromptTooLong / QueueFull before enqueueing.
+
+        Connection errors are retried for ``retry_s`` (bounded by ``timeout``). A retry after a reply
+        was lost in flight may enqueue the job twice: workers answer it once (first writer wins).
+        """
         fleet = self.fleet()
         bucket, req = fleet.build(self.keys, prompt, Params(**params), timeout, job_id)
-        ok = self._enqueue(keys=[self.keys.stream(bucket)], args=[fleet.info.max_queue_len, req.id, req.encode()])
+        limit = self.retry_s if timeout is None else min(self.retry_s, timeout)
+        ok = self._retry(lambda: self._enqueue(keys=[self.keys.stream(bucket)],
+                                               args=[fleet.info.max_queue_len, req.id, req.encode()]),
+                         time.monotonic() + limit)
         if not ok:
             raise QueueFull(f"bucket {bucket} holds {fleet.info.max_queue_len} entries; retry later")
         return req.id
 
     def result(self, job_id: str, timeout: float | None = None) -> Result:
-        """Wait for a job's result (once: the reply is consumed). Raises Timeout or JobFailed."""
+        """Wait for a job's result (once: the reply is consumed). Raises Timeout or JobFailed.
+
+        Survives Redis restarts and dropped connections while waiting: it reconnects with capped backoff
+        until ``timeout``. (A reply lost with Redis' data never comes: resubmit after Timeout.)
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         # Each blocking pop stays well inside the socket timeout.
         chunk = self.conn.socket_timeout_s / 2
+        attempt = 0
         while True:
             wait = chunk if deadline is None else min(chunk, deadline - time.monotonic())
             if wait <= 0:
                 raise Timeout(f"no result for job {job_id} within {timeout} s")
-            got = self.r.blpop([self.keys.reply(job_id)], timeout=max(wait, 0.01))
+            try:
+                got = self.r.blpop([self.keys.reply(job_id)], timeout=max(wait, 0.01))
+            except TRANSIENT as exc:
+                time.sleep(max(0.0, Backoff.wait_left(deadline, self._backoff.delay(attempt, exc))))
+                attempt += 1
+                continue
+            self._backoff.ok()
+            attempt = 0
             if got is not None:
                 return parse_reply(job_id, got[1])
 
@@ -86,11 +128,15 @@ class Client:
         fleet = self.fleet()
         p = Params(**params)
         built = [fleet.build(self.keys, prompt, p, timeout, None) for prompt in prompts]  # validates all first
-        pipe = self.r.pipeline(transaction=False)
-        for bucket, req in built:
-            self._enqueue(keys=[self.keys.stream(bucket)], args=[fleet.info.max_queue_len, req.id, req.encode()],
-                          client=pipe)
-        for (bucket, _), ok in zip(built, pipe.execute()):
+
+        def enqueue_all() -> list:
+            pipe = self.r.pipeline(transaction=False)
+            for bucket, req in built:
+                self._enqueue(keys=[self.keys.stream(bucket)],
+                              args=[fleet.info.max_queue_len, req.id, req.encode()], client=pipe)
+            return pipe.execute()
+
+        for (bucket, _), ok in zip(built, self._retry(enqueue_all, time.monotonic() + self.retry_s)):
             if not ok:
                 raise QueueFull(f"bucket {bucket} is full; earlier prompts of this call were enqueued")
         return [self.result(req.id, timeout=timeout) for _, req in built]

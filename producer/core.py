@@ -5,11 +5,13 @@ Nothing here does I/O; the clients own their connections.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import redis
 from tokenizers import Tokenizer
 
 from common.config import bucket_for
@@ -19,6 +21,37 @@ from common.protocol import MAX_STOP, Error, FleetInfo, Request, Result, decode_
 
 Prompt = str | Sequence[int]
 FLEET_REFRESH_S = 30.0
+RETRY_S = 30.0  # default: how long submit()/fleet() keep retrying through a Redis outage
+BACKOFF_MIN_S = 0.05
+BACKOFF_MAX_S = 2.0
+# What a retry can cure: a dropped connection, a restart (LOADING is a ConnectionError subclass).
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
+
+log = logging.getLogger("producer")
+
+
+class Backoff:
+    """Capped exponential backoff shared by a client's calls; logs once when Redis goes away and once
+    when it is back (not once per retry)."""
+
+    def __init__(self) -> None:
+        self.down_since: float | None = None
+
+    def delay(self, attempt: int, exc: BaseException) -> float:
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            log.warning("redis unavailable (%s: %s); retrying", type(exc).__name__, str(exc)[:200])
+        return min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** min(attempt, 16))
+
+    def ok(self) -> None:
+        if self.down_since is not None:
+            log.warning("redis available again after %.1fs", time.monotonic() - self.down_since)
+            self.down_since = None
+
+    @staticmethod
+    def wait_left(deadline: float | None, want: float) -> float:
+        """How long to sleep before the next try: ``want`` capped by the deadline (<= 0: give up)."""
+        return want if deadline is None else min(want, deadline - time.monotonic())
 
 
 @dataclass

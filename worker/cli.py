@@ -59,7 +59,8 @@ def engine_options(fn):
 
 
 def build_worker_config(redis_url: str, namespace: str, reply_ttl: int = 3600, max_queue_len: int = 10_000,
-                        name: str | None = None, **kw) -> WorkerConfig:
+                        name: str | None = None, claim_idle_ms: int = 30_000, max_deliveries: int = 3,
+                        **kw) -> WorkerConfig:
     """The one place a WorkerConfig is assembled from CLI values."""
     return WorkerConfig(
         connection=ConnectionConfig(redis_url=redis_url, namespace=namespace),
@@ -69,7 +70,8 @@ def build_worker_config(redis_url: str, namespace: str, reply_ttl: int = 3600, m
         engine=EngineConfig(model=kw["model"], preset=kw["preset"], engine=kw["engine"], mode=kw["mode"],
                             device=kw["device"], dtype=kw["dtype"], block_size=kw["block_size"],
                             kv_cache_gb=kw["kv_cache_gb"]),
-        reply_ttl_s=reply_ttl, max_queue_len=max_queue_len, name=name,
+        reply_ttl_s=reply_ttl, max_queue_len=max_queue_len, name=name, claim_idle_ms=claim_idle_ms,
+        max_deliveries=max_deliveries,
     )
 
 
@@ -80,6 +82,10 @@ def build_worker_config(redis_url: str, namespace: str, reply_ttl: int = 3600, m
               help="Seconds a reply waits for its client.")
 @click.option("--max-queue-len", envvar="BATCHFLEET_MAX_QUEUE_LEN", type=int, default=10_000, show_default=True,
               help="Per-bucket queue length at which producers get QueueFull (0 = unbounded).")
+@click.option("--claim-idle-ms", envvar="BATCHFLEET_CLAIM_IDLE_MS", type=int, default=30_000, show_default=True,
+              help="Reclaim entries a silent (dead) worker left pending this long.")
+@click.option("--max-deliveries", envvar="BATCHFLEET_MAX_DELIVERIES", type=int, default=3, show_default=True,
+              help="Deliveries before an entry is dead-lettered and answered worker_failed.")
 @click.option("--name", envvar="BATCHFLEET_WORKER_NAME", default=None, help="Consumer name (default host-pid-rand).")
 def worker(cache_dir: str, **kw) -> None:
     """Serve bucket streams: read up to max_batch_size entries within max_wait_ms, run, reply."""

@@ -30,14 +30,15 @@ MAX_BLOCK_MS = 2_000
 # KEYS: done, reply, stream. ARGV: group, entry id ('' = none), payload, ttl seconds.
 # Returns 1 when this call wrote the reply, 0 when an earlier writer already had.
 _REPLY_SCRIPT = """
+-- pcall: a stream or group lost with Redis' data must not fail the reply that was just written.
 local first = redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[4])
 if first then
   redis.call('RPUSH', KEYS[2], ARGV[3])
   redis.call('EXPIRE', KEYS[2], ARGV[4])
 end
 if ARGV[2] ~= '' then
-  redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
-  redis.call('XDEL', KEYS[3], ARGV[2])
+  redis.pcall('XACK', KEYS[3], ARGV[1], ARGV[2])
+  redis.pcall('XDEL', KEYS[3], ARGV[2])
 end
 if first then return 1 end
 return 0
@@ -51,6 +52,7 @@ class Entry:
     bucket: int
     entry_id: str
     fields: dict[bytes, bytes]
+    deliveries: int = 1  # times Redis has delivered it (each XAUTOCLAIM adds one)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,18 @@ class Reply:
     payload: bytes
     bucket: int | None  # stream to ack in; None when nothing to ack
     entry_id: str = ""
+
+
+_DEAD_FIELDS = {b"reason", b"bucket", b"worker", b"entry_id", b"deliveries"}
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _autoclaim_reply(resp: list) -> tuple[str, list, int]:
+    """(next cursor, [(id, fields)], number deleted) from an XAUTOCLAIM reply (Redis >= 7 has 3 parts)."""
+    return resp[0], resp[1] or [], len(resp[2]) if len(resp) > 2 and resp[2] else 0
 
 
 def connect(conn: ConnectionConfig) -> redis.Redis:
@@ -86,6 +100,8 @@ class StreamConsumer:
         self.reply_ttl_s = reply_ttl_s
         self.r = connect(conn)
         self._reply = self.r.register_script(_REPLY_SCRIPT)
+        self._fleet: FleetInfo | None = None
+        self._cursors: dict[int, str] = {}  # XAUTOCLAIM cursor per bucket, kept while a budget cuts a scan
         # A blocking read must return before the socket times out, with margin.
         self.max_block_ms = int(min(MAX_BLOCK_MS, conn.socket_timeout_s * 1000 / 2))
 
@@ -99,7 +115,15 @@ class StreamConsumer:
                     raise
 
     def publish_fleet(self, info: FleetInfo) -> None:
+        self._fleet = info
         self.r.set(self.keys.fleet, info.encode())
+
+    def recover(self) -> None:
+        """Redis came back without our state (NOGROUP): re-create the groups and re-publish the fleet."""
+        self.setup()
+        self._cursors.clear()
+        if self._fleet is not None:
+            self.r.set(self.keys.fleet, self._fleet.encode())
 
     def heartbeat(self, status: dict) -> None:
         self.r.set(self.keys.worker(self.name), msgpack.packb(status, use_bin_type=True), ex=10)
@@ -145,14 +169,91 @@ class StreamConsumer:
 
     def dead_letter(self, entry: Entry, reason: str) -> None:
         """Move an entry nobody can be answered for to the capped dead-letter stream, then ack it."""
-        fields = {k: v for k, v in list(entry.fields.items())[:16]}
+        self.give_up(entry, reason, None)
+
+    def give_up(self, entry: Entry, reason: str, reply: Reply | None) -> None:
+        """Dead-letter an entry and, when its job id is known, answer it, in one transaction (then ack)."""
+        # bounded copy: at most 16 fields of 4 KiB each, so the capped stream stays small in bytes too
+        fields = {k[:64]: v[:4096] for k, v in list(entry.fields.items())[:16] if k not in _DEAD_FIELDS}
         fields.update({b"reason": reason[:500].encode(), b"bucket": str(entry.bucket).encode(),
-                       b"worker": self.name.encode(), b"entry_id": entry.entry_id.encode()})
+                       b"worker": self.name.encode(), b"entry_id": entry.entry_id.encode(),
+                       b"deliveries": str(entry.deliveries).encode()})
+        stream = self.keys.stream(entry.bucket)
         pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
-        pipe.xack(self.keys.stream(entry.bucket), self.keys.group, entry.entry_id)
-        pipe.xdel(self.keys.stream(entry.bucket), entry.entry_id)
+        pipe.xadd(self.keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=False)  # rare: exact cap
+        if reply is not None:
+            self._reply(keys=[self.keys.done(reply.job_id), self.keys.reply(reply.job_id), stream],
+                        args=[self.keys.group, entry.entry_id, reply.payload, self.reply_ttl_s], client=pipe)
+        else:
+            pipe.xack(stream, self.keys.group, entry.entry_id)
+            pipe.xdel(stream, entry.entry_id)
         pipe.execute()
+
+    # ---- redelivery (see worker/reclaim.py for the policy) -----------------------------------------
+    def reclaim(self, min_idle_ms: int, budget: int) -> list[Entry]:
+        """Take over entries pending longer than ``min_idle_ms`` (their consumer died), at most ``budget``.
+
+        XAUTOCLAIM is followed until its cursor returns to 0-0; when the budget cuts a scan short the
+        cursor is kept, so the next call resumes there. Entries deleted while pending are dropped from
+        the PEL by Redis itself (reported in the third reply element; we only count them).
+        """
+        out: list[Entry] = []
+        for b in self.buckets:
+            stream = self.keys.stream(b)
+            cursor = self._cursors.pop(b, "0-0")
+            while len(out) < budget:
+                nxt, claimed, deleted = _autoclaim_reply(self.r.xautoclaim(
+                    stream, self.keys.group, self.name, min_idle_ms, start_id=cursor, count=budget - len(out)))
+                if deleted:
+                    log.info("%d pending entries of %s were deleted before they could be reclaimed", deleted, stream)
+                out += [Entry(b, _s(eid), fields) for eid, fields in claimed if fields is not None]
+                cursor = _s(nxt)
+                if cursor == "0-0":
+                    break
+            if cursor != "0-0":
+                self._cursors[b] = cursor
+        return self._with_delivery_counts(out)
+
+    def _with_delivery_counts(self, entries: list[Entry]) -> list[Entry]:
+        if not entries:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for e in entries:
+            pipe.xpending_range(self.keys.stream(e.bucket), self.keys.group, e.entry_id, e.entry_id, 1)
+        counts = []
+        for rows in pipe.execute():
+            counts.append(int(rows[0]["times_delivered"]) if rows else 1)
+        return [Entry(e.bucket, e.entry_id, e.fields, n) for e, n in zip(entries, counts)]
+
+    def release(self, entries: list[Entry], idle_ms: int) -> None:
+        """Leave entries pending but make them look ``idle_ms`` idle, so the next reclaim (any worker's)
+        redelivers them at once. JUSTID: the delivery count is not raised by this claim."""
+        self._claim(entries, min_idle_ms=0, idle=idle_ms)
+
+    def refresh(self, entries: list[Entry], min_idle_ms: int) -> None:
+        """Lease renewal: reset the idle time of entries this worker still holds (no delivery count change).
+        ``min_idle_ms`` > 0 keeps us from taking back an entry another worker has just reclaimed."""
+        self._claim(entries, min_idle_ms=min_idle_ms, idle=None)
+
+    def _claim(self, entries: list[Entry], min_idle_ms: int, idle: int | None) -> None:
+        by_bucket: dict[int, list[str]] = {}
+        for e in entries:
+            by_bucket.setdefault(e.bucket, []).append(e.entry_id)
+        if not by_bucket:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for b, ids in by_bucket.items():
+            pipe.xclaim(self.keys.stream(b), self.keys.group, self.name, min_idle_ms, ids, idle=idle, justid=True)
+        pipe.execute()
+
+    def answered(self, job_ids: list[str]) -> list[bool]:
+        """Whether each job already has its (first-writer-wins) reply."""
+        if not job_ids:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.exists(self.keys.done(job_id))
+        return [bool(x) for x in pipe.execute()]
 
     def ack(self, entry: Entry) -> None:
         """Acknowledge and delete an entry that needs no reply of its own (a duplicate delivery)."""

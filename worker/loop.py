@@ -1,8 +1,12 @@
 """The worker loop: the only place that wires stream consumer, batcher and engine together.
 
-One tick: read new entries (blocking only while the engine is idle, and never past the next batch
-deadline), validate them, expire dead ones, admit a batch (or joins, in continuous mode), run one
-engine step, write its replies. Replies are written before entries are acked (one script per reply).
+One tick: flush unsent replies, take over entries dead workers left pending, read new entries (blocking
+only while the engine is idle, and never past the next batch deadline), validate them, expire dead ones,
+admit a batch (or joins, in continuous mode), run one engine step, write its replies.
+
+Invariants: an entry is acked only by the script that writes its reply (or dead-letters it), so whatever
+dies, it stays pending until answered; replies that could not be written wait in ``outbox`` and are
+retried after an outage; one entry's failure (bad input, a bug, an engine fault) costs only that entry.
 """
 
 from __future__ import annotations
@@ -11,25 +15,29 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import redis
 
 from common.config import WorkerConfig
-from common.errors import DEADLINE_EXCEEDED, ENGINE_ERROR
+from common.errors import ENGINE_ERROR
 from common.protocol import Error, Result
 from worker.batcher import Batcher
-from worker.consumer import Reply, StreamConsumer
+from worker.consumer import Entry, Reply, StreamConsumer
 from worker.engine.base import Completion, Engine
-from worker.intake import Accepted, Limits, Rejected, accept
+from worker.intake import Accepted, Limits
+from worker.loop_intake import REDIS_DOWN, IntakeMixin
+from worker.outage import Outage
+from worker.reclaim import LeaseKeeper
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0
-BACKOFF_MAX_S = 5.0
+SHUTDOWN_OUTAGE_GRACE_S = 10.0  # on shutdown, how long to keep retrying replies Redis will not take
 
 
-class WorkerLoop:
-    """Drives one engine from the bucket streams until stopped."""
+class WorkerLoop(IntakeMixin):
+    """Drives one engine from the bucket streams until stopped (intake half: worker/loop_intake.py)."""
 
     def __init__(self, cfg: WorkerConfig, engine: Engine, consumer: StreamConsumer, limits: Limits) -> None:
         self.cfg = cfg
@@ -41,95 +49,95 @@ class WorkerLoop:
         self.continuous = cfg.engine.mode == "continuous" and engine.accepts_joins
         self.waiting: dict[str, Accepted] = {}  # read, validated, not yet in the engine
         self.active: dict[str, Accepted] = {}  # in the engine
-        self.solo: deque[Accepted] = deque()  # batchmates of a failed batch, retried one at a time
+        self.solo: deque[Accepted] = deque()  # run one at a time: batchmates of a failed batch, redeliveries
         self.solo_ids: set[str] = set()
+        self.outbox: list[Reply] = []  # computed replies Redis has not taken yet
         self.bucket: int | None = None  # bucket of the batch in the engine
         self.stopping = threading.Event()
-        self.counters = {"batches": 0, "completed": 0, "errors": 0, "dead_lettered": 0, "batched_requests": 0}
+        self.counters = {"batches": 0, "completed": 0, "errors": 0, "dead_lettered": 0, "batched_requests": 0,
+                         "reclaimed": 0, "released": 0, "internal_errors": 0}
+        self.outage = Outage(log, "redis")
+        self.faults = Outage(log, "worker loop")
+        self._held: tuple[Entry, ...] = ()  # snapshot for the lease keeper thread (replaced, never mutated)
+        self.lease = LeaseKeeper(consumer, cfg.claim_idle_ms, lambda: self._held)
+        self._next_reclaim = 0.0
+        self._stop_at: float | None = None
         self._last_heartbeat = 0.0
-        self._backoff = 0.0
         self._flush_seen = consumer.flush_counter() if self.batcher.static else 0
         self._flush_checked = 0.0
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def run(self) -> None:
-        """Serve until ``stopping`` is set, then finish the running batch and hand back the rest."""
-        while not self.stopping.is_set() or self.engine.has_work():
-            try:
-                self.tick()
-                self._backoff = 0.0
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                self._backoff = min(BACKOFF_MAX_S, max(0.1, self._backoff * 2))
-                log.warning("redis unavailable (%s); retrying in %.1fs", exc.__class__.__name__, self._backoff)
-                self.stopping.wait(self._backoff)
-        self._hand_back()
+        """Serve until ``stopping`` is set, then finish the running batch and hand back the rest.
+
+        Never raises for Redis outages or one bad entry: it backs off (capped, one log line per state
+        change) and resumes by itself; NOGROUP (Redis came back empty) re-creates groups and fleet info.
+        """
+        self.lease.start()
+        try:
+            while self._keep_running():
+                self._guarded(self.tick)
+        finally:
+            self.lease.stop()
+            self._guarded(self._hand_back)
+
+    def _keep_running(self) -> bool:
+        if not self.stopping.is_set():
+            return True
+        if self._stop_at is None:
+            self._stop_at = time.monotonic()
+        if not (self.engine.has_work() or self.outbox):
+            return False
+        if self.outage.down and time.monotonic() - self._stop_at > SHUTDOWN_OUTAGE_GRACE_S:
+            log.warning("stopping during an outage: %d unanswered entries stay pending for other workers",
+                        len(self.outbox) + self.engine.num_active())
+            return False
+        return True
+
+    def _guarded(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+            self.outage.ok()
+            self.faults.ok()
+        except REDIS_DOWN as exc:
+            self._sleep(self.outage.failed(exc))
+        except redis.ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                log.warning("consumer groups are gone (Redis lost its data?): re-creating them and the fleet info")
+                try:
+                    self.consumer.recover()
+                except redis.RedisError as again:
+                    self._sleep(self.outage.failed(again))
+            else:  # NOPERM, OOM, READONLY, ...: an operator must act; keep retrying slowly
+                self._sleep(self.outage.failed(exc))
+        except Exception:  # a bug must not kill the worker: log it, back off, keep serving
+            self.counters["internal_errors"] += 1
+            log.exception("worker loop tick failed")
+            self._sleep(self.faults.failed(RuntimeError("tick failed")))
+
+    def _sleep(self, seconds: float) -> None:
+        if self.stopping.is_set():
+            time.sleep(seconds)
+        else:
+            self.stopping.wait(seconds)
 
     def tick(self) -> None:
-        now = time.time()
-        self._read(now)
+        self._flush_outbox()
+        self._reclaim(time.time())
+        self._read(time.time())
         now = time.time()
         self._expire(now)
         self._admit(now)
         if self.engine.has_work():
             self._step()
+        self._flush_outbox()
         self._heartbeat()
 
-    # ---- intake ----------------------------------------------------------------------------------
-    def _read(self, now: float) -> None:
-        if self.stopping.is_set():
-            return
-        mbs = self.cfg.batching.max_batch_size
-        room = 2 * mbs - len(self.waiting)  # hold at most two batches locally: leave the rest to peers
-        busy = self.engine.has_work() or bool(self.solo)
-        if room <= 0:
-            deadline = self.batcher.next_deadline()
-            if not busy and deadline is not None and deadline > now:
-                time.sleep(min(deadline - now, 0.5))
-            return
-        if busy:
-            block_ms: int | None = None
-        else:
-            deadline = self.batcher.next_deadline()
-            if deadline is None and self.batcher.static and len(self.batcher):
-                deadline = now + 0.05  # poll the flush counter while a partial static batch waits
-            block_ms = self.consumer.max_block_ms if deadline is None else int((deadline - now) * 1000) + 1
-            if block_ms <= 0:
-                return
-        entries = self.consumer.read(count=room, block_ms=block_ms)
-        now = time.time()
-        for entry in entries:
-            outcome = accept(entry, self.consumer.keys, self.limits, now)
-            if isinstance(outcome, Rejected):
-                self._reject(outcome)
-            elif outcome.gen.id in self.waiting or outcome.gen.id in self.active:
-                # same job delivered twice (re-added after a crash): the first copy answers for both
-                self.consumer.ack(entry)
-            else:
-                self.waiting[outcome.gen.id] = outcome
-                self.batcher.add(outcome, entry.bucket, outcome.enqueued_at)
-
-    def _reject(self, rej: Rejected) -> None:
-        self.counters["errors"] += 1
-        if rej.error is None:
-            log.warning("dead-lettering entry %s: %s", rej.entry.entry_id, rej.reason)
-            self.counters["dead_lettered"] += 1
-            self.consumer.dead_letter(rej.entry, rej.reason)
-        else:
-            self.consumer.write_replies([Reply(rej.error.id, rej.error.encode(), rej.entry.bucket, rej.entry.entry_id)])
-
-    def _expire(self, now: float) -> None:
-        def expired(acc: Accepted) -> bool:
-            return acc.request.deadline is not None and acc.request.deadline <= now
-
-        gone = self.batcher.expire(expired)
-        if gone:
-            replies = []
-            for acc in gone:
-                self.waiting.pop(acc.gen.id, None)
-                err = Error(acc.gen.id, DEADLINE_EXCEEDED, "deadline passed before the request was scheduled")
-                replies.append(Reply(acc.gen.id, err.encode(), acc.entry.bucket, acc.entry.entry_id))
-            self.counters["errors"] += len(replies)
-            self.consumer.write_replies(replies)
+    def _publish_held(self) -> None:
+        """Refresh what the lease keeper renews: every entry read and not yet answered."""
+        accs = [*self.waiting.values(), *self.active.values(), *self.solo]
+        self._held = tuple(acc.entry for acc in accs) + tuple(
+            Entry(r.bucket, r.entry_id, {}) for r in self.outbox if r.bucket is not None)
 
     # ---- scheduling ------------------------------------------------------------------------------
     def _check_flush(self, now: float) -> None:
@@ -153,7 +161,7 @@ class WorkerLoop:
             if popped is not None:
                 self.bucket = popped[0]
                 self._start(popped[1], kind="batch")
-        elif self.continuous and self.bucket is not None and not self.solo:
+        elif self.continuous and self.bucket is not None and not self.solo and not self.stopping.is_set():
             if self.batcher.other_bucket_ready(self.bucket, now):
                 return  # let the running batch drain so the older bucket gets its turn
             room = self.cfg.batching.max_batch_size - self.engine.num_active()
@@ -165,13 +173,18 @@ class WorkerLoop:
             self.waiting.pop(acc.gen.id, None)
             self.active[acc.gen.id] = acc
         self.engine.add([acc.gen for acc in items])
+        self._publish_held()
         if kind != "join":
             self.counters["batches"] += 1
         self.counters["batched_requests"] += len(items)
-        self.consumer.log_batch({
-            "worker": self.consumer.name, "kind": kind, "bucket": items[0].entry.bucket,
-            "size": self.engine.num_active(), "ids": [acc.gen.id for acc in items], "at": f"{time.time():.6f}",
-        })
+        try:
+            self.consumer.log_batch({
+                "worker": self.consumer.name, "kind": kind, "bucket": items[0].entry.bucket,
+                "size": self.engine.num_active(), "ids": [acc.gen.id for acc in items],
+                "at": f"{time.time():.6f}",
+            })
+        except redis.RedisError as exc:  # the audit record is best effort; the batch runs regardless
+            log.debug("batch record not written: %r", exc)
 
     def _step(self) -> None:
         try:
@@ -182,21 +195,30 @@ class WorkerLoop:
         self._answer(completions)
 
     def _engine_failed(self, exc: Exception) -> None:
+        """A failed batch is retried one request at a time; a request failing alone is released for
+        redelivery (another worker, or this one, retries it) until max_deliveries, then given up."""
         failed = list(self.active.values())
         self.active.clear()
-        self.engine.reset()
+        try:
+            self.engine.reset()
+        except Exception:
+            log.exception("engine reset failed")
         log.error("engine step failed with %d active request(s): %r", len(failed), exc)
-        replies = []
-        for acc in failed:
-            if len(failed) > 1 and acc.gen.id not in self.solo_ids:
+        if len(failed) > 1:
+            for acc in failed:  # retried alone: its batchmates must not pay for a poison request
                 self.solo_ids.add(acc.gen.id)
-                self.solo.append(acc)  # retried alone: its batchmates must not pay for a poison request
+                self.solo.append(acc)
+            self._publish_held()
+            return
+        for acc in failed:
+            self.solo_ids.discard(acc.gen.id)
+            if acc.entry.deliveries >= self.cfg.max_deliveries:
+                self._give_up(acc.entry, f"engine failed on this request on each of {acc.entry.deliveries} "
+                                         f"deliveries; last error: {exc!r}"[:500])
             else:
-                self.solo_ids.discard(acc.gen.id)
-                err = Error(acc.gen.id, ENGINE_ERROR, f"engine failed on this request: {exc!r}"[:500])
-                replies.append(Reply(acc.gen.id, err.encode(), acc.entry.bucket, acc.entry.entry_id))
-        self.counters["errors"] += len(replies)
-        self.consumer.write_replies(replies)
+                self.counters["released"] += 1
+                self._publish_held()  # stop renewing its lease before releasing it
+                self.consumer.release([acc.entry], idle_ms=self.cfg.claim_idle_ms)
 
     def _answer(self, completions: list[Completion]) -> None:
         if not completions:
@@ -206,21 +228,44 @@ class WorkerLoop:
         for c in completions:
             acc = self.active.pop(c.id)
             self.solo_ids.discard(c.id)
-            if c.error is not None:
-                payload = Error(c.id, ENGINE_ERROR, c.error).encode()
+            try:
+                payload = self._encode(c, acc, now)
+            except Exception as exc:  # e.g. unencodable text: answer this one with an error, keep going
+                log.exception("could not encode the result of %s", c.id)
+                payload = Error(c.id, ENGINE_ERROR, f"result could not be encoded: {exc!r}"[:500]).encode()
                 self.counters["errors"] += 1
-            else:
-                t0 = acc.enqueued_at
-                payload = Result(
-                    id=c.id, token_ids=c.token_ids, text=c.text, finish_reason=c.finish_reason,
-                    prompt_tokens=len(acc.gen.prompt), completion_tokens=len(c.token_ids),
-                    queue_ms=(c.started_at - t0) * 1000, ttft_ms=(c.first_token_at - t0) * 1000,
-                    total_ms=(now - t0) * 1000, worker=self.consumer.name, batch_size=c.batch_size,
-                    extra={"bucket": acc.entry.bucket},
-                ).encode()
-                self.counters["completed"] += 1
             replies.append(Reply(c.id, payload, acc.entry.bucket, acc.entry.entry_id))
-        self.consumer.write_replies(replies)
+        self._send(replies)
+
+    def _encode(self, c: Completion, acc: Accepted, now: float) -> bytes:
+        if c.error is not None:
+            self.counters["errors"] += 1
+            return Error(c.id, ENGINE_ERROR, c.error).encode()
+        t0 = acc.enqueued_at
+        payload = Result(
+            id=c.id, token_ids=c.token_ids, text=c.text, finish_reason=c.finish_reason,
+            prompt_tokens=len(acc.gen.prompt), completion_tokens=len(c.token_ids),
+            queue_ms=(c.started_at - t0) * 1000, ttft_ms=(c.first_token_at - t0) * 1000,
+            total_ms=(now - t0) * 1000, worker=self.consumer.name, batch_size=c.batch_size,
+            extra={"bucket": acc.entry.bucket},
+        ).encode()
+        self.counters["completed"] += 1
+        return payload
+
+    # ---- replies ---------------------------------------------------------------------------------
+    def _send(self, replies: list[Reply]) -> None:
+        """Queue replies and try to write them now; on an outage they wait in the outbox (still leased)."""
+        self.outbox.extend(replies)
+        self._publish_held()
+        self._flush_outbox()
+
+    def _flush_outbox(self) -> None:
+        if not self.outbox:
+            return
+        batch = list(self.outbox)
+        self.consumer.write_replies(batch)  # idempotent: first writer wins, ack/del repeatable
+        del self.outbox[:len(batch)]
+        self._publish_held()
 
     # ---- housekeeping ----------------------------------------------------------------------------
     def _heartbeat(self) -> None:
@@ -234,15 +279,15 @@ class WorkerLoop:
         return {
             "name": self.consumer.name, "engine": self.cfg.engine.engine, "mode": self.cfg.engine.mode,
             "buckets": list(self.cfg.batching.buckets), "waiting": len(self.waiting),
-            "active": len(self.active), "at": time.time(), **self.counters,
+            "active": len(self.active), "outbox": len(self.outbox), "at": time.time(), **self.counters,
             **{f"engine_{k}": v for k, v in self.engine.stats().items()},
         }
 
     def _hand_back(self) -> None:
         """On shutdown, return read-but-unstarted entries to their streams for other workers."""
         entries = [acc.entry for acc in self.waiting.values()] + [acc.entry for acc in self.solo]
-        self.waiting.clear()
-        self.solo.clear()
         if entries:
             log.info("handing back %d queued entries", len(entries))
             self.consumer.hand_back(entries)
+        self.waiting.clear()
+        self.solo.clear()

@@ -1,0 +1,178 @@
+"""Reliability guarantees with an in-process worker on the shared test Redis: poison isolation and
+dead-lettering, deadlines, backpressure, bounded keys, re-creating lost groups. (Kill, restart, fuzz and
+ACL tests live in their own test_reliability_*/test_fuzz*/test_acl* files.)"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+from common.errors import WORKER_FAILED, JobFailed, QueueFull, Timeout
+from common.keys import Keys
+from common.protocol import FleetInfo
+from producer import Client
+from tests.conftest import worker_config
+from tests.test_reliability_helpers import (
+    POISON_TOKEN,
+    LoopThread,
+    PoisonEngine,
+    dead_letters,
+    request_fields,
+    wait_until,
+)
+
+
+def _native_works() -> bool:
+    try:
+        from worker.native.engine import NativeEngine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+ENGINES = ["hf"] + (["native"] if _native_works() else [])
+
+
+@pytest.fixture
+def loops(redis_url, namespace, tiny_model_dir, cache_dir):
+    started: list[LoopThread] = []
+
+    def start(wrap=None, **kw) -> LoopThread:
+        t = LoopThread(worker_config(redis_url, namespace, tiny_model_dir, **kw), cache_dir, wrap)
+        started.append(t)
+        return t
+
+    yield start
+    for t in started:
+        t.stop()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_poison_request_dead_lettered_batchmates_answered(loops, redis_url, namespace, engine):
+    t = loops(wrap=PoisonEngine, engine=engine, max_wait_ms=300, max_batch_size=8, claim_idle_ms=1000,
+              max_deliveries=2)
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(namespace)
+    with Client(redis_url, namespace) as client:
+        good = [client.submit([11 + i, 12, 13], max_new_tokens=3) for i in range(4)]
+        poison = client.submit([11, POISON_TOKEN, 13], max_new_tokens=3)
+        t0 = time.monotonic()
+        results = [client.result(j, timeout=30) for j in good]
+        with pytest.raises(JobFailed) as failed:
+            client.result(poison, timeout=30)
+        elapsed = time.monotonic() - t0
+    assert failed.value.code == WORKER_FAILED
+    assert [res.completion_tokens for res in results] == [3] * 4
+    # they really were batchmates: one batch record holds all five
+    records = [f for _, f in r.xrange(keys.batches)]
+    assert any(set(good + [poison]) <= set(f[b"ids"].decode().split(",")) for f in records)
+    dead = [d for d in dead_letters(r, keys) if d[b"id"] == poison.encode()]
+    assert len(dead) == 1 and int(dead[0][b"deliveries"]) == 2
+    assert r.llen(keys.reply(poison)) == 0  # exactly one reply, already consumed
+    assert t.loop.counters["released"] == 1 and t.thread.is_alive()
+    assert sum(r.xlen(keys.stream(b)) for b in (32, 64, 128, 256)) == 0
+    print(f"\npoison ({engine}): dead-lettered after 2 deliveries in {elapsed:.2f}s")
+
+
+def test_deadline_exceeded_answered_without_computing(loops, redis_url, namespace):
+    loops(max_wait_ms=1500, max_batch_size=8)
+    r = redis.Redis.from_url(redis_url)
+    with Client(redis_url, namespace) as client:
+        client.generate([20, 21], max_new_tokens=1)  # warm
+        job = client.submit([20, 21, 22], max_new_tokens=4, timeout=0.2)
+        with pytest.raises(Timeout, match="deadline passed"):
+            client.result(job, timeout=10)  # the worker's answer, not our own timeout
+        with pytest.raises(Timeout):
+            client.generate([20, 21, 22], max_new_tokens=4, timeout=0.3)
+    ids = b",".join(f[b"ids"] for _, f in r.xrange(Keys(namespace).batches))
+    assert job.encode() not in ids
+
+
+def _publish_fleet(redis_url: str, keys: Keys, tiny_model_dir: Path, max_queue_len: int) -> None:
+    info = FleetInfo(model="tiny", tokenizer_json=(tiny_model_dir / "tokenizer.json").read_text(),
+                     buckets=(32, 64), max_seq_len=128, max_batch_size=4, vocab_size=320, eos_token_ids=(2,),
+                     max_queue_len=max_queue_len)
+    redis.Redis.from_url(redis_url).set(keys.fleet, info.encode())
+
+
+def test_queue_full_raises_at_once_and_enqueues_nothing(redis_url, namespace, tiny_model_dir):
+    keys = Keys(namespace)
+    _publish_fleet(redis_url, keys, tiny_model_dir, max_queue_len=3)
+    r = redis.Redis.from_url(redis_url)
+    with Client(redis_url, namespace) as client:
+        for _ in range(3):
+            client.submit([5, 6], max_new_tokens=2)
+        t0 = time.monotonic()
+        with pytest.raises(QueueFull):
+            client.submit([5, 6], max_new_tokens=2)
+        assert time.monotonic() - t0 < 0.5
+        assert client.submit([5] * 40, max_new_tokens=2)  # another bucket has its own limit
+        with pytest.raises(QueueFull):
+            client.generate_many([[5, 6]], max_new_tokens=2)
+    assert r.xlen(keys.stream(32)) == 3 and r.xlen(keys.stream(64)) == 1
+
+
+def test_no_key_grows_without_bound(loops, redis_url, namespace, monkeypatch):
+    import worker.consumer
+
+    monkeypatch.setattr(worker.consumer, "DEAD_LETTER_MAXLEN", 20)
+    loops(max_wait_ms=5, reply_ttl_s=30)
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(namespace)
+    pipe = r.pipeline(transaction=False)
+    for i in range(60):
+        pipe.xadd(keys.stream(32), {"junk": str(i)})  # no id: dead-lettered
+    pipe.execute()
+    with Client(redis_url, namespace) as client:
+        jobs = [client.submit([30, 31], max_new_tokens=2) for _ in range(3)]
+        wait_until(lambda: all(r.exists(keys.done(j)) for j in jobs), 30, "replies")
+        for j in jobs:
+            assert 0 < r.ttl(keys.done(j)) <= 30 and 0 < r.ttl(keys.reply(j)) <= 30
+            client.result(j, timeout=10)
+        wait_until(lambda: r.xlen(keys.stream(32)) == 0, 30, "junk consumed")
+    assert r.xlen(keys.dead) == 20  # capped
+    assert sum(r.xlen(keys.stream(b)) for b in (32, 64, 128, 256)) == 0  # acked entries are deleted
+    assert r.xpending(keys.stream(32), keys.group)["pending"] == 0
+    assert r.ttl(keys.worker(next(iter(r.scan_iter(match=keys.worker("*")))).decode().split(":")[-1])) > 0
+
+
+def test_groups_and_fleet_recreated_when_redis_comes_back_empty(loops, redis_url, namespace):
+    from worker.spawn import delete_namespace
+
+    loops(max_wait_ms=5)
+    keys = Keys(namespace)
+    r = redis.Redis.from_url(redis_url)
+    with Client(redis_url, namespace) as client:
+        client.generate([40, 41], max_new_tokens=2)
+        delete_namespace(redis_url, keys)  # what a restart without persistence looks like to us
+        wait_until(lambda: r.exists(keys.fleet), 15, "fleet re-published")
+        res = client.generate([40, 41], max_new_tokens=2, timeout=30)
+    assert res.completion_tokens == 2
+
+
+def test_internal_error_on_one_entry_costs_that_entry_only(loops, redis_url, namespace, monkeypatch):
+    import worker.loop_intake
+
+    real_accept = worker.loop_intake.accept
+
+    def flaky_accept(entry, *a, **kw):
+        if entry.fields.get(b"id", b"").startswith(b"boom"):
+            raise RuntimeError("simulated bug")
+        return real_accept(entry, *a, **kw)
+
+    monkeypatch.setattr(worker.loop_intake, "accept", flaky_accept)
+    t = loops(max_wait_ms=20)
+    keys = Keys(namespace)
+    r = redis.Redis.from_url(redis_url)
+    boom = f"boom{uuid.uuid4().hex[:6]}"
+    r.xadd(keys.stream(32), request_fields(keys, boom, [3, 4]))
+    with Client(redis_url, namespace) as client:
+        with pytest.raises(JobFailed) as failed:
+            client.result(boom, timeout=10)
+        assert failed.value.code == WORKER_FAILED
+        assert client.generate([3, 4], max_new_tokens=2).completion_tokens == 2
+    assert t.loop.counters["internal_errors"] == 1 and t.thread.is_alive()

@@ -1,0 +1,105 @@
+"""Helpers shared by the reliability, fuzz and ACL tests (no tests here).
+
+``PoisonEngine`` is TEST ONLY: it wraps a real engine and raises whenever a request holding the marker
+token is in the running batch. It is never built by the worker itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+
+from common.config import WorkerConfig
+from common.keys import Keys
+from common.protocol import Request
+from worker.engine.base import Completion, GenRequest
+from worker.loop import WorkerLoop
+
+POISON_TOKEN = 7
+
+
+class PoisonEngine:
+    """TEST ONLY engine wrapper: a step raises while a request containing ``marker`` is active."""
+
+    def __init__(self, inner, marker: int = POISON_TOKEN) -> None:
+        self.inner = inner
+        self.marker = marker
+        self.accepts_joins = inner.accepts_joins
+        self._poisoned: set[str] = set()
+        self.failures = 0
+
+    def add(self, requests: list[GenRequest]) -> None:
+        self._poisoned |= {r.id for r in requests if self.marker in r.prompt}
+        self.inner.add(requests)
+
+    def step(self) -> list[Completion]:
+        if self._poisoned:
+            self.failures += 1
+            raise RuntimeError(f"test poison in {sorted(self._poisoned)}")
+        return self.inner.step()
+
+    def has_work(self) -> bool:
+        return self.inner.has_work()
+
+    def num_active(self) -> int:
+        return self.inner.num_active()
+
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats()
+
+    def reset(self) -> None:
+        self._poisoned.clear()
+        self.inner.reset()
+
+
+class LoopThread:
+    """A real WorkerLoop in a thread; ``wrap`` may replace its engine (e.g. PoisonEngine)."""
+
+    def __init__(self, cfg: WorkerConfig, cache_dir: Path, wrap: Callable | None = None) -> None:
+        from worker.main import build_loop
+
+        self.loop: WorkerLoop = build_loop(cfg, cache_dir)
+        if wrap is not None:
+            self.loop.engine = wrap(self.loop.engine)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.loop.run()
+        except BaseException as exc:
+            self.error = exc
+
+    def stop(self) -> None:
+        self.loop.stopping.set()
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "worker thread did not stop"
+        self.loop.consumer.close()
+        if self.error is not None:
+            raise self.error
+
+
+def request_fields(keys: Keys, job_id: str, prompt: list[int], **kw) -> dict[str, bytes]:
+    """The stream entry a producer would XADD for this request."""
+    req = Request(id=job_id, prompt=prompt, reply_key=keys.reply(job_id), enqueued_at=time.time(),
+                  max_new_tokens=kw.pop("max_new_tokens", 2), **kw)
+    return {"id": job_id.encode(), "p": req.encode()}
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.02) -> float:
+    """Poll ``cond`` until true; returns the seconds it took. Fails the test on timeout."""
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(every_s)
+    return time.monotonic() - t0
+
+
+def dead_letters(r: redis.Redis, keys: Keys) -> list[dict[bytes, bytes]]:
+    return [fields for _, fields in r.xrange(keys.dead)]

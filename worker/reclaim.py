@@ -1,0 +1,74 @@
+"""Redelivery policy: taking over what dead workers left pending, and keeping what we hold from being taken.
+
+Invariants (the Redis commands live in worker/consumer.py):
+
+- An entry stays in the group's pending list (PEL) from XREADGROUP until the reply script acks it, so a
+  worker that dies at any moment leaves it pending. After ``claim_idle_ms`` without a lease renewal a live
+  worker XAUTOCLAIMs it (delivery count + 1) and runs it again; the ``done`` marker turns a second reply
+  into a no-op, so a client never sees two answers.
+- A live worker renews the lease of everything it holds (LeaseKeeper: XCLAIM JUSTID every claim_idle/4,
+  from its own thread, so a long engine step does not let its entries go idle): only entries of a dead
+  worker (or one frozen for claim_idle_ms) are ever taken over.
+- A delivery count above ``max_deliveries`` dead-letters the entry and answers ``worker_failed``.
+- A request delivered ``SOLO_FROM_DELIVERY`` times or more runs alone: it may be what killed a worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from worker.consumer import Entry
+
+log = logging.getLogger(__name__)
+
+SOLO_FROM_DELIVERY = 3
+MIN_RECLAIM_PERIOD_S = 0.2
+
+
+def reclaim_period_s(claim_idle_ms: int) -> float:
+    """How often a worker looks for abandoned entries: twice per idle window (so recovery takes at most
+    ~1.5 x claim_idle_ms after a crash), never more than 5 times a second."""
+    return max(MIN_RECLAIM_PERIOD_S, claim_idle_ms / 2000)
+
+
+def split_exhausted(entries: Sequence[Entry], max_deliveries: int) -> tuple[list[Entry], list[Entry]]:
+    """(entries to run again, entries delivered more than max_deliveries times)."""
+    keep = [e for e in entries if e.deliveries <= max_deliveries]
+    spent = [e for e in entries if e.deliveries > max_deliveries]
+    return keep, spent
+
+
+class LeaseKeeper:
+    """Background thread renewing the idle time of every entry the loop holds.
+
+    ``held`` returns the loop's latest snapshot (a tuple the loop replaces atomically); the thread never
+    touches the loop's own containers.
+    """
+
+    def __init__(self, consumer, claim_idle_ms: int, held: Callable[[], Sequence[Entry]]) -> None:
+        self.consumer = consumer
+        self.interval_s = claim_idle_ms / 4000
+        self.min_idle_ms = max(1, claim_idle_ms // 8)
+        self.held = held
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            entries = list(self.held())
+            if not entries:
+                continue
+            try:
+                self.consumer.refresh(entries, self.min_idle_ms)
+            except Exception as exc:  # an outage: the loop logs it; entries may be reclaimed, replies stay unique
+                log.debug("lease renewal failed: %r", exc)
