@@ -80,6 +80,7 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[int]:
         """Compute one step for ``batch`` and return one sampled token per sequence."""
         logits = self._prefill(batch) if batch.is_prefill else self._decode(batch)  # [B, V]
+        logits = logits.float()  # like transformers' generate; argmax is also ~4x faster than on bf16
         payloads = [s.payload for s in batch.seqs]
         tokens = sample(logits, [p.req for p in payloads], [p.gen for p in payloads])
         return tokens.tolist()
