@@ -44,3 +44,31 @@ def test_runner_falls_back_to_gather_without_kernel(monkeypatch, tmp_path):
     assert engine.runner.decode_mode == "gather"
     with pytest.raises(ValueError):
         make_engine(build_model("llama", tmp_path), decode="kernel")
+
+
+def test_unsupported_model_type_is_refused():
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from worker.native.model import NativeModel
+
+    cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=50)
+    with pytest.raises(NotImplementedError, match="qwen3"):
+        NativeModel(AutoModelForCausalLM.from_config(cfg), 64)
+
+
+@needs_kernel
+def test_bf16_engine_runs_both_decode_paths(tmp_path):
+    from tests.test_native_util import build_model, make_engine, prompt, request, run_all
+    from worker.models import load_model
+
+    path = build_model("qwen2", tmp_path).path
+    loaded = load_model(path, "cpu", "bfloat16")
+    reqs = [request(i, prompt(i, 10 + 20 * i), 12) for i in range(4)]
+    outs = []
+    for decode in ("kernel", "gather"):
+        done = run_all(make_engine(loaded, decode=decode), [reqs])
+        assert all(c.error is None and 1 <= len(c.token_ids) <= 12 for c in done.values())
+        outs.append({k: v.token_ids for k, v in done.items()})
+    same = sum(outs[0][k] == outs[1][k] for k in outs[0])
+    assert same >= 2  # bf16 rounding may flip a near-tie, but not everywhere

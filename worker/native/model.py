@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # same block structure; others differ (qk-norm, ...)
+
 # attn(layer_idx, q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, D]) -> [B, S, H * D]
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -55,6 +57,11 @@ class NativeModel:
 
     def __init__(self, hf_model: torch.nn.Module, max_positions: int) -> None:
         cfg = hf_model.config
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise NotImplementedError(
+                f"the native engine runs {', '.join(SUPPORTED_MODEL_TYPES)} models, not {cfg.model_type!r}: "
+                "use --engine hf"
+            )
         inner = hf_model.model
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
