@@ -41,16 +41,13 @@ def contiguous_waste(seq_lens: Iterable[int], max_seq_len: int) -> int:
 
 
 def eos_ids_of(model: torch.nn.Module, tokenizer) -> frozenset[int]:
-    """EOS ids as transformers' generate sees them (config and generation config)."""
-    ids: set[int] = set()
-    for src in (model.config, getattr(model, "generation_config", None)):
+    """EOS ids as transformers' generate sees them: the generation config's, else the model config's,
+    else the tokenizer's."""
+    for src in (getattr(model, "generation_config", None), model.config):
         eos = getattr(src, "eos_token_id", None) if src is not None else None
-        if eos is None:
-            continue
-        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    if not ids and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
+        if eos is not None:
+            return frozenset(eos if isinstance(eos, (list, tuple)) else [eos])
+    return frozenset([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
 
 
 class NativeEngine:
@@ -103,7 +100,7 @@ class NativeEngine:
         """Run one prefill or decode step; return the requests that finished in it."""
         out, self._errors = self._errors, []
         batch = self.scheduler.schedule()
-        if batch is None:
+        if batch is None or not batch.seqs:  # nothing runnable (a decode may preempt all but cannot empty)
             self.last_step_ids = []
             return out
         self.last_step_ids = [s.id for s in batch.seqs]
