@@ -100,7 +100,7 @@ class NativeEngine:
         """Run one prefill or decode step; return the requests that finished in it."""
         out, self._errors = self._errors, []
         batch = self.scheduler.schedule()
-        if batch is None or not batch.seqs:  # nothing runnable (a decode may preempt all but cannot empty)
+        if batch is None or not batch.seqs:  # defensive: a scheduled batch is never empty
             self.last_step_ids = []
             return out
         self.last_step_ids = [s.id for s in batch.seqs]

@@ -97,9 +97,11 @@ class ModelRunner:
     def _prefill(self, batch: ScheduledBatch) -> torch.Tensor:
         return self._prefill_packed(batch) if self.prefill_mode == "packed" else self._prefill_padded(batch)
 
-    def _slots(self, seqs) -> list[int]:
+    def _slots(self, seq) -> torch.Tensor:
+        """Flat pool slots of all tokens of ``seq``: [len(seq)] (on CPU)."""
         bs = self.block_size
-        return [t[p // bs] * bs + p % bs for s in seqs for t in (s.block_table,) for p in range(len(s))]
+        table = torch.tensor(seq.block_table)
+        return (table[:, None] * bs + torch.arange(bs)).view(-1)[: len(seq)]
 
     def _prefill_packed(self, batch: ScheduledBatch) -> torch.Tensor:
         seqs, dev, m = batch.seqs, self.device, self.model
@@ -107,7 +109,7 @@ class ModelRunner:
         N = sum(lens)
         tokens = torch.tensor([t for s in seqs for t in s.token_ids], device=dev).view(1, N)
         positions = torch.cat([torch.arange(n) for n in lens]).view(1, N).to(dev)
-        slots = torch.tensor(self._slots(seqs), device=dev)  # [N]
+        slots = torch.cat([self._slots(s) for s in seqs]).to(dev)  # [N]
         last = torch.tensor(lens).cumsum(0).sub(1).to(dev)  # [B] flat index of each prompt's last token
 
         def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -126,7 +128,7 @@ class ModelRunner:
         for b, s in enumerate(seqs):
             n = len(s)
             tokens[b, :n] = torch.tensor(s.token_ids)
-            slots[b, :n] = torch.tensor(self._slots([s]))
+            slots[b, :n] = self._slots(s)
         tokens, slots = tokens.to(dev), slots.view(-1).to(dev)
         positions = torch.arange(S, device=dev).expand(B, S)
         last = torch.tensor([b * S + len(s) - 1 for b, s in enumerate(seqs)], device=dev)
