@@ -72,7 +72,7 @@ def load() -> ctypes.CDLL | None:
         return None
     for name in _DTYPES.values():
         fn = getattr(lib, name)
-        fn.restype = None
+        fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return lib
 
@@ -95,6 +95,8 @@ def paged_decode(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, ctx:
     # enough work items for every thread: whole sequences when the batch is big, else head by head
     hc = Hkv if B >= 4 * num_threads else 1
     fn = getattr(lib, _DTYPES[q.dtype])
-    fn(q.data_ptr(), pool[0].data_ptr(), pool[1].data_ptr(), tables.data_ptr(), ctx.data_ptr(), out.data_ptr(),
-       B, H, Hkv, D, bs, tables.shape[1], float(scale), hc, int(num_threads))
+    failed = fn(q.data_ptr(), pool[0].data_ptr(), pool[1].data_ptr(), tables.data_ptr(), ctx.data_ptr(),
+                out.data_ptr(), B, H, Hkv, D, bs, tables.shape[1], float(scale), hc, int(num_threads))
+    if failed:
+        raise MemoryError(f"paged decode kernel: {failed} work items could not allocate scratch memory")
     return out

@@ -4,7 +4,7 @@
  * q:      [B, H, D]            (bf16 or f32)
  * k, v:   [NB + 1, bs, Hkv, D] (same dtype; one layer's pool)
  * tables: [B, M] int64 block ids; ctx: [B] int64 tokens to attend (incl. the current one)
- * out:    [B, H, D]
+ * out:    [B, H, D]; returns the number of work items that failed to allocate scratch memory (0 = ok)
  * Work item = (sequence, chunk of hc kv heads): each token's K (then V) row for those heads is one
  * contiguous read, shared by the G = H / Hkv query heads of each group. Two passes per item: scores for
  * all tokens (then softmax), then the probability-weighted V sum; fp32 accumulation throughout.
@@ -30,14 +30,16 @@ static inline uint16_t f2bf(float f) {  /* round to nearest even */
 }
 
 #define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                            \
-void NAME(const T *q, const T *k, const T *v, const int64_t *tables, const int64_t *ctx, T *out,       \
+int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const int64_t *ctx, T *out,       \
           int B, int H, int Hkv, int D, int bs, int M, float scale, int hc, int nthreads) {            \
     const int G = H / Hkv, nchunks = Hkv / hc, nq = hc * G;                                            \
-    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                             \
+    int failed = 0;                                                                                    \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(+ : failed)")       \
     for (int item = 0; item < B * nchunks; item++) {                                                   \
         const int b = item / nchunks, kh0 = (item % nchunks) * hc;                                     \
         const int64_t n = ctx[b] > 0 ? ctx[b] : 0;                                                     \
         float *qf = (float *)malloc(sizeof(float) * ((size_t)nq * (2 * D + (size_t)n + 2) + hc * D));  \
+        if (qf == NULL) { failed++; continue; }                                                        \
         float *acc = qf + nq * D, *row = acc + nq * D, *mx = row + hc * D, *sum = mx + nq;             \
         float *sc = sum + nq; /* [nq, n] */                                                            \
         const T *qb = q + ((int64_t)b * H + (int64_t)kh0 * G) * D;                                     \
@@ -77,6 +79,7 @@ void NAME(const T *q, const T *k, const T *v, const int64_t *tables, const int64
         }                                                                                              \
         free(qf);                                                                                      \
     }                                                                                                  \
+    return failed; /* work items that could not allocate their scratch (output left unset) */          \
 }
 
 #define ID(x) (x)
