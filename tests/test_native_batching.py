@@ -62,12 +62,15 @@ def test_contiguous_waste_helper():
     assert contiguous_waste([10, 100, 255], 256) == 246 + 156 + 1
 
 
-def test_pool_exhaustion_preempts_and_still_matches(loaded):
+@pytest.mark.parametrize("prefill", ["packed", "padded"])
+def test_pool_exhaustion_preempts_and_still_matches(loaded, prefill):
     shapes = [(40, 40), (35, 45), (50, 30), (20, 60), (45, 35), (30, 50)]
-    reqs = [request(i, prompt(200 + i, n), m) for i, (n, m) in enumerate(shapes)]
+    reqs = [request(i, prompt(200 + i, n), m, buckets=(16, 32, 64)) for i, (n, m) in enumerate(shapes)]
     refs = {r.id: hf_greedy(loaded, r.prompt, r.max_new_tokens) for r in reqs}
     # 6 concurrent requests need up to 30 blocks; the pool has 10 (a third)
-    engine = make_engine(loaded, max_batch_size=6, num_blocks=10, padding="longest")
+    # bucket padding: recomputed sequences outgrow every bucket; max_seq_len is not a block multiple
+    engine = make_engine(loaded, max_batch_size=6, num_blocks=10, padding="bucket", prefill=prefill,
+                         max_seq_len=90, buckets=(16, 32, 64))
     done = run_all(engine, [reqs[:3], reqs[3:]], join_every=4)
     assert all(c.error is None for c in done.values())
     assert {k: v.token_ids for k, v in done.items()} == refs
@@ -160,3 +163,10 @@ def test_failing_step_leaves_engine_consistent(loaded, monkeypatch):
             errors += 1
             assert sorted(engine.last_step_ids) == ["r0", "r1", "r2"]
     assert errors == 2 and {k: v.token_ids for k, v in done.items()} == refs
+
+
+def test_padded_length_per_strategy(loaded):
+    bucket = make_engine(loaded, padding="bucket", prefill="padded", max_seq_len=90, buckets=(16, 32, 64)).runner
+    assert [bucket.padded_len(n) for n in (1, 16, 17, 64, 65, 84)] == [16, 16, 32, 64, 80, 90]
+    longest = make_engine(loaded, padding="longest", prefill="padded", buckets=(16, 32, 64)).runner
+    assert [longest.padded_len(n) for n in (1, 17, 84)] == [1, 17, 84]

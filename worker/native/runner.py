@@ -43,6 +43,7 @@ class ModelRunner:
         self.model = NativeModel(hf_model, max_positions=max_seq_len)
         self.device, self.dtype = self.model.device, self.model.dtype
         self.block_size = block_size
+        self.max_seq_len = max_seq_len
         self.buckets = tuple(buckets)
         self.padding = padding
         m = self.model
@@ -91,7 +92,8 @@ class ModelRunner:
             for b in self.buckets:
                 if b >= longest:
                     return b
-            return math.ceil(longest / self.block_size) * self.block_size  # recomputed, past all buckets
+            # a recomputed sequence longer than every bucket: a block multiple, within the RoPE table
+            return min(math.ceil(longest / self.block_size) * self.block_size, self.max_seq_len)
         return longest
 
     def _prefill(self, batch: ScheduledBatch) -> torch.Tensor:
