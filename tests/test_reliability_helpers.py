@@ -75,6 +75,10 @@ class LoopThread:
         except BaseException as exc:
             self.error = exc
 
+    @property
+    def lease_failures(self) -> int:
+        return self.loop.lease.failures
+
     def stop(self) -> None:
         self.loop.stopping.set()
         self.thread.join(60)

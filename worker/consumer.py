@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 DEAD_LETTER_MAXLEN = 10_000
 BATCH_LOG_MAXLEN = 10_000
-MAX_BLOCK_MS = 2_000
+MAX_BLOCK_MS = 1_000  # also bounds how long SIGTERM waits for an idle blocking read
 
 # KEYS: done, reply, stream. ARGV: group, entry id ('' = none), payload, ttl seconds.
 # Returns 1 when this call wrote the reply, 0 when an earlier writer already had.
@@ -204,6 +204,8 @@ class StreamConsumer:
             while len(out) < budget:
                 nxt, claimed, deleted = _autoclaim_reply(self.r.xautoclaim(
                     stream, self.keys.group, self.name, min_idle_ms, start_id=cursor, count=budget - len(out)))
+                if any(fields is None for _, fields in claimed):  # Redis 6.2 reports deleted ones as nil
+                    deleted += self._ack_deleted(stream, {_s(eid) for eid, f in claimed if f is not None})
                 if deleted:
                     log.info("%d pending entries of %s were deleted before they could be reclaimed", deleted, stream)
                 out += [Entry(b, _s(eid), fields) for eid, fields in claimed if fields is not None]
@@ -213,6 +215,16 @@ class StreamConsumer:
             if cursor != "0-0":
                 self._cursors[b] = cursor
         return self._with_delivery_counts(out)
+
+    def _ack_deleted(self, stream: str, alive: set[str]) -> int:
+        """Redis 6.2 keeps deleted entries in the PEL (7.0 drops them): ack ours that no longer exist."""
+        gone = [row["message_id"] for row in self.r.xpending_range(stream, self.keys.group, "-", "+", 1000,
+                                                                    consumername=self.name)
+                if _s(row["message_id"]) not in alive and not self.r.xrange(stream, row["message_id"],
+                                                                            row["message_id"])]
+        if gone:
+            self.r.xack(stream, self.keys.group, *gone)
+        return len(gone)
 
     def _with_delivery_counts(self, entries: list[Entry]) -> list[Entry]:
         if not entries:

@@ -52,6 +52,7 @@ class LeaseKeeper:
         self.interval_s = claim_idle_ms / 4000
         self.min_idle_ms = max(1, claim_idle_ms // 8)
         self.held = held
+        self.failures = 0  # renewals that failed (outage, missing ACL permission): visible in tests/status
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
 
@@ -71,4 +72,5 @@ class LeaseKeeper:
             try:
                 self.consumer.refresh(entries, self.min_idle_ms)
             except Exception as exc:  # an outage: the loop logs it; entries may be reclaimed, replies stay unique
+                self.failures += 1
                 log.debug("lease renewal failed: %r", exc)
