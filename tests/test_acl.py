@@ -21,9 +21,10 @@ from tests.conftest import worker_config
 from tests.test_reliability_helpers import POISON_TOKEN, LoopThread, PoisonEngine
 
 # Exactly the rules of docs/SECURITY.md (keep the two in sync).
-WORKER_COMMANDS = ("+ping +client|setinfo +multi +exec +discard +xgroup|create +xreadgroup +xautoclaim +xpending +xclaim +xack +xdel "
-                   "+xadd +set +get +del +exists +evalsha +eval +script|load +script|exists +rpush +expire")
-PRODUCER_COMMANDS = "+ping +client|setinfo +get +evalsha +eval +script|load +script|exists +xlen +xadd +blpop"
+WORKER_COMMANDS = ("+ping +client|setinfo +multi +exec +discard +xgroup|create +xreadgroup +xautoclaim +xpending "
+                   "+xclaim +xack +xdel +xadd +xrange +set +get +del +exists +evalsha +script|load +script|exists "
+                   "+rpush +expire")
+PRODUCER_COMMANDS = "+ping +client|setinfo +get +evalsha +script|load +script|exists +xlen +xadd +blpop"
 
 
 def worker_acl(ns: str) -> str:

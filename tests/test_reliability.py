@@ -176,3 +176,44 @@ def test_internal_error_on_one_entry_costs_that_entry_only(loops, redis_url, nam
         assert failed.value.code == WORKER_FAILED
         assert client.generate([3, 4], max_new_tokens=2).completion_tokens == 2
     assert t.loop.counters["internal_errors"] == 1 and t.thread.is_alive()
+
+
+@pytest.fixture(params=["shared", "private-6.2"])
+def any_redis_url(request, redis_url):
+    if request.param == "shared":
+        yield redis_url
+        return
+    from common.localredis import PrivateRedis, free_port
+
+    server = PrivateRedis(port=free_port()).start()
+    yield server.url
+    server.stop()
+
+
+def test_reclaim_follows_cursor_within_budget_and_drops_deleted(any_redis_url):
+    from common.config import ConnectionConfig
+    from worker.consumer import StreamConsumer
+
+    ns = f"rc-{uuid.uuid4().hex[:6]}"
+    keys = Keys(ns)
+    conn = ConnectionConfig(redis_url=any_redis_url, namespace=ns)
+    dead = StreamConsumer(conn, (32,), "dead", 60)
+    live = StreamConsumer(conn, (32,), "live", 60)
+    dead.setup()
+    r = redis.Redis.from_url(any_redis_url)
+    ids = [r.xadd(keys.stream(32), request_fields(keys, f"j{i}", [1, 2])) for i in range(25)]
+    assert len(dead.read(count=100, block_ms=None)) == 25
+    r.xdel(keys.stream(32), ids[3], ids[17])  # deleted while pending
+    time.sleep(0.15)
+    got = [live.reclaim(min_idle_ms=100, budget=10) for _ in range(3)]
+    assert [len(g) for g in got] == [10, 10, 3]
+    claimed = [e.entry_id for g in got for e in g]
+    assert len(set(claimed)) == 23 and all(e.deliveries == 2 for g in got for e in g)
+    assert r.xpending(keys.stream(32), keys.group)["pending"] == 23  # the deleted ones left the PEL
+    assert live.reclaim(min_idle_ms=100, budget=10) == []  # just claimed: not idle
+    live.release(got[0][:1], idle_ms=5000)  # released: reclaimable at once, count unchanged until then
+    again = live.reclaim(min_idle_ms=1000, budget=10)
+    assert [(e.entry_id, e.deliveries) for e in again] == [(got[0][0].entry_id, 3)]
+    from worker.spawn import delete_namespace
+
+    delete_namespace(any_redis_url, keys)
