@@ -108,3 +108,18 @@ def test_no_pickle_in_wire_code():
                  if re.search(r"^\s*(import|from)\s+(c?pickle|dill|cloudpickle)\b|torch\.load\(",
                               p.read_text(), re.M)]
     assert offenders == []
+
+
+def test_tls_and_acl_users_go_through_the_url():
+    """rediss:// gives TLS connections with the URL's user and password in worker and both clients
+    (the bundled redis-server is built without TLS, so the handshake itself is not exercised here)."""
+    from common.config import ConnectionConfig
+    from producer import AsyncClient
+    from worker.consumer import connect
+
+    url = "rediss://worker-a:s3cret@redis.example:6380/0?ssl_cert_reqs=required"
+    pools = [connect(ConnectionConfig(redis_url=url)).connection_pool, Client(url).r.connection_pool,
+             AsyncClient(url).r.connection_pool]
+    for pool in pools:
+        assert "SSL" in pool.connection_class.__name__
+        assert pool.connection_kwargs["username"] == "worker-a" and pool.connection_kwargs["password"] == "s3cret"
