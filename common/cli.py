@@ -13,6 +13,7 @@ from common.keys import DEFAULT_NAMESPACE
 _COMMANDS = {
     "worker": "worker.cli:worker",
     "demo": "worker.demo:demo",
+    "bench": "worker.benchmark.cli:bench",
     "submit": "producer.cli:submit",
     "bulk": "producer.cli:bulk",
     "status": "producer.cli:status",

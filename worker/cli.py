@@ -23,12 +23,14 @@ from common.config import (
 DEFAULT_CACHE_DIR = "~/.cache/batchfleet"
 
 
-def engine_options(fn):
+def engine_options(fn=None, *, default_preset: str = "tiny"):
     """Options that choose and shape the engine (shared with demo and bench)."""
+    if fn is None:
+        return lambda f: engine_options(f, default_preset=default_preset)
     opts = [
         click.option("--model", envvar="BATCHFLEET_MODEL", default=None,
                      help="Local HF checkpoint dir (Llama/Mistral/Qwen2). Default: built-in preset."),
-        click.option("--preset", envvar="BATCHFLEET_PRESET", type=click.Choice(["tiny", "bench"]), default="tiny",
+        click.option("--preset", envvar="BATCHFLEET_PRESET", type=click.Choice(["tiny", "bench"]), default=default_preset,
                      show_default=True, help="Built-in model made locally when --model is not given."),
         click.option("--device", envvar="BATCHFLEET_DEVICE", default="cpu", show_default=True,
                      help="cpu | cuda[:i] | npu[:i]"),
@@ -56,6 +58,15 @@ def engine_options(fn):
     for opt in reversed(opts):
         fn = opt(fn)
     return fn
+
+
+def engine_args(engine_kw: dict) -> list[str]:
+    """Turn engine_options values back into CLI args (to start a worker subprocess with them)."""
+    args: list[str] = []
+    for key, value in engine_kw.items():
+        if value is not None:
+            args += [f"--{key.replace('_', '-')}", str(value)]
+    return args
 
 
 def build_worker_config(redis_url: str, namespace: str, reply_ttl: int = 3600, max_queue_len: int = 10_000,

@@ -20,7 +20,7 @@ import click
 from common.cli import connection_options
 from common.keys import Keys
 from common.localredis import ensure_redis
-from worker.cli import engine_options
+from worker.cli import engine_args, engine_options
 
 WORDS = ("fleet batch token queue redis stream worker bucket cache paged decode prefill latency "
          "throughput accelerator prompt model reply").split()
@@ -60,10 +60,7 @@ def demo(redis_url: str, namespace: str, cache_dir: str, n_requests: int, thread
     url, private = ensure_redis(redis_url)
     click.echo(f"redis: {url}" + (" (private, started by the demo)" if private else ""))
     ns = f"{namespace}-demo-{uuid.uuid4().hex[:6]}"
-    args = ["--cache-dir", cache_dir]
-    for key, value in engine_kw.items():
-        if value is not None:
-            args += [f"--{key.replace('_', '-')}", str(value)]
+    args = ["--cache-dir", cache_dir, *engine_args(engine_kw)]
     log = Path(tempfile.gettempdir()) / f"batchfleet-{ns}.log"
     worker = None
     try:

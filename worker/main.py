@@ -39,12 +39,16 @@ def fleet_info(cfg: WorkerConfig, loaded: LoadedModel) -> FleetInfo:
     )
 
 
-def build_loop(cfg: WorkerConfig, cache_dir: str | Path) -> WorkerLoop:
-    """Everything a worker needs, wired; does not start serving."""
+def build_loop(cfg: WorkerConfig, cache_dir: str | Path, consumer=None) -> WorkerLoop:
+    """Everything a worker needs, wired; does not start serving.
+
+    ``consumer`` replaces the Redis StreamConsumer (the benchmark's in-process transport).
+    """
     loaded = load_model(resolve_model_path(cfg, cache_dir), cfg.engine.device, cfg.engine.dtype)
     engine = build_engine(cfg.engine, cfg.batching, loaded)
-    consumer = StreamConsumer(cfg.connection, cfg.batching.buckets, cfg.name or default_consumer_name(),
-                              cfg.reply_ttl_s)
+    if consumer is None:
+        consumer = StreamConsumer(cfg.connection, cfg.batching.buckets, cfg.name or default_consumer_name(),
+                                  cfg.reply_ttl_s)
     consumer.setup()
     consumer.publish_fleet(fleet_info(cfg, loaded))
     limits = Limits(max_seq_len=cfg.batching.max_seq_len, vocab_size=int(loaded.model.config.vocab_size))

@@ -1,0 +1,110 @@
+"""``batchfleet bench``: the dynamic-batching table for your model and hardware, in one command."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import tempfile
+
+import click
+
+from common.cli import connection_options
+from common.localredis import ensure_redis
+from worker.benchmark.loadgen import make_workload
+from worker.benchmark.report import machine, markdown_table, plot, write_json
+from worker.benchmark.runner import LoadSpec, run_inproc, run_redis
+from worker.benchmark.strategies import DEFAULT_STRATEGIES, parse_strategies, parse_strategy
+from worker.cli import engine_options
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    a, b = int(lo), int(hi or lo)
+    if not 0 < a <= b:
+        raise click.BadParameter(f"expected LO-HI with 0 < LO <= HI, got {text!r}")
+    return a, b
+
+
+@click.command()
+@connection_options
+@engine_options(default_preset="bench")
+@click.option("--strategies", default=DEFAULT_STRATEGIES, show_default=True,
+              help="staticN (wait for N, no timeout), dynamicX (max_wait X ms), continuous (native).")
+@click.option("--clients", type=int, default=32, show_default=True, help="Closed loop: concurrent clients.")
+@click.option("--rate", type=float, default=None, help="Open loop: Poisson arrivals, requests/s (overrides clients).")
+@click.option("--requests", "n_requests", type=int, default=32, show_default=True)
+@click.option("--prompt-len", default="32-512", show_default=True, help="Prompt tokens, uniform LO-HI.")
+@click.option("--max-new-tokens", "new_tokens", default="16-256", show_default=True, help="Uniform LO-HI.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--attach", is_flag=True, help="Use the fleet already serving --namespace instead of starting one.")
+@click.option("--overhead/--no-overhead", default=True, show_default=True,
+              help="Also run --overhead-strategy in-process (no Redis) and report what the queue adds.")
+@click.option("--overhead-strategy", default="dynamic50", show_default=True)
+@click.option("--json", "json_path", default=None, help="Write results as JSON here.")
+@click.option("--plot", "plot_path", default=None, help="Write the throughput/TTFT plot (PNG) here.")
+def bench(redis_url: str, namespace: str, cache_dir: str, strategies: str, clients: int, rate: float | None,
+          n_requests: int, prompt_len: str, new_tokens: str, seed: int, attach: bool, overhead: bool,
+          overhead_strategy: str, json_path: str | None, plot_path: str | None, **engine_kw) -> None:
+    """Load one worker through the real Redis path under each strategy; print, save and plot the table."""
+    try:
+        plan = parse_strategies(strategies, engine_kw["max_batch_size"])
+        over = parse_strategy(overhead_strategy, engine_kw["max_batch_size"]) if overhead and not attach else None
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if engine_kw["engine"] == "hf":
+        skipped = [s.name for s in plan if s.mode == "continuous"]
+        plan = [s for s in plan if s.mode != "continuous"]
+        if skipped:
+            click.echo("note: the hf engine cannot join running batches; skipping continuous", err=True)
+    if attach and len(plan) != 1:
+        raise click.UsageError("--attach measures the fleet as it runs: give exactly one --strategies label")
+    for key in ("max_wait_ms", "max_batch_size", "mode"):
+        engine_kw.pop(key)
+    workload = make_workload(n_requests, _range(prompt_len), _range(new_tokens), seed=seed)
+    spec = LoadSpec(workload, clients=clients, rate=rate, seed=seed)
+    url, private = ensure_redis(redis_url)
+    log_dir = tempfile.mkdtemp(prefix="batchfleet-bench-")
+    click.echo(f"redis {url}; {len(workload)} requests; worker logs in {log_dir}", err=True)
+    if not engine_kw["model"]:  # create the preset once, before any worker races to it
+        from pathlib import Path
+
+        from worker.models import make_preset
+
+        make_preset(engine_kw["preset"], Path(cache_dir).expanduser() / "models",
+                    max_seq_len=engine_kw["max_seq_len"])
+    rows, overhead_doc = [], None
+    try:
+        for strategy in plan:
+            click.echo(f"running {strategy.name} ...", err=True)
+            rows.append(run_redis(url, strategy, engine_kw, cache_dir, spec, namespace=namespace if attach else None,
+                                  log_dir=log_dir))
+            click.echo(f"  {rows[-1]['throughput_tok_s']} tok/s, TTFT p50 {rows[-1]['ttft_p50_ms']} ms", err=True)
+        if over is not None:
+            click.echo(f"queue overhead: {over.name} over Redis vs in-process ...", err=True)
+            via_redis = run_redis(url, over, engine_kw, cache_dir, spec, log_dir=log_dir, probe_n=20)
+            inproc = run_inproc(over, engine_kw, cache_dir, spec, probe_n=20)
+            overhead_doc = {
+                "strategy": over.name, "redis": via_redis, "in_process": inproc,
+                "throughput_ratio": round(via_redis["throughput_tok_s"] / inproc["throughput_tok_s"], 3),
+                "added_latency_p50_ms": round(via_redis["probe_e2e_p50_ms"] - inproc["probe_e2e_p50_ms"], 3),
+            }
+    finally:
+        if private is not None:
+            private.stop()
+    mode = f"open loop {rate} req/s" if rate else f"closed loop {clients} clients"
+    title = (f"{engine_kw['model'] or engine_kw['preset']} / {engine_kw['engine']} / {engine_kw['device']} / "
+             f"{mode} / {n_requests} requests")
+    click.echo(f"\n{title}\n")
+    click.echo(markdown_table(rows))
+    if overhead_doc:
+        click.echo(f"\nqueue overhead ({overhead_doc['strategy']}): Redis/in-process throughput "
+                   f"{overhead_doc['throughput_ratio']:.3f}; added latency p50 {overhead_doc['added_latency_p50_ms']:.2f} ms")
+    doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(["batchfleet", *sys.argv[1:]]), "machine": machine(), "title": title,
+           "engine": engine_kw, "load": {"mode": mode, "requests": n_requests, "prompt_len": prompt_len,
+                                         "max_new_tokens": new_tokens, "seed": seed},
+           "rows": rows, "overhead": overhead_doc}
+    if json_path:
+        write_json(json_path, doc)
+    if plot_path:
+        plot(rows, plot_path, title)

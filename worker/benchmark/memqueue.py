@@ -1,0 +1,137 @@
+"""An in-process transport with the StreamConsumer's interface, for measuring what Redis adds.
+
+The worker loop, batcher, validation and engine are the real ones; only the transport differs: entries
+and replies are the same encoded bytes, handed over through a deque and a condition variable.
+Benchmark-only: never used by a worker.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import deque
+
+from common.config import bucket_for
+from common.keys import Keys
+from common.protocol import FleetInfo, Request, Result
+from producer.core import parse_reply
+from worker.consumer import Entry, Reply
+
+
+class MemQueue:
+    """Duck-types worker.consumer.StreamConsumer (the subset the worker loop calls)."""
+
+    max_block_ms = 2000
+
+    def __init__(self, namespace: str, buckets: tuple[int, ...], name: str = "inproc") -> None:
+        self.keys = Keys(namespace)
+        self.buckets = buckets
+        self.name = name
+        self.fleet: FleetInfo | None = None
+        self._entries: deque[Entry] = deque()
+        self._replies: dict[str, bytes] = {}
+        self._cv = threading.Condition()
+        self._seq = 0
+        self._flush = 0
+        self.batch_records: list[dict] = []
+        self.last_status: dict = {}
+
+    # --- producer side -----------------------------------------------------------------------------
+    def put(self, bucket: int, job_id: str, payload: bytes) -> None:
+        with self._cv:
+            self._seq += 1
+            self._entries.append(Entry(bucket, f"{self._seq}-0", {b"id": job_id.encode(), b"p": payload}))
+            self._cv.notify_all()
+
+    def wait_reply(self, job_id: str, timeout: float | None) -> bytes:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while job_id not in self._replies:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(job_id)
+                self._cv.wait(left)
+            return self._replies.pop(job_id)
+
+    def bump_flush(self) -> None:
+        with self._cv:
+            self._flush += 1
+
+    # --- worker side (StreamConsumer interface) ----------------------------------------------------
+    def setup(self) -> None:
+        pass
+
+    def publish_fleet(self, info: FleetInfo) -> None:
+        self.fleet = info
+
+    def heartbeat(self, status: dict) -> None:
+        self.last_status = status
+
+    def read(self, count: int, block_ms: int | None) -> list[Entry]:
+        with self._cv:
+            if not self._entries and block_ms:
+                self._cv.wait(min(block_ms, self.max_block_ms) / 1000)
+            out = []
+            while self._entries and len(out) < count:
+                out.append(self._entries.popleft())
+            return out
+
+    def write_replies(self, replies: list[Reply], batch_record: dict | None = None) -> list[bool]:
+        firsts = []
+        with self._cv:
+            for rep in replies:
+                first = rep.job_id not in self._replies
+                if first:
+                    self._replies[rep.job_id] = rep.payload
+                firsts.append(first)
+            self._cv.notify_all()
+        if batch_record is not None:
+            self.log_batch(batch_record)
+        return firsts
+
+    def log_batch(self, record: dict, pipe=None) -> None:
+        self.batch_records.append(record)
+
+    def dead_letter(self, entry: Entry, reason: str) -> None:
+        pass
+
+    def ack(self, entry: Entry) -> None:
+        pass
+
+    def hand_back(self, entries: list[Entry]) -> None:
+        with self._cv:
+            self._entries.extendleft(reversed(entries))
+
+    def flush_counter(self) -> int:
+        return self._flush
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name: str):
+        # Reliability hooks the loop may call on a real consumer (reclaim, pending checks...) have
+        # nothing to do in-process: nothing is ever left pending by a dead peer here.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: []
+
+
+class MemClient:
+    """Same submit/result API as producer.Client, over a MemQueue."""
+
+    def __init__(self, queue: MemQueue) -> None:
+        self.q = queue
+
+    def submit(self, prompt: list[int], max_new_tokens: int = 64, **_params) -> str:
+        info = self.q.fleet
+        assert info is not None, "start the in-process worker first"
+        bucket = bucket_for(info.buckets, info.max_seq_len, len(prompt), max_new_tokens)
+        job_id = uuid.uuid4().hex
+        req = Request(id=job_id, prompt=list(prompt), max_new_tokens=max_new_tokens, enqueued_at=time.time(),
+                      reply_key=self.q.keys.reply(job_id))
+        self.q.put(bucket, job_id, req.encode())
+        return job_id
+
+    def result(self, job_id: str, timeout: float | None = None) -> Result:
+        return parse_reply(job_id, self.q.wait_reply(job_id, timeout))

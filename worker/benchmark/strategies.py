@@ -1,0 +1,42 @@
+"""Named batching strategies of the reference table, as worker options.
+
+staticN: wait until N requests are there (no timeout; the bench flushes the last partial batch).
+dynamicX: close a batch at 32 entries or X ms after its oldest entry. continuous: native joins.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEFAULT_STRATEGIES = "static1,static8,dynamic10,dynamic50,dynamic200,continuous"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    max_wait_ms: float
+    max_batch_size: int
+    mode: str
+
+    @property
+    def static(self) -> bool:
+        return self.max_wait_ms == float("inf")
+
+    def worker_args(self) -> list[str]:
+        return ["--max-wait-ms", str(self.max_wait_ms), "--max-batch-size", str(self.max_batch_size),
+                "--mode", self.mode]
+
+
+def parse_strategy(name: str, max_batch_size: int = 32, continuous_wait_ms: float = 50.0) -> Strategy:
+    if m := re.fullmatch(r"static(\d+)", name):
+        return Strategy(name, float("inf"), int(m.group(1)), "dynamic")
+    if m := re.fullmatch(r"dynamic(\d+(?:\.\d+)?)", name):
+        return Strategy(name, float(m.group(1)), max_batch_size, "dynamic")
+    if name == "continuous":
+        return Strategy(name, continuous_wait_ms, max_batch_size, "continuous")
+    raise ValueError(f"unknown strategy {name!r}: use staticN, dynamicX (ms) or continuous")
+
+
+def parse_strategies(text: str, max_batch_size: int = 32) -> list[Strategy]:
+    return [parse_strategy(part.strip(), max_batch_size) for part in text.split(",") if part.strip()]
