@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 DEAD_LETTER_MAXLEN = 10_000
 BATCH_LOG_MAXLEN = 10_000
 MAX_BLOCK_MS = 1_000  # also bounds how long SIGTERM waits for an idle blocking read
+BLOCK_SLACK_MS = 110  # Redis may end a BLOCK up to one cron tick (100 ms at hz 10) late
+POLL_S = 0.002
 
 # KEYS: done, reply, stream. ARGV: group, entry id ('' = none), payload, ttl seconds.
 # Returns 1 when this call wrote the reply, 0 when an earlier writer already had.
@@ -129,9 +131,25 @@ class StreamConsumer:
         self.r.set(self.keys.worker(self.name), msgpack.packb(status, use_bin_type=True), ex=10)
 
     def read(self, count: int, block_ms: int | None) -> list[Entry]:
-        """New entries of every bucket (up to ``count`` per stream); blocks at most ``block_ms``."""
-        if block_ms is not None:
-            block_ms = max(1, min(int(block_ms), self.max_block_ms))
+        """New entries of every bucket (up to ``count`` per stream); blocks at most ``block_ms``.
+
+        Redis only expires a BLOCK at its cron tick (1000/hz ms: 100 ms by default), so a 50 ms block
+        would really last ~100 ms and every batch deadline would slip. Short waits therefore poll
+        (non-blocking read, then a 2 ms sleep) and long ones block until ~BLOCK_SLACK_MS before the end.
+        """
+        if block_ms is None:
+            return self._xread(count, None)
+        end = time.monotonic() + max(1, min(int(block_ms), self.max_block_ms)) / 1000
+        while True:
+            left_ms = (end - time.monotonic()) * 1000
+            block = int(left_ms - BLOCK_SLACK_MS) if left_ms > BLOCK_SLACK_MS + 10 else None
+            out = self._xread(count, block)
+            if out or left_ms <= 0:
+                return out
+            if block is None:
+                time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))
+
+    def _xread(self, count: int, block_ms: int | None) -> list[Entry]:
         streams = {self.keys.stream(b): ">" for b in self.buckets}
         resp = self.r.xreadgroup(self.keys.group, self.name, streams, count=count, block=block_ms)
         by_name = {self.keys.stream(b).encode(): b for b in self.buckets}
