@@ -1,0 +1,126 @@
+"""Prepared single-GPU benchmark (H200): a Llama-2-7B-shaped model with random bf16 weights.
+
+No downloads: the model is built from a config directly on the device. The real worker loop, batcher
+and engine run in-process (the in-memory transport stands in for Redis, which the GPU host may lack).
+32 concurrent clients, 128 prompt tokens, 128 new tokens, dynamic 50 ms and continuous. Prints tok/s
+and the share of the HBM roofline (bytes per decode step = weights + KV read, at --hbm-tbs TB/s).
+
+    python scripts/bench_gpu.py --device cuda --shape 7b           # the H200 run (scripts/bench_gpu.sh)
+    python scripts/bench_gpu.py --device cpu --shape tiny --requests 8   # CPU smoke run (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+
+from common.config import ConnectionConfig, DynamicBatchingConfig, EngineConfig, WorkerConfig  # noqa: E402
+from worker.benchmark.loadgen import closed_loop, make_workload, summarize  # noqa: E402
+from worker.benchmark.memqueue import MemClient, MemQueue  # noqa: E402
+from worker.engine import build_engine  # noqa: E402
+from worker.intake import Limits  # noqa: E402
+from worker.loop import WorkerLoop  # noqa: E402
+from worker.main import fleet_info  # noqa: E402
+from worker.models import EOS_ID, LoadedModel, byte_level_tokenizer  # noqa: E402
+
+SHAPES = {
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=32, vocab_size=32000),
+    "tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=320),
+}
+
+
+def build_model(shape: str, device: str, dtype: torch.dtype) -> LoadedModel:
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, eos_token_id=EOS_ID, bos_token_id=1,
+                         pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    return LoadedModel(model=model, tokenizer=byte_level_tokenizer(), path=Path(f"llama-{shape}-random"),
+                       device=torch.device(device), dtype=dtype)
+
+
+def bytes_per_step(loaded: LoadedModel, batch: float, mean_ctx: float) -> float:
+    """HBM bytes one decode step must read: every weight once, plus each sequence's K and V so far."""
+    cfg = loaded.model.config
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * loaded.dtype.itemsize
+    return weights + batch * mean_ctx * kv_per_token
+
+
+def run(loaded: LoadedModel, mode: str, args: argparse.Namespace) -> dict:
+    batching = DynamicBatchingConfig(max_wait_ms=50, max_batch_size=32, max_seq_len=1024, buckets=(128, 256))
+    engine_cfg = EngineConfig(engine=args.engine, mode=mode, device=args.device, block_size=16,
+                              kv_cache_gb=args.kv_cache_gb)
+    cfg = WorkerConfig(connection=ConnectionConfig(), batching=batching, engine=engine_cfg)
+    queue = MemQueue("gpu", batching.buckets)
+    queue.publish_fleet(fleet_info(cfg, loaded))
+    loop = WorkerLoop(cfg, build_engine(engine_cfg, batching, loaded), queue,
+                      Limits(batching.max_seq_len, int(loaded.model.config.vocab_size)))
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    client = MemClient(queue)
+    load = make_workload(args.requests, (128, 128), (args.new_tokens, args.new_tokens), seed=0)
+    warm = make_workload(4, (128, 128), (4, 4), seed=1)
+    closed_loop(client, warm, 4)
+    result = closed_loop(client, load, args.clients)
+    loop.stopping.set()
+    thread.join(120)
+    row = summarize(f"{mode}" + ("50" if mode == "dynamic" else ""), result)
+    batch = row["mean_batch_size"] or 1
+    step_bytes = bytes_per_step(loaded, batch, 128 + args.new_tokens / 2)
+    roofline_tok_s = batch * args.hbm_tbs * 1e12 / step_bytes
+    row.update(roofline_tok_s=round(roofline_tok_s, 1),
+               roofline_share=round(row["throughput_tok_s"] / roofline_tok_s, 3),
+               bytes_per_step_gb=round(step_bytes / 1e9, 3))
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="7b")
+    ap.add_argument("--engine", choices=["native", "hf"], default="native")
+    ap.add_argument("--modes", default="dynamic,continuous")
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth for the roofline (H200: 4.8)")
+    ap.add_argument("--kv-cache-gb", type=float, default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dtype = torch.bfloat16
+    t0 = time.perf_counter()
+    loaded = build_model(args.shape, args.device, dtype)
+    print(f"model {args.shape} built on {args.device} in {time.perf_counter() - t0:.1f} s", flush=True)
+    rows = []
+    for mode in args.modes.split(","):
+        if args.engine == "hf" and mode == "continuous":
+            continue
+        rows.append(run(loaded, mode, args))
+        r = rows[-1]
+        print(f"{r['strategy']}: {r['throughput_tok_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
+              f"mean batch {r['mean_batch_size']:.1f}, roofline {r['roofline_tok_s']:.0f} tok/s "
+              f"-> {100 * r['roofline_share']:.1f}% of HBM roofline", flush=True)
+    doc = {"device": args.device, "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "",
+           "shape": args.shape, "engine": args.engine, "rows": rows, "total_s": round(time.perf_counter() - t0, 1)}
+    print(json.dumps(doc, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

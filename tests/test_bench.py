@@ -1,0 +1,67 @@
+"""The benchmark entry points run (tiny model, tiny load) so they cannot rot. Not timed tests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from common.cli import main
+from worker.benchmark.loadgen import Run, Sample, make_workload, percentile, summarize
+from worker.benchmark.report import markdown_table
+from worker.benchmark.strategies import parse_strategies
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_strategies_parse():
+    s = {x.name: x for x in parse_strategies("static1,static8,dynamic10,dynamic50,dynamic200,continuous")}
+    assert s["static8"].static and s["static8"].max_batch_size == 8
+    assert s["dynamic200"].max_wait_ms == 200 and s["dynamic200"].max_batch_size == 32
+    assert s["continuous"].mode == "continuous"
+
+
+def test_workload_is_deterministic_and_in_range():
+    a, b = make_workload(20, (32, 512), (16, 256), seed=3), make_workload(20, (32, 512), (16, 256), seed=3)
+    assert a == b
+    assert all(32 <= len(p) <= 512 for p in a.prompts) and all(16 <= n <= 256 for n in a.max_new_tokens)
+
+
+def test_summary_and_table():
+    run = Run([Sample(10, 5.0, 20.0, 2, 19.0), Sample(30, 15.0, 40.0, 4, 38.0)], wall_s=2.0, errors=0)
+    row = summarize("dynamic50", run)
+    assert row["throughput_tok_s"] == 20.0 and row["mean_batch_size"] == 3.0
+    assert row["ttft_p50_ms"] == 10.0 and percentile([1, 2, 3, 4], 50) == 2.5
+    table = markdown_table([{**row, "strategy": "static1"}, row])
+    assert "| dynamic50 |" in table and "1.0x" in table
+
+
+def test_bench_command_end_to_end(redis_url, cache_dir, tmp_path):
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    res = CliRunner().invoke(main, [
+        "bench", "--redis-url", redis_url, "--preset", "tiny", "--dtype", "float32", "--cache-dir", str(cache_dir),
+        "--strategies", "static2,dynamic20", "--requests", "6", "--clients", "3", "--prompt-len", "8-60",
+        "--max-new-tokens", "2-6", "--json", str(out_json), "--plot", str(out_png), "--overhead-strategy",
+        "dynamic20"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out_json.read_text())
+    rows = {r["strategy"]: r for r in doc["rows"]}
+    assert set(rows) == {"static2", "dynamic20"}
+    for r in rows.values():
+        assert {"throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "mean_batch_size"} <= set(r)
+        assert r["requests"] == 6 and r["errors"] == 0
+    assert doc["overhead"]["throughput_ratio"] > 0
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gpu_bench_script_runs_on_cpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, "scripts/bench_gpu.py", "--device", "cpu", "--shape", "tiny",
+                           "--engine", "hf", "--requests", "4", "--clients", "2", "--new-tokens", "4",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["rows"][0]["throughput_tok_s"] > 0 and "roofline_share" in doc["rows"][0]
