@@ -22,8 +22,8 @@ from tests.test_reliability_helpers import POISON_TOKEN, LoopThread, PoisonEngin
 
 # Exactly the rules of docs/SECURITY.md (keep the two in sync).
 WORKER_COMMANDS = ("+ping +client|setinfo +multi +exec +discard +xgroup|create +xreadgroup +xautoclaim +xpending "
-                   "+xclaim +xack +xdel +xadd +xrange +set +get +del +exists +evalsha +script|load +script|exists "
-                   "+rpush +expire")
+                   "+xclaim +xack +xdel +xadd +xrange +xinfo|consumers +xgroup|delconsumer +set +get +del +exists "
+                   "+evalsha +script|load +script|exists +rpush +expire")
 PRODUCER_COMMANDS = "+ping +client|setinfo +get +evalsha +script|load +script|exists +xlen +xadd +blpop"
 
 

@@ -217,3 +217,26 @@ def test_reclaim_follows_cursor_within_budget_and_drops_deleted(any_redis_url):
     from worker.spawn import delete_namespace
 
     delete_namespace(any_redis_url, keys)
+
+
+def test_dead_consumer_names_are_pruned_and_a_clean_stop_removes_its_own(redis_url, namespace):
+    from common.config import ConnectionConfig
+    from worker.consumer import StreamConsumer
+
+    keys = Keys(namespace)
+    conn = ConnectionConfig(redis_url=redis_url, namespace=namespace)
+    ghost, holder, live = (StreamConsumer(conn, (32,), name, 60) for name in ("ghost", "holder", "live"))
+    live.setup()
+    r = redis.Redis.from_url(redis_url)
+    read = {}
+    for c in (ghost, holder):
+        r.xadd(keys.stream(32), request_fields(keys, f"j-{c.name}", [1, 2]))
+        (read[c.name],) = c.read(count=1, block_ms=None)
+    ghost.ack(read["ghost"])  # the ghost answered its entry, then died: nothing pending on its name
+    time.sleep(0.05)
+    assert live.prune_consumers(min_idle_ms=20) == 1  # ghost: nothing pending; holder keeps its entry
+    names = {c["name"] for c in r.xinfo_consumers(keys.stream(32), keys.group)}
+    assert names == {b"holder"}
+    live.read(count=1, block_ms=None)
+    live.close()  # nothing pending on it: its name goes too
+    assert {c["name"] for c in r.xinfo_consumers(keys.stream(32), keys.group)} == {b"holder"}

@@ -310,29 +310,28 @@ class StreamConsumer:
         except ValueError:
             return 0
 
-    def server_time(self) -> float:
-        sec, usec = self.r.time()
-        return sec + usec / 1e6
+    def prune_consumers(self, min_idle_ms: int) -> int:
+        """Remove group consumers (dead workers' names) that hold nothing and were silent for min_idle_ms,
+        so the group's consumer list does not grow with every restart. Returns how many were removed."""
+        removed = 0
+        for b in self.buckets:
+            stream = self.keys.stream(b)
+            for c in self.r.xinfo_consumers(stream, self.keys.group):
+                name = _s(c["name"])
+                if name != self.name and c["pending"] == 0 and c["idle"] >= min_idle_ms:
+                    self.r.xgroup_delconsumer(stream, self.keys.group, name)
+                    removed += 1
+        return removed
 
     def close(self) -> None:
+        """Drop the heartbeat and, when nothing is pending on us any more, our consumer names."""
         try:
             self.r.delete(self.keys.worker(self.name))
+            for b in self.buckets:
+                stream = self.keys.stream(b)
+                if not self.r.xpending_range(stream, self.keys.group, "-", "+", 1, consumername=self.name):
+                    self.r.xgroup_delconsumer(stream, self.keys.group, self.name)  # would drop its PEL: empty
         except redis.RedisError:
             pass
         self.r.close()
 
-
-def wait_for_redis(conn: ConnectionConfig, timeout_s: float = 10.0) -> None:
-    """Raise ConnectionError unless Redis answers PING within timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    client = connect(conn)
-    while True:
-        try:
-            client.ping()
-            return
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-        finally:
-            client.close()

@@ -61,6 +61,7 @@ class WorkerLoop(IntakeMixin):
         self._held: tuple[Entry, ...] = ()  # snapshot for the lease keeper thread (replaced, never mutated)
         self.lease = LeaseKeeper(consumer, cfg.claim_idle_ms, lambda: self._held)
         self._next_reclaim = 0.0
+        self._next_prune = 0.0
         self._stop_at: float | None = None
         self._last_heartbeat = 0.0
         self._flush_seen = consumer.flush_counter() if self.batcher.static else 0
@@ -151,6 +152,8 @@ class WorkerLoop(IntakeMixin):
             self.batcher.flush()
 
     def _admit(self, now: float) -> None:
+        if self.stopping.is_set():
+            return  # shutting down: finish what runs, hand back the rest
         if not self.engine.has_work():
             if self.batcher.static and len(self.batcher):
                 self._check_flush(now)
@@ -161,7 +164,7 @@ class WorkerLoop(IntakeMixin):
             if popped is not None:
                 self.bucket = popped[0]
                 self._start(popped[1], kind="batch")
-        elif self.continuous and self.bucket is not None and not self.solo and not self.stopping.is_set():
+        elif self.continuous and self.bucket is not None and not self.solo:
             if self.batcher.other_bucket_ready(self.bucket, now):
                 return  # let the running batch drain so the older bucket gets its turn
             room = self.cfg.batching.max_batch_size - self.engine.num_active()

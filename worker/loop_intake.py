@@ -22,6 +22,8 @@ from worker.reclaim import SOLO_FROM_DELIVERY, reclaim_period_s, split_exhausted
 log = logging.getLogger("worker.loop")
 
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+PRUNE_PERIOD_S = 60.0
+PRUNE_IDLE_MS = 3_600_000  # a consumer name silent for an hour with nothing pending is a dead worker's
 
 
 class IntakeMixin:
@@ -61,6 +63,9 @@ class IntakeMixin:
         if self.stopping.is_set() or now < self._next_reclaim:
             return
         self._next_reclaim = now + reclaim_period_s(self.cfg.claim_idle_ms)
+        if now >= self._next_prune:
+            self._next_prune = now + PRUNE_PERIOD_S
+            self.consumer.prune_consumers(PRUNE_IDLE_MS)
         room = min(self._room(), self.cfg.reclaim_budget)
         if room <= 0:
             return
