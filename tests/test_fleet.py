@@ -103,8 +103,8 @@ def test_garbage_entries_do_not_stop_the_worker(start_worker, redis_url, namespa
     stream = keys.stream(32)
     r.xadd(stream, {"junk": b"\xff\x00"})  # no id: dead-lettered
     r.xadd(stream, {"id": "bad1", "p": b"\xc1\xc1 not msgpack"})  # answered with an error
-    r.xadd(stream, {"id": "bad2", "p": msgpack.packb({"v": 1, "id": "bad2", "prompt": [10**6], "max_new_tokens": 2,
-                                                       "reply_key": keys.reply("bad2")})})
+    bad2 = {"v": 1, "id": "bad2", "prompt": [10**6], "max_new_tokens": 2, "reply_key": keys.reply("bad2")}
+    r.xadd(stream, {"id": "bad2", "p": msgpack.packb(bad2)})
     with Client(redis_url, namespace) as client:
         res = client.generate("still serving?", max_new_tokens=3)
         assert res.completion_tokens == 3
@@ -124,7 +124,8 @@ def test_async_client(start_worker, redis_url, namespace):
 
     async def go():
         async with AsyncClient(redis_url, namespace) as client:
-            results = await asyncio.gather(*(client.generate(p, max_new_tokens=4) for p in make_prompts(6, max_chars=250)))
+            prompts = make_prompts(6, max_chars=250)
+            results = await asyncio.gather(*(client.generate(p, max_new_tokens=4) for p in prompts))
             many = await client.generate_many(["a", "b"], max_new_tokens=2)
             return results, many
 

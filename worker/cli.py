@@ -30,8 +30,9 @@ def engine_options(fn=None, *, default_preset: str = "tiny"):
     opts = [
         click.option("--model", envvar="BATCHFLEET_MODEL", default=None,
                      help="Local HF checkpoint dir (Llama/Mistral/Qwen2). Default: built-in preset."),
-        click.option("--preset", envvar="BATCHFLEET_PRESET", type=click.Choice(["tiny", "bench"]), default=default_preset,
-                     show_default=True, help="Built-in model made locally when --model is not given."),
+        click.option("--preset", envvar="BATCHFLEET_PRESET", type=click.Choice(["tiny", "bench"]),
+                     default=default_preset, show_default=True,
+                     help="Built-in model made locally when --model is not given."),
         click.option("--device", envvar="BATCHFLEET_DEVICE", default="cpu", show_default=True,
                      help="cpu | cuda[:i] | npu[:i]"),
         click.option("--dtype", envvar="BATCHFLEET_DTYPE", type=click.Choice(["float32", "bfloat16", "float16"]),

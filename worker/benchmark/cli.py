@@ -97,8 +97,9 @@ def bench(redis_url: str, namespace: str, cache_dir: str, strategies: str, clien
     click.echo(f"\n{title}\n")
     click.echo(markdown_table(rows))
     if overhead_doc:
-        click.echo(f"\nqueue overhead ({overhead_doc['strategy']}): Redis/in-process throughput "
-                   f"{overhead_doc['throughput_ratio']:.3f}; added latency p50 {overhead_doc['added_latency_p50_ms']:.2f} ms")
+        o = overhead_doc
+        click.echo(f"\nqueue overhead ({o['strategy']}): Redis/in-process throughput {o['throughput_ratio']:.3f}; "
+                   f"added latency p50 {o['added_latency_p50_ms']:.2f} ms")
     doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(["batchfleet", *sys.argv[1:]]), "machine": machine(), "title": title,
            "engine": engine_kw, "load": {"mode": mode, "requests": n_requests, "prompt_len": prompt_len,
