@@ -144,6 +144,7 @@ class WorkerConfig:
     claim_idle_ms: int = 30_000  # entries pending this long on a silent consumer are reclaimed by live ones
     max_deliveries: int = 3  # a delivery beyond this dead-letters the entry and answers worker_failed
     reclaim_budget: int = 256  # most entries one reclaim tick may take over (across all buckets)
+    stall_timeout_s: float = 600.0  # a loop making no progress this long stops renewing its leases
 
     def __post_init__(self) -> None:
         if self.reply_ttl_s < 1:
@@ -156,6 +157,8 @@ class WorkerConfig:
             raise ConfigError("max_deliveries must be >= 1")
         if self.reclaim_budget < 1:
             raise ConfigError("reclaim_budget must be >= 1")
+        if not self.stall_timeout_s > 0:
+            raise ConfigError("stall_timeout_s must be > 0")
 
 
 def connection_from_env(redis_url: str | None = None, namespace: str | None = None,

@@ -240,3 +240,33 @@ def test_dead_consumer_names_are_pruned_and_a_clean_stop_removes_its_own(redis_u
     live.read(count=1, block_ms=None)
     live.close()  # nothing pending on it: its name goes too
     assert {c["name"] for c in r.xinfo_consumers(keys.stream(32), keys.group)} == {b"holder"}
+
+
+def test_lease_keeper_renews_held_entries_until_the_loop_stalls():
+    from worker.consumer import Entry
+    from worker.reclaim import LeaseKeeper
+
+    class FakeConsumer:
+        def __init__(self) -> None:
+            self.renewed: list[list[str]] = []
+
+        def refresh(self, entries, min_idle_ms: int) -> None:
+            self.renewed.append([e.entry_id for e in entries])
+
+    consumer = FakeConsumer()
+    progress = [time.monotonic()]
+    keeper = LeaseKeeper(consumer, claim_idle_ms=100, held=lambda: (Entry(32, "1-0", {}),),
+                         progress=lambda: progress[0], stall_timeout_s=0.2)
+    keeper.start()
+    try:
+        wait_until(lambda: len(consumer.renewed) >= 3, 5, "renewals")
+        assert consumer.renewed[0] == ["1-0"] and not keeper.stalled
+        progress[0] -= 10  # the loop is wedged: stop renewing so other workers take over
+        wait_until(lambda: keeper.stalled, 5, "stall detected")
+        count = len(consumer.renewed)
+        time.sleep(0.15)
+        assert len(consumer.renewed) == count
+        progress[0] = time.monotonic() + 60
+        wait_until(lambda: len(consumer.renewed) > count, 5, "renewals resumed")
+    finally:
+        keeper.stop()

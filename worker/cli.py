@@ -72,7 +72,7 @@ def engine_args(engine_kw: dict) -> list[str]:
 
 def build_worker_config(redis_url: str, namespace: str, reply_ttl: int = 3600, max_queue_len: int = 10_000,
                         name: str | None = None, claim_idle_ms: int = 30_000, max_deliveries: int = 3,
-                        **kw) -> WorkerConfig:
+                        stall_timeout_s: float = 600.0, **kw) -> WorkerConfig:
     """The one place a WorkerConfig is assembled from CLI values."""
     return WorkerConfig(
         connection=ConnectionConfig(redis_url=redis_url, namespace=namespace),
@@ -83,7 +83,7 @@ def build_worker_config(redis_url: str, namespace: str, reply_ttl: int = 3600, m
                             device=kw["device"], dtype=kw["dtype"], block_size=kw["block_size"],
                             kv_cache_gb=kw["kv_cache_gb"]),
         reply_ttl_s=reply_ttl, max_queue_len=max_queue_len, name=name, claim_idle_ms=claim_idle_ms,
-        max_deliveries=max_deliveries,
+        max_deliveries=max_deliveries, stall_timeout_s=stall_timeout_s,
     )
 
 
@@ -98,6 +98,9 @@ def build_worker_config(redis_url: str, namespace: str, reply_ttl: int = 3600, m
               help="Reclaim entries a silent (dead) worker left pending this long.")
 @click.option("--max-deliveries", envvar="BATCHFLEET_MAX_DELIVERIES", type=int, default=3, show_default=True,
               help="Deliveries before an entry is dead-lettered and answered worker_failed.")
+@click.option("--stall-timeout-s", envvar="BATCHFLEET_STALL_TIMEOUT_S", type=float, default=600.0, show_default=True,
+              help="A worker whose loop makes no progress this long (one engine step included) stops renewing "
+                   "its leases, so other workers take its requests over.")
 @click.option("--name", envvar="BATCHFLEET_WORKER_NAME", default=None, help="Consumer name (default host-pid-rand).")
 def worker(cache_dir: str, **kw) -> None:
     """Serve bucket streams: read up to max_batch_size entries within max_wait_ms, run, reply."""

@@ -19,6 +19,7 @@ import redis
 from common.config import ConnectionConfig
 from common.keys import Keys
 from common.protocol import FleetInfo
+from worker.outage import Outage
 from worker.pending import PendingCommands
 from worker.stream_types import Entry, Reply
 
@@ -29,6 +30,7 @@ BATCH_LOG_MAXLEN = 10_000
 MAX_BLOCK_MS = 1_000  # also bounds how long SIGTERM waits for an idle blocking read
 BLOCK_SLACK_MS = 110  # Redis may end a BLOCK up to one cron tick (100 ms at hz 10) late
 POLL_S = 0.002
+STARTUP_WAIT_S = 60.0  # setup() waits this long for Redis to come up
 
 # KEYS: done, reply, stream. ARGV: group, entry id ('' = none), payload, ttl seconds.
 # Returns 1 when this call wrote the reply, 0 when an earlier writer already had.
@@ -79,14 +81,29 @@ class StreamConsumer(PendingCommands):
         # A blocking read must return before the socket times out, with margin.
         self.max_block_ms = int(min(MAX_BLOCK_MS, conn.socket_timeout_s * 1000 / 2))
 
-    def setup(self) -> None:
-        """Create the consumer group on every bucket stream (reading from the start of each stream)."""
-        for b in self.buckets:
+    def setup(self, wait_s: float = STARTUP_WAIT_S) -> None:
+        """Create the consumer group on every bucket stream (reading from the start of each stream).
+
+        At startup Redis may not be up yet (compose, k8s): connection errors are retried with capped
+        backoff for ``wait_s`` seconds, one log line per state change, then raised.
+        """
+        outage = Outage(log, "redis")
+        deadline = time.monotonic() + wait_s
+        while True:
             try:
-                self.r.xgroup_create(self.keys.stream(b), self.keys.group, id="0", mkstream=True)
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
+                for b in self.buckets:
+                    try:
+                        self.r.xgroup_create(self.keys.stream(b), self.keys.group, id="0", mkstream=True)
+                    except redis.ResponseError as exc:
+                        if "BUSYGROUP" not in str(exc):
+                            raise
+                outage.ok()
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                delay = outage.failed(exc)
+                if time.monotonic() + delay > deadline:
                     raise
+                time.sleep(delay)
 
     def publish_fleet(self, info: FleetInfo) -> None:
         self._fleet = info
@@ -94,7 +111,7 @@ class StreamConsumer(PendingCommands):
 
     def recover(self) -> None:
         """Redis came back without our state (NOGROUP): re-create the groups and re-publish the fleet."""
-        self.setup()
+        self.setup(wait_s=0)  # the loop retries with its own backoff
         self._cursors.clear()
         if self._fleet is not None:
             self.r.set(self.keys.fleet, self._fleet.encode())

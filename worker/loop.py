@@ -57,9 +57,11 @@ class WorkerLoop(IntakeMixin):
         self.counters = {"batches": 0, "completed": 0, "errors": 0, "dead_lettered": 0, "batched_requests": 0,
                          "reclaimed": 0, "released": 0, "internal_errors": 0}
         self.outage = Outage(log, "redis")
-        self.faults = Outage(log, "worker loop")
+        self.faults = Outage(log, "worker loop (after an internal error)")
         self._held: tuple[Entry, ...] = ()  # snapshot for the lease keeper thread (replaced, never mutated)
-        self.lease = LeaseKeeper(consumer, cfg.claim_idle_ms, lambda: self._held)
+        self._progress = time.monotonic()  # last time a tick completed or an engine step returned
+        self.lease = LeaseKeeper(consumer, cfg.claim_idle_ms, lambda: self._held, lambda: self._progress,
+                                 cfg.stall_timeout_s)
         self._next_reclaim = 0.0
         self._next_prune = 0.0
         self._stop_at: float | None = None
@@ -98,6 +100,7 @@ class WorkerLoop(IntakeMixin):
     def _guarded(self, fn: Callable[[], None]) -> None:
         try:
             fn()
+            self._progress = time.monotonic()
             self.outage.ok()
             self.faults.ok()
         except REDIS_DOWN as exc:
@@ -175,7 +178,11 @@ class WorkerLoop(IntakeMixin):
         for acc in items:
             self.waiting.pop(acc.gen.id, None)
             self.active[acc.gen.id] = acc
-        self.engine.add([acc.gen for acc in items])
+        try:
+            self.engine.add([acc.gen for acc in items])
+        except Exception as exc:  # refused at admission: same isolation as a failed step
+            self._engine_failed(exc)
+            return
         self._publish_held()
         if kind != "join":
             self.counters["batches"] += 1
@@ -195,6 +202,7 @@ class WorkerLoop(IntakeMixin):
         except Exception as exc:  # an engine fault must cost at most the request that caused it
             self._engine_failed(exc)
             return
+        self._progress = time.monotonic()
         self._answer(completions)
 
     def _engine_failed(self, exc: Exception) -> None:

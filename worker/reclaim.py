@@ -8,7 +8,8 @@ Invariants (the Redis commands live in worker/consumer.py):
   into a no-op, so a client never sees two answers.
 - A live worker renews the lease of everything it holds (LeaseKeeper: XCLAIM JUSTID every claim_idle/4,
   from its own thread, so a long engine step does not let its entries go idle): only entries of a dead
-  worker (or one frozen for claim_idle_ms) are ever taken over.
+  worker are taken over, or those of a worker whose loop made no progress for ``stall_timeout_s``
+  (a wedged engine): then the keeper stops renewing.
 - A delivery count above ``max_deliveries`` dead-letters the entry and answers ``worker_failed``.
 - A request delivered ``SOLO_FROM_DELIVERY`` times or more runs alone: it may be what killed a worker.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from worker.consumer import Entry
@@ -47,8 +49,12 @@ class LeaseKeeper:
     touches the loop's own containers.
     """
 
-    def __init__(self, consumer, claim_idle_ms: int, held: Callable[[], Sequence[Entry]]) -> None:
+    def __init__(self, consumer, claim_idle_ms: int, held: Callable[[], Sequence[Entry]],
+                 progress: Callable[[], float] = time.monotonic, stall_timeout_s: float = 600.0) -> None:
         self.consumer = consumer
+        self.progress = progress  # monotonic time the loop last made progress
+        self.stall_timeout_s = stall_timeout_s
+        self.stalled = False
         self.interval_s = claim_idle_ms / 4000
         self.min_idle_ms = max(1, claim_idle_ms // 8)
         self.held = held
@@ -68,6 +74,16 @@ class LeaseKeeper:
         while not self._stop.wait(self.interval_s):
             entries = list(self.held())
             if not entries:
+                continue
+            stalled = time.monotonic() - self.progress() > self.stall_timeout_s
+            if stalled != self.stalled:
+                self.stalled = stalled
+                if stalled:
+                    log.error("worker loop made no progress for %.0fs: no longer renewing leases on %d entries; "
+                              "other workers will take them over", self.stall_timeout_s, len(entries))
+                else:
+                    log.warning("worker loop is making progress again; renewing leases")
+            if stalled:
                 continue
             try:
                 self.consumer.refresh(entries, self.min_idle_ms)
