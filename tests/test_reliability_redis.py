@@ -91,3 +91,32 @@ def test_redis_restart_mid_load_nothing_lost(aof_redis, tiny_model_dir, cache_di
     assert all(r.llen(keys.reply(j)) == 0 and r.exists(keys.done(j)) for j in results)
     assert sum(r.xlen(keys.stream(b)) for b in (32, 64, 128, 256)) == 0
     print(f"\nredis restart: first result {after_restart[0] - t_up:.2f}s after redis was back; 48/48 answered")
+
+
+def test_submit_retries_through_an_outage_with_bounded_backoff(tiny_model_dir):
+    from common.protocol import FleetInfo
+
+    server = PrivateRedis(port=free_port()).start()
+    ns = "retry"
+    keys = Keys(ns)
+    try:
+        info = FleetInfo(model="tiny", tokenizer_json=(tiny_model_dir / "tokenizer.json").read_text(),
+                         buckets=(32,), max_seq_len=64, max_batch_size=4, vocab_size=320, eos_token_ids=(2,))
+        redis.Redis.from_url(server.url).set(keys.fleet, info.encode())
+        with Client(server.url, ns, retry_s=0.5) as client:
+            client.fleet()  # cached
+            server.kill()
+            t0 = time.monotonic()
+            with pytest.raises(redis.ConnectionError):
+                client.submit([5, 6], max_new_tokens=2)
+            gave_up = time.monotonic() - t0
+            client.retry_s = 30
+            threading.Timer(0.7, server.start).start()
+            t0 = time.monotonic()
+            job = client.submit([5, 6], max_new_tokens=2)  # waits for Redis to come back
+            resumed = time.monotonic() - t0
+        assert 0.3 <= gave_up < 3 and 0.6 <= resumed < 5
+        r = redis.Redis.from_url(server.url)
+        assert [f[b"id"].decode() for _, f in r.xrange(keys.stream(32))] == [job]  # enqueued once
+    finally:
+        server.stop()
