@@ -46,7 +46,7 @@ def _unpack(data: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ProtocolError(f"payload must be a map, got {type(obj).__name__}")
     version = obj.get("v")
-    if version != SCHEMA_VERSION:
+    if type(version) is not int or version != SCHEMA_VERSION:  # 1.0 and True == 1 in Python
         raise ProtocolError(f"unsupported schema version {version!r} (this side speaks {SCHEMA_VERSION})",
                             code=UNSUPPORTED_SCHEMA)
     return obj

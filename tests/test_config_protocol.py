@@ -82,6 +82,10 @@ def test_request_roundtrip_and_validation():
     with pytest.raises(ProtocolError) as exc:
         Request.decode(msgpack.packb({"v": 99, "id": "j"}))
     assert exc.value.code == "unsupported_schema"
+    for fake_one in (1.0, True, "1"):
+        with pytest.raises(ProtocolError):
+            Request.decode(msgpack.packb({"v": fake_one, "id": "j", "prompt": [1], "max_new_tokens": 1,
+                                          "reply_key": "k"}))
     for junk in (b"", b"\xc1", b"\x00" * 10, msgpack.packb([1, 2]), b"\xdd\xff\xff\xff\xff"):
         with pytest.raises(ProtocolError):
             Request.decode(junk)

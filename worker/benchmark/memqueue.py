@@ -109,12 +109,29 @@ class MemQueue:
     def close(self) -> None:
         pass
 
-    def __getattr__(self, name: str):
-        # Reliability hooks the loop may call on a real consumer (reclaim, pending checks...) have
-        # nothing to do in-process: nothing is ever left pending by a dead peer here.
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return lambda *args, **kwargs: []
+    # Reliability hooks: in one process nothing is ever left pending by a dead peer, so there is
+    # nothing to reclaim, renew or prune.
+    def reclaim(self, min_idle_ms: int, budget: int) -> list[Entry]:
+        return []
+
+    def answered(self, job_ids: list[str]) -> list[bool]:
+        return [False] * len(job_ids)
+
+    def release(self, entries: list[Entry], idle_ms: int) -> None:
+        self.hand_back(entries)
+
+    def refresh(self, entries: list[Entry], min_idle_ms: int) -> None:
+        pass
+
+    def prune_consumers(self, min_idle_ms: int) -> int:
+        return 0
+
+    def recover(self) -> None:
+        pass
+
+    def give_up(self, entry: Entry, reason: str, reply: Reply | None) -> None:
+        if reply is not None:
+            self.write_replies([reply])
 
 
 class MemClient:
