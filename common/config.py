@@ -104,7 +104,7 @@ class EngineConfig:
 
     model: str | None = None  # local HF checkpoint dir; None = the built-in default model
     preset: str = "tiny"  # built-in model preset when model is None: "tiny" or "bench"
-    engine: str = "hf"
+    engine: str = "native"
     mode: str = "dynamic"
     device: str = "cpu"
     dtype: str | None = None  # None = per-device default chosen by measurement (bf16 on CPU with AMX)
