@@ -5,7 +5,7 @@ a trash block that padding tokens write to, so padding never touches a live bloc
 padded with the trash block id and masked out by length.
 
 Paths (measured numbers in docs/NATIVE_ENGINE.md):
-- prefill: the prompt's own K/V are attended directly with causal SDPA (right padding: a real query
+- prefill, padded: the prompt's own K/V are attended directly with causal SDPA (right padding: a real query
   only sees earlier, real keys), then scattered into the pool; no pool read is needed since prefills
   always start from position 0 (a preempted sequence is recomputed from scratch).
 - prefill, packed (varlen): prompts back to back in one row, one causal SDPA per prompt: no padding
