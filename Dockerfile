@@ -6,6 +6,8 @@ ARG TORCH_SPEC="torch==2.13.0"
 ARG PIP_ARGS=""
 ENV PYTHONUNBUFFERED=1 BATCHFLEET_CACHE_DIR=/cache
 WORKDIR /app
+# gcc: the native engine compiles its CPU paged-attention kernel at first use (falls back without it)
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 RUN if [ -n "$TORCH_SPEC" ]; then pip install --no-cache-dir "$TORCH_SPEC" $PIP_ARGS; fi
 COPY pyproject.toml README.md ./
 COPY common ./common
