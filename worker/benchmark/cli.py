@@ -12,7 +12,7 @@ from common.cli import connection_options
 from common.localredis import ensure_redis
 from worker.benchmark.loadgen import make_workload
 from worker.benchmark.report import machine, markdown_table, plot, write_json
-from worker.benchmark.runner import LoadSpec, run_inproc, run_redis
+from worker.benchmark.runner import LoadSpec, latency_probe, run_load, serving_inproc, serving_redis
 from worker.benchmark.strategies import DEFAULT_STRATEGIES, parse_strategies, parse_strategy
 from worker.cli import engine_options
 
@@ -39,7 +39,8 @@ def _range(text: str) -> tuple[int, int]:
 @click.option("--attach", is_flag=True, help="Use the fleet already serving --namespace instead of starting one.")
 @click.option("--overhead/--no-overhead", default=True, show_default=True,
               help="Also run --overhead-strategy in-process (no Redis) and report what the queue adds.")
-@click.option("--overhead-strategy", default="dynamic50", show_default=True)
+@click.option("--overhead-strategy", default="static8", show_default=True,
+              help="Strategy for the throughput comparison (static batches form the same way on both paths).")
 @click.option("--json", "json_path", default=None, help="Write results as JSON here.")
 @click.option("--plot", "plot_path", default=None, help="Write the throughput/TTFT plot (PNG) here.")
 def bench(redis_url: str, namespace: str, cache_dir: str, strategies: str, clients: int, rate: float | None,
@@ -76,17 +77,22 @@ def bench(redis_url: str, namespace: str, cache_dir: str, strategies: str, clien
     try:
         for strategy in plan:
             click.echo(f"running {strategy.name} ...", err=True)
-            rows.append(run_redis(url, strategy, engine_kw, cache_dir, spec, namespace=namespace if attach else None,
-                                  log_dir=log_dir))
+            serving = serving_redis(url, strategy, engine_kw, cache_dir, namespace if attach else None, log_dir)
+            rows.append(run_load(serving, strategy, spec, "redis"))
             click.echo(f"  {rows[-1]['throughput_tok_s']} tok/s, TTFT p50 {rows[-1]['ttft_p50_ms']} ms", err=True)
         if over is not None:
-            click.echo(f"queue overhead: {over.name} over Redis vs in-process ...", err=True)
-            via_redis = run_redis(url, over, engine_kw, cache_dir, spec, log_dir=log_dir, probe_n=20)
-            inproc = run_inproc(over, engine_kw, cache_dir, spec, probe_n=20)
+            click.echo(f"queue overhead: {over.name} over Redis vs in-process, then latency probes ...", err=True)
+            via_redis = run_load(serving_redis(url, over, engine_kw, cache_dir, None, log_dir), over, spec, "redis")
+            inproc = run_load(serving_inproc(over, engine_kw, cache_dir), over, spec, "in-process")
+            idle = parse_strategy("dynamic0")
+            probe_redis = latency_probe(serving_redis(url, idle, engine_kw, cache_dir, None, log_dir), workload)
+            probe_inproc = latency_probe(serving_inproc(idle, engine_kw, cache_dir), workload)
             overhead_doc = {
                 "strategy": over.name, "redis": via_redis, "in_process": inproc,
                 "throughput_ratio": round(via_redis["throughput_tok_s"] / inproc["throughput_tok_s"], 3),
-                "added_latency_p50_ms": round(via_redis["probe_e2e_p50_ms"] - inproc["probe_e2e_p50_ms"], 3),
+                "probe": "sequential single requests, 8-token prompt, 1 new token, max_wait_ms 0",
+                "probe_e2e_p50_ms": {"redis": probe_redis, "in_process": probe_inproc},
+                "added_latency_p50_ms": round(probe_redis - probe_inproc, 3),
             }
     finally:
         if private is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,9 +52,13 @@ def kv_fields(status: dict) -> dict:
     return out
 
 
-def run_redis(url: str, strategy: Strategy, engine_kw: dict, cache_dir: str, spec: LoadSpec,
-              namespace: str | None = None, log_dir: str | None = None, probe_n: int = 0) -> dict:
-    """Start a worker subprocess for the strategy, drive the load through producer.Client, stop it."""
+@contextmanager
+def serving_redis(url: str, strategy: Strategy, engine_kw: dict, cache_dir: str, namespace: str | None = None,
+                  log_dir: str | None = None) -> Iterator[tuple[Client, Callable[[], None] | None, Callable[[], dict]]]:
+    """A worker subprocess for the strategy (or the fleet already serving ``namespace``).
+
+    Yields (client, flush or None, status getter); stops the worker and deletes its keys afterwards.
+    """
     from worker.cli import engine_args
 
     attach = namespace is not None
@@ -64,17 +70,18 @@ def run_redis(url: str, strategy: Strategy, engine_kw: dict, cache_dir: str, spe
         log = str(Path(log_dir) / f"worker-{strategy.name}.log") if log_dir else None
         worker = spawn_worker(url, ns, args, log_path=log, wait_s=900)
     r = redis.Redis.from_url(url)
-    try:
-        with Client(url, ns) as client:
-            run = _drive(client, spec, (lambda: r.incr(keys.flush)) if strategy.static else None)
-            probe = latency_probe(client, spec.workload, probe_n) if probe_n else []
+
+    def status() -> dict:
         time.sleep(2.2)  # one more heartbeat, so the engine's peak KV figures are current
-        status = {}
         for key in r.scan_iter(match=keys.worker("*")):
             raw = r.get(key)
             if raw:
-                status = msgpack.unpackb(raw, raw=False)
-        return {**summarize(strategy.name, run), **kv_fields(status), **_probe_fields(probe), "path": "redis"}
+                return msgpack.unpackb(raw, raw=False)
+        return {}
+
+    try:
+        with Client(url, ns) as client:
+            yield client, (lambda: r.incr(keys.flush)) if strategy.static else None, status
     finally:
         if worker is not None:
             worker.stop()
@@ -82,7 +89,9 @@ def run_redis(url: str, strategy: Strategy, engine_kw: dict, cache_dir: str, spe
         r.close()
 
 
-def run_inproc(strategy: Strategy, engine_kw: dict, cache_dir: str, spec: LoadSpec, probe_n: int = 0) -> dict:
+@contextmanager
+def serving_inproc(strategy: Strategy, engine_kw: dict,
+                   cache_dir: str) -> Iterator[tuple[MemClient, Callable[[], None] | None, Callable[[], dict]]]:
     """The same worker loop and engine in this process, with the in-memory transport instead of Redis."""
     from worker.main import build_loop
 
@@ -95,26 +104,31 @@ def run_inproc(strategy: Strategy, engine_kw: dict, cache_dir: str, spec: LoadSp
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
     try:
-        client = MemClient(queue)
-        run = _drive(client, spec, queue.bump_flush if strategy.static else None)
-        probe = latency_probe(client, spec.workload, probe_n) if probe_n else []
-        return {**summarize(strategy.name, run), **kv_fields(loop.status()), **_probe_fields(probe),
-                "path": "in-process"}
+        yield MemClient(queue), queue.bump_flush if strategy.static else None, loop.status
     finally:
         loop.stopping.set()
         thread.join(120)
 
 
-def _probe_fields(probe: list[float]) -> dict:
-    return {"probe_e2e_p50_ms": round(percentile(probe, 50), 3)} if probe else {}
+def run_load(serving, strategy: Strategy, spec: LoadSpec, path: str) -> dict:
+    """One table row: drive ``spec`` through a ``serving_*`` context."""
+    with serving as (client, flush, status):
+        run = _drive(client, spec, flush)
+        return {**summarize(strategy.name, run), **kv_fields(status()), "path": path}
 
 
-def latency_probe(client, workload: Workload, n: int = 20) -> list[float]:
-    """Sequential single requests (1 new token): end-to-end ms each; isolates per-request transport cost."""
+def latency_probe(serving, workload: Workload, n: int = 30) -> float:
+    """p50 end-to-end ms of sequential single requests (short prompt, 1 new token) on an idle worker.
+
+    Run against a max_wait_ms=0 worker, this is transport + one tiny forward; the difference between
+    the Redis and the in-process transport is what the queue adds to each request.
+    """
     out = []
-    for i in range(n):
-        prompt = workload.prompts[i % len(workload)][:32]
-        t0 = time.perf_counter()
-        client.result(client.submit(prompt, max_new_tokens=1), timeout=120)
-        out.append((time.perf_counter() - t0) * 1000)
-    return out
+    with serving as (client, _flush, _status):
+        for i in range(n + 3):
+            prompt = workload.prompts[i % len(workload)][:8]
+            t0 = time.perf_counter()
+            client.result(client.submit(prompt, max_new_tokens=1), timeout=120)
+            if i >= 3:  # the first ones warm up
+                out.append((time.perf_counter() - t0) * 1000)
+    return round(percentile(out, 50), 3)
