@@ -58,23 +58,26 @@ def write_json(path: str | Path, doc: dict) -> None:
 
 
 def plot(rows: list[dict], path: str | Path, title: str) -> None:
-    """Throughput against TTFT p50, one labelled point per strategy."""
+    """Two panels against TTFT p50, one labelled point per strategy: throughput (what a closed loop
+    shows) and mean batch size (what an open loop below saturation shows: the wait buys batch size)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     pts = [r for r in rows if r.get("throughput_tok_s") and r.get("ttft_p50_ms") == r.get("ttft_p50_ms")]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot([r["ttft_p50_ms"] for r in pts], [r["throughput_tok_s"] for r in pts], "o-", color="tab:blue")
-    for r in pts:
-        ax.annotate(r["strategy"], (r["ttft_p50_ms"], r["throughput_tok_s"]), textcoords="offset points",
-                    xytext=(5, 5), fontsize=9)
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT p50 from submission (ms, log)")
-    ax.set_ylabel("output tokens / s")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, alpha=0.3)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, label in ((axes[0], "throughput_tok_s", "output tokens / s"),
+                           (axes[1], "mean_batch_size", "mean batch size")):
+        ax.plot([r["ttft_p50_ms"] for r in pts], [r[key] for r in pts], "o-", color="tab:blue")
+        for r in pts:
+            ax.annotate(r["strategy"], (r["ttft_p50_ms"], r[key]), textcoords="offset points", xytext=(5, 5),
+                        fontsize=9)
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT p50 from submission (ms, log)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
