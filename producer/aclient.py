@@ -97,7 +97,11 @@ class AsyncClient:
 
     async def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,
                             **params) -> list[Result]:
-        ids = [await self.submit(p, timeout=timeout, **params) for p in prompts]
+        """Validate every prompt first (PromptTooLong before anything is sent), then enqueue and gather."""
+        fleet = await self.fleet()
+        p = Params(**params)
+        built = [fleet.build(self.keys, prompt, p, timeout, None) for prompt in prompts]
+        ids = [await self.submit(req.prompt, timeout=timeout, job_id=req.id, **params) for _, req in built]
         return list(await asyncio.gather(*(self.result(i, timeout=timeout) for i in ids)))
 
     async def aclose(self) -> None:

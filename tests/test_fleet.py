@@ -92,6 +92,13 @@ def test_prompt_too_long_raised_client_side_nothing_enqueued(start_worker, redis
             client.submit("x" * 200, max_new_tokens=200)  # > max_seq_len
         with pytest.raises(PromptTooLong):
             client.generate_many(["ok", "y" * 999])  # validated before anything is sent
+
+    async def many_async():
+        async with AsyncClient(redis_url, namespace) as aclient:
+            await aclient.generate_many(["ok", "y" * 999])
+
+    with pytest.raises(PromptTooLong):
+        asyncio.run(many_async())
     assert sorted(r.scan_iter(match=keys.pattern)) == before
     assert all(r.xlen(keys.stream(b)) == 0 for b in (32, 64, 128, 256))
 
