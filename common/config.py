@@ -110,6 +110,7 @@ class EngineConfig:
     dtype: str | None = None  # None = per-device default chosen by measurement (bf16 on CPU with AMX)
     block_size: int = 16
     kv_cache_gb: float | None = None  # None = a fraction of free memory
+    threads: int | None = None  # CPU threads for torch and the kernels; None = torch's default (all cores)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -129,6 +130,8 @@ class EngineConfig:
             raise ConfigError("block_size must be >= 1")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ConfigError("kv_cache_gb must be > 0")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError("threads must be >= 1")
 
 
 @dataclass(frozen=True)

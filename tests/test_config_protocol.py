@@ -38,6 +38,8 @@ def test_other_configs_validate():
     with pytest.raises(ConfigError):
         EngineConfig(engine="hf", mode="continuous")
     with pytest.raises(ConfigError):
+        EngineConfig(threads=0)
+    with pytest.raises(ConfigError):
         ConnectionConfig(redis_url="http://x")
     with pytest.raises(ValueError):
         Keys("bad namespace!")

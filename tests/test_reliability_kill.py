@@ -20,7 +20,8 @@ from worker.spawn import WorkerProcess, spawn_worker
 
 BUCKETS = "32,64"
 ARGS = ["--buckets", BUCKETS, "--max-seq-len", "256", "--dtype", "float32", "--max-batch-size", "8",
-        "--max-wait-ms", "50", "--claim-idle-ms", "1000", "--max-deliveries", "3"]
+        "--max-wait-ms", "50", "--claim-idle-ms", "1000", "--max-deliveries", "3",
+        "--threads", "1"]  # two workers on a 2-core machine: one core each, no OpenMP oversubscription
 
 
 def _spawn_many(redis_url: str, namespace: str, n: int, tmp_path, extra: list[str]) -> list[WorkerProcess]:

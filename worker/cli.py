@@ -53,6 +53,9 @@ def engine_options(fn=None, *, default_preset: str = "tiny"):
                      help="KV cache block size (native engine)."),
         click.option("--kv-cache-gb", envvar="BATCHFLEET_KV_CACHE_GB", type=float, default=None,
                      help="KV pool size (native engine). Default: a fraction of free memory."),
+        click.option("--threads", envvar="BATCHFLEET_THREADS", type=int, default=None,
+                     help="CPU threads per worker (torch + kernels). Default: all cores. With N workers on one "
+                          "host give each cores/N: OpenMP threads fighting over cores slow everything down."),
         click.option("--cache-dir", envvar="BATCHFLEET_CACHE_DIR", default=DEFAULT_CACHE_DIR, show_default=True,
                      help="Where built-in presets are created."),
     ]
@@ -81,7 +84,7 @@ def build_worker_config(redis_url: str, namespace: str, reply_ttl: int = 3600, m
                                        padding=kw["padding"]),
         engine=EngineConfig(model=kw["model"], preset=kw["preset"], engine=kw["engine"], mode=kw["mode"],
                             device=kw["device"], dtype=kw["dtype"], block_size=kw["block_size"],
-                            kv_cache_gb=kw["kv_cache_gb"]),
+                            kv_cache_gb=kw["kv_cache_gb"], threads=kw.get("threads")),
         reply_ttl_s=reply_ttl, max_queue_len=max_queue_len, name=name, claim_idle_ms=claim_idle_ms,
         max_deliveries=max_deliveries, stall_timeout_s=stall_timeout_s,
     )

@@ -58,6 +58,8 @@ def build_loop(cfg: WorkerConfig, cache_dir: str | Path, consumer=None) -> Worke
 def run_worker(cfg: WorkerConfig, cache_dir: str | Path) -> int:
     """Serve until SIGTERM/SIGINT; the running batch finishes, queued entries are handed back. Exit 0."""
     torch.set_grad_enabled(False)
+    if cfg.engine.threads:  # process-wide, once, before any kernel reads it
+        torch.set_num_threads(cfg.engine.threads)
     loop = build_loop(cfg, cache_dir)
 
     def on_signal(signum, _frame) -> None:
