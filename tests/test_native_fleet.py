@@ -5,6 +5,7 @@ over prompts spanning 3+ buckets, both padding strategies and both batching mode
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
@@ -52,3 +53,27 @@ def test_native_matches_transformers_through_redis(family, padding, mode, family
     bucket_of = {res.id: res.extra["bucket"] for res in results}
     for _, rec in r.xrange(Keys(namespace).batches):
         assert {bucket_of[i] for i in rec["ids"].split(",")} == {int(rec["bucket"])}
+
+
+@pytest.mark.parametrize("mode", ["continuous", "dynamic"])
+def test_long_request_does_not_hold_back_short_ones_in_continuous_mode(mode, start_worker, redis_url, namespace):
+    start_worker(engine="native", mode=mode, max_wait_ms=10, max_batch_size=8, kv_cache_gb=0.02)
+    done_at: dict[str, float] = {}
+    with Client(redis_url, namespace) as client, ThreadPoolExecutor(8) as pool:
+        def wait(job: str) -> None:
+            client.result(job, timeout=120)
+            done_at[job] = time.monotonic()
+
+        long_job = client.submit(prompt(1, 10), max_new_tokens=480)
+        waiter = [pool.submit(wait, long_job)]
+        time.sleep(0.05)  # the long request is decoding now
+        shorts = [client.submit(prompt(2 + i, 10 + i), max_new_tokens=4) for i in range(4)]  # same bucket
+        submitted = time.monotonic()
+        waiter += [pool.submit(wait, j) for j in shorts]
+        for f in waiter:
+            f.result()
+    assert done_at[long_job] > submitted, "the long request ended before the short ones arrived: make it longer"
+    if mode == "continuous":  # they joined the running batch and left as soon as they were done
+        assert all(done_at[j] < done_at[long_job] for j in shorts)
+    else:  # a dynamic batch runs to completion: they waited for it
+        assert all(done_at[j] > done_at[long_job] for j in shorts)
