@@ -70,6 +70,16 @@ def _float(obj: dict, key: str, lo: float, hi: float, default: float) -> float:
     return float(value)
 
 
+MIN_TEMPERATURE = 1e-3  # below it logits / t overflow; 0 means greedy
+
+
+def _temperature(obj: dict) -> float:
+    t = _float(obj, "temperature", 0.0, 100.0, 0.0)
+    if 0.0 < t < MIN_TEMPERATURE:
+        raise ProtocolError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100], got {t!r}")
+    return t
+
+
 def _opt_float(obj: dict, key: str) -> float | None:
     value = obj.get(key)
     if value is None:
@@ -140,7 +150,7 @@ class Request:
             id=job_id,
             prompt=_tokens(obj, "prompt", 1),
             max_new_tokens=_int(obj, "max_new_tokens", 1, MAX_TOKENS),
-            temperature=_float(obj, "temperature", 0.0, 100.0, 0.0),
+            temperature=_temperature(obj),
             top_p=_float(obj, "top_p", 1e-6, 1.0, 1.0),
             top_k=_int(obj, "top_k", 0, 1 << 20, 0),
             seed=seed,

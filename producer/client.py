@@ -136,10 +136,14 @@ class Client:
                               args=[fleet.info.max_queue_len, req.id, req.encode()], client=pipe)
             return pipe.execute()
 
-        for (bucket, _), ok in zip(built, self._retry(enqueue_all, time.monotonic() + self.retry_s)):
+        start = time.monotonic()
+        limit = self.retry_s if timeout is None else min(self.retry_s, timeout)
+        for (bucket, _), ok in zip(built, self._retry(enqueue_all, start + limit)):
             if not ok:
                 raise QueueFull(f"bucket {bucket} is full; earlier prompts of this call were enqueued")
-        return [self.result(req.id, timeout=timeout) for _, req in built]
+        # one deadline for the whole call: each wait gets what is left of it
+        return [self.result(req.id, timeout=None if timeout is None else max(0.0, start + timeout - time.monotonic()))
+                for _, req in built]
 
     def close(self) -> None:
         self.r.close()

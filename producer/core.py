@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from common.config import bucket_for
 from common.errors import DEADLINE_EXCEEDED, JobFailed, ProtocolError, Timeout
 from common.keys import Keys, valid_job_id
-from common.protocol import MAX_STOP, Error, FleetInfo, Request, Result, decode_reply
+from common.protocol import MAX_STOP, MIN_TEMPERATURE, Error, FleetInfo, Request, Result, decode_reply
 
 Prompt = str | Sequence[int]
 FLEET_REFRESH_S = 30.0
@@ -68,8 +68,8 @@ class Params:
     def __post_init__(self) -> None:
         if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be an integer >= 1")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError("temperature must be in [0, 100]")
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 100.0):
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100]")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:

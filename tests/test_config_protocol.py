@@ -76,6 +76,7 @@ def test_request_roundtrip_and_validation():
     bad({"prompt": [True]})
     bad({"max_new_tokens": 0})
     bad({"temperature": -1})
+    bad({"temperature": 1e-300})  # logits / t would overflow to inf and make sampling raise
     bad({"top_p": 0})
     bad({"seed": -5})
     bad({"stop": ["x"] * 100})

@@ -161,6 +161,7 @@ class WorkerLoop(IntakeMixin):
             if self.batcher.static and len(self.batcher):
                 self._check_flush(now)
             if self.solo:
+                self.bucket = None  # nothing may join a request that must run alone
                 self._start([self.solo.popleft()], kind="solo")
                 return
             popped = self.batcher.pop_batch(now)
@@ -210,6 +211,7 @@ class WorkerLoop(IntakeMixin):
         redelivery (another worker, or this one, retries it) until max_deliveries, then given up."""
         failed = list(self.active.values())
         self.active.clear()
+        self.bucket = None
         try:
             self.engine.reset()
         except Exception:

@@ -54,7 +54,9 @@ class IntakeMixin:
             block_ms = min(block_ms, int(reclaim_period_s(self.cfg.claim_idle_ms) * 1000) + 1)
             if block_ms <= 0:
                 return
-        for entry in self.consumer.read(count=room, block_ms=block_ms):
+        # COUNT applies per stream: split the room so all buckets together stay within it
+        per_stream = max(1, -(-room // len(self.cfg.batching.buckets)))
+        for entry in self.consumer.read(count=per_stream, block_ms=block_ms):
             self._take(entry, solo=False)
         self._publish_held()
 
@@ -69,8 +71,10 @@ class IntakeMixin:
         room = min(self._room(), self.cfg.reclaim_budget)
         if room <= 0:
             return
-        held = {e.entry_id for e in self._held}
-        entries = [e for e in self.consumer.reclaim(self.cfg.claim_idle_ms, room) or [] if e.entry_id not in held]
+        # entry ids are unique per stream only: two buckets often share "<ms>-0"
+        held = {(e.bucket, e.entry_id) for e in self._held}
+        entries = [e for e in self.consumer.reclaim(self.cfg.claim_idle_ms, room) or []
+                   if (e.bucket, e.entry_id) not in held]
         if not entries:
             return
         self.counters["reclaimed"] += len(entries)

@@ -31,7 +31,7 @@ def sample(logits: torch.Tensor, reqs: Sequence[GenRequest], gens: Sequence[torc
     rows = logits[sampled].float().cpu()  # [S, V]
     for j, i in enumerate(sampled):
         r = reqs[i]
-        row = rows[j] / r.temperature
+        row = rows[j] / max(r.temperature, 1e-5)  # validated >= 1e-3 on the wire; never overflow here
         if 0 < r.top_k < row.numel():
             kth = torch.topk(row, r.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
