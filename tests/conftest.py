@@ -4,7 +4,6 @@ namespace per test (deleted afterwards), the tiny built-in model, and in-process
 from __future__ import annotations
 
 import os
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,41 +60,16 @@ def worker_config(redis_url: str, namespace: str, model_dir: Path, **kw) -> Work
                         batching=batching, engine=engine, **kw)
 
 
-class ThreadWorker:
-    """A real worker loop (real model, real Redis) in a thread of the test process."""
-
-    def __init__(self, cfg: WorkerConfig, cache_dir: Path) -> None:
-        from worker.main import build_loop
-
-        self.cfg = cfg
-        self.loop = build_loop(cfg, cache_dir)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.loop.run()
-        except BaseException as exc:  # surfaced by stop()
-            self.error = exc
-
-    def stop(self) -> None:
-        self.loop.stopping.set()
-        self.thread.join(60)
-        assert not self.thread.is_alive(), "worker thread did not stop"
-        self.loop.consumer.close()
-        if self.error is not None:
-            raise self.error
-
-
 @pytest.fixture
 def start_worker(redis_url: str, namespace: str, tiny_model_dir: Path, cache_dir: Path):
-    """start_worker(**config overrides) -> ThreadWorker; all are stopped at teardown."""
-    started: list[ThreadWorker] = []
+    """start_worker(**config overrides) -> a real worker loop in a thread; all are stopped at teardown."""
+    from tests.test_reliability_helpers import LoopThread
 
-    def start(**kw) -> ThreadWorker:
+    started: list[LoopThread] = []
+
+    def start(**kw) -> LoopThread:
         model_dir = kw.pop("model_dir", tiny_model_dir)
-        w = ThreadWorker(worker_config(redis_url, namespace, model_dir, **kw), cache_dir)
+        w = LoopThread(worker_config(redis_url, namespace, model_dir, **kw), cache_dir)
         started.append(w)
         return w
 
