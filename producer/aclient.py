@@ -10,10 +10,20 @@ from typing import TypeVar
 import redis.asyncio as aredis
 
 from common.config import connection_from_env
-from common.errors import FleetUnavailable, QueueFull, Timeout
+from common.errors import QueueFull, Timeout
 from common.protocol import Result
 from producer.client import ENQUEUE_SCRIPT
-from producer.core import RETRY_S, TRANSIENT, Backoff, FleetView, Params, Prompt, parse_reply
+from producer.core import (
+    RETRY_S,
+    TRANSIENT,
+    Backoff,
+    FleetView,
+    Params,
+    Prompt,
+    connection_kwargs,
+    no_fleet,
+    parse_reply,
+)
 
 T = TypeVar("T")
 
@@ -24,8 +34,7 @@ class AsyncClient:
     def __init__(self, redis_url: str | None = None, namespace: str | None = None, retry_s: float = RETRY_S) -> None:
         self.conn = connection_from_env(redis_url, namespace)
         self.keys = self.conn.keys
-        self.r = aredis.Redis.from_url(self.conn.redis_url, socket_timeout=self.conn.socket_timeout_s,
-                                       socket_connect_timeout=self.conn.socket_timeout_s, decode_responses=False)
+        self.r = aredis.Redis.from_url(self.conn.redis_url, **connection_kwargs(self.conn))
         self._enqueue = self.r.register_script(ENQUEUE_SCRIPT)
         self._fleet = FleetView()
         self._lock = asyncio.Lock()
@@ -54,8 +63,7 @@ class AsyncClient:
                     raw = await self._retry(lambda: self.r.get(self.keys.fleet), time.monotonic() + self.retry_s)
                     self._fleet.update(raw)
         if self._fleet.info is None:
-            raise FleetUnavailable(f"no worker has published a fleet under namespace {self.keys.namespace!r}; "
-                                   "start a worker first")
+            raise no_fleet(self.keys)
         return self._fleet
 
     async def submit(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,

@@ -10,9 +10,19 @@ from typing import TypeVar
 import redis
 
 from common.config import connection_from_env
-from common.errors import FleetUnavailable, QueueFull, Timeout
+from common.errors import QueueFull, Timeout
 from common.protocol import Result
-from producer.core import RETRY_S, TRANSIENT, Backoff, FleetView, Params, Prompt, parse_reply
+from producer.core import (
+    RETRY_S,
+    TRANSIENT,
+    Backoff,
+    FleetView,
+    Params,
+    Prompt,
+    connection_kwargs,
+    no_fleet,
+    parse_reply,
+)
 
 T = TypeVar("T")
 
@@ -39,8 +49,7 @@ class Client:
         self.conn = connection_from_env(redis_url, namespace)
         self.keys = self.conn.keys
         # redis-py's pool hands each thread its own connection, so blocking waits do not serialize.
-        self.r = redis.Redis.from_url(self.conn.redis_url, socket_timeout=self.conn.socket_timeout_s,
-                                      socket_connect_timeout=self.conn.socket_timeout_s, decode_responses=False)
+        self.r = redis.Redis.from_url(self.conn.redis_url, **connection_kwargs(self.conn))
         self._enqueue = self.r.register_script(ENQUEUE_SCRIPT)
         self._fleet = FleetView()
         self._lock = threading.Lock()
@@ -70,8 +79,7 @@ class Client:
                     raw = self._retry(lambda: self.r.get(self.keys.fleet), time.monotonic() + self.retry_s)
                     self._fleet.update(raw)
         if self._fleet.info is None:
-            raise FleetUnavailable(f"no worker has published a fleet under namespace {self.keys.namespace!r}; "
-                                   "start a worker first")
+            raise no_fleet(self.keys)
         return self._fleet
 
     def submit(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,

@@ -15,7 +15,7 @@ import redis
 from tokenizers import Tokenizer
 
 from common.config import bucket_for
-from common.errors import DEADLINE_EXCEEDED, JobFailed, ProtocolError, Timeout
+from common.errors import DEADLINE_EXCEEDED, FleetUnavailable, JobFailed, ProtocolError, Timeout
 from common.keys import Keys, valid_job_id
 from common.protocol import MAX_STOP, MIN_TEMPERATURE, Error, FleetInfo, Request, Result, decode_reply
 
@@ -129,6 +129,17 @@ class FleetView:
             reply_key=keys.reply(job_id),
         )
         return bucket, req
+
+
+def connection_kwargs(conn) -> dict:
+    """redis-py client options shared by Client and AsyncClient: every blocking call fits the socket timeout."""
+    return {"socket_timeout": conn.socket_timeout_s, "socket_connect_timeout": conn.socket_timeout_s,
+            "decode_responses": False}
+
+
+def no_fleet(keys: Keys) -> FleetUnavailable:
+    return FleetUnavailable(f"no worker has published a fleet under namespace {keys.namespace!r}; "
+                            "start a worker first")
 
 
 def parse_reply(job_id: str, raw: bytes) -> Result:
