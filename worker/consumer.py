@@ -78,6 +78,8 @@ class StreamConsumer(PendingCommands):
         self._reply = self.r.register_script(_REPLY_SCRIPT)
         self._fleet: FleetInfo | None = None
         self._cursors: dict[int, str] = {}  # XAUTOCLAIM cursor per bucket, kept while a budget cuts a scan
+        self._streams = {self.keys.stream(b): ">" for b in buckets}  # XREADGROUP argument, built once
+        self._bucket_of = {self.keys.stream(b).encode(): b for b in buckets}
         # A blocking read must return before the socket times out, with margin.
         self.max_block_ms = int(min(MAX_BLOCK_MS, conn.socket_timeout_s * 1000 / 2))
 
@@ -139,40 +141,33 @@ class StreamConsumer(PendingCommands):
                 time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))
 
     def _xread(self, count: int, block_ms: int | None) -> list[Entry]:
-        streams = {self.keys.stream(b): ">" for b in self.buckets}
-        resp = self.r.xreadgroup(self.keys.group, self.name, streams, count=count, block=block_ms)
-        by_name = {self.keys.stream(b).encode(): b for b in self.buckets}
+        resp = self.r.xreadgroup(self.keys.group, self.name, self._streams, count=count, block=block_ms)
         out: list[Entry] = []
         for stream, entries in resp or []:
-            bucket = by_name[stream if isinstance(stream, bytes) else stream.encode()]
+            bucket = self._bucket_of[stream if isinstance(stream, bytes) else stream.encode()]
             for entry_id, fields in entries:
                 eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                 out.append(Entry(bucket, eid, fields or {}))
         return out
 
-    def write_replies(self, replies: list[Reply], batch_record: dict | None = None) -> list[bool]:
+    def write_replies(self, replies: list[Reply]) -> list[bool]:
         """Write replies and ack their entries in one round trip; returns which were first writes."""
-        if not replies and batch_record is None:
+        if not replies:
             return []
         pipe = self.r.pipeline(transaction=False)
         for rep in replies:
-            stream = self.keys.stream(rep.bucket) if rep.bucket is not None else self.keys.stream(0)
-            self._reply(
-                keys=[self.keys.done(rep.job_id), self.keys.reply(rep.job_id), stream],
-                args=[self.keys.group, rep.entry_id if rep.bucket is not None else "", rep.payload,
-                      self.reply_ttl_s],
-                client=pipe,
-            )
-        if batch_record is not None:
-            self.log_batch(batch_record, pipe)
-        results = pipe.execute()
-        return [bool(x) for x in results[: len(replies)]]
+            self._queue_reply(pipe, rep)
+        return [bool(x) for x in pipe.execute()]
 
-    def log_batch(self, record: dict, pipe=None) -> None:
+    def _queue_reply(self, pipe, rep: Reply) -> None:
+        """The reply script (first writer wins, then XACK + XDEL of its entry), queued on ``pipe``."""
+        self._reply(keys=[self.keys.done(rep.job_id), self.keys.reply(rep.job_id), self.keys.stream(rep.bucket)],
+                    args=[self.keys.group, rep.entry_id, rep.payload, self.reply_ttl_s], client=pipe)
+
+    def log_batch(self, record: dict) -> None:
         """Append a batch record (worker, bucket, ids, size) to the capped audit stream."""
-        target = pipe if pipe is not None else self.r
         fields = {k: (",".join(v) if isinstance(v, list) else str(v)) for k, v in record.items()}
-        target.xadd(self.keys.batches, fields, maxlen=BATCH_LOG_MAXLEN, approximate=True)
+        self.r.xadd(self.keys.batches, fields, maxlen=BATCH_LOG_MAXLEN, approximate=True)
 
     def dead_letter(self, entry: Entry, reason: str) -> None:
         """Move an entry nobody can be answered for to the capped dead-letter stream, then ack it."""
@@ -189,8 +184,7 @@ class StreamConsumer(PendingCommands):
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(self.keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=False)  # rare: exact cap
         if reply is not None:
-            self._reply(keys=[self.keys.done(reply.job_id), self.keys.reply(reply.job_id), stream],
-                        args=[self.keys.group, entry.entry_id, reply.payload, self.reply_ttl_s], client=pipe)
+            self._queue_reply(pipe, reply)  # reply.bucket/entry_id are the entry's
         else:
             pipe.xack(stream, self.keys.group, entry.entry_id)
             pipe.xdel(stream, entry.entry_id)

@@ -21,5 +21,5 @@ class Reply:
 
     job_id: str
     payload: bytes
-    bucket: int | None  # stream to ack in; None when nothing to ack
-    entry_id: str = ""
+    bucket: int  # the stream the answered entry sits in
+    entry_id: str  # acked and deleted by the same script that writes the reply

@@ -77,7 +77,7 @@ class MemQueue:
                 out.append(self._entries.popleft())
             return out
 
-    def write_replies(self, replies: list[Reply], batch_record: dict | None = None) -> list[bool]:
+    def write_replies(self, replies: list[Reply]) -> list[bool]:
         firsts = []
         with self._cv:
             for rep in replies:
@@ -86,11 +86,9 @@ class MemQueue:
                     self._replies[rep.job_id] = rep.payload
                 firsts.append(first)
             self._cv.notify_all()
-        if batch_record is not None:
-            self.log_batch(batch_record)
         return firsts
 
-    def log_batch(self, record: dict, pipe=None) -> None:
+    def log_batch(self, record: dict) -> None:
         self.batch_records.append(record)
 
     def dead_letter(self, entry: Entry, reason: str) -> None:
