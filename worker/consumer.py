@@ -169,10 +169,6 @@ class StreamConsumer(PendingCommands):
         fields = {k: (",".join(v) if isinstance(v, list) else str(v)) for k, v in record.items()}
         self.r.xadd(self.keys.batches, fields, maxlen=BATCH_LOG_MAXLEN, approximate=True)
 
-    def dead_letter(self, entry: Entry, reason: str) -> None:
-        """Move an entry nobody can be answered for to the capped dead-letter stream, then ack it."""
-        self.give_up(entry, reason, None)
-
     def give_up(self, entry: Entry, reason: str, reply: Reply | None) -> None:
         """Dead-letter an entry and, when its job id is known, answer it, in one transaction (then ack)."""
         # bounded copy: at most 16 fields of 4 KiB each, so the capped stream stays small in bytes too

@@ -115,13 +115,11 @@ class IntakeMixin:
             self._give_up(entry, f"internal error while validating: {exc!r}"[:500])
 
     def _reject(self, rej: Rejected) -> None:
+        if rej.error is None:  # no usable id: nobody to answer
+            self._give_up(rej.entry, rej.reason)
+            return
         self.counters["errors"] += 1
-        if rej.error is None:
-            log.warning("dead-lettering entry %s: %s", rej.entry.entry_id, rej.reason)
-            self.counters["dead_lettered"] += 1
-            self.consumer.dead_letter(rej.entry, rej.reason)
-        else:
-            self._send([Reply(rej.error.id, rej.error.encode(), rej.entry.bucket, rej.entry.entry_id)])
+        self._send([Reply(rej.error.id, rej.error.encode(), rej.entry.bucket, rej.entry.entry_id)])
 
     def _give_up(self, entry: Entry, reason: str) -> None:
         """Dead-letter an entry for good, answering ``worker_failed`` when it names a job."""

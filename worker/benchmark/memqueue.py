@@ -91,9 +91,6 @@ class MemQueue:
     def log_batch(self, record: dict) -> None:
         self.batch_records.append(record)
 
-    def dead_letter(self, entry: Entry, reason: str) -> None:
-        pass
-
     def ack(self, entry: Entry) -> None:
         pass
 
