@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 import uuid
@@ -21,6 +20,7 @@ from common.config import ConnectionConfig  # noqa: E402
 from common.localredis import ensure_redis  # noqa: E402
 from common.protocol import FleetInfo, Request, Result  # noqa: E402
 from producer import Client  # noqa: E402
+from worker.benchmark.loadgen import percentile  # noqa: E402
 from worker.consumer import Reply, StreamConsumer  # noqa: E402
 from worker.models import byte_level_tokenizer  # noqa: E402
 from worker.spawn import delete_namespace  # noqa: E402
@@ -58,9 +58,8 @@ def main() -> None:
         delete_namespace(url, conn.keys)
         if private is not None:
             private.stop()
-    samples.sort()
-    doc = {"n": len(samples), "p50_ms": round(statistics.median(samples), 3),
-           "p99_ms": round(samples[int(0.99 * (len(samples) - 1))], 3), "redis": url,
+    doc = {"n": len(samples), "p50_ms": round(percentile(samples, 50), 3),
+           "p99_ms": round(percentile(samples, 99), 3), "redis": url,
            "chain": "submit (EVALSHA) + XREADGROUP + reply script (SET NX, RPUSH, EXPIRE, XACK, XDEL) + BLPOP"}
     print("| requests | transport p50 ms | transport p99 ms |\n|---|---|---|")
     print(f"| {doc['n']} | {doc['p50_ms']} | {doc['p99_ms']} |")

@@ -20,6 +20,7 @@ import click
 from common.cli import connection_options
 from common.keys import Keys
 from common.localredis import ensure_redis
+from worker.benchmark.loadgen import percentile
 from worker.cli import engine_args, engine_options
 
 WORDS = ("fleet batch token queue redis stream worker bucket cache paged decode prefill latency "
@@ -38,11 +39,6 @@ def make_prompts(n: int, seed: int = 0, max_chars: int = 400) -> list[str]:
             words.append(rng.choice(WORDS))
         out.append(" ".join(words)[:target])
     return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 @click.command()
