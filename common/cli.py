@@ -6,17 +6,16 @@ import importlib
 import logging
 
 import click
-
-from common.config import DEFAULT_REDIS_URL
-from common.keys import DEFAULT_NAMESPACE
+from batchfleet.common.config import DEFAULT_REDIS_URL
+from batchfleet.common.keys import DEFAULT_NAMESPACE
 
 _COMMANDS = {
-    "worker": "worker.cli:worker",
-    "demo": "worker.demo:demo",
-    "bench": "worker.benchmark.cli:bench",
-    "submit": "producer.cli:submit",
-    "bulk": "producer.cli:bulk",
-    "status": "producer.cli:status",
+    "worker": "batchfleet.worker.cli:worker",
+    "demo": "batchfleet.worker.demo:demo",
+    "bench": "batchfleet.worker.benchmark.cli:bench",
+    "submit": "batchfleet.producer.cli:submit",
+    "bulk": "batchfleet.producer.cli:bulk",
+    "status": "batchfleet.producer.cli:status",
 }
 
 

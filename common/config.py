@@ -6,8 +6,8 @@ import bisect
 import re
 from dataclasses import dataclass, field
 
-from common.errors import ConfigError, PromptTooLong
-from common.keys import DEFAULT_NAMESPACE, Keys
+from batchfleet.common.errors import ConfigError, PromptTooLong
+from batchfleet.common.keys import DEFAULT_NAMESPACE, Keys
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_BUCKETS = (128, 256, 512, 1024, 4096)

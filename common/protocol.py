@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-
-from common.errors import UNSUPPORTED_SCHEMA, ProtocolError
-from common.keys import valid_job_id
+from batchfleet.common.errors import UNSUPPORTED_SCHEMA, ProtocolError
+from batchfleet.common.keys import valid_job_id
 
 SCHEMA_VERSION = 1
 MAX_PAYLOAD_BYTES = 1 << 20  # 1 MiB: far above 4096 token ids + stop strings

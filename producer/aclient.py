@@ -8,12 +8,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import redis.asyncio as aredis
-
-from common.config import connection_from_env
-from common.errors import QueueFull, Timeout
-from common.protocol import Result
-from producer.client import ENQUEUE_SCRIPT
-from producer.core import (
+from batchfleet.common.config import connection_from_env
+from batchfleet.common.errors import QueueFull, Timeout
+from batchfleet.common.protocol import Result
+from batchfleet.producer.client import ENQUEUE_SCRIPT
+from batchfleet.producer.core import (
     RETRY_S,
     TRANSIENT,
     Backoff,

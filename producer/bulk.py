@@ -11,8 +11,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from typing import IO
 
-from common.errors import BatchfleetError
-from producer.client import Client
+from batchfleet.common.errors import BatchfleetError
+from batchfleet.producer.client import Client
 
 PARAM_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 

@@ -8,11 +8,10 @@ from dataclasses import asdict
 
 import click
 import msgpack
-
-from common.cli import connection_options
-from common.errors import BatchfleetError
-from producer.bulk import read_jsonl, run_bulk
-from producer.client import Client
+from batchfleet.common.cli import connection_options
+from batchfleet.common.errors import BatchfleetError
+from batchfleet.producer.bulk import read_jsonl, run_bulk
+from batchfleet.producer.client import Client
 
 
 def _params(max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,

@@ -8,11 +8,10 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import redis
-
-from common.config import connection_from_env
-from common.errors import QueueFull, Timeout
-from common.protocol import Result
-from producer.core import (
+from batchfleet.common.config import connection_from_env
+from batchfleet.common.errors import QueueFull, Timeout
+from batchfleet.common.protocol import Result
+from batchfleet.producer.core import (
     RETRY_S,
     TRANSIENT,
     Backoff,

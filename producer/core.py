@@ -12,12 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis
+from batchfleet.common.config import bucket_for
+from batchfleet.common.errors import DEADLINE_EXCEEDED, FleetUnavailable, JobFailed, ProtocolError, Timeout
+from batchfleet.common.keys import Keys, valid_job_id
+from batchfleet.common.protocol import MAX_STOP, MIN_TEMPERATURE, Error, FleetInfo, Request, Result, decode_reply
 from tokenizers import Tokenizer
-
-from common.config import bucket_for
-from common.errors import DEADLINE_EXCEEDED, FleetUnavailable, JobFailed, ProtocolError, Timeout
-from common.keys import Keys, valid_job_id
-from common.protocol import MAX_STOP, MIN_TEMPERATURE, Error, FleetInfo, Request, Result, decode_reply
 
 Prompt = str | Sequence[int]
 FLEET_REFRESH_S = 30.0

@@ -26,10 +26,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.config import DynamicBatchingConfig, EngineConfig  # noqa: E402
-from worker.engine.base import GenRequest  # noqa: E402
-from worker.models import EOS_ID, PAD_ID, LoadedModel, load_model, make_preset  # noqa: E402
-from worker.native.engine import NativeEngine  # noqa: E402
+from batchfleet.common.config import DynamicBatchingConfig, EngineConfig  # noqa: E402
+from batchfleet.worker.engine.base import GenRequest  # noqa: E402
+from batchfleet.worker.engine.models import EOS_ID, PAD_ID, LoadedModel, load_model, make_preset  # noqa: E402
+from batchfleet.worker.engine.native.engine import NativeEngine  # noqa: E402
 
 
 def make_requests(args) -> list[GenRequest]:
@@ -122,7 +122,7 @@ def matmul_ms(engine: NativeEngine, batch: int, reps: int = 10) -> float:
 
 def bench_hf(loaded: LoadedModel, reqs, args) -> dict:
     try:
-        from worker.engine.hf import HFEngine
+        from batchfleet.worker.engine.hf import HFEngine
     except ImportError:  # the hf engine is not there yet: plain left-padded generate
         HFEngine = None
     if HFEngine is None:
@@ -181,8 +181,8 @@ def bench_generate_batch(loaded: LoadedModel, reqs, args) -> dict:
 def bench_attention(args, flex: bool) -> dict[str, float]:
     """One layer's decode attention at the bench shape (ms): gather + SDPA, the C kernel, optionally
     compiled FlexAttention over the block pool (compile time reported separately)."""
-    from worker.native import attention as A
-    from worker.native import cpu_kernel
+    from batchfleet.worker.engine.native import attention as A
+    from batchfleet.worker.engine.native import cpu_kernel
 
     B, H, D, bs, ctx_len = args.requests, 12, 64, args.block_size, args.attn_ctx
     dtype = getattr(torch, args.dtype)

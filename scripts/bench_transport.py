@@ -16,14 +16,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.config import ConnectionConfig  # noqa: E402
-from common.localredis import ensure_redis  # noqa: E402
-from common.protocol import FleetInfo, Request, Result  # noqa: E402
-from producer import Client  # noqa: E402
-from worker.benchmark.loadgen import percentile  # noqa: E402
-from worker.consumer import Reply, StreamConsumer  # noqa: E402
-from worker.models import byte_level_tokenizer  # noqa: E402
-from worker.spawn import delete_namespace  # noqa: E402
+from batchfleet.common.config import ConnectionConfig  # noqa: E402
+from batchfleet.common.localredis import ensure_redis  # noqa: E402
+from batchfleet.common.protocol import FleetInfo, Request, Result  # noqa: E402
+from batchfleet.producer import Client  # noqa: E402
+from batchfleet.worker.benchmark.loadgen import percentile  # noqa: E402
+from batchfleet.worker.consumer import Reply, StreamConsumer  # noqa: E402
+from batchfleet.worker.engine.models import byte_level_tokenizer  # noqa: E402
+from batchfleet.worker.spawn import delete_namespace  # noqa: E402
 
 
 def main() -> None:

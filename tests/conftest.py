@@ -9,10 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from common.config import ConnectionConfig, DynamicBatchingConfig, EngineConfig, WorkerConfig
-from common.keys import Keys
-from common.localredis import ensure_redis
+from batchfleet.common.config import ConnectionConfig, DynamicBatchingConfig, EngineConfig, WorkerConfig
+from batchfleet.common.keys import Keys
+from batchfleet.common.localredis import ensure_redis
 
 TEST_BUCKETS = (32, 64, 128, 256)
 
@@ -27,7 +26,7 @@ def redis_url() -> Iterator[str]:
 
 @pytest.fixture
 def namespace(redis_url: str) -> Iterator[str]:
-    from worker.spawn import delete_namespace
+    from batchfleet.worker.spawn import delete_namespace
 
     ns = f"t-{uuid.uuid4().hex[:10]}"
     yield ns
@@ -41,7 +40,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(cache_dir: Path) -> Path:
-    from worker.models import make_preset
+    from batchfleet.worker.engine.models import make_preset
 
     return make_preset("tiny", cache_dir / "models")
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import redis
+from batchfleet.common.errors import JobFailed
+from batchfleet.common.keys import Keys
+from batchfleet.common.localredis import PrivateRedis, free_port
+from batchfleet.producer import Client
 
-from common.errors import JobFailed
-from common.keys import Keys
-from common.localredis import PrivateRedis, free_port
-from producer import Client
 from tests.conftest import worker_config
 from tests.test_reliability_helpers import POISON_TOKEN, LoopThread, PoisonEngine
 
@@ -113,9 +113,9 @@ def test_no_pickle_in_wire_code():
 def test_tls_and_acl_users_go_through_the_url():
     """rediss:// gives TLS connections with the URL's user and password in worker and both clients
     (the bundled redis-server is built without TLS, so the handshake itself is not exercised here)."""
-    from common.config import ConnectionConfig
-    from producer import AsyncClient
-    from worker.consumer import connect
+    from batchfleet.common.config import ConnectionConfig
+    from batchfleet.producer import AsyncClient
+    from batchfleet.worker.consumer import connect
 
     url = "rediss://worker-a:s3cret@redis.example:6380/0?ssl_cert_reqs=required"
     pools = [connect(ConnectionConfig(redis_url=url)).connection_pool, Client(url).r.connection_pool,

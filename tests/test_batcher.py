@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.batcher import Batcher
+from batchfleet.worker.batcher import Batcher
 
 
 def make(max_batch_size=3, max_wait_ms=100.0, buckets=(128, 256)):

@@ -7,12 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from batchfleet.common.cli import main
+from batchfleet.worker.benchmark.loadgen import Run, Sample, make_workload, percentile, summarize
+from batchfleet.worker.benchmark.report import markdown_table
+from batchfleet.worker.benchmark.strategies import parse_strategies
 from click.testing import CliRunner
-
-from common.cli import main
-from worker.benchmark.loadgen import Run, Sample, make_workload, percentile, summarize
-from worker.benchmark.report import markdown_table
-from worker.benchmark.strategies import parse_strategies
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -2,9 +2,8 @@
 
 
 import pytest
-
-from worker.native.block_manager import BlockManager, blocks_for
-from worker.native.sequence import Sequence
+from batchfleet.worker.engine.native.block_manager import BlockManager, blocks_for
+from batchfleet.worker.engine.native.sequence import Sequence
 
 
 def seq(name: str, n: int) -> Sequence:
@@ -12,9 +11,9 @@ def seq(name: str, n: int) -> Sequence:
 
 
 def test_pure_python():
-    import worker.native.block_manager as bm
-    import worker.native.scheduler as sc
-    import worker.native.sequence as sq
+    import batchfleet.worker.engine.native.block_manager as bm
+    import batchfleet.worker.engine.native.scheduler as sc
+    import batchfleet.worker.engine.native.sequence as sq
 
     for mod in (bm, sc, sq):
         src = open(mod.__file__).read()

@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 
 import yaml
+from batchfleet.common.cli import main
 from click.testing import CliRunner
-
-from common.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,7 +52,7 @@ def test_bulk_keeps_order_and_reports_errors(start_worker, redis_url, namespace,
 
 
 def test_demo_runs_end_to_end(redis_url):
-    proc = subprocess.run([sys.executable, "-m", "common.cli", "demo", "--requests", "8", "--threads", "4",
+    proc = subprocess.run([sys.executable, "-m", "batchfleet.common.cli", "demo", "--requests", "8", "--threads", "4",
                            "--max-new-tokens", "4", "--redis-url", redis_url],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]

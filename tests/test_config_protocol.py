@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-
-from common.config import ConnectionConfig, DynamicBatchingConfig, EngineConfig, bucket_for, parse_buckets
-from common.errors import ConfigError, PromptTooLong, ProtocolError
-from common.keys import Keys
-from common.protocol import Error, FleetInfo, Request, Result, decode_reply
+from batchfleet.common.config import ConnectionConfig, DynamicBatchingConfig, EngineConfig, bucket_for, parse_buckets
+from batchfleet.common.errors import ConfigError, PromptTooLong, ProtocolError
+from batchfleet.common.keys import Keys
+from batchfleet.common.protocol import Error, FleetInfo, Request, Result, decode_reply
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -10,12 +10,11 @@ import msgpack
 import pytest
 import redis
 import torch
-
-from common.errors import JobFailed, PromptTooLong
-from common.keys import Keys
-from producer import AsyncClient, Client
-from worker.demo import make_prompts
-from worker.models import load_model
+from batchfleet.common.errors import JobFailed, PromptTooLong
+from batchfleet.common.keys import Keys
+from batchfleet.producer import AsyncClient, Client
+from batchfleet.worker.demo import make_prompts
+from batchfleet.worker.engine.models import load_model
 
 
 def reference(model_dir, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

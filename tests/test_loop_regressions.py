@@ -7,11 +7,11 @@ from __future__ import annotations
 import time
 
 import redis
+from batchfleet.common.keys import Keys
+from batchfleet.common.protocol import Request, decode_reply
+from batchfleet.worker.main import build_loop
 
-from common.keys import Keys
-from common.protocol import Request, decode_reply
 from tests.conftest import worker_config
-from worker.main import build_loop
 
 
 def enqueue(r: redis.Redis, keys: Keys, bucket: int, job_id: str, prompt: list[int], entry_id: str = "*") -> str:

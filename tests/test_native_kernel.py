@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from worker.native import attention as A
-from worker.native import cpu_kernel
+from batchfleet.worker.engine.native import attention as A
+from batchfleet.worker.engine.native import cpu_kernel
 
 needs_kernel = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler")
 
@@ -47,9 +46,8 @@ def test_runner_falls_back_to_gather_without_kernel(monkeypatch, tmp_path):
 
 
 def test_unsupported_model_type_is_refused():
+    from batchfleet.worker.engine.native.model import NativeModel
     from transformers import AutoModelForCausalLM, Qwen3Config
-
-    from worker.native.model import NativeModel
 
     cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=50)
@@ -59,8 +57,9 @@ def test_unsupported_model_type_is_refused():
 
 @needs_kernel
 def test_bf16_engine_runs_both_decode_paths(tmp_path):
+    from batchfleet.worker.engine.models import load_model
+
     from tests.test_native_util import build_model, make_engine, prompt, request, run_all
-    from worker.models import load_model
 
     path = build_model("qwen2", tmp_path).path
     loaded = load_model(path, "cpu", "bfloat16")

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import redis
+from batchfleet.common.errors import WORKER_FAILED, JobFailed, QueueFull, Timeout
+from batchfleet.common.keys import Keys
+from batchfleet.common.protocol import FleetInfo
+from batchfleet.producer import Client
 
-from common.errors import WORKER_FAILED, JobFailed, QueueFull, Timeout
-from common.keys import Keys
-from common.protocol import FleetInfo
-from producer import Client
 from tests.conftest import worker_config
 from tests.test_reliability_helpers import (
     POISON_TOKEN,
@@ -28,7 +28,7 @@ from tests.test_reliability_helpers import (
 
 def _native_works() -> bool:
     try:
-        from worker.native.engine import NativeEngine  # noqa: F401
+        from batchfleet.worker.engine.native.engine import NativeEngine  # noqa: F401
     except Exception:
         return False
     return True
@@ -117,9 +117,9 @@ def test_queue_full_raises_at_once_and_enqueues_nothing(redis_url, namespace, ti
 
 
 def test_no_key_grows_without_bound(loops, redis_url, namespace, monkeypatch):
-    import worker.consumer
+    from batchfleet.worker import consumer
 
-    monkeypatch.setattr(worker.consumer, "DEAD_LETTER_MAXLEN", 20)
+    monkeypatch.setattr(consumer, "DEAD_LETTER_MAXLEN", 20)
     loops(max_wait_ms=5, reply_ttl_s=30)
     r = redis.Redis.from_url(redis_url)
     keys = Keys(namespace)
@@ -141,7 +141,7 @@ def test_no_key_grows_without_bound(loops, redis_url, namespace, monkeypatch):
 
 
 def test_groups_and_fleet_recreated_when_redis_comes_back_empty(loops, redis_url, namespace):
-    from worker.spawn import delete_namespace
+    from batchfleet.worker.spawn import delete_namespace
 
     loops(max_wait_ms=5)
     keys = Keys(namespace)
@@ -155,16 +155,16 @@ def test_groups_and_fleet_recreated_when_redis_comes_back_empty(loops, redis_url
 
 
 def test_internal_error_on_one_entry_costs_that_entry_only(loops, redis_url, namespace, monkeypatch):
-    import worker.loop_intake
+    from batchfleet.worker import loop_intake
 
-    real_accept = worker.loop_intake.accept
+    real_accept = loop_intake.accept
 
     def flaky_accept(entry, *a, **kw):
         if entry.fields.get(b"id", b"").startswith(b"boom"):
             raise RuntimeError("simulated bug")
         return real_accept(entry, *a, **kw)
 
-    monkeypatch.setattr(worker.loop_intake, "accept", flaky_accept)
+    monkeypatch.setattr(loop_intake, "accept", flaky_accept)
     t = loops(max_wait_ms=20)
     keys = Keys(namespace)
     r = redis.Redis.from_url(redis_url)
@@ -183,7 +183,7 @@ def any_redis_url(request, redis_url):
     if request.param == "shared":
         yield redis_url
         return
-    from common.localredis import PrivateRedis, free_port
+    from batchfleet.common.localredis import PrivateRedis, free_port
 
     server = PrivateRedis(port=free_port()).start()
     yield server.url
@@ -191,8 +191,8 @@ def any_redis_url(request, redis_url):
 
 
 def test_reclaim_follows_cursor_within_budget_and_drops_deleted(any_redis_url):
-    from common.config import ConnectionConfig
-    from worker.consumer import StreamConsumer
+    from batchfleet.common.config import ConnectionConfig
+    from batchfleet.worker.consumer import StreamConsumer
 
     ns = f"rc-{uuid.uuid4().hex[:6]}"
     keys = Keys(ns)
@@ -214,14 +214,14 @@ def test_reclaim_follows_cursor_within_budget_and_drops_deleted(any_redis_url):
     live.release(got[0][:1], idle_ms=5000)  # released: reclaimable at once, count unchanged until then
     again = live.reclaim(min_idle_ms=1000, budget=10)
     assert [(e.entry_id, e.deliveries) for e in again] == [(got[0][0].entry_id, 3)]
-    from worker.spawn import delete_namespace
+    from batchfleet.worker.spawn import delete_namespace
 
     delete_namespace(any_redis_url, keys)
 
 
 def test_dead_consumer_names_are_pruned_and_a_clean_stop_removes_its_own(redis_url, namespace):
-    from common.config import ConnectionConfig
-    from worker.consumer import StreamConsumer
+    from batchfleet.common.config import ConnectionConfig
+    from batchfleet.worker.consumer import StreamConsumer
 
     keys = Keys(namespace)
     conn = ConnectionConfig(redis_url=redis_url, namespace=namespace)
@@ -243,8 +243,8 @@ def test_dead_consumer_names_are_pruned_and_a_clean_stop_removes_its_own(redis_u
 
 
 def test_lease_keeper_renews_held_entries_until_the_loop_stalls():
-    from worker.consumer import Entry
-    from worker.reclaim import LeaseKeeper
+    from batchfleet.worker.consumer import Entry
+    from batchfleet.worker.reclaim import LeaseKeeper
 
     class FakeConsumer:
         def __init__(self) -> None:

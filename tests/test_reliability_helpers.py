@@ -12,12 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
-
-from common.config import WorkerConfig
-from common.keys import Keys
-from common.protocol import Request
-from worker.engine.base import Completion, GenRequest
-from worker.loop import WorkerLoop
+from batchfleet.common.config import WorkerConfig
+from batchfleet.common.keys import Keys
+from batchfleet.common.protocol import Request
+from batchfleet.worker.engine.base import Completion, GenRequest
+from batchfleet.worker.loop import WorkerLoop
 
 POISON_TOKEN = 7
 
@@ -60,7 +59,7 @@ class LoopThread:
     """A real WorkerLoop in a thread; ``wrap`` may replace its engine (e.g. PoisonEngine)."""
 
     def __init__(self, cfg: WorkerConfig, cache_dir: Path, wrap: Callable | None = None) -> None:
-        from worker.main import build_loop
+        from batchfleet.worker.main import build_loop
 
         self.loop: WorkerLoop = build_loop(cfg, cache_dir)
         if wrap is not None:

@@ -12,11 +12,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import redis
+from batchfleet.common.keys import Keys
+from batchfleet.producer import Client
+from batchfleet.worker.spawn import WorkerProcess, spawn_worker
 
-from common.keys import Keys
-from producer import Client
 from tests.test_reliability_helpers import wait_until
-from worker.spawn import WorkerProcess, spawn_worker
 
 BUCKETS = "32,64"
 ARGS = ["--buckets", BUCKETS, "--max-seq-len", "256", "--dtype", "float32", "--max-batch-size", "8",

@@ -12,10 +12,10 @@ import uuid
 
 import pytest
 import redis
+from batchfleet.common.keys import Keys
+from batchfleet.common.localredis import PrivateRedis, free_port
+from batchfleet.producer import AsyncClient, Client
 
-from common.keys import Keys
-from common.localredis import PrivateRedis, free_port
-from producer import AsyncClient, Client
 from tests.conftest import worker_config
 from tests.test_reliability_helpers import LoopThread, wait_until
 
@@ -94,7 +94,7 @@ def test_redis_restart_mid_load_nothing_lost(aof_redis, tiny_model_dir, cache_di
 
 
 def test_submit_retries_through_an_outage_with_bounded_backoff(tiny_model_dir):
-    from common.protocol import FleetInfo
+    from batchfleet.common.protocol import FleetInfo
 
     server = PrivateRedis(port=free_port()).start()
     ns = "retry"

@@ -1,10 +1,9 @@
 """Scheduler: admission, decode growth, preemption and abort with exact block ids (pure Python)."""
 
 import pytest
-
-from worker.native.block_manager import BlockManager
-from worker.native.scheduler import Scheduler
-from worker.native.sequence import SeqStatus, Sequence
+from batchfleet.worker.engine.native.block_manager import BlockManager
+from batchfleet.worker.engine.native.scheduler import Scheduler
+from batchfleet.worker.engine.native.sequence import SeqStatus, Sequence
 
 
 def seq(name: str, n: int, max_new: int = 8) -> Sequence:

@@ -1,9 +1,9 @@
-"""``python -m worker`` == ``batchfleet worker``."""
+"""``python -m batchfleet.worker`` == ``batchfleet worker``."""
 
 import logging
 
-from worker.cli import worker
+from batchfleet.worker.cli import worker
 
 if __name__ == "__main__":
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    worker(prog_name="python -m worker")
+    worker(prog_name="python -m batchfleet.worker")

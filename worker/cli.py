@@ -1,13 +1,12 @@
-"""``batchfleet worker`` (also ``python -m worker``): every option is also a BATCHFLEET_* env var."""
+"""``batchfleet worker`` (also ``python -m batchfleet.worker``): every option is also a BATCHFLEET_* env var."""
 
 from __future__ import annotations
 
 import sys
 
 import click
-
-from common.cli import connection_options
-from common.config import (
+from batchfleet.common.cli import connection_options
+from batchfleet.common.config import (
     DEFAULT_BUCKETS,
     ENGINE_CHOICES,
     MODE_CHOICES,
@@ -111,6 +110,6 @@ def worker(cache_dir: str, **kw) -> None:
         cfg = build_worker_config(**kw)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    from worker.main import run_worker
+    from batchfleet.worker.main import run_worker
 
     sys.exit(run_worker(cfg, cache_dir))

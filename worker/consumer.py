@@ -15,13 +15,12 @@ import uuid
 
 import msgpack
 import redis
-
-from common.config import ConnectionConfig
-from common.keys import Keys
-from common.protocol import FleetInfo
-from worker.outage import Outage
-from worker.pending import PendingCommands
-from worker.stream_types import Entry, Reply
+from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.keys import Keys
+from batchfleet.common.protocol import FleetInfo
+from batchfleet.worker.outage import Outage
+from batchfleet.worker.pending import PendingCommands
+from batchfleet.worker.stream_types import Entry, Reply
 
 log = logging.getLogger(__name__)
 

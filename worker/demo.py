@@ -16,12 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import click
-
-from common.cli import connection_options
-from common.keys import Keys
-from common.localredis import ensure_redis
-from worker.benchmark.loadgen import percentile
-from worker.cli import engine_args, engine_options
+from batchfleet.common.cli import connection_options
+from batchfleet.common.keys import Keys
+from batchfleet.common.localredis import ensure_redis
+from batchfleet.worker.benchmark.loadgen import percentile
+from batchfleet.worker.cli import engine_args, engine_options
 
 WORDS = ("fleet batch token queue redis stream worker bucket cache paged decode prefill latency "
          "throughput accelerator prompt model reply").split()
@@ -50,8 +49,8 @@ def make_prompts(n: int, seed: int = 0, max_chars: int = 400) -> list[str]:
 def demo(redis_url: str, namespace: str, cache_dir: str, n_requests: int, threads: int, max_new_tokens: int,
          **engine_kw) -> None:
     """Run a worker and 32 producer threads against it; print a results table."""
-    from producer import Client
-    from worker.spawn import delete_namespace, spawn_worker
+    from batchfleet.producer import Client
+    from batchfleet.worker.spawn import delete_namespace, spawn_worker
 
     url, private = ensure_redis(redis_url)
     click.echo(f"redis: {url}" + (" (private, started by the demo)" if private else ""))

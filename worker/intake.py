@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.errors import INVALID_REQUEST, PROMPT_TOO_LONG, ProtocolError
-from common.keys import Keys, valid_job_id
-from common.protocol import Error, Request
-from worker.consumer import Entry
-from worker.engine.base import GenRequest
+from batchfleet.common.errors import INVALID_REQUEST, PROMPT_TOO_LONG, ProtocolError
+from batchfleet.common.keys import Keys, valid_job_id
+from batchfleet.common.protocol import Error, Request
+from batchfleet.worker.consumer import Entry
+from batchfleet.worker.engine.base import GenRequest
 
 
 @dataclass(frozen=True)

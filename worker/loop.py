@@ -18,17 +18,16 @@ from collections import deque
 from collections.abc import Callable
 
 import redis
-
-from common.config import WorkerConfig
-from common.errors import ENGINE_ERROR
-from common.protocol import Error, Result
-from worker.batcher import Batcher
-from worker.consumer import Entry, Reply, StreamConsumer
-from worker.engine.base import Completion, Engine
-from worker.intake import Accepted, Limits
-from worker.loop_intake import REDIS_DOWN, IntakeMixin
-from worker.outage import Outage
-from worker.reclaim import LeaseKeeper
+from batchfleet.common.config import WorkerConfig
+from batchfleet.common.errors import ENGINE_ERROR
+from batchfleet.common.protocol import Error, Result
+from batchfleet.worker.batcher import Batcher
+from batchfleet.worker.consumer import Entry, Reply, StreamConsumer
+from batchfleet.worker.engine.base import Completion, Engine
+from batchfleet.worker.intake import Accepted, Limits
+from batchfleet.worker.loop_intake import REDIS_DOWN, IntakeMixin
+from batchfleet.worker.outage import Outage
+from batchfleet.worker.reclaim import LeaseKeeper
 
 log = logging.getLogger(__name__)
 

@@ -12,14 +12,13 @@ import logging
 import time
 
 import redis
+from batchfleet.common.errors import DEADLINE_EXCEEDED, WORKER_FAILED
+from batchfleet.common.protocol import Error
+from batchfleet.worker.consumer import Entry, Reply
+from batchfleet.worker.intake import Accepted, Rejected, accept, job_id_of
+from batchfleet.worker.reclaim import SOLO_FROM_DELIVERY, reclaim_period_s, split_exhausted
 
-from common.errors import DEADLINE_EXCEEDED, WORKER_FAILED
-from common.protocol import Error
-from worker.consumer import Entry, Reply
-from worker.intake import Accepted, Rejected, accept, job_id_of
-from worker.reclaim import SOLO_FROM_DELIVERY, reclaim_period_s, split_exhausted
-
-log = logging.getLogger("worker.loop")
+log = logging.getLogger("batchfleet.worker.loop")
 
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 PRUNE_PERIOD_S = 60.0

@@ -8,14 +8,13 @@ import threading
 from pathlib import Path
 
 import torch
-
-from common.config import WorkerConfig
-from common.protocol import FleetInfo
-from worker.consumer import StreamConsumer, default_consumer_name
-from worker.engine import build_engine
-from worker.intake import Limits
-from worker.loop import WorkerLoop
-from worker.models import LoadedModel, load_model, make_preset
+from batchfleet.common.config import WorkerConfig
+from batchfleet.common.protocol import FleetInfo
+from batchfleet.worker.consumer import StreamConsumer, default_consumer_name
+from batchfleet.worker.engine import build_engine
+from batchfleet.worker.engine.models import LoadedModel, load_model, make_preset
+from batchfleet.worker.intake import Limits
+from batchfleet.worker.loop import WorkerLoop
 
 log = logging.getLogger(__name__)
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 import logging
 
 import redis
+from batchfleet.common.keys import Keys
+from batchfleet.worker.stream_types import Entry
 
-from common.keys import Keys
-from worker.stream_types import Entry
-
-log = logging.getLogger("worker.consumer")
+log = logging.getLogger("batchfleet.worker.consumer")
 
 
 def as_str(value: bytes | str) -> str:

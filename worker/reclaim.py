@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from worker.consumer import Entry
+from batchfleet.worker.consumer import Entry
 
 log = logging.getLogger(__name__)
 

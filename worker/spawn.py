@@ -10,8 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis
-
-from common.keys import Keys
+from batchfleet.common.keys import Keys
 
 
 @dataclass
@@ -39,7 +38,7 @@ class WorkerProcess:
 
 def spawn_worker(redis_url: str, namespace: str, args: Sequence[str] = (), name: str | None = None,
                  log_path: str | None = None, wait_s: float = 180.0) -> WorkerProcess:
-    """Run ``python -m worker`` with the given extra CLI args and wait for its first heartbeat."""
+    """Run ``python -m batchfleet.worker`` with the given extra CLI args and wait for its first heartbeat."""
     name = name or f"w-{uuid.uuid4().hex[:8]}"
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (owned by the child)
     cmd = [sys.executable, "-m", "worker", "--redis-url", redis_url, "--namespace", namespace, "--name", name,

@@ -7,14 +7,13 @@ import sys
 import tempfile
 
 import click
-
-from common.cli import connection_options
-from common.localredis import ensure_redis
-from worker.benchmark.loadgen import make_workload
-from worker.benchmark.report import machine, markdown_table, plot, write_json
-from worker.benchmark.runner import LoadSpec, latency_probe, run_load, serving_inproc, serving_redis
-from worker.benchmark.strategies import DEFAULT_STRATEGIES, parse_strategies, parse_strategy
-from worker.cli import engine_options
+from batchfleet.common.cli import connection_options
+from batchfleet.common.localredis import ensure_redis
+from batchfleet.worker.benchmark.loadgen import make_workload
+from batchfleet.worker.benchmark.report import machine, markdown_table, plot, write_json
+from batchfleet.worker.benchmark.runner import LoadSpec, latency_probe, run_load, serving_inproc, serving_redis
+from batchfleet.worker.benchmark.strategies import DEFAULT_STRATEGIES, parse_strategies, parse_strategy
+from batchfleet.worker.cli import engine_options
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -69,7 +68,7 @@ def bench(redis_url: str, namespace: str, cache_dir: str, strategies: str, clien
     if not engine_kw["model"]:  # create the preset once, before any worker races to it
         from pathlib import Path
 
-        from worker.models import make_preset
+        from batchfleet.worker.engine.models import make_preset
 
         make_preset(engine_kw["preset"], Path(cache_dir).expanduser() / "models",
                     max_seq_len=engine_kw["max_seq_len"])

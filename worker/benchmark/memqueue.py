@@ -12,11 +12,11 @@ import time
 import uuid
 from collections import deque
 
-from common.config import bucket_for
-from common.keys import Keys
-from common.protocol import FleetInfo, Request, Result
-from producer.core import parse_reply
-from worker.consumer import Entry, Reply
+from batchfleet.common.config import bucket_for
+from batchfleet.common.keys import Keys
+from batchfleet.common.protocol import FleetInfo, Request, Result
+from batchfleet.producer.core import parse_reply
+from batchfleet.worker.consumer import Entry, Reply
 
 
 class MemQueue:

@@ -13,14 +13,13 @@ from pathlib import Path
 
 import msgpack
 import redis
-
-from common.keys import Keys
-from producer import Client
-from worker.benchmark.loadgen import Run, Workload, closed_loop, open_loop, percentile, summarize
-from worker.benchmark.memqueue import MemClient, MemQueue
-from worker.benchmark.strategies import Strategy
-from worker.cli import build_worker_config
-from worker.spawn import delete_namespace, spawn_worker
+from batchfleet.common.keys import Keys
+from batchfleet.producer import Client
+from batchfleet.worker.benchmark.loadgen import Run, Workload, closed_loop, open_loop, percentile, summarize
+from batchfleet.worker.benchmark.memqueue import MemClient, MemQueue
+from batchfleet.worker.benchmark.strategies import Strategy
+from batchfleet.worker.cli import build_worker_config
+from batchfleet.worker.spawn import delete_namespace, spawn_worker
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ def serving_redis(url: str, strategy: Strategy, engine_kw: dict, cache_dir: str,
 
     Yields (client, flush or None, status getter); stops the worker and deletes its keys afterwards.
     """
-    from worker.cli import engine_args
+    from batchfleet.worker.cli import engine_args
 
     attach = namespace is not None
     ns = namespace or f"bench-{strategy.name}-{uuid.uuid4().hex[:6]}"
@@ -94,7 +93,7 @@ def serving_redis(url: str, strategy: Strategy, engine_kw: dict, cache_dir: str,
 def serving_inproc(strategy: Strategy, engine_kw: dict,
                    cache_dir: str) -> Iterator[tuple[MemClient, Callable[[], None] | None, Callable[[], dict]]]:
     """The same worker loop and engine in this process, with the in-memory transport instead of Redis."""
-    from worker.main import build_loop
+    from batchfleet.worker.main import build_loop
 
     ns = f"inproc-{uuid.uuid4().hex[:6]}"
     kw = {**engine_kw, "max_wait_ms": strategy.max_wait_ms, "max_batch_size": strategy.max_batch_size,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from common.config import DynamicBatchingConfig, EngineConfig
-from worker.engine.base import Completion, Engine, GenRequest
-from worker.models import LoadedModel
+from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
+from batchfleet.worker.engine.base import Completion, Engine, GenRequest
+from batchfleet.worker.engine.models import LoadedModel
 
 __all__ = ["Completion", "Engine", "GenRequest", "build_engine"]
 
@@ -12,9 +12,9 @@ __all__ = ["Completion", "Engine", "GenRequest", "build_engine"]
 def build_engine(cfg: EngineConfig, batching: DynamicBatchingConfig, loaded: LoadedModel) -> Engine:
     """Construct the configured engine around an already loaded model."""
     if cfg.engine == "hf":
-        from worker.engine.hf import HFEngine
+        from batchfleet.worker.engine.hf import HFEngine
 
         return HFEngine(loaded, batching)
-    from worker.native.engine import NativeEngine
+    from batchfleet.worker.engine.native.engine import NativeEngine
 
     return NativeEngine(loaded, batching, cfg)

@@ -11,12 +11,11 @@ import time
 from collections.abc import Sequence
 
 import torch
+from batchfleet.common.config import DynamicBatchingConfig
+from batchfleet.worker.engine.base import Completion, GenRequest
+from batchfleet.worker.engine.models import LoadedModel
+from batchfleet.worker.engine.sampling import StopChecker, make_generator, sample
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
-
-from common.config import DynamicBatchingConfig
-from worker.engine.base import Completion, GenRequest
-from worker.models import LoadedModel
-from worker.sampling import StopChecker, make_generator, sample
 
 
 class _RowSampler(LogitsProcessor):

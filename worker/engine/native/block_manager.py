@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from worker.native.sequence import Sequence
+from batchfleet.worker.engine.native.sequence import Sequence
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

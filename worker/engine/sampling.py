@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-from worker.engine.base import GenRequest
+from batchfleet.worker.engine.base import GenRequest
 
 
 def make_generator(req: GenRequest, device: torch.device) -> torch.Generator | None:

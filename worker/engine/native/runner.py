@@ -7,13 +7,12 @@ import math
 from pathlib import Path
 
 import torch
-
-from worker.native import attention as A
-from worker.native import cpu_kernel
-from worker.native.block_manager import blocks_for
-from worker.native.model import NativeModel
-from worker.native.scheduler import ScheduledBatch
-from worker.sampling import sample
+from batchfleet.worker.engine.native import attention as A
+from batchfleet.worker.engine.native import cpu_kernel
+from batchfleet.worker.engine.native.block_manager import blocks_for
+from batchfleet.worker.engine.native.model import NativeModel
+from batchfleet.worker.engine.native.scheduler import ScheduledBatch
+from batchfleet.worker.engine.sampling import sample
 
 log = logging.getLogger(__name__)
 

@@ -12,15 +12,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-
-from common.config import DynamicBatchingConfig, EngineConfig
-from worker.engine.base import Completion, GenRequest
-from worker.models import LoadedModel
-from worker.native.block_manager import BlockManager
-from worker.native.runner import ModelRunner
-from worker.native.scheduler import ScheduledBatch, Scheduler
-from worker.native.sequence import Sequence as Seq
-from worker.sampling import StopChecker, make_generator
+from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
+from batchfleet.worker.engine.base import Completion, GenRequest
+from batchfleet.worker.engine.models import LoadedModel
+from batchfleet.worker.engine.native.block_manager import BlockManager
+from batchfleet.worker.engine.native.runner import ModelRunner
+from batchfleet.worker.engine.native.scheduler import ScheduledBatch, Scheduler
+from batchfleet.worker.engine.native.sequence import Sequence as Seq
+from batchfleet.worker.engine.sampling import StopChecker, make_generator
 
 
 @dataclass

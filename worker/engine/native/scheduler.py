@@ -17,8 +17,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from worker.native.block_manager import BlockManager, blocks_for
-from worker.native.sequence import SeqStatus, Sequence
+from batchfleet.worker.engine.native.block_manager import BlockManager, blocks_for
+from batchfleet.worker.engine.native.sequence import SeqStatus, Sequence
 
 
 @dataclass
