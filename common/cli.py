@@ -6,6 +6,7 @@ import importlib
 import logging
 
 import click
+
 from batchfleet.common.config import DEFAULT_REDIS_URL
 from batchfleet.common.keys import DEFAULT_NAMESPACE
 

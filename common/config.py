@@ -111,6 +111,8 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_gb: float | None = None  # None = a fraction of free memory
     threads: int | None = None  # CPU threads for torch and the kernels; None = torch's default (all cores)
+    cache_dir: str = "~/.cache/batchfleet"  # built-in presets (models/) and the compiled CPU kernel (kernels/)
+    native_kernel: bool = True  # the C paged-decode kernel on CPU (False: gather + SDPA)
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+
 from batchfleet.common.errors import UNSUPPORTED_SCHEMA, ProtocolError
 from batchfleet.common.keys import valid_job_id
 

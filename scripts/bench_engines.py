@@ -195,9 +195,9 @@ def bench_attention(args, flex: bool) -> dict[str, float]:
     q = torch.randn(B, H, D, generator=g).to(dtype)
     mask = A.decode_mask(ctx, M * bs)
     out = {"gather_sdpa_ms": _time(lambda: A.decode_attention_gather(q, pool, tables, mask, D**-0.5))}
-    if cpu_kernel.load() is not None:
+    if (lib := cpu_kernel.load()) is not None:
         nt = torch.get_num_threads()
-        out["kernel_ms"] = _time(lambda: cpu_kernel.paged_decode(q, pool, tables, ctx, D**-0.5, nt))
+        out["kernel_ms"] = _time(lambda: cpu_kernel.paged_decode(lib, q, pool, tables, ctx, D**-0.5, nt))
     if flex:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention
 

@@ -22,15 +22,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+
 from batchfleet.common.config import ConnectionConfig, DynamicBatchingConfig, EngineConfig, WorkerConfig  # noqa: E402
 from batchfleet.worker.benchmark.loadgen import closed_loop, make_workload, summarize  # noqa: E402
 from batchfleet.worker.benchmark.memqueue import MemClient, MemQueue  # noqa: E402
-from batchfleet.worker.engine import build_engine  # noqa: E402
+from batchfleet.worker.compose import build_engine, fleet_info  # noqa: E402
 from batchfleet.worker.engine.models import EOS_ID, LoadedModel, byte_level_tokenizer  # noqa: E402
 from batchfleet.worker.intake import Limits  # noqa: E402
 from batchfleet.worker.loop import WorkerLoop  # noqa: E402
-from batchfleet.worker.main import fleet_info  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 SHAPES = {
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,

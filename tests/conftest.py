@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from batchfleet.common.config import ConnectionConfig, DynamicBatchingConfig, EngineConfig, WorkerConfig
 from batchfleet.common.keys import Keys
 from batchfleet.common.localredis import ensure_redis
@@ -68,7 +69,7 @@ def start_worker(redis_url: str, namespace: str, tiny_model_dir: Path, cache_dir
 
     def start(**kw) -> LoopThread:
         model_dir = kw.pop("model_dir", tiny_model_dir)
-        w = LoopThread(worker_config(redis_url, namespace, model_dir, **kw), cache_dir)
+        w = LoopThread(worker_config(redis_url, namespace, model_dir, **kw))
         started.append(w)
         return w
 

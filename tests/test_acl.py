@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import redis
+
 from batchfleet.common.errors import JobFailed
 from batchfleet.common.keys import Keys
 from batchfleet.common.localredis import PrivateRedis, free_port
 from batchfleet.producer import Client
-
 from tests.conftest import worker_config
 from tests.test_reliability_helpers import POISON_TOKEN, LoopThread, PoisonEngine
 
@@ -62,7 +62,7 @@ def test_fleet_runs_under_least_privilege_acl_users_tenants_isolated(acl_redis, 
                     _user_url(acl_redis, f"producer-{ns}", f"ppw-{ns}"))
     # PoisonEngine (test only) drives the redelivery commands too: release, reclaim, pending, dead letter
     workers = [LoopThread(worker_config(urls[ns][0], ns, tiny_model_dir, max_wait_ms=10, claim_idle_ms=400,
-                                        max_deliveries=2), cache_dir, PoisonEngine) for ns in tenants]
+                                        max_deliveries=2), PoisonEngine) for ns in tenants]
     try:
         answers, poisons = {}, {}
         for ns in tenants:

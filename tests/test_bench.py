@@ -7,11 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from click.testing import CliRunner
+
 from batchfleet.common.cli import main
 from batchfleet.worker.benchmark.loadgen import Run, Sample, make_workload, percentile, summarize
 from batchfleet.worker.benchmark.report import markdown_table
 from batchfleet.worker.benchmark.strategies import parse_strategies
-from click.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 

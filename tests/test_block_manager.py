@@ -2,6 +2,7 @@
 
 
 import pytest
+
 from batchfleet.worker.engine.native.block_manager import BlockManager, blocks_for
 from batchfleet.worker.engine.native.sequence import Sequence
 

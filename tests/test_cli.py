@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import yaml
-from batchfleet.common.cli import main
 from click.testing import CliRunner
+
+from batchfleet.common.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+
 from batchfleet.common.config import ConnectionConfig, DynamicBatchingConfig, EngineConfig, bucket_for, parse_buckets
 from batchfleet.common.errors import ConfigError, PromptTooLong, ProtocolError
 from batchfleet.common.keys import Keys

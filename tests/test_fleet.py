@@ -10,6 +10,7 @@ import msgpack
 import pytest
 import redis
 import torch
+
 from batchfleet.common.errors import JobFailed, PromptTooLong
 from batchfleet.common.keys import Keys
 from batchfleet.producer import AsyncClient, Client

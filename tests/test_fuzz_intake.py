@@ -12,11 +12,11 @@ import uuid
 
 import msgpack
 import redis
-from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import MAX_TOKENS, Error, Result, decode_reply
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from batchfleet.common.keys import Keys
+from batchfleet.common.protocol import MAX_TOKENS, Error, Result, decode_reply
 from tests.conftest import TEST_BUCKETS
 from tests.test_reliability_helpers import request_fields, wait_until
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 
 import redis
+
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import Request, decode_reply
-from batchfleet.worker.main import build_loop
-
+from batchfleet.worker.compose import build_worker
 from tests.conftest import worker_config
 
 
@@ -30,7 +30,7 @@ def tick_until(loop, cond, limit: int = 400) -> None:
 def test_redelivered_request_runs_alone_in_continuous_mode(redis_url, namespace, tiny_model_dir, cache_dir):
     cfg = worker_config(redis_url, namespace, tiny_model_dir, engine="native", mode="continuous",
                         max_wait_ms=5, max_deliveries=3, claim_idle_ms=1000, kv_cache_gb=0.02)
-    loop = build_loop(cfg, cache_dir)
+    loop = build_worker(cfg)
     keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
     try:
         enqueue(r, keys, 32, "a32", [1, 10, 11])
@@ -56,7 +56,7 @@ def test_redelivered_request_runs_alone_in_continuous_mode(redis_url, namespace,
 def test_reclaim_tells_equal_entry_ids_of_two_buckets_apart(redis_url, namespace, tiny_model_dir, cache_dir):
     cfg = worker_config(redis_url, namespace, tiny_model_dir, engine="native", max_wait_ms=float("inf"),
                         max_batch_size=4, claim_idle_ms=1000)
-    loop = build_loop(cfg, cache_dir)
+    loop = build_worker(cfg)
     keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
     try:
         same = f"{int(time.time() * 1000)}-0"

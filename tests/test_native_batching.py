@@ -4,9 +4,9 @@ errors, abort/reset and recovery from a failing step (tiny Llama, fp32)."""
 from __future__ import annotations
 
 import pytest
+
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.native.engine import contiguous_waste
-
 from tests.test_native_util import build_model, hf_greedy, make_engine, prompt, request, run_all
 
 

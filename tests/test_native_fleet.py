@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 import torch
+
 from batchfleet.common.keys import Keys
 from batchfleet.producer import Client
-
 from tests.test_native_util import build_model, prompt
 
 BUCKETS = (16, 32, 64, 128)

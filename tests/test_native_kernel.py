@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from batchfleet.worker.engine.native import attention as A
 from batchfleet.worker.engine.native import cpu_kernel
 
@@ -30,7 +31,7 @@ def test_kernel_matches_gather_sdpa(dtype, shape):
     scale = D**-0.5
     ref = A.decode_attention_gather(q.float(), pool.float(), tables, A.decode_mask(ctx, tables.shape[1] * bs), scale)
     for threads in (1, 2):
-        out = cpu_kernel.paged_decode(q, pool, tables, ctx, scale, threads)
+        out = cpu_kernel.paged_decode(cpu_kernel.load(), q, pool, tables, ctx, scale, threads)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out.float().view(B, -1), ref, atol=tol, rtol=tol)
 
@@ -38,7 +39,7 @@ def test_kernel_matches_gather_sdpa(dtype, shape):
 def test_runner_falls_back_to_gather_without_kernel(monkeypatch, tmp_path):
     from tests.test_native_util import build_model, make_engine
 
-    monkeypatch.setattr(cpu_kernel, "load", lambda: None)
+    monkeypatch.setattr(cpu_kernel, "load", lambda _dir: None)
     engine = make_engine(build_model("llama", tmp_path))
     assert engine.runner.decode_mode == "gather"
     with pytest.raises(ValueError):
@@ -46,8 +47,9 @@ def test_runner_falls_back_to_gather_without_kernel(monkeypatch, tmp_path):
 
 
 def test_unsupported_model_type_is_refused():
-    from batchfleet.worker.engine.native.model import NativeModel
     from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from batchfleet.worker.engine.native.model import NativeModel
 
     cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=50)
@@ -58,7 +60,6 @@ def test_unsupported_model_type_is_refused():
 @needs_kernel
 def test_bf16_engine_runs_both_decode_paths(tmp_path):
     from batchfleet.worker.engine.models import load_model
-
     from tests.test_native_util import build_model, make_engine, prompt, request, run_all
 
     path = build_model("qwen2", tmp_path).path

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import redis
+
 from batchfleet.common.errors import WORKER_FAILED, JobFailed, QueueFull, Timeout
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.producer import Client
-
 from tests.conftest import worker_config
 from tests.test_reliability_helpers import (
     POISON_TOKEN,
@@ -42,7 +42,7 @@ def loops(redis_url, namespace, tiny_model_dir, cache_dir):
     started: list[LoopThread] = []
 
     def start(wrap=None, **kw) -> LoopThread:
-        t = LoopThread(worker_config(redis_url, namespace, tiny_model_dir, **kw), cache_dir, wrap)
+        t = LoopThread(worker_config(redis_url, namespace, tiny_model_dir, **kw), wrap)
         started.append(t)
         return t
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import redis
+
 from batchfleet.common.config import WorkerConfig
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import Request
@@ -58,10 +58,10 @@ class PoisonEngine:
 class LoopThread:
     """A real WorkerLoop in a thread; ``wrap`` may replace its engine (e.g. PoisonEngine)."""
 
-    def __init__(self, cfg: WorkerConfig, cache_dir: Path, wrap: Callable | None = None) -> None:
-        from batchfleet.worker.main import build_loop
+    def __init__(self, cfg: WorkerConfig, wrap: Callable | None = None) -> None:
+        from batchfleet.worker.compose import build_worker
 
-        self.loop: WorkerLoop = build_loop(cfg, cache_dir)
+        self.loop: WorkerLoop = build_worker(cfg)
         if wrap is not None:
             self.loop.engine = wrap(self.loop.engine)
         self.error: BaseException | None = None

@@ -12,10 +12,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import redis
+
 from batchfleet.common.keys import Keys
 from batchfleet.producer import Client
 from batchfleet.worker.spawn import WorkerProcess, spawn_worker
-
 from tests.test_reliability_helpers import wait_until
 
 BUCKETS = "32,64"

@@ -12,10 +12,10 @@ import uuid
 
 import pytest
 import redis
+
 from batchfleet.common.keys import Keys
 from batchfleet.common.localredis import PrivateRedis, free_port
 from batchfleet.producer import AsyncClient, Client
-
 from tests.conftest import worker_config
 from tests.test_reliability_helpers import LoopThread, wait_until
 
@@ -32,7 +32,7 @@ def test_redis_restart_mid_load_nothing_lost(aof_redis, tiny_model_dir, cache_di
     ns = f"rs-{uuid.uuid4().hex[:6]}"
     keys = Keys(ns)
     worker = LoopThread(worker_config(aof_redis.url, ns, tiny_model_dir, max_wait_ms=20, max_batch_size=8,
-                                      claim_idle_ms=2000), cache_dir)
+                                      claim_idle_ms=2000))
     results: dict[str, object] = {}
     errors: list[BaseException] = []
     restarted = threading.Event()

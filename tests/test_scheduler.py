@@ -1,6 +1,7 @@
 """Scheduler: admission, decode growth, preemption and abort with exact block ids (pure Python)."""
 
 import pytest
+
 from batchfleet.worker.engine.native.block_manager import BlockManager
 from batchfleet.worker.engine.native.scheduler import Scheduler
 from batchfleet.worker.engine.native.sequence import SeqStatus, Sequence

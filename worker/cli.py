@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import click
+
 from batchfleet.common.cli import connection_options
 from batchfleet.common.config import (
     DEFAULT_BUCKETS,
@@ -83,7 +84,9 @@ def build_worker_config(redis_url: str, namespace: str, reply_ttl: int = 3600, m
                                        padding=kw["padding"]),
         engine=EngineConfig(model=kw["model"], preset=kw["preset"], engine=kw["engine"], mode=kw["mode"],
                             device=kw["device"], dtype=kw["dtype"], block_size=kw["block_size"],
-                            kv_cache_gb=kw["kv_cache_gb"], threads=kw.get("threads")),
+                            kv_cache_gb=kw["kv_cache_gb"], threads=kw.get("threads"),
+                            cache_dir=kw.get("cache_dir", DEFAULT_CACHE_DIR),
+                            native_kernel=kw.get("native_kernel", True)),
         reply_ttl_s=reply_ttl, max_queue_len=max_queue_len, name=name, claim_idle_ms=claim_idle_ms,
         max_deliveries=max_deliveries, stall_timeout_s=stall_timeout_s,
     )
@@ -104,12 +107,12 @@ def build_worker_config(redis_url: str, namespace: str, reply_ttl: int = 3600, m
               help="A worker whose loop makes no progress this long (one engine step included) stops renewing "
                    "its leases, so other workers take its requests over.")
 @click.option("--name", envvar="BATCHFLEET_WORKER_NAME", default=None, help="Consumer name (default host-pid-rand).")
-def worker(cache_dir: str, **kw) -> None:
+def worker(**kw) -> None:
     """Serve bucket streams: read up to max_batch_size entries within max_wait_ms, run, reply."""
     try:
         cfg = build_worker_config(**kw)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    from batchfleet.worker.main import run_worker
+    from batchfleet.worker.compose import run_worker
 
-    sys.exit(run_worker(cfg, cache_dir))
+    sys.exit(run_worker(cfg))

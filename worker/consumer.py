@@ -15,6 +15,7 @@ import uuid
 
 import msgpack
 import redis
+
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import FleetInfo

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import click
+
 from batchfleet.common.cli import connection_options
 from batchfleet.common.keys import Keys
 from batchfleet.common.localredis import ensure_redis

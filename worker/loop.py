@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 
 import redis
+
 from batchfleet.common.config import WorkerConfig
 from batchfleet.common.errors import ENGINE_ERROR
 from batchfleet.common.protocol import Error, Result

@@ -12,6 +12,7 @@ import logging
 import time
 
 import redis
+
 from batchfleet.common.errors import DEADLINE_EXCEEDED, WORKER_FAILED
 from batchfleet.common.protocol import Error
 from batchfleet.worker.consumer import Entry, Reply

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 import redis
+
 from batchfleet.common.keys import Keys
 from batchfleet.worker.stream_types import Entry
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis
+
 from batchfleet.common.keys import Keys
 
 

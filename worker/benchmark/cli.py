@@ -7,6 +7,7 @@ import sys
 import tempfile
 
 import click
+
 from batchfleet.common.cli import connection_options
 from batchfleet.common.localredis import ensure_redis
 from batchfleet.worker.benchmark.loadgen import make_workload

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgpack
 import redis
+
 from batchfleet.common.keys import Keys
 from batchfleet.producer import Client
 from batchfleet.worker.benchmark.loadgen import Run, Workload, closed_loop, open_loop, percentile, summarize
@@ -93,14 +94,14 @@ def serving_redis(url: str, strategy: Strategy, engine_kw: dict, cache_dir: str,
 def serving_inproc(strategy: Strategy, engine_kw: dict,
                    cache_dir: str) -> Iterator[tuple[MemClient, Callable[[], None] | None, Callable[[], dict]]]:
     """The same worker loop and engine in this process, with the in-memory transport instead of Redis."""
-    from batchfleet.worker.main import build_loop
+    from batchfleet.worker.compose import build_worker
 
     ns = f"inproc-{uuid.uuid4().hex[:6]}"
-    kw = {**engine_kw, "max_wait_ms": strategy.max_wait_ms, "max_batch_size": strategy.max_batch_size,
-          "mode": strategy.mode}
+    kw = {**engine_kw, "cache_dir": cache_dir, "max_wait_ms": strategy.max_wait_ms,
+          "max_batch_size": strategy.max_batch_size, "mode": strategy.mode}
     cfg = build_worker_config(redis_url="redis://unused:0/0", namespace=ns, **kw)
     queue = MemQueue(ns, cfg.batching.buckets)
-    loop = build_loop(cfg, cache_dir, consumer=queue)  # publishes the fleet info into the queue
+    loop = build_worker(cfg, transport=queue)  # publishes the fleet info into the queue
     thread = threading.Thread(target=loop.run, daemon=True)
     # Clients and worker share one GIL here: with the default 5 ms switch interval every hand-off
     # between them can cost milliseconds, which would bill Python threading to "no Redis". A short

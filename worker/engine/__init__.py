@@ -1,20 +1,7 @@
-"""Engines turn batches of token-id requests into completions. See base.py for the interface."""
+"""Engines turn batches of token-id requests into completions.
 
-from __future__ import annotations
-
-from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
-from batchfleet.worker.engine.base import Completion, Engine, GenRequest
-from batchfleet.worker.engine.models import LoadedModel
-
-__all__ = ["Completion", "Engine", "GenRequest", "build_engine"]
-
-
-def build_engine(cfg: EngineConfig, batching: DynamicBatchingConfig, loaded: LoadedModel) -> Engine:
-    """Construct the configured engine around an already loaded model."""
-    if cfg.engine == "hf":
-        from batchfleet.worker.engine.hf import HFEngine
-
-        return HFEngine(loaded, batching)
-    from batchfleet.worker.engine.native.engine import NativeEngine
-
-    return NativeEngine(loaded, batching, cfg)
+``base`` declares the interface; ``hf`` (transformers ``generate``, the baseline) and ``native`` (own
+forward over a paged KV cache) implement it; ``sampling`` and ``models`` serve both. Imports run one
+way: implementations import ``base``/``sampling``/``models``, never the other way round. The worker's
+composition root (worker/compose.py) picks the implementation.
+"""

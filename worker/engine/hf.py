@@ -11,11 +11,12 @@ import time
 from collections.abc import Sequence
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
 from batchfleet.common.config import DynamicBatchingConfig
 from batchfleet.worker.engine.base import Completion, GenRequest
 from batchfleet.worker.engine.models import LoadedModel
 from batchfleet.worker.engine.sampling import StopChecker, make_generator, sample
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 
 class _RowSampler(LogitsProcessor):
@@ -67,8 +68,7 @@ class HFEngine:
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
-        eos = self.model.generation_config.eos_token_id
-        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.eos_ids = loaded.eos_ids
         self._pending: list[GenRequest] = []
         self._batches = 0
 

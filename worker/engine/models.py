@@ -122,6 +122,16 @@ def prepare_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def eos_ids_of(model: torch.nn.Module, tokenizer) -> frozenset[int]:
+    """EOS ids as transformers' generate sees them: the generation config's, else the model config's,
+    else the tokenizer's. The one place they are computed (engines, fleet description)."""
+    for src in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if eos is not None:
+            return frozenset(eos if isinstance(eos, (list, tuple)) else [eos])
+    return frozenset([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+
+
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
@@ -129,6 +139,7 @@ class LoadedModel:
     path: Path
     device: torch.device
     dtype: torch.dtype
+    eos_ids: frozenset[int] = frozenset()
 
 
 def load_model(path: str | Path, device: str = "cpu", dtype: str | None = None) -> LoadedModel:
@@ -143,4 +154,5 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str | None = None) 
         raise RuntimeError(f"{path}: a fast tokenizer (tokenizer.json) is required so producers can use it")
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dt)
     model.to(dev).eval()
-    return LoadedModel(model=model, tokenizer=tokenizer, path=path, device=dev, dtype=dt)
+    return LoadedModel(model=model, tokenizer=tokenizer, path=path, device=dev, dtype=dt,
+                       eos_ids=eos_ids_of(model, tokenizer))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from batchfleet.worker.engine.base import GenRequest
 
 

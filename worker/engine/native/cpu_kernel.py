@@ -4,7 +4,7 @@ The kernel reads K/V in place from the block pool, so a decode step never copies
 plain C shared library built with the system C compiler in about a second and called through ctypes
 (no torch headers, no torch.compile). It links the libgomp torch already loaded (same soname), so
 there is one OpenMP runtime. If no compiler is found or the build fails, ``load()`` returns None and
-the runner falls back to gather + SDPA. Disable with BATCHFLEET_NATIVE_KERNEL=0.
+the runner falls back to gather + SDPA. Disable with ``--no-native-kernel`` (EngineConfig.native_kernel).
 """
 
 from __future__ import annotations
@@ -29,9 +29,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-err
 _DTYPES = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("BATCHFLEET_KERNEL_CACHE") or Path.home() / ".cache" / "batchfleet" / "kernels"
-    return Path(root)
+DEFAULT_KERNEL_DIR = Path("~/.cache/batchfleet/kernels")
 
 
 def _cpu_key() -> str:
@@ -42,18 +40,16 @@ def _cpu_key() -> str:
     return flags
 
 
-@lru_cache(maxsize=1)
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, building it on first use; None when unavailable."""
-    if os.environ.get("BATCHFLEET_NATIVE_KERNEL", "1") == "0":
-        return None
-    cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+@lru_cache(maxsize=4)
+def load(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
+    """The compiled kernel library, built into ``kernel_dir`` on first use; None when unavailable."""
+    cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         log.warning("no C compiler found: native decode falls back to gather + SDPA")
         return None
     src = SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join(CFLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{key}.so"
+    target = Path(kernel_dir).expanduser() / f"paged_decode-{key}.so"
     try:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -78,16 +74,15 @@ def load() -> ctypes.CDLL | None:
 
 
 def supports(dtype: torch.dtype) -> bool:
-    """Whether the kernel handles this dtype (and could be built)."""
-    return dtype in _DTYPES and load() is not None
+    """Whether the kernel handles this dtype."""
+    return dtype in _DTYPES
 
 
-def paged_decode(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor, scale: float,
-                 num_threads: int) -> torch.Tensor:
+def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor,
+                 scale: float, num_threads: int) -> torch.Tensor:
     """q: [B, H, D] contiguous; pool: [2, NB + 1, bs, Hkv, D]; tables: [B, M] int64; ctx: [B] int64
-    -> out [B, H, D]. All on CPU, contiguous."""
-    lib = load()
-    assert lib is not None and q.is_contiguous() and pool.is_contiguous()
+    -> out [B, H, D]. All on CPU, contiguous. ``lib``: what ``load`` returned."""
+    assert q.is_contiguous() and pool.is_contiguous()
     assert tables.dtype == torch.int64 and ctx.dtype == torch.int64 and tables.is_contiguous()
     B, H, D = q.shape
     bs, Hkv = pool.shape[2], pool.shape[3]

@@ -10,8 +10,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
 from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
 from batchfleet.worker.engine.base import Completion, GenRequest
 from batchfleet.worker.engine.models import LoadedModel
@@ -39,16 +41,6 @@ def contiguous_waste(seq_lens: Iterable[int], max_seq_len: int) -> int:
     return sum(max_seq_len - n for n in seq_lens)
 
 
-def eos_ids_of(model: torch.nn.Module, tokenizer) -> frozenset[int]:
-    """EOS ids as transformers' generate sees them: the generation config's, else the model config's,
-    else the tokenizer's."""
-    for src in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(src, "eos_token_id", None) if src is not None else None
-        if eos is not None:
-            return frozenset(eos if isinstance(eos, (list, tuple)) else [eos])
-    return frozenset([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-
-
 class NativeEngine:
     """Paged-KV continuous-batching engine (see docs/NATIVE_ENGINE.md).
 
@@ -67,10 +59,11 @@ class NativeEngine:
         self.batching = batching
         self.cfg = cfg
         self.tokenizer = loaded.tokenizer
-        self.eos_ids = eos_ids_of(loaded.model, loaded.tokenizer)
+        self.eos_ids = loaded.eos_ids
         self.runner = ModelRunner(loaded.model, cfg.block_size, batching.max_batch_size, batching.max_seq_len,
                                   kv_cache_gb=cfg.kv_cache_gb, buckets=batching.buckets,
-                                  padding=batching.padding, num_blocks=num_blocks, prefill=prefill, decode=decode)
+                                  padding=batching.padding, num_blocks=num_blocks, prefill=prefill, decode=decode,
+                                  kernel_dir=Path(cfg.cache_dir) / "kernels" if cfg.native_kernel else None)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, batching.max_batch_size,
                                    max_prefill_tokens=max(max_prefill_tokens, batching.buckets[-1]))

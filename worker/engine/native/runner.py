@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import torch
+
 from batchfleet.worker.engine.native import attention as A
 from batchfleet.worker.engine.native import cpu_kernel
 from batchfleet.worker.engine.native.block_manager import blocks_for
@@ -36,9 +37,11 @@ class ModelRunner:
 
     def __init__(self, hf_model: torch.nn.Module, block_size: int, max_batch_size: int, max_seq_len: int,
                  kv_cache_gb: float | None = None, buckets: tuple[int, ...] = (), padding: str = "bucket",
-                 num_blocks: int | None = None, prefill: str = "auto", decode: str = "auto") -> None:
+                 num_blocks: int | None = None, prefill: str = "auto", decode: str = "auto",
+                 kernel_dir: Path | None = cpu_kernel.DEFAULT_KERNEL_DIR) -> None:
         """prefill: "padded" (per ``padding``), "packed" (varlen) or "auto" (packed on CPU);
-        decode: "kernel" (C kernel, CPU), "gather" (gather + SDPA), "npu" or "auto"."""
+        decode: "kernel" (C kernel, CPU), "gather" (gather + SDPA), "npu" or "auto";
+        kernel_dir: where the C kernel is built (None: never use it)."""
         self.model = NativeModel(hf_model, max_positions=max_seq_len)
         self.device, self.dtype = self.model.device, self.model.dtype
         self.block_size = block_size
@@ -54,12 +57,14 @@ class ModelRunner:
         self.kv = torch.zeros(m.num_layers, 2, self.num_blocks + 1, block_size, m.num_kv_heads, m.head_dim,
                               device=self.device, dtype=self.dtype)
         cpu = self.device.type == "cpu"
+        use_kernel = cpu and kernel_dir is not None and cpu_kernel.supports(self.dtype)
+        self.kernel = cpu_kernel.load(Path(kernel_dir)) if use_kernel else None
         self.prefill_mode = ("packed" if cpu else "padded") if prefill == "auto" else prefill
         if decode == "auto":
             decode = "npu" if self.device.type == "npu" else "gather"
-            if cpu and cpu_kernel.supports(self.dtype):
+            if self.kernel is not None:
                 decode = "kernel"
-        if decode == "kernel" and not (cpu and cpu_kernel.supports(self.dtype)):
+        if decode == "kernel" and self.kernel is None:
             raise ValueError(f"the C decode kernel needs a CPU and float32/bfloat16, not {self.device}/{self.dtype}")
         if self.prefill_mode not in ("padded", "packed") or decode not in ("kernel", "gather", "npu"):
             raise ValueError(f"unknown prefill {prefill!r} or decode {decode!r} path")
@@ -164,7 +169,7 @@ class ModelRunner:
             A.write_kv(pool, slots, k[:, 0], v[:, 0])
             q1 = q[:, 0].contiguous()  # [B, H, D]
             if mode == "kernel":
-                o = cpu_kernel.paged_decode(q1, pool, tables, ctx, m.scale, self.num_threads)
+                o = cpu_kernel.paged_decode(self.kernel, q1, pool, tables, ctx, m.scale, self.num_threads)
             elif mode == "npu":
                 o = A.decode_attention_npu(q1, pool, tables, ctx_list, m.scale)
             else:

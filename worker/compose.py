@@ -1,4 +1,8 @@
-"""Start one worker process: load the model, build the engine, publish the fleet, serve until told to stop."""
+"""The worker's composition root: config -> model -> engine -> transport -> loop, and the process runner.
+
+Every way of starting a worker goes through ``build_worker``: the CLI, the demo and the benchmarks
+(subprocess workers), the in-process benchmark transport, the GPU script and the tests.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,11 @@ import threading
 from pathlib import Path
 
 import torch
-from batchfleet.common.config import WorkerConfig
+
+from batchfleet.common.config import DynamicBatchingConfig, EngineConfig, WorkerConfig
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.worker.consumer import StreamConsumer, default_consumer_name
-from batchfleet.worker.engine import build_engine
+from batchfleet.worker.engine.base import Engine
 from batchfleet.worker.engine.models import LoadedModel, load_model, make_preset
 from batchfleet.worker.intake import Limits
 from batchfleet.worker.loop import WorkerLoop
@@ -19,47 +24,58 @@ from batchfleet.worker.loop import WorkerLoop
 log = logging.getLogger(__name__)
 
 
-def resolve_model_path(cfg: WorkerConfig, cache_dir: str | Path) -> Path:
-    """The checkpoint dir to load: --model, else the built-in preset (created once in cache_dir)."""
+def resolve_model_path(cfg: WorkerConfig) -> Path:
+    """The checkpoint dir to load: --model, else the built-in preset (created once under cache_dir)."""
     if cfg.engine.model:
         return Path(cfg.engine.model)
-    return make_preset(cfg.engine.preset, Path(cache_dir) / "models", seed=cfg.engine.seed,
+    return make_preset(cfg.engine.preset, Path(cfg.engine.cache_dir).expanduser() / "models", seed=cfg.engine.seed,
                        max_seq_len=cfg.batching.max_seq_len)
 
 
+def build_engine(cfg: EngineConfig, batching: DynamicBatchingConfig, loaded: LoadedModel) -> Engine:
+    """Construct the configured engine around an already loaded model."""
+    if cfg.engine == "hf":
+        from batchfleet.worker.engine.hf import HFEngine
+
+        return HFEngine(loaded, batching)
+    from batchfleet.worker.engine.native.engine import NativeEngine
+
+    return NativeEngine(loaded, batching, cfg)
+
+
 def fleet_info(cfg: WorkerConfig, loaded: LoadedModel) -> FleetInfo:
-    eos = loaded.model.generation_config.eos_token_id
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     return FleetInfo(
         model=loaded.path.name, tokenizer_json=loaded.tokenizer.backend_tokenizer.to_str(),
         buckets=cfg.batching.buckets, max_seq_len=cfg.batching.max_seq_len,
         max_batch_size=cfg.batching.max_batch_size, vocab_size=int(loaded.model.config.vocab_size),
-        eos_token_ids=tuple(eos_ids), max_queue_len=cfg.max_queue_len,
+        eos_token_ids=tuple(sorted(loaded.eos_ids)), max_queue_len=cfg.max_queue_len,
     )
 
 
-def build_loop(cfg: WorkerConfig, cache_dir: str | Path, consumer=None) -> WorkerLoop:
+def build_worker(cfg: WorkerConfig, transport=None, loaded: LoadedModel | None = None) -> WorkerLoop:
     """Everything a worker needs, wired; does not start serving.
 
-    ``consumer`` replaces the Redis StreamConsumer (the benchmark's in-process transport).
+    ``transport`` replaces the Redis StreamConsumer (the benchmark's in-process transport); ``loaded``
+    replaces loading ``cfg``'s model (a model built in memory, e.g. the GPU benchmark's random weights).
     """
-    loaded = load_model(resolve_model_path(cfg, cache_dir), cfg.engine.device, cfg.engine.dtype)
+    if loaded is None:
+        loaded = load_model(resolve_model_path(cfg), cfg.engine.device, cfg.engine.dtype)
     engine = build_engine(cfg.engine, cfg.batching, loaded)
-    if consumer is None:
-        consumer = StreamConsumer(cfg.connection, cfg.batching.buckets, cfg.name or default_consumer_name(),
-                                  cfg.reply_ttl_s)
-    consumer.setup()
-    consumer.publish_fleet(fleet_info(cfg, loaded))
+    if transport is None:
+        transport = StreamConsumer(cfg.connection, cfg.batching.buckets, cfg.name or default_consumer_name(),
+                                    cfg.reply_ttl_s)
+    transport.setup()
+    transport.publish_fleet(fleet_info(cfg, loaded))
     limits = Limits(max_seq_len=cfg.batching.max_seq_len, vocab_size=int(loaded.model.config.vocab_size))
-    return WorkerLoop(cfg, engine, consumer, limits)
+    return WorkerLoop(cfg, engine, transport, limits)
 
 
-def run_worker(cfg: WorkerConfig, cache_dir: str | Path) -> int:
+def run_worker(cfg: WorkerConfig) -> int:
     """Serve until SIGTERM/SIGINT; the running batch finishes, queued entries are handed back. Exit 0."""
     torch.set_grad_enabled(False)
     if cfg.engine.threads:  # process-wide, once, before any kernel reads it
         torch.set_num_threads(cfg.engine.threads)
-    loop = build_loop(cfg, cache_dir)
+    loop = build_worker(cfg)
 
     def on_signal(signum, _frame) -> None:
         log.info("signal %d: finishing the running batch, then exiting", signum)
