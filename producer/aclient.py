@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import redis.asyncio as aredis
+
 from batchfleet.common.config import connection_from_env
 from batchfleet.common.errors import QueueFull, Timeout
 from batchfleet.common.protocol import Result

@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 import click
 import msgpack
+
 from batchfleet.common.cli import connection_options
 from batchfleet.common.errors import BatchfleetError
 from batchfleet.producer.bulk import read_jsonl, run_bulk

@@ -12,11 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis
+from tokenizers import Tokenizer
+
 from batchfleet.common.config import bucket_for
 from batchfleet.common.errors import DEADLINE_EXCEEDED, FleetUnavailable, JobFailed, ProtocolError, Timeout
 from batchfleet.common.keys import Keys, valid_job_id
 from batchfleet.common.protocol import MAX_STOP, MIN_TEMPERATURE, Error, FleetInfo, Request, Result, decode_reply
-from tokenizers import Tokenizer
 
 Prompt = str | Sequence[int]
 FLEET_REFRESH_S = 30.0
