@@ -10,26 +10,19 @@ from typing import TypeVar
 import redis.asyncio as aredis
 
 from batchfleet.common.config import connection_from_env
-from batchfleet.common.errors import QueueFull, Timeout
 from batchfleet.common.protocol import Result
-from batchfleet.producer.client import ENQUEUE_SCRIPT
-from batchfleet.producer.core import (
-    RETRY_S,
-    TRANSIENT,
-    Backoff,
-    FleetView,
-    Params,
-    Prompt,
-    connection_kwargs,
-    no_fleet,
-    parse_reply,
-)
+from batchfleet.common.retry import TRANSIENT
+from batchfleet.producer.core import ENQUEUE_SCRIPT, RETRY_S, FleetView, Params, Prompt, connection_kwargs
+from batchfleet.producer.plan import ResultWait, RetryPlan, client_backoff, retry_deadline, time_left
 
 T = TypeVar("T")
 
 
 class AsyncClient:
-    """``await client.generate(prompt)``; safe for many concurrent tasks on one instance."""
+    """``await client.generate(prompt)``; safe for many concurrent tasks on one instance.
+
+    The same API, arguments, errors and retry semantics as Client (both follow producer/plan.py).
+    """
 
     def __init__(self, redis_url: str | None = None, namespace: str | None = None, retry_s: float = RETRY_S) -> None:
         self.conn = connection_from_env(redis_url, namespace)
@@ -39,79 +32,62 @@ class AsyncClient:
         self._fleet = FleetView()
         self._lock = asyncio.Lock()
         self.retry_s = retry_s
-        self._backoff = Backoff()
+        self._backoff = client_backoff()
 
     async def _retry(self, call: Callable[[], Awaitable[T]], deadline: float | None) -> T:
         """Await ``call()``; on a connection error back off and retry until ``deadline`` (monotonic)."""
-        attempt = 0
+        plan = RetryPlan(self._backoff, deadline)
         while True:
             try:
                 out = await call()
-                self._backoff.ok()
-                return out
             except TRANSIENT as exc:
-                wait = Backoff.wait_left(deadline, self._backoff.delay(attempt, exc))
-                if wait <= 0:
-                    raise
-                await asyncio.sleep(wait)
-                attempt += 1
+                await asyncio.sleep(plan.failed(exc))
+                continue
+            plan.succeeded()
+            return out
 
     async def fleet(self) -> FleetView:
+        """The fleet description workers published (tokenizer, buckets, limits)."""
         if self._fleet.stale():
             async with self._lock:
                 if self._fleet.stale():
-                    raw = await self._retry(lambda: self.r.get(self.keys.fleet), time.monotonic() + self.retry_s)
+                    raw = await self._retry(lambda: self.r.get(self.keys.fleet), retry_deadline(self.retry_s))
                     self._fleet.update(raw)
-        if self._fleet.info is None:
-            raise no_fleet(self.keys)
-        return self._fleet
+        return self._fleet.require(self.keys)
 
     async def submit(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
                      **params) -> str:
-        fleet = await self.fleet()
-        bucket, req = fleet.build(self.keys, prompt, Params(**params), timeout, job_id)
-        limit = self.retry_s if timeout is None else min(self.retry_s, timeout)
-        ok = await self._retry(lambda: self._enqueue(keys=[self.keys.stream(bucket)],
-                                                     args=[fleet.info.max_queue_len, req.id, req.encode()]),
-                               time.monotonic() + limit)
-        if not ok:
-            raise QueueFull(f"bucket {bucket} holds {fleet.info.max_queue_len} entries; retry later")
-        return req.id
+        """Enqueue one prompt; returns its job id (see Client.submit)."""
+        job = (await self.fleet()).build(self.keys, prompt, Params(**params), timeout, job_id)
+        ok = await self._retry(lambda: self._enqueue(keys=[job.stream], args=job.script_args()),
+                               retry_deadline(self.retry_s, timeout))
+        return job.accepted(ok)
 
     async def result(self, job_id: str, timeout: float | None = None) -> Result:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        chunk = self.conn.socket_timeout_s / 2
-        attempt = 0
+        """Wait for a job's result, reconnecting through Redis outages until ``timeout`` (see Client.result)."""
+        wait = ResultWait(job_id, timeout, self.conn.socket_timeout_s / 2, self._backoff)
         while True:
-            wait = chunk if deadline is None else min(chunk, deadline - time.monotonic())
-            if wait <= 0:
-                raise Timeout(f"no result for job {job_id} within {timeout} s")
+            pop_s = wait.next_pop_s()
             try:
-                got = await self.r.blpop([self.keys.reply(job_id)], timeout=max(wait, 0.01))
-            except TRANSIENT as exc:  # Redis restarting or connection dropped: reconnect until timeout
-                await asyncio.sleep(max(0.0, Backoff.wait_left(deadline, self._backoff.delay(attempt, exc))))
-                attempt += 1
+                got = await self.r.blpop([self.keys.reply(job_id)], timeout=pop_s)
+            except TRANSIENT as exc:
+                await asyncio.sleep(wait.failed(exc))
                 continue
-            self._backoff.ok()
-            attempt = 0
-            if got is not None:
-                return parse_reply(job_id, got[1])
+            if (result := wait.popped(got)) is not None:
+                return result
 
     async def generate(self, prompt: Prompt, *, timeout: float | None = None, **params) -> Result:
+        """Submit and wait; ``timeout`` (s) is also the request's deadline."""
         start = time.monotonic()
         job_id = await self.submit(prompt, timeout=timeout, **params)
-        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
-        return await self.result(job_id, timeout=left)
+        return await self.result(job_id, timeout=time_left(start, timeout))
 
     async def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,
                             **params) -> list[Result]:
         """Validate every prompt first (PromptTooLong before anything is sent), then enqueue and gather."""
-        fleet = await self.fleet()
-        p = Params(**params)
-        built = [fleet.build(self.keys, prompt, p, timeout, None) for prompt in prompts]
-        ids = [await self.submit(req.prompt, timeout=timeout, job_id=req.id, **params) for _, req in built]
+        jobs = (await self.fleet()).build_many(self.keys, prompts, Params(**params), timeout)
+        ids = [await self.submit(job.request.prompt, timeout=timeout, job_id=job.id, **params) for job in jobs]
         return list(await asyncio.gather(*(self.result(i, timeout=timeout) for i in ids)))
-
     async def aclose(self) -> None:
         await self.r.aclose()
 

@@ -1,57 +1,40 @@
-"""What the sync and async clients share: tokenizing, routing, building requests, reading replies.
+"""What the sync and async clients send and receive: tokenizing, routing, building requests, reading replies.
 
-Nothing here does I/O; the clients own their connections.
+Nothing here does I/O; the clients own their connections (and producer/plan.py decides retries and waits).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import redis
 from tokenizers import Tokenizer
 
 from batchfleet.common.config import bucket_for
-from batchfleet.common.errors import DEADLINE_EXCEEDED, FleetUnavailable, JobFailed, ProtocolError, Timeout
+from batchfleet.common.errors import (
+    DEADLINE_EXCEEDED,
+    FleetUnavailable,
+    JobFailed,
+    ProtocolError,
+    QueueFull,
+    Timeout,
+)
 from batchfleet.common.keys import Keys, valid_job_id
 from batchfleet.common.protocol import MAX_STOP, MIN_TEMPERATURE, Error, FleetInfo, Request, Result, decode_reply
 
 Prompt = str | Sequence[int]
 FLEET_REFRESH_S = 30.0
 RETRY_S = 30.0  # default: how long submit()/fleet() keep retrying through a Redis outage
-BACKOFF_MIN_S = 0.05
-BACKOFF_MAX_S = 2.0
-# What a retry can cure: a dropped connection, a restart (LOADING is a ConnectionError subclass).
-TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
 
-log = logging.getLogger("producer")
-
-
-class Backoff:
-    """Capped exponential backoff shared by a client's calls; logs once when Redis goes away and once
-    when it is back (not once per retry)."""
-
-    def __init__(self) -> None:
-        self.down_since: float | None = None
-
-    def delay(self, attempt: int, exc: BaseException) -> float:
-        if self.down_since is None:
-            self.down_since = time.monotonic()
-            log.warning("redis unavailable (%s: %s); retrying", type(exc).__name__, str(exc)[:200])
-        return min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** min(attempt, 16))
-
-    def ok(self) -> None:
-        if self.down_since is not None:
-            log.warning("redis available again after %.1fs", time.monotonic() - self.down_since)
-            self.down_since = None
-
-    @staticmethod
-    def wait_left(deadline: float | None, want: float) -> float:
-        """How long to sleep before the next try: ``want`` capped by the deadline (<= 0: give up)."""
-        return want if deadline is None else min(want, deadline - time.monotonic())
+# KEYS: stream. ARGV: max_len (0 = unbounded), id, payload. Returns 0 when the queue is full.
+ENQUEUE_SCRIPT = """
+local max_len = tonumber(ARGV[1])
+if max_len > 0 and redis.call('XLEN', KEYS[1]) >= max_len then return 0 end
+redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'p', ARGV[3])
+return 1
+"""
 
 
 @dataclass
@@ -112,9 +95,16 @@ class FleetView:
             raise ValueError(f"prompt token ids must be a non-empty list of ints in [0, {self.info.vocab_size})")
         return ids
 
+    def require(self, keys: Keys) -> FleetView:
+        """This view, once a worker has published the fleet; FleetUnavailable before that."""
+        if self.info is None:
+            raise FleetUnavailable(f"no worker has published a fleet under namespace {keys.namespace!r}; "
+                                   "start a worker first")
+        return self
+
     def build(self, keys: Keys, prompt: Prompt, params: Params, timeout: float | None,
-              job_id: str | None) -> tuple[int, Request]:
-        """Tokenize, route (raises PromptTooLong) and build the request; returns (bucket, request)."""
+              job_id: str | None) -> Outgoing:
+        """Tokenize, route (raises PromptTooLong) and build the request; nothing is sent."""
         assert self.info is not None
         ids = self.tokenize(prompt)
         bucket = bucket_for(self.info.buckets, self.info.max_seq_len, len(ids), params.max_new_tokens)
@@ -128,18 +118,46 @@ class FleetView:
             deadline=now + timeout if timeout is not None else None, enqueued_at=now,
             reply_key=keys.reply(job_id),
         )
-        return bucket, req
+        return Outgoing(bucket, keys.stream(bucket), req, self.info.max_queue_len)
+
+    def build_many(self, keys: Keys, prompts: Sequence[Prompt], params: Params,
+                   timeout: float | None) -> list[Outgoing]:
+        """Build every prompt of a generate_many call first, so a bad one raises before anything is sent."""
+        return [self.build(keys, prompt, params, timeout, None) for prompt in prompts]
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One request ready to enqueue: the stream it goes to, the ENQUEUE_SCRIPT arguments, and what the
+    script's answer means."""
+
+    bucket: int
+    stream: str
+    request: Request
+    max_queue_len: int
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    def script_args(self) -> list:
+        """ARGV of ENQUEUE_SCRIPT (KEYS is ``[self.stream]``)."""
+        return [self.max_queue_len, self.request.id, self.request.encode()]
+
+    def accepted(self, ok: int, *, in_batch: bool = False) -> str:
+        """The job id when the script enqueued it; raises QueueFull when the bucket was full. ``in_batch``:
+        sent in one pipeline with others (the message then says earlier ones went through)."""
+        if ok:
+            return self.id
+        if in_batch:
+            raise QueueFull(f"bucket {self.bucket} is full; earlier prompts of this call were enqueued")
+        raise QueueFull(f"bucket {self.bucket} holds {self.max_queue_len} entries; retry later")
 
 
 def connection_kwargs(conn) -> dict:
     """redis-py client options shared by Client and AsyncClient: every blocking call fits the socket timeout."""
     return {"socket_timeout": conn.socket_timeout_s, "socket_connect_timeout": conn.socket_timeout_s,
             "decode_responses": False}
-
-
-def no_fleet(keys: Keys) -> FleetUnavailable:
-    return FleetUnavailable(f"no worker has published a fleet under namespace {keys.namespace!r}; "
-                            "start a worker first")
 
 
 def parse_reply(job_id: str, raw: bytes) -> Result:

@@ -1,0 +1,81 @@
+"""Every README usage example runs as written against a real worker on the default (tiny) built-in model.
+
+- Each ```python block of README.md runs unmodified; its ``Client()`` / ``AsyncClient()`` reads
+  BATCHFLEET_REDIS_URL / BATCHFLEET_NAMESPACE, which the test sets to the test Redis and namespace.
+- From the "Command line" block, ``batchfleet submit``, ``bulk`` (on a prompts.jsonl made in a temporary
+  working directory) and ``status`` run as subprocesses. Not run here: ``worker`` (the in-thread worker
+  stands in for it; tests/test_cli.py and the fleet tests cover workers), ``bench`` (tests/test_bench.py;
+  far too slow for this) and ``docker compose`` (no Docker on the test machines). Every other line of that
+  block must be one of these, so a new example cannot be silently skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+RUN = {"submit", "bulk", "status"}
+NOT_RUN = {"worker", "bench"}  # see the module docstring
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", README, flags=re.S | re.M)
+
+
+def command_lines() -> list[str]:
+    """The ``batchfleet ...`` lines of the bash block that follows "Command line:"."""
+    (block,) = re.findall(r"^Command line:\s*\n```bash\n(.*?)^```", README, flags=re.S | re.M)
+    return [line for line in block.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def readme_env(monkeypatch, redis_url: str, namespace: str) -> dict[str, str]:
+    monkeypatch.setenv("BATCHFLEET_REDIS_URL", redis_url)
+    monkeypatch.setenv("BATCHFLEET_NAMESPACE", namespace)
+    return dict(os.environ)
+
+
+def test_readme_has_examples():
+    assert len(python_blocks()) >= 2 and len(command_lines()) >= 4
+
+
+@pytest.mark.parametrize("index", range(len(python_blocks())))
+def test_python_example_runs(index: int, start_worker, readme_env):
+    start_worker(max_wait_ms=10)
+    code = python_blocks()[index]
+    exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "readme_example"})
+
+
+def test_command_line_examples_run(start_worker, readme_env, tmp_path: Path):
+    start_worker(max_wait_ms=10)
+    (tmp_path / "prompts.jsonl").write_text(
+        "\n".join(json.dumps({"prompt": p, "max_new_tokens": 8}) for p in ("Hello", "Bonjour", "Hallo")) + "\n"
+        + json.dumps({"prompt": "with defaults"}) + "\n")
+    ran = set()
+    for line in command_lines():
+        argv = shlex.split(line, comments=True)
+        assert argv[0] == "batchfleet", line
+        if argv[1] in NOT_RUN:
+            continue
+        assert argv[1] in RUN, f"README command not covered by this test: {line}"
+        proc = subprocess.run([sys.executable, "-m", "batchfleet.common.cli", *argv[1:]], cwd=tmp_path,
+                              env=readme_env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{line}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        ran.add(argv[1])
+        if argv[1] == "submit":
+            assert "finish=" in proc.stderr, proc.stderr[-2000:]
+        elif argv[1] == "bulk":
+            out = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+            assert [o["index"] for o in out] == [0, 1, 2, 3] and all("result" in o for o in out), out
+        elif argv[1] == "status":
+            assert "buckets" in proc.stdout and "worker " in proc.stdout, proc.stdout
+    assert ran == RUN
