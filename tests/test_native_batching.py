@@ -140,7 +140,7 @@ def test_abort_and_reset_free_blocks(loaded):
 
 
 def test_failing_step_leaves_engine_consistent(loaded, monkeypatch):
-    reqs = [request(i, prompt(50 + i, 15 + i), 12) for i in range(3)]
+    reqs = [request(i, prompt(50 + i, 12 + i), 12) for i in range(3)]  # one bucket: one prefill step
     refs = {r.id: hf_greedy(loaded, r.prompt, r.max_new_tokens) for r in reqs}
     engine = make_engine(loaded)
     real_run = engine.runner.run

@@ -64,3 +64,24 @@ def test_all_at_once_bigger_batch(case):
     engine = make_engine(loaded, padding="bucket", max_batch_size=8, buckets=BUCKETS, prefill="padded")
     done = run_all(engine, [reqs])
     assert {k: v.token_ids for k, v in done.items()} == refs
+
+
+@pytest.mark.parametrize("padding", ["bucket", "packed"])
+def test_chunked_prefill_and_cross_bucket_decode_match_transformers(case, padding):
+    """Continuous mode with a 24-token prefill budget: prompts of 31..128 tokens are prefilled in chunks
+    (attending to their cached prefix), every bucket decodes in the same steps, outputs unchanged."""
+    loaded, reqs, refs = case
+    engine = make_engine(loaded, padding="longest" if padding == "packed" else padding,
+                         prefill="packed" if padding == "packed" else "padded", max_prefill_tokens=24,
+                         max_running=16, max_batch_size=4)
+    engine.add(reqs)  # all buckets at once: prefills stay per bucket, decodes mix them
+    done = {}
+    while engine.has_work():
+        for c in engine.step():
+            done[c.id] = c
+    assert {k: v.token_ids for k, v in done.items()} == refs
+    prefills = [step for is_prefill, step in engine.step_log if is_prefill]
+    assert all(len({bucket for _, bucket in step}) == 1 for step in prefills)  # never two buckets
+    assert all(sum(1 for st in prefills if rid in {i for i, _ in st}) >= 2 for rid in ("r8", "r9"))  # chunked
+    mixed = [step for is_prefill, step in engine.step_log if not is_prefill and len({b for _, b in step}) >= 3]
+    assert mixed, "no decode step held three buckets"

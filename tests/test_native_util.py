@@ -40,11 +40,13 @@ def build_model(family: str, root: Path, seed: int = 0) -> LoadedModel:
 def make_engine(loaded: LoadedModel, *, padding: str = "bucket", max_batch_size: int = 8,
                 num_blocks: int | None = None, block_size: int = 16, mode: str = "continuous",
                 buckets=(16, 32, 64, 128), max_seq_len: int = 256, prefill: str = "auto",
-                decode: str = "auto") -> NativeEngine:
+                decode: str = "auto", max_prefill_tokens: int | None = None,
+                max_running: int | None = None) -> NativeEngine:
     batching = DynamicBatchingConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                      buckets=buckets, padding=padding)
     cfg = EngineConfig(engine="native", mode=mode, block_size=block_size, kv_cache_gb=0.01)
-    return NativeEngine(loaded, batching, cfg, num_blocks=num_blocks, prefill=prefill, decode=decode)
+    return NativeEngine(loaded, batching, cfg, num_blocks=num_blocks, prefill=prefill, decode=decode,
+                        max_prefill_tokens=max_prefill_tokens, max_running=max_running)
 
 
 def prompt(seed: int, n: int) -> list[int]:

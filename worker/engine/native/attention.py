@@ -42,17 +42,33 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 
 def packed_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
-                             scale: float) -> torch.Tensor:
-    """Varlen prefill: q: [1, N, H, D], k/v: [1, N, Hkv, D] holding the prompts back to back
-    (lengths ``lens``, sum N) -> [1, N, H * D]; each prompt attends causally to itself only."""
+                             scale: float, pool: torch.Tensor | None = None,
+                             prefixes: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Varlen prefill: q: [1, N, H, D], k/v: [1, N, Hkv, D] holding the chunks back to back
+    (lengths ``lens``, sum N) -> [1, N, H * D]. A chunk without a prefix attends causally to itself;
+    a chunk whose ``prefixes[j]`` holds the pool slots of its positions [0, start + n) (chunked prefill:
+    its K/V already written to ``pool``: [2, NB + 1, bs, Hkv, D]) attends to all of them, causally."""
     _, N, H, D = q.shape
     gqa = k.shape[2] != H
     qt, kt, vt = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # [heads, N, D]
     outs, start = [], 0
-    for n in lens:
+    for j, n in enumerate(lens):
         end = start + n
-        o = F.scaled_dot_product_attention(qt[None, :, start:end], kt[None, :, start:end], vt[None, :, start:end],
-                                           is_causal=True, scale=scale, enable_gqa=gqa)  # [1, H, n, D]
+        slots = prefixes[j] if prefixes is not None else None
+        if slots is None:
+            o = F.scaled_dot_product_attention(qt[None, :, start:end], kt[None, :, start:end],
+                                               vt[None, :, start:end], is_causal=True, scale=scale,
+                                               enable_gqa=gqa)  # [1, H, n, D]
+        else:
+            assert pool is not None
+            flat = pool.view(2, -1, *pool.shape[-2:])  # [2, slots, Hkv, D]
+            T = slots.numel()  # prefix + chunk
+            kp = flat[0].index_select(0, slots).transpose(0, 1)[None]  # [1, Hkv, T, D]
+            vp = flat[1].index_select(0, slots).transpose(0, 1)[None]
+            # query i sits at position T - n + i and sees keys 0 .. T - n + i
+            mask = torch.ones(n, T, dtype=torch.bool, device=q.device).tril(T - n)
+            o = F.scaled_dot_product_attention(qt[None, :, start:end], kp, vp, attn_mask=mask, scale=scale,
+                                               enable_gqa=gqa)  # [1, H, n, D]
         outs.append(o[0].transpose(0, 1))  # [n, H, D]
         start = end
     return torch.cat(outs).view(1, N, H * D)

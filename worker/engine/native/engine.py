@@ -8,6 +8,7 @@ they join at the next step, and finished ones leave (and free their KV blocks) a
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,10 @@ from batchfleet.worker.engine.native.runner import ModelRunner
 from batchfleet.worker.engine.native.scheduler import ScheduledBatch, Scheduler
 from batchfleet.worker.engine.native.sequence import Sequence as Seq
 from batchfleet.worker.engine.sampling import StopChecker, make_generator
+
+
+DEFAULT_MAX_PREFILL_TOKENS = 2048  # continuous mode: tokens per prefill step (longer prompts are chunked)
+STEP_LOG_LEN = 4096
 
 
 @dataclass
@@ -53,20 +58,31 @@ class NativeEngine:
     accepts_joins = True
 
     def __init__(self, loaded: LoadedModel, batching: DynamicBatchingConfig, cfg: EngineConfig, *,
-                 num_blocks: int | None = None, max_prefill_tokens: int = 16384, prefill: str = "auto",
-                 decode: str = "auto") -> None:
+                 num_blocks: int | None = None, max_prefill_tokens: int | None = None,
+                 max_running: int | None = None, prefill: str = "auto", decode: str = "auto") -> None:
+        """Dynamic mode: prefill steps take whole prompts (up to max(16384, largest bucket) tokens) and
+        ``max_batch_size`` sequences run at once. Continuous mode: up to ``max_running`` sequences of any
+        bucket decode together, prefills are chunked to ``max_prefill_tokens`` and alternate with decodes."""
         self.loaded = loaded
         self.batching = batching
         self.cfg = cfg
         self.tokenizer = loaded.tokenizer
         self.eos_ids = loaded.eos_ids
-        self.runner = ModelRunner(loaded.model, cfg.block_size, batching.max_batch_size, batching.max_seq_len,
+        continuous = cfg.mode == "continuous"
+        running = (max_running or batching.max_batch_size) if continuous else batching.max_batch_size
+        self.runner = ModelRunner(loaded.model, cfg.block_size, running, batching.max_seq_len,
                                   kv_cache_gb=cfg.kv_cache_gb, buckets=batching.buckets,
                                   padding=batching.padding, num_blocks=num_blocks, prefill=prefill, decode=decode,
                                   kernel_dir=Path(cfg.cache_dir) / "kernels" if cfg.native_kernel else None)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(self.blocks, batching.max_batch_size,
-                                   max_prefill_tokens=max(max_prefill_tokens, batching.buckets[-1]))
+        if continuous:
+            budget = max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS
+        else:  # whole prompts, as many as fit (the reference behaviour)
+            budget = max(max_prefill_tokens or 16384, batching.buckets[-1])
+        self.scheduler = Scheduler(self.blocks, batching.max_batch_size, max_prefill_tokens=budget,
+                                   max_running=running, chunked=continuous)
+        # (prefill?, ((id, bucket), ...)) of recent steps: which requests shared a step (tests, debugging)
+        self.step_log: deque[tuple[bool, tuple[tuple[str, int], ...]]] = deque(maxlen=STEP_LOG_LEN)
         self._errors: list[Completion] = []
         self.last_step_ids: list[str] = []
         self._counters = dict(steps=0, prefill_steps=0, decode_steps=0, tokens_generated=0,
@@ -79,7 +95,7 @@ class NativeEngine:
             state = ReqState(req=req, gen=make_generator(req, self.runner.device),
                              checker=StopChecker(req, self.eos_ids, self.tokenizer))
             seq = Seq(id=req.id, token_ids=list(req.prompt), max_new_tokens=req.max_new_tokens,
-                      stopper=state.checker.push, payload=state)
+                      stopper=state.checker.push, payload=state, bucket=req.bucket)
             try:
                 self._validate(req)
                 self.scheduler.add(seq)
@@ -96,6 +112,7 @@ class NativeEngine:
             self.last_step_ids = []
             return out
         self.last_step_ids = [s.id for s in batch.seqs]
+        self.step_log.append((batch.is_prefill, tuple((s.id, s.bucket) for s in batch.seqs)))
         now = time.time()
         if batch.is_prefill:
             for seq in batch.seqs:
@@ -109,7 +126,7 @@ class NativeEngine:
             raise
         finished = self.scheduler.postprocess(batch, tokens)
         now = time.time()
-        for seq in batch.seqs:
+        for seq in batch.sampled:
             if not seq.payload.first_token_at:
                 seq.payload.first_token_at = now
         self._count(batch)

@@ -83,10 +83,13 @@ class ModelRunner:
     # -- steps ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:
-        """Compute one step for ``batch`` and return one sampled token per sequence."""
-        logits = self._prefill(batch) if batch.is_prefill else self._decode(batch)  # [B, V]
+        """Compute one step for ``batch``; return one sampled token per ``batch.sampled`` sequence."""
+        if not batch.sampled and batch.is_prefill:
+            self._prefill(batch)  # partial chunks only: KV written, nothing to sample
+            return []
+        logits = self._prefill(batch) if batch.is_prefill else self._decode(batch)  # [len(sampled), V]
         logits = logits.float()  # like transformers' generate; argmax is also ~4x faster than on bf16
-        payloads = [s.payload for s in batch.seqs]
+        payloads = [s.payload for s in batch.sampled]
         tokens = sample(logits, [p.req for p in payloads], [p.gen for p in payloads])
         return tokens.tolist()
 
@@ -101,27 +104,36 @@ class ModelRunner:
         return longest
 
     def _prefill(self, batch: ScheduledBatch) -> torch.Tensor:
-        return self._prefill_packed(batch) if self.prefill_mode == "packed" else self._prefill_padded(batch)
+        whole = all(s.num_cached == 0 for s in batch.seqs) and len(batch.sampled) == len(batch.seqs)
+        if self.prefill_mode == "padded" and whole:
+            return self._prefill_padded(batch)
+        return self._prefill_packed(batch)  # also every chunked prefill (it attends to cached KV)
 
-    def _slots(self, seq) -> torch.Tensor:
-        """Flat pool slots of all tokens of ``seq``: [len(seq)] (on CPU)."""
+    def _slots(self, seq, end: int | None = None) -> torch.Tensor:
+        """Flat pool slots of tokens [0, end) of ``seq`` (default: all): [end] (on CPU)."""
         bs = self.block_size
         table = torch.tensor(seq.block_table)
-        return (table[:, None] * bs + torch.arange(bs)).view(-1)[: len(seq)]
+        return (table[:, None] * bs + torch.arange(bs)).view(-1)[: len(seq) if end is None else end]
 
     def _prefill_packed(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Chunks back to back in one row: tokens [start, start + n) of each sequence (start = its
+        ``num_cached``); a chunk with a cached prefix attends to it through the pool."""
         seqs, dev, m = batch.seqs, self.device, self.model
-        lens = [len(s) for s in seqs]
+        starts, lens = [s.num_cached for s in seqs], batch.num_new
         N = sum(lens)
-        tokens = torch.tensor([t for s in seqs for t in s.token_ids], device=dev).view(1, N)
-        positions = torch.cat([torch.arange(n) for n in lens]).view(1, N).to(dev)
-        slots = torch.cat([self._slots(s) for s in seqs]).to(dev)  # [N]
-        last = torch.tensor(lens).cumsum(0).sub(1).to(dev)  # [B] flat index of each prompt's last token
+        tokens = torch.tensor([t for s, a, n in zip(seqs, starts, lens) for t in s.token_ids[a:a + n]],
+                              device=dev).view(1, N)
+        positions = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lens)]).view(1, N).to(dev)
+        upto = [self._slots(s, a + n) for s, a, n in zip(seqs, starts, lens)]  # prefix + chunk slots
+        slots = torch.cat([u[a:] for u, a in zip(upto, starts)]).to(dev)  # [N]
+        ends = torch.tensor(lens).cumsum(0).sub(1)  # flat index of each chunk's last token
+        last = ends[[i for i, s in enumerate(seqs) if s in batch.sampled]].to(dev)
+        prefixes = [u.to(dev) if a else None for u, a in zip(upto, starts)]
 
         def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # q: [1, N, H, D]; k, v: [1, N, Hkv, D]
             A.write_kv(self.kv[i], slots, k[0], v[0])
-            return A.packed_prefill_attention(q, k, v, lens, m.scale)
+            return A.packed_prefill_attention(q, k, v, lens, m.scale, self.kv[i], prefixes)
 
         return m.forward(tokens, positions, attn, last_idx=last)
 

@@ -2,10 +2,17 @@
 running ones (pure Python, no torch).
 
 Policy (see docs/NATIVE_ENGINE.md):
-- FIFO admission while the batch has room (``max_batch_size``), the prompt fits in free blocks with
-  one spare block per running sequence (a watermark against immediate preemption), and the step's
-  prefill token budget is not exceeded (the first candidate is always admitted if it fits).
-- A prefill step runs before decode whenever something can be admitted (new requests join at once).
+- FIFO admission while the prefill step has room (``max_batch_size`` sequences), the decoding set stays
+  within ``max_running``, the prompt fits in free blocks with one spare block per running sequence (a
+  watermark against immediate preemption), and the step's prefill token budget is not exceeded.
+- A prefill step holds sequences of ONE bucket (the bucket of the oldest candidate); decode steps take
+  every running sequence, whatever its bucket (a decode step's shape does not depend on prompt length).
+- Unchunked (``chunked=False``, dynamic mode): a prefill step runs before decode whenever something can
+  be admitted, whole prompts only (the first candidate is always admitted if it fits the pool).
+- Chunked (``chunked=True``, continuous mode): a prompt longer than what is left of the step's
+  ``max_prefill_tokens`` budget is prefilled in chunks over several steps (its blocks are allocated for
+  the whole prompt at admission); prefill and decode steps alternate while both have work, so running
+  decodes stall for at most one chunk, and pending prefill work waits at most one decode step.
 - When a decode step needs a block and none is free, the most recently admitted running sequence is
   preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
   (prompt + tokens generated so far) by a later prefill. Nothing ever runs out of memory.
@@ -23,29 +30,42 @@ from batchfleet.worker.engine.native.sequence import SeqStatus, Sequence
 
 @dataclass
 class ScheduledBatch:
-    """One step's work. prefill: compute KV of all ``token_ids`` of each sequence and sample the
-    next token; decode: feed each sequence's last token at position ``num_cached``."""
+    """One step's work. prefill: compute the KV of ``num_new[i]`` tokens of ``seqs[i]`` starting at its
+    ``num_cached`` and, when that reaches the end of its tokens, sample the next token; decode: feed each
+    sequence's last token at position ``num_cached``."""
 
     is_prefill: bool
     seqs: list[Sequence]
     preempted: list[Sequence] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)  # tokens computed per sequence (decode: all 1)
+    sampled: list[Sequence] = field(init=False)  # those that get a new token (a partial chunk gets none)
+
+    def __post_init__(self) -> None:
+        if not self.num_new:
+            self.num_new = [len(s) - s.num_cached if self.is_prefill else 1 for s in self.seqs]
+        self.sampled = [s for s, n in zip(self.seqs, self.num_new) if s.num_cached + n == len(s)]
 
     def __len__(self) -> int:
         return len(self.seqs)
 
 
 class Scheduler:
-    """Waiting queue + running batch over one BlockManager."""
+    """Waiting queue, partly prefilled sequences and the decoding set, over one BlockManager."""
 
-    def __init__(self, blocks: BlockManager, max_batch_size: int, max_prefill_tokens: int = 16384) -> None:
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_prefill_tokens: int = 16384,
+                 max_running: int | None = None, chunked: bool = False) -> None:
         self.blocks = blocks
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = max_batch_size  # sequences per prefill step
+        self.max_running = max_running or max_batch_size  # sequences holding KV (decoding + prefilling)
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunked = chunked
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.prefilling: list[Sequence] = []  # admitted, prompt KV partly computed (chunked prefill)
+        self.running: list[Sequence] = []  # prefill complete: decoding
         self.num_preemptions = 0
         self.peak_wasted = 0  # max over steps of allocated slots not holding a token
         self.peak_wasted_per_seq = 0.0  # max over steps of (wasted slots / live sequences)
+        self._last_was_prefill = False
 
     # -- queue management -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -61,37 +81,38 @@ class Scheduler:
     def abort(self, ids: Iterable[str]) -> list[Sequence]:
         """Drop sequences by id wherever they are, freeing their blocks; returns the ones found."""
         wanted = set(ids)
-        found = [s for s in self.running if s.id in wanted] + [s for s in self.waiting if s.id in wanted]
+        found = [s for s in (*self.running, *self.prefilling, *self.waiting) if s.id in wanted]
         for seq in found:
             self._finish(seq)
         self.waiting = deque(s for s in self.waiting if s.id not in wanted)
         return found
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     def num_active(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.prefilling)
 
     # -- the two phases ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step's batch (None when there is nothing to run)."""
-        batch = self._schedule_prefill()
-        if batch is not None:
-            return batch
-        if not self.running:
-            return None
-        return self._schedule_decode()
+        if self.chunked and self._last_was_prefill and self.running:
+            batch: ScheduledBatch | None = self._schedule_decode()  # alternate: decodes stall one chunk at most
+        else:
+            batch = self._schedule_prefill()
+            if batch is None and self.running:
+                batch = self._schedule_decode()
+        self._last_was_prefill = batch is not None and batch.is_prefill
+        return batch
 
     def postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> list[Sequence]:
-        """Record one sampled token per sequence of ``batch``; free and return finished ones."""
-        assert len(tokens) == len(batch.seqs)
-        finished = []
-        for seq, tok in zip(batch.seqs, tokens, strict=True):
-            # the step wrote KV for every token but the newly sampled one
-            seq.num_cached = len(seq.token_ids)
-            if seq.append(tok):
-                finished.append(seq)
+        """Record the step: KV now cached, one sampled token per ``batch.sampled`` sequence (``tokens``,
+        in that order); free and return finished ones."""
+        sampled = batch.sampled
+        assert len(tokens) == len(sampled)
+        for seq, n in zip(batch.seqs, batch.num_new, strict=True):
+            seq.num_cached += n  # the step wrote KV for these tokens (never for the newly sampled one)
+        finished = [seq for seq, tok in zip(sampled, tokens, strict=True) if seq.append(tok)]
         for seq in finished:
             self._finish(seq)
         self._note_waste()
@@ -100,26 +121,50 @@ class Scheduler:
     # -- internals --------------------------------------------------------------------------------
     def _schedule_prefill(self) -> ScheduledBatch | None:
         chosen: list[Sequence] = []
+        num_new: list[int] = []
         budget = self.max_prefill_tokens
-        while self.waiting and len(self.running) + len(chosen) < self.max_batch_size:
+        bucket = None
+        for seq in self.prefilling:  # partly prefilled sequences go on first (they hold their blocks)
+            if budget <= 0 or (bucket is not None and seq.bucket != bucket):
+                break
+            bucket = seq.bucket
+            n = min(len(seq) - seq.num_cached, budget)
+            chosen.append(seq)
+            num_new.append(n)
+            budget -= n
+        bucket = bucket if bucket is not None else (self.waiting[0].bucket if self.waiting else None)
+        holding = len(self.running) + len(self.prefilling)  # sequences that already hold blocks
+        admitted = 0
+        while (self.waiting and budget > 0 and len(chosen) < self.max_batch_size
+               and holding + admitted < self.max_running):
             seq = self.waiting[0]
             n = len(seq)
-            if chosen and n > budget:
+            if seq.bucket != bucket or (not self.chunked and chosen and n > budget):
                 break
-            reserve = len(self.running) + len(chosen)
+            reserve = holding + admitted
             if not self.blocks.can_allocate(n, reserve=reserve):
                 # nothing running and still no room: admit without the watermark (it fits the pool)
                 if reserve or not self.blocks.can_allocate(n):
                     break
             self.waiting.popleft()
-            self.blocks.allocate(seq, n)
+            self.blocks.allocate(seq, n)  # the whole prompt, even when it is prefilled in chunks
             seq.status = SeqStatus.RUNNING
+            n = min(n, budget) if self.chunked else n
             chosen.append(seq)
+            num_new.append(n)
             budget -= n
+            admitted += 1
         if not chosen:
             return None
-        self.running.extend(chosen)
-        return ScheduledBatch(is_prefill=True, seqs=chosen)
+        for seq, n in zip(chosen, num_new):
+            complete = seq.num_cached + n == len(seq)
+            if seq in self.prefilling and complete:
+                self.prefilling.remove(seq)
+            elif seq not in self.prefilling and not complete:
+                self.prefilling.append(seq)
+            if complete:
+                self.running.append(seq)
+        return ScheduledBatch(is_prefill=True, seqs=chosen, num_new=num_new)
 
     def _schedule_decode(self) -> ScheduledBatch:
         queue = deque(self.running)
@@ -140,9 +185,8 @@ class Scheduler:
         return ScheduledBatch(is_prefill=False, seqs=scheduled, preempted=preempted)
 
     def requeue(self, seq: Sequence) -> None:
-        """Take a running sequence back to the front of the queue, freeing its blocks."""
-        if seq in self.running:
-            self.running.remove(seq)
+        """Take an admitted sequence back to the front of the queue, freeing its blocks."""
+        self._drop(seq)
         self.blocks.free(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
@@ -157,16 +201,22 @@ class Scheduler:
     def _finish(self, seq: Sequence) -> None:
         self.blocks.free(seq)
         seq.status = SeqStatus.FINISHED
+        self._drop(seq)
+
+    def _drop(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
 
     def wasted_slots(self) -> int:
-        """Allocated slots of running sequences that hold no token's KV."""
+        """Allocated slots of admitted sequences that hold no token's KV."""
         bs = self.blocks.block_size
-        return sum(len(s.block_table) * bs - s.num_cached for s in self.running)
+        return sum(len(s.block_table) * bs - s.num_cached for s in (*self.running, *self.prefilling))
 
     def _note_waste(self) -> None:
         wasted = self.wasted_slots()
         self.peak_wasted = max(self.peak_wasted, wasted)
-        if self.running:
-            self.peak_wasted_per_seq = max(self.peak_wasted_per_seq, wasted / len(self.running))
+        live = len(self.running) + len(self.prefilling)
+        if live:
+            self.peak_wasted_per_seq = max(self.peak_wasted_per_seq, wasted / live)

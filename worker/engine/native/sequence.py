@@ -19,7 +19,8 @@ class Sequence:
     """Tokens of one request plus where their KV lives.
 
     Invariants: while RUNNING between steps, ``num_cached == len(token_ids) - 1`` (the newest sampled
-    token has no KV yet); ``len(block_table) * block_size >= num_cached``. While WAITING,
+    token has no KV yet) once its prefill is complete, ``num_cached < len(token_ids)`` while a chunked
+    prefill is under way; ``len(block_table) * block_size >= num_cached``. While WAITING,
     ``num_cached == 0`` and ``block_table == []`` (a preempted sequence is recomputed from scratch).
     """
 
@@ -28,6 +29,7 @@ class Sequence:
     max_new_tokens: int
     stopper: Callable[[int], bool] | None = None  # token -> finished? (default: length only)
     payload: Any = None  # the engine's per-request data (request, RNG, stop checker, timings)
+    bucket: int = 0  # prompt-length bucket: one prefill step never mixes buckets
     num_prompt: int = 0
     num_cached: int = 0
     block_table: list[int] = field(default_factory=list)
