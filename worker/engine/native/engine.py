@@ -24,7 +24,6 @@ from batchfleet.worker.engine.native.scheduler import ScheduledBatch, Scheduler
 from batchfleet.worker.engine.native.sequence import Sequence as Seq
 from batchfleet.worker.engine.sampling import StopChecker, make_generator
 
-
 DEFAULT_MAX_PREFILL_TOKENS = 2048  # continuous mode: tokens per prefill step (longer prompts are chunked)
 STEP_LOG_LEN = 4096
 
