@@ -60,7 +60,11 @@ class Keys:
 
     @property
     def flush(self) -> str:
-        """Counter a load generator bumps to close partial static batches ("static N" ends its load)."""
+        """Counter a load generator bumps to close partial static batches ("static N" ends its load).
+
+        Only static-batching workers act on it: their transport polls it (``Transport.flush_requested``
+        in worker/transport.py, at most every 50 ms while a partial batch waits) and a change since the
+        last value seen closes the partial batches."""
         return f"{self.namespace}:flush"
 
     @property

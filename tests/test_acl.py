@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from batchfleet.common.devtools import PrivateRedis, free_port
 from batchfleet.common.errors import JobFailed
 from batchfleet.common.keys import Keys
-from batchfleet.common.localredis import PrivateRedis, free_port
 from batchfleet.producer import Client
 from tests.conftest import worker_config
 from tests.test_reliability_helpers import POISON_TOKEN, LoopThread, PoisonEngine
@@ -79,7 +79,7 @@ def test_fleet_runs_under_least_privilege_acl_users_tenants_isolated(acl_redis, 
             w.stop()
     a, b = tenants
     for ns, w in zip(tenants, workers):
-        assert {res.worker for res in answers[ns]} == {w.loop.consumer.name}  # served by its own fleet only
+        assert {res.worker for res in answers[ns]} == {w.loop.transport.name}  # served by its own fleet only
         assert w.loop.counters["completed"] == 3 and w.loop.counters["internal_errors"] == 0
         assert w.loop.counters["reclaimed"] == 1 and w.lease_failures == 0
     denied = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING

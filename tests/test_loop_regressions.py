@@ -11,6 +11,7 @@ import redis
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import Request, decode_reply
 from batchfleet.worker.compose import build_worker
+from batchfleet.worker.requests import Stage
 from tests.conftest import worker_config
 
 
@@ -38,8 +39,8 @@ def test_redelivered_request_runs_alone_in_continuous_mode(redis_url, namespace,
         eid = enqueue(r, keys, 64, "suspect", [1] + list(range(10, 50)))  # left by a dead worker, 3rd delivery
         r.xreadgroup(keys.group, "dead-worker", {keys.stream(64): ">"}, count=1)
         r.xclaim(keys.stream(64), keys.group, "dead-worker", 0, [eid], idle=5000, retrycount=2)
-        loop._next_reclaim = 0
-        tick_until(loop, lambda: "suspect" in loop.active)
+        loop.intake.next_reclaim = 0
+        tick_until(loop, lambda: loop.requests.stage("suspect") is Stage.RUNNING)
         for i in range(3):  # bucket-32 traffic arrives while the suspect runs
             enqueue(r, keys, 32, f"b{i}", [1, 20 + i])
         tick_until(loop, lambda: all(r.exists(keys.done(j)) for j in ("suspect", "b0", "b1", "b2")))
@@ -50,7 +51,7 @@ def test_redelivered_request_runs_alone_in_continuous_mode(redis_url, namespace,
         assert type(decode_reply(r.lpop(keys.reply("suspect")))).__name__ == "Result"
     finally:
         loop.stopping.set()
-        loop.consumer.close()
+        loop.transport.close()
 
 
 def test_reclaim_tells_equal_entry_ids_of_two_buckets_apart(redis_url, namespace, tiny_model_dir, cache_dir):
@@ -61,11 +62,11 @@ def test_reclaim_tells_equal_entry_ids_of_two_buckets_apart(redis_url, namespace
     try:
         same = f"{int(time.time() * 1000)}-0"
         enqueue(r, keys, 32, "held", [1, 10], entry_id=same)  # this worker reads and holds it (static batch)
-        tick_until(loop, lambda: "held" in loop.waiting)
+        tick_until(loop, lambda: loop.requests.stage("held") is Stage.QUEUED)
         enqueue(r, keys, 64, "orphan", [1] + list(range(10, 45)), entry_id=same)  # same id, other stream
         r.xreadgroup(keys.group, "dead-worker", {keys.stream(64): ">"}, count=1)
         r.xclaim(keys.stream(64), keys.group, "dead-worker", 0, [same], idle=5000)
-        loop._next_reclaim = 0
+        loop.intake.next_reclaim = 0
         # before the fix the orphan was filtered out as "already held" on every reclaim until its
         # delivery count ran out; now it is taken over (a redelivery runs alone) and answered
         tick_until(loop, lambda: r.exists(keys.done("orphan")), limit=200)
@@ -75,4 +76,4 @@ def test_reclaim_tells_equal_entry_ids_of_two_buckets_apart(redis_url, namespace
         tick_until(loop, lambda: r.exists(keys.done("held")))
     finally:
         loop.stopping.set()
-        loop.consumer.close()
+        loop.transport.close()

@@ -141,7 +141,7 @@ def test_no_key_grows_without_bound(loops, redis_url, namespace, monkeypatch):
 
 
 def test_groups_and_fleet_recreated_when_redis_comes_back_empty(loops, redis_url, namespace):
-    from batchfleet.worker.spawn import delete_namespace
+    from batchfleet.common.devtools import delete_namespace
 
     loops(max_wait_ms=5)
     keys = Keys(namespace)
@@ -155,16 +155,16 @@ def test_groups_and_fleet_recreated_when_redis_comes_back_empty(loops, redis_url
 
 
 def test_internal_error_on_one_entry_costs_that_entry_only(loops, redis_url, namespace, monkeypatch):
-    from batchfleet.worker import loop_intake
+    from batchfleet.worker import intake
 
-    real_accept = loop_intake.accept
+    real_accept = intake.accept
 
     def flaky_accept(entry, *a, **kw):
         if entry.fields.get(b"id", b"").startswith(b"boom"):
             raise RuntimeError("simulated bug")
         return real_accept(entry, *a, **kw)
 
-    monkeypatch.setattr(loop_intake, "accept", flaky_accept)
+    monkeypatch.setattr(intake, "accept", flaky_accept)
     t = loops(max_wait_ms=20)
     keys = Keys(namespace)
     r = redis.Redis.from_url(redis_url)
@@ -183,7 +183,7 @@ def any_redis_url(request, redis_url):
     if request.param == "shared":
         yield redis_url
         return
-    from batchfleet.common.localredis import PrivateRedis, free_port
+    from batchfleet.common.devtools import PrivateRedis, free_port
 
     server = PrivateRedis(port=free_port()).start()
     yield server.url
@@ -214,7 +214,7 @@ def test_reclaim_follows_cursor_within_budget_and_drops_deleted(any_redis_url):
     live.release(got[0][:1], idle_ms=5000)  # released: reclaimable at once, count unchanged until then
     again = live.reclaim(min_idle_ms=1000, budget=10)
     assert [(e.entry_id, e.deliveries) for e in again] == [(got[0][0].entry_id, 3)]
-    from batchfleet.worker.spawn import delete_namespace
+    from batchfleet.common.devtools import delete_namespace
 
     delete_namespace(any_redis_url, keys)
 
@@ -243,8 +243,8 @@ def test_dead_consumer_names_are_pruned_and_a_clean_stop_removes_its_own(redis_u
 
 
 def test_lease_keeper_renews_held_entries_until_the_loop_stalls():
-    from batchfleet.worker.consumer import Entry
     from batchfleet.worker.reclaim import LeaseKeeper
+    from batchfleet.worker.transport import Entry
 
     class FakeConsumer:
         def __init__(self) -> None:

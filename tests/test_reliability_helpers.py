@@ -82,7 +82,7 @@ class LoopThread:
         self.loop.stopping.set()
         self.thread.join(60)
         assert not self.thread.is_alive(), "worker thread did not stop"
-        self.loop.consumer.close()
+        self.loop.transport.close()
         if self.error is not None:
             raise self.error
 

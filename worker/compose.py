@@ -18,8 +18,9 @@ from batchfleet.common.protocol import FleetInfo
 from batchfleet.worker.consumer import StreamConsumer, default_consumer_name
 from batchfleet.worker.engine.base import Engine
 from batchfleet.worker.engine.models import LoadedModel, load_model, make_preset
-from batchfleet.worker.intake import Limits
 from batchfleet.worker.loop import WorkerLoop
+from batchfleet.worker.transport import Transport
+from batchfleet.worker.validate import Limits
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ def fleet_info(cfg: WorkerConfig, loaded: LoadedModel) -> FleetInfo:
     )
 
 
-def build_worker(cfg: WorkerConfig, transport=None, loaded: LoadedModel | None = None) -> WorkerLoop:
+def build_worker(cfg: WorkerConfig, transport: Transport | None = None,
+                 loaded: LoadedModel | None = None) -> WorkerLoop:
     """Everything a worker needs, wired; does not start serving.
 
     ``transport`` replaces the Redis StreamConsumer (the benchmark's in-process transport); ``loaded``
@@ -85,12 +87,12 @@ def run_worker(cfg: WorkerConfig) -> int:
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
     log.info("worker %s serving buckets %s (engine %s, mode %s, max_wait_ms %s, max_batch_size %d)",
-             loop.consumer.name, cfg.batching.buckets, cfg.engine.engine, cfg.engine.mode,
+             loop.transport.name, cfg.batching.buckets, cfg.engine.engine, cfg.engine.mode,
              cfg.batching.max_wait_ms, cfg.batching.max_batch_size)
-    print(f"batchfleet worker {loop.consumer.name} ready", flush=True)
+    print(f"batchfleet worker {loop.transport.name} ready", flush=True)
     try:
         loop.run()
     finally:
-        loop.consumer.close()
-    log.info("worker %s stopped", loop.consumer.name)
+        loop.transport.close()
+    log.info("worker %s stopped", loop.transport.name)
     return 0

@@ -1,8 +1,10 @@
-"""The stream consumer: everything the worker says to Redis goes through here.
+"""The stream consumer: the Redis ``Transport`` (worker/transport.py); everything the worker says to Redis
+goes through here.
 
 Reads bucket streams in one consumer group, writes replies (first writer wins, then ack + delete, in
 one server-side script so a crash can never ack an unanswered entry), dead-letters what cannot be
-answered, publishes the fleet description and a heartbeat.
+answered, publishes the fleet description and a heartbeat. Commands on the pending entries list (leases,
+reclaim) live in worker/pending.py (``PendingList``, a part this class delegates to).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import redis
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import FleetInfo
-from batchfleet.worker.outage import Outage
-from batchfleet.worker.pending import PendingCommands
-from batchfleet.worker.stream_types import Entry, Reply
+from batchfleet.common.retry import TRANSIENT, Backoff
+from batchfleet.worker.pending import PendingList
+from batchfleet.worker.transport import Entry, FlushWatch, Reply, Transport
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +64,12 @@ def connect(conn: ConnectionConfig) -> redis.Redis:
 
 
 def default_consumer_name() -> str:
+    """hostname-pid-random: unique per worker process, readable in XINFO and heartbeats."""
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-class StreamConsumer(PendingCommands):
-    """Owns the worker's Redis connection and every command it sends."""
+class StreamConsumer(Transport):
+    """Owns the worker's Redis connection and every command it sends (see ``Transport`` for each method)."""
 
     def __init__(self, conn: ConnectionConfig, buckets: tuple[int, ...], name: str, reply_ttl_s: int) -> None:
         self.conn = conn
@@ -77,19 +80,21 @@ class StreamConsumer(PendingCommands):
         self.r = connect(conn)
         self._reply = self.r.register_script(_REPLY_SCRIPT)
         self._fleet: FleetInfo | None = None
-        self._cursors: dict[int, str] = {}  # XAUTOCLAIM cursor per bucket, kept while a budget cuts a scan
+        self.pel = PendingList(self.r, self.keys, name, buckets)
+        self._flush = FlushWatch(self._flush_counter)  # baseline taken by setup()
         self._streams = {self.keys.stream(b): ">" for b in buckets}  # XREADGROUP argument, built once
         self._bucket_of = {self.keys.stream(b).encode(): b for b in buckets}
         # A blocking read must return before the socket times out, with margin.
         self.max_block_ms = int(min(MAX_BLOCK_MS, conn.socket_timeout_s * 1000 / 2))
 
     def setup(self, wait_s: float = STARTUP_WAIT_S) -> None:
-        """Create the consumer group on every bucket stream (reading from the start of each stream).
+        """Create the consumer group on every bucket stream (reading from the start of each stream) and
+        take the flush counter's baseline (first call only).
 
         At startup Redis may not be up yet (compose, k8s): connection errors are retried with capped
         backoff for ``wait_s`` seconds, one log line per state change, then raised.
         """
-        outage = Outage(log, "redis")
+        outage = Backoff(log, "redis")
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -99,26 +104,29 @@ class StreamConsumer(PendingCommands):
                     except redis.ResponseError as exc:
                         if "BUSYGROUP" not in str(exc):
                             raise
+                self._flush.start()
                 outage.ok()
                 return
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except TRANSIENT as exc:
                 delay = outage.failed(exc)
                 if time.monotonic() + delay > deadline:
                     raise
                 time.sleep(delay)
 
     def publish_fleet(self, info: FleetInfo) -> None:
+        """SET the fleet description (and keep it for ``recover``)."""
         self._fleet = info
         self.r.set(self.keys.fleet, info.encode())
 
     def recover(self) -> None:
         """Redis came back without our state (NOGROUP): re-create the groups and re-publish the fleet."""
         self.setup(wait_s=0)  # the loop retries with its own backoff
-        self._cursors.clear()
+        self.pel.reset()
         if self._fleet is not None:
             self.r.set(self.keys.fleet, self._fleet.encode())
 
     def heartbeat(self, status: dict) -> None:
+        """The status, msgpack-encoded, under this worker's key for 10 s."""
         self.r.set(self.keys.worker(self.name), msgpack.packb(status, use_bin_type=True), ex=10)
 
     def read(self, count: int, block_ms: int | None) -> list[Entry]:
@@ -204,7 +212,38 @@ class StreamConsumer(PendingCommands):
             pipe.xdel(self.keys.stream(e.bucket), e.entry_id)
         pipe.execute()
 
-    def flush_counter(self) -> int:
+    # ---- pending entries (worker/pending.py) -----------------------------------------------------
+    def reclaim(self, min_idle_ms: int, budget: int) -> list[Entry]:
+        """XAUTOCLAIM, resuming where a budget cut the last scan (``PendingList.reclaim``)."""
+        return self.pel.reclaim(min_idle_ms, budget)
+
+    def release(self, entries: list[Entry], idle_ms: int) -> None:
+        """XCLAIM JUSTID making them look ``idle_ms`` idle (``PendingList.release``)."""
+        self.pel.release(entries, idle_ms)
+
+    def refresh(self, entries: list[Entry], min_idle_ms: int) -> None:
+        """XCLAIM JUSTID resetting their idle time (``PendingList.refresh``); lease keeper thread."""
+        self.pel.refresh(entries, min_idle_ms)
+
+    def prune_consumers(self, min_idle_ms: int) -> int:
+        """XGROUP DELCONSUMER of silent names holding nothing (``PendingList.prune_consumers``)."""
+        return self.pel.prune_consumers(min_idle_ms)
+
+    def answered(self, job_ids: list[str]) -> list[bool]:
+        """EXISTS of each job's first-writer-wins ``done`` marker."""
+        if not job_ids:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.exists(self.keys.done(job_id))
+        return [bool(x) for x in pipe.execute()]
+
+    # ---- static batching -------------------------------------------------------------------------
+    def flush_requested(self) -> bool:
+        """GET of the flush counter, at most every 50 ms; True once per change."""
+        return self._flush.requested()
+
+    def _flush_counter(self) -> int:
         raw = self.r.get(self.keys.flush)
         try:
             return int(raw) if raw is not None else 0

@@ -1,82 +1,161 @@
-"""Turns raw stream entries into validated engine requests, or into the error that answers them.
+"""Intake: turns transport entries into held requests or their answers (reading, reclaiming, validating,
+rejecting, expiring, giving up).
 
-Every entry ends in exactly one of three ways: a GenRequest to run, an Error reply to the id it names,
-or (no usable id, so nobody to answer) the dead-letter stream.
+Every entry read ends as: held in the request table (queued to run), answered with an error (through the
+``send`` callable, which puts replies in the outbox and writes them), acked as a duplicate, or
+dead-lettered; never dropped. Validation itself is pure and lives in worker/validate.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import time
+from collections.abc import Callable
 
-from batchfleet.common.errors import INVALID_REQUEST, PROMPT_TOO_LONG, ProtocolError
-from batchfleet.common.keys import Keys, valid_job_id
-from batchfleet.common.protocol import Error, Request
-from batchfleet.worker.consumer import Entry
-from batchfleet.worker.engine.base import GenRequest
+from batchfleet.common.config import WorkerConfig
+from batchfleet.common.errors import DEADLINE_EXCEEDED, WORKER_FAILED
+from batchfleet.common.protocol import Error
+from batchfleet.common.retry import TRANSIENT
+from batchfleet.worker.batcher import Batcher
+from batchfleet.worker.reclaim import SOLO_FROM_DELIVERY, reclaim_period_s, split_exhausted
+from batchfleet.worker.requests import RequestTable, Stage
+from batchfleet.worker.transport import Entry, Reply, Transport
+from batchfleet.worker.validate import Accepted, Limits, Rejected, accept, job_id_of
 
+log = logging.getLogger("batchfleet.worker.loop")
 
-@dataclass(frozen=True)
-class Limits:
-    """What the served model and config accept."""
-
-    max_seq_len: int
-    vocab_size: int
-
-
-@dataclass(frozen=True)
-class Accepted:
-    entry: Entry
-    request: Request
-    gen: GenRequest
-    enqueued_at: float  # clamped to the worker's clock: never in the future
+PRUNE_PERIOD_S = 60.0
+PRUNE_IDLE_MS = 3_600_000  # a consumer name silent for an hour with nothing pending is a dead worker's
+FULL_SLEEP_MAX_S = 0.5  # with no room to read and nothing running, sleep at most this long per tick
 
 
-@dataclass(frozen=True)
-class Rejected:
-    entry: Entry
-    error: Error | None  # None: no usable id, dead-letter instead
-    reason: str
+class Intake:
+    """Feeds the request table and the batcher from the transport; answers what cannot run."""
 
+    def __init__(self, cfg: WorkerConfig, transport: Transport, limits: Limits, batcher: Batcher[Accepted],
+                 requests: RequestTable, counters: dict[str, int], send: Callable[[list[Reply]], None]) -> None:
+        self.cfg = cfg
+        self.transport = transport
+        self.limits = limits
+        self.batcher = batcher
+        self.requests = requests
+        self.counters = counters  # shared with the loop: errors, dead_lettered, reclaimed, internal_errors
+        self.send = send  # replies go to the outbox and are written when the transport takes them
+        self.next_reclaim = 0.0  # time.time() of the next reclaim (tests set 0 to force one)
+        self.next_prune = 0.0
 
-def job_id_of(entry: Entry) -> str | None:
-    raw = entry.fields.get(b"id")
-    try:
-        job_id = raw.decode() if isinstance(raw, bytes) else None
-    except UnicodeDecodeError:
-        return None
-    return job_id if valid_job_id(job_id) else None
+    def room(self) -> int:
+        """Hold at most two batches locally (queued or waiting to run alone): leave the rest to peers."""
+        held = self.requests.count(Stage.QUEUED) + self.requests.count(Stage.SOLO)
+        return 2 * self.cfg.batching.max_batch_size - held
 
+    # ---- new entries -----------------------------------------------------------------------------
+    def read(self, now: float, engine_busy: bool) -> None:
+        """Read new entries. Blocks only while nothing can run (engine idle, nobody waiting to run alone),
+        and never past the next batch deadline nor the next reclaim."""
+        room = self.room()
+        busy = engine_busy or self.requests.count(Stage.SOLO) > 0
+        if room <= 0:
+            deadline = self.batcher.next_deadline()
+            if not busy and deadline is not None and deadline > now:
+                time.sleep(min(deadline - now, FULL_SLEEP_MAX_S))
+            return
+        if busy:
+            block_ms: int | None = None
+        else:
+            deadline = self.batcher.next_deadline()
+            if deadline is None and self.batcher.static and len(self.batcher):
+                deadline = now + 0.05  # poll the flush counter while a partial static batch waits
+            block_ms = self.transport.max_block_ms if deadline is None else int((deadline - now) * 1000) + 1
+            block_ms = min(block_ms, int(reclaim_period_s(self.cfg.claim_idle_ms) * 1000) + 1)
+            if block_ms <= 0:
+                return
+        # COUNT applies per stream: split the room so all buckets together stay within it
+        per_stream = max(1, -(-room // len(self.cfg.batching.buckets)))
+        for entry in self.transport.read(count=per_stream, block_ms=block_ms):
+            self._take(entry, alone=False)
 
-def accept(entry: Entry, keys: Keys, limits: Limits, now: float) -> Accepted | Rejected:
-    """Validate one entry against the wire schema, its stream's bucket and the model's limits."""
-    job_id = job_id_of(entry)
-    if job_id is None:
-        return Rejected(entry, None, "entry has no valid 'id' field")
+    def reclaim(self, now: float) -> None:
+        """Take over entries whose worker went silent for claim_idle_ms (policy: worker/reclaim.py)."""
+        if now < self.next_reclaim:
+            return
+        self.next_reclaim = now + reclaim_period_s(self.cfg.claim_idle_ms)
+        if now >= self.next_prune:
+            self.next_prune = now + PRUNE_PERIOD_S
+            self.transport.prune_consumers(PRUNE_IDLE_MS)
+        room = min(self.room(), self.cfg.reclaim_budget)
+        if room <= 0:
+            return
+        # entry ids are unique per stream only: two buckets often share "<ms>-0"
+        held = {(e.bucket, e.entry_id) for e in self.requests.snapshot}
+        entries = [e for e in self.transport.reclaim(self.cfg.claim_idle_ms, room) or []
+                   if (e.bucket, e.entry_id) not in held]
+        if not entries:
+            return
+        self.counters["reclaimed"] += len(entries)
+        log.info("reclaimed %d entries left pending by a silent worker", len(entries))
+        keep, spent = split_exhausted(entries, self.cfg.max_deliveries)
+        for e in spent:
+            self.give_up(e, f"delivered {e.deliveries} times (max_deliveries {self.cfg.max_deliveries}): "
+                            "its workers died or it failed every time")
+        answered = self.transport.answered([job_id_of(e) or "-" for e in keep]) or [False] * len(keep)
+        for e, done in zip(keep, answered):
+            if done:
+                self.transport.ack(e)  # answered already (a duplicate enqueue): nothing to run
+            else:
+                self._take(e, alone=e.deliveries >= SOLO_FROM_DELIVERY)
 
-    def reject(code: str, message: str) -> Rejected:
-        return Rejected(entry, Error(id=job_id, code=code, message=message), message)
+    def _take(self, entry: Entry, alone: bool) -> None:
+        """Validate one entry and hold it; any failure here costs this entry only."""
+        try:
+            outcome = accept(entry, self.transport.keys, self.limits, time.time())
+            if isinstance(outcome, Rejected):
+                self._reject(outcome)
+                return
+            if self.requests.holds(outcome.gen.id):
+                self.transport.ack(entry)  # same job enqueued twice: the copy we hold answers for both
+                return
+            self.requests.queue(outcome, alone=alone)
+            if not alone:
+                self.batcher.add(outcome, entry.bucket, outcome.enqueued_at)
+        except TRANSIENT:
+            raise  # the entry stays pending; it is read again after the outage (reclaim)
+        except Exception as exc:
+            self.counters["internal_errors"] += 1
+            log.exception("internal error on entry %s; dead-lettering it", entry.entry_id)
+            self.give_up(entry, f"internal error while validating: {exc!r}"[:500])
 
-    payload = entry.fields.get(b"p")
-    if payload is None:
-        return reject(INVALID_REQUEST, "entry has no 'p' (payload) field")
-    try:
-        req = Request.decode(payload)
-    except ProtocolError as exc:
-        return reject(exc.code, str(exc))
-    if req.id != job_id:
-        return reject(INVALID_REQUEST, "payload id does not match the entry id")
-    if req.reply_key != keys.reply(job_id):
-        return reject(INVALID_REQUEST, f"reply_key must be {keys.reply(job_id)!r}")
-    if len(req.prompt) > entry.bucket:
-        return reject(PROMPT_TOO_LONG, f"prompt of {len(req.prompt)} tokens is longer than bucket {entry.bucket}")
-    if len(req.prompt) + req.max_new_tokens > limits.max_seq_len:
-        return reject(PROMPT_TOO_LONG, f"prompt + max_new_tokens exceeds max_seq_len {limits.max_seq_len}")
-    if max(req.prompt) >= limits.vocab_size:
-        return reject(INVALID_REQUEST, f"token id {max(req.prompt)} is outside the vocabulary ({limits.vocab_size})")
-    enqueued = min(req.enqueued_at, now) if req.enqueued_at > 0 else now
-    gen = GenRequest(
-        id=req.id, prompt=list(req.prompt), bucket=entry.bucket, max_new_tokens=req.max_new_tokens,
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop,
-        enqueued_at=enqueued,
-    )
-    return Accepted(entry, req, gen, enqueued)
+    def _reject(self, rej: Rejected) -> None:
+        if rej.error is None:  # no usable id: nobody to answer
+            self.give_up(rej.entry, rej.reason)
+            return
+        self.counters["errors"] += 1
+        self.send([Reply(rej.error.id, rej.error.encode(), rej.entry.bucket, rej.entry.entry_id)])
+
+    # ---- endings ---------------------------------------------------------------------------------
+    def give_up(self, entry: Entry, reason: str) -> None:
+        """Dead-letter an entry for good, answering ``worker_failed`` when it names a job."""
+        job_id = job_id_of(entry)
+        reply = None
+        if job_id is not None:
+            reply = Reply(job_id, Error(job_id, WORKER_FAILED, reason).encode(), entry.bucket, entry.entry_id)
+        log.warning("giving up on entry %s (job %s): %s", entry.entry_id, job_id, reason)
+        self.counters["dead_lettered"] += 1
+        self.counters["errors"] += 1
+        self.transport.give_up(entry, reason, reply)
+
+    def expire(self, now: float) -> None:
+        """Answer ``deadline_exceeded`` to every request not started whose deadline has passed."""
+        def expired(acc: Accepted) -> bool:
+            return acc.request.deadline is not None and acc.request.deadline <= now
+
+        gone = self.batcher.expire(expired) + [acc for acc in self.requests.of(Stage.SOLO) if expired(acc)]
+        if not gone:
+            return
+        replies = []
+        for acc in gone:
+            self.requests.drop(acc.gen.id)
+            err = Error(acc.gen.id, DEADLINE_EXCEEDED, "deadline passed before the request was scheduled")
+            replies.append(Reply(acc.gen.id, err.encode(), acc.entry.bucket, acc.entry.entry_id))
+        self.counters["errors"] += len(replies)
+        self.send(replies)

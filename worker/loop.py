@@ -1,12 +1,16 @@
-"""The worker loop: the only place that wires stream consumer, batcher and engine together.
+"""The worker loop: the only place that wires transport, intake, batcher, request table and engine together.
 
-One tick: flush unsent replies, take over entries dead workers left pending, read new entries (blocking
-only while the engine is idle, and never past the next batch deadline), validate them, expire dead ones,
-admit a batch (or joins, in continuous mode), run one engine step, write its replies.
+One tick, top to bottom: write replies still in the outbox; take over entries dead workers left pending;
+read new entries (blocking only while nothing can run, and never past the next batch deadline) and
+validate them; answer requests whose deadline passed; admit a batch (a request that must run alone, the
+next closed batch, or joins to the running batch in continuous mode); run one engine step; write its
+replies; publish a heartbeat.
 
-Invariants: an entry is acked only by the script that writes its reply (or dead-letters it), so whatever
-dies, it stays pending until answered; replies that could not be written wait in ``outbox`` and are
-retried after an outage; one entry's failure (bad input, a bug, an engine fault) costs only that entry.
+Invariants: an entry is settled only by the write that stores its reply (or dead-letters it), so whatever
+dies, it stays pending until answered; every request held is in exactly one stage of the request table
+(worker/requests.py), whose snapshot the lease keeper renews; replies that could not be written wait in
+the outbox and are retried after an outage; one entry's failure (bad input, a bug, an engine fault) costs
+only that entry.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 
 import redis
@@ -22,13 +25,14 @@ import redis
 from batchfleet.common.config import WorkerConfig
 from batchfleet.common.errors import ENGINE_ERROR
 from batchfleet.common.protocol import Error, Result
+from batchfleet.common.retry import TRANSIENT, Backoff
 from batchfleet.worker.batcher import Batcher
-from batchfleet.worker.consumer import Entry, Reply, StreamConsumer
 from batchfleet.worker.engine.base import Completion, Engine
-from batchfleet.worker.intake import Accepted, Limits
-from batchfleet.worker.loop_intake import REDIS_DOWN, IntakeMixin
-from batchfleet.worker.outage import Outage
+from batchfleet.worker.intake import Intake
 from batchfleet.worker.reclaim import LeaseKeeper
+from batchfleet.worker.requests import RequestTable, Stage
+from batchfleet.worker.transport import Reply, Transport
+from batchfleet.worker.validate import Accepted, Limits
 
 log = logging.getLogger(__name__)
 
@@ -36,38 +40,29 @@ HEARTBEAT_S = 2.0
 SHUTDOWN_OUTAGE_GRACE_S = 10.0  # on shutdown, how long to keep retrying replies Redis will not take
 
 
-class WorkerLoop(IntakeMixin):
-    """Drives one engine from the bucket streams until stopped (intake half: worker/loop_intake.py)."""
+class WorkerLoop:
+    """Drives one engine from the transport's bucket streams until stopped."""
 
-    def __init__(self, cfg: WorkerConfig, engine: Engine, consumer: StreamConsumer, limits: Limits) -> None:
+    def __init__(self, cfg: WorkerConfig, engine: Engine, transport: Transport, limits: Limits) -> None:
         self.cfg = cfg
         self.engine = engine
-        self.consumer = consumer
-        self.limits = limits
+        self.transport = transport
         b = cfg.batching
         self.batcher: Batcher[Accepted] = Batcher(b.buckets, b.max_batch_size, b.max_wait_ms)
         self.continuous = cfg.engine.mode == "continuous" and engine.accepts_joins
-        self.waiting: dict[str, Accepted] = {}  # read, validated, not yet in the engine
-        self.active: dict[str, Accepted] = {}  # in the engine
-        self.solo: deque[Accepted] = deque()  # run one at a time: batchmates of a failed batch, redeliveries
-        self.solo_ids: set[str] = set()
-        self.outbox: list[Reply] = []  # computed replies Redis has not taken yet
-        self.bucket: int | None = None  # bucket of the batch in the engine
+        self.requests = RequestTable()
+        self.bucket: int | None = None  # bucket of the batch in the engine (None: nothing may join)
         self.stopping = threading.Event()
         self.counters = {"batches": 0, "completed": 0, "errors": 0, "dead_lettered": 0, "batched_requests": 0,
                          "reclaimed": 0, "released": 0, "internal_errors": 0}
-        self.outage = Outage(log, "redis")
-        self.faults = Outage(log, "worker loop (after an internal error)")
-        self._held: tuple[Entry, ...] = ()  # snapshot for the lease keeper thread (replaced, never mutated)
+        self.intake = Intake(cfg, transport, limits, self.batcher, self.requests, self.counters, self._send)
+        self.outage = Backoff(log, "redis")
+        self.faults = Backoff(log, "worker loop (after an internal error)")
         self._progress = time.monotonic()  # last time a tick completed or an engine step returned
-        self.lease = LeaseKeeper(consumer, cfg.claim_idle_ms, lambda: self._held, lambda: self._progress,
-                                 cfg.stall_timeout_s)
-        self._next_reclaim = 0.0
-        self._next_prune = 0.0
+        self.lease = LeaseKeeper(transport, cfg.claim_idle_ms, lambda: self.requests.snapshot,
+                                 lambda: self._progress, cfg.stall_timeout_s)
         self._stop_at: float | None = None
         self._last_heartbeat = 0.0
-        self._flush_seen = consumer.flush_counter() if self.batcher.static else 0
-        self._flush_checked = 0.0
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -84,16 +79,41 @@ class WorkerLoop(IntakeMixin):
             self.lease.stop()
             self._guarded(self._hand_back)
 
+    def tick(self) -> None:
+        """One round: outbox, reclaim, read, expire, admit, step, outbox, heartbeat."""
+        self._flush_outbox()
+        if not self.stopping.is_set():  # shutting down: take nothing new, finish what runs
+            self.intake.reclaim(time.time())
+            self.intake.read(time.time(), engine_busy=self.engine.has_work())
+        now = time.time()
+        self.intake.expire(now)
+        if not self.stopping.is_set():
+            self._admit(now)
+        if self.engine.has_work():
+            self._step()
+        self._flush_outbox()
+        self._heartbeat()
+
+    def status(self) -> dict:
+        """What the heartbeat publishes: identity, request counts, counters and engine stats."""
+        return {
+            "name": self.transport.name, "engine": self.cfg.engine.engine, "mode": self.cfg.engine.mode,
+            "buckets": list(self.cfg.batching.buckets), "waiting": self.requests.count(Stage.QUEUED),
+            "active": self.requests.count(Stage.RUNNING), "outbox": self.requests.count(Stage.OUTBOX),
+            "at": time.time(), **self.counters, **{f"engine_{k}": v for k, v in self.engine.stats().items()},
+        }
+
     def _keep_running(self) -> bool:
         if not self.stopping.is_set():
             return True
         if self._stop_at is None:
             self._stop_at = time.monotonic()
-        if not (self.engine.has_work() or self.outbox):
+        outbox = self.requests.count(Stage.OUTBOX)
+        if not (self.engine.has_work() or outbox):
             return False
         if self.outage.down and time.monotonic() - self._stop_at > SHUTDOWN_OUTAGE_GRACE_S:
             log.warning("stopping during an outage: %d unanswered entries stay pending for other workers",
-                        len(self.outbox) + self.engine.num_active())
+                        outbox + self.engine.num_active())
             return False
         return True
 
@@ -103,13 +123,13 @@ class WorkerLoop(IntakeMixin):
             self._progress = time.monotonic()
             self.outage.ok()
             self.faults.ok()
-        except REDIS_DOWN as exc:
+        except TRANSIENT as exc:
             self._sleep(self.outage.failed(exc))
         except redis.ResponseError as exc:
             if "NOGROUP" in str(exc):
                 log.warning("consumer groups are gone (Redis lost its data?): re-creating them and the fleet info")
                 try:
-                    self.consumer.recover()
+                    self.transport.recover()
                 except redis.RedisError as again:
                     self._sleep(self.outage.failed(again))
             else:  # NOPERM, OOM, READONLY, ...: an operator must act; keep retrying slowly
@@ -125,50 +145,30 @@ class WorkerLoop(IntakeMixin):
         else:
             self.stopping.wait(seconds)
 
-    def tick(self) -> None:
-        self._flush_outbox()
-        self._reclaim(time.time())
-        self._read(time.time())
-        now = time.time()
-        self._expire(now)
-        self._admit(now)
-        if self.engine.has_work():
-            self._step()
-        self._flush_outbox()
-        self._heartbeat()
-
-    def _publish_held(self) -> None:
-        """Refresh what the lease keeper renews: every entry read and not yet answered."""
-        accs = [*self.waiting.values(), *self.active.values(), *self.solo]
-        self._held = tuple(acc.entry for acc in accs) + tuple(
-            Entry(r.bucket, r.entry_id, {}) for r in self.outbox if r.bucket is not None)
+    def _hand_back(self) -> None:
+        """On shutdown, return read-but-unstarted entries to their streams for other workers."""
+        entries = self.requests.unstarted()
+        if entries:
+            log.info("handing back %d queued entries", len(entries))
+            self.transport.hand_back(entries)
+        self.requests.forget_unstarted()
 
     # ---- scheduling ------------------------------------------------------------------------------
-    def _check_flush(self, now: float) -> None:
-        """Static batching waits for full batches; a bumped flush counter closes partial ones."""
-        if now - self._flush_checked < 0.05:
-            return
-        self._flush_checked = now
-        counter = self.consumer.flush_counter()
-        if counter != self._flush_seen:
-            self._flush_seen = counter
-            self.batcher.flush()
-
     def _admit(self, now: float) -> None:
-        if self.stopping.is_set():
-            return  # shutting down: finish what runs, hand back the rest
         if not self.engine.has_work():
-            if self.batcher.static and len(self.batcher):
-                self._check_flush(now)
-            if self.solo:
+            # static batching waits for full batches; a bumped flush counter closes partial ones
+            if self.batcher.static and len(self.batcher) and self.transport.flush_requested():
+                self.batcher.flush()
+            alone = self.requests.first_alone()
+            if alone is not None:
                 self.bucket = None  # nothing may join a request that must run alone
-                self._start([self.solo.popleft()], kind="solo")
+                self._start([alone], kind="solo")
                 return
             popped = self.batcher.pop_batch(now)
             if popped is not None:
                 self.bucket = popped[0]
                 self._start(popped[1], kind="batch")
-        elif self.continuous and self.bucket is not None and not self.solo:
+        elif self.continuous and self.bucket is not None and not self.requests.count(Stage.SOLO):
             if self.batcher.other_bucket_ready(self.bucket, now):
                 return  # let the running batch drain so the older bucket gets its turn
             room = self.cfg.batching.max_batch_size - self.engine.num_active()
@@ -176,21 +176,18 @@ class WorkerLoop(IntakeMixin):
                 self._start(self.batcher.take(self.bucket, room), kind="join")
 
     def _start(self, items: list[Accepted], kind: str) -> None:
-        for acc in items:
-            self.waiting.pop(acc.gen.id, None)
-            self.active[acc.gen.id] = acc
+        self.requests.start(items)
         try:
             self.engine.add([acc.gen for acc in items])
         except Exception as exc:  # refused at admission: same isolation as a failed step
             self._engine_failed(exc)
             return
-        self._publish_held()
         if kind != "join":
             self.counters["batches"] += 1
         self.counters["batched_requests"] += len(items)
         try:
-            self.consumer.log_batch({
-                "worker": self.consumer.name, "kind": kind, "bucket": items[0].entry.bucket,
+            self.transport.log_batch({
+                "worker": self.transport.name, "kind": kind, "bucket": items[0].entry.bucket,
                 "size": self.engine.num_active(), "ids": [acc.gen.id for acc in items],
                 "at": f"{time.time():.6f}",
             })
@@ -209,38 +206,33 @@ class WorkerLoop(IntakeMixin):
     def _engine_failed(self, exc: Exception) -> None:
         """A failed batch is retried one request at a time; a request failing alone is released for
         redelivery (another worker, or this one, retries it) until max_deliveries, then given up."""
-        failed = list(self.active.values())
-        self.active.clear()
+        failed = self.requests.of(Stage.RUNNING)
         self.bucket = None
         try:
             self.engine.reset()
         except Exception:
             log.exception("engine reset failed")
         log.error("engine step failed with %d active request(s): %r", len(failed), exc)
-        if len(failed) > 1:
-            for acc in failed:  # retried alone: its batchmates must not pay for a poison request
-                self.solo_ids.add(acc.gen.id)
-                self.solo.append(acc)
-            self._publish_held()
+        if len(failed) > 1:  # retried alone: its batchmates must not pay for a poison request
+            self.requests.run_alone(failed)
             return
         for acc in failed:
-            self.solo_ids.discard(acc.gen.id)
+            self.requests.drop(acc.gen.id)  # stops renewing its lease before it is released
             if acc.entry.deliveries >= self.cfg.max_deliveries:
-                self._give_up(acc.entry, f"engine failed on this request on each of {acc.entry.deliveries} "
-                                         f"deliveries; last error: {exc!r}"[:500])
+                self.intake.give_up(acc.entry, f"engine failed on this request on each of {acc.entry.deliveries} "
+                                               f"deliveries; last error: {exc!r}"[:500])
             else:
                 self.counters["released"] += 1
-                self._publish_held()  # stop renewing its lease before releasing it
-                self.consumer.release([acc.entry], idle_ms=self.cfg.claim_idle_ms)
+                self.transport.release([acc.entry], idle_ms=self.cfg.claim_idle_ms)
 
+    # ---- replies ---------------------------------------------------------------------------------
     def _answer(self, completions: list[Completion]) -> None:
         if not completions:
             return
         now = time.time()
         replies = []
         for c in completions:
-            acc = self.active.pop(c.id)
-            self.solo_ids.discard(c.id)
+            acc = self.requests.finish(c.id)
             try:
                 payload = self._encode(c, acc, now)
             except Exception as exc:  # e.g. unencodable text: answer this one with an error, keep going
@@ -259,48 +251,27 @@ class WorkerLoop(IntakeMixin):
             id=c.id, token_ids=c.token_ids, text=c.text, finish_reason=c.finish_reason,
             prompt_tokens=len(acc.gen.prompt), completion_tokens=len(c.token_ids),
             queue_ms=(c.started_at - t0) * 1000, ttft_ms=(c.first_token_at - t0) * 1000,
-            total_ms=(now - t0) * 1000, worker=self.consumer.name, batch_size=c.batch_size,
+            total_ms=(now - t0) * 1000, worker=self.transport.name, batch_size=c.batch_size,
             extra={"bucket": acc.entry.bucket},
         ).encode()
         self.counters["completed"] += 1
         return payload
 
-    # ---- replies ---------------------------------------------------------------------------------
     def _send(self, replies: list[Reply]) -> None:
         """Queue replies and try to write them now; on an outage they wait in the outbox (still leased)."""
-        self.outbox.extend(replies)
-        self._publish_held()
+        self.requests.answer(replies)
         self._flush_outbox()
 
     def _flush_outbox(self) -> None:
-        if not self.outbox:
+        batch = self.requests.outbox
+        if not batch:
             return
-        batch = list(self.outbox)
-        self.consumer.write_replies(batch)  # idempotent: first writer wins, ack/del repeatable
-        del self.outbox[:len(batch)]
-        self._publish_held()
+        self.transport.write_replies(list(batch))  # idempotent: first writer wins, settling repeatable
+        self.requests.written(len(batch))
 
-    # ---- housekeeping ----------------------------------------------------------------------------
     def _heartbeat(self) -> None:
         now = time.time()
         if now - self._last_heartbeat < HEARTBEAT_S:
             return
         self._last_heartbeat = now
-        self.consumer.heartbeat(self.status())
-
-    def status(self) -> dict:
-        return {
-            "name": self.consumer.name, "engine": self.cfg.engine.engine, "mode": self.cfg.engine.mode,
-            "buckets": list(self.cfg.batching.buckets), "waiting": len(self.waiting),
-            "active": len(self.active), "outbox": len(self.outbox), "at": time.time(), **self.counters,
-            **{f"engine_{k}": v for k, v in self.engine.stats().items()},
-        }
-
-    def _hand_back(self) -> None:
-        """On shutdown, return read-but-unstarted entries to their streams for other workers."""
-        entries = [acc.entry for acc in self.waiting.values()] + [acc.entry for acc in self.solo]
-        if entries:
-            log.info("handing back %d queued entries", len(entries))
-            self.consumer.hand_back(entries)
-        self.waiting.clear()
-        self.solo.clear()
+        self.transport.heartbeat(self.status())

@@ -1,6 +1,6 @@
 """Commands on the consumer group's pending entries list (PEL): reclaiming what dead workers left,
-renewing and releasing leases, pruning dead consumer names. A mixin of StreamConsumer (which owns the
-connection: ``r``, ``keys``, ``name``, ``buckets``, ``_cursors``); the policy lives in worker/reclaim.py.
+renewing and releasing leases, pruning dead consumer names. ``PendingList`` is a part of StreamConsumer
+(worker/consumer.py), which owns the connection and delegates to it; the policy lives in worker/reclaim.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import logging
 import redis
 
 from batchfleet.common.keys import Keys
-from batchfleet.worker.stream_types import Entry
+from batchfleet.worker.transport import Entry
 
 log = logging.getLogger("batchfleet.worker.consumer")
 
@@ -24,14 +24,19 @@ def autoclaim_reply(resp: list) -> tuple[str, list, int]:
     return resp[0], resp[1] or [], len(resp[2]) if len(resp) > 2 and resp[2] else 0
 
 
-class PendingCommands:
-    """XAUTOCLAIM / XPENDING / XCLAIM / XINFO for the worker; see StreamConsumer."""
+class PendingList:
+    """XAUTOCLAIM / XPENDING / XCLAIM / XINFO for one worker (consumer ``name``) over its bucket streams."""
 
-    r: redis.Redis
-    keys: Keys
-    name: str
-    buckets: tuple[int, ...]
-    _cursors: dict[int, str]
+    def __init__(self, r: redis.Redis, keys: Keys, name: str, buckets: tuple[int, ...]) -> None:
+        self.r = r
+        self.keys = keys
+        self.name = name
+        self.buckets = buckets
+        self._cursors: dict[int, str] = {}  # XAUTOCLAIM cursor per bucket, kept while a budget cuts a scan
+
+    def reset(self) -> None:
+        """Forget the reclaim cursors (the streams were re-created: old positions mean nothing)."""
+        self._cursors.clear()
 
     def reclaim(self, min_idle_ms: int, budget: int) -> list[Entry]:
         """Take over entries pending longer than ``min_idle_ms`` (their consumer died), at most ``budget``.
@@ -100,15 +105,6 @@ class PendingCommands:
         for b, ids in by_bucket.items():
             pipe.xclaim(self.keys.stream(b), self.keys.group, self.name, min_idle_ms, ids, idle=idle, justid=True)
         pipe.execute()
-
-    def answered(self, job_ids: list[str]) -> list[bool]:
-        """Whether each job already has its (first-writer-wins) reply."""
-        if not job_ids:
-            return []
-        pipe = self.r.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.exists(self.keys.done(job_id))
-        return [bool(x) for x in pipe.execute()]
 
     def prune_consumers(self, min_idle_ms: int) -> int:
         """Remove group consumers (dead workers' names) that hold nothing and were silent for min_idle_ms,

@@ -1,6 +1,6 @@
 """Redelivery policy: taking over what dead workers left pending, and keeping what we hold from being taken.
 
-Invariants (the Redis commands live in worker/consumer.py):
+Invariants (the Redis commands live in worker/consumer.py and worker/pending.py):
 
 - An entry stays in the group's pending list (PEL) from XREADGROUP until the reply script acks it, so a
   worker that dies at any moment leaves it pending. After ``claim_idle_ms`` without a lease renewal a live
@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from batchfleet.worker.consumer import Entry
+from batchfleet.worker.transport import Entry, Transport
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +45,13 @@ def split_exhausted(entries: Sequence[Entry], max_deliveries: int) -> tuple[list
 class LeaseKeeper:
     """Background thread renewing the idle time of every entry the loop holds.
 
-    ``held`` returns the loop's latest snapshot (a tuple the loop replaces atomically); the thread never
-    touches the loop's own containers.
+    ``held`` returns the loop's latest snapshot (``RequestTable.snapshot``: a tuple replaced atomically);
+    the thread never touches the loop's own containers.
     """
 
-    def __init__(self, consumer, claim_idle_ms: int, held: Callable[[], Sequence[Entry]],
+    def __init__(self, transport: Transport, claim_idle_ms: int, held: Callable[[], Sequence[Entry]],
                  progress: Callable[[], float] = time.monotonic, stall_timeout_s: float = 600.0) -> None:
-        self.consumer = consumer
+        self.transport = transport  # only ``refresh`` is called, from this keeper's thread
         self.progress = progress  # monotonic time the loop last made progress
         self.stall_timeout_s = stall_timeout_s
         self.stalled = False
@@ -86,7 +86,7 @@ class LeaseKeeper:
             if stalled:
                 continue
             try:
-                self.consumer.refresh(entries, self.min_idle_ms)
+                self.transport.refresh(entries, self.min_idle_ms)
             except Exception as exc:  # an outage: the loop logs it; entries may be reclaimed, replies stay unique
                 self.failures += 1
                 log.debug("lease renewal failed: %r", exc)

@@ -1,4 +1,4 @@
-"""An in-process transport with the StreamConsumer's interface, for measuring what Redis adds.
+"""An in-process ``Transport`` (worker/transport.py), for measuring what Redis adds.
 
 The worker loop, batcher, validation and engine are the real ones; only the transport differs: entries
 and replies are the same encoded bytes, handed over through a deque and a condition variable.
@@ -16,11 +16,12 @@ from batchfleet.common.config import bucket_for
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import FleetInfo, Request, Result
 from batchfleet.producer.core import parse_reply
-from batchfleet.worker.consumer import Entry, Reply
+from batchfleet.worker.transport import Entry, FlushWatch, Reply, Transport
 
 
-class MemQueue:
-    """Duck-types worker.consumer.StreamConsumer (the subset the worker loop calls)."""
+class MemQueue(Transport):
+    """The worker side implements ``Transport``; the producer side (put, wait_reply, bump_flush, fleet,
+    batch_records, last_status) serves MemClient and the benchmark runner."""
 
     max_block_ms = 2000
 
@@ -34,17 +35,20 @@ class MemQueue:
         self._cv = threading.Condition()
         self._seq = 0
         self._flush = 0
+        self._flush_watch = FlushWatch(lambda: self._flush, seen=0)  # the counter starts at 0: no bump yet
         self.batch_records: list[dict] = []
         self.last_status: dict = {}
 
     # --- producer side -----------------------------------------------------------------------------
     def put(self, bucket: int, job_id: str, payload: bytes) -> None:
+        """Enqueue one encoded Request (what a producer's XADD does)."""
         with self._cv:
             self._seq += 1
             self._entries.append(Entry(bucket, f"{self._seq}-0", {b"id": job_id.encode(), b"p": payload}))
             self._cv.notify_all()
 
     def wait_reply(self, job_id: str, timeout: float | None) -> bytes:
+        """Block until the job's reply is written (what a producer's BLPOP does); TimeoutError after ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while job_id not in self._replies:
@@ -55,12 +59,13 @@ class MemQueue:
             return self._replies.pop(job_id)
 
     def bump_flush(self) -> None:
+        """Ask the worker to close partial static batches (what ``INCR <ns>:flush`` does)."""
         with self._cv:
             self._flush += 1
 
-    # --- worker side (StreamConsumer interface) ----------------------------------------------------
+    # --- worker side (Transport) -------------------------------------------------------------------
     def setup(self) -> None:
-        pass
+        self._flush_watch.start()
 
     def publish_fleet(self, info: FleetInfo) -> None:
         self.fleet = info
@@ -98,8 +103,8 @@ class MemQueue:
         with self._cv:
             self._entries.extendleft(reversed(entries))
 
-    def flush_counter(self) -> int:
-        return self._flush
+    def flush_requested(self) -> bool:
+        return self._flush_watch.requested()
 
     def close(self) -> None:
         pass

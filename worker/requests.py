@@ -1,0 +1,135 @@
+"""The request table: the one owner of the state of every request a worker holds (pure: no Redis, no torch).
+
+A request read and validated is held in exactly one stage until it is answered:
+
+    QUEUED  (in the batcher, waiting for its batch) ──► RUNNING (in the engine) ──► answered
+    SOLO    (waiting to run alone)                  ──► RUNNING
+    RUNNING ──► SOLO   (its batch failed: each request is retried alone)
+
+Answers wait in the outbox (stage OUTBOX) until the transport takes them. Rejections and expiries
+enter the outbox directly. Held requests are keyed by job id (at most one per job: a duplicate entry is
+acked instead of held); the outbox may hold several replies for one job (duplicates answered twice is
+harmless: the first write wins).
+
+``snapshot`` is what the lease keeper renews: the entries of every held request and every reply not yet
+written. It is an immutable tuple replaced after each change, so the lease keeper's thread reads it
+without a lock and never sees the table's own containers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import Enum
+
+from batchfleet.worker.transport import Entry, Reply
+from batchfleet.worker.validate import Accepted
+
+
+class Stage(Enum):
+    QUEUED = "queued"  # in the batcher
+    SOLO = "solo"  # waiting to run alone: batchmates of a failed batch, redeliveries
+    RUNNING = "running"  # in the engine
+    OUTBOX = "outbox"  # answered, reply not written yet
+
+
+_HELD = (Stage.QUEUED, Stage.SOLO, Stage.RUNNING)
+
+
+class RequestTable:
+    """Stages of held requests (each in arrival order within its stage), the outbox and the lease snapshot."""
+
+    def __init__(self) -> None:
+        self._held: dict[Stage, dict[str, Accepted]] = {stage: {} for stage in _HELD}
+        self._outbox: list[Reply] = []
+        self.snapshot: tuple[Entry, ...] = ()  # replaced, never mutated: read from the lease keeper's thread
+
+    # ---- questions -------------------------------------------------------------------------------
+    def holds(self, job_id: str) -> bool:
+        """Whether a request of this job is queued, waiting to run alone or running (a duplicate is not)."""
+        return any(job_id in held for held in self._held.values())
+
+    def stage(self, job_id: str) -> Stage | None:
+        """The job's stage: where it is held, else OUTBOX while a reply to it waits, else None."""
+        for stage, held in self._held.items():
+            if job_id in held:
+                return stage
+        return Stage.OUTBOX if any(rep.job_id == job_id for rep in self._outbox) else None
+
+    def of(self, stage: Stage) -> list[Accepted]:
+        """Requests held in ``stage`` (QUEUED, SOLO or RUNNING), in the order they entered it."""
+        return list(self._held[stage].values())
+
+    def count(self, stage: Stage) -> int:
+        """How many requests are in ``stage`` (for OUTBOX: replies not written yet)."""
+        return len(self._outbox) if stage is Stage.OUTBOX else len(self._held[stage])
+
+    def first_alone(self) -> Accepted | None:
+        """The request that has waited longest to run alone, if any (it stays SOLO until ``start``)."""
+        return next(iter(self._held[Stage.SOLO].values()), None)
+
+    def unstarted(self) -> list[Entry]:
+        """Entries of requests read but not started (QUEUED, then SOLO): what shutdown hands back."""
+        return [acc.entry for stage in (Stage.QUEUED, Stage.SOLO) for acc in self._held[stage].values()]
+
+    @property
+    def outbox(self) -> tuple[Reply, ...]:
+        """Replies not written yet, oldest first."""
+        return tuple(self._outbox)
+
+    # ---- transitions -----------------------------------------------------------------------------
+    def queue(self, acc: Accepted, alone: bool = False) -> None:
+        """Hold a new request: QUEUED (the caller adds it to the batcher) or, ``alone``, SOLO."""
+        assert not self.holds(acc.gen.id), "duplicates are acked, never held twice"
+        self._held[Stage.SOLO if alone else Stage.QUEUED][acc.gen.id] = acc
+        self._publish()
+
+    def start(self, accs: Iterable[Accepted]) -> None:
+        """QUEUED or SOLO -> RUNNING (the caller hands them to the engine)."""
+        for acc in accs:
+            self._held[Stage.QUEUED].pop(acc.gen.id, None)
+            self._held[Stage.SOLO].pop(acc.gen.id, None)
+            self._held[Stage.RUNNING][acc.gen.id] = acc
+        self._publish()
+
+    def finish(self, job_id: str) -> Accepted:
+        """RUNNING -> answered (the caller puts its reply in the outbox). KeyError when not running."""
+        acc = self._held[Stage.RUNNING].pop(job_id)
+        self._publish()
+        return acc
+
+    def run_alone(self, accs: Iterable[Accepted]) -> None:
+        """RUNNING -> SOLO, in the given order (batchmates of a failed batch are retried one at a time)."""
+        for acc in accs:
+            self._held[Stage.RUNNING].pop(acc.gen.id, None)
+            self._held[Stage.SOLO][acc.gen.id] = acc
+        self._publish()
+
+    def drop(self, job_id: str) -> Accepted | None:
+        """Stop holding a request in any stage (expired, released, given up); None when not held."""
+        for held in self._held.values():
+            if job_id in held:
+                acc = held.pop(job_id)
+                self._publish()
+                return acc
+        return None
+
+    def forget_unstarted(self) -> None:
+        """Drop every QUEUED and SOLO request (handed back on shutdown)."""
+        self._held[Stage.QUEUED].clear()
+        self._held[Stage.SOLO].clear()
+        self._publish()
+
+    def answer(self, replies: Iterable[Reply]) -> None:
+        """Put replies in the outbox (their entries stay leased until written)."""
+        self._outbox.extend(replies)
+        self._publish()
+
+    def written(self, n: int) -> None:
+        """The oldest ``n`` outbox replies were written: forget them."""
+        del self._outbox[:n]
+        self._publish()
+
+    def _publish(self) -> None:
+        """Replace the lease snapshot (one attribute store: atomic for the reading thread)."""
+        held = tuple(acc.entry for stage in _HELD for acc in self._held[stage].values())
+        self.snapshot = held + tuple(Entry(rep.bucket, rep.entry_id, {}) for rep in self._outbox)

@@ -1,0 +1,156 @@
+"""What the worker needs from a message transport, declared once: ``Transport``, and the two values that
+cross it, ``Entry`` (read) and ``Reply`` (written). No Redis, no torch.
+
+Implementations: ``worker.consumer.StreamConsumer`` (Redis streams, the product) and
+``worker.benchmark.memqueue.MemQueue`` (in-process, to measure what Redis adds). The worker loop, its
+intake and the lease keeper call only what is declared here.
+
+Contract shared by every implementation: an entry read stays owned by this worker (the transport may
+redeliver it elsewhere only after its lease lapses) until ``write_replies``, ``give_up``, ``ack`` or
+``hand_back`` settles it; writing a reply is idempotent (first writer wins, the settling is repeatable).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from batchfleet.common.keys import Keys
+from batchfleet.common.protocol import FleetInfo
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One raw stream entry as read from the transport (fields not yet validated)."""
+
+    bucket: int
+    entry_id: str  # unique per bucket stream only: two buckets may hold the same id
+    fields: dict[bytes, bytes]
+    deliveries: int = 1  # times the transport has delivered it (each reclaim adds one)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A reply to write: payload is an encoded Result or Error."""
+
+    job_id: str
+    payload: bytes
+    bucket: int  # the stream the answered entry sits in
+    entry_id: str  # settled (acked and deleted) by the same write that stores the reply
+
+
+class Transport(Protocol):
+    """Everything the worker loop, its intake and the lease keeper ask of a transport.
+
+    Implementations subclass it explicitly, so a missing method fails at construction. All methods are
+    called from the loop's thread except ``refresh`` (the lease keeper's thread).
+    """
+
+    name: str  # this worker's consumer name (also in replies and batch records)
+    keys: Keys  # key names of the namespace served
+    max_block_ms: int  # the longest ``read`` may block (bounds how long a stop request waits)
+
+    @abstractmethod
+    def setup(self) -> None:
+        """Prepare to serve (create consumer groups, waiting for the backend to come up) and take the
+        flush counter's current value as the baseline for ``flush_requested``."""
+
+    @abstractmethod
+    def publish_fleet(self, info: FleetInfo) -> None:
+        """Publish the fleet description producers read (tokenizer, buckets, limits); kept for ``recover``."""
+
+    @abstractmethod
+    def recover(self) -> None:
+        """The backend lost our state (Redis restarted empty): re-create groups and re-publish the fleet."""
+
+    @abstractmethod
+    def read(self, count: int, block_ms: int | None) -> list[Entry]:
+        """New entries of every bucket, up to ``count`` per bucket; blocks at most ``block_ms``
+        (capped by ``max_block_ms``); ``None`` does not block."""
+
+    @abstractmethod
+    def write_replies(self, replies: list[Reply]) -> list[bool]:
+        """Store each reply (first writer wins) and settle its entry; returns which were first writes."""
+
+    @abstractmethod
+    def give_up(self, entry: Entry, reason: str, reply: Reply | None) -> None:
+        """Dead-letter an entry for good and, when its job id is known, answer it with ``reply``."""
+
+    @abstractmethod
+    def ack(self, entry: Entry) -> None:
+        """Settle an entry that needs no reply of its own (a duplicate of a job already held or answered)."""
+
+    @abstractmethod
+    def hand_back(self, entries: list[Entry]) -> None:
+        """Return entries read but never started (shutdown) to their streams for other workers."""
+
+    @abstractmethod
+    def release(self, entries: list[Entry], idle_ms: int) -> None:
+        """Give up our lease on entries so the next reclaim (any worker's) redelivers them at once."""
+
+    @abstractmethod
+    def refresh(self, entries: list[Entry], min_idle_ms: int) -> None:
+        """Renew our lease on entries we still hold, skipping any idle less than ``min_idle_ms`` (another
+        worker may have just taken it over). Called from the lease keeper's thread."""
+
+    @abstractmethod
+    def reclaim(self, min_idle_ms: int, budget: int) -> list[Entry]:
+        """Take over at most ``budget`` entries whose lease lapsed ``min_idle_ms`` ago (their worker died);
+        each carries its delivery count."""
+
+    @abstractmethod
+    def answered(self, job_ids: list[str]) -> list[bool]:
+        """Whether each job already has its reply (so a reclaimed copy need not run)."""
+
+    @abstractmethod
+    def prune_consumers(self, min_idle_ms: int) -> int:
+        """Forget consumer names of dead workers (nothing pending, silent ``min_idle_ms``); returns how many."""
+
+    @abstractmethod
+    def heartbeat(self, status: dict) -> None:
+        """Publish this worker's status (expires when the worker stops refreshing it)."""
+
+    @abstractmethod
+    def log_batch(self, record: dict) -> None:
+        """Append one batch record (worker, kind, bucket, size, ids, at) to the audit log."""
+
+    @abstractmethod
+    def flush_requested(self) -> bool:
+        """Static batching only: whether a load generator bumped the flush counter since the last time this
+        said so (or since ``setup``), i.e. partial batches should close now. Cheap to call every tick."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Drop this worker's presence (heartbeat, consumer name when nothing is pending) and disconnect."""
+
+
+FLUSH_POLL_S = 0.05  # how often a waiting static batch looks at the flush counter
+
+
+class FlushWatch:
+    """The flush-counter polling every transport shares: throttled reads, change since the last one seen."""
+
+    def __init__(self, read: Callable[[], int], seen: int | None = None, every_s: float = FLUSH_POLL_S) -> None:
+        self._read = read
+        self._seen = seen  # None until ``start`` (or the first poll) takes the baseline
+        self._every_s = every_s
+        self._checked = float("-inf")
+
+    def start(self) -> None:
+        """Take the current counter as the baseline, once: only bumps after this count."""
+        if self._seen is None:
+            self._seen = self._read()
+
+    def requested(self) -> bool:
+        """True once per change of the counter; reads it at most every ``every_s`` seconds."""
+        now = time.monotonic()
+        if now - self._checked < self._every_s:
+            return False
+        self._checked = now
+        value = self._read()
+        changed = self._seen is not None and value != self._seen
+        self._seen = value
+        return changed

@@ -1,0 +1,87 @@
+"""Validation: turns raw stream entries into engine requests, or into the error that answers them (pure).
+
+Every entry ends in exactly one of three ways: a GenRequest to run, an Error reply to the id it names,
+or (no usable id, so nobody to answer) the dead-letter stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchfleet.common.errors import INVALID_REQUEST, PROMPT_TOO_LONG, ProtocolError
+from batchfleet.common.keys import Keys, valid_job_id
+from batchfleet.common.protocol import Error, Request
+from batchfleet.worker.engine.base import GenRequest
+from batchfleet.worker.transport import Entry
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served model and config accept."""
+
+    max_seq_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A valid request: its entry, decoded request and what the engine runs."""
+
+    entry: Entry
+    request: Request
+    gen: GenRequest
+    enqueued_at: float  # clamped to the worker's clock: never in the future
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """An invalid entry and the error that answers it."""
+
+    entry: Entry
+    error: Error | None  # None: no usable id, dead-letter instead
+    reason: str
+
+
+def job_id_of(entry: Entry) -> str | None:
+    """The entry's job id, or None when it has no valid one (then nobody can be answered)."""
+    raw = entry.fields.get(b"id")
+    try:
+        job_id = raw.decode() if isinstance(raw, bytes) else None
+    except UnicodeDecodeError:
+        return None
+    return job_id if valid_job_id(job_id) else None
+
+
+def accept(entry: Entry, keys: Keys, limits: Limits, now: float) -> Accepted | Rejected:
+    """Validate one entry against the wire schema, its stream's bucket and the model's limits."""
+    job_id = job_id_of(entry)
+    if job_id is None:
+        return Rejected(entry, None, "entry has no valid 'id' field")
+
+    def reject(code: str, message: str) -> Rejected:
+        return Rejected(entry, Error(id=job_id, code=code, message=message), message)
+
+    payload = entry.fields.get(b"p")
+    if payload is None:
+        return reject(INVALID_REQUEST, "entry has no 'p' (payload) field")
+    try:
+        req = Request.decode(payload)
+    except ProtocolError as exc:
+        return reject(exc.code, str(exc))
+    if req.id != job_id:
+        return reject(INVALID_REQUEST, "payload id does not match the entry id")
+    if req.reply_key != keys.reply(job_id):
+        return reject(INVALID_REQUEST, f"reply_key must be {keys.reply(job_id)!r}")
+    if len(req.prompt) > entry.bucket:
+        return reject(PROMPT_TOO_LONG, f"prompt of {len(req.prompt)} tokens is longer than bucket {entry.bucket}")
+    if len(req.prompt) + req.max_new_tokens > limits.max_seq_len:
+        return reject(PROMPT_TOO_LONG, f"prompt + max_new_tokens exceeds max_seq_len {limits.max_seq_len}")
+    if max(req.prompt) >= limits.vocab_size:
+        return reject(INVALID_REQUEST, f"token id {max(req.prompt)} is outside the vocabulary ({limits.vocab_size})")
+    enqueued = min(req.enqueued_at, now) if req.enqueued_at > 0 else now
+    gen = GenRequest(
+        id=req.id, prompt=list(req.prompt), bucket=entry.bucket, max_new_tokens=req.max_new_tokens,
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop,
+        enqueued_at=enqueued,
+    )
+    return Accepted(entry, req, gen, enqueued)
