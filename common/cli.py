@@ -7,8 +7,8 @@ import logging
 
 import click
 
-from batchfleet.common.config import DEFAULT_REDIS_URL
-from batchfleet.common.keys import DEFAULT_NAMESPACE
+from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.options import config_options
 
 _COMMANDS = {
     "worker": "batchfleet.worker.cli:worker",
@@ -20,16 +20,13 @@ _COMMANDS = {
 }
 
 
-def connection_options(fn):
-    """--redis-url / --namespace, shared by every command (and read from the same env vars)."""
-    fn = click.option("--namespace", envvar="BATCHFLEET_NAMESPACE", default=DEFAULT_NAMESPACE, show_default=True,
-                      help="Key namespace: isolates fleets (tenants) on one Redis.")(fn)
-    fn = click.option("--redis-url", envvar="BATCHFLEET_REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True,
-                      help="redis://[user:pass@]host:port/db, rediss:// for TLS.")(fn)
-    return fn
+# --redis-url / --namespace (BATCHFLEET_REDIS_URL / BATCHFLEET_NAMESPACE), shared by every command
+connection_options = config_options(ConnectionConfig)
 
 
 class LazyGroup(click.Group):
+    """Imports a subcommand's module only when that subcommand runs (or is listed)."""
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(_COMMANDS)
 

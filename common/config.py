@@ -1,10 +1,17 @@
-"""Frozen, validated configuration dataclasses, one per role. Built once by the CLI and passed down."""
+"""Frozen, validated configuration dataclasses, one per role. Built once by the CLI and passed down.
+
+The single source of defaults and choices: a field that is also a command-line option says so in its
+metadata (``option(help, ...)``); common/options.py derives the click options (flag, env var, default,
+type, help) from these fields, so nothing here is restated elsewhere.
+"""
 
 from __future__ import annotations
 
 import bisect
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import Field, dataclass, field
+from typing import Any
 
 from batchfleet.common.errors import ConfigError, PromptTooLong
 from batchfleet.common.keys import DEFAULT_NAMESPACE, Keys
@@ -14,7 +21,45 @@ DEFAULT_BUCKETS = (128, 256, 512, 1024, 4096)
 PADDING_CHOICES = ("bucket", "longest")
 ENGINE_CHOICES = ("native", "hf")
 MODE_CHOICES = ("dynamic", "continuous")
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+PRESETS = ("tiny", "bench")  # built-in models; worker/engine/models.py defines one shape per name
+ENV_PREFIX = "BATCHFLEET_"
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|npu(:\d+)?)$")
+
+
+def option(help: str, *, flag: str | None = None, env: str | None = None, choices: tuple[str, ...] | None = None,
+           parse: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """Field metadata that makes a config field a CLI option (read by common/options.py).
+
+    ``flag`` overrides ``--<field-name>`` (without the dashes), ``env`` overrides ``BATCHFLEET_<FLAG>``,
+    ``choices`` restricts the value, ``parse`` turns the command-line text into the field's value.
+    """
+    return {"help": help, "flag": flag, "env": env, "choices": choices, "parse": parse}
+
+
+def option_flag(f: Field) -> str:
+    """The option's name without dashes: ``reply-ttl`` for ``reply_ttl_s``."""
+    return f.metadata["flag"] or f.name.replace("_", "-")
+
+
+def option_env(f: Field) -> str:
+    """The option's environment variable: ``BATCHFLEET_REPLY_TTL`` for ``reply_ttl_s``."""
+    return f.metadata["env"] or ENV_PREFIX + option_flag(f).upper().replace("-", "_")
+
+
+def is_option(f: Field) -> bool:
+    """Whether a config field is also a command-line option."""
+    return "help" in f.metadata
+
+
+def parse_buckets(text: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """Parse ``"128,256,512"`` into a tuple; raises ConfigError on junk."""
+    if isinstance(text, (tuple, list)):
+        return tuple(int(b) for b in text)
+    try:
+        return tuple(int(part) for part in text.replace(" ", "").split(",") if part)
+    except ValueError as exc:
+        raise ConfigError(f"buckets must be comma-separated integers, got {text!r}") from exc
 
 
 @dataclass(frozen=True)
@@ -25,11 +70,15 @@ class DynamicBatchingConfig:
     since its oldest entry was enqueued, whichever comes first. Buckets never share a batch.
     """
 
-    max_wait_ms: float = 50.0
-    max_batch_size: int = 32
-    max_seq_len: int = 4096
-    buckets: tuple[int, ...] = DEFAULT_BUCKETS
-    padding: str = "bucket"
+    max_wait_ms: float = field(default=50.0, metadata=option(
+        "A batch closes this long after its oldest entry was enqueued; inf = static batching (only full "
+        "batches, a load generator bumps the flush key for the last one)."))
+    max_batch_size: int = field(default=32, metadata=option("Most entries in one batch, per bucket."))
+    max_seq_len: int = field(default=4096, metadata=option("Prompt + max_new_tokens limit."))
+    buckets: tuple[int, ...] = field(default=DEFAULT_BUCKETS, metadata=option(
+        "Prompt-length buckets (one stream each), comma-separated.", parse=parse_buckets))
+    padding: str = field(default="bucket", metadata=option(
+        "bucket: pad to the bucket length (static shapes); longest: to the longest prompt.", choices=PADDING_CHOICES))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "buckets", tuple(int(b) for b in self.buckets))
@@ -68,22 +117,14 @@ def bucket_for(buckets: tuple[int, ...], max_seq_len: int, prompt_len: int, max_
     return buckets[bisect.bisect_left(buckets, prompt_len)]
 
 
-def parse_buckets(text: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
-    """Parse ``"128,256,512"`` into a tuple; raises ConfigError on junk."""
-    if isinstance(text, (tuple, list)):
-        return tuple(int(b) for b in text)
-    try:
-        return tuple(int(part) for part in text.replace(" ", "").split(",") if part)
-    except ValueError as exc:
-        raise ConfigError(f"buckets must be comma-separated integers, got {text!r}") from exc
-
-
 @dataclass(frozen=True)
 class ConnectionConfig:
     """Where the fleet lives: shared by every command and by the Python clients."""
 
-    redis_url: str = DEFAULT_REDIS_URL
-    namespace: str = DEFAULT_NAMESPACE
+    redis_url: str = field(default=DEFAULT_REDIS_URL, metadata=option(
+        "redis://[user:pass@]host:port/db, rediss:// for TLS."))
+    namespace: str = field(default=DEFAULT_NAMESPACE, metadata=option(
+        "Key namespace: isolates fleets (tenants) on one Redis."))
     socket_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -102,17 +143,28 @@ class ConnectionConfig:
 class EngineConfig:
     """What runs the model and where."""
 
-    model: str | None = None  # local HF checkpoint dir; None = the built-in default model
-    preset: str = "tiny"  # built-in model preset when model is None: "tiny" or "bench"
-    engine: str = "native"
-    mode: str = "dynamic"
-    device: str = "cpu"
-    dtype: str | None = None  # None = per-device default chosen by measurement (bf16 on CPU with AMX)
-    block_size: int = 16
-    kv_cache_gb: float | None = None  # None = a fraction of free memory
-    threads: int | None = None  # CPU threads for torch and the kernels; None = torch's default (all cores)
-    cache_dir: str = "~/.cache/batchfleet"  # built-in presets (models/) and the compiled CPU kernel (kernels/)
-    native_kernel: bool = True  # the C paged-decode kernel on CPU (False: gather + SDPA)
+    model: str | None = field(default=None, metadata=option(
+        "Local HF checkpoint dir (Llama/Mistral/Qwen2); never downloads. Default: the built-in --preset."))
+    preset: str = field(default="tiny", metadata=option(
+        "Built-in model made locally when --model is not given.", choices=PRESETS))
+    engine: str = field(default="native", metadata=option(
+        "native: own forward over a paged KV cache; hf: transformers generate (the baseline).",
+        choices=ENGINE_CHOICES))
+    mode: str = field(default="dynamic", metadata=option(
+        "dynamic: a batch runs to completion; continuous: joins between steps (native only).", choices=MODE_CHOICES))
+    device: str = field(default="cpu", metadata=option("cpu | cuda[:i] | npu[:i]"))
+    dtype: str | None = field(default=None, metadata=option(
+        "Default: measured per device (bf16 on AMX/AVX512-BF16 CPUs, GPU, NPU; else float32).", choices=DTYPE_CHOICES))
+    block_size: int = field(default=16, metadata=option("KV cache block size (native engine)."))
+    kv_cache_gb: float | None = field(default=None, metadata=option(
+        "KV pool size (native engine). Default: a fraction of free memory."))
+    threads: int | None = field(default=None, metadata=option(
+        "CPU threads per worker (torch + kernels). Default: all cores. With N workers on one host give each "
+        "cores/N: OpenMP threads fighting over cores slow everything down."))
+    cache_dir: str = field(default="~/.cache/batchfleet", metadata=option(
+        "Where built-in presets (models/) are created and the CPU kernel (kernels/) is compiled."))
+    native_kernel: bool = field(default=True, metadata=option(
+        "Use the C paged-decode kernel on CPU (off: gather + SDPA)."))
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -124,10 +176,10 @@ class EngineConfig:
             raise ConfigError("the hf engine runs each batch to completion: use --mode dynamic")
         if not _DEVICE_RE.match(self.device):
             raise ConfigError(f"device must be cpu, cuda[:i] or npu[:i], got {self.device!r}")
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.preset not in ("tiny", "bench"):
-            raise ConfigError(f"preset must be tiny or bench, got {self.preset!r}")
+        if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.preset not in PRESETS:
+            raise ConfigError(f"preset must be one of {PRESETS}, got {self.preset!r}")
         if self.block_size < 1:
             raise ConfigError("block_size must be >= 1")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
@@ -143,13 +195,20 @@ class WorkerConfig:
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    reply_ttl_s: int = 3600
-    max_queue_len: int = 10_000  # per bucket; published so producers refuse (QueueFull) beyond it; 0 = off
-    name: str | None = None  # consumer name; None = host-pid-random
-    claim_idle_ms: int = 30_000  # entries pending this long on a silent consumer are reclaimed by live ones
-    max_deliveries: int = 3  # a delivery beyond this dead-letters the entry and answers worker_failed
+    reply_ttl_s: int = field(default=3600, metadata=option("Seconds a reply waits for its client.", flag="reply-ttl"))
+    # per bucket; published so producers refuse (QueueFull) beyond it
+    max_queue_len: int = field(default=10_000, metadata=option(
+        "Per-bucket queue length at which producers get QueueFull (0 = unbounded)."))
+    name: str | None = field(default=None, metadata=option(
+        "Consumer name (default host-pid-rand).", env="BATCHFLEET_WORKER_NAME"))
+    claim_idle_ms: int = field(default=30_000, metadata=option(
+        "Reclaim entries a silent (dead) worker left pending this long."))
+    max_deliveries: int = field(default=3, metadata=option(
+        "Deliveries before an entry is dead-lettered and answered worker_failed."))
     reclaim_budget: int = 256  # most entries one reclaim tick may take over (across all buckets)
-    stall_timeout_s: float = 600.0  # a loop making no progress this long stops renewing its leases
+    stall_timeout_s: float = field(default=600.0, metadata=option(
+        "A worker whose loop makes no progress this long (one engine step included) stops renewing its leases, "
+        "so other workers take its requests over."))
 
     def __post_init__(self) -> None:
         if self.reply_ttl_s < 1:
@@ -167,15 +226,16 @@ class WorkerConfig:
 
 
 def connection_from_env(redis_url: str | None = None, namespace: str | None = None,
-                        environ: dict[str, str] | None = None) -> ConnectionConfig:
+                        environ: Mapping[str, str] | None = None) -> ConnectionConfig:
     """ConnectionConfig from explicit values, else BATCHFLEET_REDIS_URL / BATCHFLEET_NAMESPACE, else defaults.
 
-    The one place that reads the environment for Python clients (the CLI gets the same via click envvar).
+    The one place that reads the environment for Python clients (the CLI gets the same via click envvar;
+    both take the variable names from the fields' metadata).
     """
     import os
+    from dataclasses import fields
 
     env = os.environ if environ is None else environ
-    return ConnectionConfig(
-        redis_url=redis_url or env.get("BATCHFLEET_REDIS_URL") or DEFAULT_REDIS_URL,
-        namespace=namespace or env.get("BATCHFLEET_NAMESPACE") or DEFAULT_NAMESPACE,
-    )
+    explicit = {"redis_url": redis_url, "namespace": namespace}
+    values = {f.name: explicit[f.name] or env.get(option_env(f)) for f in fields(ConnectionConfig) if is_option(f)}
+    return ConnectionConfig(**{k: v for k, v in values.items() if v})

@@ -12,7 +12,6 @@ Timing on a small shared machine is noisy: run it when the machine is otherwise 
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -20,16 +19,16 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
+import click
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from batchfleet.common.config import DynamicBatchingConfig, EngineConfig  # noqa: E402
-from batchfleet.worker.engine.base import GenRequest  # noqa: E402
-from batchfleet.worker.engine.models import EOS_ID, PAD_ID, LoadedModel, load_model, make_preset  # noqa: E402
-from batchfleet.worker.engine.native.engine import NativeEngine  # noqa: E402
+from batchfleet.common.config import DTYPE_CHOICES, DynamicBatchingConfig, EngineConfig, parse_buckets
+from batchfleet.worker.engine.base import GenRequest
+from batchfleet.worker.engine.models import EOS_ID, PAD_ID, LoadedModel, load_model, make_preset
+from batchfleet.worker.engine.native.engine import NativeEngine
 
 
 def make_requests(args) -> list[GenRequest]:
@@ -111,13 +110,7 @@ def matmul_ms(engine: NativeEngine, batch: int, reps: int = 10) -> float:
         F.linear(x[:, 0], m.lm_head)
 
     with torch.inference_mode():
-        once()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            once()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000
+        return _time(once, reps)
 
 
 def bench_hf(loaded: LoadedModel, reqs, args) -> dict:
@@ -226,6 +219,7 @@ def bench_attention(args, flex: bool) -> dict[str, float]:
 
 
 def _time(fn, reps: int = 30) -> float:
+    """Median ms of ``reps`` calls after one warm-up call."""
     fn()
     times = []
     for _ in range(reps):
@@ -238,27 +232,27 @@ def _time(fn, reps: int = 30) -> float:
 ENGINES = {"native": bench_native, "hf": bench_hf, "generate_batch": bench_generate_batch}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engines", default="native,hf,generate_batch")
-    p.add_argument("--cache-dir", default="~/.cache/batchfleet/models")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--min-prompt", type=int, default=32)
-    p.add_argument("--max-prompt", type=int, default=512)
-    p.add_argument("--min-new", type=int, default=16)
-    p.add_argument("--max-new", type=int, default=256)
-    p.add_argument("--buckets", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128, 256, 512])
-    p.add_argument("--max-seq-len", type=int, default=1024)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", dest="json_path")
-    p.add_argument("--repeat", type=int, default=1, help="runs per engine; the fastest is reported")
-    p.add_argument("--attention", action="store_true", help="also time one layer's decode attention paths")
-    p.add_argument("--flex", action="store_true", help="with --attention: include compiled FlexAttention")
-    p.add_argument("--attn-ctx", type=int, default=300, help="context length for --attention")
-    args = p.parse_args(argv)
-
+@click.command(help=__doc__)
+@click.option("--engines", default="native,hf,generate_batch", show_default=True, help=f"Any of {sorted(ENGINES)}.")
+@click.option("--cache-dir", default=str(Path(EngineConfig.cache_dir) / "models"), show_default=True,
+              help="Where the bench preset is created.")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="bfloat16", show_default=True)
+@click.option("--requests", type=int, default=32, show_default=True)
+@click.option("--min-prompt", type=int, default=32, show_default=True)
+@click.option("--max-prompt", type=int, default=512, show_default=True)
+@click.option("--min-new", type=int, default=16, show_default=True)
+@click.option("--max-new", type=int, default=256, show_default=True)
+@click.option("--buckets", type=parse_buckets, metavar="N,N,...", default="64,128,256,512", show_default=True)
+@click.option("--max-seq-len", type=int, default=1024, show_default=True)
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_path", default=None, help="Write the report as JSON here.")
+@click.option("--repeat", type=int, default=1, show_default=True, help="runs per engine; the fastest is reported")
+@click.option("--attention", is_flag=True, help="also time one layer's decode attention paths")
+@click.option("--flex", is_flag=True, help="with --attention: include compiled FlexAttention")
+@click.option("--attn-ctx", type=int, default=300, show_default=True, help="context length for --attention")
+def main(**options) -> None:
+    args = SimpleNamespace(**options)  # the functions above read the options as attributes
     loaded = load_model(make_preset("bench", Path(args.cache_dir).expanduser()), "cpu", args.dtype)
     reqs = make_requests(args)
     results = []
@@ -289,7 +283,6 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(report))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))
-    return 0
 
 
 def markdown(report: dict) -> str:
@@ -315,4 +308,4 @@ def markdown(report: dict) -> str:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -11,26 +11,21 @@ and the share of the HBM roofline (bytes per decode step = weights + KV read, at
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import click
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
-
-from batchfleet.common.config import ConnectionConfig, DynamicBatchingConfig, EngineConfig, WorkerConfig  # noqa: E402
-from batchfleet.worker.benchmark.loadgen import closed_loop, make_workload, summarize  # noqa: E402
-from batchfleet.worker.benchmark.memqueue import MemClient, MemQueue  # noqa: E402
-from batchfleet.worker.compose import build_engine, fleet_info  # noqa: E402
-from batchfleet.worker.engine.models import EOS_ID, LoadedModel, byte_level_tokenizer  # noqa: E402
-from batchfleet.worker.intake import Limits  # noqa: E402
-from batchfleet.worker.loop import WorkerLoop  # noqa: E402
+from batchfleet.common.config import ENGINE_CHOICES, DynamicBatchingConfig, EngineConfig, WorkerConfig
+from batchfleet.worker.benchmark.loadgen import closed_loop, make_workload, summarize
+from batchfleet.worker.benchmark.memqueue import MemClient, MemQueue
+from batchfleet.worker.compose import build_worker
+from batchfleet.worker.engine.models import EOS_ID, LoadedModel, byte_level_tokenizer
 
 SHAPES = {
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -60,15 +55,26 @@ def bytes_per_step(loaded: LoadedModel, batch: float, mean_ctx: float) -> float:
     return weights + batch * mean_ctx * kv_per_token
 
 
-def run(loaded: LoadedModel, mode: str, args: argparse.Namespace) -> dict:
+@dataclass(frozen=True)
+class Load:
+    """What each mode's run drives through the worker, and the roofline's bandwidth."""
+
+    engine: str
+    device: str
+    clients: int
+    requests: int
+    new_tokens: int
+    hbm_tbs: float
+    kv_cache_gb: float | None
+
+
+def run(loaded: LoadedModel, mode: str, args: Load) -> dict:
     batching = DynamicBatchingConfig(max_wait_ms=50, max_batch_size=32, max_seq_len=1024, buckets=(128, 256))
     engine_cfg = EngineConfig(engine=args.engine, mode=mode, device=args.device, block_size=16,
                               kv_cache_gb=args.kv_cache_gb)
-    cfg = WorkerConfig(connection=ConnectionConfig(), batching=batching, engine=engine_cfg)
+    cfg = WorkerConfig(batching=batching, engine=engine_cfg)
     queue = MemQueue("gpu", batching.buckets)
-    queue.publish_fleet(fleet_info(cfg, loaded))
-    loop = WorkerLoop(cfg, build_engine(engine_cfg, batching, loaded), queue,
-                      Limits(batching.max_seq_len, int(loaded.model.config.vocab_size)))
+    loop = build_worker(cfg, transport=queue, loaded=loaded)  # the worker's one composition function
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
     client = MemClient(queue)
@@ -88,25 +94,26 @@ def run(loaded: LoadedModel, mode: str, args: argparse.Namespace) -> dict:
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="7b")
-    ap.add_argument("--engine", choices=["native", "hf"], default="native")
-    ap.add_argument("--modes", default="dynamic,continuous")
-    ap.add_argument("--clients", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=96)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth for the roofline (H200: 4.8)")
-    ap.add_argument("--kv-cache-gb", type=float, default=None)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+@click.command(help=__doc__)
+@click.option("--device", default="cuda", show_default=True)
+@click.option("--shape", type=click.Choice(sorted(SHAPES)), default="7b", show_default=True)
+@click.option("--engine", type=click.Choice(ENGINE_CHOICES), default="native", show_default=True)
+@click.option("--modes", default="dynamic,continuous", show_default=True)
+@click.option("--clients", type=int, default=32, show_default=True)
+@click.option("--requests", type=int, default=96, show_default=True)
+@click.option("--new-tokens", type=int, default=128, show_default=True)
+@click.option("--hbm-tbs", type=float, default=4.8, show_default=True,
+              help="HBM bandwidth for the roofline, TB/s (H200: 4.8).")
+@click.option("--kv-cache-gb", type=float, default=None)
+@click.option("--json", "json_path", default=None)
+def main(shape: str, modes: str, json_path: str | None, **load) -> None:
+    args = Load(**load)
     dtype = torch.bfloat16
     t0 = time.perf_counter()
-    loaded = build_model(args.shape, args.device, dtype)
-    print(f"model {args.shape} built on {args.device} in {time.perf_counter() - t0:.1f} s", flush=True)
+    loaded = build_model(shape, args.device, dtype)
+    print(f"model {shape} built on {args.device} in {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
-    for mode in args.modes.split(","):
+    for mode in modes.split(","):
         if args.engine == "hf" and mode == "continuous":
             continue
         rows.append(run(loaded, mode, args))
@@ -115,10 +122,10 @@ def main() -> None:
               f"mean batch {r['mean_batch_size']:.1f}, roofline {r['roofline_tok_s']:.0f} tok/s "
               f"-> {100 * r['roofline_share']:.1f}% of HBM roofline", flush=True)
     doc = {"device": args.device, "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "",
-           "shape": args.shape, "engine": args.engine, "rows": rows, "total_s": round(time.perf_counter() - t0, 1)}
+           "shape": shape, "engine": args.engine, "rows": rows, "total_s": round(time.perf_counter() - t0, 1)}
     print(json.dumps(doc, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
 
 
 if __name__ == "__main__":

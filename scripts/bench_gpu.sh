@@ -4,8 +4,9 @@
 # Finishes in well under 8 minutes including model creation. Results land in ${OUT:-.}/bench_gpu.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -c "import transformers, msgpack, tokenizers, click" 2>/dev/null || \
-  python3 -m pip install -q --no-deps -e . msgpack tokenizers
+# the script imports the package normally: install it (editable, no build isolation: the host may be offline)
+python3 -c "import batchfleet.worker.compose, transformers, msgpack, tokenizers, click" 2>/dev/null || \
+  python3 -m pip install -q --no-deps --no-build-isolation -e . msgpack tokenizers
 export PYTHONUNBUFFERED=1
 timeout 480 python3 scripts/bench_gpu.py --device "${DEVICE:-cuda}" --shape "${SHAPE:-7b}" \
   --engine "${ENGINE:-native}" --json "${OUT:-.}/bench_gpu.json" "$@"

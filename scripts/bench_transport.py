@@ -7,32 +7,29 @@ one request at a time, on the configured Redis. Prints a markdown row and writes
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import click
 
-from batchfleet.common.config import ConnectionConfig  # noqa: E402
-from batchfleet.common.localredis import ensure_redis  # noqa: E402
-from batchfleet.common.protocol import FleetInfo, Request, Result  # noqa: E402
-from batchfleet.producer import Client  # noqa: E402
-from batchfleet.worker.benchmark.loadgen import percentile  # noqa: E402
-from batchfleet.worker.consumer import Reply, StreamConsumer  # noqa: E402
-from batchfleet.worker.engine.models import byte_level_tokenizer  # noqa: E402
-from batchfleet.worker.spawn import delete_namespace  # noqa: E402
+from batchfleet.common.config import DEFAULT_REDIS_URL, ConnectionConfig
+from batchfleet.common.devtools import delete_namespace, ensure_redis
+from batchfleet.common.protocol import FleetInfo, Request, Result
+from batchfleet.producer import Client
+from batchfleet.worker.benchmark.loadgen import percentile
+from batchfleet.worker.consumer import StreamConsumer
+from batchfleet.worker.engine.models import byte_level_tokenizer
+from batchfleet.worker.transport import Reply
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    ap.add_argument("-n", type=int, default=500)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    url, private = ensure_redis(args.redis_url)
+@click.command(help=__doc__)
+@click.option("--redis-url", default=DEFAULT_REDIS_URL, show_default=True, help="Started privately if unreachable.")
+@click.option("-n", "n", type=int, default=500, show_default=True, help="Timed requests (after 20 warm-up ones).")
+@click.option("--json", "json_path", default=None, help="Write the result as JSON here.")
+def main(redis_url: str, n: int, json_path: str | None) -> None:
+    url, private = ensure_redis(redis_url)
     conn = ConnectionConfig(redis_url=url, namespace=f"transport-{uuid.uuid4().hex[:6]}")
     worker = StreamConsumer(conn, (128,), "probe", reply_ttl_s=60)
     worker.setup()
@@ -43,7 +40,7 @@ def main() -> None:
     prompt = list(range(10, 42))
     samples = []
     try:
-        for i in range(args.n + 20):
+        for i in range(n + 20):
             t0 = time.perf_counter()
             job = client.submit(prompt, max_new_tokens=8)
             (entry,) = worker.read(count=1, block_ms=None)
@@ -63,8 +60,8 @@ def main() -> None:
            "chain": "submit (EVALSHA) + XREADGROUP + reply script (SET NX, RPUSH, EXPIRE, XACK, XDEL) + BLPOP"}
     print("| requests | transport p50 ms | transport p99 ms |\n|---|---|---|")
     print(f"| {doc['n']} | {doc['p50_ms']} | {doc['p99_ms']} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,16 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from batchfleet.common.config import ConnectionConfig, DynamicBatchingConfig, EngineConfig, WorkerConfig
+from batchfleet.common.config import DEFAULT_REDIS_URL, WorkerConfig
+from batchfleet.common.devtools import delete_namespace, ensure_redis
 from batchfleet.common.keys import Keys
-from batchfleet.common.localredis import ensure_redis
+from batchfleet.common.options import build_worker_config
 
 TEST_BUCKETS = (32, 64, 128, 256)
 
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    url, private = ensure_redis(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    # REDIS_URL is the test suite's own variable (README), not a product setting
+    url, private = ensure_redis(os.environ.get("REDIS_URL", DEFAULT_REDIS_URL))
     yield url
     if private is not None:
         private.stop()
@@ -27,8 +29,6 @@ def redis_url() -> Iterator[str]:
 
 @pytest.fixture
 def namespace(redis_url: str) -> Iterator[str]:
-    from batchfleet.worker.spawn import delete_namespace
-
     ns = f"t-{uuid.uuid4().hex[:10]}"
     yield ns
     delete_namespace(redis_url, Keys(ns))
@@ -46,18 +46,14 @@ def tiny_model_dir(cache_dir: Path) -> Path:
     return make_preset("tiny", cache_dir / "models")
 
 
+# what test workers change from the defaults: the hf engine in fp32 (fast to start), small buckets
+TEST_WORKER = {"engine": "hf", "dtype": "float32", "max_seq_len": 512, "buckets": TEST_BUCKETS}
+
+
 def worker_config(redis_url: str, namespace: str, model_dir: Path, **kw) -> WorkerConfig:
-    """A WorkerConfig for tests: tiny model in fp32 on CPU, small buckets."""
-    batching = DynamicBatchingConfig(
-        max_wait_ms=kw.pop("max_wait_ms", 50.0), max_batch_size=kw.pop("max_batch_size", 32),
-        max_seq_len=kw.pop("max_seq_len", 512), buckets=kw.pop("buckets", TEST_BUCKETS),
-        padding=kw.pop("padding", "bucket"),
-    )
-    engine = EngineConfig(model=str(model_dir), engine=kw.pop("engine", "hf"), mode=kw.pop("mode", "dynamic"),
-                          dtype=kw.pop("dtype", "float32"), block_size=kw.pop("block_size", 16),
-                          kv_cache_gb=kw.pop("kv_cache_gb", None))
-    return WorkerConfig(connection=ConnectionConfig(redis_url=redis_url, namespace=namespace),
-                        batching=batching, engine=engine, **kw)
+    """A WorkerConfig for tests: TEST_WORKER on the given model; ``kw`` sets any config field by name."""
+    return build_worker_config(**{"redis_url": redis_url, "namespace": namespace, "model": str(model_dir),
+                                  **TEST_WORKER, **kw})
 
 
 @pytest.fixture

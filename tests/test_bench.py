@@ -22,6 +22,7 @@ def test_strategies_parse():
     assert s["static8"].static and s["static8"].max_batch_size == 8
     assert s["dynamic200"].max_wait_ms == 200 and s["dynamic200"].max_batch_size == 32
     assert s["continuous"].mode == "continuous"
+    assert s["static8"].worker_values() == {"max_wait_ms": float("inf"), "max_batch_size": 8, "mode": "dynamic"}
 
 
 def test_workload_is_deterministic_and_in_range():

@@ -5,7 +5,15 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from batchfleet.common.config import ConnectionConfig, DynamicBatchingConfig, EngineConfig, bucket_for, parse_buckets
+from batchfleet.common.config import (
+    PRESETS,
+    ConnectionConfig,
+    DynamicBatchingConfig,
+    EngineConfig,
+    bucket_for,
+    connection_from_env,
+    parse_buckets,
+)
 from batchfleet.common.errors import ConfigError, PromptTooLong, ProtocolError
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import Error, FleetInfo, Request, Result, decode_reply
@@ -46,6 +54,18 @@ def test_other_configs_validate():
     with pytest.raises(ConfigError):
         parse_buckets("1,a")
     assert parse_buckets("128, 256") == (128, 256)
+
+
+def test_presets_and_connection_env():
+    assert all(EngineConfig(preset=name).preset == name for name in PRESETS)
+    with pytest.raises(ConfigError, match="preset"):
+        EngineConfig(preset="huge")
+    with pytest.raises(ConfigError, match="dtype"):
+        EngineConfig(dtype="int8")
+    assert connection_from_env(environ={}) == ConnectionConfig()
+    env = {"BATCHFLEET_REDIS_URL": "redis://h:1/0", "BATCHFLEET_NAMESPACE": "tenant"}
+    assert connection_from_env(environ=env) == ConnectionConfig(redis_url="redis://h:1/0", namespace="tenant")
+    assert connection_from_env("redis://x:2/0", "n", environ=env) == ConnectionConfig("redis://x:2/0", "n")
 
 
 def test_bucket_routing():

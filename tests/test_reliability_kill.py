@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis
 
+from batchfleet.common.devtools import WorkerProcess, spawn_worker
 from batchfleet.common.keys import Keys
 from batchfleet.producer import Client
-from batchfleet.worker.spawn import WorkerProcess, spawn_worker
 from tests.test_reliability_helpers import wait_until
 
 BUCKETS = "32,64"

@@ -13,8 +13,8 @@ import uuid
 import pytest
 import redis
 
+from batchfleet.common.devtools import PrivateRedis, free_port
 from batchfleet.common.keys import Keys
-from batchfleet.common.localredis import PrivateRedis, free_port
 from batchfleet.producer import AsyncClient, Client
 from tests.conftest import worker_config
 from tests.test_reliability_helpers import LoopThread, wait_until

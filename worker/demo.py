@@ -1,7 +1,7 @@
 """``batchfleet demo``: the main job on embedded defaults, end to end on one machine.
 
 Uses the configured Redis if reachable (else a private one), starts one worker with the default model,
-sends 64 prompts from 32 threads through one Client, prints throughput / TTFT / batch size, and cleans
+sends 64 prompts from 32 client threads through one Client, prints throughput / TTFT / batch size, and cleans
 up every process and key it created.
 """
 
@@ -18,10 +18,11 @@ from pathlib import Path
 import click
 
 from batchfleet.common.cli import connection_options
+from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
+from batchfleet.common.devtools import delete_namespace, ensure_redis, spawn_worker
 from batchfleet.common.keys import Keys
-from batchfleet.common.localredis import ensure_redis
+from batchfleet.common.options import config_options, option_args
 from batchfleet.worker.benchmark.loadgen import percentile
-from batchfleet.worker.cli import engine_args, engine_options
 
 WORDS = ("fleet batch token queue redis stream worker bucket cache paged decode prefill latency "
          "throughput accelerator prompt model reply").split()
@@ -43,38 +44,35 @@ def make_prompts(n: int, seed: int = 0, max_chars: int = 400) -> list[str]:
 
 @click.command()
 @connection_options
-@engine_options
-@click.option("--requests", "n_requests", type=int, default=64, show_default=True)
-@click.option("--threads", type=int, default=32, show_default=True)
+@config_options(EngineConfig, DynamicBatchingConfig)  # all passed on to the demo's worker
+@click.option("--requests", "n_requests", type=int, default=64, show_default=True, help="Prompts to send.")
+@click.option("--clients", type=int, default=32, show_default=True, help="Concurrent client threads.")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True)
-def demo(redis_url: str, namespace: str, cache_dir: str, n_requests: int, threads: int, max_new_tokens: int,
-         **engine_kw) -> None:
-    """Run a worker and 32 producer threads against it; print a results table."""
+def demo(redis_url: str, namespace: str, n_requests: int, clients: int, max_new_tokens: int, **worker_kw) -> None:
+    """Run a worker and --clients client threads against it; print a results table."""
     from batchfleet.producer import Client
-    from batchfleet.worker.spawn import delete_namespace, spawn_worker
 
     url, private = ensure_redis(redis_url)
     click.echo(f"redis: {url}" + (" (private, started by the demo)" if private else ""))
     ns = f"{namespace}-demo-{uuid.uuid4().hex[:6]}"
-    args = ["--cache-dir", cache_dir, *engine_args(engine_kw)]
     log = Path(tempfile.gettempdir()) / f"batchfleet-{ns}.log"
     worker = None
     try:
         click.echo(f"starting worker (namespace {ns}, log {log}) ...")
-        worker = spawn_worker(url, ns, args, log_path=str(log))
+        worker = spawn_worker(url, ns, option_args(worker_kw), log_path=str(log))
         prompts = make_prompts(n_requests)
         with Client(url, ns) as client:
             client.generate("warm up", max_new_tokens=2)
             t0 = time.perf_counter()
-            with ThreadPoolExecutor(threads) as pool:
+            with ThreadPoolExecutor(clients) as pool:
                 results = list(pool.map(lambda p: client.generate(p, max_new_tokens=max_new_tokens), prompts))
             wall = time.perf_counter() - t0
         tokens = sum(r.completion_tokens for r in results)
         ttft = [r.ttft_ms for r in results]
         rows = [
-            ("requests", f"{len(results)} from {threads} threads"),
-            ("engine / mode", f"{engine_kw['engine']} / {engine_kw['mode']}"),
-            ("max_wait_ms / max_batch_size", f"{engine_kw['max_wait_ms']:g} / {engine_kw['max_batch_size']}"),
+            ("requests", f"{len(results)} from {clients} client threads"),
+            ("engine / mode", f"{worker_kw['engine']} / {worker_kw['mode']}"),
+            ("max_wait_ms / max_batch_size", f"{worker_kw['max_wait_ms']:g} / {worker_kw['max_batch_size']}"),
             ("output tokens", str(tokens)),
             ("wall time", f"{wall:.2f} s"),
             ("throughput", f"{tokens / wall:.1f} tok/s"),

@@ -9,12 +9,13 @@ import tempfile
 import click
 
 from batchfleet.common.cli import connection_options
-from batchfleet.common.localredis import ensure_redis
+from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
+from batchfleet.common.devtools import ensure_redis
+from batchfleet.common.options import config_options
 from batchfleet.worker.benchmark.loadgen import make_workload
 from batchfleet.worker.benchmark.report import machine, markdown_table, plot, write_json
 from batchfleet.worker.benchmark.runner import LoadSpec, latency_probe, run_load, serving_inproc, serving_redis
 from batchfleet.worker.benchmark.strategies import DEFAULT_STRATEGIES, parse_strategies, parse_strategy
-from batchfleet.worker.cli import engine_options
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -27,7 +28,9 @@ def _range(text: str) -> tuple[int, int]:
 
 @click.command()
 @connection_options
-@engine_options(default_preset="bench")
+# the worker options the benchmarked workers get; --strategies sets max_wait_ms and mode (and max_batch_size for
+# staticN), so the command takes neither
+@config_options(EngineConfig, DynamicBatchingConfig, exclude=("max_wait_ms", "mode"), defaults={"preset": "bench"})
 @click.option("--strategies", default=DEFAULT_STRATEGIES, show_default=True,
               help="staticN (wait for N, no timeout), dynamicX (max_wait X ms), continuous (native).")
 @click.option("--clients", type=int, default=32, show_default=True, help="Closed loop: concurrent clients.")
@@ -43,50 +46,47 @@ def _range(text: str) -> tuple[int, int]:
               help="Strategy for the throughput comparison (static batches form the same way on both paths).")
 @click.option("--json", "json_path", default=None, help="Write results as JSON here.")
 @click.option("--plot", "plot_path", default=None, help="Write the throughput/TTFT plot (PNG) here.")
-def bench(redis_url: str, namespace: str, cache_dir: str, strategies: str, clients: int, rate: float | None,
+def bench(redis_url: str, namespace: str, strategies: str, clients: int, rate: float | None,
           n_requests: int, prompt_len: str, new_tokens: str, seed: int, attach: bool, overhead: bool,
-          overhead_strategy: str, json_path: str | None, plot_path: str | None, **engine_kw) -> None:
+          overhead_strategy: str, json_path: str | None, plot_path: str | None, **worker_kw) -> None:
     """Load one worker through the real Redis path under each strategy; print, save and plot the table."""
+    max_batch_size = worker_kw.pop("max_batch_size")  # reaches the workers through the strategies
     try:
-        plan = parse_strategies(strategies, engine_kw["max_batch_size"])
-        over = parse_strategy(overhead_strategy, engine_kw["max_batch_size"]) if overhead and not attach else None
+        plan = parse_strategies(strategies, max_batch_size)
+        over = parse_strategy(overhead_strategy, max_batch_size) if overhead and not attach else None
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    if engine_kw["engine"] == "hf":
+    if worker_kw["engine"] == "hf":
         skipped = [s.name for s in plan if s.mode == "continuous"]
         plan = [s for s in plan if s.mode != "continuous"]
         if skipped:
             click.echo("note: the hf engine cannot join running batches; skipping continuous", err=True)
     if attach and len(plan) != 1:
         raise click.UsageError("--attach measures the fleet as it runs: give exactly one --strategies label")
-    for key in ("max_wait_ms", "max_batch_size", "mode"):
-        engine_kw.pop(key)
     workload = make_workload(n_requests, _range(prompt_len), _range(new_tokens), seed=seed)
     spec = LoadSpec(workload, clients=clients, rate=rate, seed=seed)
     url, private = ensure_redis(redis_url)
     log_dir = tempfile.mkdtemp(prefix="batchfleet-bench-")
     click.echo(f"redis {url}; {len(workload)} requests; worker logs in {log_dir}", err=True)
-    if not engine_kw["model"]:  # create the preset once, before any worker races to it
-        from pathlib import Path
+    if not worker_kw["model"]:  # create the preset once, before any worker races to it
+        from batchfleet.common.options import build_worker_config
+        from batchfleet.worker.compose import resolve_model_path
 
-        from batchfleet.worker.engine.models import make_preset
-
-        make_preset(engine_kw["preset"], Path(cache_dir).expanduser() / "models",
-                    max_seq_len=engine_kw["max_seq_len"])
+        resolve_model_path(build_worker_config(**worker_kw))
     rows, overhead_doc = [], None
     try:
         for strategy in plan:
             click.echo(f"running {strategy.name} ...", err=True)
-            serving = serving_redis(url, strategy, engine_kw, cache_dir, namespace if attach else None, log_dir)
+            serving = serving_redis(url, strategy, worker_kw, namespace if attach else None, log_dir)
             rows.append(run_load(serving, strategy, spec, "redis"))
             click.echo(f"  {rows[-1]['throughput_tok_s']} tok/s, TTFT p50 {rows[-1]['ttft_p50_ms']} ms", err=True)
         if over is not None:
             click.echo(f"queue overhead: {over.name} over Redis vs in-process, then latency probes ...", err=True)
-            via_redis = run_load(serving_redis(url, over, engine_kw, cache_dir, None, log_dir), over, spec, "redis")
-            inproc = run_load(serving_inproc(over, engine_kw, cache_dir), over, spec, "in-process")
+            via_redis = run_load(serving_redis(url, over, worker_kw, None, log_dir), over, spec, "redis")
+            inproc = run_load(serving_inproc(over, worker_kw), over, spec, "in-process")
             idle = parse_strategy("dynamic0")
-            probe_redis = latency_probe(serving_redis(url, idle, engine_kw, cache_dir, None, log_dir), workload)
-            probe_inproc = latency_probe(serving_inproc(idle, engine_kw, cache_dir), workload)
+            probe_redis = latency_probe(serving_redis(url, idle, worker_kw, None, log_dir), workload)
+            probe_inproc = latency_probe(serving_inproc(idle, worker_kw), workload)
             overhead_doc = {
                 "strategy": over.name, "redis": via_redis, "in_process": inproc,
                 "throughput_ratio": round(via_redis["throughput_tok_s"] / inproc["throughput_tok_s"], 3),
@@ -98,7 +98,7 @@ def bench(redis_url: str, namespace: str, cache_dir: str, strategies: str, clien
         if private is not None:
             private.stop()
     mode = f"open loop {rate} req/s" if rate else f"closed loop {clients} clients"
-    title = (f"{engine_kw['model'] or engine_kw['preset']} / {engine_kw['engine']} / {engine_kw['device']} / "
+    title = (f"{worker_kw['model'] or worker_kw['preset']} / {worker_kw['engine']} / {worker_kw['device']} / "
              f"{mode} / {n_requests} requests")
     click.echo(f"\n{title}\n")
     click.echo(markdown_table(rows))
@@ -108,7 +108,7 @@ def bench(redis_url: str, namespace: str, cache_dir: str, strategies: str, clien
                    f"added latency p50 {o['added_latency_p50_ms']:.2f} ms")
     doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(["batchfleet", *sys.argv[1:]]), "machine": machine(), "title": title,
-           "engine": engine_kw, "load": {"mode": mode, "requests": n_requests, "prompt_len": prompt_len,
+           "engine": worker_kw, "load": {"mode": mode, "requests": n_requests, "prompt_len": prompt_len,
                                          "max_new_tokens": new_tokens, "seed": seed},
            "rows": rows, "overhead": overhead_doc}
     if json_path:

@@ -14,17 +14,19 @@ from pathlib import Path
 import msgpack
 import redis
 
+from batchfleet.common.devtools import delete_namespace, spawn_worker
 from batchfleet.common.keys import Keys
+from batchfleet.common.options import build_worker_config, option_args
 from batchfleet.producer import Client
 from batchfleet.worker.benchmark.loadgen import Run, Workload, closed_loop, open_loop, percentile, summarize
 from batchfleet.worker.benchmark.memqueue import MemClient, MemQueue
 from batchfleet.worker.benchmark.strategies import Strategy
-from batchfleet.worker.cli import build_worker_config
-from batchfleet.worker.spawn import delete_namespace, spawn_worker
 
 
 @dataclass(frozen=True)
 class LoadSpec:
+    """The load one table row drives: the workload and closed- or open-loop arrivals."""
+
     workload: Workload
     clients: int = 32
     rate: float | None = None  # requests/s: open loop; None: closed loop with `clients`
@@ -54,20 +56,19 @@ def kv_fields(status: dict) -> dict:
 
 
 @contextmanager
-def serving_redis(url: str, strategy: Strategy, engine_kw: dict, cache_dir: str, namespace: str | None = None,
+def serving_redis(url: str, strategy: Strategy, worker_kw: dict, namespace: str | None = None,
                   log_dir: str | None = None) -> Iterator[tuple[Client, Callable[[], None] | None, Callable[[], dict]]]:
-    """A worker subprocess for the strategy (or the fleet already serving ``namespace``).
+    """A worker subprocess with ``worker_kw`` (worker option values) under the strategy, or the fleet already
+    serving ``namespace``.
 
     Yields (client, flush or None, status getter); stops the worker and deletes its keys afterwards.
     """
-    from batchfleet.worker.cli import engine_args
-
     attach = namespace is not None
     ns = namespace or f"bench-{strategy.name}-{uuid.uuid4().hex[:6]}"
     keys = Keys(ns)
     worker = None
     if not attach:
-        args = ["--cache-dir", cache_dir, *engine_args(engine_kw), *strategy.worker_args()]
+        args = option_args({**worker_kw, **strategy.worker_values()})
         log = str(Path(log_dir) / f"worker-{strategy.name}.log") if log_dir else None
         worker = spawn_worker(url, ns, args, log_path=log, wait_s=900)
     r = redis.Redis.from_url(url)
@@ -91,15 +92,17 @@ def serving_redis(url: str, strategy: Strategy, engine_kw: dict, cache_dir: str,
 
 
 @contextmanager
-def serving_inproc(strategy: Strategy, engine_kw: dict,
-                   cache_dir: str) -> Iterator[tuple[MemClient, Callable[[], None] | None, Callable[[], dict]]]:
+def serving_inproc(strategy: Strategy,
+                   worker_kw: dict) -> Iterator[tuple[MemClient, Callable[[], None] | None, Callable[[], dict]]]:
     """The same worker loop and engine in this process, with the in-memory transport instead of Redis."""
     from batchfleet.worker.compose import build_worker
 
     ns = f"inproc-{uuid.uuid4().hex[:6]}"
-    kw = {**engine_kw, "cache_dir": cache_dir, "max_wait_ms": strategy.max_wait_ms,
-          "max_batch_size": strategy.max_batch_size, "mode": strategy.mode}
-    cfg = build_worker_config(redis_url="redis://unused:0/0", namespace=ns, **kw)
+    cfg = build_worker_config(**{**worker_kw, **strategy.worker_values(), "namespace": ns})
+    if cfg.engine.threads:  # what run_worker does in the subprocess workers, so both paths compute alike
+        import torch
+
+        torch.set_num_threads(cfg.engine.threads)
     queue = MemQueue(ns, cfg.batching.buckets)
     loop = build_worker(cfg, transport=queue)  # publishes the fleet info into the queue
     thread = threading.Thread(target=loop.run, daemon=True)

@@ -14,6 +14,8 @@ DEFAULT_STRATEGIES = "static1,static8,dynamic10,dynamic50,dynamic200,continuous"
 
 @dataclass(frozen=True)
 class Strategy:
+    """One batching strategy: how the worker closes batches and whether running batches take joiners."""
+
     name: str
     max_wait_ms: float
     max_batch_size: int
@@ -23,12 +25,13 @@ class Strategy:
     def static(self) -> bool:
         return self.max_wait_ms == float("inf")
 
-    def worker_args(self) -> list[str]:
-        return ["--max-wait-ms", str(self.max_wait_ms), "--max-batch-size", str(self.max_batch_size),
-                "--mode", self.mode]
+    def worker_values(self) -> dict[str, float | int | str]:
+        """The worker config fields this strategy sets (they replace the command's own values)."""
+        return {"max_wait_ms": self.max_wait_ms, "max_batch_size": self.max_batch_size, "mode": self.mode}
 
 
 def parse_strategy(name: str, max_batch_size: int = 32, continuous_wait_ms: float = 50.0) -> Strategy:
+    """``staticN``, ``dynamicX`` or ``continuous``; raises ValueError for anything else."""
     if m := re.fullmatch(r"static(\d+)", name):
         return Strategy(name, float("inf"), int(m.group(1)), "dynamic")
     if m := re.fullmatch(r"dynamic(\d+(?:\.\d+)?)", name):
@@ -39,4 +42,5 @@ def parse_strategy(name: str, max_batch_size: int = 32, continuous_wait_ms: floa
 
 
 def parse_strategies(text: str, max_batch_size: int = 32) -> list[Strategy]:
+    """A comma-separated list of strategy names."""
     return [parse_strategy(part.strip(), max_batch_size) for part in text.split(",") if part.strip()]
