@@ -85,3 +85,17 @@ def test_chunked_prefill_and_cross_bucket_decode_match_transformers(case, paddin
     assert all(sum(1 for st in prefills if rid in {i for i, _ in st}) >= 2 for rid in ("r8", "r9"))  # chunked
     mixed = [step for is_prefill, step in engine.step_log if not is_prefill and len({b for _, b in step}) >= 3]
     assert mixed, "no decode step held three buckets"
+
+
+def test_static_decode_shapes_pad_rows_and_tables_without_changing_outputs(case):
+    """Decode buckets (CUDA/NPU default): rows and table widths rounded up to powers of two; padding rows
+    read and write only the trash block, so outputs are unchanged and few shapes are ever seen."""
+    loaded, reqs, refs = case
+    engine = make_engine(loaded, max_running=16)
+    engine.runner.static_decode = True
+    done = run_all(engine, by_bucket(reqs), join_every=3)
+    assert {k: v.token_ids for k, v in done.items()} == refs
+    shapes = engine.stats()["decode_shapes"]
+    rows, widths = zip(*(tuple(map(int, s.split("x"))) for s in shapes))
+    assert all(r & (r - 1) == 0 for r in rows) and all(w & (w - 1) == 0 for w in widths)
+    assert len(shapes) <= 5 * 4  # rows in 1..16, widths in 1..8

@@ -61,8 +61,8 @@ class Engine(Protocol):
     def num_active(self) -> int:
         """Requests added and not yet returned."""
 
-    def stats(self) -> dict[str, float]:
-        """Counters for status and benchmarks (e.g. KV blocks total/used/waste)."""
+    def stats(self) -> dict[str, Any]:
+        """Counters for status and benchmarks (e.g. KV blocks total/used/waste); msgpack-encodable values."""
 
     def reset(self) -> None:
         """Drop every active request and free what it holds (called after step() raised)."""

@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -137,7 +138,7 @@ class NativeEngine:
     def num_active(self) -> int:
         return len(self._errors) + self.scheduler.num_active()
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         """KV accounting (blocks, slots wasted now and at peak, vs. a contiguous cache) and counters."""
         s, b = self.scheduler, self.blocks
         return {
@@ -152,6 +153,7 @@ class NativeEngine:
             "running": len(s.running),
             "waiting": len(s.waiting),
             "preemptions": s.num_preemptions,
+            "decode_shapes": [f"{b}x{w}" for b, w in sorted(self.runner.decode_shapes)],
             **{k: v for k, v in self._counters.items() if k != "peak_contiguous_waste"},
         }
 

@@ -38,10 +38,11 @@ class ModelRunner:
     def __init__(self, hf_model: torch.nn.Module, block_size: int, max_batch_size: int, max_seq_len: int,
                  kv_cache_gb: float | None = None, buckets: tuple[int, ...] = (), padding: str = "bucket",
                  num_blocks: int | None = None, prefill: str = "auto", decode: str = "auto",
-                 kernel_dir: Path | None = cpu_kernel.DEFAULT_KERNEL_DIR) -> None:
+                 kernel_dir: Path | None = cpu_kernel.DEFAULT_KERNEL_DIR, static_decode: bool | None = None) -> None:
         """prefill: "padded" (per ``padding``), "packed" (varlen) or "auto" (packed on CPU);
         decode: "kernel" (C kernel, CPU), "gather" (gather + SDPA), "npu" or "auto";
-        kernel_dir: where the C kernel is built (None: never use it)."""
+        kernel_dir: where the C kernel is built (None: never use it);
+        static_decode: pad decode steps to a few shapes (None: on CUDA/NPU, where a new shape recompiles)."""
         self.model = NativeModel(hf_model, max_positions=max_seq_len)
         self.device, self.dtype = self.model.device, self.model.dtype
         self.block_size = block_size
@@ -69,6 +70,10 @@ class ModelRunner:
         if self.prefill_mode not in ("padded", "packed") or decode not in ("kernel", "gather", "npu"):
             raise ValueError(f"unknown prefill {prefill!r} or decode {decode!r} path")
         self.decode_mode = decode
+        # decode buckets: rows and block-table width rounded up to powers of two, so a graph-compiled
+        # device sees O(log(max_running) * log(max_blocks)) shapes; on CPU padding only costs (measured)
+        self.static_decode = (not cpu) if static_decode is None else static_decode
+        self.decode_shapes: set[tuple[int, int]] = set()  # (rows, table width) of every decode step run
         self.num_threads = torch.get_num_threads()  # read once; never changed here
         log.info("KV pool: %d blocks x %d slots (%.1f MiB); prefill %s, decode %s", self.num_blocks, block_size,
                  self.kv.numel() * elem / 2**20, self.prefill_mode, self.decode_mode)
@@ -159,15 +164,24 @@ class ModelRunner:
 
         return m.forward(tokens, positions, attn, last_idx=last)
 
+    def decode_shape(self, rows: int, width: int) -> tuple[int, int]:
+        """(rows, block-table width) a decode step of ``rows`` sequences needing ``width`` blocks runs at."""
+        if not self.static_decode:
+            return rows, width
+        return 1 << (rows - 1).bit_length(), 1 << (width - 1).bit_length()
+
     def _decode(self, batch: ScheduledBatch) -> torch.Tensor:
         seqs, bs, dev, m = batch.seqs, self.block_size, self.device, self.model
-        B = len(seqs)
-        M = max(len(s.block_table) for s in seqs)
+        n = len(seqs)
+        B, M = self.decode_shape(n, max(len(s.block_table) for s in seqs))
+        self.decode_shapes.add((B, M))
         trash = self.trash_block
-        tables = torch.tensor([s.block_table + [trash] * (M - len(s.block_table)) for s in seqs], device=dev)
-        pos_list = [s.num_cached for s in seqs]
-        slot_list = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos_list, strict=True)]
-        tokens = torch.tensor([[s.token_ids[-1]] for s in seqs], device=dev)  # [B, 1]
+        # padding rows (static shapes): token 0 at position 0, writing to and reading the trash block only
+        tables = torch.tensor([s.block_table + [trash] * (M - len(s.block_table)) for s in seqs]
+                              + [[trash] * M] * (B - n), device=dev)
+        pos_list = [s.num_cached for s in seqs] + [0] * (B - n)
+        slot_list = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos_list)] + [trash * bs] * (B - n)
+        tokens = torch.tensor([[s.token_ids[-1]] for s in seqs] + [[0]] * (B - n), device=dev)  # [B, 1]
         positions = torch.tensor(pos_list, device=dev).view(B, 1)
         slots = torch.tensor(slot_list, device=dev)
         ctx = positions.view(B) + 1  # [B] tokens to attend, incl. the current one
@@ -188,4 +202,4 @@ class ModelRunner:
                 o = A.decode_attention_gather(q1, pool, tables, mask, m.scale)
             return o.reshape(B, 1, -1)
 
-        return m.forward(tokens, positions, attn)
+        return m.forward(tokens, positions, attn)[:n]
