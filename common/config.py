@@ -150,8 +150,16 @@ class EngineConfig:
     engine: str = field(default="native", metadata=option(
         "native: own forward over a paged KV cache; hf: transformers generate (the baseline).",
         choices=ENGINE_CHOICES))
-    mode: str = field(default="dynamic", metadata=option(
-        "dynamic: a batch runs to completion; continuous: joins between steps (native only).", choices=MODE_CHOICES))
+    mode: str | None = field(default=None, metadata=option(
+        "continuous: closed batches of every bucket start while others decode, all buckets decode together "
+        "(native only); dynamic: one bucket's batch runs to completion (the reference). "
+        "Default: continuous for native, dynamic for hf.", choices=MODE_CHOICES))
+    max_running: int = field(default=64, metadata=option(
+        "Continuous mode: most sequences decoding at once, all buckets together (--max-batch-size stays the "
+        "per-bucket prefill batch). 64 measured best on a 2-core CPU: 1311 tok/s per decode step vs 944 at 32."))
+    max_prefill_tokens: int = field(default=2048, metadata=option(
+        "Continuous mode: prompt tokens per prefill step; longer prefills are chunked, with decode steps "
+        "between chunks, so a long prompt never stalls running requests for its whole prefill."))
     device: str = field(default="cpu", metadata=option("cpu | cuda[:i] | npu[:i]"))
     dtype: str | None = field(default=None, metadata=option(
         "Default: measured per device (bf16 on AMX/AVX512-BF16 CPUs, GPU, NPU; else float32).", choices=DTYPE_CHOICES))
@@ -170,10 +178,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_CHOICES:
             raise ConfigError(f"engine must be one of {ENGINE_CHOICES}, got {self.engine!r}")
+        if self.mode is None:  # the best the engine can do
+            object.__setattr__(self, "mode", "continuous" if self.engine == "native" else "dynamic")
         if self.mode not in MODE_CHOICES:
             raise ConfigError(f"mode must be one of {MODE_CHOICES}, got {self.mode!r}")
         if self.engine == "hf" and self.mode != "dynamic":
-            raise ConfigError("the hf engine runs each batch to completion: use --mode dynamic")
+            raise ConfigError("the hf engine runs each batch to completion: add --mode dynamic")
+        if self.max_running < 1 or self.max_prefill_tokens < 1:
+            raise ConfigError("max_running and max_prefill_tokens must be >= 1")
         if not _DEVICE_RE.match(self.device):
             raise ConfigError(f"device must be cpu, cuda[:i] or npu[:i], got {self.device!r}")
         if self.dtype is not None and self.dtype not in DTYPE_CHOICES:

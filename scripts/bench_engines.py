@@ -23,9 +23,9 @@ from types import SimpleNamespace
 
 import click
 import torch
-import torch.nn.functional as F
 
 from batchfleet.common.config import DTYPE_CHOICES, DynamicBatchingConfig, EngineConfig, parse_buckets
+from batchfleet.worker.benchmark.floor import matmul_ms, time_ms
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.models import EOS_ID, PAD_ID, LoadedModel, load_model, make_preset
 from batchfleet.worker.engine.native.engine import NativeEngine
@@ -91,26 +91,6 @@ def bench_native(loaded: LoadedModel, reqs, args) -> dict:
                 kv_blocks_peak=st["kv_blocks_peak"], kv_slots_wasted_peak=st["kv_slots_wasted_peak"],
                 kv_slots_wasted_contiguous_peak=st["kv_slots_wasted_contiguous_peak"],
                 preemptions=st["preemptions"])
-
-
-def matmul_ms(engine: NativeEngine, batch: int, reps: int = 10) -> float:
-    """The weight matmuls of one decode step at ``batch`` rows, alone (same weights, same dtype)."""
-    m = engine.runner.model
-    x = torch.randn(batch, 1, m.hidden, dtype=m.dtype)
-    inter = m.layers[0].down.shape[1]
-    xo = torch.randn(batch, 1, m.num_heads * m.head_dim, dtype=m.dtype)
-    xi = torch.randn(batch, 1, inter, dtype=m.dtype)
-
-    def once() -> None:
-        for lw in m.layers:
-            F.linear(x, lw.qkv, lw.qkv_bias)
-            F.linear(xo, lw.o, lw.o_bias)
-            F.linear(x, lw.gate_up, lw.gate_up_bias)
-            F.linear(xi, lw.down, lw.down_bias)
-        F.linear(x[:, 0], m.lm_head)
-
-    with torch.inference_mode():
-        return _time(once, reps)
 
 
 def bench_hf(loaded: LoadedModel, reqs, args) -> dict:
@@ -187,10 +167,10 @@ def bench_attention(args, flex: bool) -> dict[str, float]:
     tables = torch.randperm(nb, generator=g).view(B, M).contiguous()
     q = torch.randn(B, H, D, generator=g).to(dtype)
     mask = A.decode_mask(ctx, M * bs)
-    out = {"gather_sdpa_ms": _time(lambda: A.decode_attention_gather(q, pool, tables, mask, D**-0.5))}
+    out = {"gather_sdpa_ms": time_ms(lambda: A.decode_attention_gather(q, pool, tables, mask, D**-0.5))}
     if (lib := cpu_kernel.load()) is not None:
         nt = torch.get_num_threads()
-        out["kernel_ms"] = _time(lambda: cpu_kernel.paged_decode(lib, q, pool, tables, ctx, D**-0.5, nt))
+        out["kernel_ms"] = time_ms(lambda: cpu_kernel.paged_decode(lib, q, pool, tables, ctx, D**-0.5, nt))
     if flex:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -214,19 +194,8 @@ def bench_attention(args, flex: bool) -> dict[str, float]:
         t = time.perf_counter()
         fa(q[:, :, None], k, v, block_mask=bm)
         out["flex_compile_s"] = time.perf_counter() - t
-        out["flex_ms"] = _time(lambda: fa(q[:, :, None], k, v, block_mask=bm))
+        out["flex_ms"] = time_ms(lambda: fa(q[:, :, None], k, v, block_mask=bm))
     return out
-
-
-def _time(fn, reps: int = 30) -> float:
-    """Median ms of ``reps`` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000
 
 
 ENGINES = {"native": bench_native, "hf": bench_hf, "generate_batch": bench_generate_batch}

@@ -47,7 +47,8 @@ def tiny_model_dir(cache_dir: Path) -> Path:
 
 
 # what test workers change from the defaults: the hf engine in fp32 (fast to start), small buckets
-TEST_WORKER = {"engine": "hf", "dtype": "float32", "max_seq_len": 512, "buckets": TEST_BUCKETS}
+# mode: dynamic unless a test asks (the engine default is continuous for native, dynamic for hf)
+TEST_WORKER = {"engine": "hf", "mode": "dynamic", "dtype": "float32", "max_seq_len": 512, "buckets": TEST_BUCKETS}
 
 
 def worker_config(redis_url: str, namespace: str, model_dir: Path, **kw) -> WorkerConfig:

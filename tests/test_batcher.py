@@ -79,15 +79,16 @@ def test_zero_wait_runs_immediately_and_batch_size_one():
     assert b.pop_batch(now=1.0) == (128, ["y"])
 
 
-def test_take_and_other_bucket_ready_for_continuous_joins():
+def test_pop_batch_limit_takes_what_the_engine_has_room_for():
     b = make()
-    b.add("a", 128, enqueued_at=1.0)
-    b.add("b", 128, enqueued_at=1.01)
-    b.add("c", 256, enqueued_at=1.02)
-    assert b.take(128, 1) == ["a"]
-    assert not b.other_bucket_ready(128, now=1.05)
-    assert b.other_bucket_ready(128, now=1.12)
-    assert b.pending(128) == 1 and len(b) == 2
+    for i, t in enumerate((1.0, 1.01)):
+        b.add(f"r{i}", 128, enqueued_at=t)
+    b.add("c", 256, enqueued_at=1.03)
+    assert b.pop_batch(now=1.05, limit=1) is None  # not closed yet: a limit does not close a batch
+    assert b.pop_batch(now=1.1, limit=1) == (128, ["r0"])
+    assert b.pop_batch(now=1.1, limit=5) is None  # r1 is now the oldest: its own deadline counts
+    assert b.pop_batch(now=1.12, limit=5) == (128, ["r1"])
+    assert b.take(256, 1) == ["c"] and len(b) == 0
 
 
 def test_expire_removes_matching_items():

@@ -23,13 +23,14 @@ FAMILIES = {
 }
 
 
-def build_model(family: str, root: Path, seed: int = 0) -> LoadedModel:
-    """Save a random tiny model of ``family`` under ``root`` and load it back (fp32, cpu)."""
+def build_model(family: str, root: Path, seed: int = 0, **overrides) -> LoadedModel:
+    """Save a random tiny model of ``family`` (config ``overrides`` applied) under ``root`` and load it
+    back (fp32, cpu)."""
     path = root / family
     if not (path / "config.json").exists():
         cls, extra = FAMILIES[family]
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cls(**_COMMON, **extra), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(cls(**{**_COMMON, **extra, **overrides}), dtype=torch.float32)
         with torch.no_grad():  # larger logits spread: fewer near-ties between greedy candidates
             model.lm_head.weight.mul_(4.0)
         model.save_pretrained(path)
@@ -46,7 +47,7 @@ def make_engine(loaded: LoadedModel, *, padding: str = "bucket", max_batch_size:
                                      buckets=buckets, padding=padding)
     cfg = EngineConfig(engine="native", mode=mode, block_size=block_size, kv_cache_gb=0.01)
     return NativeEngine(loaded, batching, cfg, num_blocks=num_blocks, prefill=prefill, decode=decode,
-                        max_prefill_tokens=max_prefill_tokens, max_running=max_running)
+                        max_prefill_tokens=max_prefill_tokens, max_running=max_running or max_batch_size)
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -76,24 +76,22 @@ class Batcher(Generic[T]):
         oldest = [q[0].enqueued_at for q in self._queues.values() if q]
         return min(oldest) + self.max_wait_s if oldest else None
 
-    def pop_batch(self, now: float) -> tuple[int, list[T]] | None:
-        """Remove and return the next closed batch (bucket, items oldest first), or None."""
+    def pop_batch(self, now: float, limit: int | None = None) -> tuple[int, list[T]] | None:
+        """Remove and return the next closed batch (bucket, items oldest first), or None.
+
+        ``limit`` caps the items taken (the engine's room); the rest stays queued, its batch still closed."""
         ready = [(q[0].enqueued_at, b) for b, q in self._queues.items() if self._ready(q, now)]
         if not ready:
             if self._flush and not len(self):
                 self._flush = False
             return None
         _, bucket = min(ready)
-        return bucket, self.take(bucket, self.max_batch_size)
+        return bucket, self.take(bucket, self.max_batch_size if limit is None else min(limit, self.max_batch_size))
 
     def take(self, bucket: int, n: int) -> list[T]:
-        """Remove up to n oldest items of a bucket (continuous batching joins a running batch)."""
+        """Remove up to n oldest items of a bucket."""
         q = self._queues[bucket]
         return [q.popleft().item for _ in range(min(n, len(q)))]
-
-    def other_bucket_ready(self, bucket: int, now: float) -> bool:
-        """Whether another bucket has a closed batch (continuous mode then stops admitting joins)."""
-        return any(self._ready(q, now) for b, q in self._queues.items() if b != bucket)
 
     def expire(self, is_expired) -> list[T]:
         """Remove and return every queued item for which ``is_expired(item)`` is true."""

