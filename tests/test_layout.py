@@ -107,6 +107,6 @@ def test_readme_map_matches_the_tree():
     section = text[text.index("### Where things are"):text.index("### Request lifecycle")]
     for path in re.findall(r"`((?:common|producer|worker|scripts|tests)/[^`]*)`", section):
         assert (ROOT / path.rstrip("/")).exists(), f"README names {path}, which does not exist"
-    for name, path in modules().items():
+    for path in modules().values():
         if path.name not in ("__init__.py", "__main__.py"):
             assert path.name in section or path.stem in section, f"README's map does not mention {path}"
