@@ -9,30 +9,23 @@ from typing import TypeVar
 
 import redis.asyncio as aredis
 
-from batchfleet.common.config import connection_from_env
 from batchfleet.common.protocol import Result
 from batchfleet.common.retry import TRANSIENT
-from batchfleet.producer.core import ENQUEUE_SCRIPT, RETRY_S, FleetView, Params, Prompt, connection_kwargs
-from batchfleet.producer.plan import ResultWait, RetryPlan, client_backoff, retry_deadline, time_left
+from batchfleet.producer.base import ClientBase
+from batchfleet.producer.core import RETRY_S, FleetView, Params, Prompt
+from batchfleet.producer.plan import ResultWait, RetryPlan, retry_deadline, time_left
 
 T = TypeVar("T")
 
 
-class AsyncClient:
+class AsyncClient(ClientBase):
     """``await client.generate(prompt)``; safe for many concurrent tasks on one instance.
 
     The same API, arguments, errors and retry semantics as Client (both follow producer/plan.py).
     """
 
     def __init__(self, redis_url: str | None = None, namespace: str | None = None, retry_s: float = RETRY_S) -> None:
-        self.conn = connection_from_env(redis_url, namespace)
-        self.keys = self.conn.keys
-        self.r = aredis.Redis.from_url(self.conn.redis_url, **connection_kwargs(self.conn))
-        self._enqueue = self.r.register_script(ENQUEUE_SCRIPT)
-        self._fleet = FleetView()
-        self._lock = asyncio.Lock()
-        self.retry_s = retry_s
-        self._backoff = client_backoff()
+        super().__init__(aredis.Redis, asyncio.Lock(), redis_url, namespace, retry_s)
 
     async def _retry(self, call: Callable[[], Awaitable[T]], deadline: float | None) -> T:
         """Await ``call()``; on a connection error back off and retry until ``deadline`` (monotonic)."""

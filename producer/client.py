@@ -9,16 +9,16 @@ from typing import TypeVar
 
 import redis
 
-from batchfleet.common.config import connection_from_env
 from batchfleet.common.protocol import Result
 from batchfleet.common.retry import TRANSIENT
-from batchfleet.producer.core import ENQUEUE_SCRIPT, RETRY_S, FleetView, Params, Prompt, connection_kwargs
-from batchfleet.producer.plan import ResultWait, RetryPlan, client_backoff, retry_deadline, time_left
+from batchfleet.producer.base import ClientBase
+from batchfleet.producer.core import RETRY_S, FleetView, Params, Prompt
+from batchfleet.producer.plan import ResultWait, RetryPlan, retry_deadline, time_left
 
 T = TypeVar("T")
 
 
-class Client:
+class Client(ClientBase):
     """Submit prompts to a batchfleet and wait for results.
 
     Args:
@@ -29,15 +29,7 @@ class Client:
     """
 
     def __init__(self, redis_url: str | None = None, namespace: str | None = None, retry_s: float = RETRY_S) -> None:
-        self.conn = connection_from_env(redis_url, namespace)
-        self.keys = self.conn.keys
-        # redis-py's pool hands each thread its own connection, so blocking waits do not serialize.
-        self.r = redis.Redis.from_url(self.conn.redis_url, **connection_kwargs(self.conn))
-        self._enqueue = self.r.register_script(ENQUEUE_SCRIPT)
-        self._fleet = FleetView()
-        self._lock = threading.Lock()
-        self.retry_s = retry_s
-        self._backoff = client_backoff()
+        super().__init__(redis.Redis, threading.Lock(), redis_url, namespace, retry_s)
 
     def _retry(self, call: Callable[[], T], deadline: float | None) -> T:
         """Run ``call``; on a connection error back off and retry until ``deadline`` (monotonic)."""
