@@ -73,10 +73,14 @@ class StopChecker:
         return bool(self.reason)
 
     def _match_stop(self) -> bool:
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        # only the tail can hold a new match: the last token added at most a few chars
+        """A new match can only end in the newest token's text: decode a bounded tail each step (a
+        stop string of L chars spans at most 4 L byte-level tokens), the whole output only on a hit."""
         longest = max(len(s) for s in self.req.stop)
-        start = max(0, len(text) - longest - 16)
+        tail = self.tokenizer.decode(self.tokens[-(4 * longest + 4):], skip_special_tokens=True)
+        if not any(s in tail for s in self.req.stop):
+            return False
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        start = max(0, len(text) - len(tail) - longest)
         hits = [i for s in self.req.stop if (i := text.find(s, start)) >= 0]
         if hits:
             self.stop_at = min(hits)
