@@ -20,8 +20,9 @@ import click
 from batchfleet.common.cli import connection_options
 from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
 from batchfleet.common.devtools import delete_namespace, ensure_redis, spawn_worker
+from batchfleet.common.errors import ConfigError
 from batchfleet.common.keys import Keys
-from batchfleet.common.options import config_options, option_args
+from batchfleet.common.options import build_worker_config, config_options, option_args
 from batchfleet.worker.benchmark.loadgen import percentile
 
 WORDS = ("fleet batch token queue redis stream worker bucket cache paged decode prefill latency "
@@ -52,6 +53,10 @@ def demo(redis_url: str, namespace: str, n_requests: int, clients: int, max_new_
     """Run a worker and --clients client threads against it; print a results table."""
     from batchfleet.producer import Client
 
+    try:
+        cfg = build_worker_config(**worker_kw)  # validated here, before any process starts
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
     url, private = ensure_redis(redis_url)
     click.echo(f"redis: {url}" + (" (private, started by the demo)" if private else ""))
     ns = f"{namespace}-demo-{uuid.uuid4().hex[:6]}"
@@ -71,7 +76,7 @@ def demo(redis_url: str, namespace: str, n_requests: int, clients: int, max_new_
         ttft = [r.ttft_ms for r in results]
         rows = [
             ("requests", f"{len(results)} from {clients} client threads"),
-            ("engine / mode", f"{worker_kw['engine']} / {worker_kw['mode']}"),
+            ("engine / mode", f"{cfg.engine.engine} / {cfg.engine.mode}"),
             ("max_wait_ms / max_batch_size", f"{worker_kw['max_wait_ms']:g} / {worker_kw['max_batch_size']}"),
             ("output tokens", str(tokens)),
             ("wall time", f"{wall:.2f} s"),
