@@ -1,4 +1,4 @@
-"""Subprocess workers (worker/spawn.py): kill -9 mid-batch under load, and graceful SIGTERM.
+"""Subprocess workers (common/devtools.py spawn_worker): kill -9 mid-batch under load, and graceful SIGTERM.
 
 Each request must get exactly one answer: the reply list holds one item (consumed by the client, so
 LLEN is 0 afterwards), the done marker exists, and re-runs after the crash are visible in the batch
