@@ -117,7 +117,7 @@ class NativeEngine:
             for seq in batch.seqs:
                 st: ReqState = seq.payload
                 if not st.started_at:
-                    st.started_at, st.batch_size = now, len(self.scheduler.running)
+                    st.started_at, st.batch_size = now, len(self.scheduler.running) + len(self.scheduler.prefilling)
         try:
             tokens = self.runner.run(batch)
         except BaseException:
@@ -186,7 +186,7 @@ class NativeEngine:
         c = self._counters
         c["steps"] += 1
         c["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
-        c["tokens_generated"] += len(batch.seqs)
+        c["tokens_generated"] += len(batch.sampled)  # a partial prefill chunk generates nothing
         waste = contiguous_waste((s.num_cached for s in self.scheduler.running), self.batching.max_seq_len)
         c["peak_contiguous_waste"] = max(c["peak_contiguous_waste"], waste)
 
