@@ -48,6 +48,8 @@ def test_redelivered_request_runs_alone_in_continuous_mode(redis_url, namespace,
         solo = [f for f in records if f[b"kind"] == b"solo"]
         assert solo and solo[0][b"ids"] == b"suspect" and solo[0][b"size"] == b"1"
         assert not [f for f in records if f[b"kind"] == b"join"], "nothing may join a request running alone"
+        steps = [{i for i, _ in step} for _, step in loop.engine.step_log]
+        assert all(ids == {"suspect"} for ids in steps if "suspect" in ids), "a step shared the suspect's"
         assert type(decode_reply(r.lpop(keys.reply("suspect")))).__name__ == "Result"
     finally:
         loop.stopping.set()
@@ -74,6 +76,42 @@ def test_reclaim_tells_equal_entry_ids_of_two_buckets_apart(redis_url, namespace
         assert type(decode_reply(r.lpop(keys.reply("orphan")))).__name__ == "Result"
         r.incr(keys.flush)  # close the partial static batch holding "held"
         tick_until(loop, lambda: r.exists(keys.done("held")))
+    finally:
+        loop.stopping.set()
+        loop.transport.close()
+
+
+def test_failed_prefill_step_costs_only_its_requests_in_continuous_mode(redis_url, namespace, tiny_model_dir,
+                                                                         cache_dir):
+    """A prefill step that raises while another bucket's request decodes: the engine is reset, the
+    step's request runs alone next, the bystander goes back to the batcher (not alone), both answered."""
+    cfg = worker_config(redis_url, namespace, tiny_model_dir, engine="native", mode="continuous",
+                        max_wait_ms=5, kv_cache_gb=0.02)
+    loop = build_worker(cfg)
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    real_run, raised = loop.engine.runner.run, []
+
+    def flaky(batch):
+        if batch.is_prefill and any(s.id == "poison" for s in batch.seqs) and not raised:
+            raised.append(True)
+            raise RuntimeError("simulated prefill failure")
+        return real_run(batch)
+
+    loop.engine.runner.run = flaky
+    try:
+        req = Request(id="long", prompt=[1, 10, 11], max_new_tokens=200, reply_key=keys.reply("long"),
+                      enqueued_at=time.time())
+        r.xadd(keys.stream(32), {"id": "long", "p": req.encode()})
+        tick_until(loop, lambda: loop.engine.stats()["decode_steps"] > 0)
+        enqueue(r, keys, 64, "poison", [1] + list(range(10, 50)))
+        tick_until(loop, lambda: bool(raised))
+        assert loop.requests.stage("poison") in (Stage.SOLO, Stage.RUNNING)
+        assert loop.requests.stage("long") in (Stage.QUEUED, Stage.RUNNING)  # requeued, not made to run alone
+        assert loop.engine.stats()["kv_blocks_used"] == 0 or loop.requests.stage("poison") is Stage.RUNNING
+        tick_until(loop, lambda: all(r.exists(keys.done(j)) for j in ("long", "poison")), limit=2000)
+        for job in ("long", "poison"):
+            assert type(decode_reply(r.lpop(keys.reply(job)))).__name__ == "Result"
+        assert loop.counters["internal_errors"] == 0
     finally:
         loop.stopping.set()
         loop.transport.close()

@@ -170,3 +170,12 @@ def test_padded_length_per_strategy(loaded):
     assert [bucket.padded_len(n) for n in (1, 16, 17, 64, 65, 84)] == [16, 16, 32, 64, 80, 90]
     longest = make_engine(loaded, padding="longest", prefill="padded", buckets=(16, 32, 64)).runner
     assert [longest.padded_len(n) for n in (1, 17, 84)] == [1, 17, 84]
+
+
+def test_reset_drops_a_sequence_in_the_middle_of_a_chunked_prefill(loaded):
+    engine = make_engine(loaded, max_prefill_tokens=16, max_running=4)
+    engine.add([request(0, prompt(1, 10), 30), request(1, prompt(2, 101), 8)])
+    while not engine.scheduler.prefilling:
+        engine.step()
+    engine.reset()
+    assert not engine.has_work() and engine.stats()["kv_blocks_used"] == 0 and engine.num_active() == 0

@@ -176,16 +176,18 @@ class WorkerLoop:
                 return
         room = self.max_running - self.engine.num_active()
         while room > 0 and (popped := self.batcher.pop_batch(now, limit=room)) is not None:
-            self._start(popped[1], kind="batch")
+            if not self._start(popped[1], kind="batch"):
+                return  # the engine was reset: its requests must run alone first
             room = self.max_running - self.engine.num_active() if self.continuous else 0
 
-    def _start(self, items: list[Accepted], kind: str) -> None:
+    def _start(self, items: list[Accepted], kind: str) -> bool:
+        """Hand ``items`` to the engine; False when it refused them (handled as a failed step)."""
         self.requests.start(items)
         try:
             self.engine.add([acc.gen for acc in items])
         except Exception as exc:  # refused at admission: same isolation as a failed step
-            self._engine_failed(exc)
-            return
+            self._engine_failed(exc, suspects=[acc.gen.id for acc in items])
+            return False
         self.counters["batches"] += 1
         self.counters["batched_requests"] += len(items)
         try:
@@ -196,27 +198,38 @@ class WorkerLoop:
             })
         except redis.RedisError as exc:  # the audit record is best effort; the batch runs regardless
             log.debug("batch record not written: %r", exc)
+        return True
 
     def _step(self) -> None:
         try:
             completions = self.engine.step()
         except Exception as exc:  # an engine fault must cost at most the request that caused it
-            self._engine_failed(exc)
+            # the requests of the step that raised (engines that say so); else every running one
+            self._engine_failed(exc, suspects=getattr(self.engine, "last_step_ids", None))
             return
         self._progress = time.monotonic()
         self._answer(completions)
 
-    def _engine_failed(self, exc: Exception) -> None:
-        """A failed batch is retried one request at a time; a request failing alone is released for
-        redelivery (another worker, or this one, retries it) until max_deliveries, then given up."""
-        failed = self.requests.of(Stage.RUNNING)
+    def _engine_failed(self, exc: Exception, suspects: list[str] | None = None) -> None:
+        """The engine is reset. Requests of the failed step (``suspects``; None or empty: all) are
+        retried one at a time; the others (continuous mode: other buckets' sequences that were not in
+        that step) go back to the batcher and run again as usual. A request failing alone is released
+        for redelivery (another worker, or this one, retries it) until max_deliveries, then given up."""
+        held = self.requests.of(Stage.RUNNING)
         self.alone = False
         try:
             self.engine.reset()
         except Exception:
             log.exception("engine reset failed")
-        log.error("engine step failed with %d active request(s): %r", len(failed), exc)
-        if len(failed) > 1:  # retried alone: its batchmates must not pay for a poison request
+        log.error("engine step failed with %d active request(s): %r", len(held), exc)
+        wanted = set(suspects or ()) or {acc.gen.id for acc in held}
+        failed = [acc for acc in held if acc.gen.id in wanted]
+        bystanders = [acc for acc in held if acc.gen.id not in wanted]
+        if bystanders:
+            self.requests.requeue(bystanders)
+            for acc in bystanders:
+                self.batcher.add(acc, acc.entry.bucket, acc.enqueued_at)
+        if len(held) > 1:  # retried alone: batchmates must not pay for a poison request
             self.requests.run_alone(failed)
             return
         for acc in failed:
@@ -235,6 +248,10 @@ class WorkerLoop:
         now = time.time()
         replies = []
         for c in completions:
+            if self.requests.stage(c.id) is not Stage.RUNNING:  # defensive: the engine returned a stranger
+                log.error("engine returned %s, which is not running here: ignored", c.id)
+                self.counters["internal_errors"] += 1
+                continue
             acc = self.requests.finish(c.id)
             try:
                 payload = self._encode(c, acc, now)

@@ -104,6 +104,13 @@ class RequestTable:
             self._held[Stage.SOLO][acc.gen.id] = acc
         self._publish()
 
+    def requeue(self, accs: Iterable[Accepted]) -> None:
+        """RUNNING -> QUEUED (bystanders of a failed step: the engine dropped them, they run again)."""
+        for acc in accs:
+            self._held[Stage.RUNNING].pop(acc.gen.id, None)
+            self._held[Stage.QUEUED][acc.gen.id] = acc
+        self._publish()
+
     def drop(self, job_id: str) -> Accepted | None:
         """Stop holding a request in any stage (expired, released, given up); None when not held."""
         for held in self._held.values():

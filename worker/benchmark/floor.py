@@ -50,10 +50,10 @@ def matmul_ms(engine: NativeEngine, batch: int, reps: int = 10) -> float:
 
 
 def bandwidth_gb_s(n_bytes: int = 1 << 30) -> dict[str, float]:
-    """Streaming bandwidth: ``read`` (sum of a bf16 tensor), ``copy`` (bytes copied per second)."""
-    src = torch.ones(n_bytes // 2, dtype=torch.bfloat16)
+    """Streaming bandwidth: ``read`` (sum of an fp32 tensor), ``copy`` (bytes copied per second)."""
+    src = torch.ones(n_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    read = time_ms(lambda: src.sum(dtype=torch.float32), 5)
+    read = time_ms(src.sum, 5)
     copy = time_ms(lambda: dst.copy_(src), 5)
     return {"read": round(n_bytes / read / 1e6, 1), "copy": round(n_bytes / copy / 1e6, 1)}
 

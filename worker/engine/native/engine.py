@@ -165,7 +165,8 @@ class NativeEngine:
 
     def reset(self) -> None:
         """Drop every request and free every block."""
-        self.abort([s.id for s in list(self.scheduler.running) + list(self.scheduler.waiting)])
+        s = self.scheduler
+        self.abort([q.id for q in (*s.running, *s.prefilling, *s.waiting)])
         self._errors = []
 
     # -- internals --------------------------------------------------------------------------------
