@@ -26,6 +26,7 @@ import torch
 
 from batchfleet.common.config import DEFAULT_BUCKETS, DynamicBatchingConfig, EngineConfig
 from batchfleet.common.devtools import ensure_redis
+from batchfleet.worker.benchmark.cli import parse_range
 from batchfleet.worker.benchmark.floor import step_vs_floor
 from batchfleet.worker.benchmark.loadgen import make_workload
 from batchfleet.worker.benchmark.report import machine, write_json
@@ -36,11 +37,6 @@ from batchfleet.worker.engine.models import load_model, make_preset
 from batchfleet.worker.engine.native.engine import NativeEngine
 
 HERE = Path(__file__).resolve().parent
-
-
-def span(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition("-")
-    return int(lo), int(hi or lo)
 
 
 def in_process_one_batch(model_dir: Path, workload, max_seq_len: int) -> dict:
@@ -96,7 +92,7 @@ def main(redis_url: str, vllm_python: str, n: int, clients: int, prompt_len: str
     torch.set_grad_enabled(False)
     max_seq_len = 4096
     model_dir = make_preset("bench", Path(cache_dir).expanduser() / "models", max_seq_len=max_seq_len)
-    workload = make_workload(n, span(prompt_len), span(new_tokens), seed=seed)
+    workload = make_workload(n, parse_range(prompt_len), parse_range(new_tokens), seed=seed)
     url, private = ensure_redis(redis_url)
     try:
         click.echo("fleet: one worker, default buckets and mode, through Redis ...", err=True)

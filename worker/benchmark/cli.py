@@ -18,7 +18,8 @@ from batchfleet.worker.benchmark.runner import LoadSpec, latency_probe, run_load
 from batchfleet.worker.benchmark.strategies import DEFAULT_STRATEGIES, parse_strategies, parse_strategy
 
 
-def _range(text: str) -> tuple[int, int]:
+def parse_range(text: str) -> tuple[int, int]:
+    """``LO-HI`` (or ``N``) as (LO, HI); a click usage error otherwise."""
     lo, _, hi = text.partition("-")
     a, b = int(lo), int(hi or lo)
     if not 0 < a <= b:
@@ -63,7 +64,7 @@ def bench(redis_url: str, namespace: str, strategies: str, clients: int, rate: f
             click.echo("note: the hf engine cannot join running batches; skipping continuous", err=True)
     if attach and len(plan) != 1:
         raise click.UsageError("--attach measures the fleet as it runs: give exactly one --strategies label")
-    workload = make_workload(n_requests, _range(prompt_len), _range(new_tokens), seed=seed)
+    workload = make_workload(n_requests, parse_range(prompt_len), parse_range(new_tokens), seed=seed)
     spec = LoadSpec(workload, clients=clients, rate=rate, seed=seed)
     url, private = ensure_redis(redis_url)
     log_dir = tempfile.mkdtemp(prefix="batchfleet-bench-")

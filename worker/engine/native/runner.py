@@ -89,9 +89,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:
         """Compute one step for ``batch``; return one sampled token per ``batch.sampled`` sequence."""
-        if not batch.sampled and batch.is_prefill:
-            self._prefill(batch)  # partial chunks only: KV written, nothing to sample
-            return []
+        # a step of partial prefill chunks only writes KV: logits [0, V], nothing sampled
         logits = self._prefill(batch) if batch.is_prefill else self._decode(batch)  # [len(sampled), V]
         logits = logits.float()  # like transformers' generate; argmax is also ~4x faster than on bf16
         payloads = [s.payload for s in batch.sampled]
