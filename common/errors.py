@@ -9,9 +9,10 @@ ENGINE_ERROR = "engine_error"
 WORKER_FAILED = "worker_failed"
 DEADLINE_EXCEEDED = "deadline_exceeded"
 UNSUPPORTED_SCHEMA = "unsupported_schema"
+CANCELLED = "cancelled"
 
 ERROR_CODES = frozenset(
-    {INVALID_REQUEST, PROMPT_TOO_LONG, ENGINE_ERROR, WORKER_FAILED, DEADLINE_EXCEEDED, UNSUPPORTED_SCHEMA}
+    {INVALID_REQUEST, PROMPT_TOO_LONG, ENGINE_ERROR, WORKER_FAILED, DEADLINE_EXCEEDED, UNSUPPORTED_SCHEMA, CANCELLED}
 )
 
 
@@ -31,7 +32,11 @@ class ProtocolError(BatchfleetError, ValueError):
         self.code = code
 
 
-class PromptTooLong(BatchfleetError, ValueError):
+class InvalidRequest(BatchfleetError, ValueError):
+    """Generation parameters, a prompt or a job id the fleet cannot accept; raised before anything is sent."""
+
+
+class PromptTooLong(InvalidRequest):
     """The prompt does not fit the largest bucket, or prompt + max_new_tokens > max_seq_len."""
 
 
@@ -41,6 +46,16 @@ class QueueFull(BatchfleetError):
 
 class FleetUnavailable(BatchfleetError):
     """No worker has published the fleet's tokenizer and limits under this namespace."""
+
+
+class NoWorkers(FleetUnavailable):
+    """No worker has a fresh heartbeat under this namespace, so nothing would serve the request (raised by
+    ``submit`` unless the client was made with ``require_workers=False``, for fleets that scale from zero)."""
+
+
+class RedisUnavailable(BatchfleetError, ConnectionError):
+    """Redis could not be reached (refused, frozen, timing out) for ``retry_s`` and the call had no timeout
+    of its own (with one, ``Timeout`` is raised instead)."""
 
 
 class Timeout(BatchfleetError, TimeoutError):
@@ -55,3 +70,7 @@ class JobFailed(BatchfleetError):
         self.job_id = job_id
         self.code = code
         self.message = message
+
+
+class Cancelled(JobFailed):
+    """The job was cancelled (``cancel`` or a closed stream) before it finished; code ``cancelled``."""

@@ -9,12 +9,18 @@ import re
 from dataclasses import dataclass
 
 DEFAULT_NAMESPACE = "bf"
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+# fullmatch everywhere: "$" would accept a trailing newline ("abc\n")
+_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+JOB_ID_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+INBOX_RE = re.compile(r"[A-Za-z0-9_\-]{16,64}")  # a client's inbox token: unguessable (128 random bits)
 
 
 def valid_job_id(job_id: object) -> bool:
-    return isinstance(job_id, str) and bool(JOB_ID_RE.match(job_id))
+    return isinstance(job_id, str) and bool(JOB_ID_RE.fullmatch(job_id))
+
+
+def valid_inbox(token: object) -> bool:
+    return isinstance(token, str) and bool(INBOX_RE.fullmatch(token))
 
 
 @dataclass(frozen=True)
@@ -24,7 +30,7 @@ class Keys:
     namespace: str = DEFAULT_NAMESPACE
 
     def __post_init__(self) -> None:
-        if not _NAMESPACE_RE.match(self.namespace):
+        if not isinstance(self.namespace, str) or not _NAMESPACE_RE.fullmatch(self.namespace):
             raise ValueError(f"invalid namespace {self.namespace!r}: use 1-64 chars of [A-Za-z0-9_.-]")
 
     @property
@@ -36,9 +42,32 @@ class Keys:
         """The request stream of one prompt-length bucket."""
         return f"{self.namespace}:stream:{bucket}"
 
-    def reply(self, job_id: str) -> str:
-        """List the worker pushes the encoded Result/Error onto (expires after the reply TTL)."""
-        return f"{self.namespace}:reply:{job_id}"
+    def inbox(self, token: str) -> str:
+        """One client's reply stream: workers XADD every reply (and stream delta) of the client's jobs here;
+        the client reads it with one connection and deletes what it consumed (expires after the reply TTL)."""
+        return f"{self.namespace}:inbox:{token}"
+
+    def inbox_token(self, reply_key: object) -> str | None:
+        """The token of a reply key of this namespace (``<ns>:inbox:<token>``), else None."""
+        prefix = f"{self.namespace}:inbox:"
+        if isinstance(reply_key, str) and reply_key.startswith(prefix) and valid_inbox(reply_key[len(prefix):]):
+            return reply_key[len(prefix):]
+        return None
+
+    def cancel(self, job_id: str) -> str:
+        """Cancel marker of a job (value: its reply key; expires after the reply TTL): a worker that reads the
+        job later skips it."""
+        return f"{self.namespace}:cancel:{job_id}"
+
+    @property
+    def cancels(self) -> str:
+        """Capped stream of cancel requests (id, reply key) every worker follows, for jobs it already holds."""
+        return f"{self.namespace}:cancels"
+
+    @property
+    def workers(self) -> str:
+        """Sorted set of live workers: member = worker name, score = Redis time (ms) of its last heartbeat."""
+        return f"{self.namespace}:workers"
 
     def done(self, job_id: str) -> str:
         """First-writer-wins marker: set once a reply was written, so a re-run cannot answer twice."""
@@ -46,7 +75,8 @@ class Keys:
 
     @property
     def fleet(self) -> str:
-        """Fleet description published by workers: tokenizer, buckets, limits."""
+        """Fleet description published by workers: tokenizer, buckets, limits (expires unless a live worker
+        refreshes it with its heartbeat)."""
         return f"{self.namespace}:fleet"
 
     def worker(self, name: str) -> str:

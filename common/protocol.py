@@ -1,4 +1,6 @@
-"""Wire types: Request (producer -> worker), Result and Error (worker -> producer).
+"""Wire types: Request (producer -> worker), Result, Error and Delta (worker -> producer), FleetInfo.
+
+docs/PROTOCOL.md describes the same schemas for other languages; a change here is a change there.
 
 Each is a small dataclass with explicit msgpack encode/decode, a schema version and bounded decoding:
 a payload is size-checked before unpacking and every container length is capped, so a hostile entry
@@ -16,13 +18,14 @@ import msgpack
 from batchfleet.common.errors import UNSUPPORTED_SCHEMA, ProtocolError
 from batchfleet.common.keys import valid_job_id
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: replies go to per-client inbox streams; timeouts are relative to Redis' clock
 MAX_PAYLOAD_BYTES = 1 << 20  # 1 MiB: far above 4096 token ids + stop strings
 MAX_TOKENS = 1 << 16  # prompt or completion length cap at decode time (the worker checks its own limits)
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
 MAX_TEXT_CHARS = 1 << 20
 FINISH_REASONS = ("stop", "length", "eos")
+MAX_TIMEOUT_MS = 10 * 365 * 86400 * 1000
 
 
 def _unpack(data: bytes) -> dict[str, Any]:
@@ -80,15 +83,6 @@ def _temperature(obj: dict) -> float:
     return t
 
 
-def _opt_float(obj: dict, key: str) -> float | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
-        raise ProtocolError(f"{key} must be a non-negative number or nil, got {value!r}"[:200])
-    return float(value)
-
-
 def _str(obj: dict, key: str, max_len: int = 256) -> str:
     value = obj.get(key)
     if not isinstance(value, str) or len(value) > max_len:
@@ -108,7 +102,12 @@ def _tokens(obj: dict, key: str, min_len: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Request:
-    """One generation job. ``prompt`` is token ids: producers tokenize with the fleet's tokenizer."""
+    """One generation job. ``prompt`` is token ids: producers tokenize with the fleet's tokenizer.
+
+    ``timeout_ms`` counts from the enqueue as Redis stamped it (the stream entry id), so a producer's
+    clock never matters. ``reply_key`` is the submitting client's inbox stream (``<ns>:inbox:<token>``);
+    ``stream`` asks for Delta entries there while the job runs.
+    """
 
     id: str
     prompt: list[int]
@@ -118,16 +117,16 @@ class Request:
     top_k: int = 0  # 0 = disabled
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    deadline: float | None = None  # unix time after which the answer is useless
-    enqueued_at: float = 0.0  # unix time the producer enqueued it
+    timeout_ms: int | None = None  # after enqueue + timeout_ms the answer is useless (deadline_exceeded)
     reply_key: str = ""
+    stream: bool = False
 
     def encode(self) -> bytes:
         return _pack({
             "id": self.id, "prompt": list(self.prompt), "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-            "stop": list(self.stop), "deadline": self.deadline, "enqueued_at": self.enqueued_at,
-            "reply_key": self.reply_key,
+            "stop": list(self.stop), "timeout_ms": self.timeout_ms, "reply_key": self.reply_key,
+            "stream": self.stream,
         })
 
     @classmethod
@@ -146,6 +145,12 @@ class Request:
         seed = obj.get("seed")
         if seed is not None:
             seed = _int(obj, "seed", 0, 2**63 - 1)
+        timeout_ms = obj.get("timeout_ms")
+        if timeout_ms is not None:
+            timeout_ms = _int(obj, "timeout_ms", 0, MAX_TIMEOUT_MS)
+        stream = obj.get("stream", False)
+        if type(stream) is not bool:
+            raise ProtocolError(f"stream must be a boolean, got {stream!r}"[:200])
         return cls(
             id=job_id,
             prompt=_tokens(obj, "prompt", 1),
@@ -155,9 +160,9 @@ class Request:
             top_k=_int(obj, "top_k", 0, 1 << 20, 0),
             seed=seed,
             stop=tuple(stop),
-            deadline=_opt_float(obj, "deadline"),
-            enqueued_at=_float(obj, "enqueued_at", 0.0, 1e11, 0.0),
+            timeout_ms=timeout_ms,
             reply_key=_str(obj, "reply_key"),
+            stream=stream,
         )
 
 
@@ -200,12 +205,34 @@ class Error:
         return _pack({"kind": "error", "id": self.id, "code": self.code, "message": self.message[:2000]})
 
 
-def decode_reply(data: bytes) -> Result | Error:
-    """Decode what a worker pushed to a reply key."""
+@dataclass(frozen=True)
+class Delta:
+    """Text generated since the previous Delta of a streamed job (``seq`` counts from 0).
+
+    Deltas never split a UTF-8 character and concatenate to a prefix of the final ``Result.text``; the
+    client yields the rest of that text when the Result arrives. ``token_ids`` are the tokens sampled
+    since the previous Delta (their text may be held back while it is an incomplete character or could
+    still start a stop string).
+    """
+
+    id: str
+    seq: int
+    text: str
+    token_ids: list[int]
+
+    def encode(self) -> bytes:
+        return _pack({"kind": "delta", "id": self.id, "seq": self.seq, "text": self.text,
+                      "token_ids": list(self.token_ids)})
+
+
+def decode_reply(data: bytes) -> Result | Error | Delta:
+    """Decode what a worker wrote to an inbox (the ``p`` field of an inbox entry)."""
     obj = _unpack(data)
     kind = obj.get("kind")
     if kind == "error":
         return Error(id=obj["id"], code=obj["code"], message=obj["message"])
+    if kind == "delta":
+        return Delta(id=obj["id"], seq=obj["seq"], text=obj["text"], token_ids=list(obj["token_ids"]))
     if kind != "result":
         raise ProtocolError(f"unknown reply kind {kind!r}")
     return Result(
@@ -228,13 +255,18 @@ class FleetInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_queue_len: int = 0  # per-bucket stream length at which producers get QueueFull; 0 = unbounded
+    chat_template: str = ""  # Jinja2 chat template (HF semantics); producers render messages with it
+    bos_token: str = ""  # the template's ``bos_token`` / ``eos_token`` variables
+    eos_token: str = ""
+    fingerprint: str = ""  # hash of model, tokenizer and buckets: workers that differ refuse to join
 
     def encode(self) -> bytes:
         return _pack({
             "model": self.model, "tokenizer_json": self.tokenizer_json, "buckets": list(self.buckets),
             "max_seq_len": self.max_seq_len, "max_batch_size": self.max_batch_size,
             "vocab_size": self.vocab_size, "eos_token_ids": list(self.eos_token_ids),
-            "max_queue_len": self.max_queue_len,
+            "max_queue_len": self.max_queue_len, "chat_template": self.chat_template,
+            "bos_token": self.bos_token, "eos_token": self.eos_token, "fingerprint": self.fingerprint,
         })
 
     @classmethod
@@ -244,5 +276,7 @@ class FleetInfo:
             model=obj["model"], tokenizer_json=obj["tokenizer_json"], buckets=tuple(obj["buckets"]),
             max_seq_len=obj["max_seq_len"], max_batch_size=obj["max_batch_size"],
             vocab_size=obj["vocab_size"], eos_token_ids=tuple(obj["eos_token_ids"]),
-            max_queue_len=obj.get("max_queue_len", 0),
+            max_queue_len=obj.get("max_queue_len", 0), chat_template=obj.get("chat_template") or "",
+            bos_token=obj.get("bos_token") or "", eos_token=obj.get("eos_token") or "",
+            fingerprint=obj.get("fingerprint") or "",
         )

@@ -1,0 +1,66 @@
+"""The server-side code producers call: enqueue and cancel, as Lua run inside Redis.
+
+On Redis 7+ a worker (or an admin, see docs/SECURITY.md) loads them once as the function library
+``batchfleet`` and producers call them with ``FCALL``, so a producer's ACL user needs no ``EVAL``: it can
+run these two functions and nothing else of Lua. On Redis 6.2 (no functions) producers send the same
+bodies with ``EVALSHA``. One body each, used both ways.
+
+Both run with the caller's ACL permissions (Redis has no "run as definer"): whatever a function writes,
+its caller may also write directly. docs/SECURITY.md says what that means for untrusted producers.
+"""
+
+from __future__ import annotations
+
+LIBRARY_NAME = "batchfleet"
+LIVE_WORKER_MS = 30_000  # a worker whose last heartbeat (Redis time) is older than this is gone
+CANCELS_MAXLEN = 10_000
+
+# KEYS: stream, workers (zset). ARGV: max_len (0 = unbounded), job id, reply key, payload, max payload bytes,
+# require workers ('1'/'0'), live worker window (ms).
+# Returns 1 enqueued, 0 queue full, -1 no live worker, -2 payload too large. The entry's id is Redis' clock.
+ENQUEUE = """
+if string.len(ARGV[4]) > tonumber(ARGV[5]) then return -2 end
+if ARGV[6] == '1' then
+  local t = redis.call('TIME')
+  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if redis.call('ZCOUNT', KEYS[2], now_ms - tonumber(ARGV[7]), '+inf') == 0 then return -1 end
+end
+local max_len = tonumber(ARGV[1])
+if max_len > 0 and redis.call('XLEN', KEYS[1]) >= max_len then return 0 end
+redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'r', ARGV[3], 'p', ARGV[4])
+return 1
+"""
+
+# KEYS: cancel marker, cancels stream. ARGV: job id, reply key, ttl seconds, cancels maxlen.
+# The marker stops a worker that reads the job later; the stream entry reaches workers already holding it.
+# Workers honour a cancel only when its reply key is the job's own (only the submitter knows it).
+CANCEL = """
+redis.call('SET', KEYS[1], ARGV[2], 'EX', tonumber(ARGV[3]))
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', tonumber(ARGV[4]), '*', 'id', ARGV[1], 'r', ARGV[2])
+return 1
+"""
+
+BODIES = {"enqueue": ENQUEUE, "cancel": CANCEL}
+FUNCTION_NAMES = {name: f"bf_{name}_v1" for name in BODIES}  # bump with an incompatible body change
+
+
+def library_code() -> str:
+    """The ``FUNCTION LOAD`` source: every body registered under its versioned name."""
+    parts = [f"#!lua name={LIBRARY_NAME}"]
+    for name, body in BODIES.items():
+        parts.append(f"local function {name}(KEYS, ARGV)\n{body.strip()}\nend")
+        parts.append(f"redis.register_function('{FUNCTION_NAMES[name]}', {name})")
+    return "\n".join(parts) + "\n"
+
+
+def load_library(r) -> bool:
+    """Load (or replace) the library with a sync redis-py client; False on a Redis without functions (< 7)."""
+    import redis
+
+    try:
+        r.execute_command("FUNCTION", "LOAD", "REPLACE", library_code())
+    except redis.ResponseError as exc:
+        if "unknown command" in str(exc).lower():
+            return False
+        raise
+    return True
