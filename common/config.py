@@ -208,6 +208,8 @@ class WorkerConfig:
     batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     reply_ttl_s: int = field(default=3600, metadata=option("Seconds a reply waits for its client.", flag="reply-ttl"))
+    stream_interval_ms: float = field(default=20.0, metadata=option(
+        "Streamed requests: at most one text delta per request this often (each costs one Redis write)."))
     # per bucket; published so producers refuse (QueueFull) beyond it
     max_queue_len: int = field(default=10_000, metadata=option(
         "Per-bucket queue length at which producers get QueueFull (0 = unbounded)."))
@@ -225,6 +227,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.reply_ttl_s < 1:
             raise ConfigError("reply_ttl_s must be >= 1")
+        if not self.stream_interval_ms >= 0:
+            raise ConfigError("stream_interval_ms must be >= 0")
         if self.max_queue_len < 0:
             raise ConfigError("max_queue_len must be >= 0")
         if self.claim_idle_ms < 100:

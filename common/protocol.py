@@ -217,11 +217,12 @@ class Delta:
 
     id: str
     seq: int
+    offset: int  # where ``text`` starts in the final text: a re-run's repeated deltas are recognised by it
     text: str
     token_ids: list[int]
 
     def encode(self) -> bytes:
-        return _pack({"kind": "delta", "id": self.id, "seq": self.seq, "text": self.text,
+        return _pack({"kind": "delta", "id": self.id, "seq": self.seq, "offset": self.offset, "text": self.text,
                       "token_ids": list(self.token_ids)})
 
 
@@ -232,7 +233,8 @@ def decode_reply(data: bytes) -> Result | Error | Delta:
     if kind == "error":
         return Error(id=obj["id"], code=obj["code"], message=obj["message"])
     if kind == "delta":
-        return Delta(id=obj["id"], seq=obj["seq"], text=obj["text"], token_ids=list(obj["token_ids"]))
+        return Delta(id=obj["id"], seq=obj["seq"], offset=obj["offset"], text=obj["text"],
+                     token_ids=list(obj["token_ids"]))
     if kind != "result":
         raise ProtocolError(f"unknown reply kind {kind!r}")
     return Result(

@@ -5,10 +5,22 @@
     result = client.generate("Hello", max_new_tokens=32)
 """
 
-from batchfleet.common.errors import FleetUnavailable, JobFailed, PromptTooLong, QueueFull, Timeout
-from batchfleet.common.protocol import Result
+from batchfleet.common.errors import (
+    Cancelled,
+    FleetUnavailable,
+    InvalidRequest,
+    JobFailed,
+    NoWorkers,
+    PromptTooLong,
+    QueueFull,
+    RedisUnavailable,
+    Timeout,
+)
+from batchfleet.common.protocol import Delta, Result
 from batchfleet.producer.aclient import AsyncClient
-from batchfleet.producer.client import Client
+from batchfleet.producer.client import Client, TokenStream
+from batchfleet.producer.stream import AsyncTokenStream
 
-__all__ = ["AsyncClient", "Client", "FleetUnavailable", "JobFailed", "PromptTooLong", "QueueFull", "Result",
-           "Timeout"]
+__all__ = ["AsyncClient", "AsyncTokenStream", "Cancelled", "Client", "Delta", "FleetUnavailable", "InvalidRequest",
+           "JobFailed", "NoWorkers", "PromptTooLong", "QueueFull", "RedisUnavailable", "Result", "Timeout",
+           "TokenStream"]

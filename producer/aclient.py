@@ -1,91 +1,239 @@
-"""asyncio client with the same API as Client, for async web backends."""
+"""The asyncio client, for async web backends; the sync ``Client`` runs one of these on its own thread.
+
+Connections: one pool of at most ``max_connections`` (enqueue, cancel, fleet reads; callers queue for a
+connection instead of failing) plus the inbox reader's own, whatever the number of jobs in flight.
+Every call honours its ``timeout`` whatever Redis does (frozen, refusing, slow): each Redis call is
+bounded by what is left of it, connection errors are retried with capped backoff until it passes, then
+``Timeout``; a call without a timeout retries for ``retry_s``, then raises ``RedisUnavailable``.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import redis
 import redis.asyncio as aredis
 
+from batchfleet.common.config import connection_from_env
+from batchfleet.common.errors import InvalidRequest, RedisUnavailable, Timeout
+from batchfleet.common.functions import BODIES, CANCELS_MAXLEN, FUNCTION_NAMES, LIVE_WORKER_MS
+from batchfleet.common.keys import valid_inbox
 from batchfleet.common.protocol import Result
-from batchfleet.common.retry import TRANSIENT
-from batchfleet.producer.base import ClientBase
-from batchfleet.producer.core import RETRY_S, FleetView, Params, Prompt
-from batchfleet.producer.plan import ResultWait, RetryPlan, retry_deadline, time_left
+from batchfleet.common.retry import TRANSIENT, Backoff
+from batchfleet.producer.core import RETRY_S, Deadline, FleetView, Outgoing, Params, Prompt
+from batchfleet.producer.inbox import Inbox, WaitExpired
+from batchfleet.producer.stream import AsyncTokenStream
 
+log = logging.getLogger("producer")
 T = TypeVar("T")
 
+CANCEL_TTL_S = 3600  # a cancel marker outlives any queue wait worth having
+LIVENESS_CHECK_S = 0.3  # budget of the "how many workers are alive" question a Timeout message asks
 
-class AsyncClient(ClientBase):
-    """``await client.generate(prompt)``; safe for many concurrent tasks on one instance.
 
-    The same API, arguments, errors and retry semantics as Client (both follow producer/plan.py).
+class AsyncClient:
+    """``await client.generate(prompt)``; safe for any number of concurrent tasks on one instance.
+
+    Args:
+        redis_url: defaults to $BATCHFLEET_REDIS_URL, else redis://127.0.0.1:6379/0.
+        namespace: defaults to $BATCHFLEET_NAMESPACE, else ``bf``.
+        retry_s: how long a call without a ``timeout`` keeps retrying through a Redis outage before it
+            raises ``RedisUnavailable`` (a call with a timeout retries until the timeout: ``Timeout``).
+        inbox: this client's inbox token (16-64 chars of [A-Za-z0-9_-]); default: 192 random bits. Reuse
+            one (keep it secret) to collect, after a restart, replies of jobs submitted before it.
+        require_workers: submit raises ``NoWorkers`` when no worker has a fresh heartbeat; False enqueues
+            anyway (fleets that scale from zero), using the last fleet description seen.
+        max_connections: the pool's size (the inbox reader has one more connection of its own).
     """
 
-    def __init__(self, redis_url: str | None = None, namespace: str | None = None, retry_s: float = RETRY_S) -> None:
-        super().__init__(aredis.Redis, asyncio.Lock(), redis_url, namespace, retry_s)
+    def __init__(self, redis_url: str | None = None, namespace: str | None = None, retry_s: float = RETRY_S,
+                 *, inbox: str | None = None, require_workers: bool = True, max_connections: int = 4) -> None:
+        self.conn = connection_from_env(redis_url, namespace)
+        self.keys = self.conn.keys
+        token = inbox or secrets.token_urlsafe(24)
+        if not valid_inbox(token):
+            raise InvalidRequest("inbox must be 16-64 chars of [A-Za-z0-9_-]")
+        if max_connections < 1:
+            raise InvalidRequest("max_connections must be >= 1")
+        self.retry_s = retry_s
+        self.require_workers = require_workers
+        kwargs: dict[str, Any] = {"socket_timeout": self.conn.socket_timeout_s, "decode_responses": False,
+                                  "socket_connect_timeout": min(self.conn.socket_timeout_s, 5.0)}
+        self.r = aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(
+            self.conn.redis_url, max_connections=max_connections, timeout=None, **kwargs))
+        reader = aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(
+            self.conn.redis_url, max_connections=1, timeout=None, **kwargs))
+        self._backoff = Backoff(log, "redis", min_s=0.05, max_s=2.0)
+        # the reader blocks at most half the socket timeout, so a healthy idle wait never times out
+        self.inbox = Inbox(reader, self.r, self.keys.inbox(token), int(self.conn.socket_timeout_s * 500),
+                           self._backoff)
+        self._fleet = FleetView()
+        self._fleet_lock = asyncio.Lock()
+        self._scripts = {name: self.r.register_script(body) for name, body in BODIES.items()}
+        self._functions = True  # False once Redis says it has no FCALL (< 7)
 
-    async def _retry(self, call: Callable[[], Awaitable[T]], deadline: float | None) -> T:
-        """Await ``call()``; on a connection error back off and retry until ``deadline`` (monotonic)."""
-        plan = RetryPlan(self._backoff, deadline)
+    @property
+    def reply_key(self) -> str:
+        """This client's inbox stream: workers write every answer to its jobs there."""
+        return self.inbox.key
+
+    # ---- Redis calls, bounded ----------------------------------------------------------------------
+    async def _io(self, call: Callable[[], Awaitable[T]], deadline: Deadline, what: str) -> T:
+        """``call()`` within the deadline, retrying connection errors with backoff (see the class doc)."""
+        give_up = None if deadline.timeout is not None else time.monotonic() + self.retry_s
+        fresh = True  # a pooled connection Redis closed (a restart) fails once: retried at once, not an outage
         while True:
+            left = deadline.left()
+            if left == 0:
+                raise Timeout(f"{what}: Redis did not answer within {deadline.timeout:g} s")
             try:
-                out = await call()
+                out = await asyncio.wait_for(call(), left)
+            except asyncio.TimeoutError:
+                raise Timeout(f"{what}: Redis did not answer within {deadline.timeout:g} s") from None
             except TRANSIENT as exc:
-                await asyncio.sleep(plan.failed(exc))
+                if fresh:
+                    fresh = False
+                    continue
+                delay = self._backoff.failed(exc)
+                if give_up is not None:
+                    if time.monotonic() >= give_up:
+                        raise RedisUnavailable(f"{what}: Redis at {self.conn.redis_url.split('@')[-1]} unreachable "
+                                               f"for {self.retry_s:g} s ({type(exc).__name__}: {exc})") from None
+                    delay = min(delay, give_up - time.monotonic())
+                await asyncio.sleep(deadline.sooner(max(0.0, delay)))
                 continue
-            plan.succeeded()
+            self._backoff.ok()
             return out
 
-    async def fleet(self) -> FleetView:
-        """The fleet description workers published (tokenizer, buckets, limits)."""
+    async def _function(self, name: str, keys: list[str], args: list) -> Any:
+        """FCALL of a library function; EVALSHA of the same body where Redis has no functions (6.2) or the
+        library is not loaded yet."""
+        if self._functions:
+            try:
+                return await self.r.fcall(FUNCTION_NAMES[name], len(keys), *keys, *args)
+            except redis.ResponseError as exc:
+                msg = str(exc).lower()
+                if "unknown command" in msg:
+                    self._functions = False
+                elif "function not found" not in msg:
+                    raise
+        return await self._scripts[name](keys=keys, args=args)
+
+    # ---- the API -----------------------------------------------------------------------------------
+    async def fleet(self, timeout: float | None = None) -> FleetView:
+        """The fleet description workers published (tokenizer, chat template, buckets, limits)."""
+        return await self._fleet_view(Deadline(timeout))
+
+    async def _fleet_view(self, deadline: Deadline) -> FleetView:
         if self._fleet.stale():
-            async with self._lock:
+            async with self._fleet_lock:
                 if self._fleet.stale():
-                    raw = await self._retry(lambda: self.r.get(self.keys.fleet), retry_deadline(self.retry_s))
-                    self._fleet.update(raw)
+                    raw = await self._io(lambda: self.r.get(self.keys.fleet), deadline, "fleet description")
+                    if raw is not None or self.require_workers:
+                        self._fleet.update(raw)
         return self._fleet.require(self.keys)
 
     async def submit(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
-                     **params) -> str:
-        """Enqueue one prompt; returns its job id (see Client.submit)."""
-        job = (await self.fleet()).build(self.keys, prompt, Params(**params), timeout, job_id)
-        ok = await self._retry(lambda: self._enqueue(keys=[job.stream], args=job.script_args()),
-                               retry_deadline(self.retry_s, timeout))
-        return job.accepted(ok)
+                     stream: bool = False, **params: Any) -> str:
+        """Enqueue one prompt; returns its job id. Raises InvalidRequest / PromptTooLong / QueueFull /
+        NoWorkers before anything runs. ``timeout`` (s) bounds this call and is the job's deadline."""
+        job = await self._submit(prompt, Deadline(timeout), job_id, stream, Params.of(params))
+        return job.id
+
+    async def _submit(self, prompt: Prompt, deadline: Deadline, job_id: str | None, stream: bool,
+                      params: Params) -> Outgoing:
+        fleet = await self._fleet_view(deadline)
+        job = fleet.build(self.keys, self.inbox.key, prompt, params, deadline.left(), job_id, stream)
+        self.inbox.expect(job.id, stream)
+        try:
+            code = await self._io(
+                lambda: self._function("enqueue", [job.stream, self.keys.workers],
+                                       job.args(self.require_workers, LIVE_WORKER_MS)),
+                deadline, f"enqueue of job {job.id}")
+            job.accepted(code, self.keys.namespace)
+        except BaseException:
+            self.inbox.abandon(job.id)
+            raise
+        return job
 
     async def result(self, job_id: str, timeout: float | None = None) -> Result:
-        """Wait for a job's result, reconnecting through Redis outages until ``timeout`` (see Client.result)."""
-        wait = ResultWait(job_id, timeout, self.conn.socket_timeout_s / 2, self._backoff)
-        while True:
-            pop_s = wait.next_pop_s()
-            try:
-                got = await self.r.blpop([self.keys.reply(job_id)], timeout=pop_s)
-            except TRANSIENT as exc:
-                await asyncio.sleep(wait.failed(exc))
-                continue
-            if (result := wait.popped(got)) is not None:
-                return result
+        """Wait for the result of a job this client submitted (or one submitted under the same inbox).
+        Raises Timeout, Cancelled or JobFailed. Survives Redis restarts and dropped connections."""
+        deadline = Deadline(timeout)
+        try:
+            return await self.inbox.final(job_id, deadline)
+        except WaitExpired:
+            raise Timeout(f"no result for job {job_id} within {deadline.timeout:g} s; "
+                          f"{await self._liveness()}") from None
 
-    async def generate(self, prompt: Prompt, *, timeout: float | None = None, **params) -> Result:
-        """Submit and wait; ``timeout`` (s) is also the request's deadline."""
-        start = time.monotonic()
-        job_id = await self.submit(prompt, timeout=timeout, **params)
-        return await self.result(job_id, timeout=time_left(start, timeout))
+    async def generate(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Result:
+        """Submit and wait. ``timeout`` (s) bounds the whole call and is also the job's deadline."""
+        deadline = Deadline(timeout)
+        job = await self._submit(prompt, deadline, None, False, Params.of(params))
+        return await self.result(job.id, deadline.left())
+
+    def stream(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
+               **params: Any) -> AsyncTokenStream:
+        """``async for delta in client.stream(prompt)``: text deltas as they are generated, then
+        ``stream.result``. Closing it early (``aclose``, leaving ``async with``) cancels the job."""
+        return AsyncTokenStream(self, prompt, timeout, job_id, params)
 
     async def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,
-                            **params) -> list[Result]:
-        """Validate every prompt first (PromptTooLong before anything is sent), then enqueue and gather."""
-        jobs = (await self.fleet()).build_many(self.keys, prompts, Params(**params), timeout)
-        ids = [await self.submit(job.request.prompt, timeout=timeout, job_id=job.id, **params) for job in jobs]
-        return list(await asyncio.gather(*(self.result(i, timeout=timeout) for i in ids)))
+                            **params: Any) -> list[Result]:
+        """Validate every prompt first (nothing is sent if one is bad), enqueue all, gather in order."""
+        deadline = Deadline(timeout)
+        fleet = await self._fleet_view(deadline)
+        p = Params.of(params)
+        for prompt in prompts:  # raises before anything is sent
+            fleet.build(self.keys, self.inbox.key, prompt, p, None, None)
+        jobs = await asyncio.gather(*(self._submit(x, deadline, None, False, p) for x in prompts),
+                                    return_exceptions=True)
+        failed = [j for j in jobs if isinstance(j, BaseException)]
+        if failed:
+            for j in jobs:
+                if isinstance(j, Outgoing):
+                    self.inbox.abandon(j.id)
+            raise failed[0]
+        return list(await asyncio.gather(*(self.result(j.id, deadline.left()) for j in jobs)))
+
+    async def cancel(self, job_id: str, timeout: float | None = 5.0) -> None:
+        """Ask the fleet to stop a job this client submitted: a queued job is skipped, a running one leaves
+        its batch at the next step (its KV blocks are freed); it is answered once with ``cancelled``."""
+        await self._io(lambda: self._function("cancel", [self.keys.cancel(job_id), self.keys.cancels],
+                                              [job_id, self.inbox.key, CANCEL_TTL_S, CANCELS_MAXLEN]),
+                       Deadline(timeout), f"cancel of job {job_id}")
+
+    async def live_workers(self, timeout: float = 1.0) -> int:
+        """Workers with a fresh heartbeat (Redis' clock)."""
+        async def count() -> int:
+            sec, usec = await self.r.time()
+            return await self.r.zcount(self.keys.workers, int(sec) * 1000 + int(usec) // 1000 - LIVE_WORKER_MS,
+                                       "+inf")
+        return await self._io(count, Deadline(timeout), "live workers")
+
+    async def _liveness(self) -> str:
+        try:
+            n = await self.live_workers(LIVENESS_CHECK_S)
+        except Exception:
+            return "Redis did not say whether any worker is alive"
+        return f"{n} live worker(s)" if n else "no live worker (none sent a heartbeat recently)"
+
     async def aclose(self) -> None:
-        await self.r.aclose()
+        """Stop the inbox reader and close the connections (bounded: a dead Redis cannot hold it up)."""
+        await self.inbox.close()
+        for r in (self.inbox.reader, self.r):
+            try:
+                await asyncio.wait_for(r.aclose(), 2.0)
+            except (asyncio.TimeoutError, redis.RedisError, OSError):
+                pass
 
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()

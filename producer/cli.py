@@ -8,9 +8,12 @@ from dataclasses import asdict
 
 import click
 import msgpack
+import redis
 
 from batchfleet.common.cli import connection_options
+from batchfleet.common.config import connection_from_env
 from batchfleet.common.errors import BatchfleetError
+from batchfleet.common.protocol import FleetInfo
 from batchfleet.producer.bulk import read_jsonl, run_bulk
 from batchfleet.producer.client import Client
 
@@ -90,14 +93,14 @@ def bulk(redis_url: str, namespace: str, prompts, output, window: int, timeout: 
 @connection_options
 def status(redis_url: str, namespace: str) -> None:
     """Show live workers and queue lengths of a namespace."""
-    client = Client(redis_url, namespace)
-    keys = client.keys
-    r = client.r
+    conn = connection_from_env(redis_url, namespace)
+    keys = conn.keys
+    r = redis.Redis.from_url(conn.redis_url, socket_timeout=conn.socket_timeout_s)
     fleet = r.get(keys.fleet)
     if fleet is None:
         click.echo(f"no fleet published under namespace {namespace!r}")
         return
-    info = client.fleet().info
+    info = FleetInfo.decode(fleet)
     click.echo(f"model {info.model}  buckets {list(info.buckets)}  max_seq_len {info.max_seq_len}")
     for b in info.buckets:
         click.echo(f"  stream {keys.stream(b)}: {r.xlen(keys.stream(b))} entries")
@@ -105,4 +108,4 @@ def status(redis_url: str, namespace: str) -> None:
         raw = r.get(key)
         if raw:
             click.echo(f"  worker {json.dumps(msgpack.unpackb(raw, raw=False), default=str)}")
-    client.close()
+    r.close()

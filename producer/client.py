@@ -1,112 +1,155 @@
-"""Thread-safe synchronous client: many threads may call ``generate`` on one instance at once."""
+"""The blocking client: the AsyncClient's API for threads and scripts, over one private event loop.
+
+Every call runs as a coroutine of one ``AsyncClient`` on a daemon thread's event loop, so the sync and
+async clients share one implementation (retries, timeouts, the inbox reader) and a process with 500
+threads calling ``generate`` still uses the AsyncClient's few connections.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import threading
-import time
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Coroutine, Iterator, Sequence
+from typing import Any, TypeVar
 
-import redis
-
-from batchfleet.common.protocol import Result
-from batchfleet.common.retry import TRANSIENT
-from batchfleet.producer.base import ClientBase
-from batchfleet.producer.core import RETRY_S, FleetView, Params, Prompt
-from batchfleet.producer.plan import ResultWait, RetryPlan, retry_deadline, time_left
+from batchfleet.common.protocol import Delta, Result
+from batchfleet.producer.aclient import AsyncClient
+from batchfleet.producer.core import RETRY_S, FleetView, Prompt
+from batchfleet.producer.stream import AsyncTokenStream
 
 T = TypeVar("T")
 
 
-class Client(ClientBase):
-    """Submit prompts to a batchfleet and wait for results.
+class _Loop:
+    """An event loop on a daemon thread; ``run`` executes a coroutine there and waits for its outcome."""
 
-    Args:
-        redis_url: defaults to $BATCHFLEET_REDIS_URL, else redis://127.0.0.1:6379/0.
-        namespace: defaults to $BATCHFLEET_NAMESPACE, else ``bf``.
-        retry_s: how long ``submit``/``fleet`` keep retrying through a Redis outage (capped exponential
-            backoff) before raising the connection error; ``result`` retries until its own timeout.
-    """
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="batchfleet-client", daemon=True)
+        self.thread.start()
 
-    def __init__(self, redis_url: str | None = None, namespace: str | None = None, retry_s: float = RETRY_S) -> None:
-        super().__init__(redis.Redis, threading.Lock(), redis_url, namespace, retry_s)
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except BaseException:  # KeyboardInterrupt in the caller: do not leave the coroutine running
+            future.cancel()
+            raise
 
-    def _retry(self, call: Callable[[], T], deadline: float | None) -> T:
-        """Run ``call``; on a connection error back off and retry until ``deadline`` (monotonic)."""
-        plan = RetryPlan(self._backoff, deadline)
-        while True:
-            try:
-                out = call()
-            except TRANSIENT as exc:
-                time.sleep(plan.failed(exc))
-                continue
-            plan.succeeded()
-            return out
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        if not self.thread.is_alive():
+            self.loop.close()
 
-    def fleet(self) -> FleetView:
-        """The fleet description workers published (tokenizer, buckets, limits)."""
-        if self._fleet.stale():
-            with self._lock:
-                if self._fleet.stale():
-                    self._fleet.update(self._retry(lambda: self.r.get(self.keys.fleet), retry_deadline(self.retry_s)))
-        return self._fleet.require(self.keys)
 
-    def submit(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
-               **params) -> str:
-        """Enqueue one prompt; returns its job id. Raises PromptTooLong / QueueFull before enqueueing.
+class TokenStream:
+    """``for delta in client.stream(prompt)``; ``.result`` once exhausted; ``close()`` cancels the job."""
 
-        Connection errors are retried for ``retry_s`` (bounded by ``timeout``). A retry after a reply
-        was lost in flight may enqueue the job twice: workers answer it once (first writer wins).
-        """
-        job = self.fleet().build(self.keys, prompt, Params(**params), timeout, job_id)
-        ok = self._retry(lambda: self._enqueue(keys=[job.stream], args=job.script_args()),
-                         retry_deadline(self.retry_s, timeout))
-        return job.accepted(ok)
+    def __init__(self, loop: _Loop, inner: AsyncTokenStream) -> None:
+        self._loop = loop
+        self._inner = inner
 
-    def result(self, job_id: str, timeout: float | None = None) -> Result:
-        """Wait for a job's result (once: the reply is consumed). Raises Timeout or JobFailed.
+    @property
+    def job_id(self) -> str | None:
+        return self._inner.job_id
 
-        Survives Redis restarts and dropped connections while waiting: it reconnects with capped backoff
-        until ``timeout``. (A reply lost with Redis' data never comes: resubmit after Timeout.)
-        """
-        wait = ResultWait(job_id, timeout, self.conn.socket_timeout_s / 2, self._backoff)
-        while True:
-            pop_s = wait.next_pop_s()
-            try:
-                got = self.r.blpop([self.keys.reply(job_id)], timeout=pop_s)
-            except TRANSIENT as exc:
-                time.sleep(wait.failed(exc))
-                continue
-            if (result := wait.popped(got)) is not None:
-                return result
+    @property
+    def result(self) -> Result | None:
+        return self._inner.result
 
-    def generate(self, prompt: Prompt, *, timeout: float | None = None, **params) -> Result:
-        """Submit and wait. ``timeout`` (s) is also the request's deadline: a worker skips it once expired."""
-        start = time.monotonic()
-        job_id = self.submit(prompt, timeout=timeout, **params)
-        return self.result(job_id, timeout=time_left(start, timeout))
+    @property
+    def text(self) -> str:
+        return self._inner.text
 
-    def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None, **params) -> list[Result]:
-        """Submit all prompts at once (so they can share batches), then collect results in order."""
-        jobs = self.fleet().build_many(self.keys, prompts, Params(**params), timeout)
+    def start(self) -> TokenStream:
+        """Submit now (else the first ``next`` does); raises what ``submit`` raises."""
+        self._loop.run(self._inner.start())
+        return self
 
-        def enqueue_all() -> list:
-            pipe = self.r.pipeline(transaction=False)
-            for job in jobs:
-                self._enqueue(keys=[job.stream], args=job.script_args(), client=pipe)
-            return pipe.execute()
+    def __iter__(self) -> Iterator[Delta]:
+        return self
 
-        start = time.monotonic()
-        for job, ok in zip(jobs, self._retry(enqueue_all, retry_deadline(self.retry_s, timeout))):
-            job.accepted(ok, in_batch=True)
-        # one deadline for the whole call: each wait gets what is left of it
-        return [self.result(job.id, timeout=time_left(start, timeout)) for job in jobs]
+    def __next__(self) -> Delta:
+        try:
+            return self._loop.run(self._inner.__anext__())
+        except StopAsyncIteration:
+            raise StopIteration from None
 
     def close(self) -> None:
-        self.r.close()
+        self._loop.run(self._inner.aclose())
+
+    def __enter__(self) -> TokenStream:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Client:
+    """Submit prompts to a batchfleet and wait for results; thread-safe. Same arguments, errors and
+    semantics as ``AsyncClient`` (see its docstring), blocking."""
+
+    def __init__(self, redis_url: str | None = None, namespace: str | None = None, retry_s: float = RETRY_S,
+                 *, inbox: str | None = None, require_workers: bool = True, max_connections: int = 4) -> None:
+        self._loop = _Loop()
+
+        async def make() -> AsyncClient:  # built on its loop (asyncio objects belong to one loop)
+            return AsyncClient(redis_url, namespace, retry_s, inbox=inbox, require_workers=require_workers,
+                               max_connections=max_connections)
+
+        try:
+            self._async = self._loop.run(make())
+        except BaseException:
+            self._loop.stop()
+            raise
+        self.keys = self._async.keys
+        self.conn = self._async.conn
+
+    @property
+    def reply_key(self) -> str:
+        return self._async.reply_key
+
+    def fleet(self, timeout: float | None = None) -> FleetView:
+        return self._loop.run(self._async.fleet(timeout))
+
+    def submit(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
+               stream: bool = False, **params: Any) -> str:
+        """Enqueue one prompt; returns its job id (see AsyncClient.submit)."""
+        return self._loop.run(self._async.submit(prompt, timeout=timeout, job_id=job_id, stream=stream, **params))
+
+    def result(self, job_id: str, timeout: float | None = None) -> Result:
+        """Wait for a job's result (see AsyncClient.result)."""
+        return self._loop.run(self._async.result(job_id, timeout))
+
+    def generate(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Result:
+        """Submit and wait; ``timeout`` (s) bounds the call and is the job's deadline."""
+        return self._loop.run(self._async.generate(prompt, timeout=timeout, **params))
+
+    def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None, **params: Any) -> list[Result]:
+        """Submit all prompts at once (so they can share batches), then collect results in order."""
+        return self._loop.run(self._async.generate_many(prompts, timeout=timeout, **params))
+
+    def stream(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
+               **params: Any) -> TokenStream:
+        """Text deltas as they are generated (see AsyncClient.stream); ``close()`` early cancels."""
+        return TokenStream(self._loop, self._async.stream(prompt, timeout=timeout, job_id=job_id, **params))
+
+    def cancel(self, job_id: str, timeout: float | None = 5.0) -> None:
+        """Stop a job this client submitted (see AsyncClient.cancel)."""
+        self._loop.run(self._async.cancel(job_id, timeout))
+
+    def live_workers(self, timeout: float = 1.0) -> int:
+        return self._loop.run(self._async.live_workers(timeout))
+
+    def close(self) -> None:
+        try:
+            self._loop.run(self._async.aclose())
+        finally:
+            self._loop.stop()
 
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

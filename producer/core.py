@@ -1,45 +1,72 @@
-"""What the sync and async clients send and receive: tokenizing, routing, building requests, reading replies.
+"""What the clients send and receive, without I/O: parameters, tokenizing and routing, building requests,
+what the enqueue function's answer means, decoding replies, deadlines.
 
-Nothing here does I/O; the clients own their connections (and producer/plan.py decides retries and waits).
+The clients own their connections (producer/aclient.py, producer/inbox.py); nothing here touches Redis.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
 from batchfleet.common.config import bucket_for
 from batchfleet.common.errors import (
+    CANCELLED,
     DEADLINE_EXCEEDED,
+    Cancelled,
     FleetUnavailable,
+    InvalidRequest,
     JobFailed,
+    NoWorkers,
     ProtocolError,
     QueueFull,
     Timeout,
 )
 from batchfleet.common.keys import Keys, valid_job_id
-from batchfleet.common.protocol import MAX_STOP, MIN_TEMPERATURE, Error, FleetInfo, Request, Result, decode_reply
+from batchfleet.common.protocol import (
+    MAX_PAYLOAD_BYTES,
+    MAX_STOP,
+    MIN_TEMPERATURE,
+    Delta,
+    Error,
+    FleetInfo,
+    Request,
+    Result,
+    decode_reply,
+)
+from batchfleet.producer.chat import is_messages, render
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]  # text, token ids, or chat messages
 FLEET_REFRESH_S = 30.0
-RETRY_S = 30.0  # default: how long submit()/fleet() keep retrying through a Redis outage
+RETRY_S = 30.0  # default: how long a call without a timeout keeps retrying through a Redis outage
 
-# KEYS: stream. ARGV: max_len (0 = unbounded), id, payload. Returns 0 when the queue is full.
-ENQUEUE_SCRIPT = """
-local max_len = tonumber(ARGV[1])
-if max_len > 0 and redis.call('XLEN', KEYS[1]) >= max_len then return 0 end
-redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'p', ARGV[3])
-return 1
-"""
+
+class Deadline:
+    """A caller's timeout as a monotonic end time (None: wait as long as it takes)."""
+
+    def __init__(self, timeout: float | None) -> None:
+        if timeout is not None and not timeout >= 0:
+            raise InvalidRequest(f"timeout must be >= 0 seconds or None, got {timeout!r}")
+        self.timeout = timeout
+        self.end = None if timeout is None else time.monotonic() + timeout
+
+    def left(self) -> float | None:
+        """Seconds left (never negative), None without a timeout."""
+        return None if self.end is None else max(0.0, self.end - time.monotonic())
+
+    def sooner(self, seconds: float) -> float:
+        """``seconds``, cut to what is left."""
+        left = self.left()
+        return seconds if left is None else min(seconds, left)
 
 
 @dataclass
 class Params:
-    """Generation parameters accepted by generate/submit (validated here before anything is sent)."""
+    """Generation parameters accepted by generate/submit/stream (validated here, before anything is sent)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -50,24 +77,34 @@ class Params:
 
     def __post_init__(self) -> None:
         if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be an integer >= 1")
-        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 100.0):
-            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100]")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError("seed must be in [0, 2**63)")
+            raise InvalidRequest(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not (
+                self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 100.0):
+            raise InvalidRequest(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100], "
+                                 f"got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if type(self.top_k) is not int or self.top_k < 0:
+            raise InvalidRequest(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < 2**63):
+            raise InvalidRequest(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.stop is not None:
             if isinstance(self.stop, str):
                 self.stop = [self.stop]
             if len(self.stop) > MAX_STOP or not all(isinstance(s, str) and s for s in self.stop):
-                raise ValueError(f"stop must be at most {MAX_STOP} non-empty strings")
+                raise InvalidRequest(f"stop must be at most {MAX_STOP} non-empty strings")
+
+    @classmethod
+    def of(cls, params: Mapping) -> Params:
+        """Params from keyword arguments; an unknown name is an InvalidRequest (not a TypeError)."""
+        unknown = set(params) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise InvalidRequest(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
+        return cls(**params)
 
 
 class FleetView:
-    """The fleet's tokenizer and limits as published by workers, cached and refreshed now and then."""
+    """The fleet's tokenizer, chat template and limits as published by workers, cached and refreshed."""
 
     def __init__(self) -> None:
         self.info: FleetInfo | None = None
@@ -78,7 +115,9 @@ class FleetView:
         return self.info is None or time.monotonic() - self.fetched_at > FLEET_REFRESH_S
 
     def update(self, raw: bytes | None) -> None:
+        """Take a fetched fleet description (None: the key is gone: no live worker published one)."""
         if raw is None:
+            self.info, self.tokenizer = None, None
             return
         info = FleetInfo.decode(raw)
         if self.info is None or info.tokenizer_json != self.info.tokenizer_json:
@@ -86,50 +125,49 @@ class FleetView:
         self.info = info
         self.fetched_at = time.monotonic()
 
+    def require(self, keys: Keys) -> FleetView:
+        """This view, once a worker has published the fleet; NoWorkers before that (or after it expired)."""
+        if self.info is None:
+            raise NoWorkers(f"no live worker serves namespace {keys.namespace!r} (no fleet description "
+                            "published); start a worker first")
+        return self
+
     def tokenize(self, prompt: Prompt) -> list[int]:
         assert self.info is not None and self.tokenizer is not None
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt).ids
+        if is_messages(prompt):
+            info = self.info
+            text = render(info.chat_template, prompt, info.bos_token, info.eos_token)  # type: ignore[arg-type]
+            # a template that writes the BOS itself must not get a second one from the tokenizer
+            return self.tokenizer.encode(text, add_special_tokens=not (info.bos_token and
+                                                                       text.startswith(info.bos_token))).ids
         ids = list(prompt)
         if not ids or not all(type(t) is int and 0 <= t < self.info.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be a non-empty list of ints in [0, {self.info.vocab_size})")
+            raise InvalidRequest("a prompt is text, chat messages, or a non-empty list of token ids in "
+                                 f"[0, {self.info.vocab_size})")
         return ids
 
-    def require(self, keys: Keys) -> FleetView:
-        """This view, once a worker has published the fleet; FleetUnavailable before that."""
-        if self.info is None:
-            raise FleetUnavailable(f"no worker has published a fleet under namespace {keys.namespace!r}; "
-                                   "start a worker first")
-        return self
-
-    def build(self, keys: Keys, prompt: Prompt, params: Params, timeout: float | None,
-              job_id: str | None) -> Outgoing:
+    def build(self, keys: Keys, reply_key: str, prompt: Prompt, params: Params, timeout: float | None,
+              job_id: str | None, stream: bool = False) -> Outgoing:
         """Tokenize, route (raises PromptTooLong) and build the request; nothing is sent."""
         assert self.info is not None
         ids = self.tokenize(prompt)
         bucket = bucket_for(self.info.buckets, self.info.max_seq_len, len(ids), params.max_new_tokens)
         job_id = job_id or uuid.uuid4().hex
         if not valid_job_id(job_id):
-            raise ValueError("job_id must be 1-128 chars of [A-Za-z0-9_.-]")
-        now = time.time()
+            raise InvalidRequest("job_id must be 1-128 chars of [A-Za-z0-9_.-]")
         req = Request(
             id=job_id, prompt=ids, max_new_tokens=params.max_new_tokens, temperature=float(params.temperature),
             top_p=float(params.top_p), top_k=params.top_k, seed=params.seed, stop=tuple(params.stop or ()),
-            deadline=now + timeout if timeout is not None else None, enqueued_at=now,
-            reply_key=keys.reply(job_id),
+            timeout_ms=None if timeout is None else int(timeout * 1000), reply_key=reply_key, stream=stream,
         )
         return Outgoing(bucket, keys.stream(bucket), req, self.info.max_queue_len)
-
-    def build_many(self, keys: Keys, prompts: Sequence[Prompt], params: Params,
-                   timeout: float | None) -> list[Outgoing]:
-        """Build every prompt of a generate_many call first, so a bad one raises before anything is sent."""
-        return [self.build(keys, prompt, params, timeout, None) for prompt in prompts]
 
 
 @dataclass(frozen=True)
 class Outgoing:
-    """One request ready to enqueue: the stream it goes to, the ENQUEUE_SCRIPT arguments, and what the
-    script's answer means."""
+    """One request ready to enqueue: the stream it goes to and the enqueue function's arguments."""
 
     bucket: int
     stream: str
@@ -140,34 +178,36 @@ class Outgoing:
     def id(self) -> str:
         return self.request.id
 
-    def script_args(self) -> list:
-        """ARGV of ENQUEUE_SCRIPT (KEYS is ``[self.stream]``)."""
-        return [self.max_queue_len, self.request.id, self.request.encode()]
+    def args(self, require_workers: bool, live_ms: int) -> list:
+        """ARGV of the enqueue function (KEYS: stream, live-worker set)."""
+        return [self.max_queue_len, self.request.id, self.request.reply_key, self.request.encode(),
+                MAX_PAYLOAD_BYTES, "1" if require_workers else "0", live_ms]
 
-    def accepted(self, ok: int, *, in_batch: bool = False) -> str:
-        """The job id when the script enqueued it; raises QueueFull when the bucket was full. ``in_batch``:
-        sent in one pipeline with others (the message then says earlier ones went through)."""
-        if ok:
+    def accepted(self, code: int, namespace: str, *, in_batch: bool = False) -> str:
+        """The job id when the function enqueued it; else the matching error."""
+        if code == 1:
             return self.id
-        if in_batch:
-            raise QueueFull(f"bucket {self.bucket} is full; earlier prompts of this call were enqueued")
-        raise QueueFull(f"bucket {self.bucket} holds {self.max_queue_len} entries; retry later")
+        earlier = "; earlier prompts of this call were enqueued" if in_batch else ""
+        if code == 0:
+            raise QueueFull(f"bucket {self.bucket} holds {self.max_queue_len} entries; retry later{earlier}")
+        if code == -1:
+            raise NoWorkers(f"no live worker serves namespace {namespace!r} (none sent a heartbeat recently); "
+                            f"start one, or make the client with require_workers=False to enqueue anyway{earlier}")
+        if code == -2:
+            raise InvalidRequest(f"request of {len(self.request.encode())} bytes exceeds {MAX_PAYLOAD_BYTES}")
+        raise FleetUnavailable(f"unexpected enqueue answer {code!r}")
 
 
-def connection_kwargs(conn) -> dict:
-    """redis-py client options shared by Client and AsyncClient: every blocking call fits the socket timeout."""
-    return {"socket_timeout": conn.socket_timeout_s, "socket_connect_timeout": conn.socket_timeout_s,
-            "decode_responses": False}
-
-
-def parse_reply(job_id: str, raw: bytes) -> Result:
-    """Decode a reply; raise JobFailed (or Timeout for an expired deadline) for an Error."""
+def parse_reply(job_id: str, raw: bytes) -> Result | Delta:
+    """Decode an inbox entry's payload: a Result or a Delta; raise the error an Error stands for."""
     try:
         reply = decode_reply(raw)
-    except ProtocolError as exc:
-        raise JobFailed(job_id, exc.code, f"undecodable reply: {exc}") from None
+    except (ProtocolError, KeyError, TypeError) as exc:
+        raise JobFailed(job_id, getattr(exc, "code", "invalid_reply"), f"undecodable reply: {exc}") from None
     if isinstance(reply, Error):
         if reply.code == DEADLINE_EXCEEDED:
             raise Timeout(f"job {job_id}: {reply.message}")
+        if reply.code == CANCELLED:
+            raise Cancelled(job_id, reply.code, reply.message)
         raise JobFailed(job_id, reply.code, reply.message)
     return reply

@@ -16,7 +16,7 @@ from batchfleet.common.config import (
 )
 from batchfleet.common.errors import ConfigError, PromptTooLong, ProtocolError
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import Error, FleetInfo, Request, Result, decode_reply
+from batchfleet.common.protocol import SCHEMA_VERSION, Delta, Error, FleetInfo, Request, Result, decode_reply
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -84,12 +84,14 @@ def test_bucket_routing():
 
 def test_request_roundtrip_and_validation():
     req = Request(id="j1", prompt=[1, 2, 3], max_new_tokens=5, temperature=0.7, top_p=0.9, top_k=40, seed=3,
-                  stop=("\n",), deadline=123.0, enqueued_at=100.0, reply_key="bf:reply:j1")
+                  stop=("\n",), timeout_ms=1500, reply_key="bf:inbox:abcdefghijklmnop", stream=True)
     assert Request.decode(req.encode()) == req
 
     def bad(obj):
+        good = {"v": SCHEMA_VERSION, "id": "j", "prompt": [1], "max_new_tokens": 1, "reply_key": "k"}
+        Request.decode(msgpack.packb(good))
         with pytest.raises(ProtocolError):
-            Request.decode(msgpack.packb({"v": 1, "id": "j", "prompt": [1], "reply_key": "k", **obj}))
+            Request.decode(msgpack.packb({**good, **obj}))
 
     bad({"prompt": []})
     bad({"prompt": [-1]})
@@ -102,6 +104,10 @@ def test_request_roundtrip_and_validation():
     bad({"stop": ["x"] * 100})
     bad({"stop": [b"\xff"]})
     bad({"id": "has space"})
+    bad({"id": "newline\n"})
+    bad({"timeout_ms": -1})
+    bad({"timeout_ms": 1.5})
+    bad({"stream": 1})
     with pytest.raises(ProtocolError) as exc:
         Request.decode(msgpack.packb({"v": 99, "id": "j"}))
     assert exc.value.code == "unsupported_schema"
@@ -122,6 +128,9 @@ def test_reply_roundtrip():
     assert decode_reply(res.encode()) == res
     err = Error(id="a", code="invalid_request", message="nope")
     assert decode_reply(err.encode()) == err
+    delta = Delta(id="a", seq=2, offset=5, text="é日", token_ids=[199, 171])
+    assert decode_reply(delta.encode()) == delta
     info = FleetInfo(model="m", tokenizer_json="{}", buckets=(1, 2), max_seq_len=8, max_batch_size=2,
-                     vocab_size=10, eos_token_ids=(2,), max_queue_len=5)
+                     vocab_size=10, eos_token_ids=(2,), max_queue_len=5, chat_template="{{ x }}",
+                     bos_token="<s>", eos_token="</s>", fingerprint="f")
     assert FleetInfo.decode(info.encode()) == info

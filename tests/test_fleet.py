@@ -13,9 +13,11 @@ import torch
 
 from batchfleet.common.errors import JobFailed, PromptTooLong
 from batchfleet.common.keys import Keys
+from batchfleet.common.protocol import SCHEMA_VERSION
 from batchfleet.producer import AsyncClient, Client
 from batchfleet.worker.demo import make_prompts
 from batchfleet.worker.engine.models import load_model
+from tests.test_reliability_helpers import wait_until
 
 
 def reference(model_dir, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -108,11 +110,13 @@ def test_garbage_entries_do_not_stop_the_worker(start_worker, redis_url, namespa
     r = redis.Redis.from_url(redis_url)
     keys = Keys(namespace)
     stream = keys.stream(32)
-    r.xadd(stream, {"junk": b"\xff\x00"})  # no id: dead-lettered
-    r.xadd(stream, {"id": "bad1", "p": b"\xc1\xc1 not msgpack"})  # answered with an error
-    bad2 = {"v": 1, "id": "bad2", "prompt": [10**6], "max_new_tokens": 2, "reply_key": keys.reply("bad2")}
-    r.xadd(stream, {"id": "bad2", "p": msgpack.packb(bad2)})
     with Client(redis_url, namespace) as client:
+        inbox = client.reply_key
+        r.xadd(stream, {"junk": b"\xff\x00"})  # no id: dead-lettered
+        r.xadd(stream, {"id": "bad0", "r": "elsewhere", "p": b""})  # no valid reply key: dead-lettered
+        r.xadd(stream, {"id": "bad1", "r": inbox, "p": b"\xc1\xc1 not msgpack"})  # answered with an error
+        bad2 = {"v": SCHEMA_VERSION, "id": "bad2", "prompt": [10**6], "max_new_tokens": 2, "reply_key": inbox}
+        r.xadd(stream, {"id": "bad2", "r": inbox, "p": msgpack.packb(bad2)})
         res = client.generate("still serving?", max_new_tokens=3)
         assert res.completion_tokens == 3
         with pytest.raises(JobFailed) as exc:
@@ -121,7 +125,7 @@ def test_garbage_entries_do_not_stop_the_worker(start_worker, redis_url, namespa
         with pytest.raises(JobFailed, match="vocabulary"):
             client.result("bad2", timeout=10)
     dead = r.xrange(keys.dead)
-    assert len(dead) == 1 and b"reason" in dead[0][1]
+    assert len(dead) == 2 and all(b"reason" in d[1] for d in dead)
     assert r.xlen(stream) == 0  # answered entries are acked and deleted
     assert w.thread.is_alive()
 
@@ -140,17 +144,19 @@ def test_async_client(start_worker, redis_url, namespace):
     assert [r.completion_tokens for r in results] == [4] * 6 and len(many) == 2
 
 
-def test_reply_keys_expire_and_streams_do_not_grow(start_worker, redis_url, namespace):
+def test_inboxes_expire_and_streams_do_not_grow(start_worker, redis_url, namespace):
     start_worker(max_wait_ms=10, reply_ttl_s=30)
     r = redis.Redis.from_url(redis_url)
     keys = Keys(namespace)
     with Client(redis_url, namespace) as client:
         job = client.submit("ttl check", max_new_tokens=2)
         deadline = time.monotonic() + 30
-        while not r.exists(keys.reply(job)) and time.monotonic() < deadline:
+        while not r.exists(client.reply_key) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert 0 < r.ttl(keys.reply(job)) <= 30
+        assert 0 < r.ttl(client.reply_key) <= 30
         client.result(job, timeout=10)
+        # the reply is deleted from the inbox once the caller has it (the inbox then disappears)
+        wait_until(lambda: r.xlen(client.reply_key) == 0, 5, "the consumed reply deleted")
     assert sum(r.xlen(keys.stream(b)) for b in (32, 64, 128, 256)) == 0
 
 
@@ -162,7 +168,7 @@ def test_static_batching_waits_for_full_batch_then_flush(start_worker, redis_url
         first = [client.result(j, timeout=60) for j in jobs[:4]]
         assert [x.batch_size for x in first] == [4] * 4
         time.sleep(0.3)
-        assert r.exists(Keys(namespace).reply(jobs[4])) == 0  # a partial batch waits: no timeout
+        assert not r.exists(Keys(namespace).done(jobs[4]))  # a partial batch waits: no timeout
         r.incr(Keys(namespace).flush)
         rest = [client.result(j, timeout=60) for j in jobs[4:]]
         assert [x.batch_size for x in rest] == [2, 2]

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import MAX_TOKENS, Error, Result, decode_reply
+from batchfleet.common.protocol import MAX_TIMEOUT_MS, MAX_TOKENS, SCHEMA_VERSION, Error, Result
 from tests.conftest import TEST_BUCKETS
-from tests.test_reliability_helpers import request_fields, wait_until
+from tests.test_reliability_helpers import inbox_replies, raw_inbox, request_fields, wait_until
 
 VOCAB = 320  # the tiny preset
 EXAMPLES = 24
@@ -43,19 +43,21 @@ _bad_value = {
     "seed": st.one_of(st.integers(min_value=-(2**62), max_value=-1), st.floats(), st.text(max_size=3)),
     "stop": st.one_of(st.text(min_size=1, max_size=4), st.just([""]), st.lists(st.just("x"), min_size=17, max_size=20),
                       st.just(["y" * 300]), st.lists(st.integers(), min_size=1, max_size=2)),
-    "deadline": st.one_of(st.floats(max_value=-1e-6), st.just(math.nan), st.text(max_size=3),
-                          st.floats(min_value=1.0, max_value=1e6)),  # long past: answered deadline_exceeded
-    "enqueued_at": st.one_of(st.floats(max_value=-1e-6), st.floats(min_value=1e11 + 1), st.text(max_size=2)),
-    "reply_key": st.one_of(st.text(max_size=10), st.just("other:reply:x"), st.integers()),
-    "v": st.one_of(st.sampled_from([0, 2, 99, -1, "1", None, [1]])),
+    "timeout_ms": st.one_of(st.integers(min_value=-(2**62), max_value=-1), st.floats(), st.text(max_size=3),
+                            st.booleans(),
+                            st.integers(min_value=MAX_TIMEOUT_MS + 1, max_value=2**62),
+                            st.just(0)),  # 0: valid, answered deadline_exceeded
+    "stream": st.one_of(st.integers(-(2**62), 2**62), st.text(max_size=3), st.none()),
+    "reply_key": st.one_of(st.text(max_size=10), st.just("other:inbox:x"), st.integers()),
+    "v": st.one_of(st.sampled_from([0, 1, 3, 99, -1, "2", None, [2]])),
 }
 _required = ["id", "prompt", "max_new_tokens", "reply_key", "v"]
 
 
 def _valid(keys: Keys, job_id: str) -> dict:
-    return {"v": 1, "id": job_id, "prompt": [5, 6, 7], "max_new_tokens": 2, "reply_key": keys.reply(job_id),
-            "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": [], "deadline": None,
-            "enqueued_at": 0.0}
+    return {"v": SCHEMA_VERSION, "id": job_id, "prompt": [5, 6, 7], "max_new_tokens": 2,
+            "reply_key": raw_inbox(keys), "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": [],
+            "timeout_ms": None, "stream": False}
 
 
 @st.composite
@@ -63,7 +65,8 @@ def bad_entry(draw, keys: Keys) -> tuple[dict, bool]:
     """(entry fields, whether it names a usable id and so must be answered with an Error)."""
     job_id = f"fz-{uuid.uuid4().hex}"
     kind = draw(st.sampled_from(["field", "missing", "raw", "bomb", "utf8", "noid", "badid", "junk", "bin",
-                                 "huge", "mismatch"]))
+                                 "huge", "mismatch", "badreply"]))
+    inbox = raw_inbox(keys).encode()
     obj = _valid(keys, job_id)
     if kind == "field":
         key = draw(st.sampled_from(sorted(_bad_value)))
@@ -91,15 +94,18 @@ def bad_entry(draw, keys: Keys) -> tuple[dict, bool]:
         obj["id"] = f"other-{uuid.uuid4().hex[:8]}"
         payload = msgpack.packb(obj, use_bin_type=True)
     elif kind == "noid":
-        return {"p": msgpack.packb(obj, use_bin_type=True)}, False
+        return {"r": inbox, "p": msgpack.packb(obj, use_bin_type=True)}, False
     elif kind == "badid":
-        bad = draw(st.sampled_from([b"", b"\xff\xfe", b"has space", b"x" * 129, b"a/b", b"\x00"]))
-        return {"id": bad, "p": msgpack.packb(obj, use_bin_type=True)}, False
+        bad = draw(st.sampled_from([b"", b"\xff\xfe", b"has space", b"x" * 129, b"a/b", b"\x00", b"abc\n"]))
+        return {"id": bad, "r": inbox, "p": msgpack.packb(obj, use_bin_type=True)}, False
+    elif kind == "badreply":  # no inbox to answer on: dead-lettered
+        bad = draw(st.sampled_from([b"", b"\xff", inbox + b"\n", keys.inbox("short").encode(), b"bf:reply:x"]))
+        return {"id": job_id.encode(), "r": bad, "p": msgpack.packb(obj, use_bin_type=True)}, False
     else:  # junk fields, never a usable id
         fields = draw(st.dictionaries(st.binary(min_size=1, max_size=6).filter(lambda k: k != b"id"),
                                       st.binary(max_size=24), max_size=4))
         return fields or {"x": b""}, False
-    return {"id": job_id.encode(), "p": payload}, True
+    return {"id": job_id.encode(), "r": inbox, "p": payload}, True
 
 
 def test_fuzzed_entries_all_answered_or_dead_lettered(start_worker, redis_url, namespace):
@@ -139,12 +145,11 @@ def test_fuzzed_entries_all_answered_or_dead_lettered(start_worker, redis_url, n
             return {f[b"entry_id"] for _, f in r.xrange(keys.dead)}
 
         wait_until(settled, 30, "every fuzzed entry handled")
-        p = r.pipeline(transaction=False)
-        for j in must_answer + good:
-            p.lpop(keys.reply(j))
-        replies = [decode_reply(x) for x in p.execute()]
-        assert all(isinstance(x, Error) for x in replies[:len(must_answer)]), replies[:len(must_answer)]
-        assert all(isinstance(x, Result) for x in replies[len(must_answer):])
+        answers = inbox_replies(r, keys)
+        assert all(len(answers[j]) == 1 for j in must_answer + good), "each answered exactly once"
+        assert all(isinstance(answers[j][0], Error) for j in must_answer)
+        assert all(isinstance(answers[j][0], Result) for j in good)
+        r.delete(raw_inbox(keys))
         assert w.thread.is_alive()
         totals["bad"] += len(batch)
         totals["answered"] += len(must_answer)

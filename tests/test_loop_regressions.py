@@ -9,15 +9,20 @@ import time
 import redis
 
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import Request, decode_reply
 from batchfleet.worker.compose import build_worker
 from batchfleet.worker.requests import Stage
 from tests.conftest import worker_config
+from tests.test_reliability_helpers import reply_of, request_fields
 
 
-def enqueue(r: redis.Redis, keys: Keys, bucket: int, job_id: str, prompt: list[int], entry_id: str = "*") -> str:
-    req = Request(id=job_id, prompt=prompt, max_new_tokens=6, reply_key=keys.reply(job_id), enqueued_at=time.time())
-    return r.xadd(keys.stream(bucket), {"id": job_id, "p": req.encode()}, id=entry_id).decode()
+def enqueue(r: redis.Redis, keys: Keys, bucket: int, job_id: str, prompt: list[int], entry_id: str = "*",
+            max_new_tokens: int = 6) -> str:
+    fields = request_fields(keys, job_id, prompt, max_new_tokens=max_new_tokens)
+    return r.xadd(keys.stream(bucket), fields, id=entry_id).decode()
+
+
+def answered_with_result(r: redis.Redis, keys: Keys, job_id: str) -> bool:
+    return type(reply_of(r, keys, job_id)).__name__ == "Result"
 
 
 def tick_until(loop, cond, limit: int = 400) -> None:
@@ -50,7 +55,7 @@ def test_redelivered_request_runs_alone_in_continuous_mode(redis_url, namespace,
         assert not [f for f in records if f[b"kind"] == b"join"], "nothing may join a request running alone"
         steps = [{i for i, _ in step} for _, step in loop.engine.step_log]
         assert all(ids == {"suspect"} for ids in steps if "suspect" in ids), "a step shared the suspect's"
-        assert type(decode_reply(r.lpop(keys.reply("suspect")))).__name__ == "Result"
+        assert answered_with_result(r, keys, "suspect")
     finally:
         loop.stopping.set()
         loop.transport.close()
@@ -73,7 +78,7 @@ def test_reclaim_tells_equal_entry_ids_of_two_buckets_apart(redis_url, namespace
         # delivery count ran out; now it is taken over (a redelivery runs alone) and answered
         tick_until(loop, lambda: r.exists(keys.done("orphan")), limit=200)
         assert loop.counters["reclaimed"] == 1 and loop.counters["dead_lettered"] == 0
-        assert type(decode_reply(r.lpop(keys.reply("orphan")))).__name__ == "Result"
+        assert answered_with_result(r, keys, "orphan")
         r.incr(keys.flush)  # close the partial static batch holding "held"
         tick_until(loop, lambda: r.exists(keys.done("held")))
     finally:
@@ -99,9 +104,7 @@ def test_failed_prefill_step_costs_only_its_requests_in_continuous_mode(redis_ur
 
     loop.engine.runner.run = flaky
     try:
-        req = Request(id="long", prompt=[1, 10, 11], max_new_tokens=200, reply_key=keys.reply("long"),
-                      enqueued_at=time.time())
-        r.xadd(keys.stream(32), {"id": "long", "p": req.encode()})
+        enqueue(r, keys, 32, "long", [1, 10, 11], max_new_tokens=200)
         tick_until(loop, lambda: loop.engine.stats()["decode_steps"] > 0)
         enqueue(r, keys, 64, "poison", [1] + list(range(10, 50)))
         tick_until(loop, lambda: bool(raised))
@@ -110,7 +113,7 @@ def test_failed_prefill_step_costs_only_its_requests_in_continuous_mode(redis_ur
         assert loop.engine.stats()["kv_blocks_used"] == 0 or loop.requests.stage("poison") is Stage.RUNNING
         tick_until(loop, lambda: all(r.exists(keys.done(j)) for j in ("long", "poison")), limit=2000)
         for job in ("long", "poison"):
-            assert type(decode_reply(r.lpop(keys.reply(job)))).__name__ == "Result"
+            assert answered_with_result(r, keys, job)
         assert loop.counters["internal_errors"] == 0
     finally:
         loop.stopping.set()

@@ -14,7 +14,7 @@ import redis
 
 from batchfleet.common.config import WorkerConfig
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import Request
+from batchfleet.common.protocol import Delta, Error, Request, Result, decode_reply
 from batchfleet.worker.engine.base import Completion, GenRequest
 from batchfleet.worker.loop import WorkerLoop
 
@@ -87,11 +87,36 @@ class LoopThread:
             raise self.error
 
 
+TEST_INBOX = "testinbox0123456789"  # the inbox token of raw requests the tests XADD themselves
+
+
+def raw_inbox(keys: Keys) -> str:
+    """The inbox stream raw test requests are answered on."""
+    return keys.inbox(TEST_INBOX)
+
+
 def request_fields(keys: Keys, job_id: str, prompt: list[int], **kw) -> dict[str, bytes]:
-    """The stream entry a producer would XADD for this request."""
-    req = Request(id=job_id, prompt=prompt, reply_key=keys.reply(job_id), enqueued_at=time.time(),
-                  max_new_tokens=kw.pop("max_new_tokens", 2), **kw)
-    return {"id": job_id.encode(), "p": req.encode()}
+    """The stream entry the enqueue function would XADD for this request (answered on ``test_inbox``)."""
+    req = Request(id=job_id, prompt=prompt, reply_key=raw_inbox(keys), max_new_tokens=kw.pop("max_new_tokens", 2),
+                  **kw)
+    return {"id": job_id.encode(), "r": raw_inbox(keys).encode(), "p": req.encode()}
+
+
+def inbox_replies(r: redis.Redis, keys: Keys, inbox: str | None = None) -> dict[str, list[Result | Error]]:
+    """Final replies (no deltas) in an inbox, by job id, in the order written."""
+    out: dict[str, list[Result | Error]] = {}
+    for _, fields in r.xrange(inbox or raw_inbox(keys)):
+        reply = decode_reply(fields[b"p"])
+        if not isinstance(reply, Delta):
+            out.setdefault(fields[b"id"].decode(), []).append(reply)
+    return out
+
+
+def reply_of(r: redis.Redis, keys: Keys, job_id: str) -> Result | Error | None:
+    """The one final reply of a raw test request (asserts it was not answered twice), or None yet."""
+    got = inbox_replies(r, keys).get(job_id, [])
+    assert len(got) <= 1, f"{job_id} answered {len(got)} times"
+    return got[0] if got else None
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.02) -> float:

@@ -10,11 +10,12 @@ from batchfleet.worker.transport import Entry, Reply
 from batchfleet.worker.validate import Accepted, Limits, accept
 
 KEYS = Keys("t")
+INBOX = KEYS.inbox("client0123456789")
 
 
 def acc(job_id: str, bucket: int = 32, entry_id: str | None = None) -> Accepted:
-    req = Request(id=job_id, prompt=[1, 2], reply_key=KEYS.reply(job_id), max_new_tokens=2, enqueued_at=1.0)
-    entry = Entry(bucket, entry_id or f"{job_id}-0", {b"id": job_id.encode(), b"p": req.encode()})
+    req = Request(id=job_id, prompt=[1, 2], reply_key=INBOX, max_new_tokens=2)
+    entry = Entry(bucket, entry_id or f"{job_id}-0", {b"id": job_id.encode(), b"r": INBOX.encode(), b"p": req.encode()})
     out = accept(entry, KEYS, Limits(max_seq_len=64, vocab_size=320), now=2.0)
     assert isinstance(out, Accepted)
     return out
@@ -29,7 +30,7 @@ def snap(table: RequestTable) -> list[tuple[int, str]]:
 
 
 def reply(job_id: str, bucket: int = 32) -> Reply:
-    return Reply(job_id, b"payload", bucket, f"{job_id}-0")
+    return Reply(job_id, b"payload", bucket, f"{job_id}-0", INBOX)
 
 
 def test_stages_follow_a_request_from_queue_to_answer():

@@ -50,7 +50,17 @@ def fleet_info(cfg: WorkerConfig, loaded: LoadedModel) -> FleetInfo:
         buckets=cfg.batching.buckets, max_seq_len=cfg.batching.max_seq_len,
         max_batch_size=cfg.batching.max_batch_size, vocab_size=int(loaded.model.config.vocab_size),
         eos_token_ids=tuple(sorted(loaded.eos_ids)), max_queue_len=cfg.max_queue_len,
+        chat_template=chat_template_of(loaded.tokenizer), bos_token=loaded.tokenizer.bos_token or "",
+        eos_token=loaded.tokenizer.eos_token or "",
     )
+
+
+def chat_template_of(tokenizer) -> str:
+    """The tokenizer's chat template (one string; a dict of named templates gives its "default")."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = template.get("default", "")
+    return template if isinstance(template, str) else ""
 
 
 def build_worker(cfg: WorkerConfig, transport: Transport | None = None,
@@ -69,7 +79,9 @@ def build_worker(cfg: WorkerConfig, transport: Transport | None = None,
     transport.setup()
     transport.publish_fleet(fleet_info(cfg, loaded))
     limits = Limits(max_seq_len=cfg.batching.max_seq_len, vocab_size=int(loaded.model.config.vocab_size))
-    return WorkerLoop(cfg, engine, transport, limits)
+    tokenizer = loaded.tokenizer
+    return WorkerLoop(cfg, engine, transport, limits,
+                      decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def run_worker(cfg: WorkerConfig) -> int:

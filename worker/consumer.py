@@ -19,11 +19,12 @@ import msgpack
 import redis
 
 from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.functions import load_library
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.common.retry import TRANSIENT, Backoff
 from batchfleet.worker.pending import PendingList
-from batchfleet.worker.transport import Entry, FlushWatch, Reply, Transport
+from batchfleet.worker.transport import Cancel, Entry, FlushWatch, Reply, Transport
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +35,17 @@ BLOCK_SLACK_MS = 110  # Redis may end a BLOCK up to one cron tick (100 ms at hz 
 POLL_S = 0.002
 STARTUP_WAIT_S = 60.0  # setup() waits this long for Redis to come up
 
-# KEYS: done, reply, stream. ARGV: group, entry id ('' = none), payload, ttl seconds.
-# Returns 1 when this call wrote the reply, 0 when an earlier writer already had.
+FLEET_TTL_S = 90  # the fleet description outlives its last worker's heartbeat by this much at most
+STATUS_TTL_S = 10
+
+# KEYS: done, inbox, stream. ARGV: group, entry id ('' = none), payload, ttl seconds, job id.
+# Returns 1 when this call wrote the reply, 0 when an earlier writer already had. The inbox is a stream the
+# client reads without consuming (it deletes what it has handled), so a crash at any instant loses nothing.
 _REPLY_SCRIPT = """
 -- pcall: a stream or group lost with Redis' data must not fail the reply that was just written.
 local first = redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[4])
 if first then
-  redis.call('RPUSH', KEYS[2], ARGV[3])
+  redis.call('XADD', KEYS[2], '*', 'id', ARGV[5], 'p', ARGV[3])
   redis.call('EXPIRE', KEYS[2], ARGV[4])
 end
 if ARGV[2] ~= '' then
@@ -51,6 +56,18 @@ if first then return 1 end
 return 0
 """
 
+
+# KEYS: workers (zset), status key, fleet key. ARGV: name, status blob ('' = keep), status ttl, fleet ttl.
+# Redis' own clock scores liveness, so no host clock matters; returns TIME (for this host's clock offset).
+_HEARTBEAT_SCRIPT = """
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now_ms, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms - 86400000)
+if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'EX', tonumber(ARGV[3])) end
+redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
+return t
+"""
 
 _DEAD_FIELDS = {b"reason", b"bucket", b"worker", b"entry_id", b"deliveries"}
 
@@ -79,7 +96,10 @@ class StreamConsumer(Transport):
         self.reply_ttl_s = reply_ttl_s
         self.r = connect(conn)
         self._reply = self.r.register_script(_REPLY_SCRIPT)
+        self._heartbeat = self.r.register_script(_HEARTBEAT_SCRIPT)
         self._fleet: FleetInfo | None = None
+        self._offset = 0.0  # Redis time - time.time(), refreshed by each heartbeat
+        self._cancels_from = "$"  # last cancels entry seen ($: none yet; set by setup)
         self.pel = PendingList(self.r, self.keys, name, buckets)
         self._flush = FlushWatch(self._flush_counter)  # baseline taken by setup()
         self._streams = {self.keys.stream(b): ">" for b in buckets}  # XREADGROUP argument, built once
@@ -104,6 +124,10 @@ class StreamConsumer(Transport):
                     except redis.ResponseError as exc:
                         if "BUSYGROUP" not in str(exc):
                             raise
+                self._load_functions()
+                if self._cancels_from == "$":  # follow cancels published from now on
+                    last = self.r.xrevrange(self.keys.cancels, count=1)
+                    self._cancels_from = last[0][0].decode() if last else "0-0"
                 self._flush.start()
                 outage.ok()
                 return
@@ -113,21 +137,48 @@ class StreamConsumer(Transport):
                     raise
                 time.sleep(delay)
 
+    def _load_functions(self) -> None:
+        """Load the producers' function library (Redis 7+). Without the permission (an admin loads it, see
+        docs/SECURITY.md) or on Redis 6.2, producers fall back to EVALSHA of the same bodies."""
+        try:
+            load_library(self.r)
+        except redis.ResponseError as exc:
+            log.warning("could not load the batchfleet function library (%s); an admin must load it "
+                        "(docs/SECURITY.md) or producers need EVAL", exc)
+
     def publish_fleet(self, info: FleetInfo) -> None:
-        """SET the fleet description (and keep it for ``recover``)."""
+        """SET the fleet description with a TTL the heartbeat renews (and keep it for ``recover``)."""
         self._fleet = info
-        self.r.set(self.keys.fleet, info.encode())
+        self.r.set(self.keys.fleet, info.encode(), ex=FLEET_TTL_S)
+        self.alive()
 
     def recover(self) -> None:
         """Redis came back without our state (NOGROUP): re-create the groups and re-publish the fleet."""
         self.setup(wait_s=0)  # the loop retries with its own backoff
         self.pel.reset()
         if self._fleet is not None:
-            self.r.set(self.keys.fleet, self._fleet.encode())
+            self.r.set(self.keys.fleet, self._fleet.encode(), ex=FLEET_TTL_S)
+        self.alive()
 
     def heartbeat(self, status: dict) -> None:
-        """The status, msgpack-encoded, under this worker's key for 10 s."""
-        self.r.set(self.keys.worker(self.name), msgpack.packb(status, use_bin_type=True), ex=10)
+        """The status, msgpack-encoded, under this worker's key for 10 s; marks the worker live and renews
+        the fleet description's TTL."""
+        self._beat(msgpack.packb(status, use_bin_type=True))
+
+    def alive(self) -> None:
+        """Mark this worker live in the live-worker set (from any thread)."""
+        self._beat(b"")
+
+    def _beat(self, status: bytes) -> None:
+        before = time.time()
+        t = self._heartbeat(keys=[self.keys.workers, self.keys.worker(self.name), self.keys.fleet],
+                            args=[self.name, status, STATUS_TTL_S, FLEET_TTL_S])
+        after = time.time()
+        self._offset = int(t[0]) + int(t[1]) / 1e6 - (before + after) / 2
+
+    def clock_offset(self) -> float:
+        """Redis time minus this host's time (s), as measured by the last heartbeat."""
+        return self._offset
 
     def read(self, count: int, block_ms: int | None) -> list[Entry]:
         """New entries of every bucket (up to ``count`` per stream); blocks at most ``block_ms``.
@@ -169,8 +220,38 @@ class StreamConsumer(Transport):
 
     def _queue_reply(self, pipe, rep: Reply) -> None:
         """The reply script (first writer wins, then XACK + XDEL of its entry), queued on ``pipe``."""
-        self._reply(keys=[self.keys.done(rep.job_id), self.keys.reply(rep.job_id), self.keys.stream(rep.bucket)],
-                    args=[self.keys.group, rep.entry_id, rep.payload, self.reply_ttl_s], client=pipe)
+        self._reply(keys=[self.keys.done(rep.job_id), rep.reply_key, self.keys.stream(rep.bucket)],
+                    args=[self.keys.group, rep.entry_id, rep.payload, self.reply_ttl_s, rep.job_id], client=pipe)
+
+    def write_deltas(self, deltas: list[tuple[str, str, bytes]]) -> None:
+        """XADD each streamed delta to its inbox (+ EXPIRE), in one round trip."""
+        if not deltas:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for job_id, reply_key, payload in deltas:
+            pipe.xadd(reply_key, {b"id": job_id.encode(), b"p": payload})
+            pipe.expire(reply_key, self.reply_ttl_s)
+        pipe.execute()
+
+    def cancels(self) -> list[Cancel]:
+        """New entries of the cancels stream since the last call (non-blocking XREAD)."""
+        resp = self.r.xread({self.keys.cancels: self._cancels_from}, count=1000)
+        out: list[Cancel] = []
+        for _stream, entries in resp or []:
+            for entry_id, fields in entries:
+                self._cancels_from = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                try:
+                    out.append(Cancel(fields[b"id"].decode(), fields[b"r"].decode()))
+                except (KeyError, UnicodeDecodeError):
+                    continue  # malformed: nothing to cancel
+        return out
+
+    def cancel_marks(self, job_ids: list[str]) -> list[str | None]:
+        """GET of each job's cancel marker (the reply key of whoever cancelled it), in one round trip."""
+        if not job_ids:
+            return []
+        raw = self.r.mget([self.keys.cancel(j) for j in job_ids])
+        return [v.decode(errors="replace") if v is not None else None for v in raw]
 
     def log_batch(self, record: dict) -> None:
         """Append a batch record (worker, bucket, ids, size) to the capped audit stream."""
@@ -254,6 +335,7 @@ class StreamConsumer(Transport):
         """Drop the heartbeat and, when nothing is pending on us any more, our consumer names."""
         try:
             self.r.delete(self.keys.worker(self.name))
+            self.r.zrem(self.keys.workers, self.name)
             for b in self.buckets:
                 stream = self.keys.stream(b)
                 if not self.r.xpending_range(stream, self.keys.group, "-", "+", 1, consumername=self.name):

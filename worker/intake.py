@@ -13,14 +13,14 @@ import time
 from collections.abc import Callable
 
 from batchfleet.common.config import WorkerConfig
-from batchfleet.common.errors import DEADLINE_EXCEEDED, WORKER_FAILED
+from batchfleet.common.errors import CANCELLED, DEADLINE_EXCEEDED, WORKER_FAILED
 from batchfleet.common.protocol import Error
 from batchfleet.common.retry import TRANSIENT
 from batchfleet.worker.batcher import Batcher
 from batchfleet.worker.reclaim import SOLO_FROM_DELIVERY, reclaim_period_s, split_exhausted
 from batchfleet.worker.requests import RequestTable, Stage
 from batchfleet.worker.transport import Entry, Reply, Transport
-from batchfleet.worker.validate import Accepted, Limits, Rejected, accept, job_id_of
+from batchfleet.worker.validate import Accepted, Limits, Rejected, accept, job_id_of, reply_key_of
 
 log = logging.getLogger("batchfleet.worker.loop")
 
@@ -72,8 +72,13 @@ class Intake:
                 return
         # COUNT applies per stream: split the room so all buckets together stay within it
         per_stream = max(1, -(-room // len(self.cfg.batching.buckets)))
-        for entry in self.transport.read(count=per_stream, block_ms=block_ms):
-            self._take(entry, alone=False)
+        entries = self.transport.read(count=per_stream, block_ms=block_ms)
+        if not entries:
+            return
+        # one round trip for the whole read: jobs cancelled before any worker held them are skipped
+        marks = self.transport.cancel_marks([job_id_of(e) or "-" for e in entries])
+        for entry, mark in zip(entries, marks):
+            self._take(entry, alone=False, cancel_mark=mark)
 
     def reclaim(self, now: float) -> None:
         """Take over entries whose worker went silent for claim_idle_ms (policy: worker/reclaim.py)."""
@@ -105,12 +110,16 @@ class Intake:
             else:
                 self._take(e, alone=e.deliveries >= SOLO_FROM_DELIVERY)
 
-    def _take(self, entry: Entry, alone: bool) -> None:
+    def _take(self, entry: Entry, alone: bool, cancel_mark: str | None = None) -> None:
         """Validate one entry and hold it; any failure here costs this entry only."""
         try:
-            outcome = accept(entry, self.transport.keys, self.limits, time.time())
+            outcome = accept(entry, self.transport.keys, self.limits, time.time(), self.transport.clock_offset())
             if isinstance(outcome, Rejected):
                 self._reject(outcome)
+                return
+            if cancel_mark is not None and cancel_mark == outcome.reply_key:
+                self.counters["cancelled"] += 1
+                self.send([error_reply(outcome, CANCELLED, "cancelled before it started")])
                 return
             if self.requests.holds(outcome.gen.id):
                 self.transport.ack(entry)  # same job enqueued twice: the copy we hold answers for both
@@ -130,15 +139,16 @@ class Intake:
             self.give_up(rej.entry, rej.reason)
             return
         self.counters["errors"] += 1
-        self.send([Reply(rej.error.id, rej.error.encode(), rej.entry.bucket, rej.entry.entry_id)])
+        self.send([Reply(rej.error.id, rej.error.encode(), rej.entry.bucket, rej.entry.entry_id, rej.reply_key)])
 
     # ---- endings ---------------------------------------------------------------------------------
     def give_up(self, entry: Entry, reason: str) -> None:
         """Dead-letter an entry for good, answering ``worker_failed`` when it names a job."""
-        job_id = job_id_of(entry)
+        job_id, reply_key = job_id_of(entry), reply_key_of(entry, self.transport.keys)
         reply = None
-        if job_id is not None:
-            reply = Reply(job_id, Error(job_id, WORKER_FAILED, reason).encode(), entry.bucket, entry.entry_id)
+        if job_id is not None and reply_key is not None:
+            reply = Reply(job_id, Error(job_id, WORKER_FAILED, reason).encode(), entry.bucket, entry.entry_id,
+                          reply_key)
         log.warning("giving up on entry %s (job %s): %s", entry.entry_id, job_id, reason)
         self.counters["dead_lettered"] += 1
         self.counters["errors"] += 1
@@ -147,15 +157,27 @@ class Intake:
     def expire(self, now: float) -> None:
         """Answer ``deadline_exceeded`` to every request not started whose deadline has passed."""
         def expired(acc: Accepted) -> bool:
-            return acc.request.deadline is not None and acc.request.deadline <= now
+            return acc.deadline is not None and acc.deadline <= now
 
         gone = self.batcher.expire(expired) + [acc for acc in self.requests.of(Stage.SOLO) if expired(acc)]
         if not gone:
             return
-        replies = []
         for acc in gone:
             self.requests.drop(acc.gen.id)
-            err = Error(acc.gen.id, DEADLINE_EXCEEDED, "deadline passed before the request was scheduled")
-            replies.append(Reply(acc.gen.id, err.encode(), acc.entry.bucket, acc.entry.entry_id))
-        self.counters["errors"] += len(replies)
-        self.send(replies)
+        self.counters["errors"] += len(gone)
+        self.send([error_reply(acc, DEADLINE_EXCEEDED, "deadline passed before the request was scheduled")
+                   for acc in gone])
+
+    def cancel_unstarted(self, acc: Accepted) -> None:
+        """Answer ``cancelled`` to a request not started (QUEUED or SOLO) and stop holding it."""
+        if self.requests.stage(acc.gen.id) is Stage.QUEUED:
+            self.batcher.expire(lambda a: a.gen.id == acc.gen.id)
+        self.requests.drop(acc.gen.id)
+        self.counters["cancelled"] += 1
+        self.send([error_reply(acc, CANCELLED, "cancelled before it started")])
+
+
+def error_reply(acc: Accepted, code: str, message: str) -> Reply:
+    """The final error reply to a held request (it settles the request's entry)."""
+    return Reply(acc.gen.id, Error(acc.gen.id, code, message).encode(), acc.entry.bucket, acc.entry.entry_id,
+                 acc.reply_key)

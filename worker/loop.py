@@ -23,14 +23,15 @@ from collections.abc import Callable
 import redis
 
 from batchfleet.common.config import WorkerConfig
-from batchfleet.common.errors import ENGINE_ERROR
+from batchfleet.common.errors import CANCELLED, ENGINE_ERROR
 from batchfleet.common.protocol import Error, Result
 from batchfleet.common.retry import TRANSIENT, Backoff
 from batchfleet.worker.batcher import Batcher
 from batchfleet.worker.engine.base import Completion, Engine
-from batchfleet.worker.intake import Intake
+from batchfleet.worker.intake import Intake, error_reply
 from batchfleet.worker.reclaim import LeaseKeeper
 from batchfleet.worker.requests import RequestTable, Stage
+from batchfleet.worker.streaming import StreamPublisher
 from batchfleet.worker.transport import Reply, Transport
 from batchfleet.worker.validate import Accepted, Limits
 
@@ -43,7 +44,10 @@ SHUTDOWN_OUTAGE_GRACE_S = 10.0  # on shutdown, how long to keep retrying replies
 class WorkerLoop:
     """Drives one engine from the transport's bucket streams until stopped."""
 
-    def __init__(self, cfg: WorkerConfig, engine: Engine, transport: Transport, limits: Limits) -> None:
+    def __init__(self, cfg: WorkerConfig, engine: Engine, transport: Transport, limits: Limits,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
+        """``decode``: token ids -> text as the engine's final text decodes them; None: no streamed deltas
+        (streamed requests then get their whole text with the final reply)."""
         self.cfg = cfg
         self.engine = engine
         self.transport = transport
@@ -56,7 +60,8 @@ class WorkerLoop:
         self.alone = False  # a request that must run alone is in the engine: nothing may join it
         self.stopping = threading.Event()
         self.counters = {"batches": 0, "completed": 0, "errors": 0, "dead_lettered": 0, "batched_requests": 0,
-                         "reclaimed": 0, "released": 0, "internal_errors": 0}
+                         "reclaimed": 0, "released": 0, "internal_errors": 0, "cancelled": 0, "deltas": 0}
+        self.streams = StreamPublisher(decode, cfg.stream_interval_ms / 1000) if decode else None
         self.intake = Intake(cfg, transport, limits, self.batcher, self.requests, self.counters, self._send)
         self.outage = Backoff(log, "redis")
         self.faults = Backoff(log, "worker loop (after an internal error)")
@@ -82,17 +87,19 @@ class WorkerLoop:
             self._guarded(self._hand_back)
 
     def tick(self) -> None:
-        """One round: outbox, reclaim, read, expire, admit, step, outbox, heartbeat."""
+        """One round: outbox, reclaim, read, cancels, expire, admit, step, deltas, outbox, heartbeat."""
         self._flush_outbox()
         if not self.stopping.is_set():  # shutting down: take nothing new, finish what runs
             self.intake.reclaim(time.time())
             self.intake.read(time.time(), engine_busy=self.engine.has_work())
+        self._cancel()
         now = time.time()
         self.intake.expire(now)
         if not self.stopping.is_set():
             self._admit(now)
         if self.engine.has_work():
             self._step()
+            self._stream()
         self._flush_outbox()
         self._heartbeat()
 
@@ -190,6 +197,10 @@ class WorkerLoop:
             return False
         self.counters["batches"] += 1
         self.counters["batched_requests"] += len(items)
+        if self.streams is not None:
+            for acc in items:
+                if acc.request.stream:
+                    self.streams.track(acc.gen.id, acc.reply_key, acc.gen.stop, time.time())
         try:
             self.transport.log_batch({
                 "worker": self.transport.name, "kind": kind, "bucket": items[0].entry.bucket,
@@ -217,6 +228,9 @@ class WorkerLoop:
         for redelivery (another worker, or this one, retries it) until max_deliveries, then given up."""
         held = self.requests.of(Stage.RUNNING)
         self.alone = False
+        if self.streams is not None:  # a re-run streams again; clients skip text they already have (offset)
+            for acc in held:
+                self.streams.forget(acc.gen.id)
         try:
             self.engine.reset()
         except Exception:
@@ -241,6 +255,42 @@ class WorkerLoop:
                 self.counters["released"] += 1
                 self.transport.release([acc.entry], idle_ms=self.cfg.claim_idle_ms)
 
+    # ---- cancellation and streaming ---------------------------------------------------------------
+    def _cancel(self) -> None:
+        """Honour new cancel requests for jobs held here (only from the client that submitted them: the
+        reply key must match): a running job leaves the engine now, freeing its KV blocks; its batchmates
+        are not touched. Answered once, with ``cancelled``."""
+        for c in self.transport.cancels():
+            acc = self.requests.get(c.job_id)
+            if acc is None or acc.reply_key != c.reply_key:
+                continue  # not here (another worker's, or answered already), or not the submitter's
+            if self.requests.stage(c.job_id) is not Stage.RUNNING:
+                self.intake.cancel_unstarted(acc)
+                continue
+            self.engine.abort([c.job_id])
+            self.requests.finish(c.job_id)
+            if self.streams is not None:
+                self.streams.forget(c.job_id)
+            self.counters["cancelled"] += 1
+            self._send([error_reply(acc, CANCELLED, "cancelled while running")])
+
+    def _stream(self) -> None:
+        """Write the text deltas that are due for streamed requests still running (best effort)."""
+        if self.streams is None:
+            return
+        now = time.time()
+        due = [j for j in self.streams.due(now) if self.requests.stage(j) is Stage.RUNNING]
+        if not due:
+            return
+        deltas = self.streams.deltas(self.engine.progress(due), now)
+        if not deltas:
+            return
+        try:
+            self.transport.write_deltas(deltas)
+            self.counters["deltas"] += len(deltas)
+        except TRANSIENT as exc:  # the final reply carries the whole text; a lost delta costs nothing
+            log.debug("deltas not written: %r", exc)
+
     # ---- replies ---------------------------------------------------------------------------------
     def _answer(self, completions: list[Completion]) -> None:
         if not completions:
@@ -253,13 +303,15 @@ class WorkerLoop:
                 self.counters["internal_errors"] += 1
                 continue
             acc = self.requests.finish(c.id)
+            if self.streams is not None:
+                self.streams.forget(c.id)
             try:
                 payload = self._encode(c, acc, now)
             except Exception as exc:  # e.g. unencodable text: answer this one with an error, keep going
                 log.exception("could not encode the result of %s", c.id)
                 payload = Error(c.id, ENGINE_ERROR, f"result could not be encoded: {exc!r}"[:500]).encode()
                 self.counters["errors"] += 1
-            replies.append(Reply(c.id, payload, acc.entry.bucket, acc.entry.entry_id))
+            replies.append(Reply(c.id, payload, acc.entry.bucket, acc.entry.entry_id, acc.reply_key))
         self._send(replies)
 
     def _encode(self, c: Completion, acc: Accepted, now: float) -> bytes:

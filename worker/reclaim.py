@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from batchfleet.common.functions import LIVE_WORKER_MS
 from batchfleet.worker.transport import Entry, Transport
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class LeaseKeeper:
 
     def __init__(self, transport: Transport, claim_idle_ms: int, held: Callable[[], Sequence[Entry]],
                  progress: Callable[[], float] = time.monotonic, stall_timeout_s: float = 600.0) -> None:
-        self.transport = transport  # only ``refresh`` is called, from this keeper's thread
+        self.transport = transport  # only ``refresh`` and ``alive`` are called, from this keeper's thread
         self.progress = progress  # monotonic time the loop last made progress
         self.stall_timeout_s = stall_timeout_s
         self.stalled = False
@@ -71,11 +72,12 @@ class LeaseKeeper:
             self._thread.join(5)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            entries = list(self.held())
-            if not entries:
-                continue
+        # wake often enough to keep the worker in the live-worker set (producers' NoWorkers check)
+        wake_s = min(self.interval_s, LIVE_WORKER_MS / 6000)
+        last_renewal = time.monotonic()
+        while not self._stop.wait(wake_s):
             stalled = time.monotonic() - self.progress() > self.stall_timeout_s
+            entries = list(self.held())
             if stalled != self.stalled:
                 self.stalled = stalled
                 if stalled:
@@ -84,9 +86,12 @@ class LeaseKeeper:
                 else:
                     log.warning("worker loop is making progress again; renewing leases")
             if stalled:
-                continue
+                continue  # a wedged worker is neither live nor holding anything
             try:
-                self.transport.refresh(entries, self.min_idle_ms)
+                self.transport.alive()
+                if entries and time.monotonic() - last_renewal >= self.interval_s - wake_s / 2:
+                    last_renewal = time.monotonic()
+                    self.transport.refresh(entries, self.min_idle_ms)
             except Exception as exc:  # an outage: the loop logs it; entries may be reclaimed, replies stay unique
                 self.failures += 1
                 log.debug("lease renewal failed: %r", exc)

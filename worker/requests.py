@@ -55,6 +55,13 @@ class RequestTable:
                 return stage
         return Stage.OUTBOX if any(rep.job_id == job_id for rep in self._outbox) else None
 
+    def get(self, job_id: str) -> Accepted | None:
+        """The held request of this job (any stage but OUTBOX), else None."""
+        for held in self._held.values():
+            if job_id in held:
+                return held[job_id]
+        return None
+
     def of(self, stage: Stage) -> list[Accepted]:
         """Requests held in ``stage`` (QUEUED, SOLO or RUNNING), in the order they entered it."""
         return list(self._held[stage].values())

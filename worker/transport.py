@@ -34,12 +34,21 @@ class Entry:
 
 @dataclass(frozen=True)
 class Reply:
-    """A reply to write: payload is an encoded Result or Error."""
+    """A final reply to write to the job's inbox: payload is an encoded Result or Error."""
 
     job_id: str
     payload: bytes
     bucket: int  # the stream the answered entry sits in
     entry_id: str  # settled (acked and deleted) by the same write that stores the reply
+    reply_key: str  # the submitting client's inbox stream
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """A client asked to stop a job; honoured only when ``reply_key`` is the job's own."""
+
+    job_id: str
+    reply_key: str
 
 
 class Transport(Protocol):
@@ -74,6 +83,27 @@ class Transport(Protocol):
     @abstractmethod
     def write_replies(self, replies: list[Reply]) -> list[bool]:
         """Store each reply (first writer wins) and settle its entry; returns which were first writes."""
+
+    @abstractmethod
+    def write_deltas(self, deltas: list[tuple[str, str, bytes]]) -> None:
+        """Append streamed-output entries ``(job_id, reply_key, encoded Delta)`` to their inboxes, in order.
+        Best effort: they settle nothing, and the final reply carries the whole text anyway."""
+
+    @abstractmethod
+    def cancels(self) -> list[Cancel]:
+        """Cancel requests published since the last call (cheap; called every tick)."""
+
+    @abstractmethod
+    def cancel_marks(self, job_ids: list[str]) -> list[str | None]:
+        """For each job, the reply key of a pending cancel request, else None (checked when entries are read)."""
+
+    @abstractmethod
+    def clock_offset(self) -> float:
+        """Seconds to subtract from a stream entry's Redis timestamp to get this host's ``time.time()``."""
+
+    @abstractmethod
+    def alive(self) -> None:
+        """Mark this worker live (the live-worker set producers check); called by the lease keeper's thread."""
 
     @abstractmethod
     def give_up(self, entry: Entry, reason: str, reply: Reply | None) -> None:

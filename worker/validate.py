@@ -30,7 +30,12 @@ class Accepted:
     entry: Entry
     request: Request
     gen: GenRequest
-    enqueued_at: float  # clamped to the worker's clock: never in the future
+    enqueued_at: float  # this host's clock, from the entry id's Redis timestamp; never in the future
+    deadline: float | None  # enqueued_at + timeout (this host's clock); None: no deadline
+
+    @property
+    def reply_key(self) -> str:
+        return self.request.reply_key
 
 
 @dataclass(frozen=True)
@@ -38,8 +43,9 @@ class Rejected:
     """An invalid entry and the error that answers it."""
 
     entry: Entry
-    error: Error | None  # None: no usable id, dead-letter instead
+    error: Error | None  # None: no usable id or reply key, dead-letter instead
     reason: str
+    reply_key: str = ""
 
 
 def job_id_of(entry: Entry) -> str | None:
@@ -52,14 +58,37 @@ def job_id_of(entry: Entry) -> str | None:
     return job_id if valid_job_id(job_id) else None
 
 
-def accept(entry: Entry, keys: Keys, limits: Limits, now: float) -> Accepted | Rejected:
-    """Validate one entry against the wire schema, its stream's bucket and the model's limits."""
+def reply_key_of(entry: Entry, keys: Keys) -> str | None:
+    """The entry's reply key (an inbox of this namespace), or None when it has no valid one."""
+    raw = entry.fields.get(b"r")
+    try:
+        key = raw.decode() if isinstance(raw, bytes) else None
+    except UnicodeDecodeError:
+        return None
+    return key if keys.inbox_token(key) is not None else None
+
+
+def entry_time(entry_id: str) -> float | None:
+    """Unix time (Redis' clock) encoded in a stream entry id ``<ms>-<seq>``; None if it is not one."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms) / 1000 if ms.isdigit() and seq.isdigit() else None
+
+
+def accept(entry: Entry, keys: Keys, limits: Limits, now: float, clock_offset: float = 0.0) -> Accepted | Rejected:
+    """Validate one entry against the wire schema, its stream's bucket and the model's limits.
+
+    ``clock_offset``: Redis time minus this host's time (s); the entry id's timestamp minus it is when the
+    request was enqueued on this host's clock, so no producer clock is ever trusted.
+    """
     job_id = job_id_of(entry)
     if job_id is None:
         return Rejected(entry, None, "entry has no valid 'id' field")
+    reply_key = reply_key_of(entry, keys)
+    if reply_key is None:
+        return Rejected(entry, None, f"entry has no valid 'r' (reply key {keys.inbox('<token>')!r}) field")
 
     def reject(code: str, message: str) -> Rejected:
-        return Rejected(entry, Error(id=job_id, code=code, message=message), message)
+        return Rejected(entry, Error(id=job_id, code=code, message=message), message, reply_key)
 
     payload = entry.fields.get(b"p")
     if payload is None:
@@ -70,18 +99,20 @@ def accept(entry: Entry, keys: Keys, limits: Limits, now: float) -> Accepted | R
         return reject(exc.code, str(exc))
     if req.id != job_id:
         return reject(INVALID_REQUEST, "payload id does not match the entry id")
-    if req.reply_key != keys.reply(job_id):
-        return reject(INVALID_REQUEST, f"reply_key must be {keys.reply(job_id)!r}")
+    if req.reply_key != reply_key:
+        return reject(INVALID_REQUEST, "payload reply_key does not match the entry's 'r' field")
     if len(req.prompt) > entry.bucket:
         return reject(PROMPT_TOO_LONG, f"prompt of {len(req.prompt)} tokens is longer than bucket {entry.bucket}")
     if len(req.prompt) + req.max_new_tokens > limits.max_seq_len:
         return reject(PROMPT_TOO_LONG, f"prompt + max_new_tokens exceeds max_seq_len {limits.max_seq_len}")
     if max(req.prompt) >= limits.vocab_size:
         return reject(INVALID_REQUEST, f"token id {max(req.prompt)} is outside the vocabulary ({limits.vocab_size})")
-    enqueued = min(req.enqueued_at, now) if req.enqueued_at > 0 else now
+    stamped = entry_time(entry.entry_id)
+    enqueued = now if stamped is None else min(stamped - clock_offset, now)
+    deadline = None if req.timeout_ms is None else enqueued + req.timeout_ms / 1000
     gen = GenRequest(
         id=req.id, prompt=list(req.prompt), bucket=entry.bucket, max_new_tokens=req.max_new_tokens,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop,
         enqueued_at=enqueued,
     )
-    return Accepted(entry, req, gen, enqueued)
+    return Accepted(entry, req, gen, enqueued, deadline)

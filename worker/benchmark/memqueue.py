@@ -16,7 +16,9 @@ from batchfleet.common.config import bucket_for
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import FleetInfo, Request, Result
 from batchfleet.producer.core import parse_reply
-from batchfleet.worker.transport import Entry, FlushWatch, Reply, Transport
+from batchfleet.worker.transport import Cancel, Entry, FlushWatch, Reply, Transport
+
+INBOX = "inproc000000000000"  # the one inbox token of this process's MemClient
 
 
 class MemQueue(Transport):
@@ -41,10 +43,11 @@ class MemQueue(Transport):
 
     # --- producer side -----------------------------------------------------------------------------
     def put(self, bucket: int, job_id: str, payload: bytes) -> None:
-        """Enqueue one encoded Request (what a producer's XADD does)."""
+        """Enqueue one encoded Request (what the enqueue function's XADD does; the id carries the time)."""
         with self._cv:
             self._seq += 1
-            self._entries.append(Entry(bucket, f"{self._seq}-0", {b"id": job_id.encode(), b"p": payload}))
+            fields = {b"id": job_id.encode(), b"r": self.keys.inbox(INBOX).encode(), b"p": payload}
+            self._entries.append(Entry(bucket, f"{int(time.time() * 1000)}-{self._seq}", fields))
             self._cv.notify_all()
 
     def wait_reply(self, job_id: str, timeout: float | None) -> bytes:
@@ -92,6 +95,21 @@ class MemQueue(Transport):
                 firsts.append(first)
             self._cv.notify_all()
         return firsts
+
+    def write_deltas(self, deltas: list[tuple[str, str, bytes]]) -> None:
+        pass  # the benchmark client does not stream
+
+    def cancels(self) -> list[Cancel]:
+        return []
+
+    def cancel_marks(self, job_ids: list[str]) -> list[str | None]:
+        return [None] * len(job_ids)
+
+    def clock_offset(self) -> float:
+        return 0.0
+
+    def alive(self) -> None:
+        pass
 
     def log_batch(self, record: dict) -> None:
         self.batch_records.append(record)
@@ -145,8 +163,8 @@ class MemClient:
         assert info is not None, "start the in-process worker first"
         bucket = bucket_for(info.buckets, info.max_seq_len, len(prompt), max_new_tokens)
         job_id = uuid.uuid4().hex
-        req = Request(id=job_id, prompt=list(prompt), max_new_tokens=max_new_tokens, enqueued_at=time.time(),
-                      reply_key=self.q.keys.reply(job_id))
+        req = Request(id=job_id, prompt=list(prompt), max_new_tokens=max_new_tokens,
+                      reply_key=self.q.keys.inbox(INBOX))
         self.q.put(bucket, job_id, req.encode())
         return job_id
 

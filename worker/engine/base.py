@@ -66,3 +66,10 @@ class Engine(Protocol):
 
     def reset(self) -> None:
         """Drop every active request and free what it holds (called after step() raised)."""
+
+    def abort(self, ids: Sequence[str]) -> list[str]:
+        """Drop these requests (cancelled) and free what they hold at once; returns the ids found."""
+
+    def progress(self, ids: Sequence[str]) -> dict[str, list[int]]:
+        """Tokens generated so far by each of these running requests (streaming); engines that finish a
+        request within one step may return nothing."""

@@ -85,6 +85,15 @@ class HFEngine:
     def reset(self) -> None:
         self._pending = []
 
+    def abort(self, ids: Sequence[str]) -> list[str]:
+        """Only requests not started can leave: a batch runs to completion inside one step."""
+        found = [r.id for r in self._pending if r.id in set(ids)]
+        self._pending = [r for r in self._pending if r.id not in set(ids)]
+        return found
+
+    def progress(self, ids: Sequence[str]) -> dict[str, list[int]]:
+        return {}  # a batch runs to completion inside one step: nothing to stream mid-way
+
     def stats(self) -> dict[str, float]:
         return {"batches": self._batches}
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTr
 
 log = logging.getLogger(__name__)
 
-PRESET_VERSION = 1
+PRESET_VERSION = 2  # 2: the tokenizer carries a chat template
 # Byte-level vocabulary: 4 specials, then one id per byte value (id = 4 + byte).
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 BYTE_OFFSET = 4
@@ -46,6 +46,13 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs)))
 
 
+# The presets' chat template (HF Jinja2 semantics, rendered producer-side): one header line per turn.
+PRESET_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
 def byte_level_tokenizer() -> PreTrainedTokenizerFast:
     """One token per UTF-8 byte, BOS prepended: any text round-trips exactly."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
@@ -57,8 +64,10 @@ def byte_level_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS_ID)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    unk_token="<unk>", pad_token="<pad>")
+    fast.chat_template = PRESET_CHAT_TEMPLATE
+    return fast
 
 
 def make_preset(preset: str, cache_dir: str | Path, seed: int = 0, max_seq_len: int = 4096) -> Path:

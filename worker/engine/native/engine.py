@@ -163,6 +163,12 @@ class NativeEngine:
         self._errors = [c for c in self._errors if c.id not in ids]
         return [s.id for s in self.scheduler.abort(ids)]
 
+    def progress(self, ids: Iterable[str]) -> dict[str, list[int]]:
+        """Tokens generated so far by each of these requests that is admitted (prefilling or running)."""
+        wanted = set(ids)
+        s = self.scheduler
+        return {q.id: q.payload.checker.tokens for q in (*s.running, *s.prefilling) if q.id in wanted}
+
     def reset(self) -> None:
         """Drop every request and free every block."""
         s = self.scheduler

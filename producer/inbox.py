@@ -1,0 +1,204 @@
+"""One client's inbox: the reply stream every worker writes this client's answers to, read by one task.
+
+Why a stream per client process and not a list per job: waiting on a list per job costs a connection per
+waiting request (a blocking pop each) and consumes the reply as it is read, so a Redis crash between the
+read and its answer loses the reply. Here one task XREADs the inbox (never blocking longer than the
+socket timeout) and hands each entry to the job waiting for it; the entry is deleted only once the caller
+has taken it (deltas at once), so whatever instant Redis dies at, the reader reads it again after the
+restart (appendfsync always keeps the entry). Replies nobody waits for expire with the inbox's TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+
+import redis
+
+from batchfleet.common.errors import Timeout
+from batchfleet.common.protocol import Delta, Result
+from batchfleet.common.retry import TRANSIENT, Backoff
+from batchfleet.producer.core import Deadline, parse_reply
+
+log = logging.getLogger("producer")
+
+MAX_UNCLAIMED = 100_000  # finals with no waiter kept for a later result(job_id) (a reused inbox name)
+READ_COUNT = 1024
+
+Final = tuple[str, Result | BaseException]  # (entry id, the Result or the error it stands for)
+
+
+class WaitExpired(Timeout):
+    """The caller's timeout passed with no reply (as opposed to a ``deadline_exceeded`` answer)."""
+
+
+class _Waiter:
+    """What one job's caller waits on: its final reply, and its deltas when it streams."""
+
+    def __init__(self, stream: bool) -> None:
+        self.final: asyncio.Future[Final] = asyncio.get_running_loop().create_future()
+        # streamed jobs: deltas in order, then None once ``final`` is set
+        self.deltas: asyncio.Queue[Delta | None] | None = asyncio.Queue() if stream else None
+
+
+class Inbox:
+    """Reads one inbox stream and routes its entries to the jobs waiting for them."""
+
+    def __init__(self, reader: redis.asyncio.Redis, writer: redis.asyncio.Redis, key: str, block_ms: int,
+                 backoff: Backoff) -> None:
+        self.reader = reader  # a connection of its own: its XREAD blocks
+        self.writer = writer  # the client's pool: XDEL of consumed entries
+        self.key = key
+        self.block_ms = block_ms
+        self.backoff = backoff
+        self._jobs: dict[str, _Waiter] = {}
+        self._abandoned: set[str] = set()  # cancelled or given up by the caller: answers are dropped
+        self._unclaimed: OrderedDict[str, Final] = OrderedDict()
+        self._last = "0-0"  # everything in the inbox: a reused inbox name picks up earlier replies
+        self._consumed: list[str] = []
+        self._task: asyncio.Task | None = None
+        self._deleting: asyncio.Task | None = None
+        self._closing = False
+
+    def expect(self, job_id: str, stream: bool = False) -> _Waiter:
+        """Register a job before it is enqueued, so no reply can arrive unseen."""
+        self._abandoned.discard(job_id)
+        waiter = self._jobs.get(job_id)
+        if waiter is None:
+            waiter = self._jobs[job_id] = _Waiter(stream)
+        self.start()
+        return waiter
+
+    def abandon(self, job_id: str) -> None:
+        """Nobody will take this job's answer (cancelled, or its enqueue failed): drop it when it comes."""
+        self._jobs.pop(job_id, None)
+        self._unclaimed.pop(job_id, None)
+        self._abandoned.add(job_id)
+
+    def waiter(self, job_id: str) -> _Waiter:
+        """The job's waiter; one is made for a job this client did not submit (a reused inbox name)."""
+        return self._jobs.get(job_id) or self.expect(job_id)
+
+    async def final(self, job_id: str, deadline: Deadline) -> Result:
+        """The job's Result (raises the error its reply stands for); Timeout when the deadline passes first
+        (the job stays expected: a later call may still get it)."""
+        self.start()  # (again, should the reader ever have ended)
+        if job_id in self._unclaimed:
+            entry_id, outcome = self._unclaimed.pop(job_id)
+        else:
+            waiter = self.waiter(job_id)
+            try:
+                entry_id, outcome = await asyncio.wait_for(asyncio.shield(waiter.final), deadline.left())
+            except asyncio.TimeoutError:
+                raise WaitExpired(f"no result for job {job_id}") from None
+        self._jobs.pop(job_id, None)
+        self.consumed(entry_id)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def consumed(self, entry_id: str) -> None:
+        """The caller has this entry: delete it from the inbox (batched, best effort; the TTL cleans up)."""
+        self._consumed.append(entry_id)
+        if self._deleting is None or self._deleting.done():
+            self._deleting = asyncio.get_running_loop().create_task(self._delete())
+
+    def start(self) -> None:
+        if not self._closing and (self._task is None or self._task.done()):
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"inbox {self.key}")
+
+    async def close(self) -> None:
+        """Stop reading; delete what was consumed (bounded: the TTL removes what this cannot)."""
+        if self._deleting is not None and not self._deleting.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._deleting), 1.0)
+            except (asyncio.TimeoutError, Exception):
+                pass
+        if self._consumed:
+            try:
+                await asyncio.wait_for(self.writer.xdel(self.key, *self._consumed[:1000]), 1.0)
+            except (asyncio.TimeoutError, redis.RedisError):
+                pass
+        self._closing = True
+        tasks = [t for t in (self._task, self._deleting) if t is not None and not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=1.0)
+            if pending:  # redis-py can swallow a cancel that lands mid-reconnect: cut its connection
+                try:
+                    await asyncio.wait_for(self.reader.aclose(), 1.0)
+                except (asyncio.TimeoutError, redis.RedisError, OSError):
+                    pass
+                await asyncio.wait(pending, timeout=1.0)
+
+    # ---- the reader task -------------------------------------------------------------------------
+    async def _run(self) -> None:
+        healthy = True  # the first failure after a success reconnects at once (a restart closed our socket)
+        while not self._closing:
+            try:
+                resp = await self.reader.xread({self.key: self._last}, count=READ_COUNT, block=self.block_ms)
+            except TRANSIENT as exc:
+                if healthy:
+                    healthy = False
+                    continue
+                await asyncio.sleep(self.backoff.failed(exc))
+                continue
+            except redis.ResponseError as exc:  # NOPERM and the like: an operator must act; keep trying
+                log.error("cannot read inbox %s: %s", self.key, exc)
+                await asyncio.sleep(self.backoff.failed(exc))
+                continue
+            except (asyncio.CancelledError, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # whatever a dying connection raises: the reader must outlive it
+                if self._closing:
+                    return
+                log.debug("inbox read failed: %r", exc)
+                await asyncio.sleep(self.backoff.failed(exc))
+                continue
+            self.backoff.ok()
+            healthy = True
+            for _stream, entries in resp or []:
+                for entry_id, fields in entries:
+                    self._last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                    self._dispatch(self._last, fields)
+
+    def _dispatch(self, entry_id: str, fields: dict) -> None:
+        raw_id = fields.get(b"id", b"")
+        job_id = raw_id.decode(errors="replace") if isinstance(raw_id, bytes) else str(raw_id)
+        try:
+            reply: Result | Delta | BaseException = parse_reply(job_id, fields.get(b"p", b""))
+        except Exception as exc:  # the error an Error reply stands for (JobFailed, Cancelled, Timeout)
+            reply = exc
+        if isinstance(reply, Delta):
+            self.consumed(entry_id)  # the text is in memory now; the final reply repeats all of it
+            waiter = self._jobs.get(job_id)
+            if waiter is not None and waiter.deltas is not None:
+                waiter.deltas.put_nowait(reply)
+            return
+        if job_id in self._abandoned:
+            self._abandoned.discard(job_id)
+            self.consumed(entry_id)
+            return
+        waiter = self._jobs.get(job_id)
+        if waiter is not None and not waiter.final.done():
+            waiter.final.set_result((entry_id, reply))
+            if waiter.deltas is not None:
+                waiter.deltas.put_nowait(None)
+            return
+        if waiter is None:  # nobody asked (yet): keep it for a later result(job_id)
+            self._unclaimed[job_id] = (entry_id, reply)
+            while len(self._unclaimed) > MAX_UNCLAIMED:
+                self._unclaimed.popitem(last=False)
+        else:
+            self.consumed(entry_id)  # a second answer to one job (its done marker expired): drop it
+
+    async def _delete(self) -> None:
+        await asyncio.sleep(0.02)  # batch the deletes of one burst of replies
+        while self._consumed:
+            ids, self._consumed = self._consumed[:1000], self._consumed[1000:]
+            try:
+                await asyncio.wait_for(self.writer.xdel(self.key, *ids), 5.0)
+            except (asyncio.TimeoutError, redis.RedisError):
+                return  # the inbox's TTL removes them

@@ -1,0 +1,90 @@
+"""Streamed output: turns the tokens a running request has generated so far into text deltas (pure: no
+Redis, no torch; the tokenizer is passed in).
+
+Incremental detokenization keeps two offsets per request (as vLLM does): text is decoded from a small
+window that starts a few tokens before the new ones, so a token whose text depends on its left context
+(a leading space, a byte of a multi-byte character) decodes right, and the cost per delta does not grow
+with the output. Text is held back while it ends in an incomplete UTF-8 character (U+FFFD) and, when
+the request has stop strings, while its tail could still become one (the final text is cut there). So
+deltas concatenate to a prefix of the final ``Result.text``; the client adds the rest from the Result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from batchfleet.common.protocol import Delta
+
+REPLACEMENT = "\ufffd"
+
+
+@dataclass
+class _Detok:
+    """One streamed request's detokenization state."""
+
+    reply_key: str
+    stop_holdback: int  # chars kept back: longest stop string - 1
+    prefix: int = 0  # window start (token index)
+    read: int = 0  # tokens whose text is in ``text``
+    text: str = ""  # detokenized so far (may end with held-back chars)
+    sent: int = 0  # chars of ``text`` sent
+    tokens_sent: int = 0
+    seq: int = 0
+    due_at: float = 0.0
+    pending_tokens: list[int] = field(default_factory=list)
+
+
+class StreamPublisher:
+    """Which running requests stream, and the deltas due for them (at most one per ``interval_s`` each)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], interval_s: float) -> None:
+        self.decode = decode  # token ids -> text, special tokens skipped (the engine's final-text decode)
+        self.interval_s = interval_s
+        self._jobs: dict[str, _Detok] = {}
+
+    def __contains__(self, job_id: str) -> bool:
+        return job_id in self._jobs
+
+    def track(self, job_id: str, reply_key: str, stop: tuple[str, ...], now: float) -> None:
+        """Start streaming a request that has just started running."""
+        holdback = max((len(s) for s in stop), default=1) - 1
+        self._jobs[job_id] = _Detok(reply_key, holdback, due_at=now)
+
+    def forget(self, job_id: str) -> None:
+        """The request finished, failed or was cancelled: its final reply carries the rest."""
+        self._jobs.pop(job_id, None)
+
+    def due(self, now: float) -> list[str]:
+        """Streamed requests whose next delta may be sent now."""
+        return [j for j, d in self._jobs.items() if d.due_at <= now]
+
+    def deltas(self, progress: dict[str, list[int]], now: float) -> list[tuple[str, str, bytes]]:
+        """(job id, reply key, encoded Delta) for each request in ``progress`` (its generated tokens so far)
+        whose text grew since its last delta."""
+        out = []
+        for job_id, tokens in progress.items():
+            d = self._jobs.get(job_id)
+            if d is None:
+                continue
+            d.due_at = now + self.interval_s
+            self._advance(d, tokens)
+            safe = len(d.text) - d.stop_holdback
+            if safe <= d.sent:
+                continue
+            delta = Delta(job_id, d.seq, d.sent, d.text[d.sent:safe], list(tokens[d.tokens_sent:]))
+            d.sent, d.tokens_sent, d.seq = safe, len(tokens), d.seq + 1
+            out.append((job_id, d.reply_key, delta.encode()))
+        return out
+
+    def _advance(self, d: _Detok, tokens: list[int]) -> None:
+        """Decode what the tokens since ``d.read`` add to the text, unless it ends mid-character."""
+        if len(tokens) <= d.read:
+            return
+        before = self.decode(tokens[d.prefix:d.read])
+        after = self.decode(tokens[d.prefix:])
+        if after.endswith(REPLACEMENT) or not after.startswith(before):
+            return  # an incomplete character (or a window that re-decodes differently): wait for more
+        d.text += after[len(before):]
+        # the next window starts at the tokens just decoded: enough left context for their successors
+        d.prefix, d.read = d.read, len(tokens)
