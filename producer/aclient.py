@@ -62,8 +62,11 @@ class AsyncClient:
             raise InvalidRequest("max_connections must be >= 1")
         self.retry_s = retry_s
         self.require_workers = require_workers
+        # named connections: an operator sees in CLIENT LIST which process holds which (never the inbox token)
+        self.client_name = f"batchfleet-producer-{secrets.token_hex(4)}"
         kwargs: dict[str, Any] = {"socket_timeout": self.conn.socket_timeout_s, "decode_responses": False,
-                                  "socket_connect_timeout": min(self.conn.socket_timeout_s, 5.0)}
+                                  "socket_connect_timeout": min(self.conn.socket_timeout_s, 5.0),
+                                  "client_name": self.client_name}
         self.r = aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(
             self.conn.redis_url, max_connections=max_connections, timeout=None, **kwargs))
         reader = aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(

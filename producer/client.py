@@ -105,6 +105,7 @@ class Client:
             raise
         self.keys = self._async.keys
         self.conn = self._async.conn
+        self.client_name = self._async.client_name
 
     @property
     def reply_key(self) -> str:
