@@ -1,5 +1,6 @@
 """What the Redis path itself costs per request, with no engine: the full producer -> stream -> worker
--> reply -> producer chain (Client.submit script, XREADGROUP, reply script with XACK/XDEL, BLPOP),
+-> reply -> producer chain (Client.submit's enqueue function, XREADGROUP, reply script with XADD to the
+client's inbox + XACK/XDEL, the client's inbox reader XREAD + XDEL),
 one request at a time, on the configured Redis. Prints a markdown row and writes JSON.
 
     python scripts/bench_transport.py --json docs/bench/transport.json
@@ -36,7 +37,7 @@ def main(redis_url: str, n: int, json_path: str | None) -> None:
     worker.publish_fleet(FleetInfo(model="none", tokenizer_json=byte_level_tokenizer().backend_tokenizer.to_str(),
                                    buckets=(128,), max_seq_len=256, max_batch_size=1, vocab_size=320,
                                    eos_token_ids=(2,)))
-    client = Client(url, conn.namespace)
+    client = Client(url, conn.namespace)  # the probe's publish_fleet marked it live
     prompt = list(range(10, 42))
     samples = []
     try:
@@ -47,7 +48,7 @@ def main(redis_url: str, n: int, json_path: str | None) -> None:
             req = Request.decode(entry.fields[b"p"])
             res = Result(id=req.id, token_ids=[5] * 8, text="x" * 8, finish_reason="length", prompt_tokens=32,
                          completion_tokens=8, queue_ms=0, ttft_ms=0, total_ms=0, worker="probe", batch_size=1)
-            worker.write_replies([Reply(job, res.encode(), entry.bucket, entry.entry_id)])
+            worker.write_replies([Reply(job, res.encode(), entry.bucket, entry.entry_id, req.reply_key)])
             client.result(job, timeout=10)
             if i >= 20:
                 samples.append((time.perf_counter() - t0) * 1000)
@@ -57,7 +58,8 @@ def main(redis_url: str, n: int, json_path: str | None) -> None:
             private.stop()
     doc = {"n": len(samples), "p50_ms": round(percentile(samples, 50), 3),
            "p99_ms": round(percentile(samples, 99), 3), "redis": url,
-           "chain": "submit (EVALSHA) + XREADGROUP + reply script (SET NX, RPUSH, EXPIRE, XACK, XDEL) + BLPOP"}
+           "chain": "submit (FCALL enqueue) + XREADGROUP + reply script (SET NX, XADD inbox, EXPIRE, XACK, XDEL) "
+                    "+ inbox XREAD (+ XDEL)"}
     print("| requests | transport p50 ms | transport p99 ms |\n|---|---|---|")
     print(f"| {doc['n']} | {doc['p50_ms']} | {doc['p99_ms']} |")
     if json_path:
