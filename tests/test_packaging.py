@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -145,3 +146,14 @@ def test_fresh_install_submits_to_a_worker(client_venv, start_worker, redis_url,
     proc = subprocess.run([str(bin_dir / "python"), "-c", ASYNC_GENERATE, redis_url, namespace],
                           capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_docker_image_installs_the_worker_stack():
+    """The image serves workers: it copies every package folder and installs the [worker] extra (a plain
+    ``pip install .`` would leave it without torch and transformers)."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    folders = re.findall(r'^"batchfleet\.\w+" = "(\w+)"', (ROOT / "pyproject.toml").read_text(), flags=re.M)
+    assert set(folders) >= {"common", "producer", "worker", "gateway"}
+    for folder in folders:
+        assert f"COPY {folder} ./{folder}" in dockerfile, folder
+    assert re.search(r'pip install .*"\.\[[^\]]*worker', dockerfile), dockerfile
