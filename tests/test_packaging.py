@@ -118,6 +118,11 @@ def test_fresh_install_has_no_torch(client_venv, redis_url, namespace, tmp_path)
     proc = subprocess.run([str(bin_dir / "batchfleet"), "submit", "--help"], capture_output=True, text=True,
                           env=clean_env(), cwd=tmp_path, timeout=120)
     assert proc.returncode == 0 and "--max-new-tokens" in proc.stdout, proc.stderr
+    proc = subprocess.run([str(bin_dir / "batchfleet"), "worker"], capture_output=True, text=True, env=clean_env(),
+                          cwd=tmp_path, timeout=120)  # the worker's stack is an extra: say which, in one line
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "Error: batchfleet worker needs torch, transformers, which this install lacks: pip install 'batchfleet[worker]'"
+    ], proc.stderr
 
 
 ASYNC_GENERATE = """
