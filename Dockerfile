@@ -13,7 +13,9 @@ COPY pyproject.toml README.md ./
 COPY common ./common
 COPY producer ./producer
 COPY worker ./worker
-RUN pip install --no-cache-dir .
+COPY gateway ./gateway
+# the worker's stack and the gateway's: a plain `pip install .` is the client only (no torch)
+RUN pip install --no-cache-dir ".[worker,serve]"
 VOLUME ["/cache", "/models"]
 ENTRYPOINT ["batchfleet"]
 CMD ["worker"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 
 import click
@@ -19,13 +20,20 @@ _COMMANDS = {
     "status": "batchfleet.producer.cli:status",
 }
 
+# `pip install batchfleet` is the client only: a command that needs an extra's packages says which
+# extra to install (one line) instead of failing with a traceback deep in an import.
+_EXTRAS = {"worker": ("torch", "transformers"), "serve": ("fastapi", "uvicorn")}
+_NEEDS = {"worker": "worker", "demo": "worker", "bench": "worker", "serve": "serve"}
+
 
 # --redis-url / --namespace (BATCHFLEET_REDIS_URL / BATCHFLEET_NAMESPACE), shared by every command
 connection_options = config_options(ConnectionConfig)
 
 
 class LazyGroup(click.Group):
-    """Imports a subcommand's module only when that subcommand runs (or is listed)."""
+    """Imports a subcommand's module only when that subcommand runs (or is listed); a subcommand whose
+    extra is not installed (``worker``, ``demo``, ``bench``: [worker]; ``serve``: [serve]) fails with one
+    line naming the extra."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(_COMMANDS)
@@ -36,6 +44,15 @@ class LazyGroup(click.Group):
         module, attr = _COMMANDS[name].split(":")
         return getattr(importlib.import_module(module), attr)
 
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple:
+        # checked before the subcommand's module is imported: that import may be what fails
+        extra = _NEEDS.get(args[0]) if args else None
+        if extra and not ctx.resilient_parsing:
+            missing = [m for m in _EXTRAS[extra] if importlib.util.find_spec(m) is None]  # finds, never imports
+            if missing:
+                raise click.ClickException(f"batchfleet {args[0]} needs {', '.join(missing)}, which this install "
+                                           f"lacks: pip install 'batchfleet[{extra}]'")
+        return super().resolve_command(ctx, args)
 
 @click.group(cls=LazyGroup)
 @click.option("--log-level", envvar="BATCHFLEET_LOG_LEVEL", default="INFO", show_default=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from batchfleet.common.errors import ConfigError, PromptTooLong
 from batchfleet.common.keys import DEFAULT_NAMESPACE, Keys
+from batchfleet.common.redis_url import check_redis_url
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_BUCKETS = (128, 256, 512, 1024, 4096)
@@ -117,20 +118,28 @@ def bucket_for(buckets: tuple[int, ...], max_seq_len: int, prompt_len: int, max_
     return buckets[bisect.bisect_left(buckets, prompt_len)]
 
 
+def check_namespace(namespace: str) -> str:
+    """``namespace`` when it is a valid key namespace; ConfigError otherwise."""
+    try:
+        Keys(namespace)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return namespace
+
+
 @dataclass(frozen=True)
 class ConnectionConfig:
     """Where the fleet lives: shared by every command and by the Python clients."""
 
     redis_url: str = field(default=DEFAULT_REDIS_URL, metadata=option(
-        "redis://[user:pass@]host:port/db, rediss:// for TLS."))
+        "redis://[user:pass@]host:port/db, rediss:// for TLS.", parse=check_redis_url))
     namespace: str = field(default=DEFAULT_NAMESPACE, metadata=option(
-        "Key namespace: isolates fleets (tenants) on one Redis."))
+        "Key namespace: isolates fleets (tenants) on one Redis.", parse=check_namespace))
     socket_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
-        Keys(self.namespace)  # validates
+        check_redis_url(self.redis_url)
+        check_namespace(self.namespace)
         if self.socket_timeout_s <= 1:
             raise ConfigError("socket_timeout_s must be > 1 s (blocking reads are sized below it)")
 

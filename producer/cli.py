@@ -1,21 +1,87 @@
-"""``batchfleet submit``, ``batchfleet bulk`` and ``batchfleet status``: producer-side commands (no torch)."""
+"""``batchfleet submit``, ``batchfleet bulk`` and ``batchfleet status``: producer-side commands (no torch).
+
+What goes wrong at a terminal (Redis unreachable, no workers, a timeout, a prompt too long, a full
+queue, a failed job) prints one line and exits 1, never a traceback: see ``one_line_errors``.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any, TypeVar
 
 import click
 import msgpack
 import redis
 
 from batchfleet.common.cli import connection_options
-from batchfleet.common.config import connection_from_env
-from batchfleet.common.errors import BatchfleetError
+from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.errors import BatchfleetError, RedisUnavailable
+from batchfleet.common.functions import LIVE_WORKER_MS
 from batchfleet.common.protocol import FleetInfo
+from batchfleet.common.redis_url import redact_url
 from batchfleet.producer.bulk import read_jsonl, run_bulk
 from batchfleet.producer.client import Client
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def error_line(exc: BaseException, redis_url: str) -> str | None:
+    """The one line a person reads for ``exc``; None for an exception that is a bug (its traceback stays).
+
+    The Redis URL is shown without its password.
+    """
+    where = f"Redis at {redact_url(redis_url)}"
+    if isinstance(exc, redis.AuthenticationError):
+        text = f"{where} refused the credentials: {exc}"
+    elif isinstance(exc, (RedisUnavailable, redis.ConnectionError, redis.TimeoutError)):
+        text = f"{where} is unreachable: {exc or type(exc).__name__}"
+    elif isinstance(exc, redis.RedisError):
+        text = f"{where} answered with an error: {exc}"
+    elif isinstance(exc, BatchfleetError):
+        # NoWorkers, FleetUnavailable, Timeout, PromptTooLong, InvalidRequest, QueueFull, JobFailed, ConfigError
+        text = f"{type(exc).__name__}: {exc}"
+    else:
+        return None
+    return " ".join(text.split())  # one line, whatever the message held
+
+
+def one_line_errors(command: F) -> F:
+    """Decorator for a command taking ``redis_url``: expected failures become ``click.ClickException``
+    (``Error: <one line>`` on stderr, exit code 1)."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except (BatchfleetError, redis.RedisError) as exc:
+            line = error_line(exc, kwargs.get("redis_url") or "")
+            if line is None:
+                raise
+            raise click.ClickException(line) from None
+
+    return run  # type: ignore[return-value]
+
+
+def _redis(conn: ConnectionConfig) -> redis.Redis:
+    return redis.Redis.from_url(conn.redis_url, socket_timeout=conn.socket_timeout_s,
+                                socket_connect_timeout=conn.socket_timeout_s)
+
+
+def check_reachable(conn: ConnectionConfig) -> None:
+    """Open one connection (the same handshake the client makes: AUTH, SELECT, ...) and close it, so an
+    unreachable Redis or wrong credentials fail at once with one line instead of after the client's
+    ``retry_s`` of backoff; the client keeps its retries for outages in the middle of a run."""
+    r = _redis(conn)
+    connection = r.connection_pool.make_connection()
+    try:
+        connection.connect()
+    finally:
+        connection.disconnect()
+        r.close()
 
 
 def _params(max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
@@ -43,13 +109,15 @@ def generation_options(fn):
 @click.argument("prompt")
 @generation_options
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
+@one_line_errors
 def submit(redis_url: str, namespace: str, prompt: str, timeout: float | None, as_json: bool, **gen) -> None:
     """Send one prompt and print its completion."""
-    with Client(redis_url, namespace) as client:
-        try:
-            result = client.generate(prompt, timeout=timeout, **_params(**gen))
-        except BatchfleetError as exc:
-            raise click.ClickException(str(exc)) from exc
+    check_reachable(ConnectionConfig(redis_url, namespace))
+    client = Client(redis_url, namespace)
+    try:
+        result = client.generate(prompt, timeout=timeout, **_params(**gen))
+    finally:
+        client.close()
     if as_json:
         click.echo(json.dumps(asdict(result)))
     else:
@@ -66,46 +134,50 @@ def submit(redis_url: str, namespace: str, prompt: str, timeout: float | None, a
               help="JSONL: one line per prompt, in input order: {index, result} or {index, error}.")
 @click.option("--window", type=int, default=256, show_default=True, help="Max jobs in flight.")
 @generation_options
+@one_line_errors
 def bulk(redis_url: str, namespace: str, prompts, output, window: int, timeout: float | None, **gen) -> None:
     """Submit every line of a JSONL file ({"prompt": ..., optional params}); never aborts on a bad line."""
-    from tqdm import tqdm
-
     if window < 1:
         raise click.UsageError("--window must be >= 1")
     lines = prompts.readlines()
-    failed = 0
-    with Client(redis_url, namespace) as client:
-        try:
-            client.fleet()
-        except BatchfleetError as exc:
-            raise click.ClickException(str(exc)) from exc
-        items = read_jsonl(iter(lines))
-        bar = tqdm(total=sum(1 for line in lines if line.strip()), unit="prompt", file=sys.stderr)
-        for out in run_bulk(client, items, window, _params(**gen), timeout):
-            failed += "error" in out
-            output.write(json.dumps(out) + "\n")
-            bar.update(1)
-        bar.close()
-    click.echo(f"done: {bar.n} prompts, {failed} failed", err=True)
+    check_reachable(ConnectionConfig(redis_url, namespace))
+    client = Client(redis_url, namespace)
+    failed = done = 0
+    try:
+        client.fleet()  # no fleet: one error line now, not one per prompt
+        total = sum(1 for line in lines if line.strip())
+        with click.progressbar(length=total, label="prompts", show_pos=True, file=sys.stderr) as bar:
+            for out in run_bulk(client, read_jsonl(iter(lines)), window, _params(**gen), timeout):
+                failed += "error" in out
+                done += 1
+                output.write(json.dumps(out) + "\n")
+                bar.update(1)
+    finally:
+        client.close()
+    click.echo(f"done: {done} prompts, {failed} failed", err=True)
 
 
 @click.command()
 @connection_options
+@one_line_errors
 def status(redis_url: str, namespace: str) -> None:
-    """Show live workers and queue lengths of a namespace."""
-    conn = connection_from_env(redis_url, namespace)
+    """Show the fleet, its live workers and queue lengths under a namespace (plain Redis reads, no client)."""
+    conn = ConnectionConfig(redis_url, namespace)
     keys = conn.keys
-    r = redis.Redis.from_url(conn.redis_url, socket_timeout=conn.socket_timeout_s)
-    fleet = r.get(keys.fleet)
-    if fleet is None:
-        click.echo(f"no fleet published under namespace {namespace!r}")
-        return
-    info = FleetInfo.decode(fleet)
-    click.echo(f"model {info.model}  buckets {list(info.buckets)}  max_seq_len {info.max_seq_len}")
-    for b in info.buckets:
-        click.echo(f"  stream {keys.stream(b)}: {r.xlen(keys.stream(b))} entries")
-    for key in r.scan_iter(match=keys.worker("*"), count=100):
-        raw = r.get(key)
-        if raw:
-            click.echo(f"  worker {json.dumps(msgpack.unpackb(raw, raw=False), default=str)}")
-    r.close()
+    with _redis(conn) as r:
+        fleet = r.get(keys.fleet)
+        seconds, micros = r.time()
+        live = r.zcount(keys.workers, seconds * 1000 + micros // 1000 - LIVE_WORKER_MS, "+inf")
+        alive = f"{live} live worker{'s' * (live != 1)} (heartbeat within {LIVE_WORKER_MS // 1000} s)"
+        if fleet is None:
+            click.echo(f"no fleet published under namespace {namespace!r}; {alive}")
+            return
+        info = FleetInfo.decode(fleet)
+        click.echo(f"model {info.model}  buckets {list(info.buckets)}  max_seq_len {info.max_seq_len}")
+        click.echo(f"  {alive}")
+        for b in info.buckets:
+            click.echo(f"  stream {keys.stream(b)}: {r.xlen(keys.stream(b))} entries")
+        for key in r.scan_iter(match=keys.worker("*"), count=100):
+            raw = r.get(key)
+            if raw:
+                click.echo(f"  worker {json.dumps(msgpack.unpackb(raw, raw=False), default=str)}")

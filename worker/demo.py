@@ -23,6 +23,7 @@ from batchfleet.common.devtools import delete_namespace, ensure_redis, spawn_wor
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.keys import Keys
 from batchfleet.common.options import build_worker_config, config_options, option_args
+from batchfleet.common.redis_url import redact_url
 from batchfleet.worker.benchmark.loadgen import percentile
 
 WORDS = ("fleet batch token queue redis stream worker bucket cache paged decode prefill latency "
@@ -58,7 +59,7 @@ def demo(redis_url: str, namespace: str, n_requests: int, clients: int, max_new_
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     url, private = ensure_redis(redis_url)
-    click.echo(f"redis: {url}" + (" (private, started by the demo)" if private else ""))
+    click.echo(f"redis: {redact_url(url)}" + (" (private, started by the demo)" if private else ""))
     ns = f"{namespace}-demo-{uuid.uuid4().hex[:6]}"
     log = Path(tempfile.gettempdir()) / f"batchfleet-{ns}.log"
     worker = None

@@ -12,6 +12,7 @@ from batchfleet.common.cli import connection_options
 from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
 from batchfleet.common.devtools import ensure_redis
 from batchfleet.common.options import config_options
+from batchfleet.common.redis_url import redact_url
 from batchfleet.worker.benchmark.loadgen import make_workload
 from batchfleet.worker.benchmark.report import machine, markdown_table, plot, write_json
 from batchfleet.worker.benchmark.runner import LoadSpec, latency_probe, run_load, serving_inproc, serving_redis
@@ -68,7 +69,7 @@ def bench(redis_url: str, namespace: str, strategies: str, clients: int, rate: f
     spec = LoadSpec(workload, clients=clients, rate=rate, seed=seed)
     url, private = ensure_redis(redis_url)
     log_dir = tempfile.mkdtemp(prefix="batchfleet-bench-")
-    click.echo(f"redis {url}; {len(workload)} requests; worker logs in {log_dir}", err=True)
+    click.echo(f"redis {redact_url(url)}; {len(workload)} requests; worker logs in {log_dir}", err=True)
     if not worker_kw["model"]:  # create the preset once, before any worker races to it
         from batchfleet.common.options import build_worker_config
         from batchfleet.worker.compose import resolve_model_path
