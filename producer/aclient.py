@@ -167,7 +167,9 @@ class AsyncClient:
     async def result(self, job_id: str, timeout: float | None = None) -> Result:
         """Wait for the result of a job this client submitted (or one submitted under the same inbox).
         Raises Timeout, Cancelled or JobFailed. Survives Redis restarts and dropped connections."""
-        deadline = Deadline(timeout)
+        return await self._result(job_id, Deadline(timeout))
+
+    async def _result(self, job_id: str, deadline: Deadline) -> Result:
         try:
             return await self.inbox.final(job_id, deadline)
         except WaitExpired:
@@ -178,7 +180,7 @@ class AsyncClient:
         """Submit and wait. ``timeout`` (s) bounds the whole call and is also the job's deadline."""
         deadline = Deadline(timeout)
         job = await self._submit(prompt, deadline, None, False, Params.of(params))
-        return await self.result(job.id, deadline.left())
+        return await self._result(job.id, deadline)  # one deadline: a Timeout names the caller's timeout
 
     def stream(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
                **params: Any) -> AsyncTokenStream:
@@ -202,7 +204,7 @@ class AsyncClient:
                 if isinstance(j, Outgoing):
                     self.inbox.abandon(j.id)
             raise failed[0]
-        return list(await asyncio.gather(*(self.result(j.id, deadline.left()) for j in jobs)))
+        return list(await asyncio.gather(*(self._result(j.id, deadline) for j in jobs)))
 
     async def cancel(self, job_id: str, timeout: float | None = 5.0) -> None:
         """Ask the fleet to stop a job this client submitted: a queued job is skipped, a running one leaves
@@ -230,8 +232,9 @@ class AsyncClient:
         """Stop the inbox reader and close the connections (bounded: a dead Redis cannot hold it up)."""
         await self.inbox.close()
         for r in (self.inbox.reader, self.r):
-            try:
+            try:  # a client made on a given pool leaves the pool open: disconnect it too
                 await asyncio.wait_for(r.aclose(), 2.0)
+                await asyncio.wait_for(r.connection_pool.disconnect(), 2.0)
             except (asyncio.TimeoutError, redis.RedisError, OSError):
                 pass
 
