@@ -14,7 +14,7 @@ import redis
 
 from batchfleet.common.functions import FUNCTION_NAMES, LIBRARY_NAME
 from batchfleet.common.keys import Keys
-from tests.test_acl_util import BUCKETS, NAMESPACE, acl_block, connect, paste, run_load_command, start_redis7
+from tests.test_acl_util import BUCKETS, NAMESPACE, acl_block, connect, install_documented_acl, start_redis7
 
 K = Keys(NAMESPACE)
 INBOX = K.inbox("Zq3xV9bN1sT7yU5wE2rK4m")  # some other client's inbox
@@ -28,11 +28,7 @@ def server():
     DEBUG enabled, so that the ACL is what refuses it."""
     srv = start_redis7("--busy-reply-threshold", "100", "--enable-debug-command", "yes")
     try:
-        replies = paste(srv, acl_block())
-        assert replies == ["OK"] * len(acl_block().strip().splitlines()), replies
-        assert paste(srv, acl_block()) == replies  # re-runnable: `reset` first
-        done = run_load_command(srv)
-        assert done.returncode == 0 and done.stdout.strip() == LIBRARY_NAME, (done.stdout, done.stderr)
+        install_documented_acl(srv)
         yield srv
     finally:
         srv.stop()

@@ -89,6 +89,18 @@ def run_load_command(server: PrivateRedis) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=60)
 
 
+def install_documented_acl(server: PrivateRedis) -> None:
+    """Paste the block (twice: it is re-runnable), then run the documented library load command."""
+    from batchfleet.common.functions import LIBRARY_NAME
+
+    lines = acl_block().strip().splitlines()
+    for _ in range(2):
+        replies = paste(server, acl_block())
+        assert replies == ["OK"] * len(lines), list(zip(lines, replies))
+    done = run_load_command(server)
+    assert done.returncode == 0 and done.stdout.strip() == LIBRARY_NAME, (done.stdout, done.stderr)
+
+
 def connect(server: PrivateRedis, user: str, **kw) -> redis.Redis:
     return redis.Redis(port=server.port, username=user, password=PASSWORDS[user], **kw)
 
