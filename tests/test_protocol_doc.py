@@ -140,6 +140,7 @@ def test_streamed_request_gives_deltas_then_the_result(doc_client):
     assert result["kind"] == "result" and deltas and all(d["kind"] == "delta" for d in deltas)
     assert [d["seq"] for d in deltas] == list(range(len(deltas)))
     joined = "".join(d["text"] for d in deltas)
+    assert [d["offset"] for d in deltas] == [len("".join(d["text"] for d in deltas[:i])) for i in range(len(deltas))]
     assert result["text"].startswith(joined)
     streamed_ids = [t for d in deltas for t in d["token_ids"]]
     assert result["token_ids"][:len(streamed_ids)] == streamed_ids
@@ -175,7 +176,8 @@ def test_document_matches_the_code():
     result = Result("j", [1], "a", "eos", 1, 1, 0.0, 0.0, 0.0, "w", 1)
     assert table_fields("### Result (`kind` = `result`)") == fields(result)
     assert table_fields("### Error (`kind` = `error`)") == fields(Error("j", "cancelled", "m"))
-    assert table_fields("### Delta (`kind` = `delta`, only when `stream` was true)") == fields(Delta("j", 0, "", []))
+    assert table_fields("### Delta (`kind` = `delta`, only when `stream` was true)") == fields(
+        Delta(id="j", seq=0, offset=0, text="", token_ids=[]))
     assert table_fields("## 1. Read the fleet description") == fields(FleetInfo("m", "{}", (1,), 1, 1, 1, ()))
     assert table_fields("### Error (`kind` = `error`)", 1) == ERROR_CODES
     k = Keys("bf")
