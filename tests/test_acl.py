@@ -102,8 +102,10 @@ def test_producer_cannot_run_a_script_someone_else_loaded(server, producer):
         producer.evalsha(sha, 0)
 
 
-@pytest.mark.parametrize("command", [("SCRIPT", "KILL"), ("FUNCTION", "KILL"), ("KEYS", "*"), ("FLUSHALL",),
-                                     ("CONFIG", "SET", "maxmemory", "1"), ("GET", Keys("b").fleet)])
+@pytest.mark.parametrize("command", [("SCRIPT", "KILL"), ("FUNCTION", "KILL"), ("KEYS", "*"), ("SCAN", 0),
+                                     ("FLUSHALL",), ("CONFIG", "SET", "maxmemory", "1"), ("EVAL", "return 1", 0),
+                                     ("GET", Keys("b").fleet), ("XADD", Keys("b").stream(128), "*", "id", "x"),
+                                     ("XREAD", "STREAMS", Keys("b").inbox("x" * 22), 0), ("DEL", K.stream(128))])
 def test_worker_cannot_either(server, command):
     with pytest.raises(redis.exceptions.NoPermissionError):
         connect(server, "worker-a").execute_command(*command)
