@@ -182,15 +182,17 @@ def test_no_pickle_in_wire_code():
 
 
 def test_tls_and_acl_users_go_through_the_url():
-    """rediss:// gives TLS connections with the URL's user and password in worker and both clients
-    (the bundled redis-server is built without TLS, so the handshake itself is not exercised here)."""
+    """rediss:// gives TLS connections with the URL's user and password in the worker and the clients
+    (``Client`` runs an ``AsyncClient``; the bundled redis-server is built without TLS, so the handshake
+    itself is not exercised here)."""
     from batchfleet.common.config import ConnectionConfig
-    from batchfleet.producer import AsyncClient, Client
+    from batchfleet.producer import AsyncClient
     from batchfleet.worker.consumer import connect as worker_connect
 
     url = "rediss://worker-a:s3cret@redis.example:6380/0?ssl_cert_reqs=required"
-    pools = [worker_connect(ConnectionConfig(redis_url=url)).connection_pool, Client(url).r.connection_pool,
-             AsyncClient(url).r.connection_pool]
+    client = AsyncClient(url)
+    pools = [worker_connect(ConnectionConfig(redis_url=url)).connection_pool, client.r.connection_pool,
+             client.inbox.reader.connection_pool]
     for pool in pools:
         assert "SSL" in pool.connection_class.__name__
         assert pool.connection_kwargs["username"] == "worker-a" and pool.connection_kwargs["password"] == "s3cret"
