@@ -138,6 +138,21 @@ def test_raw_request_gets_the_answer_client_generate_gets(doc_client, redis_url,
     assert doc_client.replies(job)[0]["text"] == expected.text
 
 
+def test_the_documents_example_runs_as_written(doc_client, redis_url, namespace, capsys):
+    example = re.search(r"```python\n(.*?)```", DOC.read_text(), re.S).group(1)
+    example = example.replace("r = redis.Redis()", f"r = redis.Redis.from_url({redis_url!r})", 1)
+    example = example.replace('ns = "bf"', f"ns = {namespace!r}", 1)
+    if not doc_client.functions:  # Redis < 7: EVAL of the same body, as the document says
+        example = example.replace('r.fcall("bf_enqueue_v1", 2,', f"r.eval({doc_client.enqueue_body!r}, 2,", 1)
+    exec(compile(example, str(DOC), "exec"), {})
+    printed = capsys.readouterr().out
+
+    from batchfleet.producer import Client
+
+    with Client(redis_url, namespace) as client:
+        assert printed == client.generate("Hello", max_new_tokens=16, timeout=60).text + "\n"
+
+
 def test_streamed_request_gives_deltas_then_the_result(doc_client):
     fleet = doc_client.fleet()
     ids = Tokenizer.from_str(fleet["tokenizer_json"]).encode(PROMPT).ids
