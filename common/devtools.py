@@ -95,10 +95,12 @@ def free_port() -> int:
 
 @dataclass
 class PrivateRedis:
-    """A redis-server process in its own temp dir; ``stop()`` kills it and removes the dir."""
+    """A redis-server process in its own temp dir; ``stop()`` kills it and removes the dir. ``binary``: the
+    redis-server to run (default ``redis_server_binary()``), e.g. a Redis 7 where a test needs one."""
 
     port: int
     extra_args: tuple[str, ...] = ()
+    binary: str | None = None
     proc: subprocess.Popen | None = None
     dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="batchfleet-redis-")))
 
@@ -109,8 +111,8 @@ class PrivateRedis:
     def start(self, timeout_s: float = 10.0) -> PrivateRedis:
         """Start (or restart, replaying an AOF left in ``dir``) and wait until it answers."""
         log = self.dir / "redis.log"
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                "--save", "", "--daemonize", "no", "--logfile", str(log), *self.extra_args]
+        args = [self.binary or redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", str(self.dir), "--save", "", "--daemonize", "no", "--logfile", str(log), *self.extra_args]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             _wait_until(lambda: reachable(self.url, 0.2), self.proc, timeout_s, "private redis-server", 0.05)

@@ -1,105 +1,176 @@
-"""Security: least-privilege ACL users (the ones docs/SECURITY.md gives) run the fleet on a private
-redis-server; two namespaces (tenants) share it without cross-talk and cannot read each other's keys.
-Also: no pickle anywhere in the code that touches the wire."""
+"""Security: docs/SECURITY.md's ACL block installs on Redis 7 as pasted into redis-cli, each attack of a
+hostile producer is refused (NOPERM), what ACLs cannot refuse behaves as documented, and a fleet runs end
+to end under the documented users. Also: no pickle anywhere in the code that touches the wire."""
 
 from __future__ import annotations
 
-import logging
 import re
+import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 import redis
 
-from batchfleet.common.devtools import PrivateRedis, free_port
-from batchfleet.common.errors import JobFailed
+from batchfleet.common.functions import FUNCTION_NAMES, LIBRARY_NAME
 from batchfleet.common.keys import Keys
-from batchfleet.producer import Client
-from tests.conftest import worker_config
-from tests.test_reliability_helpers import POISON_TOKEN, LoopThread, PoisonEngine
+from tests.test_acl_util import BUCKETS, NAMESPACE, acl_block, connect, install_documented_acl, start_redis7
 
-# Exactly the rules of docs/SECURITY.md (keep the two in sync).
-WORKER_COMMANDS = ("+ping +client|setinfo +multi +exec +discard +xgroup|create +xreadgroup +xautoclaim +xpending "
-                   "+xclaim +xack +xdel +xadd +xrange +xinfo|consumers +xgroup|delconsumer +set +get +del +exists "
-                   "+evalsha +script|load +script|exists +rpush +expire")
-PRODUCER_COMMANDS = "+ping +client|setinfo +get +evalsha +script|load +script|exists +xlen +xadd +blpop"
+K = Keys(NAMESPACE)
+INBOX = K.inbox("Zq3xV9bN1sT7yU5wE2rK4m")  # some other client's inbox
+ENQUEUE, CANCEL = FUNCTION_NAMES["enqueue"], FUNCTION_NAMES["cancel"]
+BUSY_LOOP = "local i = 0 while true do i = i + 1 end"
 
 
-def worker_acl(ns: str) -> str:
-    keys = " ".join(f"~{ns}:{k}" for k in ("stream:*", "reply:*", "done:*", "fleet", "worker:*", "batches",
-                                           "dead", "flush"))
-    return f"resetkeys {keys} resetchannels -@all {WORKER_COMMANDS}"
-
-
-def producer_acl(ns: str, redis7: bool) -> str:
-    fleet = f"%R~{ns}:fleet" if redis7 else f"~{ns}:fleet"  # read-only key selectors need Redis >= 7
-    return f"resetkeys {fleet} ~{ns}:stream:* ~{ns}:reply:* resetchannels -@all {PRODUCER_COMMANDS}"
-
-
-@pytest.fixture
-def acl_redis():
-    server = PrivateRedis(port=free_port()).start()
-    yield server
-    server.stop()
-
-
-def _user_url(server: PrivateRedis, user: str, password: str) -> str:
-    return f"redis://{user}:{password}@127.0.0.1:{server.port}/0"
-
-
-def test_fleet_runs_under_least_privilege_acl_users_tenants_isolated(acl_redis, tiny_model_dir, cache_dir, caplog):
-    caplog.set_level(logging.WARNING)
-    admin = redis.Redis.from_url(acl_redis.url)
-    redis7 = int(admin.info("server")["redis_version"].split(".")[0]) >= 7
-    tenants = [f"ta{uuid.uuid4().hex[:4]}", f"tb{uuid.uuid4().hex[:4]}"]
-    urls = {}
-    for ns in tenants:
-        admin.execute_command("ACL", "SETUSER", f"worker-{ns}", "on", f">wpw-{ns}", *worker_acl(ns).split())
-        admin.execute_command("ACL", "SETUSER", f"producer-{ns}", "on", f">ppw-{ns}", *producer_acl(ns, redis7).split())
-        urls[ns] = (_user_url(acl_redis, f"worker-{ns}", f"wpw-{ns}"),
-                    _user_url(acl_redis, f"producer-{ns}", f"ppw-{ns}"))
-    # PoisonEngine (test only) drives the redelivery commands too: release, reclaim, pending, dead letter
-    workers = [LoopThread(worker_config(urls[ns][0], ns, tiny_model_dir, max_wait_ms=10, claim_idle_ms=400,
-                                        max_deliveries=2), PoisonEngine) for ns in tenants]
+@pytest.fixture(scope="module")
+def server():
+    """A private Redis 7 with the documented users and library; Lua is 'busy' after 100 ms (busy test);
+    DEBUG enabled, so that the ACL is what refuses it."""
+    srv = start_redis7("--busy-reply-threshold", "100", "--enable-debug-command", "yes")
     try:
-        answers, poisons = {}, {}
-        for ns in tenants:
-            with Client(urls[ns][1], ns) as client:
-                answers[ns] = [client.generate([10 + i, 11], max_new_tokens=2, timeout=30) for i in range(3)]
-                poisons[ns] = client.submit([5, POISON_TOKEN], max_new_tokens=2)
-                with pytest.raises(JobFailed, match="worker_failed"):
-                    client.result(poisons[ns], timeout=30)
-                time.sleep(0.3)  # let the lease keeper renew at least once
-                with pytest.raises(redis.exceptions.NoPermissionError):
-                    client.r.flushall()
+        install_documented_acl(srv)
+        yield srv
     finally:
-        for w in workers:
-            w.stop()
-    a, b = tenants
-    for ns, w in zip(tenants, workers):
-        assert {res.worker for res in answers[ns]} == {w.loop.transport.name}  # served by its own fleet only
-        assert w.loop.counters["completed"] == 3 and w.loop.counters["internal_errors"] == 0
-        assert w.loop.counters["reclaimed"] == 1 and w.lease_failures == 0
-    denied = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING
-              and ("unavailable" in rec.getMessage() or "NOPERM" in rec.getMessage())]
-    assert denied == []
-    # no cross-talk: each tenant's batch log holds only its own jobs
-    for ns in tenants:
-        logged = {j for _, f in admin.xrange(Keys(ns).batches) for j in f[b"ids"].decode().split(",")}
-        assert logged == {res.id for res in answers[ns]} | {poisons[ns]}
-        assert {f[b"id"].decode() for _, f in admin.xrange(Keys(ns).dead)} == {poisons[ns]}
-    # tenant a's users cannot touch tenant b's keys
-    for url in urls[a]:
-        other = redis.Redis.from_url(url)
-        for cmd, *args in (("GET", Keys(b).fleet), ("XLEN", Keys(b).stream(32)),
-                           ("XADD", Keys(b).stream(32), "*", "id", "x"), ("KEYS", "*")):
-            with pytest.raises(redis.exceptions.NoPermissionError):
-                other.execute_command(cmd, *args)
-    # a producer cannot read other tenants' replies nor consume the streams as a worker would
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def producer(server):
+    r = connect(server, "producer-a", decode_responses=True)
+    yield r
+    r.close()
+
+
+def enqueue(r: redis.Redis, stream: str, max_len: int = 0, payload: str = "p", max_payload: int = 1 << 20):
+    return r.fcall(ENQUEUE, 2, stream, K.workers, max_len, "job1", INBOX, payload, max_payload, 0, 30_000)
+
+
+def test_documented_users_exist_with_their_library(server):
+    admin = connect(server, "bf-admin-a", decode_responses=True)
+    assert [dict(zip(lib[::2], lib[1::2]))["library_name"] for lib in admin.function_list()] == [LIBRARY_NAME]
+    assert {u for u in redis.Redis(port=server.port, decode_responses=True).acl_users()} >= {
+        "bf-admin-a", "worker-a", "producer-a"}
     with pytest.raises(redis.exceptions.NoPermissionError):
-        redis.Redis.from_url(urls[a][1]).xreadgroup("workers", "x", {Keys(a).stream(32): ">"})
+        admin.get(K.fleet)  # the admin has no key access at all
+
+
+def test_the_block_has_no_command_redis_7_0_refuses():
+    assert "client|setinfo" not in acl_block()  # refused by 7.0.15: the whole line would fail
+    assert all(line.startswith("ACL SETUSER ") and "\\" not in line for line in acl_block().strip().splitlines())
+
+
+REFUSED = [
+    # own Lua: a busy loop would answer BUSY to every tenant
+    ("EVAL", BUSY_LOOP, 0), ("SCRIPT", "LOAD", BUSY_LOOP), ("SCRIPT", "KILL"), ("SCRIPT", "FLUSH"),
+    ("FUNCTION", "LOAD", f"#!lua name=evil\nredis.register_function('x', function() {BUSY_LOOP} end)"),
+    ("FUNCTION", "DELETE", LIBRARY_NAME), ("FUNCTION", "FLUSH"), ("FUNCTION", "KILL"), ("FCALL_RO", ENQUEUE, 0),
+    # trim or delete a stream
+    ("XTRIM", K.stream(128), "MAXLEN", 0), ("DEL", K.stream(128)), ("UNLINK", K.stream(128)),
+    ("XDEL", K.stream(128), "1-1"), ("XGROUP", "DESTROY", K.stream(128), "workers"), ("FLUSHALL",), ("FLUSHDB",),
+    ("XGROUP", "SETID", K.stream(128), "workers", "$"),
+    # keys outside the patterns: junk streams, other keys of the namespace, forged replies, tenant b
+    ("XADD", K.stream(128) + "junk", "*", "id", "x"), ("XADD", "a:stream:junk", "*", "id", "x"),
+    ("XADD", K.fleet, "*", "id", "x"), ("XADD", K.dead, "*", "id", "x"), ("XADD", K.done("x"), "*", "id", "x"),
+    ("XADD", K.workers, "*", "id", "x"), ("XADD", INBOX, "*", "id", "x", "p", "forged"),
+    ("XADD", Keys("b").stream(128), "*", "id", "x"), ("SET", K.fleet, "x"), ("SET", K.done("x"), "1"),
+    ("ZADD", K.workers, 1, "fake-worker"), ("GET", Keys("b").fleet), ("XREAD", "STREAMS", Keys("b").inbox("x" * 22), 0),
+    ("FCALL", ENQUEUE, 2, "a:stream:junk", K.workers, 0, "j", INBOX, "p", 100, 0, 1),
+    ("FCALL", ENQUEUE, 2, K.dead, K.workers, 0, "j", INBOX, "p", 100, 0, 1),
+    # finding inboxes: key listing, monitoring, and every key whose content names one
+    ("KEYS", "*"), ("SCAN", 0), ("SCAN", 0, "MATCH", "a:inbox:*"), ("RANDOMKEY",), ("MONITOR",),
+    ("CLIENT", "LIST"), ("CLIENT", "KILL", "TYPE", "normal"), ("DEBUG", "OBJECT", INBOX), ("INFO",),
+    ("TYPE", INBOX), ("EXISTS", INBOX), ("XINFO", "STREAM", K.stream(128)), ("OBJECT", "ENCODING", INBOX),
+    ("XRANGE", K.stream(128), "-", "+"), ("XREVRANGE", K.stream(128), "+", "-"),
+    ("XREAD", "STREAMS", K.stream(128), 0), ("XREADGROUP", "GROUP", "workers", "x", "STREAMS", K.stream(128), ">"),
+    ("XREAD", "STREAMS", K.cancels, 0), ("XRANGE", K.cancels, "-", "+"), ("GET", K.cancel("job1")),
+    ("SET", K.cancel("job1"), INBOX, "GET"), ("DUMP", INBOX), ("GET", K.worker("w1")),
+    # everything else
+    ("CONFIG", "GET", "*"), ("ACL", "LIST"), ("ACL", "WHOAMI"), ("SHUTDOWN",), ("PUBLISH", "c", "m"),
+    ("SUBSCRIBE", "c"), ("EXPIRE", INBOX, 1),
+]
+
+
+@pytest.mark.parametrize("command", REFUSED, ids=lambda c: " ".join(str(x) for x in c)[:40])
+def test_producer_attack_refused(producer, command):
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        producer.execute_command(*command)
+
+
+def test_producer_cannot_run_a_script_someone_else_loaded(server, producer):
+    sha = connect(server, "worker-a").script_load("return 1")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        producer.evalsha(sha, 0)
+
+
+@pytest.mark.parametrize("command", [("SCRIPT", "KILL"), ("FUNCTION", "KILL"), ("KEYS", "*"), ("SCAN", 0),
+                                     ("FLUSHALL",), ("CONFIG", "SET", "maxmemory", "1"), ("EVAL", "return 1", 0),
+                                     ("GET", Keys("b").fleet), ("XADD", Keys("b").stream(128), "*", "id", "x"),
+                                     ("XREAD", "STREAMS", Keys("b").inbox("x" * 22), 0), ("DEL", K.stream(128))])
+def test_worker_cannot_either(server, command):
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        connect(server, "worker-a").execute_command(*command)
+
+
+def test_a_busy_script_is_stopped_by_the_admin_only(server, producer):
+    """The attack of the issue, run by the only user left who can run Lua (the trusted worker): Redis
+    answers BUSY to everyone, neither producer nor worker may kill it, the admin can."""
+    def busy() -> None:
+        try:
+            worker = connect(server, "worker-a")
+            worker.evalsha(worker.script_load(BUSY_LOOP), 0)
+        except redis.ResponseError:
+            pass  # "Script killed by user with SCRIPT KILL..."
+
+    runner = threading.Thread(target=busy, daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 10
+    while True:  # BUSY once the script ran past busy-reply-threshold (100 ms)
+        try:
+            producer.ping()
+        except redis.exceptions.BusyLoadingError:
+            pass
+        except redis.ResponseError as exc:
+            if "BUSY" in str(exc):
+                break
+            raise
+        assert time.monotonic() < deadline, "the script never made Redis busy"
+        time.sleep(0.05)
+    for user in ("producer-a", "worker-a"):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            connect(server, user).script_kill()
+    assert connect(server, "bf-admin-a").script_kill()
+    runner.join(10)
+    assert producer.ping()
+
+
+def test_enqueue_and_cancel_functions_run_as_the_producer(server, producer):
+    assert enqueue(producer, K.stream(256)) == 1
+    assert producer.xlen(K.stream(256)) == 1
+    assert producer.fcall(CANCEL, 2, K.cancel("job1"), K.cancels, "job1", INBOX, 60, 100) == 1
+    assert producer.set(K.cancel("job2"), INBOX, ex=60)  # write-only markers: set, never read back
+    assert producer.xread({INBOX: 0}, block=10) == [] and producer.xdel(INBOX, "1-1") == 0
+    assert producer.get(K.fleet) is None  # readable, not published yet
+    assert producer.execute_command("TIME")
+
+
+def test_what_acls_cannot_refuse(server, producer):
+    """docs/SECURITY.md, "What ACLs cannot refuse": XADD's arguments are not checked by ACLs."""
+    stream = K.stream(512)
+    assert enqueue(producer, stream, max_len=1) == 1
+    assert enqueue(producer, stream, max_len=1) == 0  # the queue limit, as the function applies it
+    producer.xadd(stream, {"id": "raw", "r": INBOX, "p": "x"})  # ... and a raw XADD past it
+    assert producer.xlen(stream) == 2
+    assert enqueue(producer, stream, payload="x" * 100, max_payload=10) == -2  # the payload cap, bypassed:
+    producer.xadd(stream, {"id": "big", "r": INBOX, "p": "x" * 100})
+    producer.xadd(stream, {"id": "x"}, maxlen=0, approximate=False)  # XADD MAXLEN 0 empties the queue
+    assert producer.xlen(stream) == 0
+    assert enqueue(producer, stream, max_len=0, max_payload=1 << 30) == 1  # FCALL with arguments of its own
+    assert producer.xadd(K.cancels, {"id": "x"}, maxlen=0, approximate=False)
+
+
+def test_acl_block_names_every_bucket_stream_of_the_fleet():
+    streams = set(re.findall(r"~a:stream:(\d+)", acl_block()))
+    assert streams == {str(b) for b in BUCKETS}
 
 
 def test_no_pickle_in_wire_code():
@@ -111,15 +182,17 @@ def test_no_pickle_in_wire_code():
 
 
 def test_tls_and_acl_users_go_through_the_url():
-    """rediss:// gives TLS connections with the URL's user and password in worker and both clients
-    (the bundled redis-server is built without TLS, so the handshake itself is not exercised here)."""
+    """rediss:// gives TLS connections with the URL's user and password in the worker and the clients
+    (``Client`` runs an ``AsyncClient``; the bundled redis-server is built without TLS, so the handshake
+    itself is not exercised here)."""
     from batchfleet.common.config import ConnectionConfig
     from batchfleet.producer import AsyncClient
-    from batchfleet.worker.consumer import connect
+    from batchfleet.worker.consumer import connect as worker_connect
 
     url = "rediss://worker-a:s3cret@redis.example:6380/0?ssl_cert_reqs=required"
-    pools = [connect(ConnectionConfig(redis_url=url)).connection_pool, Client(url).r.connection_pool,
-             AsyncClient(url).r.connection_pool]
+    client = AsyncClient(url)
+    pools = [worker_connect(ConnectionConfig(redis_url=url)).connection_pool, client.r.connection_pool,
+             client.inbox.reader.connection_pool]
     for pool in pools:
         assert "SSL" in pool.connection_class.__name__
         assert pool.connection_kwargs["username"] == "worker-a" and pool.connection_kwargs["password"] == "s3cret"

@@ -1,0 +1,67 @@
+"""A fleet end to end under docs/SECURITY.md's users on Redis 7: the worker runs as ``worker-a`` (with the
+redelivery and dead-letter path), ``Client`` and ``AsyncClient`` run as ``producer-a`` (generate, stream,
+cancel), and Redis refused nothing either of them sent (``ACL LOG`` stays empty)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import redis
+
+from batchfleet.common.errors import Cancelled, JobFailed
+from batchfleet.producer import AsyncClient, Client
+from tests.conftest import worker_config
+from tests.test_acl_util import BUCKETS, NAMESPACE, install_documented_acl, start_redis7, user_url
+from tests.test_reliability_helpers import POISON_TOKEN, LoopThread, PoisonEngine
+
+
+async def _async_part(url: str) -> tuple[str, str]:
+    client = AsyncClient(url, NAMESPACE)
+    try:
+        result = await client.generate([20, 21], max_new_tokens=4, timeout=30)
+        stream = await client.stream([22, 23], max_new_tokens=8, timeout=30)
+        text = "".join([d.text async for d in stream])
+        assert stream.result is not None and stream.result.text.startswith(text)
+        return result.text, stream.result.text
+    finally:
+        await client.aclose()
+
+
+def test_fleet_runs_under_the_documented_users(tiny_model_dir, caplog):
+    caplog.set_level(logging.WARNING)
+    server = start_redis7()
+    try:
+        install_documented_acl(server)
+        cfg = worker_config(user_url(server, "worker-a"), NAMESPACE, tiny_model_dir, buckets=BUCKETS,
+                            max_seq_len=BUCKETS[-1], max_wait_ms=10, claim_idle_ms=400, max_deliveries=2)
+        # PoisonEngine (test only) drives the redelivery commands too: release, reclaim, pending, dead letter
+        worker = LoopThread(cfg, PoisonEngine)
+        producer_url = user_url(server, "producer-a")
+        try:
+            with Client(producer_url, NAMESPACE) as client:
+                answers = [client.generate([10 + i, 11], max_new_tokens=2, timeout=30) for i in range(3)]
+                stream = client.stream([12, 13], max_new_tokens=8, timeout=30)
+                text = "".join(d.text for d in stream)
+                assert stream.result is not None and stream.result.text.startswith(text)
+                long = client.submit([5, 6], max_new_tokens=BUCKETS[-1] - 2)
+                client.cancel(long)
+                with pytest.raises(Cancelled):
+                    client.result(long, timeout=30)
+                poison = client.submit([5, POISON_TOKEN], max_new_tokens=2)
+                with pytest.raises(JobFailed, match="worker_failed"):
+                    client.result(poison, timeout=30)
+            asyncio.run(_async_part(producer_url))
+        finally:
+            worker.stop()
+        assert {res.worker for res in answers} == {worker.loop.transport.name}
+        assert worker.loop.counters["internal_errors"] == 0 and worker.loop.counters["reclaimed"] >= 1
+        assert worker.lease_failures == 0
+        # nothing the fleet sent was refused: no NOPERM logged, nothing in Redis' ACL log
+        denied = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING
+                  and ("unavailable" in rec.getMessage() or "NOPERM" in rec.getMessage())]
+        assert denied == []
+        assert redis.Redis(port=server.port).acl_log() == []
+    finally:
+        server.stop()
