@@ -18,6 +18,7 @@ _COMMANDS = {
     "submit": "batchfleet.producer.cli:submit",
     "bulk": "batchfleet.producer.cli:bulk",
     "status": "batchfleet.producer.cli:status",
+    "serve": "batchfleet.gateway.cli:serve",
 }
 
 # `pip install batchfleet` is the client only: a command that needs an extra's packages says which

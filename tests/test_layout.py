@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"common": "batchfleet.common", "producer": "batchfleet.producer", "worker": "batchfleet.worker"}
+PACKAGES = {"common": "batchfleet.common", "producer": "batchfleet.producer", "worker": "batchfleet.worker",
+            "gateway": "batchfleet.gateway"}
 
 
 def modules() -> dict[str, Path]:
-    """{dotted module name: file} of every module of the three packages."""
+    """{dotted module name: file} of every module of the packages."""
     out = {}
     for folder, name in PACKAGES.items():
         for path in (ROOT / folder).rglob("*.py"):
@@ -94,7 +95,7 @@ def test_no_mixins():
                 assert not any("Mixin" in b for b in bases), f"{name}.{node.name}({bases})"
 
 
-@pytest.mark.parametrize("top", ["common", "producer", "worker"])
+@pytest.mark.parametrize("top", ["common", "producer", "worker", "gateway"])
 def test_top_level_names_are_not_claimed(top, tmp_path):
     """Only batchfleet.* is installed: a web backend's own `common` or `worker` is never shadowed."""
     proc = subprocess.run([sys.executable, "-c", f"import {top}"], cwd=tmp_path, capture_output=True, text=True)
@@ -105,7 +106,7 @@ def test_top_level_names_are_not_claimed(top, tmp_path):
 def test_readme_map_matches_the_tree():
     text = (ROOT / "README.md").read_text()
     section = text[text.index("### Where things are"):text.index("### Request lifecycle")]
-    for path in re.findall(r"`((?:common|producer|worker|scripts|tests)/[^`]*)`", section):
+    for path in re.findall(r"`((?:common|producer|worker|gateway|scripts|tests)/[^`]*)`", section):
         assert (ROOT / path.rstrip("/")).exists(), f"README names {path}, which does not exist"
     for path in modules().values():
         if path.name not in ("__init__.py", "__main__.py"):

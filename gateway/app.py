@@ -1,0 +1,127 @@
+"""The OpenAI-compatible HTTP app: ``create_app(config)`` -> a FastAPI app over one AsyncClient.
+
+    POST /v1/completions        POST /v1/chat/completions   (``stream: true``: server-sent events)
+    GET  /v1/models             GET  /health (no key needed: Redis reachable + live workers)
+
+The app holds no model: it validates, hands the job to the fleet through AsyncClient and shapes the
+answer. One AsyncClient per app, made in the lifespan (startup) and closed at shutdown, so every request
+shares its bounded Redis connections.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from batchfleet.common.errors import BatchfleetError
+from batchfleet.gateway.config import GatewayConfig
+from batchfleet.gateway.errors import APIError, api_error, invalid
+from batchfleet.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
+from batchfleet.gateway.service import Gateway
+from batchfleet.producer import AsyncClient
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 4 << 20  # far above any prompt a bucket holds; refuses a body meant to exhaust memory
+
+
+def default_client(config: GatewayConfig) -> AsyncClient:
+    return AsyncClient(config.connection.redis_url, config.connection.namespace)
+
+
+def create_app(config: GatewayConfig | None = None,
+               client_factory: Callable[[GatewayConfig], AsyncClient] = default_client) -> FastAPI:
+    """The gateway app; ``client_factory(config)`` makes its AsyncClient at startup."""
+    config = config or GatewayConfig()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = client_factory(config)
+        app.state.gateway = Gateway(config, client)
+        try:
+            yield
+        finally:
+            await client.aclose()
+
+    app = FastAPI(title="batchfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    for exc_type in (APIError, BatchfleetError, ValueError, Exception):
+        app.add_exception_handler(exc_type, _error_response)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _error_response)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        gateway = _gateway(request)
+        gateway.authorize(request)
+        job = parse(CompletionRequest, await read_json(request)).to_job(config.request_timeout_s)
+        return _answer(await gateway.complete(request, job, chat=False))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        gateway = _gateway(request)
+        gateway.authorize(request)
+        job = parse(ChatCompletionRequest, await read_json(request)).to_job(config.request_timeout_s,
+                                                                             config.chat_max_tokens)
+        return _answer(await gateway.complete(request, job, chat=True))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Any:
+        gateway = _gateway(request)
+        gateway.authorize(request)
+        info = (await gateway.client.fleet()).info
+        return {"object": "list", "data": [{
+            "id": await gateway.model_name(), "object": "model", "created": 0, "owned_by": "batchfleet",
+            "max_model_len": info.max_seq_len, "max_prompt_tokens": info.buckets[-1],
+        }]}
+
+    @app.get("/health")
+    async def health(request: Request) -> Any:
+        status, body = await _gateway(request).health()
+        return JSONResponse(body, status_code=status)
+
+    return app
+
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+def _answer(out: Any) -> Any:
+    """A whole answer as JSON; an event stream as it is (it is an ASGI response)."""
+    return JSONResponse(out) if isinstance(out, dict) else out
+
+
+async def read_json(request: Request) -> Any:
+    """The request body as JSON, refusing a body over MAX_BODY_BYTES before reading all of it."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error",
+                           "body_too_large")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise invalid("the request body is not valid JSON") from None
+
+
+async def _error_response(request: Request, exc: Exception) -> Response:
+    err = api_error(exc)
+    if err.status == 500:
+        log.error("%s %s failed: %r", request.method, request.url.path, exc, exc_info=exc)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Routing errors (404 unknown path, 405 wrong method) with an OpenAI error body."""
+    assert isinstance(exc, HTTPException)
+    err = APIError(exc.status_code, str(exc.detail), "invalid_request_error", None)
+    return JSONResponse(err.body(), status_code=err.status, headers=dict(exc.headers or {}))

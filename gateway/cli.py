@@ -1,0 +1,41 @@
+"""``batchfleet serve``: the OpenAI-compatible gateway on uvicorn (needs ``pip install batchfleet[serve]``)."""
+
+from __future__ import annotations
+
+import click
+
+from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.errors import ConfigError
+from batchfleet.common.options import config_options, config_values
+from batchfleet.gateway.config import GatewayConfig
+
+GRACEFUL_SHUTDOWN_S = 10  # open streams get this long to finish on Ctrl-C / SIGTERM, then are cancelled
+
+
+def build_gateway_config(**values) -> GatewayConfig:
+    """A GatewayConfig from parsed option values (connection options included)."""
+    return GatewayConfig(connection=ConnectionConfig(**config_values(ConnectionConfig, values)),
+                         **config_values(GatewayConfig, values))
+
+
+@click.command()
+@config_options(ConnectionConfig, GatewayConfig)
+def serve(**values) -> None:
+    """Serve the fleet over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
+    /v1/models, /health). Holds no model: run workers with `batchfleet worker`."""
+    try:
+        import uvicorn
+
+        from batchfleet.gateway.app import create_app
+    except ImportError as exc:
+        raise click.ClickException(f"{exc.name} is missing: pip install 'batchfleet[serve]'") from exc
+    try:
+        config = build_gateway_config(**values)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    auth = f"{len(config.api_keys)} API key(s)" if config.api_keys else "no API key (anyone may call it)"
+    click.echo(f"batchfleet gateway on http://{config.host}:{config.port}/v1 for namespace "
+               f"{config.connection.namespace!r}, {auth}", err=True)
+    # log_config=None: uvicorn's loggers follow the logging `batchfleet --log-level` set up
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_config=None,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

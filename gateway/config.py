@@ -1,0 +1,57 @@
+"""The gateway's configuration: one frozen, validated dataclass (the ``batchfleet serve`` options).
+
+Fields carrying ``option(...)`` metadata become command-line options through common/options.py, exactly
+like the worker's, so ``--api-key`` is also ``BATCHFLEET_API_KEY`` and the defaults live here only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from batchfleet.common.config import ConnectionConfig, option
+from batchfleet.common.errors import ConfigError
+
+MIN_KEY_CHARS = 8  # a shorter "secret" is guessable; refuse it rather than pretend to protect anything
+
+
+def parse_api_keys(text: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+    """``"k1,k2"`` -> ("k1", "k2"); empty text -> () (no authentication)."""
+    if text is None:
+        return ()
+    parts = text.split(",") if isinstance(text, str) else list(text)
+    return tuple(p.strip() for p in parts if p.strip())
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """What ``batchfleet serve`` needs: where it listens, which fleet it fronts, and its request limits."""
+
+    connection: ConnectionConfig = field(default_factory=ConnectionConfig)
+    host: str = field(default="127.0.0.1", metadata=option("Address to listen on (0.0.0.0: every interface)."))
+    port: int = field(default=8000, metadata=option("TCP port to listen on."))
+    api_keys: tuple[str, ...] = field(default=(), metadata=option(
+        "Accepted API keys, comma-separated (clients send 'Authorization: Bearer <key>'); none: no auth.",
+        flag="api-key", parse=parse_api_keys))
+    model_name: str | None = field(default=None, metadata=option(
+        "Model id the API reports and accepts. Default: the fleet's model name."))
+    request_timeout_s: float = field(default=600.0, metadata=option(
+        "Longest a request may take (queue + generation), also its deadline in the fleet; a request may ask "
+        "for less with the 'timeout' field (seconds). Past it: HTTP 504.", flag="request-timeout"))
+    chat_max_tokens: int = field(default=256, metadata=option(
+        "max_tokens of a chat completion that does not set it (completions default to 16, as OpenAI's)."))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "api_keys", parse_api_keys(self.api_keys))
+        if not self.host:
+            raise ConfigError("host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if any(len(k) < MIN_KEY_CHARS or not k.isprintable() or " " in k for k in self.api_keys):
+            raise ConfigError(f"each API key must be at least {MIN_KEY_CHARS} printable chars without spaces")
+        if self.model_name is not None and not self.model_name.strip():
+            raise ConfigError("model_name must not be blank")
+        if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s > 0):
+            raise ConfigError(f"request_timeout_s must be a positive number, got {self.request_timeout_s}")
+        if self.chat_max_tokens < 1:
+            raise ConfigError(f"chat_max_tokens must be >= 1, got {self.chat_max_tokens}")

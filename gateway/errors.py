@@ -1,0 +1,91 @@
+"""OpenAI-style error bodies, and the one mapping from batchfleet's exceptions to HTTP statuses.
+
+Every error the gateway answers has the body ``{"error": {"message", "type", "param", "code"}}``, so the
+official clients raise their usual exception types (BadRequestError, RateLimitError, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchfleet.common.errors import (
+    CANCELLED,
+    DEADLINE_EXCEEDED,
+    INVALID_REQUEST,
+    PROMPT_TOO_LONG,
+    BatchfleetError,
+    FleetUnavailable,
+    InvalidRequest,
+    JobFailed,
+    NoWorkers,
+    PromptTooLong,
+    QueueFull,
+    RedisUnavailable,
+    Timeout,
+)
+
+RETRY_AFTER_S = 1  # what a 429 / 503 tells a client to wait: queues drain in about a batch's time
+
+
+class APIError(Exception):
+    """An error answer: HTTP ``status`` and the fields of the OpenAI error object."""
+
+    def __init__(self, status: int, message: str, type: str, code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = "invalid_request") -> APIError:
+    """A 400 for a request the gateway refuses before anything is sent to the fleet."""
+    return APIError(400, message, "invalid_request_error", code, param)
+
+
+def _retry_later(status: int, message: str, type: str, code: str) -> APIError:
+    return APIError(status, message, type, code, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def api_error(exc: BaseException) -> APIError:
+    """The answer for an exception raised while serving a request (order matters: subclasses first)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, Timeout):
+        return APIError(504, str(exc), "timeout_error", "timeout")
+    if isinstance(exc, PromptTooLong):
+        return invalid(str(exc), "prompt", "context_length_exceeded")
+    if isinstance(exc, (InvalidRequest, ValueError)):  # the client's parameter checks (pydantic's too)
+        return invalid(str(exc))
+    if isinstance(exc, QueueFull):
+        return _retry_later(429, str(exc), "rate_limit_error", "queue_full")
+    if isinstance(exc, NoWorkers):
+        return _retry_later(503, str(exc), "service_unavailable_error", "no_workers")
+    if isinstance(exc, FleetUnavailable):
+        return _retry_later(503, str(exc), "service_unavailable_error", "fleet_unavailable")
+    if isinstance(exc, RedisUnavailable):
+        return _retry_later(503, str(exc), "service_unavailable_error", "redis_unavailable")
+    if isinstance(exc, JobFailed):
+        return _job_failed(exc)
+    if isinstance(exc, BatchfleetError):
+        return APIError(500, str(exc), "server_error", "internal_error")
+    return APIError(500, f"internal error ({type(exc).__name__})", "server_error", "internal_error")
+
+
+def _job_failed(exc: JobFailed) -> APIError:
+    """A worker's Error reply: the fleet's own code is kept as the OpenAI ``code``."""
+    if exc.code == DEADLINE_EXCEEDED:
+        return APIError(504, exc.message, "timeout_error", DEADLINE_EXCEEDED)
+    if exc.code == PROMPT_TOO_LONG:
+        return invalid(exc.message, "prompt", "context_length_exceeded")
+    if exc.code == INVALID_REQUEST:
+        return invalid(exc.message)
+    if exc.code == CANCELLED:  # someone else cancelled this job (the gateway cancels only for gone clients)
+        return APIError(500, exc.message, "server_error", CANCELLED)
+    return APIError(500, exc.message, "server_error", exc.code)

@@ -1,0 +1,125 @@
+"""What the HTTP routes do, over one AsyncClient: authenticate, name the model, run a job (whole or
+streamed) and give it up when the client goes away, report health. No model, no sync Redis: every
+Redis call is the AsyncClient's (or, for /health, awaited on its asyncio connection pool)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from typing import Any
+
+from starlette.requests import Request
+
+from batchfleet.common.functions import LIVE_WORKER_MS
+from batchfleet.common.protocol import Result
+from batchfleet.gateway.config import GatewayConfig
+from batchfleet.gateway.errors import APIError
+from batchfleet.gateway.formats import Shape
+from batchfleet.gateway.schemas import Job
+from batchfleet.gateway.sse import EventStream, job_events, wait_disconnect
+from batchfleet.producer import AsyncClient
+
+log = logging.getLogger(__name__)
+HEALTH_TIMEOUT_S = 2.0  # /health answers "unavailable" rather than hang on a frozen Redis
+CANCEL_TIMEOUT_S = 5.0
+CLIENT_CLOSED = 499  # nginx's status for "client closed request": never seen by anyone, only logged
+
+
+class Gateway:
+    """The app's state: its config and its one AsyncClient (made at startup, closed at shutdown)."""
+
+    def __init__(self, config: GatewayConfig, client: AsyncClient) -> None:
+        self.config = config
+        self.client = client
+        self._keys = [k.encode() for k in config.api_keys]
+
+    def authorize(self, request: Request) -> None:
+        """401 unless keys are configured off or the request carries one (``Authorization: Bearer <key>``)."""
+        if not self._keys:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise _unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        given = key.strip().encode()
+        # compare with every key, whatever matches, so the time taken says nothing about the keys
+        if not sum(hmac.compare_digest(given, k) for k in self._keys):
+            raise _unauthorized("incorrect API key provided")
+
+    async def model_name(self) -> str:
+        """--model-name, else the name the fleet publishes (FleetUnavailable -> 503 before any worker)."""
+        return self.config.model_name or (await self.client.fleet()).info.model
+
+    async def shape(self, job: Job, job_id: str, chat: bool) -> Shape:
+        info = (await self.client.fleet()).info
+        return Shape(chat=chat, job_id=job_id, model=await self.model_name(), created=int(time.time()),
+                     fingerprint=getattr(info, "fingerprint", "") or None, include_usage=job.include_usage)
+
+    async def check_model(self, job: Job) -> None:
+        name = await self.model_name()
+        if job.model is not None and job.model != name:
+            raise APIError(404, f"the model {job.model!r} does not exist here; this gateway serves {name!r}",
+                           "invalid_request_error", "model_not_found", "model")
+
+    async def complete(self, request: Request, job: Job, chat: bool) -> dict[str, Any] | EventStream:
+        """Run one job: the whole answer, or an event stream. Submission errors (QueueFull,
+        PromptTooLong, NoWorkers...) raise here, before any byte of the answer is sent."""
+        await self.check_model(job)
+        if job.stream:
+            stream = await self.client.stream(job.prompt, timeout=job.timeout, **job.params)
+            try:
+                shape = await self.shape(job, stream.job_id, chat)
+            except BaseException:
+                await asyncio.shield(stream.aclose())
+                raise
+            return EventStream(job_events(stream, shape), headers={"x-request-id": stream.job_id})
+        start = time.monotonic()
+        job_id = await self.client.submit(job.prompt, timeout=job.timeout, **job.params)
+        result = await self._wait(request, job_id, max(0.0, job.timeout - (time.monotonic() - start)))
+        return (await self.shape(job, job_id, chat)).response(result)
+
+    async def _wait(self, request: Request, job_id: str, timeout: float) -> Result:
+        """The job's result, unless the client goes away first: then the job is cancelled (a web page
+        closed mid-answer must not keep a batch slot busy)."""
+        waiting = asyncio.ensure_future(self.client.result(job_id, timeout=timeout))
+        gone = asyncio.ensure_future(wait_disconnect(request.receive))
+        try:
+            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler is cancelled (server shutdown)
+            gone.cancel()
+            if not waiting.done():
+                waiting.cancel()
+                await asyncio.shield(self.cancel(job_id))
+        if waiting.cancelled():
+            raise APIError(CLIENT_CLOSED, "client closed the request", "invalid_request_error", "client_closed")
+        return waiting.result()
+
+    async def cancel(self, job_id: str) -> None:
+        """Best effort: a cancel that cannot reach Redis is logged (the job's deadline still bounds it)."""
+        try:
+            await asyncio.wait_for(self.client.cancel(job_id), CANCEL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - nobody is left to tell
+            log.warning("could not cancel job %s: %s", job_id, exc)
+
+    async def health(self) -> tuple[int, dict[str, Any]]:
+        """(status, body): 200 when Redis answers and at least one worker has a fresh heartbeat, else 503."""
+        try:
+            workers = await asyncio.wait_for(self._live_workers(), HEALTH_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - any failure to reach Redis is "unavailable"
+            return 503, {"status": "unavailable", "redis": False, "workers": 0,
+                         "error": f"{type(exc).__name__}: {exc}"[:300]}
+        status = "ok" if workers else "no_workers"
+        return (200 if workers else 503), {"status": status, "redis": True, "workers": workers}
+
+    async def _live_workers(self) -> int:
+        """Workers whose last heartbeat (Redis' clock) is within LIVE_WORKER_MS, as submit counts them."""
+        r, keys = self.client.r, self.client.keys
+        secs, micros = await r.time()
+        now_ms = int(secs) * 1000 + int(micros) // 1000
+        return int(await r.zcount(keys.workers, now_ms - LIVE_WORKER_MS, "+inf"))
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(401, message, "invalid_request_error", "invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})

@@ -1,0 +1,89 @@
+"""Server-sent events: an ASGI response that stops (and runs its cleanup) as soon as the client goes
+away, and the events of one streamed job.
+
+Why not Starlette's StreamingResponse: whether and when it notices a disconnect depends on the server's
+ASGI version (2.4 servers are only noticed at the next write, and a queued job writes nothing for a
+while). Here a watcher waits on ``receive()`` for ``http.disconnect`` whatever the server, so a closed
+browser tab cancels its job at once, not at its next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from batchfleet.gateway.errors import api_error
+from batchfleet.gateway.formats import Shape
+
+log = logging.getLogger(__name__)
+DONE = b"data: [DONE]\n\n"
+HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+           (b"x-accel-buffering", b"no")]  # proxies (nginx) must not buffer a stream
+
+
+def event(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def wait_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+    """Return when the client has gone (the request body was already read, so nothing else arrives)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStream:
+    """ASGI response sending ``events`` as they come; a client that disconnects stops the iteration
+    (the generator's ``finally`` then releases what it holds, e.g. cancels the job)."""
+
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+        self.events = events
+        self.headers = HEADERS + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        pump = asyncio.ensure_future(self._pump(send))
+        watch = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump, watch):
+                task.cancel()
+            await asyncio.gather(pump, watch, return_exceptions=True)
+
+    async def _pump(self, send: Callable) -> None:
+        try:
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self.events.aclose()  # a generator cancelled at a yield still runs its cleanup
+
+
+async def job_events(stream: Any, shape: Shape) -> AsyncIterator[bytes]:
+    """The events of one streamed job (an AsyncTokenStream): chunks, the finish chunk, the usage chunk when
+    asked, ``[DONE]``. A job that fails once the stream has started sends an error event, then ``[DONE]``.
+    However the iteration ends (finished, failed, client gone), the stream is closed, which cancels the
+    job if it is still running."""
+    try:
+        try:
+            if shape.chat:
+                yield event(shape.chunk("", first=True))
+            async for delta in stream:
+                if delta.text:
+                    yield event(shape.chunk(delta.text))
+            result = stream.result
+            yield event(shape.chunk("", result=result))
+            if shape.include_usage:
+                yield event(shape.usage_chunk(result))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the error event OpenAI clients raise
+            err = api_error(exc)
+            if err.status >= 500 and err.code not in ("timeout", "deadline_exceeded"):
+                log.warning("stream %s failed: %s", shape.id, exc)
+            yield event(err.body())
+        yield DONE
+    finally:
+        # shielded: when the client went away this task is being cancelled, and the cancel must still go out
+        await asyncio.shield(stream.aclose())

@@ -1,0 +1,133 @@
+"""The gateway under load and when clients leave: 200 concurrent streamed requests through one gateway
+to one worker (all complete, batches form, the event loop never stalls), and closing an HTTP stream
+mid-generation cancels its job (KV blocks freed within a step, batchmates' outputs unchanged)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+
+import httpx
+import pytest
+import redis
+
+from batchfleet.common.keys import Keys
+from batchfleet.producer import AsyncClient
+from tests.test_gateway_util import engine_stats, gateways, joined_text, loop_lag, parse_events, stream_events
+
+N_STREAMS = 200
+
+
+@pytest.fixture
+def start_gateway(redis_url, namespace):
+    with gateways(redis_url, namespace) as start:
+        yield start
+
+
+def test_200_concurrent_streams(start_worker, start_gateway, redis_url, namespace):
+    start_worker(engine="native", mode="continuous", max_wait_ms=20, kv_cache_gb=0.05)
+    gw = start_gateway()
+    assert isinstance(gw.gateway.client, AsyncClient)  # the app's only way to Redis (see test_gateway.py)
+    health_ms: list[float] = []
+
+    async def scenario() -> list[list]:
+        limits = httpx.Limits(max_connections=N_STREAMS + 10, max_keepalive_connections=N_STREAMS + 10)
+        async with httpx.AsyncClient(base_url=gw.url, timeout=300, limits=limits) as http:
+            async def one(i: int) -> list:
+                body = {"prompt": f"Request number {i} says", "max_tokens": 12, "temperature": 0,
+                        "stream_options": {"include_usage": True}}
+                return await stream_events(http, "/v1/completions", body)
+
+            streams = asyncio.gather(*(one(i) for i in range(N_STREAMS)))
+            while not streams.done():  # /health stays fast while every stream is open
+                t0 = time.monotonic()
+                resp = await http.get("/health")
+                assert resp.status_code == 200, resp.text
+                health_ms.append((time.monotonic() - t0) * 1000)
+                await asyncio.wait([streams], timeout=0.05)
+            return streams.result()
+
+    stop = threading.Event()
+    lag = asyncio.run_coroutine_threadsafe(loop_lag(stop), gw.loop)
+    t0 = time.monotonic()
+    results = asyncio.run(scenario())
+    elapsed = time.monotonic() - t0
+    stop.set()
+    worst_lag_s = lag.result(10)
+
+    sizes = []
+    for events in results:
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events[-3:]
+        *_, finish, usage, _ = events
+        assert finish["choices"][0]["finish_reason"] in ("stop", "length") and usage["choices"] == []
+        assert 1 <= usage["usage"]["completion_tokens"] <= 12 and joined_text(events) is not None
+        sizes.append(finish["batchfleet"]["batch_size"])
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    logged = [int(rec["size"]) for _, rec in r.xrange(Keys(namespace).batches)]
+    print(f"\n{N_STREAMS} streams in {elapsed:.1f} s; batch log: {len(logged)} batches, mean size "
+          f"{sum(logged) / len(logged):.1f}; result batch_size mean {sum(sizes) / len(sizes):.1f}; /health "
+          f"{len(health_ms)} calls, max {max(health_ms):.0f} ms; event loop lag max {worst_lag_s * 1000:.0f} ms")
+    assert sum(logged) == N_STREAMS and sum(logged) / len(logged) > 1
+    assert sum(sizes) / len(sizes) > 1
+    # a synchronous Redis call (or any blocking work) in a handler would stall every stream at once
+    assert max(health_ms) < 2000 and worst_lag_s < 1.0
+
+
+def test_closing_a_stream_cancels_its_job(start_worker, start_gateway, redis_url, namespace):
+    """A victim with a long prompt (many KV blocks) decodes with three batchmates; closing its HTTP stream
+    frees its blocks within a step of the cancel reaching Redis, and the batchmates' greedy outputs equal
+    those of a run where nobody left."""
+    from tests.test_native_util import prompt
+
+    worker = start_worker(engine="native", mode="continuous", max_wait_ms=10, kv_cache_gb=0.05)
+    gw = start_gateway()
+    r, keys = redis.Redis.from_url(redis_url), Keys(namespace)
+    block = engine_stats(worker)["kv_block_size"]
+    mates = [{"prompt": prompt(10 + i, 12), "max_tokens": 160, "temperature": 0} for i in range(3)]
+    victim = {"prompt": prompt(99, 200), "max_tokens": 300, "temperature": 0}
+    victim_blocks = math.ceil(200 / block) - 1  # its prompt's blocks, less one: batchmates may grow meanwhile
+
+    async def run(cancel: bool) -> tuple[list[str], dict]:
+        async with httpx.AsyncClient(base_url=gw.url, timeout=300) as http:
+            mate_runs = [asyncio.ensure_future(stream_events(http, "/v1/completions", m)) for m in mates]
+            seen: dict = {}
+            async with http.stream("POST", "/v1/completions", json={**victim, "stream": True}) as resp:
+                job_id = resp.headers["x-request-id"]
+                lines = []
+                async for line in resp.aiter_lines():
+                    lines.append(line)
+                    if cancel and len(parse_events(lines)) >= 3:  # generating: tokens came back
+                        before = engine_stats(worker)["kv_blocks_used"]
+                        break
+                if cancel:  # leaving the block closes the connection mid-stream
+                    watching = asyncio.ensure_future(asyncio.to_thread(watch_release, job_id, before))
+            if cancel:
+                seen = await watching
+            mates_events = await asyncio.gather(*mate_runs)
+        for events in mates_events:
+            assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"], events[-3:]
+        return [joined_text(e) for e in mates_events], seen
+
+    def watch_release(job_id: str, before: int) -> dict:
+        """Engine steps when the cancel appeared in Redis, and when the victim's blocks were freed."""
+        deadline = time.monotonic() + 30
+        peak, cancel_step = before, None
+        while time.monotonic() < deadline:
+            stats = engine_stats(worker)
+            peak = max(peak, stats["kv_blocks_used"])
+            if cancel_step is None and r.exists(keys.cancel(job_id)):
+                cancel_step = stats["steps"]
+            if cancel_step is not None and stats["kv_blocks_used"] <= peak - victim_blocks:
+                return {"cancel_step": cancel_step, "freed_step": stats["steps"], "running": stats["running"]}
+            time.sleep(0.0005)
+        raise AssertionError(f"victim's blocks not freed (cancel seen at step {cancel_step}, peak {peak})")
+
+    reference, _ = asyncio.run(run(cancel=False))
+    outputs, seen = asyncio.run(run(cancel=True))
+    print(f"\ncancel seen at engine step {seen['cancel_step']}, blocks freed by step {seen['freed_step']}, "
+          f"{seen['running']} batchmates still running")
+    assert seen["running"] >= 1, "the batchmates had finished: the cancel came too late to test anything"
+    assert seen["freed_step"] - seen["cancel_step"] <= 2  # the step under way when it arrived, then the next
+    assert outputs == reference
