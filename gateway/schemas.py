@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from batchfleet.common.protocol import MIN_TEMPERATURE
 from batchfleet.gateway.errors import invalid
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's
@@ -74,9 +75,12 @@ class _Common(BaseModel):
     def job(self, prompt: Any, max_tokens: int, timeout_cap: float) -> Job:
         self.refuse_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        temperature = 1.0 if self.temperature is None else self.temperature  # OpenAI's default
+        if temperature < MIN_TEMPERATURE:  # OpenAI accepts any t >= 0; the fleet's sampler, t = 0 or >= 1e-3
+            temperature = 0.0  # which is what such a t means: the most likely token
         params: dict[str, Any] = {
             "max_new_tokens": max_tokens,
-            "temperature": 1.0 if self.temperature is None else self.temperature,  # OpenAI's default
+            "temperature": temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "top_k": self.top_k or 0,
             "seed": self.seed,

@@ -1,6 +1,6 @@
 """What the HTTP routes do, over one AsyncClient: authenticate, name the model, run a job (whole or
 streamed) and give it up when the client goes away, report health. No model, no sync Redis: every
-Redis call is the AsyncClient's (or, for /health, awaited on its asyncio connection pool)."""
+Redis call is the AsyncClient's, awaited."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import Any
 
 from starlette.requests import Request
 
-from batchfleet.common.functions import LIVE_WORKER_MS
 from batchfleet.common.protocol import Result
 from batchfleet.gateway.config import GatewayConfig
 from batchfleet.gateway.errors import APIError
@@ -105,19 +104,12 @@ class Gateway:
     async def health(self) -> tuple[int, dict[str, Any]]:
         """(status, body): 200 when Redis answers and at least one worker has a fresh heartbeat, else 503."""
         try:
-            workers = await asyncio.wait_for(self._live_workers(), HEALTH_TIMEOUT_S)
+            workers = await asyncio.wait_for(self.client.live_workers(HEALTH_TIMEOUT_S), HEALTH_TIMEOUT_S + 0.5)
         except Exception as exc:  # noqa: BLE001 - any failure to reach Redis is "unavailable"
             return 503, {"status": "unavailable", "redis": False, "workers": 0,
                          "error": f"{type(exc).__name__}: {exc}"[:300]}
         status = "ok" if workers else "no_workers"
         return (200 if workers else 503), {"status": status, "redis": True, "workers": workers}
-
-    async def _live_workers(self) -> int:
-        """Workers whose last heartbeat (Redis' clock) is within LIVE_WORKER_MS, as submit counts them."""
-        r, keys = self.client.r, self.client.keys
-        secs, micros = await r.time()
-        now_ms = int(secs) * 1000 + int(micros) // 1000
-        return int(await r.zcount(keys.workers, now_ms - LIVE_WORKER_MS, "+inf"))
 
 
 def _unauthorized(message: str) -> APIError:
