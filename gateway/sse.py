@@ -15,6 +15,8 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from starlette.responses import Response
+
 from batchfleet.gateway.errors import api_error
 from batchfleet.gateway.formats import Shape
 
@@ -34,16 +36,19 @@ async def wait_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
         pass
 
 
-class EventStream:
+class EventStream(Response):
     """ASGI response sending ``events`` as they come; a client that disconnects stops the iteration
     (the generator's ``finally`` then releases what it holds, e.g. cancels the job)."""
 
     def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+        # no super().__init__: it would render a body; these are the fields frameworks read
         self.events = events
-        self.headers = HEADERS + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = HEADERS + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         pump = asyncio.ensure_future(self._pump(send))
         watch = asyncio.ensure_future(wait_disconnect(receive))
         try:
@@ -52,6 +57,8 @@ class EventStream:
             for task in (pump, watch):
                 task.cancel()
             await asyncio.gather(pump, watch, return_exceptions=True)
+        if self.background is not None:
+            await self.background()
 
     async def _pump(self, send: Callable) -> None:
         try:
