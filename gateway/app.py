@@ -62,7 +62,7 @@ def create_app(config: GatewayConfig | None = None,
         gateway = _gateway(request)
         gateway.authorize(request)
         job = parse(CompletionRequest, await read_json(request)).to_job(config.request_timeout_s)
-        return _answer(await gateway.complete(request, job, chat=False))
+        return await gateway.complete(request, job, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -70,7 +70,7 @@ def create_app(config: GatewayConfig | None = None,
         gateway.authorize(request)
         job = parse(ChatCompletionRequest, await read_json(request)).to_job(config.request_timeout_s,
                                                                              config.chat_max_tokens)
-        return _answer(await gateway.complete(request, job, chat=True))
+        return await gateway.complete(request, job, chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
@@ -92,11 +92,6 @@ def create_app(config: GatewayConfig | None = None,
 
 def _gateway(request: Request) -> Gateway:
     return request.app.state.gateway
-
-
-def _answer(out: Any) -> Any:
-    """A whole answer as JSON; an event stream as it is (it is an ASGI response)."""
-    return JSONResponse(out) if isinstance(out, dict) else out
 
 
 async def read_json(request: Request) -> Any:

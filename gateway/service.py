@@ -8,9 +8,11 @@ import asyncio
 import hmac
 import logging
 import time
+import uuid
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from batchfleet.common.protocol import Result
 from batchfleet.gateway.config import GatewayConfig
@@ -50,33 +52,30 @@ class Gateway:
         """--model-name, else the name the fleet publishes (FleetUnavailable -> 503 before any worker)."""
         return self.config.model_name or (await self.client.fleet()).info.model
 
-    async def shape(self, job: Job, job_id: str, chat: bool) -> Shape:
-        info = (await self.client.fleet()).info
-        return Shape(chat=chat, job_id=job_id, model=await self.model_name(), created=int(time.time()),
-                     fingerprint=getattr(info, "fingerprint", "") or None, include_usage=job.include_usage)
-
-    async def check_model(self, job: Job) -> None:
+    async def check_model(self, job: Job) -> str:
+        """The served model's name; 404 when the request names another one."""
         name = await self.model_name()
         if job.model is not None and job.model != name:
             raise APIError(404, f"the model {job.model!r} does not exist here; this gateway serves {name!r}",
                            "invalid_request_error", "model_not_found", "model")
+        return name
 
-    async def complete(self, request: Request, job: Job, chat: bool) -> dict[str, Any] | EventStream:
+    async def complete(self, request: Request, job: Job, chat: bool) -> Response:
         """Run one job: the whole answer, or an event stream. Submission errors (QueueFull,
         PromptTooLong, NoWorkers...) raise here, before any byte of the answer is sent."""
-        await self.check_model(job)
+        model = await self.check_model(job)
+        info = (await self.client.fleet()).info
+        job_id = uuid.uuid4().hex
+        shape = Shape(chat=chat, job_id=job_id, model=model, created=int(time.time()),
+                      fingerprint=info.fingerprint or None, include_usage=job.include_usage)
+        headers = {"x-request-id": job_id}
         if job.stream:
-            stream = await self.client.stream(job.prompt, timeout=job.timeout, **job.params)
-            try:
-                shape = await self.shape(job, stream.job_id, chat)
-            except BaseException:
-                await asyncio.shield(stream.aclose())
-                raise
-            return EventStream(job_events(stream, shape), headers={"x-request-id": stream.job_id})
+            stream = await self.client.stream(job.prompt, timeout=job.timeout, job_id=job_id, **job.params)
+            return EventStream(job_events(stream, shape), headers=headers)
         start = time.monotonic()
-        job_id = await self.client.submit(job.prompt, timeout=job.timeout, **job.params)
+        await self.client.submit(job.prompt, timeout=job.timeout, job_id=job_id, **job.params)
         result = await self._wait(request, job_id, max(0.0, job.timeout - (time.monotonic() - start)))
-        return (await self.shape(job, job_id, chat)).response(result)
+        return JSONResponse(shape.response(result), headers=headers)
 
     async def _wait(self, request: Request, job_id: str, timeout: float) -> Result:
         """The job's result, unless the client goes away first: then the job is cancelled (a web page
