@@ -23,12 +23,12 @@ def build_gateway_config(**values) -> GatewayConfig:
 def serve(**values) -> None:
     """Serve the fleet over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health). Holds no model: run workers with `batchfleet worker`."""
-    try:
-        import uvicorn
+    # imported here: `batchfleet --help` lists this command on a client-only install (common/cli.py says
+    # which extra to install before this runs)
+    import uvicorn
 
-        from batchfleet.gateway.app import create_app
-    except ImportError as exc:
-        raise click.ClickException(f"{exc.name} is missing: pip install 'batchfleet[serve]'") from exc
+    from batchfleet.gateway.app import create_app
+
     try:
         config = build_gateway_config(**values)
     except ConfigError as exc:
