@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from batchfleet.common.protocol import Delta
 
 REPLACEMENT = "\ufffd"
+MAX_HELD_TOKENS = 3  # a UTF-8 character spans at most 4 bytes, so at most 4 byte-level tokens
 
 
 @dataclass
@@ -78,13 +79,31 @@ class StreamPublisher:
         return out
 
     def _advance(self, d: _Detok, tokens: list[int]) -> None:
-        """Decode what the tokens since ``d.read`` add to the text, unless it ends mid-character."""
+        """Decode what the tokens since ``d.read`` add to the text, up to the last complete character.
+
+        A text ending in U+FFFD may be a character whose last bytes are still to come (a UTF-8 character
+        has at most 4 bytes, so at most 3 more tokens), so up to 3 trailing tokens are held back. When
+        every such cut ends in U+FFFD (random or invalid bytes), the cut 3 tokens back is taken if the
+        whole window re-decodes with it as a prefix: its U+FFFD is then an invalid sequence, final.
+        """
         if len(tokens) <= d.read:
             return
         before = self.decode(tokens[d.prefix:d.read])
-        after = self.decode(tokens[d.prefix:])
-        if after.endswith(REPLACEMENT) or not after.startswith(before):
-            return  # an incomplete character (or a window that re-decodes differently): wait for more
+        end = 0
+        for held in range(MAX_HELD_TOKENS + 1):
+            cut = len(tokens) - held
+            if cut <= d.read:
+                return  # every new token may still belong to an unfinished character: wait for more
+            after = self.decode(tokens[d.prefix:cut])
+            if not after.endswith(REPLACEMENT):
+                end = cut
+                break
+        else:  # ``after``, ``cut``: the window without its last 3 tokens
+            if not self.decode(tokens[d.prefix:]).startswith(after):
+                return
+            end = cut
+        if not after.startswith(before):
+            return  # a window that re-decodes differently: wait for more context
         d.text += after[len(before):]
         # the next window starts at the tokens just decoded: enough left context for their successors
-        d.prefix, d.read = d.read, len(tokens)
+        d.prefix, d.read = d.read, end
