@@ -48,5 +48,5 @@ def test_invalid_bytes_do_not_stall_the_stream_and_stay_a_prefix():
 def test_text_that_may_become_a_stop_string_is_held_back():
     # the engine finishes the request on the token completing "END" (final text "abc "): until then the
     # last len("END") - 1 characters may be the start of it and are held back
-    tokens = [4 + b for b in "abc EN".encode()]
+    tokens = [4 + b for b in b"abc EN"]
     assert "".join(stream(tokens, stop=("END",))) == "abc "
