@@ -13,12 +13,14 @@ from pathlib import Path
 
 import torch
 
+from batchfleet.common import logs
 from batchfleet.common.config import DynamicBatchingConfig, EngineConfig, WorkerConfig
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.worker.consumer import StreamConsumer, default_consumer_name
 from batchfleet.worker.engine.base import Engine
 from batchfleet.worker.engine.models import LoadedModel, load_model, make_preset
 from batchfleet.worker.loop import WorkerLoop
+from batchfleet.worker.metrics import WorkerMetrics
 from batchfleet.worker.transport import Transport
 from batchfleet.worker.validate import Limits
 
@@ -80,16 +82,23 @@ def build_worker(cfg: WorkerConfig, transport: Transport | None = None,
     transport.publish_fleet(fleet_info(cfg, loaded))
     limits = Limits(max_seq_len=cfg.batching.max_seq_len, vocab_size=int(loaded.model.config.vocab_size))
     tokenizer = loaded.tokenizer
-    return WorkerLoop(cfg, engine, transport, limits,
+    loop = WorkerLoop(cfg, engine, transport, limits,
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    if cfg.metrics_port:
+        metrics = WorkerMetrics(loop)
+        metrics.serve(cfg.metrics_port)
+        loop.observer = metrics
+    return loop
 
 
 def run_worker(cfg: WorkerConfig) -> int:
     """Serve until SIGTERM/SIGINT; the running batch finishes, queued entries are handed back. Exit 0."""
+    logs.configure(fmt=cfg.log_format)
     torch.set_grad_enabled(False)
     if cfg.engine.threads:  # process-wide, once, before any kernel reads it
         torch.set_num_threads(cfg.engine.threads)
     loop = build_worker(cfg)
+    logs.set_context(worker=loop.transport.name)
 
     def on_signal(signum, _frame) -> None:
         log.info("signal %d: finishing the running batch, then exiting", signum)
@@ -105,6 +114,7 @@ def run_worker(cfg: WorkerConfig) -> int:
     try:
         loop.run()
     finally:
+        loop.observer.close()
         loop.transport.close()
     log.info("worker %s stopped", loop.transport.name)
     return 0
