@@ -94,6 +94,10 @@ def build_worker(cfg: WorkerConfig, transport: Transport | None = None,
 def run_worker(cfg: WorkerConfig) -> int:
     """Serve until SIGTERM/SIGINT; the running batch finishes, queued entries are handed back. Exit 0."""
     logs.configure(fmt=cfg.log_format)
+    if cfg.log_format == "json":  # keep stderr one JSON object per line: no progress bars in between
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     torch.set_grad_enabled(False)
     if cfg.engine.threads:  # process-wide, once, before any kernel reads it
         torch.set_num_threads(cfg.engine.threads)
