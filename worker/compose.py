@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -101,8 +102,9 @@ def run_worker(cfg: WorkerConfig) -> int:
     torch.set_grad_enabled(False)
     if cfg.engine.threads:  # process-wide, once, before any kernel reads it
         torch.set_num_threads(cfg.engine.threads)
+    cfg = replace(cfg, name=cfg.name or default_consumer_name())
+    logs.set_context(worker=cfg.name)  # on every log line of this process, model loading included
     loop = build_worker(cfg)
-    logs.set_context(worker=loop.transport.name)
 
     def on_signal(signum, _frame) -> None:
         log.info("signal %d: finishing the running batch, then exiting", signum)

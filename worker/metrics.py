@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -23,9 +23,6 @@ from batchfleet.common.metrics import MetricsServer, queue_collector, registry_w
 from batchfleet.common.protocol import Error, Result, decode_reply
 from batchfleet.worker.requests import Stage
 from batchfleet.worker.transport import Reply
-
-if TYPE_CHECKING:
-    from batchfleet.worker.loop import WorkerLoop
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +89,8 @@ class LoopStats:
 class WorkerMetrics(LoopStats):
     """LoopStats plus the worker's Prometheus metrics, in a registry of its own, optionally served."""
 
-    def __init__(self, loop: WorkerLoop) -> None:
+    def __init__(self, loop: Any) -> None:
+        """``loop``: the WorkerLoop observed (typed loosely: the loop imports this module)."""
         super().__init__()
         self.loop = loop
         self.queues = queue_collector(loop.cfg.connection, loop.cfg.batching.buckets)
