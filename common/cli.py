@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import logging
 
 import click
 
+from batchfleet.common import logs
 from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.logs import LOG_FORMATS
 from batchfleet.common.options import config_options
 
 _COMMANDS = {
@@ -55,11 +56,14 @@ class LazyGroup(click.Group):
                                            f"lacks: pip install 'batchfleet[{extra}]'")
         return super().resolve_command(ctx, args)
 
+
 @click.group(cls=LazyGroup)
 @click.option("--log-level", envvar="BATCHFLEET_LOG_LEVEL", default="INFO", show_default=True)
-def main(log_level: str) -> None:
+@click.option("--log-format", envvar="BATCHFLEET_LOG_FORMAT", type=click.Choice(LOG_FORMATS), default="text",
+              show_default=True, help="json: one JSON object per line (for log shippers).")
+def main(log_level: str, log_format: str) -> None:
     """batchfleet: a Redis-streams LLM inference fleet with dynamic batching."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(log_level, log_format)
 
 
 if __name__ == "__main__":

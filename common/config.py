@@ -15,6 +15,7 @@ from typing import Any
 
 from batchfleet.common.errors import ConfigError, PromptTooLong
 from batchfleet.common.keys import DEFAULT_NAMESPACE, Keys
+from batchfleet.common.logs import LOG_FORMATS
 from batchfleet.common.redis_url import check_redis_url
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -233,6 +234,12 @@ class WorkerConfig:
         "A worker whose loop makes no progress this long (one engine step included) stops renewing its leases, "
         "so other workers take its requests over."))
 
+    metrics_port: int = field(default=0, metadata=option(
+        "Serve Prometheus metrics on http://0.0.0.0:PORT/metrics (0 = off)."))
+    log_format: str = field(default="text", metadata=option(
+        "text: one readable line per record; json: one JSON object per line (time, level, logger, message, "
+        "job, bucket, worker) for log shippers.", choices=LOG_FORMATS))
+
     def __post_init__(self) -> None:
         if self.reply_ttl_s < 1:
             raise ConfigError("reply_ttl_s must be >= 1")
@@ -248,6 +255,10 @@ class WorkerConfig:
             raise ConfigError("reclaim_budget must be >= 1")
         if not self.stall_timeout_s > 0:
             raise ConfigError("stall_timeout_s must be > 0")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be 0..65535, got {self.metrics_port}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
 
 
 def connection_from_env(redis_url: str | None = None, namespace: str | None = None,

@@ -14,14 +14,11 @@ from dataclasses import asdict
 from typing import Any, TypeVar
 
 import click
-import msgpack
 import redis
 
 from batchfleet.common.cli import connection_options
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.errors import BatchfleetError, RedisUnavailable
-from batchfleet.common.functions import LIVE_WORKER_MS
-from batchfleet.common.protocol import FleetInfo
 from batchfleet.common.redis_url import redact_url
 from batchfleet.producer.bulk import read_jsonl, run_bulk
 from batchfleet.producer.client import Client
@@ -160,24 +157,36 @@ def bulk(redis_url: str, namespace: str, prompts, output, window: int, timeout: 
 @click.command()
 @connection_options
 @one_line_errors
-def status(redis_url: str, namespace: str) -> None:
-    """Show the fleet, its live workers and queue lengths under a namespace (plain Redis reads, no client)."""
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (per refresh with --watch).")
+@click.option("--watch", type=float, default=None, metavar="SECONDS", help="Refresh every SECONDS until Ctrl-C.")
+def status(redis_url: str, namespace: str, as_json: bool, watch: float | None) -> None:
+    """Queues per bucket, workers (alive or gone, load, KV use, tok/s) and dead letters of a namespace
+    (plain Redis reads, no client); see producer/status.py."""
+    import time
+
+    from batchfleet.producer.status import render, snapshot
+
+    if watch is not None and watch <= 0:
+        raise click.UsageError("--watch must be > 0")
     conn = ConnectionConfig(redis_url, namespace)
-    keys = conn.keys
     with _redis(conn) as r:
-        fleet = r.get(keys.fleet)
-        seconds, micros = r.time()
-        live = r.zcount(keys.workers, seconds * 1000 + micros // 1000 - LIVE_WORKER_MS, "+inf")
-        alive = f"{live} live worker{'s' * (live != 1)} (heartbeat within {LIVE_WORKER_MS // 1000} s)"
-        if fleet is None:
-            click.echo(f"no fleet published under namespace {namespace!r}; {alive}")
+        try:
+            while True:
+                try:
+                    snap = snapshot(r, conn.keys)
+                except redis.RedisError as exc:
+                    if watch is None:
+                        raise
+                    click.echo(f"Error: {error_line(exc, redis_url)}", err=True)  # a live view rides out outages
+                else:
+                    if as_json:
+                        click.echo(json.dumps(snap))
+                    else:
+                        if watch is not None:
+                            click.clear()
+                        click.echo(render(snap))
+                if watch is None:
+                    return
+                time.sleep(watch)
+        except KeyboardInterrupt:  # the way out of --watch
             return
-        info = FleetInfo.decode(fleet)
-        click.echo(f"model {info.model}  buckets {list(info.buckets)}  max_seq_len {info.max_seq_len}")
-        click.echo(f"  {alive}")
-        for b in info.buckets:
-            click.echo(f"  stream {keys.stream(b)}: {r.xlen(keys.stream(b))} entries")
-        for key in r.scan_iter(match=keys.worker("*"), count=100):
-            raw = r.get(key)
-            if raw:
-                click.echo(f"  worker {json.dumps(msgpack.unpackb(raw, raw=False), default=str)}")

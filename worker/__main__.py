@@ -1,9 +1,8 @@
 """``python -m batchfleet.worker`` == ``batchfleet worker``."""
 
-import logging
-
+from batchfleet.common import logs
 from batchfleet.worker.cli import worker
 
 if __name__ == "__main__":
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure("INFO")  # --log-format json switches the format when the worker starts
     worker(prog_name="python -m batchfleet.worker")

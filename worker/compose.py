@@ -9,16 +9,19 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from batchfleet.common import logs
 from batchfleet.common.config import DynamicBatchingConfig, EngineConfig, WorkerConfig
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.worker.consumer import StreamConsumer, default_consumer_name
 from batchfleet.worker.engine.base import Engine
 from batchfleet.worker.engine.models import LoadedModel, load_model, make_preset
 from batchfleet.worker.loop import WorkerLoop
+from batchfleet.worker.metrics import WorkerMetrics
 from batchfleet.worker.transport import Transport
 from batchfleet.worker.validate import Limits
 
@@ -80,15 +83,27 @@ def build_worker(cfg: WorkerConfig, transport: Transport | None = None,
     transport.publish_fleet(fleet_info(cfg, loaded))
     limits = Limits(max_seq_len=cfg.batching.max_seq_len, vocab_size=int(loaded.model.config.vocab_size))
     tokenizer = loaded.tokenizer
-    return WorkerLoop(cfg, engine, transport, limits,
+    loop = WorkerLoop(cfg, engine, transport, limits,
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    if cfg.metrics_port:
+        metrics = WorkerMetrics(loop)
+        metrics.serve(cfg.metrics_port)
+        loop.observer = metrics
+    return loop
 
 
 def run_worker(cfg: WorkerConfig) -> int:
     """Serve until SIGTERM/SIGINT; the running batch finishes, queued entries are handed back. Exit 0."""
+    logs.configure(fmt=cfg.log_format)
+    if cfg.log_format == "json":  # keep stderr one JSON object per line: no progress bars in between
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     torch.set_grad_enabled(False)
     if cfg.engine.threads:  # process-wide, once, before any kernel reads it
         torch.set_num_threads(cfg.engine.threads)
+    cfg = replace(cfg, name=cfg.name or default_consumer_name())
+    logs.set_context(worker=cfg.name)  # on every log line of this process, model loading included
     loop = build_worker(cfg)
 
     def on_signal(signum, _frame) -> None:
@@ -105,6 +120,7 @@ def run_worker(cfg: WorkerConfig) -> int:
     try:
         loop.run()
     finally:
+        loop.observer.close()
         loop.transport.close()
     log.info("worker %s stopped", loop.transport.name)
     return 0

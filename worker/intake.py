@@ -131,7 +131,8 @@ class Intake:
             raise  # the entry stays pending; it is read again after the outage (reclaim)
         except Exception as exc:
             self.counters["internal_errors"] += 1
-            log.exception("internal error on entry %s; dead-lettering it", entry.entry_id)
+            log.exception("internal error on entry %s; dead-lettering it", entry.entry_id,
+                          extra={"job": job_id_of(entry), "bucket": entry.bucket})
             self.give_up(entry, f"internal error while validating: {exc!r}"[:500])
 
     def _reject(self, rej: Rejected) -> None:
@@ -149,7 +150,8 @@ class Intake:
         if job_id is not None and reply_key is not None:
             reply = Reply(job_id, Error(job_id, WORKER_FAILED, reason).encode(), entry.bucket, entry.entry_id,
                           reply_key)
-        log.warning("giving up on entry %s (job %s): %s", entry.entry_id, job_id, reason)
+        log.warning("giving up on entry %s (job %s): %s", entry.entry_id, job_id, reason,
+                    extra={"job": job_id, "bucket": entry.bucket})
         self.counters["dead_lettered"] += 1
         self.counters["errors"] += 1
         self.transport.give_up(entry, reason, reply)

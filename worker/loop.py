@@ -29,6 +29,7 @@ from batchfleet.common.retry import TRANSIENT, Backoff
 from batchfleet.worker.batcher import Batcher
 from batchfleet.worker.engine.base import Completion, Engine
 from batchfleet.worker.intake import Intake, error_reply
+from batchfleet.worker.metrics import LoopStats
 from batchfleet.worker.reclaim import LeaseKeeper
 from batchfleet.worker.requests import RequestTable, Stage
 from batchfleet.worker.streaming import StreamPublisher
@@ -70,6 +71,7 @@ class WorkerLoop:
                                  lambda: self._progress, cfg.stall_timeout_s)
         self._stop_at: float | None = None
         self._last_heartbeat = 0.0
+        self.observer = LoopStats()  # WorkerMetrics with --metrics-port (worker/compose.py)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -110,6 +112,7 @@ class WorkerLoop:
             "buckets": list(self.cfg.batching.buckets), "waiting": self.requests.count(Stage.QUEUED),
             "active": self.requests.count(Stage.RUNNING), "outbox": self.requests.count(Stage.OUTBOX),
             "at": time.time(), **self.counters, **{f"engine_{k}": v for k, v in self.engine.stats().items()},
+            **self.observer.status(),
         }
 
     def _keep_running(self) -> bool:
@@ -197,6 +200,7 @@ class WorkerLoop:
             return False
         self.counters["batches"] += 1
         self.counters["batched_requests"] += len(items)
+        self.observer.started(items[0].entry.bucket, len(items))
         if self.streams is not None:
             for acc in items:
                 if acc.request.stream:
@@ -212,6 +216,7 @@ class WorkerLoop:
         return True
 
     def _step(self) -> None:
+        began = time.monotonic()
         try:
             completions = self.engine.step()
         except Exception as exc:  # an engine fault must cost at most the request that caused it
@@ -219,6 +224,7 @@ class WorkerLoop:
             self._engine_failed(exc, suspects=getattr(self.engine, "last_step_ids", None))
             return
         self._progress = time.monotonic()
+        self.observer.stepped(self._progress - began)
         self._answer(completions)
 
     def _engine_failed(self, exc: Exception, suspects: list[str] | None = None) -> None:
@@ -308,7 +314,8 @@ class WorkerLoop:
             try:
                 payload = self._encode(c, acc, now)
             except Exception as exc:  # e.g. unencodable text: answer this one with an error, keep going
-                log.exception("could not encode the result of %s", c.id)
+                log.exception("could not encode the result of %s", c.id,
+                              extra={"job": c.id, "bucket": acc.entry.bucket})
                 payload = Error(c.id, ENGINE_ERROR, f"result could not be encoded: {exc!r}"[:500]).encode()
                 self.counters["errors"] += 1
             replies.append(Reply(c.id, payload, acc.entry.bucket, acc.entry.entry_id, acc.reply_key))
@@ -331,6 +338,7 @@ class WorkerLoop:
 
     def _send(self, replies: list[Reply]) -> None:
         """Queue replies and try to write them now; on an outage they wait in the outbox (still leased)."""
+        self.observer.replied(replies)
         self.requests.answer(replies)
         self._flush_outbox()
 

@@ -1,0 +1,99 @@
+"""What the fleet looks like right now, read from Redis: per-bucket queues and per-worker status.
+
+Shared by the metrics collector (common/metrics.py, any process reports the whole fleet's queues) and
+``batchfleet status`` (producer/status.py). Read-only; a few commands per bucket, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import redis
+
+from batchfleet.common.functions import LIVE_WORKER_MS
+from batchfleet.common.keys import Keys
+from batchfleet.common.protocol import FleetInfo
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """One bucket stream. ``depth``: entries not yet delivered to any worker (the group's lag, or XLEN
+    minus pending when Redis cannot say); ``pending``: delivered, not yet answered; ``lag``: Redis' own
+    figure (None before Redis 7 or when deletions make it unknown); ``oldest_age_s``: age of the oldest
+    entry still in the stream (queued or running), 0 when empty."""
+
+    bucket: int
+    length: int
+    depth: int
+    pending: int
+    lag: int | None
+    oldest_age_s: float
+
+
+def _decode(value: Any) -> Any:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def redis_now_ms(r: redis.Redis) -> int:
+    """Redis' clock (ms): ages are measured on the clock that stamped the entry ids."""
+    sec, usec = r.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+def fleet_info(r: redis.Redis, keys: Keys) -> FleetInfo | None:
+    """The published fleet description, or None when no live worker keeps it."""
+    raw = r.get(keys.fleet)
+    return FleetInfo.decode(raw) if raw else None
+
+
+def queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int]) -> list[QueueStats]:
+    """Depth, pending, lag and oldest age of every bucket stream (one pipeline round trip)."""
+    pipe = r.pipeline(transaction=False)
+    pipe.time()
+    for b in buckets:
+        stream = keys.stream(b)
+        pipe.xlen(stream)
+        pipe.xinfo_groups(stream)
+        pipe.xrange(stream, "-", "+", count=1)
+    res = pipe.execute(raise_on_error=False)
+    sec, usec = res[0]
+    now_ms = int(sec) * 1000 + int(usec) // 1000
+    out = []
+    for i, b in enumerate(buckets):
+        length, groups, first = res[1 + 3 * i: 4 + 3 * i]
+        length = length if isinstance(length, int) else 0
+        group = {}
+        if isinstance(groups, list):  # an error (no such stream yet) counts as an empty queue
+            group = next((g for g in groups if _decode(g.get("name")) == keys.group), {})
+        pending = int(group.get("pending") or 0)
+        lag = group.get("lag")
+        lag = int(lag) if lag is not None else None
+        depth = lag if lag is not None else max(0, length - pending)
+        age = 0.0
+        if isinstance(first, list) and first:
+            entry_ms = int(_decode(first[0][0]).split("-")[0])
+            age = max(0.0, (now_ms - entry_ms) / 1000)
+        out.append(QueueStats(b, length, depth, pending, lag, age))
+    return out
+
+
+def worker_stats(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
+    """Every worker of the live-worker set: its last status (when its status key has not expired) plus
+    ``alive`` (heartbeat within LIVE_WORKER_MS of Redis' clock) and ``seen_s`` (seconds since it)."""
+    now_ms = redis_now_ms(r)
+    members = r.zrange(keys.workers, 0, -1, withscores=True)
+    names = [_decode(m) for m, _ in members]
+    raws = r.mget([keys.worker(n) for n in names]) if names else []
+    out = []
+    for (name, (_, score)), raw in zip(zip(names, members), raws):
+        status = msgpack.unpackb(raw, raw=False) if raw else {}
+        seen_ms = max(0, now_ms - int(score))
+        out.append({**status, "name": name, "alive": seen_ms <= LIVE_WORKER_MS, "seen_s": seen_ms / 1000})
+    return out
+
+
+def dead_letters(r: redis.Redis, keys: Keys) -> int:
+    """Entries in the dead-letter stream (capped, so the most recent ones)."""
+    return int(r.xlen(keys.dead))

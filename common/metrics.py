@@ -1,0 +1,106 @@
+"""Prometheus plumbing any process can use: a registry per process, the fleet-wide queue gauges read from
+Redis at scrape time, and the HTTP server.
+
+The queue gauges come from Redis, not from the process, so any one worker (or the gateway) reports every
+bucket's queue of the whole fleet. Wiring a process takes one line::
+
+    serve_metrics(registry_with(queue_collector(conn_config)), port)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import redis
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.fleetstate import fleet_info, queue_stats
+
+log = logging.getLogger(__name__)
+
+SCRAPE_TIMEOUT_S = 2.0  # a scrape must answer even when Redis does not: queue gauges are then left out
+
+
+class QueueCollector(Collector):
+    """batchfleet_queue_depth / _pending / _oldest_age_seconds {bucket}, read from Redis per scrape.
+
+    Has its own small connection pool with a short timeout, so a slow Redis delays a scrape by at most
+    SCRAPE_TIMEOUT_S and never blocks the process' own Redis traffic. ``buckets`` None: the buckets the
+    fleet publishes (none while no fleet is published).
+    """
+
+    def __init__(self, conn: ConnectionConfig, buckets: Iterable[int] | None = None) -> None:
+        self.keys = conn.keys
+        self.buckets = tuple(buckets) if buckets is not None else None
+        self.r = redis.Redis.from_url(conn.redis_url, socket_timeout=SCRAPE_TIMEOUT_S,
+                                      socket_connect_timeout=SCRAPE_TIMEOUT_S, max_connections=2,
+                                      client_name=f"{self.keys.namespace}:metrics")
+        self._lock = threading.Lock()  # the HTTP server may scrape from several threads
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        depth = GaugeMetricFamily("batchfleet_queue_depth", "Entries in a bucket stream not yet delivered to any "
+                                  "worker (consumer-group lag).", labels=["bucket"])
+        pending = GaugeMetricFamily("batchfleet_queue_pending", "Entries delivered to a worker and not yet "
+                                    "answered (consumer-group pending list).", labels=["bucket"])
+        age = GaugeMetricFamily("batchfleet_queue_oldest_age_seconds", "Age of the oldest unanswered entry of a "
+                                "bucket stream, on Redis' clock (0 when empty).", labels=["bucket"])
+        try:
+            with self._lock:
+                buckets = self.buckets
+                if buckets is None:
+                    info = fleet_info(self.r, self.keys)
+                    buckets = info.buckets if info is not None else ()
+                stats = queue_stats(self.r, self.keys, buckets)
+        except redis.RedisError as exc:  # Redis down: the scrape still answers, without queue gauges
+            log.debug("queue gauges not read: %r", exc)
+            return
+        for q in stats:
+            depth.add_metric([str(q.bucket)], q.depth)
+            pending.add_metric([str(q.bucket)], q.pending)
+            age.add_metric([str(q.bucket)], q.oldest_age_s)
+        yield depth
+        yield pending
+        yield age
+
+    def close(self) -> None:
+        self.r.close()
+
+
+def queue_collector(conn_config: ConnectionConfig, buckets: Iterable[int] | None = None) -> QueueCollector:
+    """The fleet-wide queue gauges for ``conn_config``'s namespace (register it in a CollectorRegistry)."""
+    return QueueCollector(conn_config, buckets)
+
+
+def registry_with(*collectors: Collector) -> CollectorRegistry:
+    """A fresh registry (never prometheus_client's global one) holding ``collectors``."""
+    registry = CollectorRegistry(auto_describe=False)
+    for c in collectors:
+        registry.register(c)
+    return registry
+
+
+class MetricsServer:
+    """The running /metrics HTTP server (a daemon thread); ``close`` stops it and frees the port."""
+
+    def __init__(self, server: Any, thread: threading.Thread) -> None:
+        self.server = server
+        self.thread = thread
+        self.port = int(server.server_address[1])
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> MetricsServer:
+    """Serve ``registry`` on http://addr:port/metrics from a thread (port 0: any free port, see .port)."""
+    server, thread = start_http_server(port, addr=addr, registry=registry)
+    log.info("metrics on http://%s:%d/metrics", addr, server.server_address[1])
+    return MetricsServer(server, thread)

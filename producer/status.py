@@ -1,0 +1,85 @@
+"""``batchfleet status``: the fleet at a glance (queues per bucket, workers, dead letters), as a table
+or as JSON for scripts. Everything comes from Redis (common/fleetstate.py); no torch."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import redis
+
+from batchfleet.common.fleetstate import dead_letters, fleet_info, queue_stats, worker_stats
+from batchfleet.common.functions import LIVE_WORKER_MS
+from batchfleet.common.keys import Keys
+
+
+def snapshot(r: redis.Redis, keys: Keys) -> dict[str, Any]:
+    """The fleet as plain data (what ``--json`` prints): fleet, queues, workers, dead_letters."""
+    info = fleet_info(r, keys)
+    workers = worker_stats(r, keys)
+    if info is not None:
+        buckets = list(info.buckets)
+    else:  # no live worker refreshes the fleet key: show the queues the (gone) workers served
+        buckets = sorted({int(b) for w in workers for b in w.get("buckets", ())})
+    fleet = None if info is None else {"model": info.model, "buckets": list(info.buckets),
+                                       "max_seq_len": info.max_seq_len, "max_batch_size": info.max_batch_size,
+                                       "max_queue_len": info.max_queue_len}
+    return {"namespace": keys.namespace, "fleet": fleet,
+            "queues": [asdict(q) for q in queue_stats(r, keys, buckets)],
+            "workers": [_worker_row(w) for w in sorted(workers, key=lambda w: (not w["alive"], w["name"]))],
+            "dead_letters": dead_letters(r, keys)}
+
+
+def _worker_row(w: dict[str, Any]) -> dict[str, Any]:
+    total = w.get("engine_kv_blocks_total")
+    kv = (w.get("engine_kv_blocks_used", 0) / total) if total else None
+    return {"name": w["name"], "alive": w["alive"], "seen_s": round(w["seen_s"], 1),
+            "engine": w.get("engine"), "mode": w.get("mode"), "running": w.get("active"),
+            "waiting": w.get("waiting"), "kv_usage": None if kv is None else round(kv, 4),
+            "tokens_per_s": w.get("tokens_per_s"), "last_batch_sizes": w.get("last_batch_sizes"),
+            "completed": w.get("completed"), "errors": w.get("errors"), "dead_lettered": w.get("dead_lettered")}
+
+
+def _age(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    return ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in (header, *rows)]
+
+
+def _dash(value: Any, fmt: str = "{}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def render(snap: dict[str, Any]) -> str:
+    """The snapshot as readable text: a fleet line, a queue table, a worker table, dead letters."""
+    fleet = snap["fleet"]
+    live = sum(w["alive"] for w in snap["workers"])
+    alive = f"{live} live worker{'s' * (live != 1)} (heartbeat within {LIVE_WORKER_MS // 1000} s)"
+    if fleet is None and not snap["workers"]:
+        return f"no fleet published under namespace {snap['namespace']!r}; {alive}"
+    lines = [f"namespace {snap['namespace']}  model {fleet['model']}  buckets {fleet['buckets']}  "
+             f"max_seq_len {fleet['max_seq_len']}  {alive}" if fleet else
+             f"namespace {snap['namespace']}  no fleet published: {alive} (queues of the buckets gone workers "
+             "served)", ""]
+    lines += _table(["bucket", "depth", "pending", "oldest", "lag"],
+                    [[str(q["bucket"]), str(q["depth"]), str(q["pending"]),
+                      _age(q["oldest_age_s"]) if q["length"] else "-", _dash(q["lag"])] for q in snap["queues"]])
+    lines.append("")
+    rows = []
+    for w in snap["workers"]:
+        rows.append([w["name"], "alive" if w["alive"] else f"gone ({_age(w['seen_s'])} ago)",
+                     f"{w['engine']}/{w['mode']}" if w["engine"] else "-", _dash(w["running"]), _dash(w["waiting"]),
+                     _dash(None if w["kv_usage"] is None else w["kv_usage"] * 100, "{:.0f}%"),
+                     _dash(w["tokens_per_s"], "{:.1f}"),
+                     ",".join(str(b) for b in w["last_batch_sizes"] or []) or "-", _dash(w["completed"])])
+    lines += _table(["worker", "state", "engine/mode", "running", "waiting", "kv", "tok/s(1m)", "last batches",
+                     "done"], rows) if rows else ["no workers"]
+    lines += ["", f"dead letters: {snap['dead_letters']}"]
+    return "\n".join(lines)

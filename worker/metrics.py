@@ -1,0 +1,178 @@
+"""What the worker loop reports about itself: ``LoopStats`` (always on; extra heartbeat fields for
+``batchfleet status``) and ``WorkerMetrics`` (the same plus Prometheus metrics, with ``--metrics-port``).
+
+The loop calls its observer in four places: ``started`` (a prefill batch entered the engine),
+``stepped`` (one engine step and its duration), ``replied`` (final replies queued for writing: every
+answer, results and errors alike, passes there) and ``status`` (the heartbeat). Everything else is read
+from the loop's own state at scrape time, so the loop does no extra work per request for metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from batchfleet.common.errors import ERROR_CODES, WORKER_FAILED
+from batchfleet.common.metrics import MetricsServer, queue_collector, registry_with, serve_metrics
+from batchfleet.common.protocol import Error, Result, decode_reply
+from batchfleet.worker.requests import Stage
+from batchfleet.worker.transport import Reply
+
+log = logging.getLogger(__name__)
+
+RATE_WINDOW_S = 60.0  # tokens/s in status is measured over this window
+LAST_BATCHES = 8  # prefill batch sizes kept for status
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class LoopStats:
+    """Totals and short histories the heartbeat publishes (tokens, outcomes, recent batch sizes)."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.outcomes: Counter[str] = Counter()
+        self.last_batches: deque[int] = deque(maxlen=LAST_BATCHES)
+        self._samples: deque[tuple[float, int]] = deque()  # (monotonic, generation_tokens) per heartbeat
+
+    def started(self, bucket: int, size: int) -> None:
+        """A prefill batch of ``size`` requests of ``bucket`` entered the engine."""
+        self.last_batches.append(size)
+
+    def stepped(self, seconds: float) -> None:
+        """One engine step returned after ``seconds``."""
+
+    def replied(self, replies: list[Reply]) -> None:
+        """Final replies were queued for writing (results and errors)."""
+        for rep in replies:
+            try:
+                reply = decode_reply(rep.payload)
+            except Exception:  # accounting must never fail a reply
+                continue
+            if isinstance(reply, Result):
+                self.outcomes["ok"] += 1
+                self.prompt_tokens += reply.prompt_tokens
+                self.generation_tokens += reply.completion_tokens
+                self.observe(reply)
+            elif isinstance(reply, Error):
+                self.outcomes[reply.code] += 1
+
+    def observe(self, result: Result) -> None:
+        """Per-result hook (the Prometheus histograms)."""
+
+    def tokens_per_s(self, now: float) -> float:
+        """Generated tokens per second over the last RATE_WINDOW_S (sampled at each heartbeat)."""
+        self._samples.append((now, self.generation_tokens))
+        while len(self._samples) > 1 and now - self._samples[0][0] > RATE_WINDOW_S:
+            self._samples.popleft()
+        t0, n0 = self._samples[0]
+        return (self.generation_tokens - n0) / (now - t0) if now > t0 else 0.0
+
+    def status(self) -> dict[str, Any]:
+        """Fields added to the heartbeat status."""
+        return {"prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
+                "tokens_per_s": round(self.tokens_per_s(time.monotonic()), 2),
+                "last_batch_sizes": list(self.last_batches), "outcomes": dict(self.outcomes)}
+
+    def close(self) -> None:
+        """Stop serving (nothing to stop here)."""
+
+
+class WorkerMetrics(LoopStats):
+    """LoopStats plus the worker's Prometheus metrics, in a registry of its own, optionally served."""
+
+    def __init__(self, loop: Any) -> None:
+        """``loop``: the WorkerLoop observed (typed loosely: the loop imports this module)."""
+        super().__init__()
+        self.loop = loop
+        self.queues = queue_collector(loop.cfg.connection, loop.cfg.batching.buckets)
+        self.registry: CollectorRegistry = registry_with(self.queues, _LoopCollector(self))
+        self.ttft = Histogram("batchfleet_time_to_first_token_seconds", "From enqueue to the first generated token.",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("batchfleet_e2e_request_latency_seconds", "From enqueue to the final result.",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.queue_time = Histogram("batchfleet_request_queue_time_seconds", "From enqueue to entering the engine.",
+                                    buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.batch_size = Histogram("batchfleet_batch_size", "Requests per prefill batch.", ["bucket"],
+                                    buckets=BATCH_BUCKETS, registry=self.registry)
+        self.decode_step = Histogram("batchfleet_decode_step_seconds", "Duration of one engine step (a decode "
+                                     "step, with any prefill scheduled in it).", buckets=STEP_BUCKETS,
+                                     registry=self.registry)
+        self.server: MetricsServer | None = None
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> MetricsServer:
+        """Serve /metrics on ``port`` from a thread (0: a free port, see ``.server.port``)."""
+        self.server = serve_metrics(self.registry, port, addr)
+        return self.server
+
+    def started(self, bucket: int, size: int) -> None:
+        super().started(bucket, size)
+        self.batch_size.labels(bucket=str(bucket)).observe(size)
+
+    def stepped(self, seconds: float) -> None:
+        self.decode_step.observe(seconds)
+
+    def observe(self, result: Result) -> None:
+        self.ttft.observe(max(0.0, result.ttft_ms / 1000))
+        self.e2e.observe(max(0.0, result.total_ms / 1000))
+        self.queue_time.observe(max(0.0, result.queue_ms / 1000))
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        self.queues.close()
+
+
+class _LoopCollector(Collector):
+    """Gauges and counters read from the loop's state at scrape time (no work in the loop)."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self.metrics = metrics
+        self._engine: dict[str, Any] = {}
+
+    def _engine_stats(self) -> dict[str, Any]:
+        try:  # read from the scrape thread while the loop runs: on a race keep the last good figures
+            self._engine = self.metrics.loop.engine.stats()
+        except Exception as exc:
+            log.debug("engine stats not read: %r", exc)
+        return self._engine
+
+    def collect(self):
+        m, loop = self.metrics, self.metrics.loop
+        stats = self._engine_stats()
+        reqs = loop.requests
+        yield GaugeMetricFamily("batchfleet_requests_running", "Requests in the engine.",
+                                value=reqs.count(Stage.RUNNING))
+        yield GaugeMetricFamily("batchfleet_requests_waiting", "Requests held by this worker, not yet started.",
+                                value=reqs.count(Stage.QUEUED) + reqs.count(Stage.SOLO))
+        total = stats.get("kv_blocks_total") or 0
+        used = stats.get("kv_blocks_used", 0) / total if total else 0.0
+        yield GaugeMetricFamily("batchfleet_kv_cache_usage_ratio", "KV cache blocks in use / all (0 for engines "
+                                "without a paged cache).", value=used)
+        yield CounterMetricFamily("batchfleet_prompt_tokens", "Prompt tokens of answered requests.",
+                                  value=m.prompt_tokens)
+        yield CounterMetricFamily("batchfleet_generation_tokens", "Generated tokens of answered requests.",
+                                  value=m.generation_tokens)
+        outcomes = CounterMetricFamily("batchfleet_requests", "Requests answered, by outcome: ok or the error code "
+                                       "(worker_failed: dead-lettered).", labels=["outcome"])
+        counts = Counter({code: 0 for code in ("ok", *ERROR_CODES)})
+        counts.update(dict(m.outcomes))
+        counts[WORKER_FAILED] += loop.counters.get("dead_lettered", 0)
+        for outcome, n in sorted(counts.items()):
+            outcomes.add_metric([outcome], n)
+        yield outcomes
+        yield CounterMetricFamily("batchfleet_dead_letters", "Entries this worker dead-lettered.",
+                                  value=loop.counters.get("dead_lettered", 0))
+        yield CounterMetricFamily("batchfleet_preemptions", "Sequences the engine preempted (KV cache full).",
+                                  value=stats.get("preemptions", 0))
+        yield CounterMetricFamily("batchfleet_reclaimed", "Entries taken over from silent workers.",
+                                  value=loop.counters.get("reclaimed", 0))
