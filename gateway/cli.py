@@ -33,6 +33,10 @@ def serve(**values) -> None:
         config = build_gateway_config(**values)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
+    if config.metrics_port:
+        from batchfleet.common.metrics import queue_collector, registry_with, serve_metrics
+
+        serve_metrics(registry_with(queue_collector(config.connection)), config.metrics_port)
     auth = f"{len(config.api_keys)} API key(s)" if config.api_keys else "no API key (anyone may call it)"
     click.echo(f"batchfleet gateway on http://{config.host}:{config.port}/v1 for namespace "
                f"{config.connection.namespace!r}, {auth}", err=True)

@@ -40,6 +40,8 @@ class GatewayConfig:
         "for less with the 'timeout' field (seconds). Past it: HTTP 504.", flag="request-timeout"))
     chat_max_tokens: int = field(default=256, metadata=option(
         "max_tokens of a chat completion that does not set it (completions default to 16, as OpenAI's)."))
+    metrics_port: int = field(default=0, metadata=option(
+        "Serve Prometheus metrics (the fleet's queue gauges) on this port; 0 = off."))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", parse_api_keys(self.api_keys))
@@ -53,5 +55,7 @@ class GatewayConfig:
             raise ConfigError("model_name must not be blank")
         if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s > 0):
             raise ConfigError(f"request_timeout_s must be a positive number, got {self.request_timeout_s}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.chat_max_tokens < 1:
             raise ConfigError(f"chat_max_tokens must be >= 1, got {self.chat_max_tokens}")

@@ -132,3 +132,32 @@ def test_queue_collector_serves_alone_and_survives_redis_down(redis_url: str, na
     finally:
         down.close()
     r.close()
+
+
+def test_gateway_serves_the_fleet_queue_gauges(start_worker, redis_url, namespace):
+    import socket
+    import subprocess
+    import sys
+
+    start_worker(max_wait_ms=5)
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    proc = subprocess.Popen([sys.executable, "-m", "batchfleet.common.cli", "serve", "--port", str(ports[0]),
+                             "--metrics-port", str(ports[1]), "--redis-url", redis_url, "--namespace", namespace],
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{ports[1]}/metrics", timeout=2).read().decode()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "gateway metrics did not come up"
+                time.sleep(0.2)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert 'batchfleet_queue_depth{bucket="32"}' in body
