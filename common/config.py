@@ -230,6 +230,10 @@ class WorkerConfig:
     max_deliveries: int = field(default=3, metadata=option(
         "Deliveries before an entry is dead-lettered and answered worker_failed."))
     reclaim_budget: int = 256  # most entries one reclaim tick may take over (across all buckets)
+    replace_fleet: bool = field(default=False, metadata=option(
+        "Start even though live workers of this namespace serve another model, tokenizer or buckets (a "
+        "different fleet fingerprint): publish this worker's fleet description in their place. Without it "
+        "such a worker refuses to start."))
     stall_timeout_s: float = field(default=600.0, metadata=option(
         "A worker whose loop makes no progress this long (one engine step included) stops renewing its leases, "
         "so other workers take its requests over."))

@@ -22,5 +22,10 @@ def worker(**values) -> None:
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     from batchfleet.worker.compose import run_worker
+    from batchfleet.worker.fleet import FleetConflict
 
-    sys.exit(run_worker(cfg))
+    try:
+        code = run_worker(cfg)
+    except FleetConflict as exc:  # one clear line, no traceback: an operator mistake, not a crash
+        raise click.ClickException(str(exc)) from None
+    sys.exit(code)

@@ -20,6 +20,7 @@ from batchfleet.common.protocol import FleetInfo
 from batchfleet.worker.consumer import StreamConsumer, default_consumer_name
 from batchfleet.worker.engine.base import Engine
 from batchfleet.worker.engine.models import LoadedModel, load_model, make_preset
+from batchfleet.worker.fleet import with_fingerprint
 from batchfleet.worker.loop import WorkerLoop
 from batchfleet.worker.metrics import WorkerMetrics
 from batchfleet.worker.transport import Transport
@@ -80,7 +81,11 @@ def build_worker(cfg: WorkerConfig, transport: Transport | None = None,
         transport = StreamConsumer(cfg.connection, cfg.batching.buckets, cfg.name or default_consumer_name(),
                                     cfg.reply_ttl_s)
     transport.setup()
-    transport.publish_fleet(fleet_info(cfg, loaded))
+    try:  # refuses (FleetConflict) when live workers serve another model, tokenizer or buckets
+        transport.publish_fleet(with_fingerprint(fleet_info(cfg, loaded)), replace=cfg.replace_fleet)
+    except Exception:
+        transport.close()
+        raise
     limits = Limits(max_seq_len=cfg.batching.max_seq_len, vocab_size=int(loaded.model.config.vocab_size))
     tokenizer = loaded.tokenizer
     loop = WorkerLoop(cfg, engine, transport, limits,

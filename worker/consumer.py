@@ -23,6 +23,8 @@ from batchfleet.common.functions import load_library
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.common.retry import TRANSIENT, Backoff
+from batchfleet.worker import fleet
+from batchfleet.worker.bounded import BoundedReader
 from batchfleet.worker.pending import PendingList
 from batchfleet.worker.transport import Cancel, Entry, FlushWatch, Reply, Transport
 
@@ -35,7 +37,7 @@ BLOCK_SLACK_MS = 110  # Redis may end a BLOCK up to one cron tick (100 ms at hz 
 POLL_S = 0.002
 STARTUP_WAIT_S = 60.0  # setup() waits this long for Redis to come up
 
-FLEET_TTL_S = 90  # the fleet description outlives its last worker's heartbeat by this much at most
+FLEET_TTL_S = fleet.FLEET_TTL_MS // 1000  # the fleet description outlives its last heartbeat by this much
 STATUS_TTL_S = 10
 
 # KEYS: done, inbox, stream. ARGV: group, entry id ('' = none), payload, ttl seconds, job id.
@@ -102,8 +104,8 @@ class StreamConsumer(Transport):
         self._cancels_from = "$"  # last cancels entry seen ($: none yet; set by setup)
         self.pel = PendingList(self.r, self.keys, name, buckets)
         self._flush = FlushWatch(self._flush_counter)  # baseline taken by setup()
-        self._streams = {self.keys.stream(b): ">" for b in buckets}  # XREADGROUP argument, built once
-        self._bucket_of = {self.keys.stream(b).encode(): b for b in buckets}
+        # every read goes through a size-checking script: memory never follows hostile entry sizes
+        self.reader = BoundedReader(self.r, self.keys.group, name, {self.keys.stream(b): b for b in buckets})
         # A blocking read must return before the socket times out, with margin.
         self.max_block_ms = int(min(MAX_BLOCK_MS, conn.socket_timeout_s * 1000 / 2))
 
@@ -146,10 +148,11 @@ class StreamConsumer(Transport):
             log.warning("could not load the batchfleet function library (%s); an admin must load it "
                         "(docs/SECURITY.md) or producers need EVAL", exc)
 
-    def publish_fleet(self, info: FleetInfo) -> None:
-        """SET the fleet description with a TTL the heartbeat renews (and keep it for ``recover``)."""
+    def publish_fleet(self, info: FleetInfo, replace: bool = False) -> None:
+        """Join the fleet (worker/fleet.py): publish its description with a TTL unless live workers serve
+        another fingerprint (FleetConflict; ``replace`` publishes anyway). Kept for ``recover``."""
+        fleet.join(self.r, self.keys, info, self.name, replace)
         self._fleet = info
-        self.r.set(self.keys.fleet, info.encode(), ex=FLEET_TTL_S)
         self.alive()
 
     def recover(self) -> None:
@@ -157,7 +160,10 @@ class StreamConsumer(Transport):
         self.setup(wait_s=0)  # the loop retries with its own backoff
         self.pel.reset()
         if self._fleet is not None:
-            self.r.set(self.keys.fleet, self._fleet.encode(), ex=FLEET_TTL_S)
+            try:
+                fleet.join(self.r, self.keys, self._fleet, self.name)
+            except fleet.FleetConflict as exc:  # another fleet took the namespace while Redis was away
+                log.error("%s", exc)
         self.alive()
 
     def heartbeat(self, status: dict) -> None:
@@ -200,14 +206,7 @@ class StreamConsumer(Transport):
                 time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))
 
     def _xread(self, count: int, block_ms: int | None) -> list[Entry]:
-        resp = self.r.xreadgroup(self.keys.group, self.name, self._streams, count=count, block=block_ms)
-        out: list[Entry] = []
-        for stream, entries in resp or []:
-            bucket = self._bucket_of[stream if isinstance(stream, bytes) else stream.encode()]
-            for entry_id, fields in entries:
-                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                out.append(Entry(bucket, eid, fields or {}))
-        return out
+        return self.reader.read(count, block_ms)
 
     def write_replies(self, replies: list[Reply]) -> list[bool]:
         """Write replies and ack their entries in one round trip; returns which were first writes."""
@@ -298,9 +297,16 @@ class StreamConsumer(Transport):
         """XAUTOCLAIM, resuming where a budget cut the last scan (``PendingList.reclaim``)."""
         return self.pel.reclaim(min_idle_ms, budget)
 
-    def release(self, entries: list[Entry], idle_ms: int) -> None:
+    def release(self, entries: list[Entry], idle_ms: int, count_delivery: bool = True) -> None:
         """XCLAIM JUSTID making them look ``idle_ms`` idle (``PendingList.release``)."""
-        self.pel.release(entries, idle_ms)
+        self.pel.release(entries, idle_ms, count_delivery)
+
+    def live_peers(self) -> int:
+        """ZCOUNT of the live-worker set over the live window (Redis time), ourselves excluded."""
+        return fleet.live_workers(self.r, self.keys, exclude=self.name)
+
+    def ping(self) -> None:
+        self.r.ping()
 
     def refresh(self, entries: list[Entry], min_idle_ms: int) -> None:
         """XCLAIM JUSTID resetting their idle time (``PendingList.refresh``); lease keeper thread."""
@@ -335,7 +341,8 @@ class StreamConsumer(Transport):
         """Drop the heartbeat and, when nothing is pending on us any more, our consumer names."""
         try:
             self.r.delete(self.keys.worker(self.name))
-            self.r.zrem(self.keys.workers, self.name)
+            if fleet.leave(self.r, self.keys, self.name):  # the last live worker: producers now get NoWorkers
+                log.info("last live worker of %r stopped: fleet description deleted", self.keys.namespace)
             for b in self.buckets:
                 stream = self.keys.stream(b)
                 if not self.r.xpending_range(stream, self.keys.group, "-", "+", 1, consumername=self.name):

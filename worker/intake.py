@@ -17,6 +17,7 @@ from batchfleet.common.errors import CANCELLED, DEADLINE_EXCEEDED, WORKER_FAILED
 from batchfleet.common.protocol import Error
 from batchfleet.common.retry import TRANSIENT
 from batchfleet.worker.batcher import Batcher
+from batchfleet.worker.readahead import cap as readahead_cap
 from batchfleet.worker.reclaim import SOLO_FROM_DELIVERY, reclaim_period_s, split_exhausted
 from batchfleet.worker.requests import RequestTable, Stage
 from batchfleet.worker.transport import Entry, Reply, Transport
@@ -43,11 +44,13 @@ class Intake:
         self.send = send  # replies go to the outbox and are written when the transport takes them
         self.next_reclaim = 0.0  # time.time() of the next reclaim (tests set 0 to force one)
         self.next_prune = 0.0
+        self.engine_full: Callable[[], bool] = lambda: False  # the loop sets it: read-ahead bound
 
     def room(self) -> int:
-        """Hold at most two batches locally (queued or waiting to run alone): leave the rest to peers."""
+        """Hold at most two batches locally (queued or waiting to run alone), one while the engine is full:
+        leave the rest to peers (worker/readahead.py)."""
         held = self.requests.count(Stage.QUEUED) + self.requests.count(Stage.SOLO)
-        return 2 * self.cfg.batching.max_batch_size - held
+        return readahead_cap(self.cfg.batching.max_batch_size, self.engine_full()) - held
 
     # ---- new entries -----------------------------------------------------------------------------
     def read(self, now: float, engine_busy: bool) -> None:

@@ -30,6 +30,7 @@ from batchfleet.worker.batcher import Batcher
 from batchfleet.worker.engine.base import Completion, Engine
 from batchfleet.worker.intake import Intake, error_reply
 from batchfleet.worker.metrics import LoopStats
+from batchfleet.worker.readahead import ReadAhead
 from batchfleet.worker.reclaim import LeaseKeeper
 from batchfleet.worker.requests import RequestTable, Stage
 from batchfleet.worker.streaming import StreamPublisher
@@ -67,8 +68,12 @@ class WorkerLoop:
         self.outage = Backoff(log, "redis")
         self.faults = Backoff(log, "worker loop (after an internal error)")
         self._progress = time.monotonic()  # last time a tick completed or an engine step returned
-        self.lease = LeaseKeeper(transport, cfg.claim_idle_ms, lambda: self.requests.snapshot,
-                                 lambda: self._progress, cfg.stall_timeout_s)
+        # read-ahead bound: hold one batch ahead while the engine is full, release what waits too long
+        self.readahead = ReadAhead(transport, b.max_wait_ms, cfg.claim_idle_ms)
+        self.intake.engine_full = self._engine_full
+        self.counters["handed_to_peers"] = 0
+        self.lease = LeaseKeeper(transport, cfg.claim_idle_ms, lambda: self.readahead.unreleased(self.requests),
+                                 lambda: self._progress, cfg.stall_timeout_s, lock=self.readahead.lock)
         self._stop_at: float | None = None
         self._last_heartbeat = 0.0
         self.observer = LoopStats()  # WorkerMetrics with --metrics-port (worker/compose.py)
@@ -81,10 +86,12 @@ class WorkerLoop:
         change) and resumes by itself; NOGROUP (Redis came back empty) re-creates groups and fleet info.
         """
         self.lease.start()
+        self.readahead.start()
         try:
             while self._keep_running():
                 self._guarded(self.tick)
         finally:
+            self.readahead.stop()
             self.lease.stop()
             self._guarded(self._hand_back)
 
@@ -100,7 +107,11 @@ class WorkerLoop:
         if not self.stopping.is_set():
             self._admit(now)
         if self.engine.has_work():
-            self._step()
+            self.readahead.stepping(self.requests.of(Stage.QUEUED), self._engine_full())
+            try:
+                self._step()
+            finally:  # what the read-ahead thread released to peers meanwhile leaves the batcher and table
+                self.counters["handed_to_peers"] += self.readahead.stepped(self.batcher, self.requests)
             self._stream()
         self._flush_outbox()
         self._heartbeat()
@@ -131,6 +142,8 @@ class WorkerLoop:
 
     def _guarded(self, fn: Callable[[], None]) -> None:
         try:
+            if self.outage.down:  # a tick may not reach Redis (shutdown): "available again" needs a round trip
+                self.transport.ping()
             fn()
             self._progress = time.monotonic()
             self.outage.ok()
@@ -166,6 +179,12 @@ class WorkerLoop:
         self.requests.forget_unstarted()
 
     # ---- scheduling ------------------------------------------------------------------------------
+    def _engine_full(self) -> bool:
+        """Whether the engine can start nothing more now (dynamic: a batch runs; continuous: max_running
+        sequences, or a request runs or waits to run alone)."""
+        return self.engine.has_work() and (not self.continuous or self.alone or self.requests.count(Stage.SOLO) > 0
+                                           or self.engine.num_active() >= self.max_running)
+
     def _admit(self, now: float) -> None:
         """dynamic: when the engine is idle, start the next closed batch (it runs to completion).
         continuous: start every closed batch, of any bucket, while the engine has room (max_running);

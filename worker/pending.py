@@ -10,18 +10,10 @@ import logging
 import redis
 
 from batchfleet.common.keys import Keys
+from batchfleet.worker.bounded import as_str, autoclaim_args, autoclaim_script, entry_of
 from batchfleet.worker.transport import Entry
 
 log = logging.getLogger("batchfleet.worker.consumer")
-
-
-def as_str(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def autoclaim_reply(resp: list) -> tuple[str, list, int]:
-    """(next cursor, [(id, fields)], number deleted) from an XAUTOCLAIM reply (Redis >= 7 has 3 parts)."""
-    return resp[0], resp[1] or [], len(resp[2]) if len(resp) > 2 and resp[2] else 0
 
 
 class PendingList:
@@ -33,6 +25,7 @@ class PendingList:
         self.name = name
         self.buckets = buckets
         self._cursors: dict[int, str] = {}  # XAUTOCLAIM cursor per bucket, kept while a budget cuts a scan
+        self._autoclaim = autoclaim_script(r)
 
     def reset(self) -> None:
         """Forget the reclaim cursors (the streams were re-created: old positions mean nothing)."""
@@ -50,13 +43,15 @@ class PendingList:
             stream = self.keys.stream(b)
             cursor = self._cursors.pop(b, "0-0")
             while len(out) < budget:
-                nxt, claimed, deleted = autoclaim_reply(self.r.xautoclaim(
-                    stream, self.keys.group, self.name, min_idle_ms, start_id=cursor, count=budget - len(out)))
-                if any(fields is None for _, fields in claimed):  # Redis 6.2 reports deleted ones as nil
-                    deleted += self._ack_deleted(stream, {as_str(eid) for eid, f in claimed if f is not None})
+                # through the bounded script: too-large entries come back cut short (worker/bounded.py)
+                nxt, claimed, deleted = self._autoclaim(keys=[stream], args=autoclaim_args(
+                    self.keys.group, self.name, min_idle_ms, cursor, budget - len(out)))
+                claimed = [(as_str(raw[0]), entry_of(b, raw)) for raw in claimed]
+                if any(e is None for _, e in claimed):  # Redis 6.2 reports deleted ones as nil
+                    deleted += self._ack_deleted(stream, {eid for eid, e in claimed if e is not None})
                 if deleted:
                     log.info("%d pending entries of %s were deleted before they could be reclaimed", deleted, stream)
-                out += [Entry(b, as_str(eid), fields) for eid, fields in claimed if fields is not None]
+                out += [e for _, e in claimed if e is not None]
                 cursor = as_str(nxt)
                 if cursor == "0-0":
                     break
@@ -83,12 +78,21 @@ class PendingList:
         counts = []
         for rows in pipe.execute():
             counts.append(int(rows[0]["times_delivered"]) if rows else 1)
-        return [Entry(e.bucket, e.entry_id, e.fields, n) for e, n in zip(entries, counts)]
+        return [Entry(e.bucket, e.entry_id, e.fields, n, e.oversize) for e, n in zip(entries, counts)]
 
-    def release(self, entries: list[Entry], idle_ms: int) -> None:
+    def release(self, entries: list[Entry], idle_ms: int, count_delivery: bool = True) -> None:
         """Leave entries pending but make them look ``idle_ms`` idle, so the next reclaim (any worker's)
-        redelivers them at once. JUSTID: the delivery count is not raised by this claim."""
-        self._claim(entries, min_idle_ms=0, idle=idle_ms)
+        redelivers them at once. JUSTID: the delivery count is not raised by this claim. With
+        ``count_delivery=False`` it is set one lower (RETRYCOUNT), so the reclaim that takes the entry
+        brings it back to what it is now: a release to balance load is not a failed delivery."""
+        if count_delivery:
+            self._claim(entries, min_idle_ms=0, idle=idle_ms)
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for e in entries:
+            pipe.xclaim(self.keys.stream(e.bucket), self.keys.group, self.name, 0, [e.entry_id], idle=idle_ms,
+                        retrycount=max(0, e.deliveries - 1), justid=True)
+        pipe.execute()
 
     def refresh(self, entries: list[Entry], min_idle_ms: int) -> None:
         """Lease renewal: reset the idle time of entries this worker still holds (no delivery count change).

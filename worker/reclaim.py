@@ -28,12 +28,14 @@ log = logging.getLogger(__name__)
 
 SOLO_FROM_DELIVERY = 3
 MIN_RECLAIM_PERIOD_S = 0.2
+MAX_RECLAIM_PERIOD_S = 1.0  # entries released by a busy peer (worker/readahead.py) wait at most this long
 
 
 def reclaim_period_s(claim_idle_ms: int) -> float:
-    """How often a worker looks for abandoned entries: twice per idle window (so recovery takes at most
-    ~1.5 x claim_idle_ms after a crash), never more than 5 times a second."""
-    return max(MIN_RECLAIM_PERIOD_S, claim_idle_ms / 2000)
+    """How often a worker with room looks for abandoned or released entries: twice per idle window, at
+    least once a second (so recovery takes at most claim_idle_ms + 1 s after a crash, and a released
+    entry waits at most 1 s), never more than 5 times a second."""
+    return max(MIN_RECLAIM_PERIOD_S, min(claim_idle_ms / 2000, MAX_RECLAIM_PERIOD_S))
 
 
 def split_exhausted(entries: Sequence[Entry], max_deliveries: int) -> tuple[list[Entry], list[Entry]]:
@@ -51,7 +53,8 @@ class LeaseKeeper:
     """
 
     def __init__(self, transport: Transport, claim_idle_ms: int, held: Callable[[], Sequence[Entry]],
-                 progress: Callable[[], float] = time.monotonic, stall_timeout_s: float = 600.0) -> None:
+                 progress: Callable[[], float] = time.monotonic, stall_timeout_s: float = 600.0,
+                 lock: threading.Lock | None = None) -> None:
         self.transport = transport  # only ``refresh`` and ``alive`` are called, from this keeper's thread
         self.progress = progress  # monotonic time the loop last made progress
         self.stall_timeout_s = stall_timeout_s
@@ -59,6 +62,9 @@ class LeaseKeeper:
         self.interval_s = claim_idle_ms / 4000
         self.min_idle_ms = max(1, claim_idle_ms // 8)
         self.held = held
+        # held while choosing and renewing: the read-ahead release (worker/readahead.py) takes it too, so a
+        # renewal never undoes a release
+        self.lock = lock or threading.Lock()
         self.failures = 0  # renewals that failed (outage, missing ACL permission): visible in tests/status
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
@@ -91,7 +97,8 @@ class LeaseKeeper:
                 self.transport.alive()
                 if entries and time.monotonic() - last_renewal >= self.interval_s - wake_s / 2:
                     last_renewal = time.monotonic()
-                    self.transport.refresh(entries, self.min_idle_ms)
+                    with self.lock:  # chosen and renewed under the read-ahead lock: never undoes a release
+                        self.transport.refresh(list(self.held()), self.min_idle_ms)
             except Exception as exc:  # an outage: the loop logs it; entries may be reclaimed, replies stay unique
                 self.failures += 1
                 log.debug("lease renewal failed: %r", exc)

@@ -30,6 +30,8 @@ class Entry:
     entry_id: str  # unique per bucket stream only: two buckets may hold the same id
     fields: dict[bytes, bytes]
     deliveries: int = 1  # times the transport has delivered it (each reclaim adds one)
+    oversize: int = 0  # the entry's real size in bytes when it was too large to hold and ``fields`` were cut
+    # short (worker/bounded.py): it can only be answered or dead-lettered; 0 = ``fields`` are whole
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,9 @@ class Transport(Protocol):
         flush counter's current value as the baseline for ``flush_requested``."""
 
     @abstractmethod
-    def publish_fleet(self, info: FleetInfo) -> None:
-        """Publish the fleet description producers read (tokenizer, buckets, limits); kept for ``recover``."""
+    def publish_fleet(self, info: FleetInfo, replace: bool = False) -> None:
+        """Publish the fleet description producers read (tokenizer, buckets, limits); kept for ``recover``.
+        Raises worker.fleet.FleetConflict when live workers serve another fingerprint, unless ``replace``."""
 
     @abstractmethod
     def recover(self) -> None:
@@ -118,8 +121,10 @@ class Transport(Protocol):
         """Return entries read but never started (shutdown) to their streams for other workers."""
 
     @abstractmethod
-    def release(self, entries: list[Entry], idle_ms: int) -> None:
-        """Give up our lease on entries so the next reclaim (any worker's) redelivers them at once."""
+    def release(self, entries: list[Entry], idle_ms: int, count_delivery: bool = True) -> None:
+        """Give up our lease on entries so the next reclaim (any worker's) redelivers them at once.
+        ``count_delivery=False`` (entries never started, released to balance load): that redelivery does
+        not count towards ``max_deliveries``."""
 
     @abstractmethod
     def refresh(self, entries: list[Entry], min_idle_ms: int) -> None:
@@ -151,6 +156,13 @@ class Transport(Protocol):
     def flush_requested(self) -> bool:
         """Static batching only: whether a load generator bumped the flush counter since the last time this
         said so (or since ``setup``), i.e. partial batches should close now. Cheap to call every tick."""
+
+    def live_peers(self) -> int:
+        """How many other live workers serve this namespace (0 when the transport cannot tell)."""
+        return 0
+
+    def ping(self) -> None:
+        """One round trip to the backend (raises when it is unreachable); a no-op where there is none."""
 
     @abstractmethod
     def close(self) -> None:

@@ -90,6 +90,8 @@ def accept(entry: Entry, keys: Keys, limits: Limits, now: float, clock_offset: f
     def reject(code: str, message: str) -> Rejected:
         return Rejected(entry, Error(id=job_id, code=code, message=message), message, reply_key)
 
+    if entry.oversize:  # cut short when read (worker/bounded.py): answered, never decoded
+        return reject(INVALID_REQUEST, f"entry of {entry.oversize} bytes is too large (payload too large)")
     payload = entry.fields.get(b"p")
     if payload is None:
         return reject(INVALID_REQUEST, "entry has no 'p' (payload) field")

@@ -70,8 +70,8 @@ class MemQueue(Transport):
     def setup(self) -> None:
         self._flush_watch.start()
 
-    def publish_fleet(self, info: FleetInfo) -> None:
-        self.fleet = info
+    def publish_fleet(self, info: FleetInfo, replace: bool = False) -> None:
+        self.fleet = info  # one worker per in-memory queue: nothing to conflict with
 
     def heartbeat(self, status: dict) -> None:
         self.last_status = status
@@ -135,7 +135,7 @@ class MemQueue(Transport):
     def answered(self, job_ids: list[str]) -> list[bool]:
         return [False] * len(job_ids)
 
-    def release(self, entries: list[Entry], idle_ms: int) -> None:
+    def release(self, entries: list[Entry], idle_ms: int, count_delivery: bool = True) -> None:
         self.hand_back(entries)
 
     def refresh(self, entries: list[Entry], min_idle_ms: int) -> None:

@@ -1,0 +1,127 @@
+"""Fleet membership: the fingerprint of what a worker serves, joining a namespace and leaving it.
+
+All workers of one namespace must serve the same model, tokenizer and buckets: producers tokenize and
+route with the one published fleet description. ``fingerprint`` hashes what must agree; ``join`` (a
+script, so two workers starting at once cannot both win) publishes this worker's description only when
+no live worker serves a different fingerprint (or when told to replace the fleet), and registers the
+worker in the live set; ``leave`` removes it and deletes the description when no live worker remains,
+so producers get ``NoWorkers`` / ``FleetUnavailable`` instead of enqueueing into streams nobody reads.
+
+The description is published with a TTL (``FLEET_TTL_MS``) that live workers' heartbeats refresh: a
+fleet whose workers all died expires by itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+from batchfleet.common.functions import LIVE_WORKER_MS
+from batchfleet.common.keys import Keys
+from batchfleet.common.protocol import FleetInfo
+
+FLEET_TTL_MS = 3 * LIVE_WORKER_MS  # the fleet key outlives its last heartbeat by this much
+
+_NOW_MS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# KEYS: fleet, workers. ARGV: encoded FleetInfo, its fingerprint, worker name, live window ms, ttl ms,
+# replace ('1'/'0'). Returns {1} when published, {0, published fingerprint, live workers other than us}.
+_JOIN = _NOW_MS + """
+local since = now - tonumber(ARGV[4])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. since)  -- dead workers' names
+if ARGV[6] ~= '1' then
+  local cur = redis.call('GET', KEYS[1])
+  if cur then
+    local ok, obj = pcall(cmsgpack.unpack, cur)
+    local fp = ''
+    if ok and type(obj) == 'table' and type(obj.fingerprint) == 'string' then fp = obj.fingerprint end
+    if fp ~= ARGV[2] then
+      local others = 0
+      for _, w in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], since, '+inf')) do
+        if w ~= ARGV[3] then others = others + 1 end
+      end
+      if others > 0 then return {0, fp, others} end
+    end
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[5]))
+redis.call('ZADD', KEYS[2], now, ARGV[3])
+return {1}
+"""
+
+# KEYS: fleet, workers. ARGV: worker name, live window ms. Returns 1 when the fleet key was deleted.
+_LEAVE = _NOW_MS + """
+redis.call('ZREM', KEYS[2], ARGV[1])
+if redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[2]), '+inf') == 0 then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
+
+# KEYS: workers. ARGV: live window ms, name to leave out. Returns how many others are live.
+_LIVE = _NOW_MS + """
+local n = 0
+for _, w in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now - tonumber(ARGV[1]), '+inf')) do
+  if w ~= ARGV[2] then n = n + 1 end
+end
+return n
+"""
+
+
+class FleetConflict(RuntimeError):
+    """Live workers of this namespace serve another model, tokenizer or buckets: refusing to join."""
+
+
+def fingerprint(info: FleetInfo) -> str:
+    """Hash of everything every worker of a fleet must agree on: model name, tokenizer, chat template and
+    special tokens, buckets, vocabulary size, max_seq_len, EOS ids. Tuning that may differ per worker
+    (max_batch_size, queue limit) is left out."""
+    what = [info.model, info.tokenizer_json, list(info.buckets), info.vocab_size, info.max_seq_len,
+            sorted(info.eos_token_ids), info.chat_template, info.bos_token, info.eos_token]
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def with_fingerprint(info: FleetInfo) -> FleetInfo:
+    """``info`` with its fingerprint filled in."""
+    return dataclasses.replace(info, fingerprint=fingerprint(info))
+
+
+def describe(info: FleetInfo) -> str:
+    """A short human description for error messages."""
+    return (f"model {info.model}, buckets {','.join(map(str, info.buckets))}, max_seq_len {info.max_seq_len}, "
+            f"vocab {info.vocab_size}, fingerprint {info.fingerprint or '(none)'}")
+
+
+def join(r, keys: Keys, info: FleetInfo, name: str, replace: bool = False) -> None:
+    """Publish ``info`` (with a TTL) and mark this worker live, unless live workers serve another
+    fingerprint: then raise FleetConflict (``replace`` publishes anyway: the operator is replacing the
+    fleet). ``r`` is a redis-py client."""
+    res = r.register_script(_JOIN)(keys=[keys.fleet, keys.workers], args=[
+        info.encode(), info.fingerprint, name, LIVE_WORKER_MS, FLEET_TTL_MS, "1" if replace else "0"])
+    if int(res[0]) == 1:
+        return
+    raw = r.get(keys.fleet)
+    try:
+        current = describe(FleetInfo.decode(raw)) if raw else "(gone)"
+    except Exception:  # an older or foreign description: say what we can
+        current = f"fingerprint {res[1].decode() if isinstance(res[1], bytes) else res[1]}"
+    raise FleetConflict(
+        f"refusing to join namespace {keys.namespace!r}: {int(res[2])} live worker(s) serve [{current}], this "
+        f"worker [{describe(info)}]; stop them first or start with --replace-fleet")
+
+
+def leave(r, keys: Keys, name: str) -> bool:
+    """Drop this worker from the live set; delete the fleet description when no live worker remains.
+    Returns whether it was deleted."""
+    return bool(r.register_script(_LEAVE)(keys=[keys.fleet, keys.workers], args=[name, LIVE_WORKER_MS]))
+
+
+def live_workers(r, keys: Keys, exclude: str = "") -> int:
+    """How many workers heartbeat within the live window (Redis' clock), ``exclude`` left out."""
+    return int(r.register_script(_LIVE)(keys=[keys.workers], args=[LIVE_WORKER_MS, exclude]))
