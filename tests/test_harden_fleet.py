@@ -91,3 +91,23 @@ def test_no_redis_available_again_line_while_stopping_with_redis_down(tiny_model
         server.stop()
     lines = [rec.getMessage() for rec in caplog.records if rec.name.startswith("batchfleet")]
     assert not [m for m in lines if "available again" in m], lines
+
+
+def test_a_producer_clock_60s_behind_does_not_expire_requests(redis_url, namespace, tiny_model_dir, cache_dir,
+                                                               tmp_path, monkeypatch):
+    from batchfleet.common.devtools import spawn_worker
+
+    w = spawn_worker(redis_url, namespace, ["--model", str(tiny_model_dir), "--cache-dir", str(cache_dir),
+                                            "--engine", "hf", "--mode", "dynamic", "--dtype", "float32",
+                                            "--max-seq-len", "512", "--buckets", "32,64", "--threads", "1"],
+                     log_path=str(tmp_path / "worker.log"))
+    try:
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() - 60)  # this process (the producer) runs 60 s behind
+        with Client(redis_url, namespace) as client:
+            results = [client.generate([5 + i, 6], max_new_tokens=2, timeout=30) for i in range(5)]
+        assert [res.completion_tokens for res in results] == [2] * 5
+        assert all(0 <= res.queue_ms < 30_000 for res in results)  # measured on the worker's clock
+    finally:
+        monkeypatch.undo()
+        w.stop()
