@@ -113,7 +113,7 @@ def _accepted(entry: Entry) -> Accepted:
     job_id = entry.fields[b"id"].decode()
     req = Request(id=job_id, prompt=[1, 2])
     gen = GenRequest(id=job_id, prompt=[1, 2], bucket=entry.bucket, max_new_tokens=2)
-    return Accepted(entry, req, gen, time.time())
+    return Accepted(entry, req, gen, time.time(), None)
 
 
 def test_release_hands_stale_queued_entries_to_a_peer_without_counting_a_delivery(ns_redis):
