@@ -111,3 +111,12 @@ def test_a_producer_clock_60s_behind_does_not_expire_requests(redis_url, namespa
     finally:
         monkeypatch.undo()
         w.stop()
+
+
+def test_a_deleted_fleet_description_is_published_again(start_worker, redis_url, namespace):
+    start_worker(max_wait_ms=5)
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(namespace)
+    r.delete(keys.fleet)
+    wait_until(lambda: r.exists(keys.fleet), 10, "the fleet description re-published by a heartbeat")
+    assert 0 < r.ttl(keys.fleet) <= 90

@@ -60,15 +60,16 @@ return 0
 
 
 # KEYS: workers (zset), status key, fleet key. ARGV: name, status blob ('' = keep), status ttl, fleet ttl.
-# Redis' own clock scores liveness, so no host clock matters; returns TIME (for this host's clock offset).
+# Redis' own clock scores liveness, so no host clock matters. Returns TIME (for this host's clock offset)
+# and whether the fleet description still existed (0: the worker publishes it again).
 _HEARTBEAT_SCRIPT = """
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZADD', KEYS[1], now_ms, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms - 86400000)
 if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'EX', tonumber(ARGV[3])) end
-redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
-return t
+local kept = redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
+return {t[1], t[2], kept}
 """
 
 _DEAD_FIELDS = {b"reason", b"bucket", b"worker", b"entry_id", b"deliveries"}
@@ -181,6 +182,12 @@ class StreamConsumer(Transport):
                             args=[self.name, status, STATUS_TTL_S, FLEET_TTL_S])
         after = time.time()
         self._offset = int(t[0]) + int(t[1]) / 1e6 - (before + after) / 2
+        if int(t[2]) == 0 and self._fleet is not None:  # the description is gone (deleted, or expired)
+            try:
+                fleet.join(self.r, self.keys, self._fleet, self.name)
+                log.warning("the fleet description was missing: published it again")
+            except fleet.FleetConflict as exc:
+                log.error("%s", exc)
 
     def clock_offset(self) -> float:
         """Redis time minus this host's time (s), as measured by the last heartbeat."""
