@@ -20,7 +20,6 @@ from batchfleet.common.cli import connection_options
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.errors import BatchfleetError, RedisUnavailable
 from batchfleet.common.redis_url import redact_url
-from batchfleet.producer.bulk import read_jsonl, run_bulk
 from batchfleet.producer.client import Client
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -126,32 +125,73 @@ def submit(redis_url: str, namespace: str, prompt: str, timeout: float | None, a
 
 @click.command()
 @connection_options
-@click.argument("prompts", type=click.File("r"))
-@click.option("-o", "--output", type=click.File("w"), default="-", show_default=True,
-              help="JSONL: one line per prompt, in input order: {index, result} or {index, error}.")
+@click.argument("prompts", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("-o", "--output", default="-", show_default=True,
+              help="JSONL: one line per prompt: {index, id?, result} or {index, id?, error: {code, message}}.")
 @click.option("--window", type=int, default=256, show_default=True, help="Max jobs in flight.")
+@click.option("--resume/--no-resume", default=None,
+              help="Keep the lines already in OUTPUT and collect the answers of jobs an interrupted run left in "
+                   "flight (the default when OUTPUT exists); --no-resume starts OUTPUT over.")
 @generation_options
 @one_line_errors
-def bulk(redis_url: str, namespace: str, prompts, output, window: int, timeout: float | None, **gen) -> None:
-    """Submit every line of a JSONL file ({"prompt": ..., optional params}); never aborts on a bad line."""
+def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int, resume: bool | None,
+         timeout: float | None, **gen) -> None:
+    """Answer every line of a JSONL file ({"prompt": ..., "id"?: ..., params?}); never aborts on a bad line.
+
+    Ctrl-C stops submitting, writes what has arrived and leaves the jobs in flight to the next run of the
+    same command, which resumes (exit status 130)."""
+    import asyncio
+    import signal
+    import threading
+
+    from batchfleet.producer.bulk import Summary, bulk_file
+
     if window < 1:
         raise click.UsageError("--window must be >= 1")
-    lines = prompts.readlines()
+    if prompts == "-":
+        text = sys.stdin.read()
+    else:
+        with open(prompts, encoding="utf-8") as f:
+            text = f.read()
     check_reachable(ConnectionConfig(redis_url, namespace))
-    client = Client(redis_url, namespace)
-    failed = done = 0
-    try:
-        client.fleet()  # no fleet: one error line now, not one per prompt
-        total = sum(1 for line in lines if line.strip())
-        with click.progressbar(length=total, label="prompts", show_pos=True, file=sys.stderr) as bar:
-            for out in run_bulk(client, read_jsonl(iter(lines)), window, _params(**gen), timeout):
-                failed += "error" in out
-                done += 1
-                output.write(json.dumps(out) + "\n")
-                bar.update(1)
-    finally:
-        client.close()
-    click.echo(f"done: {done} prompts, {failed} failed", err=True)
+    stop = asyncio.Event()
+    running: list[asyncio.AbstractEventLoop] = []
+    presses: list[int] = []
+
+    def interrupted(signum: int, frame: object) -> None:
+        """First Ctrl-C: stop cleanly (also right after the run ended: then it changes nothing);
+        a second one ends the process at once."""
+        presses.append(signum)
+        if len(presses) > 1:
+            raise KeyboardInterrupt
+        if running and not running[0].is_closed():
+            running[0].call_soon_threadsafe(stop.set)
+
+    main = threading.current_thread() is threading.main_thread()  # signal handlers: main thread only
+    previous = signal.signal(signal.SIGINT, interrupted) if main else None
+    total = sum(1 for line in text.splitlines() if line.strip())
+    with click.progressbar(length=total, label="prompts", show_pos=True, file=sys.stderr) as bar:
+
+        def progress(s: Summary) -> None:
+            bar.update(s.done - bar.pos)
+
+        async def run() -> Summary:
+            running.append(asyncio.get_running_loop())
+            return await bulk_file(None if prompts == "-" else prompts, None if output == "-" else output,
+                                   redis_url=redis_url, namespace=namespace, window=window,
+                                   defaults=_params(**gen), timeout=timeout, resume=resume, stop=stop,
+                                   progress=progress, text=text, out=sys.stdout)
+
+        s = asyncio.run(run())
+    if s.interrupted:  # our handler stays: a Ctrl-C racing this exit must not turn it into a traceback
+        why = "interrupted" if s.error is None else f"stopped ({' '.join(str(s.error).split())})"
+        click.echo(f"{why}: {s.done} of {s.total} lines written, {s.in_flight} jobs left in flight; run the "
+                   "same command again to resume", err=True)
+        sys.exit(130 if s.error is None else 1)
+    if main:
+        signal.signal(signal.SIGINT, previous)
+    click.echo(f"done: {s.total} prompts ({s.kept} kept from an earlier run, {s.collected} collected, "
+               f"{s.submitted} submitted), {s.failed} failed", err=True)
 
 
 @click.command()

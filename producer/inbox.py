@@ -83,20 +83,27 @@ class Inbox:
     async def final(self, job_id: str, deadline: Deadline) -> Result:
         """The job's Result (raises the error its reply stands for); Timeout when the deadline passes first
         (the job stays expected: a later call may still get it)."""
-        self.start()  # (again, should the reader ever have ended)
-        if job_id in self._unclaimed:
-            entry_id, outcome = self._unclaimed.pop(job_id)
-        else:
-            waiter = self.waiter(job_id)
-            try:
-                entry_id, outcome = await asyncio.wait_for(asyncio.shield(waiter.final), deadline.left())
-            except asyncio.TimeoutError:
-                raise WaitExpired(f"no result for job {job_id}") from None
-        self._jobs.pop(job_id, None)
+        entry_id, outcome = await self.take(job_id, deadline)
         self.consumed(entry_id)
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
+
+    async def take(self, job_id: str, deadline: Deadline) -> Final:
+        """The job's final reply as (entry id, Result or the error it stands for), left in the inbox until
+        the caller calls ``consumed(entry_id)``: a bulk run deletes a reply only once its answer is on disk,
+        so a kill at any instant leaves it either written or still in the inbox. WaitExpired as ``final``."""
+        self.start()  # (again, should the reader ever have ended)
+        if job_id in self._unclaimed:
+            taken = self._unclaimed.pop(job_id)
+        else:
+            waiter = self.waiter(job_id)
+            try:
+                taken = await asyncio.wait_for(asyncio.shield(waiter.final), deadline.left())
+            except asyncio.TimeoutError:
+                raise WaitExpired(f"no result for job {job_id}") from None
+        self._jobs.pop(job_id, None)
+        return taken
 
     def consumed(self, entry_id: str) -> None:
         """The caller has this entry: delete it from the inbox (batched, best effort; the TTL cleans up)."""

@@ -54,7 +54,8 @@ def test_bulk_keeps_order_and_reports_errors(start_worker, redis_url, namespace,
     assert [o["index"] for o in out] == list(range(15))
     errors = [o["index"] for o in out if "error" in o]
     assert errors == [3, 7, 9]
-    assert out[7]["error"]["code"] == "PromptTooLong"
+    assert out[7]["error"]["code"] == "prompt_too_long"
+    assert out[3]["error"]["code"] == out[9]["error"]["code"] == "invalid_request"
     good = [o for o in out if "result" in o]
     assert [o["result"]["completion_tokens"] for o in good] == [2 + i % 3 for i in range(12)]
 
