@@ -292,7 +292,8 @@ async def bulk_file(input_path: str | None, output_path: str | None, *, redis_ur
     """Run a prompt file (``text`` instead of reading ``input_path``) into ``output_path`` (None: ``out``).
 
     ``resume`` None: resume when the output exists; False: start the output over. Raises NoWorkers /
-    RedisUnavailable before or during the run (what is written stays; a rerun resumes)."""
+    RedisUnavailable when the run cannot start; once started it stops instead (``Summary.error``): what is
+    written stays, and a rerun resumes."""
     if window < 1:
         raise InvalidRequest("window must be >= 1")
     if text is None:
