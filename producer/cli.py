@@ -169,20 +169,26 @@ def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int,
 
     main = threading.current_thread() is threading.main_thread()  # signal handlers: main thread only
     previous = signal.signal(signal.SIGINT, interrupted) if main else None
-    total = sum(1 for line in text.splitlines() if line.strip())
-    with click.progressbar(length=total, label="prompts", show_pos=True, file=sys.stderr) as bar:
+    bars: list = []  # shown from the first answer on: an error before it stays the only line
 
-        def progress(s: Summary) -> None:
-            bar.update(s.done - bar.pos)
+    def progress(s: Summary) -> None:
+        if not bars:
+            bars.append(click.progressbar(length=s.total, label="prompts", show_pos=True, file=sys.stderr))
+            bars[0].__enter__()
+        bars[0].update(s.done - bars[0].pos)
 
-        async def run() -> Summary:
-            running.append(asyncio.get_running_loop())
-            return await bulk_file(None if prompts == "-" else prompts, None if output == "-" else output,
-                                   redis_url=redis_url, namespace=namespace, window=window,
-                                   defaults=_params(**gen), timeout=timeout, resume=resume, stop=stop,
-                                   progress=progress, text=text, out=sys.stdout)
+    async def run() -> Summary:
+        running.append(asyncio.get_running_loop())
+        return await bulk_file(None if prompts == "-" else prompts, None if output == "-" else output,
+                               redis_url=redis_url, namespace=namespace, window=window, defaults=_params(**gen),
+                               timeout=timeout, resume=resume, stop=stop, progress=progress, text=text,
+                               out=sys.stdout)
 
+    try:
         s = asyncio.run(run())
+    finally:
+        if bars:
+            bars[0].__exit__(None, None, None)
     if s.interrupted:  # our handler stays: a Ctrl-C racing this exit must not turn it into a traceback
         why = "interrupted" if s.error is None else f"stopped ({' '.join(str(s.error).split())})"
         click.echo(f"{why}: {s.done} of {s.total} lines written, {s.in_flight} jobs left in flight; run the "
