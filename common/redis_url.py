@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 from batchfleet.common.errors import ConfigError
 
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://")
 
 
 def redact_url(url: str) -> str:
@@ -30,7 +30,13 @@ def redact_url(url: str) -> str:
 def check_redis_url(url: str) -> str:
     """``url`` when redis-py can parse it; ConfigError otherwise, whose message never shows the password."""
     if not isinstance(url, str) or not url.startswith(REDIS_SCHEMES):
-        raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, got {redact_url(str(url))!r}")
+        raise ConfigError("redis_url must start with redis://, rediss://, unix:// or redis+sentinel://, "
+                          f"got {redact_url(str(url))!r}")
+    if url.startswith("redis+sentinel://"):
+        from batchfleet.common.redis_conn import parse_sentinel_url  # redis-py only where it is needed
+
+        parse_sentinel_url(url)  # ConfigError with the URL redacted
+        return url
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 -- raises ValueError for a port that is not a number in 0..65535

@@ -22,6 +22,7 @@ from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.functions import load_library
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import FleetInfo
+from batchfleet.common.redis_conn import sync_client
 from batchfleet.common.retry import TRANSIENT, Backoff
 from batchfleet.worker import fleet
 from batchfleet.worker.bounded import BoundedReader
@@ -76,8 +77,8 @@ _DEAD_FIELDS = {b"reason", b"bucket", b"worker", b"entry_id", b"deliveries"}
 
 
 def connect(conn: ConnectionConfig) -> redis.Redis:
-    """A bytes-mode client whose socket timeout bounds every blocking call."""
-    return redis.Redis.from_url(
+    """A bytes-mode client whose socket timeout bounds every blocking call (plain or Sentinel URL)."""
+    return sync_client(
         conn.redis_url, socket_timeout=conn.socket_timeout_s, socket_connect_timeout=conn.socket_timeout_s,
         health_check_interval=30, decode_responses=False,
     )

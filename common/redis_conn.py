@@ -1,0 +1,121 @@
+"""Redis client factories: every batchfleet process builds its clients here, from a plain URL or from a
+Sentinel URL, so a fleet behind Redis Sentinel follows a failover to the new primary.
+
+Sentinel URL: ``redis+sentinel://[user:password@]host:26379[,host2:26379...]/<master name>[/<db>]``.
+The credentials are those of the Redis data nodes (Sentinels themselves are reached without a
+password; add ``?sentinel_password=...`` when they have one). Every connection is asked of the
+Sentinels for the current primary; a connection broken by a failover (or one that finds the old
+primary demoted: READONLY) raises a ConnectionError, which callers already retry (common/retry.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import redis
+import redis.asyncio as aredis
+import redis.asyncio.sentinel as asentinel
+import redis.sentinel as ssentinel
+
+from batchfleet.common.errors import ConfigError
+from batchfleet.common.redis_url import redact_url
+
+SENTINEL_SCHEME = "redis+sentinel"
+DEFAULT_SENTINEL_PORT = 26379
+WAIT_TIMEOUT_MS = 2_000  # how long one WAIT (--wait-replicas) may block for replica acknowledgements
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    """A parsed ``redis+sentinel://`` URL."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+
+
+def is_sentinel(url: str) -> bool:
+    return url.startswith(SENTINEL_SCHEME + "://")
+
+
+def parse_sentinel_url(url: str) -> SentinelURL:
+    """Parse ``redis+sentinel://[user:pass@]h1:p1[,h2:p2]/service[/db]``; raises ConfigError on junk."""
+    parts = urlsplit(url)
+    shown = redact_url(url)
+    if parts.scheme != SENTINEL_SCHEME:
+        raise ConfigError(f"not a {SENTINEL_SCHEME}:// URL: {shown!r}")
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    sentinels = []
+    for item in hostlist.split(","):
+        host, _, port = item.strip().rpartition(":") if ":" in item else (item.strip(), "", "")
+        try:
+            sentinels.append((host, int(port) if port else DEFAULT_SENTINEL_PORT))
+        except ValueError:
+            raise ConfigError(f"bad sentinel address {item!r} in {shown!r}") from None
+    if not sentinels or any(not h for h, _ in sentinels):
+        raise ConfigError(f"a sentinel URL needs at least one host: {shown!r}")
+    path = [p for p in parts.path.split("/") if p]
+    if not path or len(path) > 2:
+        raise ConfigError(f"a sentinel URL needs /<master name>[/<db>]: {shown!r}")
+    try:
+        db = int(path[1]) if len(path) == 2 else 0
+    except ValueError:
+        raise ConfigError(f"bad db {path[1]!r} in {shown!r}") from None
+    query = parse_qs(parts.query)
+    return SentinelURL(tuple(sentinels), unquote(path[0]), db, unquote(user) or None, unquote(password) or None,
+                       query.get("sentinel_password", [None])[0])
+
+
+def _sentinel_kwargs(s: SentinelURL, kw: dict[str, Any]) -> dict[str, Any]:
+    """Timeouts of the data connections also bound the Sentinel queries (a dead Sentinel must not hang)."""
+    out = {k: kw[k] for k in ("socket_timeout", "socket_connect_timeout") if k in kw}
+    if s.sentinel_password:
+        out["password"] = s.sentinel_password
+    return out
+
+
+def _node_kwargs(s: SentinelURL, kw: dict[str, Any]) -> dict[str, Any]:
+    out = dict(kw, db=s.db)
+    if s.username:
+        out["username"] = s.username
+    if s.password:
+        out["password"] = s.password
+    return out
+
+
+def sync_client(url: str, **kw: Any) -> redis.Redis:
+    """A redis-py client for ``url`` (plain or Sentinel); ``kw`` go to every connection."""
+    if not is_sentinel(url):
+        return redis.Redis.from_url(url, **kw)
+    s = parse_sentinel_url(url)
+    manager = ssentinel.Sentinel(list(s.sentinels), sentinel_kwargs=_sentinel_kwargs(s, kw))
+    return manager.master_for(s.service, **_node_kwargs(s, kw))
+
+
+class _BlockingSentinelPool(asentinel.SentinelConnectionPool, aredis.BlockingConnectionPool):
+    """A Sentinel-managed pool that waits for a free connection instead of raising at max_connections."""
+
+
+def async_client(url: str, *, max_connections: int | None = None, **kw: Any) -> aredis.Redis:
+    """An asyncio client for ``url`` (plain or Sentinel). With ``max_connections`` the pool is bounded and
+    blocking (a caller waits for a free connection, without a pool timeout)."""
+    if not is_sentinel(url):
+        if max_connections is None:
+            return aredis.Redis.from_url(url, **kw)
+        return aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=None, **kw))
+    s = parse_sentinel_url(url)
+    manager = asentinel.Sentinel(list(s.sentinels), sentinel_kwargs=_sentinel_kwargs(s, kw))
+    node = _node_kwargs(s, kw)
+    if max_connections is None:
+        return manager.master_for(s.service, **node)
+    return manager.master_for(s.service, connection_pool_class=_BlockingSentinelPool,
+                              max_connections=max_connections, timeout=None, **node)
+
+
