@@ -25,6 +25,7 @@ from pathlib import Path
 import redis
 
 from batchfleet.common.keys import Keys
+from batchfleet.common.redis_conn import sync_client
 
 
 def _stop_process(proc: subprocess.Popen | None, timeout_s: float) -> None:
@@ -186,7 +187,7 @@ def spawn_worker(redis_url: str, namespace: str, args: Sequence[str] = (), name:
 
 def wait_for_heartbeat(redis_url: str, wp: WorkerProcess, wait_s: float) -> None:
     """Return once the worker's heartbeat key exists; a worker that does not start in time is killed."""
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)  # a Sentinel URL too
     try:
         _wait_until(lambda: bool(client.exists(wp.keys.worker(wp.name))), wp.proc, wait_s, f"worker {wp.name}", 0.1)
     except TimeoutError:

@@ -119,3 +119,29 @@ def async_client(url: str, *, max_connections: int | None = None, **kw: Any) -> 
                               max_connections=max_connections, timeout=None, **node)
 
 
+
+
+class NotReplicated(redis.ConnectionError):
+    """A write that fewer than ``--wait-replicas`` replicas acknowledged in time. A ConnectionError, so
+    every caller's retry (common/retry.py TRANSIENT) repeats the write, which is idempotent: an enqueue
+    keeps its job id (the worker answers once), a reply its first-writer-wins marker."""
+
+
+def require_replicas(acked: Any, wanted: int, what: str) -> None:
+    """Raise NotReplicated when WAIT answered fewer than ``wanted`` replicas."""
+    if int(acked) < wanted:
+        raise NotReplicated(f"{what}: {int(acked)} of {wanted} replicas acknowledged within {WAIT_TIMEOUT_MS} ms")
+
+
+async def write_acked(r: aredis.Redis, replicas: int, command: Any, what: str = "write") -> Any:
+    """``await command(client)``, then, with ``replicas`` > 0, Redis ``WAIT replicas`` on the SAME connection
+    (one pipeline: WAIT counts the replicas that have every earlier write of its connection). Returns the
+    command's answer; raises NotReplicated when too few replicas acknowledged."""
+    if replicas <= 0:
+        return await command(r)
+    async with r.pipeline(transaction=False) as pipe:  # gives its connection back however it ends
+        await command(pipe)  # a pipeline's command only queues (awaiting the pipeline returns it)
+        pipe.execute_command("WAIT", replicas, WAIT_TIMEOUT_MS)
+        answer, acked = await pipe.execute()
+    require_replicas(acked, replicas, what)
+    return answer

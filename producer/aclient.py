@@ -23,7 +23,7 @@ from batchfleet.common.errors import InvalidRequest, RedisUnavailable, Timeout
 from batchfleet.common.functions import BODIES, CANCELS_MAXLEN, FUNCTION_NAMES, LIVE_WORKER_MS
 from batchfleet.common.keys import valid_inbox
 from batchfleet.common.protocol import Result
-from batchfleet.common.redis_conn import async_client
+from batchfleet.common.redis_conn import async_client, write_acked
 from batchfleet.common.retry import TRANSIENT, Backoff
 from batchfleet.producer.core import RETRY_S, Deadline, FleetView, Outgoing, Params, Prompt
 from batchfleet.producer.inbox import Inbox, WaitExpired
@@ -114,16 +114,17 @@ class AsyncClient:
     async def _function(self, name: str, keys: list[str], args: list) -> Any:
         """FCALL of a library function; EVALSHA of the same body where Redis has no functions (6.2) or the
         library is not loaded yet."""
+        n = self.conn.wait_replicas  # > 0: the write counts once n replicas have it (WAIT, same connection)
         if self._functions:
             try:
-                return await self.r.fcall(FUNCTION_NAMES[name], len(keys), *keys, *args)
+                return await write_acked(self.r, n, lambda c: c.fcall(FUNCTION_NAMES[name], len(keys), *keys, *args))
             except redis.ResponseError as exc:
                 msg = str(exc).lower()
                 if "unknown command" in msg:
                     self._functions = False
                 elif "function not found" not in msg:
                     raise
-        return await self._scripts[name](keys=keys, args=args)
+        return await write_acked(self.r, n, lambda c: self._scripts[name](keys=keys, args=args, client=c))
 
     # ---- the API -----------------------------------------------------------------------------------
     async def fleet(self, timeout: float | None = None) -> FleetView:
