@@ -10,66 +10,16 @@ primary demoted: READONLY) raises a ConnectionError, which callers already retry
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
 import redis.asyncio as aredis
 import redis.asyncio.sentinel as asentinel
 import redis.sentinel as ssentinel
 
-from batchfleet.common.errors import ConfigError
-from batchfleet.common.redis_url import redact_url
+from batchfleet.common.redis_url import SentinelURL, is_sentinel, parse_sentinel_url
 
-SENTINEL_SCHEME = "redis+sentinel"
-DEFAULT_SENTINEL_PORT = 26379
 WAIT_TIMEOUT_MS = 2_000  # how long one WAIT (--wait-replicas) may block for replica acknowledgements
-
-
-@dataclass(frozen=True)
-class SentinelURL:
-    """A parsed ``redis+sentinel://`` URL."""
-
-    sentinels: tuple[tuple[str, int], ...]
-    service: str
-    db: int = 0
-    username: str | None = None
-    password: str | None = None
-    sentinel_password: str | None = None
-
-
-def is_sentinel(url: str) -> bool:
-    return url.startswith(SENTINEL_SCHEME + "://")
-
-
-def parse_sentinel_url(url: str) -> SentinelURL:
-    """Parse ``redis+sentinel://[user:pass@]h1:p1[,h2:p2]/service[/db]``; raises ConfigError on junk."""
-    parts = urlsplit(url)
-    shown = redact_url(url)
-    if parts.scheme != SENTINEL_SCHEME:
-        raise ConfigError(f"not a {SENTINEL_SCHEME}:// URL: {shown!r}")
-    userinfo, _, hostlist = parts.netloc.rpartition("@")
-    user, _, password = userinfo.partition(":")
-    sentinels = []
-    for item in hostlist.split(","):
-        host, _, port = item.strip().rpartition(":") if ":" in item else (item.strip(), "", "")
-        try:
-            sentinels.append((host, int(port) if port else DEFAULT_SENTINEL_PORT))
-        except ValueError:
-            raise ConfigError(f"bad sentinel address {item!r} in {shown!r}") from None
-    if not sentinels or any(not h for h, _ in sentinels):
-        raise ConfigError(f"a sentinel URL needs at least one host: {shown!r}")
-    path = [p for p in parts.path.split("/") if p]
-    if not path or len(path) > 2:
-        raise ConfigError(f"a sentinel URL needs /<master name>[/<db>]: {shown!r}")
-    try:
-        db = int(path[1]) if len(path) == 2 else 0
-    except ValueError:
-        raise ConfigError(f"bad db {path[1]!r} in {shown!r}") from None
-    query = parse_qs(parts.query)
-    return SentinelURL(tuple(sentinels), unquote(path[0]), db, unquote(user) or None, unquote(password) or None,
-                       query.get("sentinel_password", [None])[0])
 
 
 def _sentinel_kwargs(s: SentinelURL, kw: dict[str, Any]) -> dict[str, Any]:
