@@ -78,7 +78,7 @@ def redis_server_binary() -> str:
 def reachable(url: str, timeout_s: float = 1.0) -> bool:
     """Whether a Redis answers PING at ``url`` within ``timeout_s``."""
     try:
-        client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        client = sync_client(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         try:
             return bool(client.ping())
         finally:
@@ -142,7 +142,7 @@ def ensure_redis(url: str) -> tuple[str, PrivateRedis | None]:
 
 def delete_namespace(redis_url: str, keys: Keys) -> int:
     """Remove every key of a namespace (demo, benchmark and test cleanup); returns how many."""
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     try:
         names = list(client.scan_iter(match=keys.pattern, count=500))
         for i in range(0, len(names), 500):

@@ -13,22 +13,22 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from batchfleet.common.config import DEFAULT_BUCKETS, is_option, option_env
+from batchfleet.common.config import DEFAULT_BUCKETS, is_option, option_env, option_flag
 from batchfleet.common.keys import Keys
 from batchfleet.common.options import CONFIG_CLASSES
+from batchfleet.gateway.config import GatewayConfig
 from batchfleet.worker.engine.native import memlimit
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
-METRICS_PORT = 9400
-GATEWAY_PORT = 8000
-# set by another part of issue #11 (--metrics-port); accepted until that config field exists
-PENDING_ENV = {"BATCHFLEET_METRICS_PORT"}
+METRICS_PORT = 9400  # the manifests' choice (the option's default is 0 = off)
+GATEWAY_PORT = next(f.default for f in fields(GatewayConfig) if f.name == "port")
 
 
 def known_env() -> set[str]:
-    """Every environment variable a batchfleet process reads: the config fields' option_env."""
-    return {option_env(f) for cls in CONFIG_CLASSES for f in fields(cls) if is_option(f)} | PENDING_ENV
+    """Every environment variable a batchfleet process reads: the config fields' option_env (worker and
+    gateway)."""
+    return {option_env(f) for cls in (*CONFIG_CLASSES, GatewayConfig) for f in fields(cls) if is_option(f)}
 
 
 def compose() -> dict:
@@ -220,6 +220,8 @@ def test_gateway_command_and_service_ports():
     dep = of_kind("Deployment")["batchfleet-gateway"]
     c = container(dep)
     args = c["args"]
+    flags = {option_flag(f) for f in fields(GatewayConfig) if is_option(f)}
+    assert {a[2:] for a in args if a.startswith("--")} <= flags, "every gateway flag exists"
     assert args[0] == "serve" and args[args.index("--port") + 1] == str(GATEWAY_PORT)
     assert args[args.index("--host") + 1] == "0.0.0.0"
     assert {p["name"]: p["containerPort"] for p in c["ports"]}["http"] == GATEWAY_PORT
