@@ -218,3 +218,27 @@ def test_failover_without_wait_reports_losses(cluster, tiny_model_dir, monkeypat
     assert report["acknowledged"] > report["before_kill"] > 0
     print(f"without --wait-replicas: {len(report['lost'])} of {report['acknowledged']} acknowledged requests lost, "
           f"{len(report['written_twice'])} replies written twice (the caller sees one)")
+
+
+def test_wait_replicas_unmet_reply_is_transient_and_rewrite_idempotent(redis_url, namespace):
+    """On a Redis without replicas, WAIT 1 answers 0: the worker's reply write raises NotReplicated (a
+    transient error: the loop keeps the reply in its outbox), and rewriting it is idempotent."""
+    from batchfleet.common.config import ConnectionConfig
+    from batchfleet.common.redis_conn import WAIT_TIMEOUT_MS, NotReplicated
+    from batchfleet.common.retry import TRANSIENT
+    from batchfleet.worker.consumer import StreamConsumer
+    from batchfleet.worker.transport import Reply
+
+    if int(redis.Redis.from_url(redis_url).info("replication")["connected_slaves"]) > 0:
+        pytest.skip("this Redis has replicas")
+    consumer = StreamConsumer(ConnectionConfig(redis_url, namespace, wait_replicas=1), (32,), "w-wait", 60)
+    consumer.setup()
+    reply = Reply("job-1", b"payload", 32, "", consumer.keys.inbox("waitinbox0123456789"))
+    t0 = time.monotonic()
+    with pytest.raises(NotReplicated) as err:
+        consumer.write_replies([reply])
+    assert isinstance(err.value, TRANSIENT) and time.monotonic() - t0 >= WAIT_TIMEOUT_MS / 1000 * 0.9
+    with pytest.raises(NotReplicated):
+        consumer.write_replies([reply])
+    assert consumer.r.xlen(reply.reply_key) == 1, "the rewrite did not answer twice"
+    consumer.close()
