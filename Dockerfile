@@ -1,20 +1,25 @@
-# One image for workers and producers. CPU torch by default; for CUDA/NPU hosts build FROM an image
-# with the matching torch (and torch_npu) preinstalled and pass --build-arg TORCH_SPEC="".
+# One image for workers, producers and the gateway.
+# Default: the CPU-only torch wheel (~200 MB, not PyPI's ~2.5 GB CUDA build).
+# GPU:  docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 .
+# NPU / custom: build FROM an image with the matching torch (and torch_npu) preinstalled and pass
+#       --build-arg TORCH_SPEC="" (keeps the preinstalled torch).
 FROM python:3.11-slim
 ARG TORCH_SPEC="torch==2.13.0"
-# e.g. --build-arg PIP_ARGS="--index-url <your CPU wheel index>" to get the small CPU-only torch build
-ARG PIP_ARGS=""
+ARG TORCH_INDEX="https://download.pytorch.org/whl/cpu"
+# BATCHFLEET_CACHE_DIR: presets (models/) and the compiled CPU kernel (kernels/) live in the /cache volume,
+# so a restarted or scaled-out worker reuses both instead of rebuilding them.
 ENV PYTHONUNBUFFERED=1 BATCHFLEET_CACHE_DIR=/cache
 WORKDIR /app
 # gcc: the native engine compiles its CPU paged-attention kernel at first use (falls back without it)
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
-RUN if [ -n "$TORCH_SPEC" ]; then pip install --no-cache-dir "$TORCH_SPEC" $PIP_ARGS; fi
+RUN if [ -n "$TORCH_SPEC" ]; then pip install --no-cache-dir "$TORCH_SPEC" --index-url "$TORCH_INDEX"; fi
 COPY pyproject.toml README.md ./
 COPY common ./common
 COPY producer ./producer
 COPY worker ./worker
 COPY gateway ./gateway
-# the worker's stack and the gateway's: a plain `pip install .` is the client only (no torch)
+# the worker's stack and the gateway's: a plain `pip install .` is the client only (no torch);
+# torch is already satisfied (2.13.0+cpu matches the ==2.13.0 pin), so this never pulls the CUDA wheel
 RUN pip install --no-cache-dir ".[worker,serve]"
 VOLUME ["/cache", "/models"]
 ENTRYPOINT ["batchfleet"]

@@ -29,7 +29,8 @@ _NEEDS = {"worker": "worker", "demo": "worker", "bench": "worker", "serve": "ser
 
 
 # --redis-url / --namespace (BATCHFLEET_REDIS_URL / BATCHFLEET_NAMESPACE), shared by every command
-connection_options = config_options(ConnectionConfig)
+# --wait-replicas is a worker option; clients (submit, bulk, the gateway, Python) read BATCHFLEET_WAIT_REPLICAS
+connection_options = config_options(ConnectionConfig, exclude=("wait_replicas",))
 
 
 class LazyGroup(click.Group):

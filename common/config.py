@@ -133,14 +133,21 @@ class ConnectionConfig:
     """Where the fleet lives: shared by every command and by the Python clients."""
 
     redis_url: str = field(default=DEFAULT_REDIS_URL, metadata=option(
-        "redis://[user:pass@]host:port/db, rediss:// for TLS.", parse=check_redis_url))
+        "redis://[user:pass@]host:port/db, rediss:// for TLS, or "
+        "redis+sentinel://host:26379[,host2:26379]/<master>/<db> to follow Sentinel failovers.", parse=check_redis_url))
     namespace: str = field(default=DEFAULT_NAMESPACE, metadata=option(
         "Key namespace: isolates fleets (tenants) on one Redis.", parse=check_namespace))
+    wait_replicas: int = field(default=0, metadata=option(
+        "An enqueue and a reply count as written only once this many replicas acknowledged them (Redis WAIT); "
+        "0: replication stays asynchronous and a failover may lose the last writes (docs/OPERATIONS.md)."))
     socket_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         check_redis_url(self.redis_url)
         check_namespace(self.namespace)
+        object.__setattr__(self, "wait_replicas", int(self.wait_replicas))
+        if self.wait_replicas < 0:
+            raise ConfigError("wait_replicas must be >= 0")
         if self.socket_timeout_s <= 1:
             raise ConfigError("socket_timeout_s must be > 1 s (blocking reads are sized below it)")
 
@@ -277,5 +284,5 @@ def connection_from_env(redis_url: str | None = None, namespace: str | None = No
 
     env = os.environ if environ is None else environ
     explicit = {"redis_url": redis_url, "namespace": namespace}
-    values = {f.name: explicit[f.name] or env.get(option_env(f)) for f in fields(ConnectionConfig) if is_option(f)}
+    values = {f.name: explicit.get(f.name) or env.get(option_env(f)) for f in fields(ConnectionConfig) if is_option(f)}
     return ConnectionConfig(**{k: v for k, v in values.items() if v})

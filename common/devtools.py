@@ -25,6 +25,7 @@ from pathlib import Path
 import redis
 
 from batchfleet.common.keys import Keys
+from batchfleet.common.redis_conn import sync_client
 
 
 def _stop_process(proc: subprocess.Popen | None, timeout_s: float) -> None:
@@ -77,7 +78,7 @@ def redis_server_binary() -> str:
 def reachable(url: str, timeout_s: float = 1.0) -> bool:
     """Whether a Redis answers PING at ``url`` within ``timeout_s``."""
     try:
-        client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        client = sync_client(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         try:
             return bool(client.ping())
         finally:
@@ -141,7 +142,7 @@ def ensure_redis(url: str) -> tuple[str, PrivateRedis | None]:
 
 def delete_namespace(redis_url: str, keys: Keys) -> int:
     """Remove every key of a namespace (demo, benchmark and test cleanup); returns how many."""
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     try:
         names = list(client.scan_iter(match=keys.pattern, count=500))
         for i in range(0, len(names), 500):
@@ -186,7 +187,7 @@ def spawn_worker(redis_url: str, namespace: str, args: Sequence[str] = (), name:
 
 def wait_for_heartbeat(redis_url: str, wp: WorkerProcess, wait_s: float) -> None:
     """Return once the worker's heartbeat key exists; a worker that does not start in time is killed."""
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)  # a Sentinel URL too
     try:
         _wait_until(lambda: bool(client.exists(wp.keys.worker(wp.name))), wp.proc, wait_s, f"worker {wp.name}", 0.1)
     except TimeoutError:

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.fleetstate import fleet_info, queue_stats
+from batchfleet.common.redis_conn import sync_client
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +39,9 @@ class QueueCollector(Collector):
     def __init__(self, conn: ConnectionConfig, buckets: Iterable[int] | None = None) -> None:
         self.keys = conn.keys
         self.buckets = tuple(buckets) if buckets is not None else None
-        self.r = redis.Redis.from_url(conn.redis_url, socket_timeout=SCRAPE_TIMEOUT_S,
-                                      socket_connect_timeout=SCRAPE_TIMEOUT_S, max_connections=2,
-                                      client_name=f"{self.keys.namespace}:metrics")
+        self.r = sync_client(conn.redis_url, socket_timeout=SCRAPE_TIMEOUT_S,  # a Sentinel URL too
+                             socket_connect_timeout=SCRAPE_TIMEOUT_S, max_connections=2,
+                             client_name=f"{self.keys.namespace}:metrics")
         self._lock = threading.Lock()  # the HTTP server may scrape from several threads
 
     def collect(self) -> Iterator[GaugeMetricFamily]:

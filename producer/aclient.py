@@ -17,13 +17,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import redis
-import redis.asyncio as aredis
 
 from batchfleet.common.config import connection_from_env
 from batchfleet.common.errors import InvalidRequest, RedisUnavailable, Timeout
 from batchfleet.common.functions import BODIES, CANCELS_MAXLEN, FUNCTION_NAMES, LIVE_WORKER_MS
 from batchfleet.common.keys import valid_inbox
 from batchfleet.common.protocol import Result
+from batchfleet.common.redis_conn import async_client, write_acked
 from batchfleet.common.retry import TRANSIENT, Backoff
 from batchfleet.producer.core import RETRY_S, Deadline, FleetView, Outgoing, Params, Prompt
 from batchfleet.producer.inbox import Inbox, WaitExpired
@@ -67,10 +67,8 @@ class AsyncClient:
         kwargs: dict[str, Any] = {"socket_timeout": self.conn.socket_timeout_s, "decode_responses": False,
                                   "socket_connect_timeout": min(self.conn.socket_timeout_s, 5.0),
                                   "client_name": self.client_name}
-        self.r = aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(
-            self.conn.redis_url, max_connections=max_connections, timeout=None, **kwargs))
-        reader = aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(
-            self.conn.redis_url, max_connections=1, timeout=None, **kwargs))
+        self.r = async_client(self.conn.redis_url, max_connections=max_connections, **kwargs)
+        reader = async_client(self.conn.redis_url, max_connections=1, **kwargs)
         self._backoff = Backoff(log, "redis", min_s=0.05, max_s=2.0)
         # the reader blocks at most half the socket timeout, so a healthy idle wait never times out
         self.inbox = Inbox(reader, self.r, self.keys.inbox(token), int(self.conn.socket_timeout_s * 500),
@@ -116,16 +114,17 @@ class AsyncClient:
     async def _function(self, name: str, keys: list[str], args: list) -> Any:
         """FCALL of a library function; EVALSHA of the same body where Redis has no functions (6.2) or the
         library is not loaded yet."""
+        n = self.conn.wait_replicas  # > 0: the write counts once n replicas have it (WAIT, same connection)
         if self._functions:
             try:
-                return await self.r.fcall(FUNCTION_NAMES[name], len(keys), *keys, *args)
+                return await write_acked(self.r, n, lambda c: c.fcall(FUNCTION_NAMES[name], len(keys), *keys, *args))
             except redis.ResponseError as exc:
                 msg = str(exc).lower()
                 if "unknown command" in msg:
                     self._functions = False
                 elif "function not found" not in msg:
                     raise
-        return await self._scripts[name](keys=keys, args=args)
+        return await write_acked(self.r, n, lambda c: self._scripts[name](keys=keys, args=args, client=c))
 
     # ---- the API -----------------------------------------------------------------------------------
     async def fleet(self, timeout: float | None = None) -> FleetView:

@@ -19,6 +19,7 @@ import redis
 from batchfleet.common.cli import connection_options
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.errors import BatchfleetError, RedisUnavailable
+from batchfleet.common.redis_conn import sync_client
 from batchfleet.common.redis_url import redact_url
 from batchfleet.producer.client import Client
 
@@ -63,8 +64,8 @@ def one_line_errors(command: F) -> F:
 
 
 def _redis(conn: ConnectionConfig) -> redis.Redis:
-    return redis.Redis.from_url(conn.redis_url, socket_timeout=conn.socket_timeout_s,
-                                socket_connect_timeout=conn.socket_timeout_s)
+    return sync_client(conn.redis_url, socket_timeout=conn.socket_timeout_s,
+                       socket_connect_timeout=conn.socket_timeout_s)
 
 
 def check_reachable(conn: ConnectionConfig) -> None:

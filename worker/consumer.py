@@ -22,6 +22,7 @@ from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.functions import load_library
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import FleetInfo
+from batchfleet.common.redis_conn import WAIT_TIMEOUT_MS, require_replicas, sync_client
 from batchfleet.common.retry import TRANSIENT, Backoff
 from batchfleet.worker import fleet
 from batchfleet.worker.bounded import BoundedReader
@@ -76,8 +77,8 @@ _DEAD_FIELDS = {b"reason", b"bucket", b"worker", b"entry_id", b"deliveries"}
 
 
 def connect(conn: ConnectionConfig) -> redis.Redis:
-    """A bytes-mode client whose socket timeout bounds every blocking call."""
-    return redis.Redis.from_url(
+    """A bytes-mode client whose socket timeout bounds every blocking call (plain or Sentinel URL)."""
+    return sync_client(
         conn.redis_url, socket_timeout=conn.socket_timeout_s, socket_connect_timeout=conn.socket_timeout_s,
         health_check_interval=30, decode_responses=False,
     )
@@ -222,7 +223,13 @@ class StreamConsumer(Transport):
         pipe = self.r.pipeline(transaction=False)
         for rep in replies:
             self._queue_reply(pipe, rep)
-        return [bool(x) for x in pipe.execute()]
+        wanted = self.conn.wait_replicas
+        if wanted:  # WAIT on the same connection: every reply above is on `wanted` replicas, else retried
+            pipe.execute_command("WAIT", wanted, WAIT_TIMEOUT_MS)
+        out = pipe.execute()
+        if wanted:  # too few: NotReplicated (transient) keeps the replies in the outbox; rewrites are idempotent
+            require_replicas(out.pop(), wanted, f"{len(replies)} replies")
+        return [bool(x) for x in out]
 
     def _queue_reply(self, pipe, rep: Reply) -> None:
         """The reply script (first writer wins, then XACK + XDEL of its entry), queued on ``pipe``."""

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from batchfleet.worker.engine.native import attention as A
-from batchfleet.worker.engine.native import cpu_kernel
+from batchfleet.worker.engine.native import cpu_kernel, memlimit
 from batchfleet.worker.engine.native.block_manager import blocks_for
 from batchfleet.worker.engine.native.model import NativeModel
 from batchfleet.worker.engine.native.scheduler import ScheduledBatch
@@ -21,12 +21,9 @@ FREE_MEMORY_FRACTION = 0.5  # of free device memory for the pool when kv_cache_g
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Free memory of ``device`` (MemAvailable on CPU)."""
+    """Free memory of ``device`` (on CPU: MemAvailable, capped by the container's cgroup limit)."""
     if device.type == "cpu":
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-        return 4 << 30
+        return memlimit.available_bytes()
     mod = getattr(torch, device.type)
     free, _total = mod.mem_get_info(device)
     return int(free)

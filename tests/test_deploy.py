@@ -1,0 +1,246 @@
+"""Deployment files agree with the code: docker-compose.yml, the Dockerfile and every deploy/k8s manifest
+are parsed (pyyaml) and checked for the settings issue #11 requires and for names (streams, group, env
+vars, ports) derived from the code, so they cannot drift. Also the cgroup-aware memory sizing. No
+Docker, no cluster."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from batchfleet.common.config import DEFAULT_BUCKETS, is_option, option_env, option_flag
+from batchfleet.common.keys import Keys
+from batchfleet.common.options import CONFIG_CLASSES
+from batchfleet.gateway.config import GatewayConfig
+from batchfleet.worker.engine.native import memlimit
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
+METRICS_PORT = 9400  # the manifests' choice (the option's default is 0 = off)
+GATEWAY_PORT = next(f.default for f in fields(GatewayConfig) if f.name == "port")
+
+
+def known_env() -> set[str]:
+    """Every environment variable a batchfleet process reads: the config fields' option_env (worker and
+    gateway)."""
+    return {option_env(f) for cls in (*CONFIG_CLASSES, GatewayConfig) for f in fields(cls) if is_option(f)}
+
+
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def manifests() -> list[dict]:
+    docs = []
+    for path in sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml"):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def of_kind(kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in manifests() if d.get("kind") == kind}
+
+
+def configmap_env() -> dict[str, str]:
+    return of_kind("ConfigMap")["batchfleet-env"]["data"]
+
+
+def container(deployment: dict) -> dict:
+    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def env_of(c: dict) -> dict[str, str | None]:
+    return {e["name"]: e.get("value") for e in c.get("env", [])}
+
+
+# ---- compose + Dockerfile ---------------------------------------------------------------------------
+def test_compose_worker_threads_cpus_memory_cache():
+    w = compose()["services"]["worker"]
+    env = w["environment"]
+    assert "BATCHFLEET_THREADS" in env
+    assert env["BATCHFLEET_THREADS"] == w["cpus"], "threads = the CPUs this worker's cgroup gets"
+    assert w["mem_limit"], "a memory limit, so the KV pool is sized from the cgroup, not the host"
+    assert env["BATCHFLEET_CACHE_DIR"] == "/cache"
+    assert any(str(v).split(":")[1] == "/cache" for v in w["volumes"] if not str(v).startswith(".")), \
+        "the /cache dir (presets, compiled kernel) is a volume"
+    assert w["stop_grace_period"] and int(str(w["stop_grace_period"]).rstrip("s")) >= 60
+
+
+def test_compose_no_sleep_race_and_healthchecks():
+    services = compose()["services"]
+    for name, svc in services.items():
+        cmd = " ".join(map(str, svc.get("command") or [])) + " ".join(map(str, svc.get("entrypoint") or []))
+        assert not re.search(r"\bsleep\b", cmd), f"{name} waits with sleep"
+    health = services["worker"]["healthcheck"]["test"]
+    assert "batchfleet.worker.health" in " ".join(health)
+    assert services["producer"]["depends_on"]["worker"]["condition"] == "service_healthy"
+    assert services["worker"]["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_compose_redis_fsyncs_every_write():
+    cmd = compose()["services"]["redis"]["command"]
+    assert cmd[cmd.index("--appendonly") + 1] == "yes"
+    assert cmd[cmd.index("--appendfsync") + 1] == "always"
+
+
+def test_compose_env_names_and_streams_match_the_code():
+    for name, svc in compose()["services"].items():
+        unknown = {k for k in svc.get("environment", {}) if k.startswith("BATCHFLEET_")} - known_env()
+        assert not unknown, f"{name}: {unknown} is not a batchfleet setting"
+        url = svc.get("environment", {}).get("BATCHFLEET_REDIS_URL")
+        if url:
+            assert urlsplit(url).hostname in compose()["services"]
+
+
+def test_dockerfile_cpu_torch_by_default_gpu_by_arg():
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r'^ARG TORCH_INDEX="https://download.pytorch.org/whl/cpu"$', text, re.M)
+    install = next(line for line in text.splitlines() if "pip install" in line and "TORCH_SPEC" in line)
+    assert '--index-url "$TORCH_INDEX"' in install
+    assert "ENV" in text and "BATCHFLEET_CACHE_DIR=/cache" in text
+    assert compose()["services"]["worker"]["build"]["args"]["TORCH_INDEX"].endswith("whl/cpu}")
+
+
+# ---- cgroup memory ------------------------------------------------------------------------------------
+def _meminfo(tmp: Path, avail_kib: int) -> Path:
+    p = tmp / "meminfo"
+    p.write_text(f"MemTotal:       99999999 kB\nMemFree:         1000 kB\nMemAvailable:   {avail_kib} kB\n")
+    return p
+
+
+def test_memory_v2_limit_caps_memavailable(tmp_path: Path):
+    root = tmp_path / "cg"
+    root.mkdir()
+    (root / "memory.max").write_text(f"{8 << 30}\n")
+    (root / "memory.current").write_text(f"{3 << 30}\n")
+    assert memlimit.available_bytes(root, _meminfo(tmp_path, 64 << 20)) == 5 << 30  # 64 GiB host, 8 GiB cgroup
+    assert memlimit.available_bytes(root, _meminfo(tmp_path, 2 << 20)) == 2 << 30  # the host is the tighter
+
+
+def test_memory_v2_max_means_no_limit(tmp_path: Path):
+    root = tmp_path / "cg"
+    root.mkdir()
+    (root / "memory.max").write_text("max\n")
+    (root / "memory.current").write_text("123\n")
+    assert memlimit.cgroup_headroom(root) is None
+    assert memlimit.available_bytes(root, _meminfo(tmp_path, 1 << 20)) == 1 << 30
+
+
+def test_memory_v1_limit_and_unlimited(tmp_path: Path):
+    root = tmp_path / "cg"
+    (root / "memory").mkdir(parents=True)
+    (root / "memory" / "memory.limit_in_bytes").write_text(f"{4 << 30}\n")
+    (root / "memory" / "memory.usage_in_bytes").write_text(f"{1 << 30}\n")
+    assert memlimit.available_bytes(root, _meminfo(tmp_path, 64 << 20)) == 3 << 30
+    (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1 "no limit"
+    assert memlimit.cgroup_headroom(root) is None
+
+
+def test_memory_without_any_source(tmp_path: Path):
+    assert memlimit.available_bytes(tmp_path / "none", tmp_path / "nomeminfo") == memlimit.FALLBACK_BYTES
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "cg" / "memory.max").write_text(f"{1 << 30}\n")
+    (tmp_path / "cg" / "memory.current").write_text(f"{2 << 30}\n")  # over the limit: nothing left, not negative
+    assert memlimit.available_bytes(tmp_path / "cg", tmp_path / "nomeminfo") == 0
+
+
+# ---- Kubernetes + KEDA: names agree with the code -----------------------------------------------------
+def test_manifests_parse_with_the_expected_objects():
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in manifests()}
+    assert {("Deployment", "batchfleet-worker"), ("Deployment", "batchfleet-gateway"), ("Service", "redis"),
+            ("Service", "batchfleet-gateway"), ("StatefulSet", "redis"), ("ScaledObject", "batchfleet-worker"),
+            ("ConfigMap", "batchfleet-env")} <= kinds
+    listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def test_keda_triggers_match_streams_and_group():
+    keys = Keys(configmap_env()["BATCHFLEET_NAMESPACE"])
+    so = of_kind("ScaledObject")["batchfleet-worker"]
+    assert so["spec"]["scaleTargetRef"]["name"] in of_kind("Deployment")
+    assert so["spec"]["minReplicaCount"] == 0
+    triggers = so["spec"]["triggers"]
+    assert all(t["type"] == "redis-streams" for t in triggers)
+    assert sorted(t["metadata"]["stream"] for t in triggers) == sorted(keys.stream(b) for b in DEFAULT_BUCKETS)
+    redis_url = urlsplit(configmap_env()["BATCHFLEET_REDIS_URL"])
+    for t in triggers:
+        md = t["metadata"]
+        assert md["consumerGroup"] == keys.group
+        assert int(md["lagCount"]) >= 1 and int(md["activationLagCount"]) >= 0
+        assert "pendingEntriesCount" not in md  # lag (undelivered) is the queue depth, pending is in flight
+        host, port = md["address"].rsplit(":", 1)
+        assert host.split(".")[0] == redis_url.hostname and int(port) == redis_url.port
+        assert int(md.get("databaseIndex", 0)) == int(redis_url.path.strip("/") or 0)
+
+
+def test_redis_manifest_aof_always_and_service_port():
+    redis_url = urlsplit(configmap_env()["BATCHFLEET_REDIS_URL"])
+    svc = of_kind("Service")[redis_url.hostname]
+    assert [p["port"] for p in svc["spec"]["ports"]] == [redis_url.port]
+    sts = of_kind("StatefulSet")["redis"]
+    args = container(sts)["args"]
+    assert args[args.index("--appendonly") + 1] == "yes" and args[args.index("--appendfsync") + 1] == "always"
+    assert sts["spec"]["volumeClaimTemplates"]
+
+
+@pytest.mark.parametrize("name", ["batchfleet-worker", "batchfleet-gateway"])
+def test_env_names_and_metrics_port(name: str):
+    dep = of_kind("Deployment")[name]
+    c = container(dep)
+    assert {r["configMapRef"]["name"] for r in c["envFrom"]} == {"batchfleet-env"}
+    env = {**configmap_env(), **env_of(c)}
+    unknown = {k for k in env if k.startswith("BATCHFLEET_")} - known_env()
+    assert not unknown, f"{name}: {unknown} is not a batchfleet setting"
+    ann = dep["spec"]["template"]["metadata"]["annotations"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ann["prometheus.io/scrape"] == "true"
+    assert int(ann["prometheus.io/port"]) == ports["metrics"] == int(env["BATCHFLEET_METRICS_PORT"]) == METRICS_PORT
+    assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+
+
+def test_worker_deployment_grace_threads_and_probe():
+    dep = of_kind("Deployment")["batchfleet-worker"]
+    spec = dep["spec"]["template"]["spec"]
+    assert spec["terminationGracePeriodSeconds"] >= 60
+    c = container(dep)
+    env = env_of(c)
+    assert env["BATCHFLEET_THREADS"] == str(c["resources"]["limits"]["cpu"])
+    assert env["BATCHFLEET_CACHE_DIR"] == "/cache"
+    assert "/cache" in [m["mountPath"] for m in c["volumeMounts"]]
+    assert "batchfleet.worker.health" in " ".join(c["readinessProbe"]["exec"]["command"])
+
+
+def test_gateway_command_and_service_ports():
+    dep = of_kind("Deployment")["batchfleet-gateway"]
+    c = container(dep)
+    args = c["args"]
+    flags = {option_flag(f) for f in fields(GatewayConfig) if is_option(f)}
+    assert {a[2:] for a in args if a.startswith("--")} <= flags, "every gateway flag exists"
+    assert args[0] == "serve" and args[args.index("--port") + 1] == str(GATEWAY_PORT)
+    assert args[args.index("--host") + 1] == "0.0.0.0"
+    assert {p["name"]: p["containerPort"] for p in c["ports"]}["http"] == GATEWAY_PORT
+    svc = of_kind("Service")["batchfleet-gateway"]
+    assert svc["spec"]["selector"] == dep["spec"]["template"]["metadata"]["labels"]
+    assert [p["targetPort"] for p in svc["spec"]["ports"]] == [GATEWAY_PORT]
+
+
+def test_health_check_sees_a_fresh_heartbeat(redis_url: str, namespace: str):
+    """The readiness check the compose healthcheck and the k8s probes run, against the real Redis."""
+    import redis
+
+    from batchfleet.worker.health import ready
+
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(namespace)
+    assert not ready(r, keys, host="podhost")
+    sec, usec = r.time()
+    now = sec * 1000 + usec // 1000
+    r.zadd(keys.workers, {"podhost-12-abc": now, "other-1-x": now, "podhost-9-old": now - 60_000})
+    assert ready(r, keys, host="podhost") and ready(r, keys, name="other-1-x")
+    assert not ready(r, keys, name="podhost-9-old") and not ready(r, keys, host="nohost")
