@@ -12,7 +12,7 @@ from batchfleet.common.keys import Keys
 from batchfleet.worker.compose import build_worker
 from batchfleet.worker.requests import Stage
 from tests.conftest import worker_config
-from tests.test_reliability_helpers import reply_of, request_fields
+from tests.test_reliability_helpers import inbox_replies, reply_of, request_fields, wait_until
 
 
 def enqueue(r: redis.Redis, keys: Keys, bucket: int, job_id: str, prompt: list[int], entry_id: str = "*",
@@ -118,3 +118,16 @@ def test_failed_prefill_step_costs_only_its_requests_in_continuous_mode(redis_ur
     finally:
         loop.stopping.set()
         loop.transport.close()
+
+
+def test_a_copy_of_an_answered_job_is_acked_without_running(start_worker, redis_url, namespace):
+    """A re-enqueued job (a resumed bulk run, a retried submit) whose answer exists is not computed again."""
+    w = start_worker(max_wait_ms=5)
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    enqueue(r, keys, 32, "twice", [1, 10, 11])
+    wait_until(lambda: r.exists(keys.done("twice")), 30, "the first copy answered")
+    batches = w.loop.counters["batches"]
+    enqueue(r, keys, 32, "twice", [1, 10, 11])
+    wait_until(lambda: w.loop.counters["duplicates"] == 1, 30, "the copy acked")
+    assert w.loop.counters["batches"] == batches and r.xlen(keys.stream(32)) == 0
+    assert len(inbox_replies(r, keys)["twice"]) == 1

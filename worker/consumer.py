@@ -259,12 +259,15 @@ class StreamConsumer(Transport):
                     continue  # malformed: nothing to cancel
         return out
 
-    def cancel_marks(self, job_ids: list[str]) -> list[str | None]:
-        """GET of each job's cancel marker (the reply key of whoever cancelled it), in one round trip."""
+    def marks(self, job_ids: list[str]) -> list[tuple[str | None, bool]]:
+        """Each job's cancel marker (the reply key of whoever cancelled it) and whether its ``done`` marker
+        exists, in one MGET."""
         if not job_ids:
             return []
-        raw = self.r.mget([self.keys.cancel(j) for j in job_ids])
-        return [v.decode(errors="replace") if v is not None else None for v in raw]
+        raw = self.r.mget([self.keys.cancel(j) for j in job_ids] + [self.keys.done(j) for j in job_ids])
+        n = len(job_ids)
+        return [(c.decode(errors="replace") if c is not None else None, d is not None)
+                for c, d in zip(raw[:n], raw[n:])]
 
     def log_batch(self, record: dict) -> None:
         """Append a batch record (worker, bucket, ids, size) to the capped audit stream."""

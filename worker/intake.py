@@ -78,10 +78,15 @@ class Intake:
         entries = self.transport.read(count=per_stream, block_ms=block_ms)
         if not entries:
             return
-        # one round trip for the whole read: jobs cancelled before any worker held them are skipped
-        marks = self.transport.cancel_marks([job_id_of(e) or "-" for e in entries])
-        for entry, mark in zip(entries, marks):
-            self._take(entry, alone=False, cancel_mark=mark)
+        # one round trip for the whole read: jobs cancelled before any worker held them are skipped, and
+        # copies of jobs answered already (re-enqueued by a resumed bulk run, a retried submit) are acked
+        marks = self.transport.marks([job_id_of(e) or "-" for e in entries])
+        for entry, (cancel_mark, done) in zip(entries, marks):
+            if done and job_id_of(entry) is not None:
+                self.counters["duplicates"] += 1
+                self.transport.ack(entry)
+                continue
+            self._take(entry, alone=False, cancel_mark=cancel_mark)
 
     def reclaim(self, now: float) -> None:
         """Take over entries whose worker went silent for claim_idle_ms (policy: worker/reclaim.py)."""

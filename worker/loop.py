@@ -62,7 +62,8 @@ class WorkerLoop:
         self.alone = False  # a request that must run alone is in the engine: nothing may join it
         self.stopping = threading.Event()
         self.counters = {"batches": 0, "completed": 0, "errors": 0, "dead_lettered": 0, "batched_requests": 0,
-                         "reclaimed": 0, "released": 0, "internal_errors": 0, "cancelled": 0, "deltas": 0}
+                         "reclaimed": 0, "released": 0, "internal_errors": 0, "cancelled": 0, "deltas": 0,
+                         "duplicates": 0}
         self.streams = StreamPublisher(decode, cfg.stream_interval_ms / 1000) if decode else None
         self.intake = Intake(cfg, transport, limits, self.batcher, self.requests, self.counters, self._send)
         self.outage = Backoff(log, "redis")

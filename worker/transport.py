@@ -97,8 +97,9 @@ class Transport(Protocol):
         """Cancel requests published since the last call (cheap; called every tick)."""
 
     @abstractmethod
-    def cancel_marks(self, job_ids: list[str]) -> list[str | None]:
-        """For each job, the reply key of a pending cancel request, else None (checked when entries are read)."""
+    def marks(self, job_ids: list[str]) -> list[tuple[str | None, bool]]:
+        """For each job: the reply key of a pending cancel request (else None), and whether it was answered
+        already (its ``done`` marker exists: a duplicate enqueue). Checked when entries are read."""
 
     @abstractmethod
     def clock_offset(self) -> float:

@@ -102,8 +102,8 @@ class MemQueue(Transport):
     def cancels(self) -> list[Cancel]:
         return []
 
-    def cancel_marks(self, job_ids: list[str]) -> list[str | None]:
-        return [None] * len(job_ids)
+    def marks(self, job_ids: list[str]) -> list[tuple[str | None, bool]]:
+        return [(None, False)] * len(job_ids)
 
     def clock_offset(self) -> float:
         return 0.0
