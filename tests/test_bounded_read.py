@@ -20,18 +20,6 @@ from batchfleet.worker.consumer import StreamConsumer
 BIG = 3 << 20  # > MAX_ENTRY_BYTES (1 MiB + 64 KiB)
 
 
-@pytest.fixture(params=["shared", "private-6.2"])
-def any_redis_url(request, redis_url):
-    if request.param == "shared":
-        yield redis_url
-        return
-    from batchfleet.common.devtools import PrivateRedis, free_port
-
-    server = PrivateRedis(port=free_port()).start()
-    yield server.url
-    server.stop()
-
-
 @pytest.fixture
 def consumers(any_redis_url):
     ns = f"br-{uuid.uuid4().hex[:6]}"

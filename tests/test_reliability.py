@@ -180,18 +180,6 @@ def test_internal_error_on_one_entry_costs_that_entry_only(loops, redis_url, nam
     assert t.loop.counters["internal_errors"] == 1 and t.thread.is_alive()
 
 
-@pytest.fixture(params=["shared", "private-6.2"])
-def any_redis_url(request, redis_url):
-    if request.param == "shared":
-        yield redis_url
-        return
-    from batchfleet.common.devtools import PrivateRedis, free_port
-
-    server = PrivateRedis(port=free_port()).start()
-    yield server.url
-    server.stop()
-
-
 def test_reclaim_follows_cursor_within_budget_and_drops_deleted(any_redis_url):
     from batchfleet.common.config import ConnectionConfig
     from batchfleet.worker.consumer import StreamConsumer
