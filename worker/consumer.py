@@ -27,6 +27,7 @@ from batchfleet.common.retry import TRANSIENT, Backoff
 from batchfleet.worker import fleet
 from batchfleet.worker.bounded import BoundedReader
 from batchfleet.worker.pending import PendingList
+from batchfleet.worker.presence import Presence
 from batchfleet.worker.transport import Cancel, Entry, FlushWatch, Reply, Transport
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,6 @@ BLOCK_SLACK_MS = 110  # Redis may end a BLOCK up to one cron tick (100 ms at hz 
 POLL_S = 0.002
 STARTUP_WAIT_S = 60.0  # setup() waits this long for Redis to come up
 
-FLEET_TTL_S = fleet.FLEET_TTL_MS // 1000  # the fleet description outlives its last heartbeat by this much
-STATUS_TTL_S = 10
 
 # KEYS: done, inbox, stream. ARGV: group, entry id ('' = none), payload, ttl seconds, job id.
 # Returns 1 when this call wrote the reply, 0 when an earlier writer already had. The inbox is a stream the
@@ -59,19 +58,6 @@ if first then return 1 end
 return 0
 """
 
-
-# KEYS: workers (zset), status key, fleet key. ARGV: name, status blob ('' = keep), status ttl, fleet ttl.
-# Redis' own clock scores liveness, so no host clock matters. Returns TIME (for this host's clock offset)
-# and whether the fleet description still existed (0: the worker publishes it again).
-_HEARTBEAT_SCRIPT = """
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[1], now_ms, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms - 86400000)
-if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'EX', tonumber(ARGV[3])) end
-local kept = redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
-return {t[1], t[2], kept}
-"""
 
 _DEAD_FIELDS = {b"reason", b"bucket", b"worker", b"entry_id", b"deliveries"}
 
@@ -100,9 +86,7 @@ class StreamConsumer(Transport):
         self.reply_ttl_s = reply_ttl_s
         self.r = connect(conn)
         self._reply = self.r.register_script(_REPLY_SCRIPT)
-        self._heartbeat = self.r.register_script(_HEARTBEAT_SCRIPT)
-        self._fleet: FleetInfo | None = None
-        self._offset = 0.0  # Redis time - time.time(), refreshed by each heartbeat
+        self.presence = Presence(self.r, self.keys, name)
         self._cancels_from = "$"  # last cancels entry seen ($: none yet; set by setup)
         self.pel = PendingList(self.r, self.keys, name, buckets)
         self._flush = FlushWatch(self._flush_counter)  # baseline taken by setup()
@@ -151,48 +135,28 @@ class StreamConsumer(Transport):
                         "(docs/SECURITY.md) or producers need EVAL", exc)
 
     def publish_fleet(self, info: FleetInfo, replace: bool = False) -> None:
-        """Join the fleet (worker/fleet.py): publish its description with a TTL unless live workers serve
-        another fingerprint (FleetConflict; ``replace`` publishes anyway). Kept for ``recover``."""
-        fleet.join(self.r, self.keys, info, self.name, replace)
-        self._fleet = info
-        self.alive()
+        """Join the fleet (worker/presence.py, worker/fleet.py): publish its description with a TTL unless live
+        workers serve another fingerprint (FleetConflict; ``replace`` publishes anyway). Kept for ``recover``."""
+        self.presence.join(info, replace)
 
     def recover(self) -> None:
         """Redis came back without our state (NOGROUP): re-create the groups and re-publish the fleet."""
         self.setup(wait_s=0)  # the loop retries with its own backoff
         self.pel.reset()
-        if self._fleet is not None:
-            try:
-                fleet.join(self.r, self.keys, self._fleet, self.name)
-            except fleet.FleetConflict as exc:  # another fleet took the namespace while Redis was away
-                log.error("%s", exc)
-        self.alive()
+        self.presence.rejoin()
 
     def heartbeat(self, status: dict) -> None:
         """The status, msgpack-encoded, under this worker's key for 10 s; marks the worker live and renews
         the fleet description's TTL."""
-        self._beat(msgpack.packb(status, use_bin_type=True))
+        self.presence.beat(msgpack.packb(status, use_bin_type=True))
 
     def alive(self) -> None:
         """Mark this worker live in the live-worker set (from any thread)."""
-        self._beat(b"")
-
-    def _beat(self, status: bytes) -> None:
-        before = time.time()
-        t = self._heartbeat(keys=[self.keys.workers, self.keys.worker(self.name), self.keys.fleet],
-                            args=[self.name, status, STATUS_TTL_S, FLEET_TTL_S])
-        after = time.time()
-        self._offset = int(t[0]) + int(t[1]) / 1e6 - (before + after) / 2
-        if int(t[2]) == 0 and self._fleet is not None:  # the description is gone (deleted, or expired)
-            try:
-                fleet.join(self.r, self.keys, self._fleet, self.name)
-                log.warning("the fleet description was missing: published it again")
-            except fleet.FleetConflict as exc:
-                log.error("%s", exc)
+        self.presence.beat(b"")
 
     def clock_offset(self) -> float:
         """Redis time minus this host's time (s), as measured by the last heartbeat."""
-        return self._offset
+        return self.presence.offset
 
     def read(self, count: int, block_ms: int | None) -> list[Entry]:
         """New entries of every bucket (up to ``count`` per stream); blocks at most ``block_ms``.
