@@ -73,6 +73,7 @@ class AsyncClient:
         # the reader blocks at most half the socket timeout, so a healthy idle wait never times out
         self.inbox = Inbox(reader, self.r, self.keys.inbox(token), int(self.conn.socket_timeout_s * 500),
                            self._backoff)
+        self.inbox.unavailable_after_s = retry_s
         self._fleet = FleetView()
         self._fleet_lock = asyncio.Lock()
         self._scripts = {name: self.r.register_script(body) for name, body in BODIES.items()}
@@ -92,10 +93,15 @@ class AsyncClient:
             left = deadline.left()
             if left == 0:
                 raise Timeout(f"{what}: Redis did not answer within {deadline.timeout:g} s")
+            if give_up is not None:  # no timeout: a frozen Redis must not hold one try past retry_s
+                left = max(0.05, give_up - time.monotonic())
             try:
                 out = await asyncio.wait_for(call(), left)
             except asyncio.TimeoutError:
-                raise Timeout(f"{what}: Redis did not answer within {deadline.timeout:g} s") from None
+                if give_up is None:
+                    raise Timeout(f"{what}: Redis did not answer within {deadline.timeout:g} s") from None
+                raise RedisUnavailable(f"{what}: Redis at {self.conn.redis_url.split('@')[-1]} did not answer "
+                                       f"for {self.retry_s:g} s") from None
             except TRANSIENT as exc:
                 if fresh:
                     fresh = False

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 
 import redis
 
-from batchfleet.common.errors import Timeout
+from batchfleet.common.errors import RedisUnavailable, Timeout
 from batchfleet.common.protocol import Delta, Result
 from batchfleet.common.retry import TRANSIENT, Backoff
 from batchfleet.producer.core import Deadline, parse_reply
@@ -52,6 +53,8 @@ class Inbox:
         self.key = key
         self.block_ms = block_ms
         self.backoff = backoff
+        self.unavailable_after_s: float | None = None  # the client's retry_s: see _wait
+        self.last_read = time.monotonic()  # the last XREAD that returned (every block_ms at most, if healthy)
         self._jobs: dict[str, _Waiter] = {}
         self._abandoned: set[str] = set()  # cancelled or given up by the caller: answers are dropped
         self._unclaimed: OrderedDict[str, Final] = OrderedDict()
@@ -98,12 +101,29 @@ class Inbox:
             taken = self._unclaimed.pop(job_id)
         else:
             waiter = self.waiter(job_id)
-            try:
-                taken = await asyncio.wait_for(asyncio.shield(waiter.final), deadline.left())
-            except asyncio.TimeoutError:
-                raise WaitExpired(f"no result for job {job_id}") from None
+            taken = await self._wait(job_id, waiter, deadline)
         self._jobs.pop(job_id, None)
         return taken
+
+    async def _wait(self, job_id: str, waiter: _Waiter, deadline: Deadline) -> Final:
+        """The waiter's final reply. With a deadline: WaitExpired when it passes. Without one: it waits as
+        long as the reader reaches Redis, and raises RedisUnavailable once Redis has been unreachable for
+        ``unavailable_after_s`` (the client's retry_s)."""
+        started = time.monotonic()
+        while True:
+            step = deadline.sooner(1.0) if self.unavailable_after_s is not None else deadline.left()
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiter.final), step)
+            except asyncio.TimeoutError:
+                if deadline.left() == 0:
+                    raise WaitExpired(f"no result for job {job_id}") from None
+                # a healthy XREAD returns at least every block_ms: longer without one is an outage (refused,
+                # or frozen: a blocked read that never returns)
+                silent = time.monotonic() - max(self.last_read, started)
+                if (deadline.timeout is None and self.unavailable_after_s is not None
+                        and silent > self.block_ms / 1000 + self.unavailable_after_s):
+                    raise RedisUnavailable(f"no result for job {job_id}: Redis unreachable for "
+                                           f"{silent:.0f} s") from None
 
     def consumed(self, entry_id: str) -> None:
         """The caller has this entry: delete it from the inbox (batched, best effort; the TTL cleans up)."""
@@ -165,6 +185,7 @@ class Inbox:
                 await asyncio.sleep(self.backoff.failed(exc))
                 continue
             self.backoff.ok()
+            self.last_read = time.monotonic()
             healthy = True
             for _stream, entries in resp or []:
                 for entry_id, fields in entries:
