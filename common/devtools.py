@@ -11,7 +11,9 @@ namespace cleanup.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -109,6 +111,12 @@ class PrivateRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def pid(self) -> int:
+        """Process id of the running server."""
+        assert self.proc is not None and self.proc.poll() is None, "redis-server is not running"
+        return self.proc.pid
+
     def start(self, timeout_s: float = 10.0) -> PrivateRedis:
         """Start (or restart, replaying an AOF left in ``dir``) and wait until it answers."""
         log = self.dir / "redis.log"
@@ -126,8 +134,18 @@ class PrivateRedis:
         """SIGKILL, as a crash would (the dir stays, so an AOF can be replayed by start())."""
         _kill_process(self.proc)
 
+    def freeze(self) -> None:
+        """SIGSTOP: the port stays open, connections are accepted by the kernel, nothing answers."""
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT after ``freeze``."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
-        """Terminate the server and remove its dir."""
+        """Terminate the server (thawed first, so SIGTERM acts at once) and remove its dir."""
+        self.thaw()
         _stop_process(self.proc, 5)
         shutil.rmtree(self.dir, ignore_errors=True)
 
