@@ -38,11 +38,12 @@ def main(cycles: int, requests: int, fsync_delay_ms: int, target: str, timeout_s
     with tempfile.TemporaryDirectory(prefix="bench-redis-crash-") as work:
         report = run_crash(plan, model, work)
     doc = report.summary()
-    print("| cycle | kill target | in fsync | calls in flight | Redis down s | first result s | in-flight drained s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| cycle | kill target | in fsync | calls in flight | of them lost | Redis down s | first result s "
+          "| in-flight drained s |")
+    print("|---|---|---|---|---|---|---|---|")
     for k, c in enumerate(doc["cycles"], 1):
-        print(f"| {k} | {c['target']} | {'yes' if c['in_fsync'] else 'no'} | {c['in_flight']} | {c['down_s']} | "
-              f"{c['first_result_s']} | {c['drained_s']} |")
+        print(f"| {k} | {c['target']} | {'yes' if c['in_fsync'] else 'no'} | {c['in_flight']} | {c['lost']} | "
+              f"{c['down_s']} | {c['first_result_s']} | {c['drained_s']} |")
     print("\n| requests | completed | lost | answered twice | wrong text | AOF: answered, never received | wall s |")
     print("|---|---|---|---|---|---|---|")
     print(f"| {doc['requests']} | {doc['completed']} | {doc['lost']} | {doc['duplicated']} | "
