@@ -2,26 +2,30 @@
 port accepts, nothing answers) or refusing connections (killed: the port is closed), ``generate(timeout=2)``
 raises batchfleet's ``Timeout`` within 3 s, and with no timeout it raises ``RedisUnavailable`` within
 ``retry_s`` + a margin; never a raw redis-py exception. For ``Client`` and ``AsyncClient``, fresh (no
-call made yet, so the fleet fetch is bounded too) and warm (after one successful call).
+call made yet, so the fleet fetch is bounded too) and warm (after one successful call); and for a
+``result`` wait already in progress when Redis goes away.
 
 One private Redis 7 (AOF, so a kill + restart keeps the fleet, the groups and the functions) and one
-worker subprocess serve the whole module; each test thaws or restarts Redis before it ends.
+worker subprocess serve the whole module; each test thaws or restarts Redis before it ends. Each call
+runs under an outer guard, so a call that blocks is reported as such instead of hanging the test.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import redis
 
-from batchfleet.common.devtools import PrivateRedis, free_port, spawn_worker
+from batchfleet.common.devtools import PrivateRedis, WorkerProcess, free_port, spawn_worker
 from batchfleet.common.options import option_args
 from batchfleet.producer import AsyncClient, Client, RedisUnavailable, Timeout
 
@@ -31,14 +35,21 @@ CALL_TIMEOUT_S = 2.0
 TIMEOUT_BOUND_S = 3.0  # the issue's acceptance: generate(timeout=2) returns within 3 s
 RETRY_S = 1.0
 RETRY_MARGIN_S = 2.5  # RedisUnavailable within retry_s + this
-WATCHDOG_S = 20.0
+GUARD_S = 8.0  # a call still blocked after this long is reported as blocked (and left to finish later)
 
 pytestmark = [pytest.mark.skipif(not Path(SYSTEM_REDIS).exists(), reason="needs the machine's Redis 7"),
-              pytest.mark.timeout(90)]
+              pytest.mark.timeout(120)]
+
+Outcome = tuple[BaseException | None, float]  # (what the call raised, None if it returned; seconds taken)
+
+
+class Blocked(AssertionError):
+    """The call neither returned nor raised within GUARD_S."""
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PrivateRedis, str]]:
+def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
+        tuple[PrivateRedis, str, WorkerProcess]]:
     server = PrivateRedis(port=free_port(), binary=SYSTEM_REDIS,
                           extra_args=("--appendonly", "yes", "--appendfsync", "always")).start()
     ns = f"to-{uuid.uuid4().hex[:8]}"
@@ -47,9 +58,10 @@ def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         "model": str(tiny_model_dir), "engine": "hf", "mode": "dynamic", "dtype": "float32", "max_seq_len": 512,
         "buckets": (32, 64), "max_wait_ms": 5}), log_path=str(log))
     try:
-        yield server, ns
+        yield server, ns, worker
     finally:
         server.thaw()
+        os.kill(worker.proc.pid, signal.SIGCONT)
         worker.stop(10)
         server.stop()
 
@@ -58,88 +70,161 @@ def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 def fault(server: PrivateRedis, kind: str) -> Iterator[None]:
     """Redis frozen (SIGSTOP) or refusing connections (SIGKILL: nothing listens on the port) inside the
     block; thawed or restarted on the same dir and port (AOF replayed) after it."""
-    watchdog = threading.Timer(WATCHDOG_S, server.thaw)  # a call that hangs must not freeze Redis for good
     if kind == "frozen":
         server.freeze()
-        watchdog.start()
     else:
         server.kill()
     try:
         yield
     finally:
-        watchdog.cancel()
         if kind == "frozen":
             server.thaw()
         else:
             server.start(timeout_s=30)
 
 
-def expect(exc_type: type[BaseException], bound_s: float, outcome: tuple[BaseException | None, float]) -> float:
+def timed_sync(call: Callable[[], object]) -> Outcome:
+    """Run a blocking call on a daemon thread, at most GUARD_S."""
+    box: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            box.append(None)
+        except BaseException as e:  # noqa: BLE001 (judged by expect)
+            box.append(e)
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(GUARD_S)
+    took = time.monotonic() - t0
+    return (box[0] if box else Blocked(f"still blocked after {took:.1f} s")), took
+
+
+async def timed_async(call: Callable[[], Awaitable[object]]) -> Outcome:
+    """Await a call, at most GUARD_S (asyncio.wait: batchfleet's Timeout is a TimeoutError, as is
+    wait_for's own, so the guard must not be told apart by exception type)."""
+    t0 = time.monotonic()
+    task = asyncio.ensure_future(call())
+    done, _ = await asyncio.wait({task}, timeout=GUARD_S)
+    took = time.monotonic() - t0
+    if not done:
+        return Blocked(f"still blocked after {took:.1f} s"), took
+    return task.exception(), took
+
+
+def expect(exc_type: type[BaseException], bound_s: float, outcome: Outcome) -> float:
     """Assert the call raised ``exc_type`` (not a redis-py error) within ``bound_s``; returns the seconds."""
     exc, took = outcome
     assert exc is not None, f"the call returned after {took:.2f} s instead of raising {exc_type.__name__}"
+    assert not isinstance(exc, Blocked), f"{exc} (expected {exc_type.__name__} within {bound_s} s)"
     assert not isinstance(exc, redis.RedisError), f"raw redis-py error after {took:.2f} s: {exc!r}"
     assert isinstance(exc, exc_type), f"{exc!r} after {took:.2f} s, expected {exc_type.__name__}"
     assert took < bound_s, f"{exc_type.__name__} after {took:.2f} s, bound {bound_s} s"
     return took
 
 
-def sync_call(server: PrivateRedis, ns: str, kind: str, warm: bool, timeout: float | None,
-              retry_s: float) -> tuple[BaseException | None, float]:
+def generate_sync(server: PrivateRedis, ns: str, kind: str, warm: bool, timeout: float | None,
+                  retry_s: float) -> Outcome:
     client = Client(server.url, ns, retry_s=retry_s)
     try:
         if warm:
             client.generate(PROMPT, max_new_tokens=2, timeout=30)
         with fault(server, kind):
-            t0 = time.monotonic()
-            try:
-                client.generate(PROMPT, max_new_tokens=2, timeout=timeout)
-                exc = None
-            except BaseException as e:  # noqa: BLE001 (judged by expect)
-                exc = e
-            took = time.monotonic() - t0
+            return timed_sync(lambda: client.generate(PROMPT, max_new_tokens=2, timeout=timeout))
     finally:
         client.close()
-    return exc, took
 
 
-def async_call(server: PrivateRedis, ns: str, kind: str, warm: bool, timeout: float | None,
-               retry_s: float) -> tuple[BaseException | None, float]:
-    async def main() -> tuple[BaseException | None, float]:
+def generate_async(server: PrivateRedis, ns: str, kind: str, warm: bool, timeout: float | None,
+                   retry_s: float) -> Outcome:
+    async def main() -> Outcome:
         client = AsyncClient(server.url, ns, retry_s=retry_s)
         try:
             if warm:
                 await client.generate(PROMPT, max_new_tokens=2, timeout=30)
             with fault(server, kind):
-                t0 = time.monotonic()
-                try:
-                    await client.generate(PROMPT, max_new_tokens=2, timeout=timeout)
-                    exc = None
-                except BaseException as e:  # noqa: BLE001 (judged by expect)
-                    exc = e
-                took = time.monotonic() - t0
+                return await timed_async(lambda: client.generate(PROMPT, max_new_tokens=2, timeout=timeout))
         finally:
             await client.aclose()
-        return exc, took
 
     return asyncio.run(main())
 
 
-CALLS = {"sync": sync_call, "async": async_call}
-CASES = [(kind, api, state) for kind in ("frozen", "refused") for api in CALLS for state in ("fresh", "warm")]
+GENERATE = {"sync": generate_sync, "async": generate_async}
+CASES = [(kind, api, state) for kind in ("frozen", "refused") for api in GENERATE for state in ("fresh", "warm")]
+
+# Found on eb32c84: with no timeout, one Redis call of AsyncClient._io (producer/aclient.py) is bounded only
+# by the socket timeout (10 s), and a redis TimeoutError is first retried at once as if a pooled connection
+# had been closed: a frozen Redis costs 2 x 10 s before RedisUnavailable, whatever retry_s says.
+FROZEN_IO_UNBOUNDED = pytest.mark.xfail(
+    strict=True, reason="frozen Redis, no timeout: each attempt in AsyncClient._io waits the 10 s socket "
+                        "timeout (not retry_s) and is retried once at once -> ~20 s")
+RETRY_CASES = [pytest.param(*case, marks=FROZEN_IO_UNBOUNDED) if case[0] == "frozen" else case for case in CASES]
 
 
 @pytest.mark.parametrize("kind,api,state", CASES)
 def test_generate_timeout_holds(fleet, kind: str, api: str, state: str) -> None:
-    server, ns = fleet
+    server, ns, _ = fleet
     took = expect(Timeout, TIMEOUT_BOUND_S,
-                  CALLS[api](server, ns, kind, state == "warm", CALL_TIMEOUT_S, retry_s=30.0))
+                  GENERATE[api](server, ns, kind, state == "warm", CALL_TIMEOUT_S, retry_s=30.0))
     print(f"\n{kind} {api} {state}: Timeout after {took:.2f} s (timeout={CALL_TIMEOUT_S})")
 
 
-@pytest.mark.parametrize("kind,api,state", CASES)
+@pytest.mark.parametrize("kind,api,state", RETRY_CASES)
 def test_no_timeout_raises_redis_unavailable_after_retry_s(fleet, kind: str, api: str, state: str) -> None:
-    server, ns = fleet
+    server, ns, _ = fleet
     took = expect(RedisUnavailable, RETRY_S + RETRY_MARGIN_S,
-                  CALLS[api](server, ns, kind, state == "warm", None, retry_s=RETRY_S))
+                  GENERATE[api](server, ns, kind, state == "warm", None, retry_s=RETRY_S))
     print(f"\n{kind} {api} {state}: RedisUnavailable after {took:.2f} s (retry_s={RETRY_S})")
+
+
+@contextmanager
+def paused(worker: WorkerProcess) -> Iterator[None]:
+    """The worker SIGSTOPped: jobs are enqueued (its heartbeat is still fresh) but not answered."""
+    os.kill(worker.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(worker.proc.pid, signal.SIGCONT)
+
+
+# Found on eb32c84: a result() wait with no timeout awaits the job's future with no bound
+# (producer/inbox.py Inbox.final: wait_for(..., deadline.left()) with left() None) while the inbox reader
+# retries forever; nothing turns a Redis outage longer than retry_s into RedisUnavailable.
+RESULT_WAIT_UNBOUNDED = pytest.mark.xfail(
+    strict=True, reason="result() with no timeout waits forever through an outage (Inbox.final has no "
+                        "retry_s bound; the reader retries without end)")
+
+
+@RESULT_WAIT_UNBOUNDED
+@pytest.mark.parametrize("kind", ["frozen", "refused"])
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_result_wait_without_timeout_raises_redis_unavailable(fleet, kind: str, api: str) -> None:
+    server, ns, worker = fleet
+    if api == "sync":
+        client = Client(server.url, ns, retry_s=RETRY_S)
+        try:
+            client.generate(PROMPT, max_new_tokens=2, timeout=30)
+            with paused(worker):
+                job = client.submit(PROMPT, max_new_tokens=2)
+                with fault(server, kind):
+                    outcome = timed_sync(lambda: client.result(job))
+        finally:
+            client.close()
+    else:
+        async def main() -> Outcome:
+            client = AsyncClient(server.url, ns, retry_s=RETRY_S)
+            try:
+                await client.generate(PROMPT, max_new_tokens=2, timeout=30)
+                with paused(worker):
+                    job = await client.submit(PROMPT, max_new_tokens=2)
+                    with fault(server, kind):
+                        return await timed_async(lambda: client.result(job))
+            finally:
+                await client.aclose()
+
+        outcome = asyncio.run(main())
+    took = expect(RedisUnavailable, RETRY_S + RETRY_MARGIN_S, outcome)
+    print(f"\nresult wait, {kind} {api}: RedisUnavailable after {took:.2f} s (retry_s={RETRY_S})")

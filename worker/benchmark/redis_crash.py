@@ -112,16 +112,17 @@ class CrashReport:
         return {o.job_id for o in self.outcomes if o.job_id} | self.warmup_ids
 
     def cycle_figures(self) -> list[dict]:
-        """Per cycle: calls in flight at the kill (and how many of them were lost), Redis down time (kill ->
-        AOF replayed and answering), first result after the restart, and when the last call in flight at
-        the kill got its result."""
+        """Per cycle: calls in flight at the kill, the calls this kill lost (failed calls count at the first
+        kill after they started), Redis down time (kill -> AOF replayed and answering), first result after
+        the restart, and when the last call in flight at the kill got its result."""
         out = []
-        for c in self.cycles:
+        for k, c in enumerate(self.cycles):
             after = [o.end - c.up_at for o in self.outcomes if o.end > c.up_at and o.error is None]
             hit = [o for o in self.outcomes if o.start < c.kill_at < o.end]
             drained = [o.end - c.up_at for o in hit if o.error is None]
+            since = self.cycles[k - 1].kill_at if k else float("-inf")
             out.append({"target": c.target, "in_fsync": c.in_fsync, "in_flight": len(hit),
-                        "lost": sum(o.error is not None for o in hit),
+                        "lost": sum(o.error is not None and o.start > since for o in hit),
                         "down_s": round(c.up_at - c.kill_at, 3),
                         "first_result_s": round(min(after), 3) if after else None,
                         "drained_s": round(max(drained), 3) if drained else None})
