@@ -7,7 +7,8 @@ and the AOF read back as the record of every write Redis made durable.
 - ``wait_in_fsync``: block until the server's main thread sits in such a delayed fsync, so a kill lands
   in that window rather than anywhere; ``wait_for_durable``: until it sits in the fsync of a write that
   holds a given command (read from the AOF's tail, which Redis wrote just before that fsync).
-- ``aof_commands``: every command of a Redis 7 multi-part AOF (``appendonlydir``), in order.
+- ``aof_commands``: every command of a Redis 7 multi-part AOF (``appendonlydir``), in order;
+  ``audit_aof``: from it, the job ids enqueued and the final replies (result/error) written per job id.
 
 Needs Linux (/proc) and strace; imports nothing from the producer or the worker.
 """
@@ -17,8 +18,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import msgpack
 
 
 def strace_binary() -> str:
@@ -196,3 +200,42 @@ def xadd_fields(args: list[bytes]) -> dict[bytes, bytes]:
             break
     rest = args[i + 1:]
     return dict(zip(rest[::2], rest[1::2]))
+
+
+FINAL_KINDS = ("result", "error")
+
+
+def final_replies(args: list[bytes], namespace: str) -> list[str]:
+    """Job ids of the final replies (result/error) a command writes in ``namespace``: an XADD to an inbox
+    stream (protocol v2) or an RPUSH/LPUSH to a reply list (protocol v1)."""
+    name = args[0].upper()
+    if len(args) < 3 or not args[1].startswith(f"{namespace}:".encode()):
+        return []
+    if name == b"XADD":
+        payloads = [p] if (p := xadd_fields(args).get(b"p")) is not None else []
+    elif name in (b"RPUSH", b"LPUSH"):
+        payloads = args[2:]
+    else:
+        return []
+    out = []
+    for raw in payloads:
+        try:
+            obj = msgpack.unpackb(raw, raw=False)
+        except Exception:  # noqa: BLE001 (a request or foreign payload: not a reply)
+            continue
+        if isinstance(obj, dict) and obj.get("kind") in FINAL_KINDS and isinstance(obj.get("id"), str):
+            out.append(obj["id"])
+    return out
+
+
+def audit_aof(redis_dir: Path, namespace: str) -> tuple[set[str], Counter]:
+    """(job ids enqueued, final replies written per job id) in the AOF of ``namespace``."""
+    enqueued: set[str] = set()
+    replies: Counter = Counter()
+    stream_prefix = f"{namespace}:stream:".encode()
+    for args in aof_commands(redis_dir):
+        if args[0].upper() == b"XADD" and len(args) > 2 and args[1].startswith(stream_prefix):
+            if (job := xadd_fields(args).get(b"id")) is not None:
+                enqueued.add(job.decode())
+        replies.update(final_replies(args, namespace))
+    return enqueued, replies

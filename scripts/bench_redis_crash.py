@@ -27,13 +27,15 @@ from batchfleet.worker.engine.models import make_preset
 @click.option("--fsync-delay-ms", type=int, default=200, show_default=True, help="strace delay on every fsync.")
 @click.option("--target", type=click.Choice(["reply", "any", "mixed"]), default="mixed", show_default=True)
 @click.option("--timeout-s", type=float, default=60.0, show_default=True, help="Every call's timeout.")
+@click.option("--claim-idle-ms", type=int, default=CrashPlan.claim_idle_ms, show_default=True,
+              help="Worker: reclaim entries pending this long (the worker default is 30000).")
 @click.option("--redis-binary", default="/usr/bin/redis-server", show_default=True)
 @click.option("--cache-dir", default="~/.cache/batchfleet/models", show_default=True, help="Tiny preset dir.")
 @click.option("--json", "json_path", default=None, help="Write the result as JSON here.")
-def main(cycles: int, requests: int, fsync_delay_ms: int, target: str, timeout_s: float, redis_binary: str,
-         cache_dir: str, json_path: str | None) -> None:
+def main(cycles: int, requests: int, fsync_delay_ms: int, target: str, timeout_s: float, claim_idle_ms: int,
+         redis_binary: str, cache_dir: str, json_path: str | None) -> None:
     plan = CrashPlan(requests=requests, cycles=cycles, fsync_delay_ms=fsync_delay_ms, target=target,
-                     timeout_s=timeout_s, redis_binary=redis_binary)
+                     timeout_s=timeout_s, claim_idle_ms=claim_idle_ms, redis_binary=redis_binary)
     model = make_preset("tiny", Path(cache_dir).expanduser())
     with tempfile.TemporaryDirectory(prefix="bench-redis-crash-") as work:
         report = run_crash(plan, model, work)
@@ -48,6 +50,8 @@ def main(cycles: int, requests: int, fsync_delay_ms: int, target: str, timeout_s
     print("|---|---|---|---|---|---|---|")
     print(f"| {doc['requests']} | {doc['completed']} | {doc['lost']} | {doc['duplicated']} | "
           f"{doc['mismatched_text']} | {doc['aof_answered_never_received']} | {doc['wall_s']} |")
+    calm = doc["undisturbed_call_s"]
+    print(f"\ncalls no kill happened during: {calm['n']}, duration p50 {calm['p50']} s, max {calm['max']} s")
     if doc["errors"]:
         print(f"\nerrors: {doc['errors']}")
     if json_path:

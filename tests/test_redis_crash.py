@@ -43,3 +43,37 @@ def test_redis_kill9_under_load_loses_nothing_and_answers_once(tiny_model_dir: P
     assert summary["aof_answered_never_received"] == 0
     assert summary["aof_enqueued_never_answered"] == 0
     assert summary["completed"] == plan.requests
+
+
+def test_aof_reading_and_reply_audit_helpers(tmp_path: Path) -> None:
+    """The audit's parsing on a hand-written AOF: options of XADD skipped, v1 and v2 replies counted,
+    deltas and requests not, a torn last command ignored (as Redis does on load)."""
+    import msgpack
+
+    from batchfleet.common.faults import aof_commands, audit_aof, xadd_fields
+
+    def resp(*args: bytes) -> bytes:
+        return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+    def pack(**obj) -> bytes:
+        return msgpack.packb(obj, use_bin_type=True)
+
+    folder = tmp_path / "appendonlydir"
+    folder.mkdir()
+    (folder / "appendonly.aof.manifest").write_text("file appendonly.aof.1.base.rdb seq 1 type b\n"
+                                                    "file appendonly.aof.1.incr.aof seq 1 type i\n")
+    (folder / "appendonly.aof.1.incr.aof").write_bytes(b"".join([
+        resp(b"SELECT", b"0"),
+        resp(b"XADD", b"ns:stream:32", b"MAXLEN", b"~", b"100", b"1-0", b"id", b"a", b"r", b"ns:inbox:x",
+             b"p", pack(id="a", prompt=[1])),
+        resp(b"XADD", b"ns:inbox:x", b"2-0", b"id", b"a", b"p", pack(kind="delta", id="a", seq=0)),
+        resp(b"XADD", b"ns:inbox:x", b"3-0", b"id", b"a", b"p", pack(kind="result", id="a")),
+        resp(b"RPUSH", b"ns:reply:b", pack(kind="error", id="b")),
+        resp(b"XADD", b"other:inbox:x", b"4-0", b"id", b"c", b"p", pack(kind="result", id="c")),
+        resp(b"XADD", b"ns:inbox:x", b"5-0", b"id", b"a", b"p", pack(kind="result", id="a"))[:-7],  # torn
+    ]))
+    commands = list(aof_commands(tmp_path))
+    assert len(commands) == 6 and commands[0] == [b"SELECT", b"0"]
+    assert xadd_fields(commands[1])[b"id"] == b"a" and xadd_fields(commands[1])[b"r"] == b"ns:inbox:x"
+    enqueued, replies = audit_aof(tmp_path, "ns")
+    assert enqueued == {"a"} and dict(replies) == {"a": 1, "b": 1}

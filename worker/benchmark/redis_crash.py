@@ -27,15 +27,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import msgpack
-
 from batchfleet.common.devtools import PrivateRedis, free_port, spawn_worker
-from batchfleet.common.faults import SlowFsync, aof_commands, wait_for_durable, wait_in_fsync, xadd_fields
+from batchfleet.common.faults import SlowFsync, audit_aof, final_replies, wait_for_durable, wait_in_fsync
 from batchfleet.common.options import option_args
 from batchfleet.producer import AsyncClient, Client
 
 AOF_ARGS = ("--appendonly", "yes", "--appendfsync", "always", "--auto-aof-rewrite-percentage", "0")
-FINAL_KINDS = ("result", "error")
 
 
 @dataclass(frozen=True)
@@ -128,14 +125,23 @@ class CrashReport:
                         "drained_s": round(max(drained), 3) if drained else None})
         return out
 
+    def undisturbed_s(self) -> list[float]:
+        """Durations of the calls no kill happened during (the yardstick for ``drained_s``: with every
+        client busy, a call waits for the queue ahead of it even without a crash)."""
+        return sorted(o.end - o.start for o in self.outcomes
+                      if o.error is None and not any(o.start < c.kill_at < o.end for c in self.cycles))
+
     def summary(self) -> dict:
         errors = Counter((o.error or "").split(":")[0] for o in self.lost)
+        calm = self.undisturbed_s()
         return {
             "requests": len(self.outcomes), "completed": len(self.outcomes) - len(self.lost),
             "lost": len(self.lost), "errors": dict(errors), "duplicated": len(self.duplicated),
             "mismatched_text": len(self.mismatched),
             "aof_enqueued_never_answered": len(self.enqueued - set(self.replies)),
             "aof_answered_never_received": len(set(self.replies) - self.received),
+            "undisturbed_call_s": {"n": len(calm), "p50": round(calm[len(calm) // 2], 3) if calm else None,
+                                   "max": round(calm[-1], 3) if calm else None},
             "cycles": self.cycle_figures(), "wall_s": round(self.wall_s, 1), "plan": asdict(self.plan),
         }
 
@@ -144,42 +150,6 @@ def prompt_of(i: int, prompts: int) -> list[int]:
     """Token ids of request ``i`` (one of ``prompts`` distinct prompts; ids valid for every preset)."""
     j = i % prompts
     return [10 + j, 100 + 3 * j, 200 + j, 50, 60 + j]
-
-
-def _final_replies(args: list[bytes], namespace: str) -> list[str]:
-    """Job ids of the final replies (result/error) a command writes in ``namespace``: an XADD to an inbox
-    stream (protocol v2) or an RPUSH/LPUSH to a reply list (protocol v1)."""
-    name = args[0].upper()
-    if len(args) < 3 or not args[1].startswith(f"{namespace}:".encode()):
-        return []
-    if name == b"XADD":
-        payloads = [p] if (p := xadd_fields(args).get(b"p")) is not None else []
-    elif name in (b"RPUSH", b"LPUSH"):
-        payloads = args[2:]
-    else:
-        return []
-    out = []
-    for raw in payloads:
-        try:
-            obj = msgpack.unpackb(raw, raw=False)
-        except Exception:  # noqa: BLE001 (a request or foreign payload: not a reply)
-            continue
-        if isinstance(obj, dict) and obj.get("kind") in FINAL_KINDS and isinstance(obj.get("id"), str):
-            out.append(obj["id"])
-    return out
-
-
-def audit_aof(redis_dir: Path, namespace: str) -> tuple[set[str], Counter]:
-    """(job ids enqueued, final replies written per job id) in the AOF of ``namespace``."""
-    enqueued: set[str] = set()
-    replies: Counter = Counter()
-    stream_prefix = f"{namespace}:stream:".encode()
-    for args in aof_commands(redis_dir):
-        if args[0].upper() == b"XADD" and len(args) > 2 and args[1].startswith(stream_prefix):
-            if (job := xadd_fields(args).get(b"id")) is not None:
-                enqueued.add(job.decode())
-        replies.update(_final_replies(args, namespace))
-    return enqueued, replies
 
 
 class _Load:
@@ -259,7 +229,7 @@ def _kill_and_restart(run: _Run, slow: SlowFsync, completed: int, target: str) -
     reply), kill -9 it, restart it on its AOF, slow it again."""
     min_stop_ms = min(20, run.plan.fsync_delay_ms / 4)
     if target == "reply":
-        in_fsync = wait_for_durable(run.server.pid, run.server.dir, lambda a: bool(_final_replies(a, run.namespace)),
+        in_fsync = wait_for_durable(run.server.pid, run.server.dir, lambda a: bool(final_replies(a, run.namespace)),
                                     min_stop_ms, timeout_s=5)
     else:
         in_fsync = wait_in_fsync(run.server.pid, min_stop_ms, timeout_s=5)
