@@ -3,7 +3,8 @@ port accepts, nothing answers) or refusing connections (killed: the port is clos
 raises batchfleet's ``Timeout`` within 3 s, and with no timeout it raises ``RedisUnavailable`` within
 ``retry_s`` + a margin; never a raw redis-py exception. For ``Client`` and ``AsyncClient``, fresh (no
 call made yet, so the fleet fetch is bounded too) and warm (after one successful call); and for a
-``result`` wait already in progress when Redis goes away.
+``result`` wait already in progress when Redis goes away (``RedisUnavailable`` within the inbox reader's
+block + ``retry_s`` + a margin).
 
 One private Redis 7 (AOF, so a kill + restart keeps the fleet, the groups and the functions) and one
 worker subprocess serve the whole module; each test thaws or restarts Redis before it ends. Each call
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.devtools import PrivateRedis, WorkerProcess, free_port, spawn_worker
 from batchfleet.common.options import option_args
 from batchfleet.producer import AsyncClient, Client, RedisUnavailable, Timeout
@@ -35,7 +37,10 @@ CALL_TIMEOUT_S = 2.0
 TIMEOUT_BOUND_S = 3.0  # the acceptance: generate(timeout=2) returns within 3 s
 RETRY_S = 1.0
 RETRY_MARGIN_S = 2.5  # RedisUnavailable within retry_s + this
-GUARD_S = 8.0  # a call still blocked after this long is reported as blocked (and left to finish later)
+# A result() wait hears from Redis through the inbox reader, whose XREAD blocks up to this long when all is
+# well, so silence means an outage only after it (a frozen Redis looks like a long block until then).
+READER_BLOCK_S = ConnectionConfig().socket_timeout_s / 2
+GUARD_S = 15.0  # a call still blocked after this long is reported as blocked (and left to finish later)
 
 pytestmark = [pytest.mark.skipif(not Path(SYSTEM_REDIS).exists(), reason="needs the machine's Redis 7"),
               pytest.mark.timeout(120)]
@@ -155,15 +160,6 @@ def generate_async(server: PrivateRedis, ns: str, kind: str, warm: bool, timeout
 GENERATE = {"sync": generate_sync, "async": generate_async}
 CASES = [(kind, api, state) for kind in ("frozen", "refused") for api in GENERATE for state in ("fresh", "warm")]
 
-# Found on eb32c84: with no timeout, one Redis call of AsyncClient._io (producer/aclient.py) is bounded only
-# by the socket timeout (10 s), and a redis TimeoutError is first retried at once as if a pooled connection
-# had been closed: a frozen Redis costs 2 x 10 s before RedisUnavailable, whatever retry_s says.
-FROZEN_IO_UNBOUNDED = pytest.mark.xfail(
-    strict=True, reason="frozen Redis, no timeout: each attempt in AsyncClient._io waits the 10 s socket "
-                        "timeout (not retry_s) and is retried once at once -> ~20 s")
-RETRY_CASES = [pytest.param(*case, marks=FROZEN_IO_UNBOUNDED) if case[0] == "frozen" else case for case in CASES]
-
-
 @pytest.mark.parametrize("kind,api,state", CASES)
 def test_generate_timeout_holds(fleet, kind: str, api: str, state: str) -> None:
     server, ns, _ = fleet
@@ -172,7 +168,7 @@ def test_generate_timeout_holds(fleet, kind: str, api: str, state: str) -> None:
     print(f"\n{kind} {api} {state}: Timeout after {took:.2f} s (timeout={CALL_TIMEOUT_S})")
 
 
-@pytest.mark.parametrize("kind,api,state", RETRY_CASES)
+@pytest.mark.parametrize("kind,api,state", CASES)
 def test_no_timeout_raises_redis_unavailable_after_retry_s(fleet, kind: str, api: str, state: str) -> None:
     server, ns, _ = fleet
     took = expect(RedisUnavailable, RETRY_S + RETRY_MARGIN_S,
@@ -190,15 +186,6 @@ def paused(worker: WorkerProcess) -> Iterator[None]:
         os.kill(worker.proc.pid, signal.SIGCONT)
 
 
-# Found on eb32c84: a result() wait with no timeout awaits the job's future with no bound
-# (producer/inbox.py Inbox.final: wait_for(..., deadline.left()) with left() None) while the inbox reader
-# retries forever; nothing turns a Redis outage longer than retry_s into RedisUnavailable.
-RESULT_WAIT_UNBOUNDED = pytest.mark.xfail(
-    strict=True, reason="result() with no timeout waits forever through an outage (Inbox.final has no "
-                        "retry_s bound; the reader retries without end)")
-
-
-@RESULT_WAIT_UNBOUNDED
 @pytest.mark.parametrize("kind", ["frozen", "refused"])
 @pytest.mark.parametrize("api", ["sync", "async"])
 def test_result_wait_without_timeout_raises_redis_unavailable(fleet, kind: str, api: str) -> None:
@@ -226,5 +213,5 @@ def test_result_wait_without_timeout_raises_redis_unavailable(fleet, kind: str, 
                 await client.aclose()
 
         outcome = asyncio.run(main())
-    took = expect(RedisUnavailable, RETRY_S + RETRY_MARGIN_S, outcome)
+    took = expect(RedisUnavailable, RETRY_S + READER_BLOCK_S + RETRY_MARGIN_S, outcome)
     print(f"\nresult wait, {kind} {api}: RedisUnavailable after {took:.2f} s (retry_s={RETRY_S})")
