@@ -54,6 +54,13 @@ class PoisonEngine:
         self._poisoned.clear()
         self.inner.reset()
 
+    def abort(self, ids: list[str]) -> list[str]:
+        self._poisoned -= set(ids)
+        return self.inner.abort(ids)
+
+    def progress(self, ids: list[str]) -> dict[str, list[int]]:
+        return self.inner.progress(ids)
+
 
 class LoopThread:
     """A real WorkerLoop in a thread; ``wrap`` may replace its engine (e.g. PoisonEngine)."""

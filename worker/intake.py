@@ -19,6 +19,7 @@ from batchfleet.common.retry import TRANSIENT
 from batchfleet.worker.batcher import Batcher
 from batchfleet.worker.readahead import cap as readahead_cap
 from batchfleet.worker.reclaim import SOLO_FROM_DELIVERY, reclaim_period_s, split_exhausted
+from batchfleet.worker.replies import error_reply
 from batchfleet.worker.requests import RequestTable, Stage
 from batchfleet.worker.transport import Entry, Reply, Transport
 from batchfleet.worker.validate import Accepted, Limits, Rejected, accept, job_id_of, reply_key_of
@@ -186,8 +187,3 @@ class Intake:
         self.counters["cancelled"] += 1
         self.send([error_reply(acc, CANCELLED, "cancelled before it started")])
 
-
-def error_reply(acc: Accepted, code: str, message: str) -> Reply:
-    """The final error reply to a held request (it settles the request's entry)."""
-    return Reply(acc.gen.id, Error(acc.gen.id, code, message).encode(), acc.entry.bucket, acc.entry.entry_id,
-                 acc.reply_key)

@@ -24,14 +24,15 @@ import redis
 
 from batchfleet.common.config import WorkerConfig
 from batchfleet.common.errors import CANCELLED, ENGINE_ERROR
-from batchfleet.common.protocol import Error, Result
+from batchfleet.common.protocol import Error
 from batchfleet.common.retry import TRANSIENT, Backoff
 from batchfleet.worker.batcher import Batcher
 from batchfleet.worker.engine.base import Completion, Engine
-from batchfleet.worker.intake import Intake, error_reply
+from batchfleet.worker.intake import Intake
 from batchfleet.worker.metrics import LoopStats
 from batchfleet.worker.readahead import ReadAhead
 from batchfleet.worker.reclaim import LeaseKeeper
+from batchfleet.worker.replies import completion_payload, error_reply
 from batchfleet.worker.requests import RequestTable, Stage
 from batchfleet.worker.streaming import StreamPublisher
 from batchfleet.worker.transport import Reply, Transport
@@ -304,11 +305,8 @@ class WorkerLoop:
         """Write the text deltas that are due for streamed requests still running (best effort)."""
         if self.streams is None:
             return
-        now = time.time()
-        due = [j for j in self.streams.due(now) if self.requests.stage(j) is Stage.RUNNING]
-        if not due:
-            return
-        deltas = self.streams.deltas(self.engine.progress(due), now)
+        deltas = self.streams.due_deltas(time.time(), lambda j: self.requests.stage(j) is Stage.RUNNING,
+                                         lambda ids: self.engine.progress(ids))
         if not deltas:
             return
         try:
@@ -332,7 +330,8 @@ class WorkerLoop:
             if self.streams is not None:
                 self.streams.forget(c.id)
             try:
-                payload = self._encode(c, acc, now)
+                payload = completion_payload(c, acc, now, self.transport.name)
+                self.counters["errors" if c.error is not None else "completed"] += 1
             except Exception as exc:  # e.g. unencodable text: answer this one with an error, keep going
                 log.exception("could not encode the result of %s", c.id,
                               extra={"job": c.id, "bucket": acc.entry.bucket})
@@ -340,21 +339,6 @@ class WorkerLoop:
                 self.counters["errors"] += 1
             replies.append(Reply(c.id, payload, acc.entry.bucket, acc.entry.entry_id, acc.reply_key))
         self._send(replies)
-
-    def _encode(self, c: Completion, acc: Accepted, now: float) -> bytes:
-        if c.error is not None:
-            self.counters["errors"] += 1
-            return Error(c.id, ENGINE_ERROR, c.error).encode()
-        t0 = acc.enqueued_at
-        payload = Result(
-            id=c.id, token_ids=c.token_ids, text=c.text, finish_reason=c.finish_reason,
-            prompt_tokens=len(acc.gen.prompt), completion_tokens=len(c.token_ids),
-            queue_ms=(c.started_at - t0) * 1000, ttft_ms=(c.first_token_at - t0) * 1000,
-            total_ms=(now - t0) * 1000, worker=self.transport.name, batch_size=c.batch_size,
-            extra={"bucket": acc.entry.bucket},
-        ).encode()
-        self.counters["completed"] += 1
-        return payload
 
     def _send(self, replies: list[Reply]) -> None:
         """Queue replies and try to write them now; on an outage they wait in the outbox (still leased)."""

@@ -60,6 +60,12 @@ class StreamPublisher:
         """Streamed requests whose next delta may be sent now."""
         return [j for j, d in self._jobs.items() if d.due_at <= now]
 
+    def due_deltas(self, now: float, running: Callable[[str], bool],
+                   progress: Callable[[list[str]], dict[str, list[int]]]) -> list[tuple[str, str, bytes]]:
+        """The deltas due now for requests still ``running``; ``progress`` (the engine's) gives their tokens."""
+        due = [j for j in self.due(now) if running(j)]
+        return self.deltas(progress(due), now) if due else []
+
     def deltas(self, progress: dict[str, list[int]], now: float) -> list[tuple[str, str, bytes]]:
         """(job id, reply key, encoded Delta) for each request in ``progress`` (its generated tokens so far)
         whose text grew since its last delta."""
