@@ -297,15 +297,6 @@ class StreamConsumer(Transport):
         """XGROUP DELCONSUMER of silent names holding nothing (``PendingList.prune_consumers``)."""
         return self.pel.prune_consumers(min_idle_ms)
 
-    def answered(self, job_ids: list[str]) -> list[bool]:
-        """EXISTS of each job's first-writer-wins ``done`` marker."""
-        if not job_ids:
-            return []
-        pipe = self.r.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.exists(self.keys.done(job_id))
-        return [bool(x) for x in pipe.execute()]
-
     # ---- static batching -------------------------------------------------------------------------
     def flush_requested(self) -> bool:
         """GET of the flush counter, at most every 50 ms; True once per change."""

@@ -76,18 +76,7 @@ class Intake:
                 return
         # COUNT applies per stream: split the room so all buckets together stay within it
         per_stream = max(1, -(-room // len(self.cfg.batching.buckets)))
-        entries = self.transport.read(count=per_stream, block_ms=block_ms)
-        if not entries:
-            return
-        # one round trip for the whole read: jobs cancelled before any worker held them are skipped, and
-        # copies of jobs answered already (re-enqueued by a resumed bulk run, a retried submit) are acked
-        marks = self.transport.marks([job_id_of(e) or "-" for e in entries])
-        for entry, (cancel_mark, done) in zip(entries, marks):
-            if done and job_id_of(entry) is not None:
-                self.counters["duplicates"] += 1
-                self.transport.ack(entry)
-                continue
-            self._take(entry, alone=False, cancel_mark=cancel_mark)
+        self._take_all(self.transport.read(count=per_stream, block_ms=block_ms), alone=lambda e: False)
 
     def reclaim(self, now: float) -> None:
         """Take over entries whose worker went silent for claim_idle_ms (policy: worker/reclaim.py)."""
@@ -112,12 +101,21 @@ class Intake:
         for e in spent:
             self.give_up(e, f"delivered {e.deliveries} times (max_deliveries {self.cfg.max_deliveries}): "
                             "its workers died or it failed every time")
-        answered = self.transport.answered([job_id_of(e) or "-" for e in keep]) or [False] * len(keep)
-        for e, done in zip(keep, answered):
-            if done:
-                self.transport.ack(e)  # answered already (a duplicate enqueue): nothing to run
-            else:
-                self._take(e, alone=e.deliveries >= SOLO_FROM_DELIVERY)
+        self._take_all(keep, alone=lambda e: e.deliveries >= SOLO_FROM_DELIVERY)
+
+    def _take_all(self, entries: list[Entry], alone: Callable[[Entry], bool]) -> None:
+        """Take read or reclaimed entries. One round trip for all of them: jobs cancelled before any worker
+        held them are answered ``cancelled``, and copies of jobs answered already (a worker died after
+        replying, a resumed bulk run, a retried submit) are acked without running."""
+        if not entries:
+            return
+        marks = self.transport.marks([job_id_of(e) or "-" for e in entries])
+        for entry, (cancel_mark, done) in zip(entries, marks):
+            if done and job_id_of(entry) is not None:
+                self.counters["duplicates"] += 1
+                self.transport.ack(entry)
+                continue
+            self._take(entry, alone=alone(entry), cancel_mark=cancel_mark)
 
     def _take(self, entry: Entry, alone: bool, cancel_mark: str | None = None) -> None:
         """Validate one entry and hold it; any failure here costs this entry only."""

@@ -138,10 +138,6 @@ class Transport(Protocol):
         each carries its delivery count."""
 
     @abstractmethod
-    def answered(self, job_ids: list[str]) -> list[bool]:
-        """Whether each job already has its reply (so a reclaimed copy need not run)."""
-
-    @abstractmethod
     def prune_consumers(self, min_idle_ms: int) -> int:
         """Forget consumer names of dead workers (nothing pending, silent ``min_idle_ms``); returns how many."""
 

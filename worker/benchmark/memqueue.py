@@ -132,9 +132,6 @@ class MemQueue(Transport):
     def reclaim(self, min_idle_ms: int, budget: int) -> list[Entry]:
         return []
 
-    def answered(self, job_ids: list[str]) -> list[bool]:
-        return [False] * len(job_ids)
-
     def release(self, entries: list[Entry], idle_ms: int, count_delivery: bool = True) -> None:
         self.hand_back(entries)
 
