@@ -42,6 +42,24 @@ def redis_now_ms(r: redis.Redis) -> int:
     return int(sec) * 1000 + int(usec) // 1000
 
 
+def _live_since_ms(sec: int | bytes, usec: int | bytes, within_ms: int) -> int:
+    return int(sec) * 1000 + int(usec) // 1000 - within_ms
+
+
+def live_workers(r: redis.Redis, keys: Keys, within_ms: int = LIVE_WORKER_MS) -> list[str]:
+    """The one live-workers query: names of workers whose last heartbeat (scored with Redis' own clock) is
+    newer than ``within_ms``. The async twin is ``live_workers_async``; client, health check, status and
+    fleet membership all ask through these."""
+    since = _live_since_ms(*r.time(), within_ms)
+    return [_decode(m) for m in r.zrangebyscore(keys.workers, since, "+inf")]
+
+
+async def live_workers_async(r, keys: Keys, within_ms: int = LIVE_WORKER_MS) -> list[str]:
+    """``live_workers`` on an asyncio redis client."""
+    since = _live_since_ms(*(await r.time()), within_ms)
+    return [_decode(m) for m in await r.zrangebyscore(keys.workers, since, "+inf")]
+
+
 def fleet_info(r: redis.Redis, keys: Keys) -> FleetInfo | None:
     """The published fleet description, or None when no live worker keeps it."""
     raw = r.get(keys.fleet)
@@ -82,6 +100,7 @@ def queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int]
 def worker_stats(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     """Every worker of the live-worker set: its last status (when its status key has not expired) plus
     ``alive`` (heartbeat within LIVE_WORKER_MS of Redis' clock) and ``seen_s`` (seconds since it)."""
+    live = set(live_workers(r, keys))
     now_ms = redis_now_ms(r)
     members = r.zrange(keys.workers, 0, -1, withscores=True)
     names = [_decode(m) for m, _ in members]
@@ -90,7 +109,7 @@ def worker_stats(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     for (name, (_, score)), raw in zip(zip(names, members), raws):
         status = msgpack.unpackb(raw, raw=False) if raw else {}
         seen_ms = max(0, now_ms - int(score))
-        out.append({**status, "name": name, "alive": seen_ms <= LIVE_WORKER_MS, "seen_s": seen_ms / 1000})
+        out.append({**status, "name": name, "alive": name in live, "seen_s": seen_ms / 1000})
     return out
 
 

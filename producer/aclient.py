@@ -20,6 +20,7 @@ import redis
 
 from batchfleet.common.config import connection_from_env
 from batchfleet.common.errors import InvalidRequest, RedisUnavailable, Timeout
+from batchfleet.common.fleetstate import live_workers_async
 from batchfleet.common.functions import BODIES, CANCELS_MAXLEN, FUNCTION_NAMES, LIVE_WORKER_MS
 from batchfleet.common.keys import valid_inbox
 from batchfleet.common.protocol import Result
@@ -221,9 +222,7 @@ class AsyncClient:
     async def live_workers(self, timeout: float = 1.0) -> int:
         """Workers with a fresh heartbeat (Redis' clock)."""
         async def count() -> int:
-            sec, usec = await self.r.time()
-            return await self.r.zcount(self.keys.workers, int(sec) * 1000 + int(usec) // 1000 - LIVE_WORKER_MS,
-                                       "+inf")
+            return len(await live_workers_async(self.r, self.keys))
         return await self._io(count, Deadline(timeout), "live workers")
 
     async def _liveness(self) -> str:

@@ -56,7 +56,7 @@ def test_fleet_runs_under_the_documented_users(tiny_model_dir, caplog):
         finally:
             worker.stop()
         assert {res.worker for res in answers} == {worker.loop.transport.name}
-        assert worker.loop.counters["internal_errors"] == 0 and worker.loop.counters["reclaimed"] >= 1
+        assert worker.loop.ledger["internal_errors"] == 0 and worker.loop.ledger["reclaimed"] >= 1
         assert worker.lease_failures == 0
         # nothing the fleet sent was refused: no NOPERM logged, nothing in Redis' ACL log
         denied = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING

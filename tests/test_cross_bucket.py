@@ -32,7 +32,7 @@ def test_every_bucket_decodes_together_token_exact(family, tmp_path, start_worke
                          **({"sliding_window": 4096} if family == "mistral" else {}))
     w = start_worker(model_dir=loaded.path, engine="native", mode=None, buckets=DEFAULT_BUCKETS, max_seq_len=4096,
                      max_prefill_tokens=256, kv_cache_gb=0.05)
-    assert w.loop.continuous
+    assert w.loop.engine.joins  # continuous: every bucket joins one decode
     prompts = [prompt(300 + i, n) for i, (n, _) in enumerate(SHAPES)]
     with Client(redis_url, namespace) as client:
         jobs = [client.submit(p, max_new_tokens=m) for p, (_, m) in zip(prompts, SHAPES)]

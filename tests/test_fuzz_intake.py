@@ -159,6 +159,6 @@ def test_fuzzed_entries_all_answered_or_dead_lettered(start_worker, redis_url, n
     run()
     print(f"\nfuzz: {totals}")
     assert totals["bad"] >= 1000 and totals["answered"] and totals["dead"]
-    assert w.thread.is_alive() and w.loop.counters["internal_errors"] == 0
+    assert w.thread.is_alive() and w.loop.ledger["internal_errors"] == 0
     assert sum(r.xlen(keys.stream(b)) for b in TEST_BUCKETS) == 0
 

@@ -47,10 +47,10 @@ def test_busy_worker_releases_queued_short_requests_to_its_idle_peer(redis_url, 
             longs = [client.result(j, timeout=120) for j in long_jobs]
             long_s = time.monotonic() - t_batch
         print(f"\nshort requests answered {short_s:.1f}s after A's long batch began (A's batch: {long_s:.1f}s); "
-              f"A handed {a.counters['handed_to_peers']} to B")
+              f"A handed {a.ledger['handed_to_peers']} to B")
         assert {res.worker for res in shorts} == {"idle-b"} and {res.worker for res in longs} == {"busy-a"}
         assert short_s < SHORT_BOUND_S and short_s < long_s  # B served them while A was still busy
-        assert a.counters["handed_to_peers"] == 16 and b.counters["reclaimed"] == 16
+        assert a.ledger["handed_to_peers"] == 16 and b.ledger["reclaimed"] == 16
         ran = [i for _, f in r.xrange(keys.batches) for i in f[b"ids"].decode().split(",")]
         assert sorted(ran) == sorted(long_jobs + short_jobs)  # each computed once: none released twice
     finally:

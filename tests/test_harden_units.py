@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.fleetstate import live_workers
 from batchfleet.common.functions import LIVE_WORKER_MS
 from batchfleet.common.keys import Keys, valid_job_id
 from batchfleet.common.protocol import FleetInfo, Request
@@ -101,7 +102,7 @@ def test_join_ignores_dead_workers_and_leave_deletes_the_fleet_when_none_is_live
     assert r.zscore(keys.workers, "a") is None  # dead names pruned
     a2 = consumer("a2")
     a2.publish_fleet(_info(buckets=(32,)))
-    assert fleet.live_workers(r, keys) == 2 and a2.live_peers() == 1
+    assert len(live_workers(r, keys)) == 2 and a2.live_peers() == 1
     a2.close()
     assert r.exists(keys.fleet)  # b is still live
     b.close()
@@ -124,10 +125,9 @@ def test_release_hands_stale_queued_entries_to_a_peer_without_counting_a_deliver
     for j in ids:
         r.xadd(keys.stream(32), {"id": j, "p": "x"})
     held = [_accepted(e) for e in busy.read(count=10, block_ms=None)]
-    table, batcher = RequestTable(), Batcher((32, 64), 8, 50)
+    table = RequestTable(Batcher((32, 64), 8, 50))
     for acc in held:
         table.queue(acc)
-        batcher.add(acc, 32, acc.enqueued_at)
     ra = ReadAhead(busy, max_wait_ms=50, claim_idle_ms=1000)
     assert ra.after_s == 1.0 and release_after_s(math.inf) == math.inf and cap(8, True) == 8 and cap(8, False) == 16
     ra.stepping(held, engine_full=True)
@@ -139,7 +139,8 @@ def test_release_hands_stale_queued_entries_to_a_peer_without_counting_a_deliver
     ra._peers = (0, -math.inf)
     assert ra.check() == 3
     assert ra.unreleased(table) == []  # the lease keeper no longer renews them
-    assert ra.stepped(batcher, table) == 3 and len(batcher) == 0 and table.snapshot == ()
+    ra.stepped()
+    assert ra.settle(table.drop) == 3 and table.take_batch(1e12, 8) is None and table.snapshot == ()
     got = idle.reclaim(min_idle_ms=1000, budget=10)
     assert sorted(e.fields[b"id"].decode() for e in got) == sorted(ids)
     assert all(e.deliveries == 1 for e in got)  # a release to balance load is not a failed delivery

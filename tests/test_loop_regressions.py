@@ -77,7 +77,7 @@ def test_reclaim_tells_equal_entry_ids_of_two_buckets_apart(redis_url, namespace
         # before the fix the orphan was filtered out as "already held" on every reclaim until its
         # delivery count ran out; now it is taken over (a redelivery runs alone) and answered
         tick_until(loop, lambda: r.exists(keys.done("orphan")), limit=200)
-        assert loop.counters["reclaimed"] == 1 and loop.counters["dead_lettered"] == 0
+        assert loop.ledger["reclaimed"] == 1 and loop.ledger["dead_lettered"] == 0
         assert answered_with_result(r, keys, "orphan")
         r.incr(keys.flush)  # close the partial static batch holding "held"
         tick_until(loop, lambda: r.exists(keys.done("held")))
@@ -114,7 +114,7 @@ def test_failed_prefill_step_costs_only_its_requests_in_continuous_mode(redis_ur
         tick_until(loop, lambda: all(r.exists(keys.done(j)) for j in ("long", "poison")), limit=2000)
         for job in ("long", "poison"):
             assert answered_with_result(r, keys, job)
-        assert loop.counters["internal_errors"] == 0
+        assert loop.ledger["internal_errors"] == 0
     finally:
         loop.stopping.set()
         loop.transport.close()
@@ -126,8 +126,8 @@ def test_a_copy_of_an_answered_job_is_acked_without_running(start_worker, redis_
     keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
     enqueue(r, keys, 32, "twice", [1, 10, 11])
     wait_until(lambda: r.exists(keys.done("twice")), 30, "the first copy answered")
-    batches = w.loop.counters["batches"]
+    batches = w.loop.ledger["batches"]
     enqueue(r, keys, 32, "twice", [1, 10, 11])
-    wait_until(lambda: w.loop.counters["duplicates"] == 1, 30, "the copy acked")
-    assert w.loop.counters["batches"] == batches and r.xlen(keys.stream(32)) == 0
+    wait_until(lambda: w.loop.ledger["duplicates"] == 1, 30, "the copy acked")
+    assert w.loop.ledger["batches"] == batches and r.xlen(keys.stream(32)) == 0
     assert len(inbox_replies(r, keys)["twice"]) == 1

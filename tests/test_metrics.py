@@ -54,7 +54,7 @@ def test_worker_metrics_under_load(start_worker, redis_url: str, namespace: str)
         # one dead letter (no usable reply key) and one invalid request: error outcomes are counted too
         r.xadd(keys.stream(TEST_BUCKETS[0]), {"id": "bad-reply-key", "r": "nope", "p": b"x"})
         r.xadd(keys.stream(TEST_BUCKETS[0]), {"id": "bad-payload", "r": raw_inbox(keys), "p": b"\xc1"})
-        wait_until(lambda: w.loop.counters["dead_lettered"] == 1 and w.loop.counters["errors"] >= 2, 30,
+        wait_until(lambda: w.loop.ledger["dead_lettered"] == 1 and w.loop.ledger["errors"] >= 2, 30,
                    "the two bad entries answered")
         m = scrape(port)
         n = len(results)
@@ -84,7 +84,7 @@ def test_worker_metrics_under_load(start_worker, redis_url: str, namespace: str)
         assert one(m, "batchfleet_time_to_first_token_seconds_sum") <= e2e
         # every served request entered the engine in exactly one prefill batch
         assert total(m, "batchfleet_batch_size_sum") == n
-        assert total(m, "batchfleet_batch_size_count") == w.loop.counters["batches"]
+        assert total(m, "batchfleet_batch_size_count") == w.loop.ledger["batches"]
         assert {dict(k)["bucket"] for k in m["batchfleet_batch_size_count"]} <= {str(b) for b in TEST_BUCKETS}
         assert 1 <= one(m, "batchfleet_decode_step_seconds_count") and one(m, "batchfleet_decode_step_seconds_sum") > 0
 

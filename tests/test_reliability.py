@@ -74,7 +74,7 @@ def test_poison_request_dead_lettered_batchmates_answered(loops, redis_url, name
     dead = [d for d in dead_letters(r, keys) if d[b"id"] == poison.encode()]
     assert len(dead) == 1 and int(dead[0][b"deliveries"]) == 2
     assert not r.exists(keys.done(poison)) or r.ttl(keys.done(poison)) > 0  # answered once (first writer wins)
-    assert t.loop.counters["released"] == 1 and t.thread.is_alive()
+    assert t.loop.ledger["released"] == 1 and t.thread.is_alive()
     assert sum(r.xlen(keys.stream(b)) for b in (32, 64, 128, 256)) == 0
     print(f"\npoison ({engine}): dead-lettered after 2 deliveries in {elapsed:.2f}s")
 
@@ -118,9 +118,9 @@ def test_queue_full_raises_at_once_and_enqueues_nothing(redis_url, namespace, ti
 
 
 def test_no_key_grows_without_bound(loops, redis_url, namespace, monkeypatch):
-    from batchfleet.worker import consumer
+    from batchfleet.worker import settle
 
-    monkeypatch.setattr(consumer, "DEAD_LETTER_MAXLEN", 20)
+    monkeypatch.setattr(settle, "DEAD_LETTER_MAXLEN", 20)
     loops(max_wait_ms=5, reply_ttl_s=30)
     r = redis.Redis.from_url(redis_url)
     keys = Keys(namespace)
@@ -177,7 +177,7 @@ def test_internal_error_on_one_entry_costs_that_entry_only(loops, redis_url, nam
             client.result(boom, timeout=10)
         assert failed.value.code == WORKER_FAILED
         assert client.generate([3, 4], max_new_tokens=2).completion_tokens == 2
-    assert t.loop.counters["internal_errors"] == 1 and t.thread.is_alive()
+    assert t.loop.ledger["internal_errors"] == 1 and t.thread.is_alive()
 
 
 def test_reclaim_follows_cursor_within_budget_and_drops_deleted(any_redis_url):

@@ -27,7 +27,6 @@ class PoisonEngine:
     def __init__(self, inner, marker: int = POISON_TOKEN) -> None:
         self.inner = inner
         self.marker = marker
-        self.accepts_joins = inner.accepts_joins
         self._poisoned: set[str] = set()
         self.failures = 0
 
@@ -46,6 +45,12 @@ class PoisonEngine:
 
     def num_active(self) -> int:
         return self.inner.num_active()
+
+    def room(self) -> int:
+        return self.inner.room()
+
+    def failed_ids(self) -> list[str]:
+        return []  # it raises before the inner engine steps: it cannot tell which requests were in the step
 
     def stats(self) -> dict[str, float]:
         return self.inner.stats()
@@ -68,9 +73,7 @@ class LoopThread:
     def __init__(self, cfg: WorkerConfig, wrap: Callable | None = None) -> None:
         from batchfleet.worker.compose import build_worker
 
-        self.loop: WorkerLoop = build_worker(cfg)
-        if wrap is not None:
-            self.loop.engine = wrap(self.loop.engine)
+        self.loop: WorkerLoop = build_worker(cfg, wrap_engine=wrap)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()

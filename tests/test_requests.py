@@ -4,13 +4,15 @@ Pure: no Redis, no engine."""
 from __future__ import annotations
 
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import Request
+from batchfleet.common.protocol import Error, Request
+from batchfleet.worker.batcher import Batcher
 from batchfleet.worker.requests import RequestTable, Stage
 from batchfleet.worker.transport import Entry, Reply
 from batchfleet.worker.validate import Accepted, Limits, accept
 
 KEYS = Keys("t")
 INBOX = KEYS.inbox("client0123456789")
+LATER = 1e12  # every batch has closed by age
 
 
 def acc(job_id: str, bucket: int = 32, entry_id: str | None = None) -> Accepted:
@@ -19,6 +21,10 @@ def acc(job_id: str, bucket: int = 32, entry_id: str | None = None) -> Accepted:
     out = accept(entry, KEYS, Limits(max_seq_len=64, vocab_size=320), now=2.0)
     assert isinstance(out, Accepted)
     return out
+
+
+def table() -> RequestTable:
+    return RequestTable(Batcher((32, 64), 8, 50))
 
 
 def ids(accs: list[Accepted]) -> list[str]:
@@ -30,11 +36,11 @@ def snap(table: RequestTable) -> list[tuple[int, str]]:
 
 
 def reply(job_id: str, bucket: int = 32) -> Reply:
-    return Reply(job_id, b"payload", bucket, f"{job_id}-0", INBOX)
+    return Reply(job_id, Error(job_id, "cancelled", "test"), bucket, f"{job_id}-0", INBOX)
 
 
 def test_stages_follow_a_request_from_queue_to_answer():
-    t = RequestTable()
+    t = table()
     a, b, c = acc("a"), acc("b", bucket=64), acc("c")
     t.queue(a)
     t.queue(b)
@@ -42,9 +48,9 @@ def test_stages_follow_a_request_from_queue_to_answer():
     assert [t.stage(j) for j in "abcx"] == [Stage.QUEUED, Stage.QUEUED, Stage.SOLO, None]
     assert [t.count(s) for s in Stage] == [2, 1, 0, 0]
     assert snap(t) == [(32, "a-0"), (64, "b-0"), (32, "c-0")]
-    t.start([a, b])
+    assert ids(t.take_batch(LATER, 8)) == ["a"] and ids(t.take_batch(LATER, 8)) == ["b"]  # buckets never mix
+    assert t.take_batch(LATER, 8) is None
     assert ids(t.of(Stage.RUNNING)) == ["a", "b"] and ids(t.of(Stage.QUEUED)) == []
-    assert t.first_alone() is c
     assert t.finish("a") is a and t.stage("a") is None
     t.answer([reply("a")])
     assert t.stage("a") is Stage.OUTBOX and t.outbox == (reply("a"),)
@@ -55,57 +61,60 @@ def test_stages_follow_a_request_from_queue_to_answer():
 
 
 def test_duplicate_check_covers_held_stages_but_not_the_outbox():
-    t = RequestTable()
+    t = table()
     t.queue(acc("q"))
     t.queue(acc("s"), alone=True)
     t.queue(acc("r"))
-    t.start([acc("r")])
+    t.drop("q")
+    assert ids(t.take_batch(LATER, 8)) == ["r"]
+    t.queue(acc("q"))
     t.answer([reply("o")])
     assert [t.holds(j) for j in ("q", "s", "r", "o", "x")] == [True, True, True, False, False]
-    t.start([t.first_alone()])  # a request running alone is still held
-    assert t.holds("s") and t.stage("s") is Stage.RUNNING and t.first_alone() is None
+    assert t.take_alone().gen.id == "s"  # a request running alone is still held
+    assert t.holds("s") and t.stage("s") is Stage.RUNNING and t.take_alone() is None
 
 
 def test_failed_batch_members_run_alone_in_start_order():
-    t = RequestTable()
+    t = table()
     batch = [acc("x"), acc("y"), acc("z")]
     t.queue(acc("w"), alone=True)
     for a in batch:
         t.queue(a)
-    t.start(batch)
+    assert ids(t.take_batch(LATER, 8)) == ["x", "y", "z"]
     t.run_alone(t.of(Stage.RUNNING))
     assert ids(t.of(Stage.SOLO)) == ["w", "x", "y", "z"] and t.count(Stage.RUNNING) == 0
-    assert t.first_alone().gen.id == "w"
     assert t.drop("y").gen.id == "y" and t.drop("y") is None
     assert ids(t.of(Stage.SOLO)) == ["w", "x", "z"]
 
 
 def test_unstarted_entries_are_handed_back_queued_first_then_solo():
-    t = RequestTable()
+    t = table()
     t.queue(acc("s1"), alone=True)
     t.queue(acc("q1"))
     t.queue(acc("r1"))
     t.queue(acc("q2", bucket=64))
-    t.start([acc("r1")])
+    t.drop("q1")
+    assert ids(t.take_batch(LATER, 1)) == ["r1"]
+    t.queue(acc("q1"))
     t.answer([reply("done")])
-    assert [(e.bucket, e.entry_id) for e in t.unstarted()] == [(32, "q1-0"), (64, "q2-0"), (32, "s1-0")]
+    assert [(e.bucket, e.entry_id) for e in t.unstarted()] == [(64, "q2-0"), (32, "q1-0"), (32, "s1-0")]
     t.forget_unstarted()
     assert t.unstarted() == [] and [t.count(s) for s in Stage] == [0, 0, 1, 1]
     assert snap(t) == [(32, "r1-0"), (32, "done-0")]
 
 
 def test_snapshot_is_replaced_never_mutated():
-    t = RequestTable()
+    t = table()
     t.queue(acc("a"))
     before = t.snapshot
-    t.start([acc("a")])
+    t.take_batch(LATER, 8)
     t.finish("a")
     assert before == (acc("a").entry,) and t.snapshot == () and before is not t.snapshot
     assert isinstance(t.snapshot, tuple)
 
 
 def test_outbox_may_hold_several_replies_for_one_job_and_forgets_only_what_was_written():
-    t = RequestTable()
+    t = table()
     t.answer([reply("j"), reply("k")])
     t.answer([reply("j", bucket=64)])
     assert [(r.job_id, r.bucket) for r in t.outbox] == [("j", 32), ("k", 32), ("j", 64)]
@@ -113,3 +122,19 @@ def test_outbox_may_hold_several_replies_for_one_job_and_forgets_only_what_was_w
     t.answer([reply("late")])  # arrives while the first three are being written
     t.written(len(written))
     assert [r.job_id for r in t.outbox] == ["late"] and t.count(Stage.OUTBOX) == 1
+
+
+def test_queued_requests_and_their_batches_change_together():
+    t = table()
+    a, b, c, d = acc("a"), acc("b"), acc("c"), acc("d", bucket=64)
+    for x in (a, b, c, d):
+        t.queue(x)
+    assert t.drop("b") is b and t.stage("b") is None  # dropped from its batch too
+    assert t.expire(lambda x: x.gen.id == "c") == [c] and t.count(Stage.QUEUED) == 2
+    assert ids(t.take_batch(LATER, 8)) == ["a"]
+    t.requeue([a])  # a bystander of a failed step: back in its batch
+    assert t.stage("a") is Stage.QUEUED and ids(t.take_batch(LATER, 8)) == ["a"]
+    assert ids(t.take_batch(LATER, 8)) == ["d"] and t.take_batch(LATER, 8) is None
+    t.queue(acc("e"))
+    t.forget_unstarted()
+    assert t.take_batch(LATER, 8) is None and t.next_deadline() is None

@@ -46,7 +46,7 @@ def test_multibyte_characters_never_split_at_a_delta_boundary(start_worker, redi
     assert len(texts) > 6, "stream_interval_ms=0: a delta per step with text"
     assert all("\ufffd" not in t for t in texts)
     # one step = one token = one byte: a delta per step would cut characters if text were not held back
-    assert w.loop.counters["deltas"] >= len(texts) - 1
+    assert w.loop.ledger["deltas"] >= len(texts) - 1
 
 
 def test_cancel_running_frees_kv_at_once_batchmates_unchanged(start_worker, redis_url, namespace):
@@ -83,7 +83,7 @@ def test_cancel_running_frees_kv_at_once_batchmates_unchanged(start_worker, redi
         assert len(seen) == 1 and len(freed) == 1 and freed[0][0] == seen[0] and freed[0][2] < freed[0][1]
         assert victim not in {s.id for s in engine.scheduler.running}
         assert [client.result(j, timeout=30).token_ids for j in mates] == [r.token_ids for r in alone]
-    assert w.loop.counters["cancelled"] == 1
+    assert w.loop.ledger["cancelled"] == 1
     wait_until(lambda: w.loop.engine.stats()["kv_blocks_used"] == 0, 10, "every block freed")
 
 
@@ -99,10 +99,10 @@ def test_cancel_before_it_runs_and_closing_a_stream(start_worker, redis_url, nam
         w2 = start_worker(**NATIVE)
         with pytest.raises(Cancelled):
             client.result(job, timeout=30)
-        assert w2.loop.counters["cancelled"] == 1 and w2.loop.counters["completed"] == 0
+        assert w2.loop.ledger["cancelled"] == 1 and w2.loop.ledger["completed"] == 0
         stream = client.stream("closing early", max_new_tokens=400)
         first = next(iter(stream))
         assert first.text or first.token_ids
         stream.close()  # cancels the job
-        wait_until(lambda: w2.loop.counters["cancelled"] == 2, 30, "the stream's job cancelled")
+        wait_until(lambda: w2.loop.ledger["cancelled"] == 2, 30, "the stream's job cancelled")
         assert client.generate("still fine", max_new_tokens=3).completion_tokens == 3

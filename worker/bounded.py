@@ -18,6 +18,7 @@ So a worker holds at most: one raw entry (while it is cut down) + ``READ_BUDGET_
 from __future__ import annotations
 
 from batchfleet.common.protocol import MAX_PAYLOAD_BYTES
+from batchfleet.worker.scripts import WorkerScripts
 from batchfleet.worker.transport import Entry
 
 MAX_ENTRY_BYTES = MAX_PAYLOAD_BYTES + 64 * 1024  # payload + id, reply key and field names, with room to spare
@@ -26,83 +27,6 @@ KEEP_FIELDS = 32  # names + values kept of a too-large entry (16 pairs, as the d
 KEEP_BYTES = 4096
 READ_BUDGET_BYTES = 4 << 20  # whole entries returned by one script call
 SCAN_BUDGET_BYTES = 64 << 20  # raw entry bytes one script call looks at (its Lua heap)
-
-# Shared by both scripts: cut one entry down when it is too large. Returns fields, oversize (0 = whole),
-# bytes it adds to the reply. A dropped big string is collected at once, so the Lua heap stays small.
-_SHRINK = """
-local function shrink(f, max_entry, max_fields, keep_fields, keep_bytes)
-  local size = 0
-  for j = 1, #f do size = size + #f[j] end
-  if size <= max_entry and #f <= max_fields then return f, 0, size end
-  local kept = {}
-  for j = 1, math.min(#f, keep_fields) do kept[j] = string.sub(f[j], 1, keep_bytes) end
-  return kept, math.max(size, 1), keep_fields * keep_bytes
-end
-"""
-
-# KEYS: bucket streams. ARGV: group, consumer, count per stream, max_entry, max_fields, keep_fields,
-# keep_bytes, read budget, scan budget.
-# Returns {{stream, {{id, fields, oversize}, ...}}, ...} like XREADGROUP, plus each entry's oversize.
-READ = _SHRINK + """
-local out = {}
-local returned, scanned = 0, 0
-local count, budget, scan_budget = tonumber(ARGV[3]), tonumber(ARGV[8]), tonumber(ARGV[9])
-for i = 1, #KEYS do
-  local got = {}
-  for _ = 1, count do
-    if returned >= budget or scanned >= scan_budget then break end
-    local ok, r = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[i], '>')
-    if not ok then
-      -- what was read so far stays pending on us: hand it over; the error shows on the next call
-      if #got > 0 then out[#out + 1] = {KEYS[i], got} end
-      if #out > 0 then return out end
-      return redis.error_reply(r.err or tostring(r))
-    end
-    if not r then break end
-    local e = r[1][2][1]
-    local fields, oversize, size = shrink(e[2], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]),
-                                          tonumber(ARGV[7]))
-    scanned = scanned + math.max(size, oversize)
-    returned = returned + size
-    got[#got + 1] = {e[1], fields, oversize}
-    r, e = nil, nil
-    if oversize > 0 then collectgarbage() end
-  end
-  if #got > 0 then out[#out + 1] = {KEYS[i], got} end
-end
-return out
-"""
-
-# KEYS: stream. ARGV: group, consumer, min idle ms, start cursor, count, max_entry, max_fields, keep_fields,
-# keep_bytes, read budget, scan budget.
-# Returns {next cursor, {{id, fields or false, oversize}, ...}, deleted count}: XAUTOCLAIM one entry at a
-# time (so the Lua heap holds one raw entry), until count, the budgets, or the end of the pending list.
-AUTOCLAIM = _SHRINK + """
-local out, deleted = {}, 0
-local returned, scanned = 0, 0
-local cursor = ARGV[4]
-local count, budget, scan_budget = tonumber(ARGV[5]), tonumber(ARGV[10]), tonumber(ARGV[11])
-while #out < count and returned < budget and scanned < scan_budget do
-  local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], cursor, 'COUNT', 1)
-  cursor = r[1]
-  if r[3] then deleted = deleted + #r[3] end
-  local e = r[2][1]
-  r = nil
-  if e then
-    local fields, oversize, size = shrink(e[2], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]),
-                                          tonumber(ARGV[9]))
-    scanned = scanned + math.max(size, oversize)
-    returned = returned + size
-    out[#out + 1] = {e[1], fields, oversize}
-    e = nil
-    if oversize > 0 then collectgarbage() end
-  elseif e == false then
-    out[#out + 1] = {'', false, 0}  -- Redis 6.2 reports an entry deleted while pending as nil
-  end
-  if cursor == '0-0' then break end
-end
-return {cursor, out, deleted}
-"""
 
 LIMIT_ARGS = (MAX_ENTRY_BYTES, MAX_FIELDS, KEEP_FIELDS, KEEP_BYTES, READ_BUDGET_BYTES, SCAN_BUDGET_BYTES)
 
@@ -136,15 +60,15 @@ def shrink(entry: Entry) -> Entry:
 
 
 class BoundedReader:
-    """``XREADGROUP`` of a consumer over its bucket streams, through ``READ`` (see the module docstring)."""
+    """``XREADGROUP`` of a consumer over its bucket streams through the ``READ`` script (module docstring)."""
 
-    def __init__(self, r, group: str, consumer: str, streams: dict[str, int]) -> None:
+    def __init__(self, r, scripts: WorkerScripts, group: str, consumer: str, streams: dict[str, int]) -> None:
         self.r = r
         self.group = group
         self.consumer = consumer
         self.bucket_of = {s.encode(): b for s, b in streams.items()}
         self.stream_keys = list(streams)
-        self._script = r.register_script(READ)
+        self._script = scripts.read
 
     def read(self, count: int, block_ms: int | None) -> list[Entry]:
         """Up to ``count`` new entries per stream. When there are none and ``block_ms`` is not None, waits
@@ -174,11 +98,6 @@ class BoundedReader:
 
     def _bucket(self, stream: bytes | str) -> int:
         return self.bucket_of[stream if isinstance(stream, bytes) else stream.encode()]
-
-
-def autoclaim_script(r):
-    """``AUTOCLAIM`` registered on client ``r``; call with keys=[stream] and ``autoclaim_args``."""
-    return r.register_script(AUTOCLAIM)
 
 
 def autoclaim_args(group: str, consumer: str, min_idle_ms: int, cursor: str, count: int) -> list:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -67,16 +68,19 @@ def chat_template_of(tokenizer) -> str:
     return template if isinstance(template, str) else ""
 
 
-def build_worker(cfg: WorkerConfig, transport: Transport | None = None,
-                 loaded: LoadedModel | None = None) -> WorkerLoop:
+def build_worker(cfg: WorkerConfig, transport: Transport | None = None, loaded: LoadedModel | None = None,
+                 wrap_engine: Callable[[Engine], Engine] | None = None) -> WorkerLoop:
     """Everything a worker needs, wired; does not start serving.
 
     ``transport`` replaces the Redis StreamConsumer (the benchmark's in-process transport); ``loaded``
-    replaces loading ``cfg``'s model (a model built in memory, e.g. the GPU benchmark's random weights).
+    replaces loading ``cfg``'s model (a model built in memory, e.g. the GPU benchmark's random weights);
+    ``wrap_engine`` wraps the engine built (tests: a fault-injecting wrapper).
     """
     if loaded is None:
         loaded = load_model(resolve_model_path(cfg), cfg.engine.device, cfg.engine.dtype)
     engine = build_engine(cfg.engine, cfg.batching, loaded)
+    if wrap_engine is not None:
+        engine = wrap_engine(engine)
     if transport is None:
         transport = StreamConsumer(cfg.connection, cfg.batching.buckets, cfg.name or default_consumer_name(),
                                     cfg.reply_ttl_s)

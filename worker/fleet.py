@@ -20,58 +20,9 @@ import json
 from batchfleet.common.functions import LIVE_WORKER_MS
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import FleetInfo
+from batchfleet.worker.scripts import WorkerScripts
 
 FLEET_TTL_MS = 3 * LIVE_WORKER_MS  # the fleet key outlives its last heartbeat by this much
-
-_NOW_MS = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-
-# KEYS: fleet, workers. ARGV: encoded FleetInfo, its fingerprint, worker name, live window ms, ttl ms,
-# replace ('1'/'0'). Returns {1} when published, {0, published fingerprint, live workers other than us}.
-_JOIN = _NOW_MS + """
-local since = now - tonumber(ARGV[4])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. since)  -- dead workers' names
-if ARGV[6] ~= '1' then
-  local cur = redis.call('GET', KEYS[1])
-  if cur then
-    local ok, obj = pcall(cmsgpack.unpack, cur)
-    local fp = ''
-    if ok and type(obj) == 'table' and type(obj.fingerprint) == 'string' then fp = obj.fingerprint end
-    if fp ~= ARGV[2] then
-      local others = 0
-      for _, w in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], since, '+inf')) do
-        if w ~= ARGV[3] then others = others + 1 end
-      end
-      if others > 0 then return {0, fp, others} end
-    end
-  end
-end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[5]))
-redis.call('ZADD', KEYS[2], now, ARGV[3])
-return {1}
-"""
-
-# KEYS: fleet, workers. ARGV: worker name, live window ms. Returns 1 when the fleet key was deleted.
-_LEAVE = _NOW_MS + """
-redis.call('ZREM', KEYS[2], ARGV[1])
-if redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[2]), '+inf') == 0 then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
-"""
-
-
-# KEYS: workers. ARGV: live window ms, name to leave out. Returns how many others are live.
-_LIVE = _NOW_MS + """
-local n = 0
-for _, w in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now - tonumber(ARGV[1]), '+inf')) do
-  if w ~= ARGV[2] then n = n + 1 end
-end
-return n
-"""
 
 
 class FleetConflict(RuntimeError):
@@ -98,11 +49,11 @@ def describe(info: FleetInfo) -> str:
             f"vocab {info.vocab_size}, fingerprint {info.fingerprint or '(none)'}")
 
 
-def join(r, keys: Keys, info: FleetInfo, name: str, replace: bool = False) -> None:
+def join(r, scripts: WorkerScripts, keys: Keys, info: FleetInfo, name: str, replace: bool = False) -> None:
     """Publish ``info`` (with a TTL) and mark this worker live, unless live workers serve another
     fingerprint: then raise FleetConflict (``replace`` publishes anyway: the operator is replacing the
-    fleet). ``r`` is a redis-py client."""
-    res = r.register_script(_JOIN)(keys=[keys.fleet, keys.workers], args=[
+    fleet). ``r`` is the redis-py client ``scripts`` are registered on."""
+    res = scripts.join(keys=[keys.fleet, keys.workers], args=[
         info.encode(), info.fingerprint, name, LIVE_WORKER_MS, FLEET_TTL_MS, "1" if replace else "0"])
     if int(res[0]) == 1:
         return
@@ -116,12 +67,8 @@ def join(r, keys: Keys, info: FleetInfo, name: str, replace: bool = False) -> No
         f"worker [{describe(info)}]; stop them first or start with --replace-fleet")
 
 
-def leave(r, keys: Keys, name: str) -> bool:
+def leave(scripts: WorkerScripts, keys: Keys, name: str) -> bool:
     """Drop this worker from the live set; delete the fleet description when no live worker remains.
     Returns whether it was deleted."""
-    return bool(r.register_script(_LEAVE)(keys=[keys.fleet, keys.workers], args=[name, LIVE_WORKER_MS]))
+    return bool(scripts.leave(keys=[keys.fleet, keys.workers], args=[name, LIVE_WORKER_MS]))
 
-
-def live_workers(r, keys: Keys, exclude: str = "") -> int:
-    """How many workers heartbeat within the live window (Redis' clock), ``exclude`` left out."""
-    return int(r.register_script(_LIVE)(keys=[keys.workers], args=[LIVE_WORKER_MS, exclude]))

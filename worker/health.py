@@ -15,19 +15,11 @@ import sys
 import redis
 
 from batchfleet.common.config import connection_from_env
-from batchfleet.common.functions import LIVE_WORKER_MS
+from batchfleet.common.fleetstate import live_workers
 from batchfleet.common.keys import Keys
 from batchfleet.common.redis_conn import sync_client
 
-FRESH_MS = 10_000  # heartbeats come every 2 s; 10 s without one is not ready (LIVE_WORKER_MS is 30 s)
-
-
-def live_workers(r: redis.Redis, keys: Keys, within_ms: int = LIVE_WORKER_MS) -> list[str]:
-    """Names of workers whose last heartbeat (Redis time) is newer than ``within_ms``."""
-    sec, usec = r.time()
-    now_ms = int(sec) * 1000 + int(usec) // 1000
-    return [m.decode() if isinstance(m, bytes) else m
-            for m in r.zrangebyscore(keys.workers, now_ms - within_ms, "+inf")]
+FRESH_MS = 10_000  # heartbeats come every 2 s; 10 s without one is not ready (the live window is 30 s)
 
 
 def ready(r: redis.Redis, keys: Keys, name: str | None = None, host: str | None = None,

@@ -16,7 +16,7 @@ from batchfleet.common.config import WorkerConfig
 from batchfleet.common.errors import CANCELLED, DEADLINE_EXCEEDED, WORKER_FAILED
 from batchfleet.common.protocol import Error
 from batchfleet.common.retry import TRANSIENT
-from batchfleet.worker.batcher import Batcher
+from batchfleet.worker.ledger import Ledger
 from batchfleet.worker.readahead import cap as readahead_cap
 from batchfleet.worker.reclaim import SOLO_FROM_DELIVERY, reclaim_period_s, split_exhausted
 from batchfleet.worker.replies import error_reply
@@ -34,14 +34,13 @@ FULL_SLEEP_MAX_S = 0.5  # with no room to read and nothing running, sleep at mos
 class Intake:
     """Feeds the request table and the batcher from the transport; answers what cannot run."""
 
-    def __init__(self, cfg: WorkerConfig, transport: Transport, limits: Limits, batcher: Batcher[Accepted],
-                 requests: RequestTable, counters: dict[str, int], send: Callable[[list[Reply]], None]) -> None:
+    def __init__(self, cfg: WorkerConfig, transport: Transport, limits: Limits, requests: RequestTable,
+                 ledger: Ledger, send: Callable[[list[Reply]], None]) -> None:
         self.cfg = cfg
         self.transport = transport
         self.limits = limits
-        self.batcher = batcher
-        self.requests = requests
-        self.counters = counters  # shared with the loop: errors, dead_lettered, reclaimed, internal_errors
+        self.requests = requests  # the one owner of held requests (worker/requests.py)
+        self.ledger = ledger  # answers are counted by the ledger as they enter the outbox; events noted here
         self.send = send  # replies go to the outbox and are written when the transport takes them
         self.next_reclaim = 0.0  # time.time() of the next reclaim (tests set 0 to force one)
         self.next_prune = 0.0
@@ -60,15 +59,15 @@ class Intake:
         room = self.room()
         busy = engine_busy or self.requests.count(Stage.SOLO) > 0
         if room <= 0:
-            deadline = self.batcher.next_deadline()
+            deadline = self.requests.next_deadline()
             if not busy and deadline is not None and deadline > now:
                 time.sleep(min(deadline - now, FULL_SLEEP_MAX_S))
             return
         if busy:
             block_ms: int | None = None
         else:
-            deadline = self.batcher.next_deadline()
-            if deadline is None and self.batcher.static and len(self.batcher):
+            deadline = self.requests.next_deadline()
+            if deadline is None and self.requests.static and self.requests.count(Stage.QUEUED):
                 deadline = now + 0.05  # poll the flush counter while a partial static batch waits
             block_ms = self.transport.max_block_ms if deadline is None else int((deadline - now) * 1000) + 1
             block_ms = min(block_ms, int(reclaim_period_s(self.cfg.claim_idle_ms) * 1000) + 1)
@@ -95,7 +94,7 @@ class Intake:
                    if (e.bucket, e.entry_id) not in held]
         if not entries:
             return
-        self.counters["reclaimed"] += len(entries)
+        self.ledger.note("reclaimed", len(entries))
         log.info("reclaimed %d entries left pending by a silent worker", len(entries))
         keep, spent = split_exhausted(entries, self.cfg.max_deliveries)
         for e in spent:
@@ -112,7 +111,7 @@ class Intake:
         marks = self.transport.marks([job_id_of(e) or "-" for e in entries])
         for entry, (cancel_mark, done) in zip(entries, marks):
             if done and job_id_of(entry) is not None:
-                self.counters["duplicates"] += 1
+                self.ledger.note("duplicates")
                 self.transport.ack(entry)
                 continue
             self._take(entry, alone=alone(entry), cancel_mark=cancel_mark)
@@ -125,19 +124,16 @@ class Intake:
                 self._reject(outcome)
                 return
             if cancel_mark is not None and cancel_mark == outcome.reply_key:
-                self.counters["cancelled"] += 1
                 self.send([error_reply(outcome, CANCELLED, "cancelled before it started")])
                 return
             if self.requests.holds(outcome.gen.id):
                 self.transport.ack(entry)  # same job enqueued twice: the copy we hold answers for both
                 return
             self.requests.queue(outcome, alone=alone)
-            if not alone:
-                self.batcher.add(outcome, entry.bucket, outcome.enqueued_at)
         except TRANSIENT:
             raise  # the entry stays pending; it is read again after the outage (reclaim)
         except Exception as exc:
-            self.counters["internal_errors"] += 1
+            self.ledger.note("internal_errors")
             log.exception("internal error on entry %s; dead-lettering it", entry.entry_id,
                           extra={"job": job_id_of(entry), "bucket": entry.bucket})
             self.give_up(entry, f"internal error while validating: {exc!r}"[:500])
@@ -146,8 +142,7 @@ class Intake:
         if rej.error is None:  # no usable id: nobody to answer
             self.give_up(rej.entry, rej.reason)
             return
-        self.counters["errors"] += 1
-        self.send([Reply(rej.error.id, rej.error.encode(), rej.entry.bucket, rej.entry.entry_id, rej.reply_key)])
+        self.send([Reply(rej.error.id, rej.error, rej.entry.bucket, rej.entry.entry_id, rej.reply_key)])
 
     # ---- endings ---------------------------------------------------------------------------------
     def give_up(self, entry: Entry, reason: str) -> None:
@@ -155,12 +150,10 @@ class Intake:
         job_id, reply_key = job_id_of(entry), reply_key_of(entry, self.transport.keys)
         reply = None
         if job_id is not None and reply_key is not None:
-            reply = Reply(job_id, Error(job_id, WORKER_FAILED, reason).encode(), entry.bucket, entry.entry_id,
-                          reply_key)
+            reply = Reply(job_id, Error(job_id, WORKER_FAILED, reason), entry.bucket, entry.entry_id, reply_key)
         log.warning("giving up on entry %s (job %s): %s", entry.entry_id, job_id, reason,
                     extra={"job": job_id, "bucket": entry.bucket})
-        self.counters["dead_lettered"] += 1
-        self.counters["errors"] += 1
+        self.ledger.dead_lettered()
         self.transport.give_up(entry, reason, reply)
 
     def expire(self, now: float) -> None:
@@ -168,20 +161,7 @@ class Intake:
         def expired(acc: Accepted) -> bool:
             return acc.deadline is not None and acc.deadline <= now
 
-        gone = self.batcher.expire(expired) + [acc for acc in self.requests.of(Stage.SOLO) if expired(acc)]
-        if not gone:
-            return
-        for acc in gone:
-            self.requests.drop(acc.gen.id)
-        self.counters["errors"] += len(gone)
-        self.send([error_reply(acc, DEADLINE_EXCEEDED, "deadline passed before the request was scheduled")
+        gone = self.requests.expire(expired)
+        if gone:
+            self.send([error_reply(acc, DEADLINE_EXCEEDED, "deadline passed before the request was scheduled")
                    for acc in gone])
-
-    def cancel_unstarted(self, acc: Accepted) -> None:
-        """Answer ``cancelled`` to a request not started (QUEUED or SOLO) and stop holding it."""
-        if self.requests.stage(acc.gen.id) is Stage.QUEUED:
-            self.batcher.expire(lambda a: a.gen.id == acc.gen.id)
-        self.requests.drop(acc.gen.id)
-        self.counters["cancelled"] += 1
-        self.send([error_reply(acc, CANCELLED, "cancelled before it started")])
-

@@ -2,9 +2,11 @@
 ``batchfleet status``) and ``WorkerMetrics`` (the same plus Prometheus metrics, with ``--metrics-port``).
 
 The loop calls its observer in four places: ``started`` (a prefill batch entered the engine),
-``stepped`` (one engine step and its duration), ``replied`` (final replies queued for writing: every
-answer, results and errors alike, passes there) and ``status`` (the heartbeat). Everything else is read
-from the loop's own state at scrape time, so the loop does no extra work per request for metrics.
+``stepped`` (one engine step and its duration), ``replied`` (final replies queued for writing, still
+typed: every answer, results and errors alike, passes there; the latency histograms read the results)
+and ``status`` (the heartbeat). Counts are the ledger's (worker/ledger.py), the one owner: the observer
+only reads them. Gauges and counters are read at scrape time; per request the loop only observes the
+three latency histograms (with ``--metrics-port``).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from batchfleet.common.errors import ERROR_CODES, WORKER_FAILED
+from batchfleet.common.errors import ERROR_CODES
 from batchfleet.common.metrics import MetricsServer, queue_collector, registry_with, serve_metrics
-from batchfleet.common.protocol import Error, Result, decode_reply
+from batchfleet.common.protocol import Result
+from batchfleet.worker.ledger import Ledger
 from batchfleet.worker.requests import Stage
 from batchfleet.worker.transport import Reply
 
@@ -36,10 +39,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 class LoopStats:
     """Totals and short histories the heartbeat publishes (tokens, outcomes, recent batch sizes)."""
 
-    def __init__(self) -> None:
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.outcomes: Counter[str] = Counter()
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
         self.last_batches: deque[int] = deque(maxlen=LAST_BATCHES)
         self._samples: deque[tuple[float, int]] = deque()  # (monotonic, generation_tokens) per heartbeat
 
@@ -51,36 +52,28 @@ class LoopStats:
         """One engine step returned after ``seconds``."""
 
     def replied(self, replies: list[Reply]) -> None:
-        """Final replies were queued for writing (results and errors)."""
+        """Final replies were queued for writing (results and errors, typed)."""
         for rep in replies:
-            try:
-                reply = decode_reply(rep.payload)
-            except Exception:  # accounting must never fail a reply
-                continue
-            if isinstance(reply, Result):
-                self.outcomes["ok"] += 1
-                self.prompt_tokens += reply.prompt_tokens
-                self.generation_tokens += reply.completion_tokens
-                self.observe(reply)
-            elif isinstance(reply, Error):
-                self.outcomes[reply.code] += 1
+            if isinstance(rep.message, Result):
+                self.observe(rep.message)
 
     def observe(self, result: Result) -> None:
         """Per-result hook (the Prometheus histograms)."""
 
     def tokens_per_s(self, now: float) -> float:
         """Generated tokens per second over the last RATE_WINDOW_S (sampled at each heartbeat)."""
-        self._samples.append((now, self.generation_tokens))
+        generated = self.ledger.generation_tokens
+        self._samples.append((now, generated))
         while len(self._samples) > 1 and now - self._samples[0][0] > RATE_WINDOW_S:
             self._samples.popleft()
         t0, n0 = self._samples[0]
-        return (self.generation_tokens - n0) / (now - t0) if now > t0 else 0.0
+        return (generated - n0) / (now - t0) if now > t0 else 0.0
 
     def status(self) -> dict[str, Any]:
         """Fields added to the heartbeat status."""
-        return {"prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
+        return {"prompt_tokens": self.ledger.prompt_tokens, "generation_tokens": self.ledger.generation_tokens,
                 "tokens_per_s": round(self.tokens_per_s(time.monotonic()), 2),
-                "last_batch_sizes": list(self.last_batches), "outcomes": dict(self.outcomes)}
+                "last_batch_sizes": list(self.last_batches), "outcomes": dict(self.ledger.outcomes)}
 
     def close(self) -> None:
         """Stop serving (nothing to stop here)."""
@@ -91,7 +84,7 @@ class WorkerMetrics(LoopStats):
 
     def __init__(self, loop: Any) -> None:
         """``loop``: the WorkerLoop observed (typed loosely: the loop imports this module)."""
-        super().__init__()
+        super().__init__(loop.ledger)
         self.loop = loop
         self.queues = queue_collector(loop.cfg.connection, loop.cfg.batching.buckets)
         self.registry: CollectorRegistry = registry_with(self.queues, _LoopCollector(self))
@@ -147,7 +140,7 @@ class _LoopCollector(Collector):
         return self._engine
 
     def collect(self):
-        m, loop = self.metrics, self.metrics.loop
+        loop, ledger = self.metrics.loop, self.metrics.loop.ledger
         stats = self._engine_stats()
         reqs = loop.requests
         yield GaugeMetricFamily("batchfleet_requests_running", "Requests in the engine.",
@@ -159,20 +152,19 @@ class _LoopCollector(Collector):
         yield GaugeMetricFamily("batchfleet_kv_cache_usage_ratio", "KV cache blocks in use / all (0 for engines "
                                 "without a paged cache).", value=used)
         yield CounterMetricFamily("batchfleet_prompt_tokens", "Prompt tokens of answered requests.",
-                                  value=m.prompt_tokens)
+                                  value=ledger.prompt_tokens)
         yield CounterMetricFamily("batchfleet_generation_tokens", "Generated tokens of answered requests.",
-                                  value=m.generation_tokens)
+                                  value=ledger.generation_tokens)
         outcomes = CounterMetricFamily("batchfleet_requests", "Requests answered, by outcome: ok or the error code "
                                        "(worker_failed: dead-lettered).", labels=["outcome"])
         counts = Counter({code: 0 for code in ("ok", *ERROR_CODES)})
-        counts.update(dict(m.outcomes))
-        counts[WORKER_FAILED] += loop.counters.get("dead_lettered", 0)
+        counts.update(dict(ledger.outcomes))  # dead-lettered entries are there as worker_failed
         for outcome, n in sorted(counts.items()):
             outcomes.add_metric([outcome], n)
         yield outcomes
         yield CounterMetricFamily("batchfleet_dead_letters", "Entries this worker dead-lettered.",
-                                  value=loop.counters.get("dead_lettered", 0))
+                                  value=ledger["dead_lettered"])
         yield CounterMetricFamily("batchfleet_preemptions", "Sequences the engine preempted (KV cache full).",
                                   value=stats.get("preemptions", 0))
         yield CounterMetricFamily("batchfleet_reclaimed", "Entries taken over from silent workers.",
-                                  value=loop.counters.get("reclaimed", 0))
+                                  value=ledger["reclaimed"])

@@ -10,7 +10,8 @@ import logging
 import redis
 
 from batchfleet.common.keys import Keys
-from batchfleet.worker.bounded import as_str, autoclaim_args, autoclaim_script, entry_of
+from batchfleet.worker.bounded import as_str, autoclaim_args, entry_of
+from batchfleet.worker.scripts import WorkerScripts
 from batchfleet.worker.transport import Entry
 
 log = logging.getLogger("batchfleet.worker.consumer")
@@ -19,13 +20,14 @@ log = logging.getLogger("batchfleet.worker.consumer")
 class PendingList:
     """XAUTOCLAIM / XPENDING / XCLAIM / XINFO for one worker (consumer ``name``) over its bucket streams."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, name: str, buckets: tuple[int, ...]) -> None:
+    def __init__(self, r: redis.Redis, scripts: WorkerScripts, keys: Keys, name: str,
+                 buckets: tuple[int, ...]) -> None:
         self.r = r
         self.keys = keys
         self.name = name
         self.buckets = buckets
         self._cursors: dict[int, str] = {}  # XAUTOCLAIM cursor per bucket, kept while a budget cuts a scan
-        self._autoclaim = autoclaim_script(r)
+        self._autoclaim = scripts.autoclaim
 
     def reset(self) -> None:
         """Forget the reclaim cursors (the streams were re-created: old positions mean nothing)."""

@@ -15,41 +15,28 @@ import redis
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.worker import fleet
+from batchfleet.worker.scripts import WorkerScripts
 
 log = logging.getLogger("batchfleet.worker.consumer")
 
 FLEET_TTL_S = fleet.FLEET_TTL_MS // 1000  # the fleet description outlives its last heartbeat by this much
 STATUS_TTL_S = 10
 
-# KEYS: workers (zset), status key, fleet key. ARGV: name, status blob ('' = keep), status ttl, fleet ttl.
-# Redis' own clock scores liveness, so no host clock matters. Returns TIME (for this host's clock offset)
-# and whether the fleet description still existed (0: the worker publishes it again).
-_HEARTBEAT_SCRIPT = """
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[1], now_ms, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms - 86400000)
-if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'EX', tonumber(ARGV[3])) end
-local kept = redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
-return {t[1], t[2], kept}
-"""
-
-
 class Presence:
     """One worker's fleet membership and heartbeat (thread-safe: the lease keeper calls ``beat`` too)."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, name: str) -> None:
+    def __init__(self, r: redis.Redis, scripts: WorkerScripts, keys: Keys, name: str) -> None:
         self.r = r
         self.keys = keys
         self.name = name
         self.info: FleetInfo | None = None  # the description joined (published again when it vanishes)
         self.offset = 0.0  # Redis time - time.time(), refreshed by each heartbeat
-        self._script = r.register_script(_HEARTBEAT_SCRIPT)
+        self.scripts = scripts
 
     def join(self, info: FleetInfo, replace: bool = False) -> None:
         """Publish the fleet description (FleetConflict when live workers serve another fingerprint, unless
         ``replace``) and mark this worker live."""
-        fleet.join(self.r, self.keys, info, self.name, replace)
+        fleet.join(self.r, self.scripts, self.keys, info, self.name, replace)
         self.info = info
         self.beat(b"")
 
@@ -57,7 +44,7 @@ class Presence:
         """Publish the joined description again (Redis lost it); a conflicting fleet is logged, not raised."""
         if self.info is not None:
             try:
-                fleet.join(self.r, self.keys, self.info, self.name)
+                fleet.join(self.r, self.scripts, self.keys, self.info, self.name)
             except fleet.FleetConflict as exc:  # another fleet took the namespace while Redis was away
                 log.error("%s", exc)
         self.beat(b"")
@@ -66,7 +53,7 @@ class Presence:
         """Mark this worker live, renew the fleet description's TTL and (non-empty ``status``) publish the
         status for STATUS_TTL_S; measures the clock offset on the way."""
         before = time.time()
-        t = self._script(keys=[self.keys.workers, self.keys.worker(self.name), self.keys.fleet],
+        t = self.scripts.heartbeat(keys=[self.keys.workers, self.keys.worker(self.name), self.keys.fleet],
                          args=[self.name, status, STATUS_TTL_S, FLEET_TTL_S])
         after = time.time()
         self.offset = int(t[0]) + int(t[1]) / 1e6 - (before + after) / 2

@@ -10,13 +10,14 @@ Two rules:
   given up, ``Transport.release`` without counting a delivery), so the next reclaim of any worker, an
   idle peer's first, takes it at once. The check runs on its own thread because the case that matters
   is a long engine step (an hf batch runs to completion in one ``step``): the loop thread is inside the
-  engine then, so the queued requests cannot change under the thread, and the loop drops the released
-  ones from its batcher and request table as soon as the step returns (``stepped``). Only when another
-  live worker exists (``Transport.live_peers``): alone, releasing would only churn.
+  engine then, so the queued requests cannot change under the thread. The thread never touches the
+  loop's state: it posts what it released, and the loop drains that at the top of its next tick
+  (``settle``: the request table drops them), before it admits anything. Only when another live worker
+  exists (``Transport.live_peers``): alone, releasing would only churn.
 
-Locking: ``lock`` serializes the release decision with the loop's step boundaries and with the lease
-keeper's renewals, which skip released entries (``unreleased``), so a release is never undone by a
-renewal and a released request is never started here.
+Locking: ``lock`` serializes the release decision with the loop's step boundaries (``stepping`` /
+``stepped``), with ``settle``, and with the lease keeper's renewals, which skip released entries
+(``unreleased``), so a release is never undone by a renewal and a released request is never started here.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from batchfleet.worker.batcher import Batcher
 from batchfleet.worker.requests import RequestTable
 from batchfleet.worker.transport import Entry, Transport
 from batchfleet.worker.validate import Accepted
@@ -86,18 +86,20 @@ class ReadAhead:
             self._queued = tuple((acc, self._since[acc.gen.id]) for acc in queued) if engine_full else ()
             self._stepping = True
 
-    def stepped(self, batcher: Batcher[Accepted], requests: RequestTable) -> int:
-        """Called when the step returned: drops the requests released meanwhile from the loop's batcher and
-        request table (they were never started here); returns how many."""
+    def stepped(self) -> None:
+        """Called when the step returned: nothing more is released until the next ``stepping``."""
         with self.lock:
             self._stepping = False
             self._queued = ()
-            gone = {acc.gen.id for acc in self._released.values()}
-            if gone:
-                batcher.expire(lambda acc: acc.gen.id in gone)
-                for job_id in gone:
-                    requests.drop(job_id)
-                    self._since.pop(job_id, None)
+
+    def settle(self, drop: Callable[[str], object]) -> int:
+        """Loop thread, top of a tick and before hand-back: ``drop`` (the request table's) each request
+        released since the last call (they were never started here); returns how many."""
+        with self.lock:  # dropped and unmarked together: the lease keeper sees them in neither
+            gone = list(self._released.values())
+            for acc in gone:
+                drop(acc.gen.id)
+                self._since.pop(acc.gen.id, None)
             self._released.clear()
         return len(gone)
 

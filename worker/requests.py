@@ -1,32 +1,36 @@
-"""The request table: the one owner of the state of every request a worker holds (pure: no Redis, no torch).
+"""The request table: the one owner of every request a worker holds (pure: no Redis, no torch).
 
 A request read and validated is held in exactly one stage until it is answered:
 
-    QUEUED  (in the batcher, waiting for its batch) ──► RUNNING (in the engine) ──► answered
-    SOLO    (waiting to run alone)                  ──► RUNNING
+    QUEUED  (waiting for its batch) ──► RUNNING (in the engine) ──► answered
+    SOLO    (waiting to run alone)  ──► RUNNING
     RUNNING ──► SOLO   (its batch failed: each request is retried alone)
+    RUNNING ──► QUEUED (a bystander of a failed step: it runs again as usual)
 
-Answers wait in the outbox (stage OUTBOX) until the transport takes them. Rejections and expiries
-enter the outbox directly. Held requests are keyed by job id (at most one per job: a duplicate entry is
-acked instead of held); the outbox may hold several replies for one job (duplicates answered twice is
-harmless: the first write wins).
+QUEUED requests also sit in the table's own ``Batcher`` (per-bucket order and batch deadlines); every
+operation here (queue, drop, requeue, expire, take a batch) changes both at once, so nothing outside can
+let them disagree. Answers wait in the outbox (stage OUTBOX) until the transport takes them; rejections
+and expiries enter the outbox directly. Held requests are keyed by job id (at most one per job: a
+duplicate entry is acked instead of held); the outbox may hold several replies for one job (the first
+write wins).
 
 ``snapshot`` is what the lease keeper renews: the entries of every held request and every reply not yet
 written. It is an immutable tuple replaced after each change, so the lease keeper's thread reads it
-without a lock and never sees the table's own containers.
+without a lock and never sees the table's own containers. Only the loop's thread calls anything else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from enum import Enum
 
+from batchfleet.worker.batcher import Batcher
 from batchfleet.worker.transport import Entry, Reply
 from batchfleet.worker.validate import Accepted
 
 
 class Stage(Enum):
-    QUEUED = "queued"  # in the batcher
+    QUEUED = "queued"  # waiting for its batch (in the batcher)
     SOLO = "solo"  # waiting to run alone: batchmates of a failed batch, redeliveries
     RUNNING = "running"  # in the engine
     OUTBOX = "outbox"  # answered, reply not written yet
@@ -36,9 +40,11 @@ _HELD = (Stage.QUEUED, Stage.SOLO, Stage.RUNNING)
 
 
 class RequestTable:
-    """Stages of held requests (each in arrival order within its stage), the outbox and the lease snapshot."""
+    """Stages of held requests (each in arrival order within its stage), their batches, the outbox and the
+    lease snapshot."""
 
-    def __init__(self) -> None:
+    def __init__(self, batcher: Batcher[Accepted]) -> None:
+        self._batcher = batcher  # holds exactly the QUEUED requests
         self._held: dict[Stage, dict[str, Accepted]] = {stage: {} for stage in _HELD}
         self._outbox: list[Reply] = []
         self.snapshot: tuple[Entry, ...] = ()  # replaced, never mutated: read from the lease keeper's thread
@@ -70,10 +76,6 @@ class RequestTable:
         """How many requests are in ``stage`` (for OUTBOX: replies not written yet)."""
         return len(self._outbox) if stage is Stage.OUTBOX else len(self._held[stage])
 
-    def first_alone(self) -> Accepted | None:
-        """The request that has waited longest to run alone, if any (it stays SOLO until ``start``)."""
-        return next(iter(self._held[Stage.SOLO].values()), None)
-
     def unstarted(self) -> list[Entry]:
         """Entries of requests read but not started (QUEUED, then SOLO): what shutdown hands back."""
         return [acc.entry for stage in (Stage.QUEUED, Stage.SOLO) for acc in self._held[stage].values()]
@@ -83,19 +85,45 @@ class RequestTable:
         """Replies not written yet, oldest first."""
         return tuple(self._outbox)
 
+    # ---- batches ---------------------------------------------------------------------------------
+    @property
+    def static(self) -> bool:
+        """Static batching: a batch closes only when full or flushed."""
+        return self._batcher.static
+
+    def next_deadline(self) -> float | None:
+        """When the next not-yet-full batch closes by age (None: nothing waits on a timer)."""
+        return self._batcher.next_deadline()
+
+    def flush(self) -> None:
+        """Close every partial batch now (static batching: a load generator asked)."""
+        self._batcher.flush()
+
+    def take_batch(self, now: float, limit: int) -> list[Accepted] | None:
+        """QUEUED -> RUNNING for the next closed batch (at most ``limit`` requests, oldest first; the caller
+        hands them to the engine), or None when no batch is closed."""
+        popped = self._batcher.pop_batch(now, limit=limit)
+        if popped is None:
+            return None
+        self._run(popped[1])
+        return popped[1]
+
+    def take_alone(self) -> Accepted | None:
+        """SOLO -> RUNNING for the request that has waited longest to run alone, if any."""
+        acc = next(iter(self._held[Stage.SOLO].values()), None)
+        if acc is not None:
+            self._run([acc])
+        return acc
+
     # ---- transitions -----------------------------------------------------------------------------
     def queue(self, acc: Accepted, alone: bool = False) -> None:
-        """Hold a new request: QUEUED (the caller adds it to the batcher) or, ``alone``, SOLO."""
+        """Hold a new request: QUEUED in its bucket's batch or, ``alone``, SOLO."""
         assert not self.holds(acc.gen.id), "duplicates are acked, never held twice"
-        self._held[Stage.SOLO if alone else Stage.QUEUED][acc.gen.id] = acc
-        self._publish()
-
-    def start(self, accs: Iterable[Accepted]) -> None:
-        """QUEUED or SOLO -> RUNNING (the caller hands them to the engine)."""
-        for acc in accs:
-            self._held[Stage.QUEUED].pop(acc.gen.id, None)
-            self._held[Stage.SOLO].pop(acc.gen.id, None)
-            self._held[Stage.RUNNING][acc.gen.id] = acc
+        if alone:
+            self._held[Stage.SOLO][acc.gen.id] = acc
+        else:
+            self._held[Stage.QUEUED][acc.gen.id] = acc
+            self._batcher.add(acc, acc.entry.bucket, acc.enqueued_at)
         self._publish()
 
     def finish(self, job_id: str) -> Accepted:
@@ -116,19 +144,33 @@ class RequestTable:
         for acc in accs:
             self._held[Stage.RUNNING].pop(acc.gen.id, None)
             self._held[Stage.QUEUED][acc.gen.id] = acc
+            self._batcher.add(acc, acc.entry.bucket, acc.enqueued_at)
         self._publish()
 
     def drop(self, job_id: str) -> Accepted | None:
-        """Stop holding a request in any stage (expired, released, given up); None when not held."""
-        for held in self._held.values():
+        """Stop holding a request in any stage (expired, cancelled, released, given up); None when not held."""
+        for stage, held in self._held.items():
             if job_id in held:
                 acc = held.pop(job_id)
+                if stage is Stage.QUEUED:
+                    self._batcher.expire(lambda a: a.gen.id == job_id)
                 self._publish()
                 return acc
         return None
 
+    def expire(self, expired: Callable[[Accepted], bool]) -> list[Accepted]:
+        """Stop holding every unstarted (QUEUED or SOLO) request for which ``expired`` is true; returns them."""
+        gone = self._batcher.expire(expired) + [acc for acc in self._held[Stage.SOLO].values() if expired(acc)]
+        for acc in gone:
+            self._held[Stage.QUEUED].pop(acc.gen.id, None)
+            self._held[Stage.SOLO].pop(acc.gen.id, None)
+        if gone:
+            self._publish()
+        return gone
+
     def forget_unstarted(self) -> None:
         """Drop every QUEUED and SOLO request (handed back on shutdown)."""
+        self._batcher.expire(lambda a: True)
         self._held[Stage.QUEUED].clear()
         self._held[Stage.SOLO].clear()
         self._publish()
@@ -141,6 +183,14 @@ class RequestTable:
     def written(self, n: int) -> None:
         """The oldest ``n`` outbox replies were written: forget them."""
         del self._outbox[:n]
+        self._publish()
+
+    def _run(self, accs: Iterable[Accepted]) -> None:
+        """QUEUED or SOLO -> RUNNING (already out of the batcher)."""
+        for acc in accs:
+            self._held[Stage.QUEUED].pop(acc.gen.id, None)
+            self._held[Stage.SOLO].pop(acc.gen.id, None)
+            self._held[Stage.RUNNING][acc.gen.id] = acc
         self._publish()
 
     def _publish(self) -> None:

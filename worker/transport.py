@@ -12,14 +12,18 @@ redeliver it elsewhere only after its lease lapses) until ``write_replies``, ``g
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from batchfleet.common.errors import ENGINE_ERROR
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import FleetInfo
+from batchfleet.common.protocol import Error, FleetInfo, Result
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,13 +40,31 @@ class Entry:
 
 @dataclass(frozen=True)
 class Reply:
-    """A final reply to write to the job's inbox: payload is an encoded Result or Error."""
+    """A final reply to write to the job's inbox: the typed answer, encoded only by the transport."""
 
     job_id: str
-    payload: bytes
+    message: Result | Error
     bucket: int  # the stream the answered entry sits in
     entry_id: str  # settled (acked and deleted) by the same write that stores the reply
     reply_key: str  # the submitting client's inbox stream
+
+    def encode(self) -> bytes:
+        """The wire bytes; an answer that cannot be encoded (e.g. text with a lone surrogate) becomes an
+        ``engine_error`` reply, so one bad result never blocks the write of the others."""
+        try:
+            return self.message.encode()
+        except Exception as exc:
+            log.error("the reply to %s could not be encoded: %r", self.job_id, exc)
+            return Error(self.job_id, ENGINE_ERROR, f"result could not be encoded: {exc!r}"[:500]).encode()
+
+
+class TransportError(Exception):
+    """A transport refused a command for a reason a retry alone does not cure (the loop backs off slowly and
+    tells the operator). Connection-level outages stay ``common.retry.TRANSIENT``."""
+
+
+class StreamsLost(TransportError):
+    """The backend lost this worker's streams or consumer group (Redis restarted empty): ``recover``."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +79,10 @@ class Transport(Protocol):
     """Everything the worker loop, its intake and the lease keeper ask of a transport.
 
     Implementations subclass it explicitly, so a missing method fails at construction. All methods are
-    called from the loop's thread except ``refresh`` (the lease keeper's thread).
+    called from the loop's thread except ``refresh`` and ``alive`` (the lease keeper's thread) and
+    ``release`` and ``live_peers`` (the read-ahead thread, worker/readahead.py). Besides the
+    ``TRANSIENT`` outages, a refused command raises ``StreamsLost`` (call ``recover``) or another
+    ``TransportError``, so callers never match a backend's error strings.
     """
 
     name: str  # this worker's consumer name (also in replies and batch records)

@@ -91,7 +91,7 @@ class MemQueue(Transport):
             for rep in replies:
                 first = rep.job_id not in self._replies
                 if first:
-                    self._replies[rep.job_id] = rep.payload
+                    self._replies[rep.job_id] = rep.encode()  # encoded at the edge, as Redis would get it
                 firsts.append(first)
             self._cv.notify_all()
         return firsts

@@ -1,9 +1,9 @@
 """The engine interface the worker loop drives, and the types crossing it (no Redis here).
 
 Lifecycle: the loop calls ``add`` with requests of ONE bucket, then ``step`` repeatedly; each step
-returns the completions that finished during it. ``add`` may be called again between steps: an engine
-that cannot take requests mid-batch (hf) reports ``accepts_joins = False`` and the loop waits until it
-is idle. Engines never block on I/O and never see Redis.
+returns the completions that finished during it. The engine owns its capacity: ``room`` says how many
+more requests ``add`` may take now (an engine that cannot take requests mid-batch, hf or native in
+dynamic mode, says 0 until it is idle). Engines never block on I/O and never see Redis.
 """
 
 from __future__ import annotations
@@ -47,8 +47,6 @@ class Completion:
 class Engine(Protocol):
     """What the worker loop needs from an engine."""
 
-    accepts_joins: bool  # True: add() may be called while a batch runs (continuous batching)
-
     def add(self, requests: Sequence[GenRequest]) -> None:
         """Queue requests (all of one bucket) to run from the next step."""
 
@@ -60,6 +58,13 @@ class Engine(Protocol):
 
     def num_active(self) -> int:
         """Requests added and not yet returned."""
+
+    def room(self) -> int:
+        """How many more requests ``add`` may take now (0: wait for what runs to finish)."""
+
+    def failed_ids(self) -> list[str]:
+        """After ``step`` raised: the ids of the requests that were in that step (each is retried alone);
+        empty when the engine cannot tell (then every active request is)."""
 
     def stats(self) -> dict[str, Any]:
         """Counters for status and benchmarks (e.g. KV blocks total/used/waste); msgpack-encodable values."""

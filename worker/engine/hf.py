@@ -58,8 +58,6 @@ class _RowsDone(StoppingCriteria):
 class HFEngine:
     """Runs each added batch to completion in one ``step``."""
 
-    accepts_joins = False
-
     def __init__(self, loaded: LoadedModel, batching: DynamicBatchingConfig) -> None:
         self.loaded = loaded
         self.batching = batching
@@ -81,6 +79,13 @@ class HFEngine:
 
     def num_active(self) -> int:
         return len(self._pending)
+
+    def room(self) -> int:
+        """A batch runs to completion inside one step: a new one only when idle."""
+        return 0 if self._pending else self.batching.max_batch_size
+
+    def failed_ids(self) -> list[str]:
+        return [r.id for r in self._pending]
 
     def reset(self) -> None:
         self._pending = []

@@ -48,13 +48,12 @@ def contiguous_waste(seq_lens: Iterable[int], max_seq_len: int) -> int:
 class NativeEngine:
     """Paged-KV continuous-batching engine (see docs/NATIVE_ENGINE.md).
 
-    Extra API beyond the Engine protocol: ``abort(ids)`` frees and forgets requests (returns the ids
-    found), ``reset()`` drops everything, ``last_step_ids`` lists the ids of the step that ran last
-    (the ones to abort if ``step()`` raised). A raising step leaves the engine consistent: a failed
-    prefill puts its sequences back in the queue; a failed decode leaves them as before the step.
+    Capacity (``room``): continuous mode takes requests of any bucket between steps up to ``max_running``
+    sequences; dynamic mode takes one batch of up to ``max_batch_size`` when idle. ``last_step_ids``
+    lists the ids of the step that ran last (``failed_ids`` after a raising step). A raising step leaves
+    the engine consistent: a failed prefill puts its sequences back in the queue; a failed decode leaves
+    them as before the step.
     """
-
-    accepts_joins = True
 
     def __init__(self, loaded: LoadedModel, batching: DynamicBatchingConfig, cfg: EngineConfig, *,
                  num_blocks: int | None = None, max_prefill_tokens: int | None = None,
@@ -78,6 +77,7 @@ class NativeEngine:
             budget = max_prefill_tokens or cfg.max_prefill_tokens
         else:  # whole prompts, as many as fit (the reference behaviour)
             budget = max(max_prefill_tokens or 16384, batching.buckets[-1])
+        self.joins = continuous  # dynamic mode: a batch runs to completion before the next is added
         self.scheduler = Scheduler(self.blocks, batching.max_batch_size, max_prefill_tokens=budget,
                                    max_running=running, chunked=continuous)
         # (prefill?, ((id, bucket), ...)) of recent steps: which requests shared a step (tests, debugging)
@@ -136,6 +136,15 @@ class NativeEngine:
 
     def num_active(self) -> int:
         return len(self._errors) + self.scheduler.num_active()
+
+    def room(self) -> int:
+        """Sequences that may still be added: the scheduler's ``max_running`` is the one limit."""
+        if not self.joins and self.has_work():
+            return 0
+        return max(0, self.scheduler.max_running - self.num_active())
+
+    def failed_ids(self) -> list[str]:
+        return list(self.last_step_ids)
 
     def stats(self) -> dict[str, Any]:
         """KV accounting (blocks, slots wasted now and at peak, vs. a contiguous cache) and counters."""

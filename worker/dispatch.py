@@ -1,0 +1,191 @@
+"""The dispatcher: what happens between the request table and the engine, for the loop (worker/loop.py).
+
+Admission (which held requests enter the engine, and when), one engine step and its completions,
+engine failures (who is retried alone, who runs again as usual, who is released or given up),
+cancellation of running requests, and streamed deltas. It owns no request state: held requests are the
+request table's (worker/requests.py), capacity is the engine's (``Engine.room``), counts are the
+ledger's; replies leave through ``send`` (the loop's outbox).
+
+Invariants: a request that must run alone starts only on an idle engine and nothing joins it; a failed
+step costs at most the requests that were in it (each retried alone), its bystanders run again as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from batchfleet.common.config import WorkerConfig
+from batchfleet.common.errors import CANCELLED
+from batchfleet.common.retry import TRANSIENT
+from batchfleet.worker.engine.base import Completion, Engine
+from batchfleet.worker.intake import Intake
+from batchfleet.worker.ledger import Ledger
+from batchfleet.worker.metrics import LoopStats
+from batchfleet.worker.replies import completion_reply, error_reply
+from batchfleet.worker.requests import RequestTable, Stage
+from batchfleet.worker.streaming import StreamPublisher
+from batchfleet.worker.transport import Cancel, Reply, Transport
+from batchfleet.worker.validate import Accepted
+
+log = logging.getLogger("batchfleet.worker.loop")
+
+
+class Dispatcher:
+    """Moves held requests into the engine and answers what comes out of it."""
+
+    def __init__(self, cfg: WorkerConfig, engine: Engine, transport: Transport, requests: RequestTable,
+                 intake: Intake, ledger: Ledger, streams: StreamPublisher | None,
+                 send: Callable[[list[Reply]], None], observer: Callable[[], LoopStats]) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.transport = transport
+        self.requests = requests
+        self.intake = intake
+        self.ledger = ledger
+        self.streams = streams
+        self.send = send
+        self.observer = observer  # the loop's current observer (replaced by WorkerMetrics with --metrics-port)
+        self.alone = False  # a request that must run alone is in the engine: nothing may join it
+        self.progress = time.monotonic()  # last time an engine step returned
+
+    # ---- admission -------------------------------------------------------------------------------
+    def engine_full(self) -> bool:
+        """Whether the engine can start nothing more now (no room, or a request runs or waits to run alone)."""
+        return self.engine.has_work() and (self.alone or self.requests.count(Stage.SOLO) > 0
+                                           or self.engine.room() <= 0)
+
+    def admit(self, now: float) -> None:
+        """Start what may start: on an idle engine, a request waiting to run alone first; then closed
+        batches, of any bucket, while the engine has room (dynamic mode: its room is one batch when idle,
+        none while it runs; continuous: up to max_running sequences, decoding all buckets together)."""
+        if self.engine.has_work():
+            if self.alone or self.requests.count(Stage.SOLO):
+                return  # solo requests wait for an idle engine; nothing joins one running alone
+        else:
+            self.alone = False
+            # static batching waits for full batches; a bumped flush counter closes partial ones
+            if self.requests.static and self.requests.count(Stage.QUEUED) and self.transport.flush_requested():
+                self.requests.flush()
+            alone = self.requests.take_alone()
+            if alone is not None:
+                self.alone = True
+                self._start([alone], kind="solo")
+                return
+        while (room := self.engine.room()) > 0 and (batch := self.requests.take_batch(now, room)) is not None:
+            if not self._start(batch, kind="batch"):
+                return  # the engine was reset: its requests must run alone first
+
+    def _start(self, items: list[Accepted], kind: str) -> bool:
+        """Hand ``items`` (already RUNNING in the table) to the engine; False when it refused them
+        (handled as a failed step)."""
+        try:
+            self.engine.add([acc.gen for acc in items])
+        except Exception as exc:  # refused at admission: same isolation as a failed step
+            self._failed(exc, suspects=[acc.gen.id for acc in items])
+            return False
+        self.ledger.note("batches")
+        self.ledger.note("batched_requests", len(items))
+        self.observer().started(items[0].entry.bucket, len(items))
+        if self.streams is not None:
+            for acc in items:
+                if acc.request.stream:
+                    self.streams.track(acc.gen.id, acc.reply_key, acc.gen.stop, time.time())
+        self.transport.log_batch({
+            "worker": self.transport.name, "kind": kind, "bucket": items[0].entry.bucket,
+            "size": self.engine.num_active(), "ids": [acc.gen.id for acc in items], "at": f"{time.time():.6f}",
+        })
+        return True
+
+    # ---- stepping --------------------------------------------------------------------------------
+    def step(self) -> None:
+        """One engine step; its completions are answered. A raising step is handled, never re-raised."""
+        began = time.monotonic()
+        try:
+            completions = self.engine.step()
+        except Exception as exc:  # an engine fault must cost at most the requests that were in the step
+            self._failed(exc, suspects=self.engine.failed_ids())
+            return
+        self.progress = time.monotonic()
+        self.observer().stepped(self.progress - began)
+        self._answer(completions)
+
+    def _failed(self, exc: Exception, suspects: list[str]) -> None:
+        """The engine is reset. Requests of the failed step (``suspects``; empty: all) are retried one at a
+        time; the others (continuous mode: other buckets' sequences that were not in that step) go back to
+        their batches and run again as usual. A request failing alone is released for redelivery (another
+        worker, or this one, retries it) until max_deliveries, then given up."""
+        held = self.requests.of(Stage.RUNNING)
+        self.alone = False
+        if self.streams is not None:  # a re-run streams again; clients skip text they already have (offset)
+            for acc in held:
+                self.streams.forget(acc.gen.id)
+        try:
+            self.engine.reset()
+        except Exception:
+            log.exception("engine reset failed")
+        log.error("engine step failed with %d active request(s): %r", len(held), exc)
+        # none of the suspects held (an engine that cannot tell): every running request is one
+        failed = [acc for acc in held if acc.gen.id in set(suspects)] or held
+        failed_ids = {acc.gen.id for acc in failed}
+        self.requests.requeue([acc for acc in held if acc.gen.id not in failed_ids])
+        if len(held) > 1:  # retried alone: batchmates must not pay for a poison request
+            self.requests.run_alone(failed)
+            return
+        for acc in failed:
+            self.requests.drop(acc.gen.id)  # stops renewing its lease before it is released
+            if acc.entry.deliveries >= self.cfg.max_deliveries:
+                self.intake.give_up(acc.entry, f"engine failed on this request on each of {acc.entry.deliveries} "
+                                               f"deliveries; last error: {exc!r}"[:500])
+            else:
+                self.ledger.note("released")
+                self.transport.release([acc.entry], idle_ms=self.cfg.claim_idle_ms)
+
+    def _answer(self, completions: list[Completion]) -> None:
+        now = time.time()
+        replies = []
+        for c in completions:
+            if self.requests.stage(c.id) is not Stage.RUNNING:  # defensive: the engine returned a stranger
+                log.error("engine returned %s, which is not running here: ignored", c.id)
+                self.ledger.note("internal_errors")
+                continue
+            acc = self.requests.finish(c.id)
+            if self.streams is not None:
+                self.streams.forget(c.id)
+            replies.append(completion_reply(c, acc, now, self.transport.name))
+        if replies:
+            self.send(replies)
+
+    # ---- cancellation and streaming ---------------------------------------------------------------
+    def cancel(self, cancels: list[Cancel]) -> None:
+        """Honour cancel requests for jobs held here (only from the client that submitted them: the reply
+        key must match): a running job leaves the engine now, freeing its KV blocks; its batchmates are not
+        touched. Answered once, with ``cancelled``."""
+        for c in cancels:
+            acc = self.requests.get(c.job_id)
+            if acc is None or acc.reply_key != c.reply_key:
+                continue  # not here (another worker's, or answered already), or not the submitter's
+            if self.requests.stage(c.job_id) is not Stage.RUNNING:
+                self.requests.drop(c.job_id)
+                self.send([error_reply(acc, CANCELLED, "cancelled before it started")])
+                continue
+            self.engine.abort([c.job_id])
+            self.requests.finish(c.job_id)
+            if self.streams is not None:
+                self.streams.forget(c.job_id)
+            self.send([error_reply(acc, CANCELLED, "cancelled while running")])
+
+    def stream(self) -> None:
+        """Write the text deltas that are due for streamed requests still running (best effort)."""
+        if self.streams is None:
+            return
+        deltas = self.streams.due_deltas(time.time(), lambda j: self.requests.stage(j) is Stage.RUNNING,
+                                         lambda ids: self.engine.progress(ids))
+        if not deltas:
+            return
+        try:
+            self.transport.write_deltas(deltas)
+            self.ledger.note("deltas", len(deltas))
+        except TRANSIENT as exc:  # the final reply carries the whole text; a lost delta costs nothing
+            log.debug("deltas not written: %r", exc)

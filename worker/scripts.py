@@ -1,0 +1,173 @@
+"""Every Lua script a worker runs inside Redis, in one module, registered once per connection.
+
+Producers' server-side code (enqueue, cancel) is common/functions.py. Here: the reply write (first writer
+wins, then ack + delete), the heartbeat, joining and leaving the fleet, and the size-checking read and
+reclaim (worker/bounded.py says why). ``WorkerScripts(r)`` registers each body once on client ``r``
+(redis-py then sends EVALSHA, loading the body again by itself after a SCRIPT FLUSH or a restart); the
+stream consumer builds one and hands it to its parts.
+"""
+
+from __future__ import annotations
+
+# KEYS: done, inbox, stream. ARGV: group, entry id ('' = none), payload, ttl seconds, job id.
+# Returns 1 when this call wrote the reply, 0 when an earlier writer already had. The inbox is a stream the
+# client reads without consuming (it deletes what it has handled), so a crash at any instant loses nothing.
+REPLY = """
+-- pcall: a stream or group lost with Redis' data must not fail the reply that was just written.
+local first = redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[4])
+if first then
+  redis.call('XADD', KEYS[2], '*', 'id', ARGV[5], 'p', ARGV[3])
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+end
+if ARGV[2] ~= '' then
+  redis.pcall('XACK', KEYS[3], ARGV[1], ARGV[2])
+  redis.pcall('XDEL', KEYS[3], ARGV[2])
+end
+if first then return 1 end
+return 0
+"""
+
+
+# KEYS: workers (zset), status key, fleet key. ARGV: name, status blob ('' = keep), status ttl, fleet ttl.
+# Redis' own clock scores liveness, so no host clock matters. Returns TIME (for this host's clock offset)
+# and whether the fleet description still existed (0: the worker publishes it again).
+HEARTBEAT = """
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now_ms, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms - 86400000)
+if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'EX', tonumber(ARGV[3])) end
+local kept = redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
+return {t[1], t[2], kept}
+"""
+
+
+_NOW_MS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# KEYS: fleet, workers. ARGV: encoded FleetInfo, its fingerprint, worker name, live window ms, ttl ms,
+# replace ('1'/'0'). Returns {1} when published, {0, published fingerprint, live workers other than us}.
+JOIN = _NOW_MS + """
+local since = now - tonumber(ARGV[4])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. since)  -- dead workers' names
+if ARGV[6] ~= '1' then
+  local cur = redis.call('GET', KEYS[1])
+  if cur then
+    local ok, obj = pcall(cmsgpack.unpack, cur)
+    local fp = ''
+    if ok and type(obj) == 'table' and type(obj.fingerprint) == 'string' then fp = obj.fingerprint end
+    if fp ~= ARGV[2] then
+      local others = 0
+      for _, w in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], since, '+inf')) do
+        if w ~= ARGV[3] then others = others + 1 end
+      end
+      if others > 0 then return {0, fp, others} end
+    end
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[5]))
+redis.call('ZADD', KEYS[2], now, ARGV[3])
+return {1}
+"""
+
+# KEYS: fleet, workers. ARGV: worker name, live window ms. Returns 1 when the fleet key was deleted.
+LEAVE = _NOW_MS + """
+redis.call('ZREM', KEYS[2], ARGV[1])
+if redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[2]), '+inf') == 0 then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
+
+# Shared by both scripts: cut one entry down when it is too large. Returns fields, oversize (0 = whole),
+# bytes it adds to the reply. A dropped big string is collected at once, so the Lua heap stays small.
+_SHRINK = """
+local function shrink(f, max_entry, max_fields, keep_fields, keep_bytes)
+  local size = 0
+  for j = 1, #f do size = size + #f[j] end
+  if size <= max_entry and #f <= max_fields then return f, 0, size end
+  local kept = {}
+  for j = 1, math.min(#f, keep_fields) do kept[j] = string.sub(f[j], 1, keep_bytes) end
+  return kept, math.max(size, 1), keep_fields * keep_bytes
+end
+"""
+
+# KEYS: bucket streams. ARGV: group, consumer, count per stream, max_entry, max_fields, keep_fields,
+# keep_bytes, read budget, scan budget.
+# Returns {{stream, {{id, fields, oversize}, ...}}, ...} like XREADGROUP, plus each entry's oversize.
+READ = _SHRINK + """
+local out = {}
+local returned, scanned = 0, 0
+local count, budget, scan_budget = tonumber(ARGV[3]), tonumber(ARGV[8]), tonumber(ARGV[9])
+for i = 1, #KEYS do
+  local got = {}
+  for _ = 1, count do
+    if returned >= budget or scanned >= scan_budget then break end
+    local ok, r = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[i], '>')
+    if not ok then
+      -- what was read so far stays pending on us: hand it over; the error shows on the next call
+      if #got > 0 then out[#out + 1] = {KEYS[i], got} end
+      if #out > 0 then return out end
+      return redis.error_reply(r.err or tostring(r))
+    end
+    if not r then break end
+    local e = r[1][2][1]
+    local fields, oversize, size = shrink(e[2], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]),
+                                          tonumber(ARGV[7]))
+    scanned = scanned + math.max(size, oversize)
+    returned = returned + size
+    got[#got + 1] = {e[1], fields, oversize}
+    r, e = nil, nil
+    if oversize > 0 then collectgarbage() end
+  end
+  if #got > 0 then out[#out + 1] = {KEYS[i], got} end
+end
+return out
+"""
+
+# KEYS: stream. ARGV: group, consumer, min idle ms, start cursor, count, max_entry, max_fields, keep_fields,
+# keep_bytes, read budget, scan budget.
+# Returns {next cursor, {{id, fields or false, oversize}, ...}, deleted count}: XAUTOCLAIM one entry at a
+# time (so the Lua heap holds one raw entry), until count, the budgets, or the end of the pending list.
+AUTOCLAIM = _SHRINK + """
+local out, deleted = {}, 0
+local returned, scanned = 0, 0
+local cursor = ARGV[4]
+local count, budget, scan_budget = tonumber(ARGV[5]), tonumber(ARGV[10]), tonumber(ARGV[11])
+while #out < count and returned < budget and scanned < scan_budget do
+  local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], cursor, 'COUNT', 1)
+  cursor = r[1]
+  if r[3] then deleted = deleted + #r[3] end
+  local e = r[2][1]
+  r = nil
+  if e then
+    local fields, oversize, size = shrink(e[2], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]),
+                                          tonumber(ARGV[9]))
+    scanned = scanned + math.max(size, oversize)
+    returned = returned + size
+    out[#out + 1] = {e[1], fields, oversize}
+    e = nil
+    if oversize > 0 then collectgarbage() end
+  elseif e == false then
+    out[#out + 1] = {'', false, 0}  -- Redis 6.2 reports an entry deleted while pending as nil
+  end
+  if cursor == '0-0' then break end
+end
+return {cursor, out, deleted}
+"""
+
+
+class WorkerScripts:
+    """The worker's scripts registered on one client (call each with keys=[...], args=[...], client=pipe)."""
+
+    def __init__(self, r) -> None:
+        self.reply = r.register_script(REPLY)
+        self.heartbeat = r.register_script(HEARTBEAT)
+        self.join = r.register_script(JOIN)
+        self.leave = r.register_script(LEAVE)
+        self.read = r.register_script(READ)
+        self.autoclaim = r.register_script(AUTOCLAIM)

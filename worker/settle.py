@@ -1,0 +1,99 @@
+"""Settling entries: every write that ends an entry's stay in its stream (a reply, a dead letter, an ack, a
+hand-back) and the streamed deltas written beside replies. ``Settler`` is a part of the stream consumer
+(worker/consumer.py), which owns the connection and delegates to it.
+
+Invariant: an entry is acked only by the same server-side step that stores its answer (the reply
+script) or its dead-letter copy (one transaction), so a crash can never ack an unanswered entry; and
+the first reply to a job wins (its ``done`` marker), so a rewrite is harmless.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.redis_conn import WAIT_TIMEOUT_MS, require_replicas
+from batchfleet.worker.scripts import WorkerScripts
+from batchfleet.worker.transport import Entry, Reply
+
+DEAD_LETTER_MAXLEN = 10_000
+_DEAD_FIELDS = {b"reason", b"bucket", b"worker", b"entry_id", b"deliveries"}
+
+
+class Settler:
+    """The reply, dead-letter, ack and hand-back writes of one worker (``name``)."""
+
+    def __init__(self, r: redis.Redis, scripts: WorkerScripts, conn: ConnectionConfig, name: str,
+                 reply_ttl_s: int) -> None:
+        self.r = r
+        self.scripts = scripts
+        self.conn = conn
+        self.keys = conn.keys
+        self.name = name
+        self.reply_ttl_s = reply_ttl_s
+
+    def write_replies(self, replies: list[Reply]) -> list[bool]:
+        """Write replies and ack their entries in one round trip; returns which were first writes."""
+        if not replies:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for rep in replies:
+            self._queue_reply(pipe, rep)
+        wanted = self.conn.wait_replicas
+        if wanted:  # WAIT on the same connection: every reply above is on `wanted` replicas, else retried
+            pipe.execute_command("WAIT", wanted, WAIT_TIMEOUT_MS)
+        out = pipe.execute()
+        if wanted:  # too few: NotReplicated (transient) keeps the replies in the outbox; rewrites are idempotent
+            require_replicas(out.pop(), wanted, f"{len(replies)} replies")
+        return [bool(x) for x in out]
+
+    def _queue_reply(self, pipe, rep: Reply) -> None:
+        """The reply script (first writer wins, then XACK + XDEL of its entry), queued on ``pipe``."""
+        self.scripts.reply(keys=[self.keys.done(rep.job_id), rep.reply_key, self.keys.stream(rep.bucket)],
+                           args=[self.keys.group, rep.entry_id, rep.encode(), self.reply_ttl_s, rep.job_id],
+                           client=pipe)
+
+    def write_deltas(self, deltas: list[tuple[str, str, bytes]]) -> None:
+        """XADD each streamed delta to its inbox (+ EXPIRE), in one round trip."""
+        if not deltas:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for job_id, reply_key, payload in deltas:
+            pipe.xadd(reply_key, {b"id": job_id.encode(), b"p": payload})
+            pipe.expire(reply_key, self.reply_ttl_s)
+        pipe.execute()
+
+    def give_up(self, entry: Entry, reason: str, reply: Reply | None) -> None:
+        """Dead-letter an entry and, when its job id is known, answer it, in one transaction (then ack)."""
+        # bounded copy: at most 16 fields of 4 KiB each, so the capped stream stays small in bytes too
+        fields = {k[:64]: v[:4096] for k, v in list(entry.fields.items())[:16] if k not in _DEAD_FIELDS}
+        fields.update({b"reason": reason[:500].encode(), b"bucket": str(entry.bucket).encode(),
+                       b"worker": self.name.encode(), b"entry_id": entry.entry_id.encode(),
+                       b"deliveries": str(entry.deliveries).encode()})
+        stream = self.keys.stream(entry.bucket)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=False)  # rare: exact cap
+        if reply is not None:
+            self._queue_reply(pipe, reply)  # reply.bucket/entry_id are the entry's
+        else:
+            pipe.xack(stream, self.keys.group, entry.entry_id)
+            pipe.xdel(stream, entry.entry_id)
+        pipe.execute()
+
+    def ack(self, entry: Entry) -> None:
+        """Acknowledge and delete an entry that needs no reply of its own (a duplicate delivery)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xack(self.keys.stream(entry.bucket), self.keys.group, entry.entry_id)
+        pipe.xdel(self.keys.stream(entry.bucket), entry.entry_id)
+        pipe.execute()
+
+    def hand_back(self, entries: list[Entry]) -> None:
+        """Return entries this worker read but will not run (shutdown): re-add, then ack + delete."""
+        if not entries:
+            return
+        pipe = self.r.pipeline(transaction=True)
+        for e in entries:
+            pipe.xadd(self.keys.stream(e.bucket), e.fields)
+            pipe.xack(self.keys.stream(e.bucket), self.keys.group, e.entry_id)
+            pipe.xdel(self.keys.stream(e.bucket), e.entry_id)
+        pipe.execute()
