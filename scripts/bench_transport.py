@@ -16,11 +16,11 @@ from pathlib import Path
 import click
 
 from batchfleet.common.config import DEFAULT_REDIS_URL, ConnectionConfig
-from batchfleet.common.devtools import delete_namespace, ensure_redis
 from batchfleet.common.protocol import FleetInfo, Request, Result
 from batchfleet.producer import Client
 from batchfleet.worker.benchmark.loadgen import percentile
 from batchfleet.worker.consumer import StreamConsumer
+from batchfleet.worker.devtools import delete_namespace, ensure_redis
 from batchfleet.worker.engine.models import byte_level_tokenizer
 from batchfleet.worker.transport import Reply
 

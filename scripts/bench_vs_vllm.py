@@ -25,13 +25,13 @@ import click
 import torch
 
 from batchfleet.common.config import DEFAULT_BUCKETS, DynamicBatchingConfig, EngineConfig
-from batchfleet.common.devtools import ensure_redis
 from batchfleet.worker.benchmark.cli import parse_range
 from batchfleet.worker.benchmark.floor import step_vs_floor
 from batchfleet.worker.benchmark.loadgen import make_workload
 from batchfleet.worker.benchmark.report import machine, write_json
 from batchfleet.worker.benchmark.runner import LoadSpec, run_load, serving_redis
 from batchfleet.worker.benchmark.strategies import parse_strategy
+from batchfleet.worker.devtools import ensure_redis
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.models import load_model, make_preset
 from batchfleet.worker.engine.native.engine import NativeEngine

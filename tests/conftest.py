@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from batchfleet.common.config import DEFAULT_REDIS_URL, WorkerConfig
-from batchfleet.common.devtools import delete_namespace, ensure_redis
 from batchfleet.common.keys import Keys
 from batchfleet.common.options import build_worker_config
+from batchfleet.worker.devtools import delete_namespace, ensure_redis
 
 TEST_BUCKETS = (32, 64, 128, 256)
 
@@ -34,7 +34,7 @@ def any_redis_url(request, redis_url: str) -> Iterator[str]:
     if request.param == "shared":
         yield redis_url
         return
-    from batchfleet.common.devtools import PrivateRedis, free_port
+    from batchfleet.worker.devtools import PrivateRedis, free_port
 
     server = PrivateRedis(port=free_port()).start()
     yield server.url

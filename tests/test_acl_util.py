@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-from batchfleet.common.devtools import PrivateRedis, free_port
+from batchfleet.worker.devtools import PrivateRedis, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SECURITY_MD = ROOT / "docs" / "SECURITY.md"

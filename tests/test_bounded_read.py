@@ -12,10 +12,10 @@ import pytest
 import redis
 
 from batchfleet.common.config import ConnectionConfig
-from batchfleet.common.devtools import delete_namespace
 from batchfleet.common.keys import Keys
 from batchfleet.worker import bounded
 from batchfleet.worker.consumer import StreamConsumer
+from batchfleet.worker.devtools import delete_namespace
 
 BIG = 3 << 20  # > MAX_ENTRY_BYTES (1 MiB + 64 KiB)
 

@@ -27,9 +27,9 @@ import pytest
 import redis
 
 from batchfleet.common.config import ConnectionConfig
-from batchfleet.common.devtools import PrivateRedis, WorkerProcess, free_port, spawn_worker
 from batchfleet.common.options import option_args
 from batchfleet.producer import AsyncClient, Client, RedisUnavailable, Timeout
+from batchfleet.worker.devtools import PrivateRedis, WorkerProcess, free_port, spawn_worker
 
 SYSTEM_REDIS = "/usr/bin/redis-server"
 PROMPT = [10, 11, 12, 13]

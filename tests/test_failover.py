@@ -27,11 +27,11 @@ import msgpack
 import pytest
 import redis
 
-from batchfleet.common.devtools import PrivateRedis, free_port
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.redis_conn import sync_client
 from batchfleet.common.redis_url import parse_sentinel_url
 from batchfleet.producer import Client, Timeout
+from batchfleet.worker.devtools import PrivateRedis, free_port
 from tests.conftest import worker_config
 from tests.test_reliability_helpers import LoopThread, wait_until
 

@@ -17,11 +17,11 @@ import time
 import pytest
 import redis
 
-from batchfleet.common.devtools import PrivateRedis, free_port
 from batchfleet.common.errors import FleetUnavailable
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.producer import Client
+from batchfleet.worker.devtools import PrivateRedis, free_port
 from batchfleet.worker.fleet import FLEET_TTL_MS, FleetConflict
 from tests.conftest import worker_config
 from tests.test_reliability_helpers import LoopThread, wait_until
@@ -95,7 +95,7 @@ def test_no_redis_available_again_line_while_stopping_with_redis_down(tiny_model
 
 def test_a_producer_clock_60s_behind_does_not_expire_requests(redis_url, namespace, tiny_model_dir, cache_dir,
                                                                tmp_path, monkeypatch):
-    from batchfleet.common.devtools import spawn_worker
+    from batchfleet.worker.devtools import spawn_worker
 
     w = spawn_worker(redis_url, namespace, ["--model", str(tiny_model_dir), "--cache-dir", str(cache_dir),
                                             "--engine", "hf", "--mode", "dynamic", "--dtype", "float32",

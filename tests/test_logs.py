@@ -14,9 +14,9 @@ from pathlib import Path
 import redis
 
 from batchfleet.common import logs
-from batchfleet.common.devtools import WorkerProcess, wait_for_heartbeat
 from batchfleet.common.keys import Keys
 from batchfleet.common.options import option_args
+from batchfleet.worker.devtools import WorkerProcess, wait_for_heartbeat
 from tests.conftest import TEST_BUCKETS, TEST_WORKER
 from tests.test_reliability_helpers import wait_until
 

@@ -10,10 +10,10 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchfleet.common.devtools import free_port
 from batchfleet.common.keys import Keys
 from batchfleet.common.metrics import queue_collector, registry_with, serve_metrics
 from batchfleet.producer import Client
+from batchfleet.worker.devtools import free_port
 from tests.conftest import TEST_BUCKETS
 from tests.test_reliability_helpers import raw_inbox, wait_until
 

@@ -50,7 +50,7 @@ def test_aof_reading_and_reply_audit_helpers(tmp_path: Path) -> None:
     deltas and requests not, a torn last command ignored (as Redis does on load)."""
     import msgpack
 
-    from batchfleet.common.faults import aof_commands, audit_aof, xadd_fields
+    from batchfleet.worker.faults import aof_commands, audit_aof, xadd_fields
 
     def resp(*args: bytes) -> bytes:
         return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)

@@ -143,7 +143,7 @@ def test_no_key_grows_without_bound(loops, redis_url, namespace, monkeypatch):
 
 
 def test_groups_and_fleet_recreated_when_redis_comes_back_empty(loops, redis_url, namespace):
-    from batchfleet.common.devtools import delete_namespace
+    from batchfleet.worker.devtools import delete_namespace
 
     loops(max_wait_ms=5)
     keys = Keys(namespace)
@@ -204,7 +204,7 @@ def test_reclaim_follows_cursor_within_budget_and_drops_deleted(any_redis_url):
     live.release(got[0][:1], idle_ms=5000)  # released: reclaimable at once, count unchanged until then
     again = live.reclaim(min_idle_ms=1000, budget=10)
     assert [(e.entry_id, e.deliveries) for e in again] == [(got[0][0].entry_id, 3)]
-    from batchfleet.common.devtools import delete_namespace
+    from batchfleet.worker.devtools import delete_namespace
 
     delete_namespace(any_redis_url, keys)
 

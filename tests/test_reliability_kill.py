@@ -1,4 +1,4 @@
-"""Subprocess workers (common/devtools.py spawn_worker): kill -9 mid-batch under load, and graceful SIGTERM.
+"""Subprocess workers (worker/devtools.py spawn_worker): kill -9 mid-batch under load, and graceful SIGTERM.
 
 Each request must get exactly one answer: the reply list holds one item (consumed by the client, so
 LLEN is 0 afterwards), the done marker exists, and re-runs after the crash are visible in the batch
@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis
 
-from batchfleet.common.devtools import WorkerProcess, spawn_worker
 from batchfleet.common.keys import Keys
 from batchfleet.producer import Client
+from batchfleet.worker.devtools import WorkerProcess, spawn_worker
 from tests.test_reliability_helpers import wait_until
 
 BUCKETS = "32,64"

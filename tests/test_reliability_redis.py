@@ -13,9 +13,9 @@ import uuid
 import pytest
 import redis
 
-from batchfleet.common.devtools import PrivateRedis, free_port
 from batchfleet.common.keys import Keys
 from batchfleet.producer import AsyncClient, Client, RedisUnavailable
+from batchfleet.worker.devtools import PrivateRedis, free_port
 from tests.conftest import worker_config
 from tests.test_reliability_helpers import LoopThread, wait_until
 

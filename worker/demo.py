@@ -19,12 +19,12 @@ import click
 
 from batchfleet.common.cli import connection_options
 from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
-from batchfleet.common.devtools import delete_namespace, ensure_redis, spawn_worker
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.keys import Keys
 from batchfleet.common.options import build_worker_config, config_options, option_args
 from batchfleet.common.redis_url import redact_url
 from batchfleet.worker.benchmark.loadgen import percentile
+from batchfleet.worker.devtools import delete_namespace, ensure_redis, spawn_worker
 
 WORDS = ("fleet batch token queue redis stream worker bucket cache paged decode prefill latency "
          "throughput accelerator prompt model reply").split()

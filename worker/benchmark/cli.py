@@ -10,13 +10,13 @@ import click
 
 from batchfleet.common.cli import connection_options
 from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
-from batchfleet.common.devtools import ensure_redis
 from batchfleet.common.options import config_options
 from batchfleet.common.redis_url import redact_url
 from batchfleet.worker.benchmark.loadgen import make_workload
 from batchfleet.worker.benchmark.report import machine, markdown_table, plot, write_json
 from batchfleet.worker.benchmark.runner import LoadSpec, latency_probe, run_load, serving_inproc, serving_redis
 from batchfleet.worker.benchmark.strategies import DEFAULT_STRATEGIES, parse_strategies, parse_strategy
+from batchfleet.worker.devtools import ensure_redis
 
 
 def parse_range(text: str) -> tuple[int, int]:

@@ -14,13 +14,13 @@ from pathlib import Path
 import msgpack
 import redis
 
-from batchfleet.common.devtools import delete_namespace, spawn_worker
 from batchfleet.common.keys import Keys
 from batchfleet.common.options import build_worker_config, option_args
 from batchfleet.producer import Client
 from batchfleet.worker.benchmark.loadgen import Run, Workload, closed_loop, open_loop, percentile, summarize
 from batchfleet.worker.benchmark.memqueue import MemClient, MemQueue
 from batchfleet.worker.benchmark.strategies import Strategy
+from batchfleet.worker.devtools import delete_namespace, spawn_worker
 
 
 @dataclass(frozen=True)
