@@ -48,7 +48,7 @@ def main(redis_url: str, n: int, json_path: str | None) -> None:
             req = Request.decode(entry.fields[b"p"])
             res = Result(id=req.id, token_ids=[5] * 8, text="x" * 8, finish_reason="length", prompt_tokens=32,
                          completion_tokens=8, queue_ms=0, ttft_ms=0, total_ms=0, worker="probe", batch_size=1)
-            worker.write_replies([Reply(job, res.encode(), entry.bucket, entry.entry_id, req.reply_key)])
+            worker.write_replies([Reply(job, res, entry.bucket, entry.entry_id, req.reply_key)])
             client.result(job, timeout=10)
             if i >= 20:
                 samples.append((time.perf_counter() - t0) * 1000)

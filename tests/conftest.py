@@ -16,6 +16,20 @@ from batchfleet.common.options import build_worker_config
 from batchfleet.worker.devtools import delete_namespace, ensure_redis
 
 TEST_BUCKETS = (32, 64, 128, 256)
+# fixtures that bring Redis, a model or a worker: a test using one is not a unit test
+HEAVY_FIXTURES = {"redis_url", "any_redis_url", "namespace", "tiny_model_dir", "start_worker", "cache_dir"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test not marked ``unit`` is ``integration``; a ``unit`` test that asks for Redis, a model or a
+    worker is a collection error (the marker must stay true)."""
+    for item in items:
+        if item.get_closest_marker("unit") is None:
+            item.add_marker(pytest.mark.integration)
+            continue
+        heavy = HEAVY_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if heavy:
+            raise pytest.UsageError(f"{item.nodeid} is marked unit but uses {sorted(heavy)}")
 
 
 @pytest.fixture(scope="session")
@@ -74,7 +88,7 @@ def worker_config(redis_url: str, namespace: str, model_dir: Path, **kw) -> Work
 @pytest.fixture
 def start_worker(redis_url: str, namespace: str, tiny_model_dir: Path, cache_dir: Path):
     """start_worker(**config overrides) -> a real worker loop in a thread; all are stopped at teardown."""
-    from tests.test_reliability_helpers import LoopThread
+    from tests.helpers.loops import LoopThread
 
     started: list[LoopThread] = []
 

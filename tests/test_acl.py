@@ -14,7 +14,7 @@ import redis
 
 from batchfleet.common.functions import FUNCTION_NAMES, LIBRARY_NAME
 from batchfleet.common.keys import Keys
-from tests.test_acl_util import BUCKETS, NAMESPACE, acl_block, connect, install_documented_acl, start_redis7
+from tests.helpers.acl import BUCKETS, NAMESPACE, acl_block, connect, install_documented_acl, start_redis7
 
 K = Keys(NAMESPACE)
 INBOX = K.inbox("Zq3xV9bN1sT7yU5wE2rK4m")  # some other client's inbox

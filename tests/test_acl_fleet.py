@@ -13,8 +13,8 @@ import redis
 from batchfleet.common.errors import Cancelled, JobFailed
 from batchfleet.producer import AsyncClient, Client
 from tests.conftest import worker_config
-from tests.test_acl_util import BUCKETS, NAMESPACE, install_documented_acl, start_redis7, user_url
-from tests.test_reliability_helpers import POISON_TOKEN, LoopThread, PoisonEngine
+from tests.helpers.acl import BUCKETS, NAMESPACE, install_documented_acl, start_redis7, user_url
+from tests.helpers.loops import POISON_TOKEN, LoopThread, PoisonEngine
 
 
 async def _async_part(url: str) -> tuple[str, str]:

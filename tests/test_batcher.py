@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from batchfleet.worker.batcher import Batcher
+
+pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
 
 
 def make(max_batch_size=3, max_wait_ms=100.0, buckets=(128, 256)):

@@ -6,6 +6,8 @@ import pytest
 from batchfleet.worker.engine.native.block_manager import BlockManager, blocks_for
 from batchfleet.worker.engine.native.sequence import Sequence
 
+pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
+
 
 def seq(name: str, n: int) -> Sequence:
     return Sequence(id=name, token_ids=list(range(n)), max_new_tokens=8)

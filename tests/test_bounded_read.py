@@ -1,7 +1,7 @@
 """The worker's reads are bounded in memory whatever size entries have (worker/bounded.py), on the
 machine's Redis 7 and the bundled 6.2: too-large entries come back cut short with their real size, whole
 ones stay whole, one call stops at its byte budget, reclaim is bounded the same way. Transport only (no
-model); the end-to-end RSS test with a worker process is in test_harden_memory.py."""
+model); the end-to-end RSS test with a worker process is in test_worker_memory_bound.py."""
 
 from __future__ import annotations
 

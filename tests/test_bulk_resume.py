@@ -18,7 +18,7 @@ import redis
 from batchfleet.common.keys import Keys
 from batchfleet.producer.bulk import parse_lines, run_names
 from tests.conftest import TEST_BUCKETS, worker_config
-from tests.test_reliability_helpers import LoopThread
+from tests.helpers.loops import LoopThread
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,6 +18,8 @@ from batchfleet.common.errors import ConfigError, PromptTooLong, ProtocolError
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import SCHEMA_VERSION, Delta, Error, FleetInfo, Request, Result, decode_reply
 
+pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
+
 
 @pytest.mark.parametrize("kw, match", [
     ({"max_wait_ms": -1}, "max_wait_ms"),

@@ -12,7 +12,7 @@ import torch
 
 from batchfleet.common.config import DEFAULT_BUCKETS
 from batchfleet.producer import Client
-from tests.test_native_util import build_model, prompt
+from tests.helpers.native import build_model, prompt
 
 # (prompt tokens, new tokens): buckets 128, 256, 512 and 1024; 700 > the 256-token prefill budget: chunked
 SHAPES = [(40, 24), (100, 20), (200, 24), (400, 22), (700, 24)]

@@ -60,6 +60,7 @@ def env_of(c: dict) -> dict[str, str | None]:
 
 
 # ---- compose + Dockerfile ---------------------------------------------------------------------------
+@pytest.mark.unit
 def test_compose_worker_threads_cpus_memory_cache():
     w = compose()["services"]["worker"]
     env = w["environment"]
@@ -72,6 +73,7 @@ def test_compose_worker_threads_cpus_memory_cache():
     assert w["stop_grace_period"] and int(str(w["stop_grace_period"]).rstrip("s")) >= 60
 
 
+@pytest.mark.unit
 def test_compose_no_sleep_race_and_healthchecks():
     services = compose()["services"]
     for name, svc in services.items():
@@ -83,12 +85,14 @@ def test_compose_no_sleep_race_and_healthchecks():
     assert services["worker"]["depends_on"]["redis"]["condition"] == "service_healthy"
 
 
+@pytest.mark.unit
 def test_compose_redis_fsyncs_every_write():
     cmd = compose()["services"]["redis"]["command"]
     assert cmd[cmd.index("--appendonly") + 1] == "yes"
     assert cmd[cmd.index("--appendfsync") + 1] == "always"
 
 
+@pytest.mark.unit
 def test_compose_env_names_and_streams_match_the_code():
     for name, svc in compose()["services"].items():
         unknown = {k for k in svc.get("environment", {}) if k.startswith("BATCHFLEET_")} - known_env()
@@ -98,6 +102,7 @@ def test_compose_env_names_and_streams_match_the_code():
             assert urlsplit(url).hostname in compose()["services"]
 
 
+@pytest.mark.unit
 def test_dockerfile_cpu_torch_by_default_gpu_by_arg():
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r'^ARG TORCH_INDEX="https://download.pytorch.org/whl/cpu"$', text, re.M)
@@ -114,6 +119,7 @@ def _meminfo(tmp: Path, avail_kib: int) -> Path:
     return p
 
 
+@pytest.mark.unit
 def test_memory_v2_limit_caps_memavailable(tmp_path: Path):
     root = tmp_path / "cg"
     root.mkdir()
@@ -123,6 +129,7 @@ def test_memory_v2_limit_caps_memavailable(tmp_path: Path):
     assert memlimit.available_bytes(root, _meminfo(tmp_path, 2 << 20)) == 2 << 30  # the host is the tighter
 
 
+@pytest.mark.unit
 def test_memory_v2_max_means_no_limit(tmp_path: Path):
     root = tmp_path / "cg"
     root.mkdir()
@@ -132,6 +139,7 @@ def test_memory_v2_max_means_no_limit(tmp_path: Path):
     assert memlimit.available_bytes(root, _meminfo(tmp_path, 1 << 20)) == 1 << 30
 
 
+@pytest.mark.unit
 def test_memory_v1_limit_and_unlimited(tmp_path: Path):
     root = tmp_path / "cg"
     (root / "memory").mkdir(parents=True)
@@ -142,6 +150,7 @@ def test_memory_v1_limit_and_unlimited(tmp_path: Path):
     assert memlimit.cgroup_headroom(root) is None
 
 
+@pytest.mark.unit
 def test_memory_without_any_source(tmp_path: Path):
     assert memlimit.available_bytes(tmp_path / "none", tmp_path / "nomeminfo") == memlimit.FALLBACK_BYTES
     (tmp_path / "cg").mkdir()
@@ -151,6 +160,7 @@ def test_memory_without_any_source(tmp_path: Path):
 
 
 # ---- Kubernetes + KEDA: names agree with the code -----------------------------------------------------
+@pytest.mark.unit
 def test_manifests_parse_with_the_expected_objects():
     kinds = {(d["kind"], d["metadata"]["name"]) for d in manifests()}
     assert {("Deployment", "batchfleet-worker"), ("Deployment", "batchfleet-gateway"), ("Service", "redis"),
@@ -160,6 +170,7 @@ def test_manifests_parse_with_the_expected_objects():
     assert sorted(listed) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
 
 
+@pytest.mark.unit
 def test_keda_triggers_match_streams_and_group():
     keys = Keys(configmap_env()["BATCHFLEET_NAMESPACE"])
     so = of_kind("ScaledObject")["batchfleet-worker"]
@@ -179,6 +190,7 @@ def test_keda_triggers_match_streams_and_group():
         assert int(md.get("databaseIndex", 0)) == int(redis_url.path.strip("/") or 0)
 
 
+@pytest.mark.unit
 def test_redis_manifest_aof_always_and_service_port():
     redis_url = urlsplit(configmap_env()["BATCHFLEET_REDIS_URL"])
     svc = of_kind("Service")[redis_url.hostname]
@@ -189,6 +201,7 @@ def test_redis_manifest_aof_always_and_service_port():
     assert sts["spec"]["volumeClaimTemplates"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["batchfleet-worker", "batchfleet-gateway"])
 def test_env_names_and_metrics_port(name: str):
     dep = of_kind("Deployment")[name]
@@ -204,6 +217,7 @@ def test_env_names_and_metrics_port(name: str):
     assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
 
 
+@pytest.mark.unit
 def test_worker_deployment_grace_threads_and_probe():
     dep = of_kind("Deployment")["batchfleet-worker"]
     spec = dep["spec"]["template"]["spec"]
@@ -216,6 +230,7 @@ def test_worker_deployment_grace_threads_and_probe():
     assert "batchfleet.worker.health" in " ".join(c["readinessProbe"]["exec"]["command"])
 
 
+@pytest.mark.unit
 def test_gateway_command_and_service_ports():
     dep = of_kind("Deployment")["batchfleet-gateway"]
     c = container(dep)

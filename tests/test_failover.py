@@ -33,7 +33,7 @@ from batchfleet.common.redis_url import parse_sentinel_url
 from batchfleet.producer import Client, Timeout
 from batchfleet.worker.devtools import PrivateRedis, free_port
 from tests.conftest import worker_config
-from tests.test_reliability_helpers import LoopThread, wait_until
+from tests.helpers.loops import LoopThread, wait_until
 
 MASTER = "mymaster"
 LAG_S = 0.5  # the replica is cut off this long before the primary is killed

@@ -17,7 +17,7 @@ from batchfleet.common.protocol import SCHEMA_VERSION
 from batchfleet.producer import AsyncClient, Client
 from batchfleet.worker.demo import make_prompts
 from batchfleet.worker.engine.models import load_model
-from tests.test_reliability_helpers import wait_until
+from tests.helpers.loops import wait_until
 
 
 def reference(model_dir, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import MAX_TIMEOUT_MS, MAX_TOKENS, SCHEMA_VERSION, Error, Result
 from tests.conftest import TEST_BUCKETS
-from tests.test_reliability_helpers import inbox_replies, raw_inbox, request_fields, wait_until
+from tests.helpers.loops import inbox_replies, raw_inbox, request_fields, wait_until
 
 VOCAB = 320  # the tiny preset
 EXAMPLES = 24

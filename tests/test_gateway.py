@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from batchfleet.common.keys import Keys
-from tests.test_gateway_util import gateways, joined_text, stream_events
+from tests.helpers.gateway import gateways, joined_text, stream_events
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-0123456789"

@@ -16,7 +16,7 @@ import redis
 
 from batchfleet.common.keys import Keys
 from batchfleet.producer import AsyncClient
-from tests.test_gateway_util import engine_stats, gateways, joined_text, loop_lag, parse_events, stream_events
+from tests.helpers.gateway import engine_stats, gateways, joined_text, loop_lag, parse_events, stream_events
 
 N_STREAMS = 200
 
@@ -89,7 +89,7 @@ def test_closing_a_stream_cancels_its_job(start_worker, start_gateway, redis_url
     """A victim with a long prompt (many KV blocks) decodes with three batchmates; closing its HTTP stream
     frees its blocks within a step of the cancel reaching Redis, and the batchmates' greedy outputs equal
     those of a run where nobody left."""
-    from tests.test_native_util import prompt
+    from tests.helpers.native import prompt
 
     # the tiny model decodes a step in about a millisecond: long outputs keep everyone running long enough
     worker = start_worker(engine="native", mode="continuous", max_wait_ms=10, kv_cache_gb=0.05, max_seq_len=4096)

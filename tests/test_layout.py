@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"common": "batchfleet.common", "producer": "batchfleet.producer", "worker": "batchfleet.worker",
             "gateway": "batchfleet.gateway"}

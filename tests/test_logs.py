@@ -11,6 +11,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
 import redis
 
 from batchfleet.common import logs
@@ -18,9 +19,10 @@ from batchfleet.common.keys import Keys
 from batchfleet.common.options import option_args
 from batchfleet.worker.devtools import WorkerProcess, wait_for_heartbeat
 from tests.conftest import TEST_BUCKETS, TEST_WORKER
-from tests.test_reliability_helpers import wait_until
+from tests.helpers.loops import wait_until
 
 
+@pytest.mark.unit
 def test_json_formatter_fields():
     rec = logging.LogRecord("batchfleet.x", logging.WARNING, __file__, 1, "job %s\nfailed", ("j1",), None)
     rec.job, rec.bucket = "j1", 64

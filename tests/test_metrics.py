@@ -15,7 +15,7 @@ from batchfleet.common.metrics import queue_collector, registry_with, serve_metr
 from batchfleet.producer import Client
 from batchfleet.worker.devtools import free_port
 from tests.conftest import TEST_BUCKETS
-from tests.test_reliability_helpers import raw_inbox, wait_until
+from tests.helpers.loops import raw_inbox, wait_until
 
 GAUGES = ("batchfleet_queue_depth", "batchfleet_queue_pending", "batchfleet_queue_oldest_age_seconds",
           "batchfleet_requests_running", "batchfleet_requests_waiting", "batchfleet_kv_cache_usage_ratio")

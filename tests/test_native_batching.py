@@ -7,7 +7,7 @@ import pytest
 
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.native.engine import contiguous_waste
-from tests.test_native_util import build_model, hf_greedy, make_engine, prompt, request, run_all
+from tests.helpers.native import build_model, hf_greedy, make_engine, prompt, request, run_all
 
 
 @pytest.fixture(scope="module")

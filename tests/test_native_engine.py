@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_native_util import FAMILIES, build_model, hf_greedy, make_engine, prompt, request, run_all
+from tests.helpers.native import FAMILIES, build_model, hf_greedy, make_engine, prompt, request, run_all
 
 BUCKETS = (16, 32, 64, 128)
 # (prompt length, max_new_tokens): every bucket, bucket edges, mixed lengths

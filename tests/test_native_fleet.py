@@ -13,7 +13,7 @@ import torch
 
 from batchfleet.common.keys import Keys
 from batchfleet.producer import Client
-from tests.test_native_util import build_model, prompt
+from tests.helpers.native import build_model, prompt
 
 BUCKETS = (16, 32, 64, 128)
 

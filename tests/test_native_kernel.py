@@ -37,7 +37,7 @@ def test_kernel_matches_gather_sdpa(dtype, shape):
 
 
 def test_runner_falls_back_to_gather_without_kernel(monkeypatch, tmp_path):
-    from tests.test_native_util import build_model, make_engine
+    from tests.helpers.native import build_model, make_engine
 
     monkeypatch.setattr(cpu_kernel, "load", lambda _dir: None)
     engine = make_engine(build_model("llama", tmp_path))
@@ -60,7 +60,7 @@ def test_unsupported_model_type_is_refused():
 @needs_kernel
 def test_bf16_engine_runs_both_decode_paths(tmp_path):
     from batchfleet.worker.engine.models import load_model
-    from tests.test_native_util import build_model, make_engine, prompt, request, run_all
+    from tests.helpers.native import build_model, make_engine, prompt, request, run_all
 
     path = build_model("qwen2", tmp_path).path
     loaded = load_model(path, "cpu", "bfloat16")

@@ -1,6 +1,6 @@
 """Reliability guarantees with an in-process worker on the shared test Redis: poison isolation and
 dead-lettering, deadlines, backpressure, bounded keys, re-creating lost groups. (Kill, restart, fuzz and
-ACL tests live in their own test_reliability_*/test_fuzz*/test_acl* files.)"""
+ACL tests live in test_worker_kill.py, test_redis_restart.py, test_fuzz_intake.py and test_acl*.py.)"""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.producer import Client
 from tests.conftest import worker_config
-from tests.test_reliability_helpers import (
+from tests.helpers.loops import (
     POISON_TOKEN,
     TEST_INBOX,
     LoopThread,

@@ -3,12 +3,16 @@ Pure: no Redis, no engine."""
 
 from __future__ import annotations
 
+import pytest
+
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import Error, Request
 from batchfleet.worker.batcher import Batcher
 from batchfleet.worker.requests import RequestTable, Stage
 from batchfleet.worker.transport import Entry, Reply
 from batchfleet.worker.validate import Accepted, Limits, accept
+
+pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
 
 KEYS = Keys("t")
 INBOX = KEYS.inbox("client0123456789")

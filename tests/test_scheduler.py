@@ -6,6 +6,8 @@ from batchfleet.worker.engine.native.block_manager import BlockManager
 from batchfleet.worker.engine.native.scheduler import Scheduler
 from batchfleet.worker.engine.native.sequence import SeqStatus, Sequence
 
+pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
+
 
 def seq(name: str, n: int, max_new: int = 8) -> Sequence:
     return Sequence(id=name, token_ids=list(range(n)), max_new_tokens=max_new)

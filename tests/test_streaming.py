@@ -11,8 +11,8 @@ import pytest
 
 from batchfleet.common.errors import Cancelled
 from batchfleet.producer import AsyncClient, Client
-from tests.test_reliability_helpers import wait_until
-from tests.test_streaming_util import CYCLE_TEXT, make_cycle_model
+from tests.helpers.loops import wait_until
+from tests.helpers.streaming import CYCLE_TEXT, make_cycle_model
 
 NATIVE = {"engine": "native", "mode": "continuous", "kv_cache_gb": 0.02, "max_wait_ms": 5}
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from batchfleet.common.protocol import decode_reply
 from batchfleet.worker.engine.models import byte_level_tokenizer
 from batchfleet.worker.streaming import StreamPublisher
+
+pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
 
 TOK = byte_level_tokenizer()
 

@@ -28,6 +28,7 @@ from batchfleet.worker.validate import Accepted, Limits, Rejected, accept, job_i
 
 
 # ---- point 4: fullmatch ---------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.parametrize("bad", ["abc\n", "abc\r\n", "\nabc", "a b", "", "x" * 129])
 def test_job_ids_with_a_newline_or_junk_are_invalid(bad):
     assert not valid_job_id(bad)
@@ -37,6 +38,7 @@ def test_job_ids_with_a_newline_or_junk_are_invalid(bad):
     assert isinstance(out, Rejected) and out.error is None  # nobody to answer: dead-lettered, no key made
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bad", ["bf\n", "bf\r", "b f", "", "x" * 65, "bf:x"])
 def test_namespaces_with_a_newline_or_junk_are_refused(bad):
     with pytest.raises(ValueError):
@@ -53,6 +55,7 @@ def _info(**kw) -> FleetInfo:
     return fleet.with_fingerprint(dataclasses.replace(base, **kw))
 
 
+@pytest.mark.unit
 def test_fingerprint_covers_model_tokenizer_buckets_not_tuning():
     a = _info()
     assert a.fingerprint and a.fingerprint == _info(max_batch_size=32, max_queue_len=5).fingerprint

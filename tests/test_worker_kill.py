@@ -16,7 +16,7 @@ import redis
 from batchfleet.common.keys import Keys
 from batchfleet.producer import Client
 from batchfleet.worker.devtools import WorkerProcess, spawn_worker
-from tests.test_reliability_helpers import wait_until
+from tests.helpers.loops import wait_until
 
 BUCKETS = "32,64"
 ARGS = ["--buckets", BUCKETS, "--max-seq-len", "256", "--dtype", "float32", "--max-batch-size", "8",

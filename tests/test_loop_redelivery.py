@@ -12,7 +12,7 @@ from batchfleet.common.keys import Keys
 from batchfleet.worker.compose import build_worker
 from batchfleet.worker.requests import Stage
 from tests.conftest import worker_config
-from tests.test_reliability_helpers import inbox_replies, reply_of, request_fields, wait_until
+from tests.helpers.loops import inbox_replies, reply_of, request_fields, wait_until
 
 
 def enqueue(r: redis.Redis, keys: Keys, bucket: int, job_id: str, prompt: list[int], entry_id: str = "*",

@@ -17,7 +17,7 @@ from batchfleet.common.keys import Keys
 from batchfleet.producer import AsyncClient, Client, RedisUnavailable
 from batchfleet.worker.devtools import PrivateRedis, free_port
 from tests.conftest import worker_config
-from tests.test_reliability_helpers import LoopThread, wait_until
+from tests.helpers.loops import LoopThread, wait_until
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from batchfleet.common.keys import Keys
 from batchfleet.producer import Client
 from batchfleet.worker.requests import Stage
 from tests.conftest import worker_config
-from tests.test_reliability_helpers import wait_until
+from tests.helpers.loops import wait_until
 
 SHORT_BOUND_S = 6.0  # release after 1 s + reclaim period 0.5 s + the short batch, on 2 busy cores
 

@@ -24,7 +24,7 @@ from batchfleet.producer import Client
 from batchfleet.worker.devtools import PrivateRedis, free_port
 from batchfleet.worker.fleet import FLEET_TTL_MS, FleetConflict
 from tests.conftest import worker_config
-from tests.test_reliability_helpers import LoopThread, wait_until
+from tests.helpers.loops import LoopThread, wait_until
 
 
 def test_a_worker_with_other_buckets_refuses_to_join_a_live_fleet_unless_replacing(

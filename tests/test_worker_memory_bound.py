@@ -17,7 +17,7 @@ from batchfleet.common.errors import INVALID_REQUEST
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import Error, decode_reply
 from batchfleet.worker.devtools import PrivateRedis, free_port, spawn_worker
-from tests.test_reliability_helpers import wait_until
+from tests.helpers.loops import wait_until
 
 RSS_BOUND_MB = 250  # docs/RELIABILITY.md states it; before the bounded reads, 2.5 GB
 ENTRY_MB = 40
