@@ -8,6 +8,7 @@ type, help) from these fields, so nothing here is restated elsewhere.
 from __future__ import annotations
 
 import bisect
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import Field, dataclass, field
@@ -174,6 +175,10 @@ class EngineConfig:
     max_running: int = field(default=64, metadata=option(
         "Continuous mode: most sequences decoding at once, all buckets together (--max-batch-size stays the "
         "per-bucket prefill batch). 64 measured best on a 2-core CPU: 1311 tok/s per decode step vs 944 at 32."))
+    batch_min_share: float = field(default=0.1, metadata=option(
+        "Continuous mode: share of --max-running decode slots the batch class keeps while interactive work "
+        "runs (at least one slot when > 0): interactive work preempts batch sequences down to it, never below, "
+        "so a flood of interactive requests never starves batch jobs."))
     max_prefill_tokens: int = field(default=2048, metadata=option(
         "Continuous mode: prompt tokens per prefill step; longer prefills are chunked, with decode steps "
         "between chunks, so a long prompt never stalls running requests for its whole prefill."))
@@ -203,6 +208,8 @@ class EngineConfig:
             raise ConfigError("the hf engine runs each batch to completion: add --mode dynamic")
         if self.max_running < 1 or self.max_prefill_tokens < 1:
             raise ConfigError("max_running and max_prefill_tokens must be >= 1")
+        if not 0 <= self.batch_min_share <= 1:
+            raise ConfigError(f"batch_min_share must be in [0, 1], got {self.batch_min_share}")
         if not _DEVICE_RE.match(self.device):
             raise ConfigError(f"device must be cpu, cuda[:i] or npu[:i], got {self.device!r}")
         if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
@@ -227,9 +234,11 @@ class WorkerConfig:
     reply_ttl_s: int = field(default=3600, metadata=option("Seconds a reply waits for its client.", flag="reply-ttl"))
     stream_interval_ms: float = field(default=20.0, metadata=option(
         "Streamed requests: at most one text delta per request this often (each costs one Redis write)."))
-    # per bucket; published so producers refuse (QueueFull) beyond it
+    # per bucket and class; published so producers refuse (QueueFull) beyond it
     max_queue_len: int = field(default=10_000, metadata=option(
-        "Per-bucket queue length at which producers get QueueFull (0 = unbounded)."))
+        "Per-bucket interactive queue length at which producers get QueueFull (0 = unbounded)."))
+    batch_queue_len: int = field(default=1_000_000, metadata=option(
+        "Per-bucket queue length of the batch class at which producers get QueueFull (0 = unbounded)."))
     name: str | None = field(default=None, metadata=option(
         "Consumer name (default host-pid-rand).", env="BATCHFLEET_WORKER_NAME"))
     claim_idle_ms: int = field(default=30_000, metadata=option(
@@ -256,8 +265,8 @@ class WorkerConfig:
             raise ConfigError("reply_ttl_s must be >= 1")
         if not self.stream_interval_ms >= 0:
             raise ConfigError("stream_interval_ms must be >= 0")
-        if self.max_queue_len < 0:
-            raise ConfigError("max_queue_len must be >= 0")
+        if self.max_queue_len < 0 or self.batch_queue_len < 0:
+            raise ConfigError("max_queue_len and batch_queue_len must be >= 0")
         if self.claim_idle_ms < 100:
             raise ConfigError("claim_idle_ms must be >= 100")
         if self.max_deliveries < 1:
@@ -286,3 +295,9 @@ def connection_from_env(redis_url: str | None = None, namespace: str | None = No
     explicit = {"redis_url": redis_url, "namespace": namespace}
     values = {f.name: explicit.get(f.name) or env.get(option_env(f)) for f in fields(ConnectionConfig) if is_option(f)}
     return ConnectionConfig(**{k: v for k, v in values.items() if v})
+
+
+def batch_reserve(max_running: int, share: float) -> int:
+    """Decode slots the batch class keeps while interactive work runs: ``share`` of ``max_running``, at least
+    one when ``share`` > 0."""
+    return 0 if share <= 0 else max(1, math.ceil(share * max_running))

@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass
 
 DEFAULT_NAMESPACE = "bf"
+INTERACTIVE, BATCH = "interactive", "batch"
+LANES = (INTERACTIVE, BATCH)  # priority classes, most urgent first (common/lanes.py)
 # fullmatch everywhere: "$" would accept a trailing newline ("abc\n")
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 JOB_ID_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
@@ -38,9 +40,19 @@ class Keys:
         """Consumer group shared by every worker of the fleet."""
         return "workers"
 
-    def stream(self, bucket: int) -> str:
-        """The request stream of one prompt-length bucket."""
-        return f"{self.namespace}:stream:{bucket}"
+    def stream(self, bucket: int, lane: str = INTERACTIVE) -> str:
+        """The request stream of one prompt-length bucket and priority class: ``<ns>:stream:<bucket>`` for
+        interactive work, ``<ns>:stream:<bucket>:batch`` for batch work, so a worker finds interactive work
+        without reading past a batch backlog."""
+        if lane == INTERACTIVE:
+            return f"{self.namespace}:stream:{bucket}"
+        if lane not in LANES:
+            raise ValueError(f"unknown priority class {lane!r}")
+        return f"{self.namespace}:stream:{bucket}:{lane}"
+
+    def streams(self, buckets: tuple[int, ...] | list[int]) -> list[tuple[str, int, str]]:
+        """(stream, bucket, lane) of every request stream, interactive ones first."""
+        return [(self.stream(b, lane), b, lane) for lane in LANES for b in buckets]
 
     def inbox(self, token: str) -> str:
         """One client's reply stream: workers XADD every reply (and stream delta) of the client's jobs here;

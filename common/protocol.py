@@ -16,9 +16,9 @@ from typing import Any
 import msgpack
 
 from batchfleet.common.errors import UNSUPPORTED_SCHEMA, ProtocolError
-from batchfleet.common.keys import valid_job_id
+from batchfleet.common.keys import INTERACTIVE, LANES, valid_job_id
 
-SCHEMA_VERSION = 2  # 2: replies go to per-client inbox streams; timeouts are relative to Redis' clock
+SCHEMA_VERSION = 3  # 2: per-client inbox streams, timeouts on Redis' clock; 3: priority classes (lanes)
 MAX_PAYLOAD_BYTES = 1 << 20  # 1 MiB: far above 4096 token ids + stop strings
 MAX_TOKENS = 1 << 16  # prompt or completion length cap at decode time (the worker checks its own limits)
 MAX_STOP = 16
@@ -106,7 +106,9 @@ class Request:
 
     ``timeout_ms`` counts from the enqueue as Redis stamped it (the stream entry id), so a producer's
     clock never matters. ``reply_key`` is the submitting client's inbox stream (``<ns>:inbox:<token>``);
-    ``stream`` asks for Delta entries there while the job runs.
+    ``stream`` asks for Delta entries there while the job runs. ``priority`` is the job's class (one of
+    ``LANES``) and must name the class of the stream it is enqueued in (a worker answers a mismatch
+    ``invalid_request``).
     """
 
     id: str
@@ -120,13 +122,14 @@ class Request:
     timeout_ms: int | None = None  # after enqueue + timeout_ms the answer is useless (deadline_exceeded)
     reply_key: str = ""
     stream: bool = False
+    priority: str = INTERACTIVE
 
     def encode(self) -> bytes:
         return _pack({
             "id": self.id, "prompt": list(self.prompt), "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
             "stop": list(self.stop), "timeout_ms": self.timeout_ms, "reply_key": self.reply_key,
-            "stream": self.stream,
+            "stream": self.stream, "priority": self.priority,
         })
 
     @classmethod
@@ -151,6 +154,9 @@ class Request:
         stream = obj.get("stream", False)
         if type(stream) is not bool:
             raise ProtocolError(f"stream must be a boolean, got {stream!r}"[:200])
+        priority = obj.get("priority", INTERACTIVE)
+        if priority not in LANES:
+            raise ProtocolError(f"priority must be one of {', '.join(LANES)}, got {priority!r}"[:200])
         return cls(
             id=job_id,
             prompt=_tokens(obj, "prompt", 1),
@@ -163,6 +169,7 @@ class Request:
             timeout_ms=timeout_ms,
             reply_key=_str(obj, "reply_key"),
             stream=stream,
+            priority=priority,
         )
 
 
@@ -256,7 +263,8 @@ class FleetInfo:
     max_batch_size: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
-    max_queue_len: int = 0  # per-bucket stream length at which producers get QueueFull; 0 = unbounded
+    max_queue_len: int = 0  # per-bucket interactive stream length at which producers get QueueFull; 0 = unbounded
+    batch_queue_len: int = 0  # the same for the batch class's streams
     chat_template: str = ""  # Jinja2 chat template (HF semantics); producers render messages with it
     bos_token: str = ""  # the template's ``bos_token`` / ``eos_token`` variables
     eos_token: str = ""
@@ -267,7 +275,8 @@ class FleetInfo:
             "model": self.model, "tokenizer_json": self.tokenizer_json, "buckets": list(self.buckets),
             "max_seq_len": self.max_seq_len, "max_batch_size": self.max_batch_size,
             "vocab_size": self.vocab_size, "eos_token_ids": list(self.eos_token_ids),
-            "max_queue_len": self.max_queue_len, "chat_template": self.chat_template,
+            "max_queue_len": self.max_queue_len, "batch_queue_len": self.batch_queue_len,
+            "chat_template": self.chat_template,
             "bos_token": self.bos_token, "eos_token": self.eos_token, "fingerprint": self.fingerprint,
         })
 
@@ -278,7 +287,8 @@ class FleetInfo:
             model=obj["model"], tokenizer_json=obj["tokenizer_json"], buckets=tuple(obj["buckets"]),
             max_seq_len=obj["max_seq_len"], max_batch_size=obj["max_batch_size"],
             vocab_size=obj["vocab_size"], eos_token_ids=tuple(obj["eos_token_ids"]),
-            max_queue_len=obj.get("max_queue_len", 0), chat_template=obj.get("chat_template") or "",
+            max_queue_len=obj.get("max_queue_len", 0), batch_queue_len=obj.get("batch_queue_len", 0),
+            chat_template=obj.get("chat_template") or "",
             bos_token=obj.get("bos_token") or "", eos_token=obj.get("eos_token") or "",
             fingerprint=obj.get("fingerprint") or "",
         )

@@ -26,7 +26,8 @@ from batchfleet.common.errors import (
     QueueFull,
     Timeout,
 )
-from batchfleet.common.keys import Keys, valid_job_id
+from batchfleet.common.keys import BATCH, INTERACTIVE, Keys, valid_job_id
+from batchfleet.common.lanes import lane_of
 from batchfleet.common.protocol import (
     MAX_PAYLOAD_BYTES,
     MAX_STOP,
@@ -74,6 +75,9 @@ class Params:
     top_k: int = 0
     seed: int | None = None
     stop: Sequence[str] | None = None
+    # the priority class: "interactive" (default) or "batch"; also OpenAI's service_tier names and vLLM's
+    # integer priority (common/lanes.py)
+    priority: str | int = INTERACTIVE
 
     def __post_init__(self) -> None:
         if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
@@ -93,6 +97,10 @@ class Params:
                 self.stop = [self.stop]
             if len(self.stop) > MAX_STOP or not all(isinstance(s, str) and s for s in self.stop):
                 raise InvalidRequest(f"stop must be at most {MAX_STOP} non-empty strings")
+        try:
+            self.priority = lane_of(self.priority)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
 
     @classmethod
     def of(cls, params: Mapping) -> Params:
@@ -161,8 +169,10 @@ class FleetView:
             id=job_id, prompt=ids, max_new_tokens=params.max_new_tokens, temperature=float(params.temperature),
             top_p=float(params.top_p), top_k=params.top_k, seed=params.seed, stop=tuple(params.stop or ()),
             timeout_ms=None if timeout is None else int(timeout * 1000), reply_key=reply_key, stream=stream,
+            priority=str(params.priority),
         )
-        return Outgoing(bucket, keys.stream(bucket), req, self.info.max_queue_len)
+        limit = self.info.batch_queue_len if req.priority == BATCH else self.info.max_queue_len
+        return Outgoing(bucket, keys.stream(bucket, req.priority), req, limit)
 
 
 @dataclass(frozen=True)
@@ -189,7 +199,8 @@ class Outgoing:
             return self.id
         earlier = "; earlier prompts of this call were enqueued" if in_batch else ""
         if code == 0:
-            raise QueueFull(f"bucket {self.bucket} holds {self.max_queue_len} entries; retry later{earlier}")
+            raise QueueFull(f"bucket {self.bucket} ({self.request.priority}) holds {self.max_queue_len} entries; "
+                            f"retry later{earlier}")
         if code == -1:
             raise NoWorkers(f"no live worker serves namespace {namespace!r} (none sent a heartbeat recently); "
                             f"start one, or make the client with require_workers=False to enqueue anyway{earlier}")

@@ -143,7 +143,7 @@ def test_release_hands_stale_queued_entries_to_a_peer_without_counting_a_deliver
     assert ra.check() == 3
     assert ra.unreleased(table) == []  # the lease keeper no longer renews them
     ra.stepped()
-    assert ra.settle(table.drop) == 3 and table.take_batch(1e12, 8) is None and table.snapshot == ()
+    assert ra.settle(table.drop) == 3 and table.take_batch(1e12, {"interactive": 8}) is None and table.snapshot == ()
     got = idle.reclaim(min_idle_ms=1000, budget=10)
     assert sorted(e.fields[b"id"].decode() for e in got) == sorted(ids)
     assert all(e.deliveries == 1 for e in got)  # a release to balance load is not a failed delivery

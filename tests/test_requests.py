@@ -17,6 +17,7 @@ pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
 KEYS = Keys("t")
 INBOX = KEYS.inbox("client0123456789")
 LATER = 1e12  # every batch has closed by age
+ROOM = {"interactive": 8, "batch": 8}
 
 
 def acc(job_id: str, bucket: int = 32, entry_id: str | None = None) -> Accepted:
@@ -52,8 +53,8 @@ def test_stages_follow_a_request_from_queue_to_answer():
     assert [t.stage(j) for j in "abcx"] == [Stage.QUEUED, Stage.QUEUED, Stage.SOLO, None]
     assert [t.count(s) for s in Stage] == [2, 1, 0, 0]
     assert snap(t) == [(32, "a-0"), (64, "b-0"), (32, "c-0")]
-    assert ids(t.take_batch(LATER, 8)) == ["a"] and ids(t.take_batch(LATER, 8)) == ["b"]  # buckets never mix
-    assert t.take_batch(LATER, 8) is None
+    assert ids(t.take_batch(LATER, ROOM)) == ["a"] and ids(t.take_batch(LATER, ROOM)) == ["b"]  # buckets never mix
+    assert t.take_batch(LATER, ROOM) is None
     assert ids(t.of(Stage.RUNNING)) == ["a", "b"] and ids(t.of(Stage.QUEUED)) == []
     assert t.finish("a") is a and t.stage("a") is None
     t.answer([reply("a")])
@@ -70,7 +71,7 @@ def test_duplicate_check_covers_held_stages_but_not_the_outbox():
     t.queue(acc("s"), alone=True)
     t.queue(acc("r"))
     t.drop("q")
-    assert ids(t.take_batch(LATER, 8)) == ["r"]
+    assert ids(t.take_batch(LATER, ROOM)) == ["r"]
     t.queue(acc("q"))
     t.answer([reply("o")])
     assert [t.holds(j) for j in ("q", "s", "r", "o", "x")] == [True, True, True, False, False]
@@ -84,7 +85,7 @@ def test_failed_batch_members_run_alone_in_start_order():
     t.queue(acc("w"), alone=True)
     for a in batch:
         t.queue(a)
-    assert ids(t.take_batch(LATER, 8)) == ["x", "y", "z"]
+    assert ids(t.take_batch(LATER, ROOM)) == ["x", "y", "z"]
     t.run_alone(t.of(Stage.RUNNING))
     assert ids(t.of(Stage.SOLO)) == ["w", "x", "y", "z"] and t.count(Stage.RUNNING) == 0
     assert t.drop("y").gen.id == "y" and t.drop("y") is None
@@ -98,7 +99,7 @@ def test_unstarted_entries_are_handed_back_queued_first_then_solo():
     t.queue(acc("r1"))
     t.queue(acc("q2", bucket=64))
     t.drop("q1")
-    assert ids(t.take_batch(LATER, 1)) == ["r1"]
+    assert ids(t.take_batch(LATER, {"interactive": 1})) == ["r1"]
     t.queue(acc("q1"))
     t.answer([reply("done")])
     assert [(e.bucket, e.entry_id) for e in t.unstarted()] == [(64, "q2-0"), (32, "q1-0"), (32, "s1-0")]
@@ -111,7 +112,7 @@ def test_snapshot_is_replaced_never_mutated():
     t = table()
     t.queue(acc("a"))
     before = t.snapshot
-    t.take_batch(LATER, 8)
+    t.take_batch(LATER, ROOM)
     t.finish("a")
     assert before == (acc("a").entry,) and t.snapshot == () and before is not t.snapshot
     assert isinstance(t.snapshot, tuple)
@@ -135,10 +136,10 @@ def test_queued_requests_and_their_batches_change_together():
         t.queue(x)
     assert t.drop("b") is b and t.stage("b") is None  # dropped from its batch too
     assert t.expire(lambda x: x.gen.id == "c") == [c] and t.count(Stage.QUEUED) == 2
-    assert ids(t.take_batch(LATER, 8)) == ["a"]
+    assert ids(t.take_batch(LATER, ROOM)) == ["a"]
     t.requeue([a])  # a bystander of a failed step: back in its batch
-    assert t.stage("a") is Stage.QUEUED and ids(t.take_batch(LATER, 8)) == ["a"]
-    assert ids(t.take_batch(LATER, 8)) == ["d"] and t.take_batch(LATER, 8) is None
+    assert t.stage("a") is Stage.QUEUED and ids(t.take_batch(LATER, ROOM)) == ["a"]
+    assert ids(t.take_batch(LATER, ROOM)) == ["d"] and t.take_batch(LATER, ROOM) is None
     t.queue(acc("e"))
     t.forget_unstarted()
-    assert t.take_batch(LATER, 8) is None and t.next_deadline() is None
+    assert t.take_batch(LATER, ROOM) is None and t.next_deadline() is None

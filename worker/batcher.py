@@ -1,57 +1,61 @@
-"""Per-bucket queues and batch deadlines. Pure Python: no Redis, no torch; time is passed in.
+"""Per-bucket, per-class queues and batch deadlines. Pure Python: no Redis, no torch; time is passed in.
 
-Rule (exact): a bucket's batch closes when it holds ``max_batch_size`` entries, or when ``max_wait_ms``
-has passed since its OLDEST entry was enqueued, whichever is first. Buckets never share a batch. Among
-buckets with a closed batch, the one whose oldest entry has waited longest is served first.
-``max_wait_ms=None`` (or infinity) means "static": a batch closes only when full (or on ``flush``).
+Rule (exact): a queue (one bucket of one priority class) closes its batch when it holds
+``max_batch_size`` entries, or when ``max_wait_ms`` has passed since its OLDEST entry was enqueued,
+whichever is first. Buckets never share a batch, nor do classes. Classes are served in order
+(``LANES``: interactive, then batch): a batch-class batch is taken only when no interactive one is
+closed (or the interactive class has no room). Within a class the next batch is the queue whose head
+has the earliest deadline, then the earliest arrival; within a queue, entries are taken in the same
+order (earliest deadline first, then arrival). ``max_wait_ms=None`` (or infinity) means "static": a
+batch closes only when full (or on ``flush``).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+from batchfleet.common.keys import INTERACTIVE, LANES
 
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Pending(Generic[T]):
-    item: T
-    bucket: int
-    enqueued_at: float  # seconds, same clock as `now`
+    deadline: float  # inf when the request has none: earliest deadline first
+    enqueued_at: float  # seconds, same clock as `now`: then arrival order
+    item: T = field(compare=False)
+    bucket: int = field(compare=False)
 
 
 class Batcher(Generic[T]):
-    """Holds requests per bucket in arrival order and decides which batch to run next."""
+    """Holds requests per (class, bucket) and decides which batch runs next."""
 
-    def __init__(self, buckets: Iterable[int], max_batch_size: int, max_wait_ms: float | None) -> None:
+    def __init__(self, buckets: Iterable[int], max_batch_size: int, max_wait_ms: float | None,
+                 lanes: tuple[str, ...] = LANES) -> None:
         self.max_batch_size = max_batch_size
         static = max_wait_ms is None or math.isinf(max_wait_ms)
         self.max_wait_s = None if static else max_wait_ms / 1000.0
-        self._queues: dict[int, deque[Pending[T]]] = {b: deque() for b in buckets}
+        self.lanes = lanes
+        # each queue sorted by (deadline, enqueued_at): Redis delivery order is near-sorted, so the
+        # insertion point is almost always the end
+        self._queues: dict[tuple[str, int], list[Pending[T]]] = {(lane, b): [] for lane in lanes for b in buckets}
         self._flush = False
 
-    def add(self, item: T, bucket: int, enqueued_at: float) -> None:
-        # Entries of one bucket are served oldest-first, so keep the deque sorted by enqueue time
-        # (Redis delivery order is near-sorted; inserting from the right is O(1) in the common case).
-        q = self._queues[bucket]
-        entry = Pending(item, bucket, enqueued_at)
-        if not q or q[-1].enqueued_at <= enqueued_at:
-            q.append(entry)
-            return
-        idx = len(q)
-        while idx > 0 and q[idx - 1].enqueued_at > enqueued_at:
-            idx -= 1
-        q.insert(idx, entry)
+    def add(self, item: T, bucket: int, enqueued_at: float, lane: str = INTERACTIVE,
+            deadline: float | None = None) -> None:
+        entry = Pending(math.inf if deadline is None else deadline, enqueued_at, item, bucket)
+        q = self._queues[(lane, bucket)]
+        q.insert(bisect.bisect(q, entry), entry)
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
-    def pending(self, bucket: int) -> int:
-        return len(self._queues[bucket])
+    def pending(self, bucket: int, lane: str = INTERACTIVE) -> int:
+        return len(self._queues[(lane, bucket)])
 
     @property
     def static(self) -> bool:
@@ -61,47 +65,59 @@ class Batcher(Generic[T]):
         """Close every non-empty batch now (end of load, shutdown)."""
         self._flush = True
 
-    def _ready(self, q: deque[Pending[T]], now: float) -> bool:
+    def _closes_at(self, q: list[Pending[T]]) -> float:
+        assert self.max_wait_s is not None
+        return min(p.enqueued_at for p in q) + self.max_wait_s
+
+    def _ready(self, q: list[Pending[T]], now: float) -> bool:
         if not q:
             return False
         if self._flush or len(q) >= self.max_batch_size:
             return True
         # same expression as next_deadline(), so "now == deadline" is ready despite float rounding
-        return self.max_wait_s is not None and now >= q[0].enqueued_at + self.max_wait_s
+        return self.max_wait_s is not None and now >= self._closes_at(q)
 
     def next_deadline(self) -> float | None:
         """Earliest time a not-yet-full batch closes by age; None if nothing waits on a timer."""
         if self.max_wait_s is None:
             return None
-        oldest = [q[0].enqueued_at for q in self._queues.values() if q]
-        return min(oldest) + self.max_wait_s if oldest else None
+        closing = [self._closes_at(q) for q in self._queues.values() if q]
+        return min(closing) if closing else None
 
-    def pop_batch(self, now: float, limit: int | None = None) -> tuple[int, list[T]] | None:
-        """Remove and return the next closed batch (bucket, items oldest first), or None.
+    def pop_batch(self, now: float, limit: int | None = None,
+                  rooms: Mapping[str, int] | None = None) -> tuple[int, list[T]] | None:
+        """Remove and return the next closed batch (bucket, items in order), or None.
 
-        ``limit`` caps the items taken (the engine's room); the rest stays queued, its batch still closed."""
-        ready = [(q[0].enqueued_at, b) for b, q in self._queues.items() if self._ready(q, now)]
-        if not ready:
-            if self._flush and not len(self):
-                self._flush = False
-            return None
-        _, bucket = min(ready)
-        return bucket, self.take(bucket, self.max_batch_size if limit is None else min(limit, self.max_batch_size))
+        ``limit`` caps the items taken (the engine's room); ``rooms`` gives it per class instead (a class
+        with no room is skipped). What is not taken stays queued, its batch still closed."""
+        for lane in self.lanes:
+            room = limit if rooms is None else rooms.get(lane, 0)
+            if room is not None and room <= 0:
+                continue
+            ready = [(q[0], b) for (ln, b), q in self._queues.items() if ln == lane and self._ready(q, now)]
+            if ready:
+                _, bucket = min(ready)
+                n = self.max_batch_size if room is None else min(room, self.max_batch_size)
+                return bucket, self.take(bucket, n, lane)
+        if self._flush and not len(self):
+            self._flush = False
+        return None
 
-    def take(self, bucket: int, n: int) -> list[T]:
-        """Remove up to n oldest items of a bucket."""
-        q = self._queues[bucket]
-        return [q.popleft().item for _ in range(min(n, len(q)))]
+    def take(self, bucket: int, n: int, lane: str = INTERACTIVE) -> list[T]:
+        """Remove up to n items of a queue, in its order."""
+        q = self._queues[(lane, bucket)]
+        taken, q[:] = q[:n], q[n:]
+        return [p.item for p in taken]
 
-    def expire(self, is_expired) -> list[T]:
+    def expire(self, is_expired: Callable[[T], bool]) -> list[T]:
         """Remove and return every queued item for which ``is_expired(item)`` is true."""
         gone: list[T] = []
-        for b, q in self._queues.items():
-            keep: deque[Pending[T]] = deque()
+        for key, q in self._queues.items():
+            keep: list[Pending[T]] = []
             for p in q:
                 if is_expired(p.item):
                     gone.append(p.item)
                 else:
                     keep.append(p)
-            self._queues[b] = keep
+            self._queues[key] = keep
         return gone

@@ -40,12 +40,12 @@ def fields_dict(flat: list) -> dict[bytes, bytes]:
     return {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}
 
 
-def entry_of(bucket: int, raw: list) -> Entry | None:
+def entry_of(bucket: int, lane: str, raw: list) -> Entry | None:
     """An Entry from a script's {id, fields or false, oversize}; None for one deleted while pending."""
     entry_id, flat, oversize = raw[0], raw[1], int(raw[2] or 0)
     if not isinstance(flat, list):
         return None
-    return Entry(bucket, as_str(entry_id), fields_dict(flat), oversize=oversize)
+    return Entry(bucket, as_str(entry_id), fields_dict(flat), oversize=oversize, lane=lane)
 
 
 def shrink(entry: Entry) -> Entry:
@@ -56,48 +56,58 @@ def shrink(entry: Entry) -> Entry:
     if size <= MAX_ENTRY_BYTES and len(flat) <= MAX_FIELDS:
         return entry
     kept = fields_dict([bytes(x[:KEEP_BYTES]) for x in flat[:KEEP_FIELDS]])
-    return Entry(entry.bucket, entry.entry_id, kept, entry.deliveries, oversize=max(size, 1))
+    return Entry(entry.bucket, entry.entry_id, kept, entry.deliveries, oversize=max(size, 1), lane=entry.lane)
 
 
 class BoundedReader:
     """``XREADGROUP`` of a consumer over its bucket streams through the ``READ`` script (module docstring)."""
 
-    def __init__(self, r, scripts: WorkerScripts, group: str, consumer: str, streams: dict[str, int]) -> None:
+    def __init__(self, r, scripts: WorkerScripts, group: str, consumer: str,
+                 streams: list[tuple[str, int, str]]) -> None:
+        """``streams``: (stream, bucket, lane), most urgent first (``Keys.streams``)."""
         self.r = r
         self.group = group
         self.consumer = consumer
-        self.bucket_of = {s.encode(): b for s, b in streams.items()}
-        self.stream_keys = list(streams)
+        self.where = {s.encode(): (b, lane) for s, b, lane in streams}
+        self.streams = streams
         self._script = scripts.read
 
-    def read(self, count: int, block_ms: int | None) -> list[Entry]:
-        """Up to ``count`` new entries per stream. When there are none and ``block_ms`` is not None, waits
-        for the first with a plain ``XREADGROUP COUNT 1`` (a script cannot block), cuts it down at once,
-        then takes the rest through the script."""
-        out = self.read_now(count)
-        if out or block_ms is None:
+    def read(self, counts: dict[str, int], block_ms: int | None) -> list[Entry]:
+        """Up to ``counts[lane]`` new entries per stream of each lane (interactive streams first). When
+        there are none and ``block_ms`` is not None, waits for the first with a plain ``XREADGROUP COUNT 1``
+        over the streams of lanes with room (a script cannot block), cuts it down at once, then takes the
+        rest through the script."""
+        out = self.read_now(counts)
+        wanted = [s for s, _, lane in self.streams if counts.get(lane, 0) > 0]
+        if out or block_ms is None or not wanted:
             return out
         # nothing there: wait; only an entry arriving during this wait is read whole (then cut down)
-        resp = self.r.xreadgroup(self.group, self.consumer, {s: ">" for s in self.stream_keys}, count=1,
-                                 block=block_ms)
-        out = [shrink(Entry(self._bucket(stream), as_str(eid), fields or {}))
-               for stream, entries in resp or [] for eid, fields in entries]
-        del resp  # the raw (maybe huge) entries go now, not at the end of the call
-        if out and count > 1:
-            out += self.read_now(count - 1)
-        return out
-
-    def read_now(self, count: int) -> list[Entry]:
-        """Up to ``count`` new entries per stream, without blocking; too-large entries come cut short."""
-        resp = self._script(keys=self.stream_keys, args=[self.group, self.consumer, count, *LIMIT_ARGS])
+        resp = self.r.xreadgroup(self.group, self.consumer, {s: ">" for s in wanted}, count=1, block=block_ms)
         out = []
         for stream, entries in resp or []:
-            bucket = self._bucket(stream)
-            out += [e for raw in entries if (e := entry_of(bucket, raw)) is not None]
+            bucket, lane = self._where(stream)
+            out += [shrink(Entry(bucket, as_str(eid), fields or {}, lane=lane)) for eid, fields in entries]
+        del resp  # the raw (maybe huge) entries go now, not at the end of the call
+        if out:
+            left = {lane: n - sum(e.lane == lane for e in out) for lane, n in counts.items()}
+            out += self.read_now(left)
         return out
 
-    def _bucket(self, stream: bytes | str) -> int:
-        return self.bucket_of[stream if isinstance(stream, bytes) else stream.encode()]
+    def read_now(self, counts: dict[str, int]) -> list[Entry]:
+        """Up to ``counts[lane]`` new entries per stream, without blocking; too-large entries come cut short."""
+        per_key = [max(0, counts.get(lane, 0)) for _, _, lane in self.streams]
+        if not any(per_key):
+            return []
+        resp = self._script(keys=[s for s, _, _ in self.streams],
+                            args=[self.group, self.consumer, 0, *LIMIT_ARGS, *per_key])
+        out = []
+        for stream, entries in resp or []:
+            bucket, lane = self._where(stream)
+            out += [e for raw in entries if (e := entry_of(bucket, lane, raw)) is not None]
+        return out
+
+    def _where(self, stream: bytes | str) -> tuple[int, str]:
+        return self.where[stream if isinstance(stream, bytes) else stream.encode()]
 
 
 def autoclaim_args(group: str, consumer: str, min_idle_ms: int, cursor: str, count: int) -> list:

@@ -23,7 +23,7 @@ import redis
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.fleetstate import live_workers
 from batchfleet.common.functions import load_library
-from batchfleet.common.keys import Keys
+from batchfleet.common.keys import LANES, Keys
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.common.redis_conn import sync_client
 from batchfleet.common.retry import TRANSIENT, Backoff
@@ -76,8 +76,7 @@ class StreamConsumer(Transport):
         self.pel = PendingList(self.r, scripts, self.keys, name, buckets)
         self._flush = FlushWatch(self._flush_counter)  # baseline taken by setup()
         # every read goes through a size-checking script: memory never follows hostile entry sizes
-        self.reader = BoundedReader(self.r, scripts, self.keys.group, name,
-                                    {self.keys.stream(b): b for b in buckets})
+        self.reader = BoundedReader(self.r, scripts, self.keys.group, name, self.keys.streams(buckets))
         # A blocking read must return before the socket times out, with margin.
         self.max_block_ms = int(min(MAX_BLOCK_MS, conn.socket_timeout_s * 1000 / 2))
 
@@ -93,9 +92,9 @@ class StreamConsumer(Transport):
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                for b in self.buckets:
+                for stream, _, _ in self.keys.streams(self.buckets):
                     try:
-                        self.r.xgroup_create(self.keys.stream(b), self.keys.group, id="0", mkstream=True)
+                        self.r.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
                     except redis.ResponseError as exc:
                         if "BUSYGROUP" not in str(exc):
                             raise
@@ -150,27 +149,29 @@ class StreamConsumer(Transport):
         return self.presence.offset
 
     @_refused
-    def read(self, count: int, block_ms: int | None) -> list[Entry]:
-        """New entries of every bucket (up to ``count`` per stream); blocks at most ``block_ms``.
+    def read(self, count: int | dict[str, int], block_ms: int | None) -> list[Entry]:
+        """New entries of every bucket, interactive streams first: up to ``count`` per stream (a dict: per
+        stream of each lane, 0 = that lane is not read); blocks at most ``block_ms``.
 
         Redis only expires a BLOCK at its cron tick (1000/hz ms: 100 ms by default), so a 50 ms block
         would really last ~100 ms and every batch deadline would slip. Short waits therefore poll
         (non-blocking read, then a 2 ms sleep) and long ones block until ~BLOCK_SLACK_MS before the end.
         """
+        counts = dict.fromkeys(LANES, count) if isinstance(count, int) else count
         if block_ms is None:
-            return self._xread(count, None)
+            return self._xread(counts, None)
         end = time.monotonic() + max(1, min(int(block_ms), self.max_block_ms)) / 1000
         while True:
             left_ms = (end - time.monotonic()) * 1000
             block = int(left_ms - BLOCK_SLACK_MS) if left_ms > BLOCK_SLACK_MS + 10 else None
-            out = self._xread(count, block)
+            out = self._xread(counts, block)
             if out or left_ms <= 0:
                 return out
             if block is None:
                 time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))
 
-    def _xread(self, count: int, block_ms: int | None) -> list[Entry]:
-        return self.reader.read(count, block_ms)
+    def _xread(self, counts: dict[str, int], block_ms: int | None) -> list[Entry]:
+        return self.reader.read(counts, block_ms)
 
     # ---- settling (worker/settle.py) -----------------------------------------------------------------
     @_refused
@@ -280,8 +281,7 @@ class StreamConsumer(Transport):
             self.r.delete(self.keys.worker(self.name))
             if fleet.leave(self._scripts, self.keys, self.name):  # the last live worker: producers now get NoWorkers
                 log.info("last live worker of %r stopped: fleet description deleted", self.keys.namespace)
-            for b in self.buckets:
-                stream = self.keys.stream(b)
+            for stream, _, _ in self.keys.streams(self.buckets):
                 if not self.r.xpending_range(stream, self.keys.group, "-", "+", 1, consumername=self.name):
                     self.r.xgroup_delconsumer(stream, self.keys.group, self.name)  # would drop its PEL: empty
         except redis.RedisError:

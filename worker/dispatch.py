@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from batchfleet.common.config import WorkerConfig
 from batchfleet.common.errors import CANCELLED
+from batchfleet.common.lanes import INTERACTIVE, LANES, RANK
 from batchfleet.common.retry import TRANSIENT
 from batchfleet.worker.engine.base import Completion, Engine
 from batchfleet.worker.intake import Intake
@@ -51,15 +52,22 @@ class Dispatcher:
         self.progress = time.monotonic()  # last time an engine step returned
 
     # ---- admission -------------------------------------------------------------------------------
-    def engine_full(self) -> bool:
-        """Whether the engine can start nothing more now (no room, or a request runs or waits to run alone)."""
+    def engine_full(self, lane: str = INTERACTIVE) -> bool:
+        """Whether the engine can start nothing more of ``lane`` now (no room for it, or a request runs or
+        waits to run alone)."""
         return self.engine.has_work() and (self.alone or self.requests.count(Stage.SOLO) > 0
-                                           or self.engine.room() <= 0)
+                                           or self.engine.room(RANK[lane]) <= 0)
+
+    def rooms(self) -> dict[str, int]:
+        """The engine's room per lane (interactive work may have room that batch work has not)."""
+        return {lane: self.engine.room(RANK[lane]) for lane in LANES}
 
     def admit(self, now: float) -> None:
         """Start what may start: on an idle engine, a request waiting to run alone first; then closed
-        batches, of any bucket, while the engine has room (dynamic mode: its room is one batch when idle,
-        none while it runs; continuous: up to max_running sequences, decoding all buckets together)."""
+        batches, of any bucket, while the engine has room, interactive ones first (dynamic mode: its room is
+        one batch when idle, none while it runs; continuous: up to max_running sequences, decoding all
+        buckets together, where an interactive batch has room that batch-class sequences hold: the engine
+        preempts them)."""
         if self.engine.has_work():
             if self.alone or self.requests.count(Stage.SOLO):
                 return  # solo requests wait for an idle engine; nothing joins one running alone
@@ -73,7 +81,7 @@ class Dispatcher:
                 self.alone = True
                 self._start([alone], kind="solo")
                 return
-        while (room := self.engine.room()) > 0 and (batch := self.requests.take_batch(now, room)) is not None:
+        while (batch := self.requests.take_batch(now, self.rooms())) is not None:
             if not self._start(batch, kind="batch"):
                 return  # the engine was reset: its requests must run alone first
 

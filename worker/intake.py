@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from batchfleet.common.config import WorkerConfig
 from batchfleet.common.errors import CANCELLED, DEADLINE_EXCEEDED, WORKER_FAILED
+from batchfleet.common.keys import LANES
 from batchfleet.common.protocol import Error
 from batchfleet.common.retry import TRANSIENT
 from batchfleet.worker.ledger import Ledger
@@ -44,21 +45,23 @@ class Intake:
         self.send = send  # replies go to the outbox and are written when the transport takes them
         self.next_reclaim = 0.0  # time.time() of the next reclaim (tests set 0 to force one)
         self.next_prune = 0.0
-        self.engine_full: Callable[[], bool] = lambda: False  # the loop sets it: read-ahead bound
+        # the loop sets it (the dispatcher's): whether the engine can start nothing more of a lane now
+        self.engine_full: Callable[[str], bool] = lambda lane: False
 
-    def room(self) -> int:
-        """Hold at most two batches locally (queued or waiting to run alone), one while the engine is full:
-        leave the rest to peers (worker/readahead.py)."""
-        held = self.requests.count(Stage.QUEUED) + self.requests.count(Stage.SOLO)
-        return readahead_cap(self.cfg.batching.max_batch_size, self.engine_full()) - held
+    def room(self, lane: str) -> int:
+        """Hold at most two batches of a lane locally (queued or waiting to run alone), one while the engine
+        has no room for it: leave the rest to peers (worker/readahead.py). Per lane, so batch work held
+        here never keeps interactive work from being read."""
+        cap = readahead_cap(self.cfg.batching.max_batch_size, self.engine_full(lane))
+        return cap - self.requests.waiting(lane)
 
     # ---- new entries -----------------------------------------------------------------------------
     def read(self, now: float, engine_busy: bool) -> None:
         """Read new entries. Blocks only while nothing can run (engine idle, nobody waiting to run alone),
         and never past the next batch deadline nor the next reclaim."""
-        room = self.room()
+        rooms = {lane: max(0, self.room(lane)) for lane in LANES}
         busy = engine_busy or self.requests.count(Stage.SOLO) > 0
-        if room <= 0:
+        if not any(rooms.values()):
             deadline = self.requests.next_deadline()
             if not busy and deadline is not None and deadline > now:
                 time.sleep(min(deadline - now, FULL_SLEEP_MAX_S))
@@ -73,8 +76,9 @@ class Intake:
             block_ms = min(block_ms, int(reclaim_period_s(self.cfg.claim_idle_ms) * 1000) + 1)
             if block_ms <= 0:
                 return
-        # COUNT applies per stream: split the room so all buckets together stay within it
-        per_stream = max(1, -(-room // len(self.cfg.batching.buckets)))
+        # COUNT applies per stream: split each lane's room so all its buckets together stay within it
+        n = len(self.cfg.batching.buckets)
+        per_stream = {lane: -(-room // n) for lane, room in rooms.items()}
         self._take_all(self.transport.read(count=per_stream, block_ms=block_ms), alone=lambda e: False)
 
     def reclaim(self, now: float) -> None:
@@ -85,13 +89,12 @@ class Intake:
         if now >= self.next_prune:
             self.next_prune = now + PRUNE_PERIOD_S
             self.transport.prune_consumers(PRUNE_IDLE_MS)
-        room = min(self.room(), self.cfg.reclaim_budget)
+        room = min(sum(max(0, self.room(lane)) for lane in LANES), self.cfg.reclaim_budget)
         if room <= 0:
             return
         # entry ids are unique per stream only: two buckets often share "<ms>-0"
-        held = {(e.bucket, e.entry_id) for e in self.requests.snapshot}
-        entries = [e for e in self.transport.reclaim(self.cfg.claim_idle_ms, room) or []
-                   if (e.bucket, e.entry_id) not in held]
+        held = {e.where for e in self.requests.snapshot}
+        entries = [e for e in self.transport.reclaim(self.cfg.claim_idle_ms, room) or [] if e.where not in held]
         if not entries:
             return
         self.ledger.note("reclaimed", len(entries))
@@ -142,7 +145,7 @@ class Intake:
         if rej.error is None:  # no usable id: nobody to answer
             self.give_up(rej.entry, rej.reason)
             return
-        self.send([Reply(rej.error.id, rej.error, rej.entry.bucket, rej.entry.entry_id, rej.reply_key)])
+        self.send([Reply(rej.error.id, rej.error, rej.entry.bucket, rej.entry.entry_id, rej.reply_key, rej.entry.lane)])
 
     # ---- endings ---------------------------------------------------------------------------------
     def give_up(self, entry: Entry, reason: str) -> None:
@@ -150,7 +153,8 @@ class Intake:
         job_id, reply_key = job_id_of(entry), reply_key_of(entry, self.transport.keys)
         reply = None
         if job_id is not None and reply_key is not None:
-            reply = Reply(job_id, Error(job_id, WORKER_FAILED, reason), entry.bucket, entry.entry_id, reply_key)
+            reply = Reply(job_id, Error(job_id, WORKER_FAILED, reason), entry.bucket, entry.entry_id, reply_key,
+                          entry.lane)
         log.warning("giving up on entry %s (job %s): %s", entry.entry_id, job_id, reason,
                     extra={"job": job_id, "bucket": entry.bucket})
         self.ledger.dead_lettered()

@@ -102,7 +102,9 @@ class WorkerLoop:
         if taking:
             self.dispatch.admit(time.time())
         if self.engine.has_work():
-            self.readahead.stepping(self.requests.of(Stage.QUEUED), self.dispatch.engine_full())
+            # what the engine has no room for may be released to idle peers while the step runs
+            stuck = [acc for acc in self.requests.of(Stage.QUEUED) if self.dispatch.engine_full(acc.entry.lane)]
+            self.readahead.stepping(stuck, engine_full=bool(stuck))
             try:
                 self.dispatch.step()
             finally:  # the read-ahead thread releases nothing more; what it released is settled next tick

@@ -25,8 +25,8 @@ class PendingList:
         self.r = r
         self.keys = keys
         self.name = name
-        self.buckets = buckets
-        self._cursors: dict[int, str] = {}  # XAUTOCLAIM cursor per bucket, kept while a budget cuts a scan
+        self.streams = keys.streams(buckets)  # (stream, bucket, lane), interactive first
+        self._cursors: dict[str, str] = {}  # XAUTOCLAIM cursor per stream, kept while a budget cuts a scan
         self._autoclaim = scripts.autoclaim
 
     def reset(self) -> None:
@@ -41,14 +41,13 @@ class PendingList:
         the PEL by Redis itself (reported in the third reply element; we only count them).
         """
         out: list[Entry] = []
-        for b in self.buckets:
-            stream = self.keys.stream(b)
-            cursor = self._cursors.pop(b, "0-0")
+        for stream, b, lane in self.streams:
+            cursor = self._cursors.pop(stream, "0-0")
             while len(out) < budget:
                 # through the bounded script: too-large entries come back cut short (worker/bounded.py)
                 nxt, claimed, deleted = self._autoclaim(keys=[stream], args=autoclaim_args(
                     self.keys.group, self.name, min_idle_ms, cursor, budget - len(out)))
-                claimed = [(as_str(raw[0]), entry_of(b, raw)) for raw in claimed]
+                claimed = [(as_str(raw[0]), entry_of(b, lane, raw)) for raw in claimed]
                 if any(e is None for _, e in claimed):  # Redis 6.2 reports deleted ones as nil
                     deleted += self._ack_deleted(stream, {eid for eid, e in claimed if e is not None})
                 if deleted:
@@ -58,7 +57,7 @@ class PendingList:
                 if cursor == "0-0":
                     break
             if cursor != "0-0":
-                self._cursors[b] = cursor
+                self._cursors[stream] = cursor
         return self._with_delivery_counts(out)
 
     def _ack_deleted(self, stream: str, alive: set[str]) -> int:
@@ -76,11 +75,11 @@ class PendingList:
             return []
         pipe = self.r.pipeline(transaction=False)
         for e in entries:
-            pipe.xpending_range(self.keys.stream(e.bucket), self.keys.group, e.entry_id, e.entry_id, 1)
+            pipe.xpending_range(self.keys.stream(e.bucket, e.lane), self.keys.group, e.entry_id, e.entry_id, 1)
         counts = []
         for rows in pipe.execute():
             counts.append(int(rows[0]["times_delivered"]) if rows else 1)
-        return [Entry(e.bucket, e.entry_id, e.fields, n, e.oversize) for e, n in zip(entries, counts)]
+        return [Entry(e.bucket, e.entry_id, e.fields, n, e.oversize, e.lane) for e, n in zip(entries, counts)]
 
     def release(self, entries: list[Entry], idle_ms: int, count_delivery: bool = True) -> None:
         """Leave entries pending but make them look ``idle_ms`` idle, so the next reclaim (any worker's)
@@ -92,7 +91,7 @@ class PendingList:
             return
         pipe = self.r.pipeline(transaction=False)
         for e in entries:
-            pipe.xclaim(self.keys.stream(e.bucket), self.keys.group, self.name, 0, [e.entry_id], idle=idle_ms,
+            pipe.xclaim(self.keys.stream(e.bucket, e.lane), self.keys.group, self.name, 0, [e.entry_id], idle=idle_ms,
                         retrycount=max(0, e.deliveries - 1), justid=True)
         pipe.execute()
 
@@ -102,22 +101,21 @@ class PendingList:
         self._claim(entries, min_idle_ms=min_idle_ms, idle=None)
 
     def _claim(self, entries: list[Entry], min_idle_ms: int, idle: int | None) -> None:
-        by_bucket: dict[int, list[str]] = {}
+        by_stream: dict[str, list[str]] = {}
         for e in entries:
-            by_bucket.setdefault(e.bucket, []).append(e.entry_id)
-        if not by_bucket:
+            by_stream.setdefault(self.keys.stream(e.bucket, e.lane), []).append(e.entry_id)
+        if not by_stream:
             return
         pipe = self.r.pipeline(transaction=False)
-        for b, ids in by_bucket.items():
-            pipe.xclaim(self.keys.stream(b), self.keys.group, self.name, min_idle_ms, ids, idle=idle, justid=True)
+        for stream, ids in by_stream.items():
+            pipe.xclaim(stream, self.keys.group, self.name, min_idle_ms, ids, idle=idle, justid=True)
         pipe.execute()
 
     def prune_consumers(self, min_idle_ms: int) -> int:
         """Remove group consumers (dead workers' names) that hold nothing and were silent for min_idle_ms,
         so the group's consumer list does not grow with every restart. Returns how many were removed."""
         removed = 0
-        for b in self.buckets:
-            stream = self.keys.stream(b)
+        for stream, _, _ in self.streams:
             for c in self.r.xinfo_consumers(stream, self.keys.group):
                 name = as_str(c["name"])
                 if name != self.name and c["pending"] == 0 and c["idle"] >= min_idle_ms:

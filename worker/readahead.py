@@ -61,7 +61,7 @@ class ReadAhead:
         self._since: dict[str, float] = {}  # job id -> monotonic time first seen queued (loop thread only)
         self._queued: tuple[tuple[Accepted, float], ...] = ()  # what waits during the current step
         self._stepping = False
-        self._released: dict[tuple[int, str], Accepted] = {}  # released, not yet dropped by the loop
+        self._released: dict[tuple[int, str, str], Accepted] = {}  # released, not yet dropped by the loop
         self._peers = (0, -math.inf)  # (live peers, monotonic time asked)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="read-ahead", daemon=True)
@@ -109,7 +109,7 @@ class ReadAhead:
         it calls under ``lock``)."""
         if not self._released:
             return list(requests.snapshot)
-        return [e for e in requests.snapshot if (e.bucket, e.entry_id) not in self._released]
+        return [e for e in requests.snapshot if e.where not in self._released]
 
     # ---- release thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -126,11 +126,11 @@ class ReadAhead:
             if not self._stepping:
                 return 0
             stale = [acc for acc, t in self._queued if now - t > self.after_s
-                     and (acc.entry.bucket, acc.entry.entry_id) not in self._released]
+                     and acc.entry.where not in self._released]
             if not stale or not self._peer_alive(now):
                 return 0
             for acc in stale:
-                self._released[(acc.entry.bucket, acc.entry.entry_id)] = acc
+                self._released[acc.entry.where] = acc
             # under the lock: the lease keeper must not renew them between our decision and the release
             self.transport.release([acc.entry for acc in stale], idle_ms=self.claim_idle_ms, count_delivery=False)
         self.released_total += len(stale)

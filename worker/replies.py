@@ -12,14 +12,15 @@ from batchfleet.worker.validate import Accepted
 
 def error_reply(acc: Accepted, code: str, message: str) -> Reply:
     """The final error reply to a held request (it settles the request's entry)."""
-    return Reply(acc.gen.id, Error(acc.gen.id, code, message), acc.entry.bucket, acc.entry.entry_id, acc.reply_key)
+    return Reply(acc.gen.id, Error(acc.gen.id, code, message), acc.entry.bucket, acc.entry.entry_id, acc.reply_key,
+                 acc.entry.lane)
 
 
 def completion_reply(c: Completion, acc: Accepted, now: float, worker: str) -> Reply:
     """The reply to a completion: its Result (timings relative to the request's enqueue, this host's
     clock), or an ``engine_error`` Error when the engine could not serve it."""
     return Reply(c.id, _completion_message(c, acc, now, worker), acc.entry.bucket, acc.entry.entry_id,
-                 acc.reply_key)
+                 acc.reply_key, acc.entry.lane)
 
 
 def _completion_message(c: Completion, acc: Accepted, now: float, worker: str) -> Result | Error:

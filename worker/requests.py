@@ -21,7 +21,7 @@ without a lock and never sees the table's own containers. Only the loop's thread
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from enum import Enum
 
 from batchfleet.worker.batcher import Batcher
@@ -76,6 +76,10 @@ class RequestTable:
         """How many requests are in ``stage`` (for OUTBOX: replies not written yet)."""
         return len(self._outbox) if stage is Stage.OUTBOX else len(self._held[stage])
 
+    def waiting(self, lane: str) -> int:
+        """How many requests of ``lane`` are held but not started (QUEUED or SOLO)."""
+        return sum(acc.entry.lane == lane for stage in (Stage.QUEUED, Stage.SOLO) for acc in self._held[stage].values())
+
     def unstarted(self) -> list[Entry]:
         """Entries of requests read but not started (QUEUED, then SOLO): what shutdown hands back."""
         return [acc.entry for stage in (Stage.QUEUED, Stage.SOLO) for acc in self._held[stage].values()]
@@ -99,10 +103,10 @@ class RequestTable:
         """Close every partial batch now (static batching: a load generator asked)."""
         self._batcher.flush()
 
-    def take_batch(self, now: float, limit: int) -> list[Accepted] | None:
-        """QUEUED -> RUNNING for the next closed batch (at most ``limit`` requests, oldest first; the caller
-        hands them to the engine), or None when no batch is closed."""
-        popped = self._batcher.pop_batch(now, limit=limit)
+    def take_batch(self, now: float, rooms: Mapping[str, int]) -> list[Accepted] | None:
+        """QUEUED -> RUNNING for the next closed batch (interactive first; at most ``rooms[lane]``
+        requests; the caller hands them to the engine), or None when no batch with room is closed."""
+        popped = self._batcher.pop_batch(now, rooms=rooms)
         if popped is None:
             return None
         self._run(popped[1])
@@ -123,7 +127,7 @@ class RequestTable:
             self._held[Stage.SOLO][acc.gen.id] = acc
         else:
             self._held[Stage.QUEUED][acc.gen.id] = acc
-            self._batcher.add(acc, acc.entry.bucket, acc.enqueued_at)
+            self._add(acc)
         self._publish()
 
     def finish(self, job_id: str) -> Accepted:
@@ -144,7 +148,7 @@ class RequestTable:
         for acc in accs:
             self._held[Stage.RUNNING].pop(acc.gen.id, None)
             self._held[Stage.QUEUED][acc.gen.id] = acc
-            self._batcher.add(acc, acc.entry.bucket, acc.enqueued_at)
+            self._add(acc)
         self._publish()
 
     def drop(self, job_id: str) -> Accepted | None:
@@ -185,6 +189,9 @@ class RequestTable:
         del self._outbox[:n]
         self._publish()
 
+    def _add(self, acc: Accepted) -> None:
+        self._batcher.add(acc, acc.entry.bucket, acc.enqueued_at, acc.entry.lane, acc.deadline)
+
     def _run(self, accs: Iterable[Accepted]) -> None:
         """QUEUED or SOLO -> RUNNING (already out of the batcher)."""
         for acc in accs:
@@ -196,4 +203,4 @@ class RequestTable:
     def _publish(self) -> None:
         """Replace the lease snapshot (one attribute store: atomic for the reading thread)."""
         held = tuple(acc.entry for stage in _HELD for acc in self._held[stage].values())
-        self.snapshot = held + tuple(Entry(rep.bucket, rep.entry_id, {}) for rep in self._outbox)
+        self.snapshot = held + tuple(Entry(rep.bucket, rep.entry_id, {}, lane=rep.lane) for rep in self._outbox)

@@ -96,16 +96,16 @@ local function shrink(f, max_entry, max_fields, keep_fields, keep_bytes)
 end
 """
 
-# KEYS: bucket streams. ARGV: group, consumer, count per stream, max_entry, max_fields, keep_fields,
-# keep_bytes, read budget, scan budget.
+# KEYS: bucket streams, most urgent first. ARGV: group, consumer, count per stream, max_entry, max_fields,
+# keep_fields, keep_bytes, read budget, scan budget, then optionally one count per key (overrides ARGV[3]).
 # Returns {{stream, {{id, fields, oversize}, ...}}, ...} like XREADGROUP, plus each entry's oversize.
 READ = _SHRINK + """
 local out = {}
 local returned, scanned = 0, 0
-local count, budget, scan_budget = tonumber(ARGV[3]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local budget, scan_budget = tonumber(ARGV[8]), tonumber(ARGV[9])
 for i = 1, #KEYS do
   local got = {}
-  for _ = 1, count do
+  for _ = 1, tonumber(ARGV[9 + i] or ARGV[3]) do
     if returned >= budget or scanned >= scan_budget then break end
     local ok, r = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[i], '>')
     if not ok then

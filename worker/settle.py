@@ -49,7 +49,7 @@ class Settler:
 
     def _queue_reply(self, pipe, rep: Reply) -> None:
         """The reply script (first writer wins, then XACK + XDEL of its entry), queued on ``pipe``."""
-        self.scripts.reply(keys=[self.keys.done(rep.job_id), rep.reply_key, self.keys.stream(rep.bucket)],
+        self.scripts.reply(keys=[self.keys.done(rep.job_id), rep.reply_key, self.keys.stream(rep.bucket, rep.lane)],
                            args=[self.keys.group, rep.entry_id, rep.encode(), self.reply_ttl_s, rep.job_id],
                            client=pipe)
 
@@ -70,7 +70,7 @@ class Settler:
         fields.update({b"reason": reason[:500].encode(), b"bucket": str(entry.bucket).encode(),
                        b"worker": self.name.encode(), b"entry_id": entry.entry_id.encode(),
                        b"deliveries": str(entry.deliveries).encode()})
-        stream = self.keys.stream(entry.bucket)
+        stream = self.keys.stream(entry.bucket, entry.lane)
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(self.keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=False)  # rare: exact cap
         if reply is not None:
@@ -82,9 +82,10 @@ class Settler:
 
     def ack(self, entry: Entry) -> None:
         """Acknowledge and delete an entry that needs no reply of its own (a duplicate delivery)."""
+        stream = self.keys.stream(entry.bucket, entry.lane)
         pipe = self.r.pipeline(transaction=True)
-        pipe.xack(self.keys.stream(entry.bucket), self.keys.group, entry.entry_id)
-        pipe.xdel(self.keys.stream(entry.bucket), entry.entry_id)
+        pipe.xack(stream, self.keys.group, entry.entry_id)
+        pipe.xdel(stream, entry.entry_id)
         pipe.execute()
 
     def hand_back(self, entries: list[Entry]) -> None:
@@ -93,7 +94,8 @@ class Settler:
             return
         pipe = self.r.pipeline(transaction=True)
         for e in entries:
-            pipe.xadd(self.keys.stream(e.bucket), e.fields)
-            pipe.xack(self.keys.stream(e.bucket), self.keys.group, e.entry_id)
-            pipe.xdel(self.keys.stream(e.bucket), e.entry_id)
+            stream = self.keys.stream(e.bucket, e.lane)
+            pipe.xadd(stream, e.fields)
+            pipe.xack(stream, self.keys.group, e.entry_id)
+            pipe.xdel(stream, e.entry_id)
         pipe.execute()

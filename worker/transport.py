@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from batchfleet.common.errors import ENGINE_ERROR
-from batchfleet.common.keys import Keys
+from batchfleet.common.keys import INTERACTIVE, Keys
 from batchfleet.common.protocol import Error, FleetInfo, Result
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,12 @@ class Entry:
     deliveries: int = 1  # times the transport has delivered it (each reclaim adds one)
     oversize: int = 0  # the entry's real size in bytes when it was too large to hold and ``fields`` were cut
     # short (worker/bounded.py): it can only be answered or dead-lettered; 0 = ``fields`` are whole
+    lane: str = INTERACTIVE  # the priority class of its stream (common/lanes.py)
+
+    @property
+    def where(self) -> tuple[int, str, str]:
+        """(bucket, lane, entry id): unique per worker (an entry id is unique per stream only)."""
+        return self.bucket, self.lane, self.entry_id
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class Reply:
     bucket: int  # the stream the answered entry sits in
     entry_id: str  # settled (acked and deleted) by the same write that stores the reply
     reply_key: str  # the submitting client's inbox stream
+    lane: str = INTERACTIVE  # with ``bucket``: the stream the answered entry sits in
 
     def encode(self) -> bytes:
         """The wire bytes; an answer that cannot be encoded (e.g. text with a lone surrogate) becomes an
@@ -104,9 +111,10 @@ class Transport(Protocol):
         """The backend lost our state (Redis restarted empty): re-create groups and re-publish the fleet."""
 
     @abstractmethod
-    def read(self, count: int, block_ms: int | None) -> list[Entry]:
-        """New entries of every bucket, up to ``count`` per bucket; blocks at most ``block_ms``
-        (capped by ``max_block_ms``); ``None`` does not block."""
+    def read(self, count: int | dict[str, int], block_ms: int | None) -> list[Entry]:
+        """New entries of every bucket, interactive ones first: up to ``count`` per bucket (a dict: per
+        bucket of each lane, 0 = not that lane); blocks at most ``block_ms`` (capped by ``max_block_ms``);
+        ``None`` does not block."""
 
     @abstractmethod
     def write_replies(self, replies: list[Reply]) -> list[bool]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from batchfleet.common.errors import INVALID_REQUEST, PROMPT_TOO_LONG, ProtocolError
 from batchfleet.common.keys import Keys, valid_job_id
+from batchfleet.common.lanes import RANK
 from batchfleet.common.protocol import Error, Request
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.transport import Entry
@@ -103,6 +104,9 @@ def accept(entry: Entry, keys: Keys, limits: Limits, now: float, clock_offset: f
         return reject(INVALID_REQUEST, "payload id does not match the entry id")
     if req.reply_key != reply_key:
         return reject(INVALID_REQUEST, "payload reply_key does not match the entry's 'r' field")
+    if req.priority != entry.lane:
+        return reject(INVALID_REQUEST, f"priority {req.priority!r} does not match the {entry.lane} stream it was "
+                                       "enqueued in")
     if len(req.prompt) > entry.bucket:
         return reject(PROMPT_TOO_LONG, f"prompt of {len(req.prompt)} tokens is longer than bucket {entry.bucket}")
     if len(req.prompt) + req.max_new_tokens > limits.max_seq_len:
@@ -115,6 +119,6 @@ def accept(entry: Entry, keys: Keys, limits: Limits, now: float, clock_offset: f
     gen = GenRequest(
         id=req.id, prompt=list(req.prompt), bucket=entry.bucket, max_new_tokens=req.max_new_tokens,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop,
-        enqueued_at=enqueued,
+        enqueued_at=enqueued, priority=RANK[entry.lane],
     )
     return Accepted(entry, req, gen, enqueued, deadline)

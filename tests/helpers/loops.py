@@ -46,8 +46,8 @@ class PoisonEngine:
     def num_active(self) -> int:
         return self.inner.num_active()
 
-    def room(self) -> int:
-        return self.inner.room()
+    def room(self, priority: int = 0) -> int:
+        return self.inner.room(priority)
 
     def failed_ids(self) -> list[str]:
         return []  # it raises before the inner engine steps: it cannot tell which requests were in the step

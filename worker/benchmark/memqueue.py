@@ -13,7 +13,7 @@ import uuid
 from collections import deque
 
 from batchfleet.common.config import bucket_for
-from batchfleet.common.keys import Keys
+from batchfleet.common.keys import INTERACTIVE, Keys
 from batchfleet.common.protocol import FleetInfo, Request, Result
 from batchfleet.producer.core import parse_reply
 from batchfleet.worker.transport import Cancel, Entry, FlushWatch, Reply, Transport
@@ -76,7 +76,9 @@ class MemQueue(Transport):
     def heartbeat(self, status: dict) -> None:
         self.last_status = status
 
-    def read(self, count: int, block_ms: int | None) -> list[Entry]:
+    def read(self, count: int | dict[str, int], block_ms: int | None) -> list[Entry]:
+        if not isinstance(count, int):  # every entry here is interactive
+            count = count.get(INTERACTIVE, 0)
         with self._cv:
             if not self._entries and block_ms:
                 self._cv.wait(min(block_ms, self.max_block_ms) / 1000)

@@ -27,6 +27,7 @@ class GenRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     enqueued_at: float = 0.0  # unix time, for bookkeeping only
+    priority: int = 0  # 0 = interactive, 1 = batch (common/lanes.py RANK): lower is more urgent
 
 
 @dataclass
@@ -59,8 +60,9 @@ class Engine(Protocol):
     def num_active(self) -> int:
         """Requests added and not yet returned."""
 
-    def room(self) -> int:
-        """How many more requests ``add`` may take now (0: wait for what runs to finish)."""
+    def room(self, priority: int = 0) -> int:
+        """How many more requests of ``priority`` ``add`` may take now (0: wait for what runs to finish).
+        An engine that preempts may give interactive work room that batch work holds."""
 
     def failed_ids(self) -> list[str]:
         """After ``step`` raised: the ids of the requests that were in that step (each is retried alone);

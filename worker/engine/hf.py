@@ -80,8 +80,8 @@ class HFEngine:
     def num_active(self) -> int:
         return len(self._pending)
 
-    def room(self) -> int:
-        """A batch runs to completion inside one step: a new one only when idle."""
+    def room(self, priority: int = 0) -> int:
+        """A batch runs to completion inside one step: a new one only when idle (no preemption)."""
         return 0 if self._pending else self.batching.max_batch_size
 
     def failed_ids(self) -> list[str]:

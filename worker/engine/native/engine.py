@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
+from batchfleet.common.config import DynamicBatchingConfig, EngineConfig, batch_reserve
 from batchfleet.worker.engine.base import Completion, GenRequest
 from batchfleet.worker.engine.models import LoadedModel
 from batchfleet.worker.engine.native.block_manager import BlockManager
@@ -78,8 +78,9 @@ class NativeEngine:
         else:  # whole prompts, as many as fit (the reference behaviour)
             budget = max(max_prefill_tokens or 16384, batching.buckets[-1])
         self.joins = continuous  # dynamic mode: a batch runs to completion before the next is added
+        reserve = batch_reserve(running, cfg.batch_min_share) if continuous else 0
         self.scheduler = Scheduler(self.blocks, batching.max_batch_size, max_prefill_tokens=budget,
-                                   max_running=running, chunked=continuous)
+                                   max_running=running, chunked=continuous, batch_reserve=reserve)
         # (prefill?, ((id, bucket), ...)) of recent steps: which requests shared a step (tests, debugging)
         self.step_log: deque[tuple[bool, tuple[tuple[str, int], ...]]] = deque(maxlen=STEP_LOG_LEN)
         self._errors: list[Completion] = []
@@ -94,7 +95,7 @@ class NativeEngine:
             state = ReqState(req=req, gen=make_generator(req, self.runner.device),
                              checker=StopChecker(req, self.eos_ids, self.tokenizer))
             seq = Seq(id=req.id, token_ids=list(req.prompt), max_new_tokens=req.max_new_tokens,
-                      stopper=state.checker.push, payload=state, bucket=req.bucket)
+                      stopper=state.checker.push, payload=state, bucket=req.bucket, priority=req.priority)
             try:
                 self._validate(req)
                 self.scheduler.add(seq)
@@ -137,11 +138,12 @@ class NativeEngine:
     def num_active(self) -> int:
         return len(self._errors) + self.scheduler.num_active()
 
-    def room(self) -> int:
-        """Sequences that may still be added: the scheduler's ``max_running`` is the one limit."""
-        if not self.joins and self.has_work():
-            return 0
-        return max(0, self.scheduler.max_running - self.num_active())
+    def room(self, priority: int = 0) -> int:
+        """Sequences of ``priority`` that may still be added (``Scheduler.room``: interactive work may
+        displace batch work beyond its reserve); dynamic mode: one batch, when idle."""
+        if not self.joins:
+            return 0 if self.has_work() else self.scheduler.max_running
+        return max(0, self.scheduler.room(priority) - len(self._errors))
 
     def failed_ids(self) -> list[str]:
         return list(self.last_step_ids)
@@ -161,6 +163,7 @@ class NativeEngine:
             "running": len(s.running),
             "waiting": len(s.waiting),
             "preemptions": s.num_preemptions,
+            "priority_preemptions": s.num_priority_preemptions,
             "decode_shapes": [f"{b}x{w}" for b, w in sorted(self.runner.decode_shapes)],
             **{k: v for k, v in self._counters.items() if k != "peak_contiguous_waste"},
         }

@@ -13,14 +13,26 @@ Policy (see docs/NATIVE_ENGINE.md):
   ``max_prefill_tokens`` budget is prefilled in chunks over several steps (its blocks are allocated for
   the whole prompt at admission); prefill and decode steps alternate while both have work, so running
   decodes stall for at most one chunk, and pending prefill work waits at most one decode step.
-- When a decode step needs a block and none is free, the most recently admitted running sequence is
-  preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
-  (prompt + tokens generated so far) by a later prefill. Nothing ever runs out of memory.
+- When a decode step needs a block and none is free, a running sequence is preempted (the least urgent,
+  then the most recently admitted): its blocks are freed and it goes back to the front of its class in
+  the queue, to be recomputed (prompt + tokens generated so far) by a later prefill. Nothing ever runs
+  out of memory.
+
+Priority classes (``Sequence.priority``: 0 interactive, 1 batch; docs/OPERATIONS.md):
+- The queue is ordered by (priority, arrival): interactive sequences are admitted first; a preempted
+  sequence keeps its arrival, so it returns to the front of its class.
+- While interactive work is active (queued, prefilling or running), the batch class keeps
+  ``batch_reserve`` sequences: batch prefills start only below it, only that many batch sequences take
+  part in decode steps (the others keep their KV and wait: no recompute), and batch prefill chunks wait
+  while interactive sequences are queued. An interactive sequence that finds no slot (``max_running``)
+  or no free blocks preempts batch sequences beyond the reserve, paused ones first.
+- So interactive work never waits for batch work to finish, and batch work never starves: it always
+  decodes with at least ``batch_reserve`` sequences.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -53,16 +65,19 @@ class Scheduler:
     """Waiting queue, partly prefilled sequences and the decoding set, over one BlockManager."""
 
     def __init__(self, blocks: BlockManager, max_batch_size: int, max_prefill_tokens: int = 16384,
-                 max_running: int | None = None, chunked: bool = False) -> None:
+                 max_running: int | None = None, chunked: bool = False, batch_reserve: int = 0) -> None:
         self.blocks = blocks
         self.max_batch_size = max_batch_size  # sequences per prefill step
         self.max_running = max_running or max_batch_size  # sequences holding KV (decoding + prefilling)
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked = chunked
-        self.waiting: deque[Sequence] = deque()
+        self.batch_reserve = batch_reserve  # batch sequences kept running while interactive work is active
+        self.waiting: list[Sequence] = []  # ordered by (priority, arrival)
         self.prefilling: list[Sequence] = []  # admitted, prompt KV partly computed (chunked prefill)
         self.running: list[Sequence] = []  # prefill complete: decoding
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0  # batch sequences preempted to make room for interactive ones
+        self._arrivals = 0
         self.peak_wasted = 0  # max over steps of allocated slots not holding a token
         self.peak_wasted_per_seq = 0.0  # max over steps of (wasted slots / live sequences)
         self._last_was_prefill = False
@@ -76,15 +91,26 @@ class Scheduler:
             raise ValueError(f"request needs {need} KV blocks at full length; "
                              f"the pool only has {self.blocks.num_blocks}")
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        self._arrivals += 1
+        seq.arrival = self._arrivals
+        self._enqueue(seq)
+
+    def room(self, priority: int) -> int:
+        """How many more sequences of ``priority`` may be added now. Interactive ones may displace batch
+        sequences beyond the reserve; batch ones always have room up to the reserve (never starved)."""
+        active_i = sum(1 for q in self._all() if q.priority == 0)
+        active_b = self.num_active() - active_i
+        if priority == 0:
+            return max(0, self.max_running - active_i - min(active_b, self.batch_reserve))
+        return max(0, self.max_running - active_i - active_b, self.batch_reserve - active_b)
 
     def abort(self, ids: Iterable[str]) -> list[Sequence]:
         """Drop sequences by id wherever they are, freeing their blocks; returns the ones found."""
         wanted = set(ids)
-        found = [s for s in (*self.running, *self.prefilling, *self.waiting) if s.id in wanted]
+        found = [s for s in self._all() if s.id in wanted]
         for seq in found:
             self._finish(seq)
-        self.waiting = deque(s for s in self.waiting if s.id not in wanted)
+        self.waiting = [s for s in self.waiting if s.id not in wanted]
         return found
 
     def has_work(self) -> bool:
@@ -124,29 +150,29 @@ class Scheduler:
         num_new: list[int] = []
         budget = self.max_prefill_tokens
         bucket = None
+        urgent = any(q.priority == 0 for q in self.waiting)  # interactive work queued: batch chunks wait
         for seq in self.prefilling:  # partly prefilled sequences go on first (they hold their blocks)
             if budget <= 0 or (bucket is not None and seq.bucket != bucket):
                 break
+            if urgent and seq.priority > 0:
+                continue
             bucket = seq.bucket
             n = min(len(seq) - seq.num_cached, budget)
             chosen.append(seq)
             num_new.append(n)
             budget -= n
         bucket = bucket if bucket is not None else (self.waiting[0].bucket if self.waiting else None)
-        holding = len(self.running) + len(self.prefilling)  # sequences that already hold blocks
         admitted = 0
-        while (self.waiting and budget > 0 and len(chosen) < self.max_batch_size
-               and holding + admitted < self.max_running):
+        while self.waiting and budget > 0 and len(chosen) < self.max_batch_size:
             seq = self.waiting[0]
             n = len(seq)
             if seq.bucket != bucket or (not self.chunked and chosen and n > budget):
                 break
-            reserve = holding + admitted
-            if not self.blocks.can_allocate(n, reserve=reserve):
-                # nothing running and still no room: admit without the watermark (it fits the pool)
-                if reserve or not self.blocks.can_allocate(n):
-                    break
-            self.waiting.popleft()
+            if seq.priority > 0 and self._interactive_active() and self._holding(1) >= self.batch_reserve:
+                break  # batch work keeps its reserve while interactive work is active, no more
+            if not self._make_room(seq, n):
+                break
+            self.waiting.pop(0)
             self.blocks.allocate(seq, n)  # the whole prompt, even when it is prefilled in chunks
             seq.status = SeqStatus.RUNNING
             n = min(n, budget) if self.chunked else n
@@ -154,26 +180,45 @@ class Scheduler:
             num_new.append(n)
             budget -= n
             admitted += 1
+            self.prefilling.append(seq)  # until its prompt is complete (below)
         if not chosen:
             return None
         for seq, n in zip(chosen, num_new):
-            complete = seq.num_cached + n == len(seq)
-            if seq in self.prefilling and complete:
+            if seq.num_cached + n == len(seq):
                 self.prefilling.remove(seq)
-            elif seq not in self.prefilling and not complete:
-                self.prefilling.append(seq)
-            if complete:
                 self.running.append(seq)
         return ScheduledBatch(is_prefill=True, seqs=chosen, num_new=num_new)
 
+    def _make_room(self, seq: Sequence, n: int) -> bool:
+        """Whether ``seq`` (``n`` prompt tokens) can be admitted now: a slot within ``max_running`` and
+        free blocks (with one spare per holding sequence, a watermark against immediate preemption). An
+        interactive sequence preempts batch sequences beyond the reserve until it fits."""
+        while True:
+            holding = len(self.running) + len(self.prefilling)
+            if holding < self.max_running and (self.blocks.can_allocate(n, reserve=holding)
+                                               or (not holding and self.blocks.can_allocate(n))):
+                return True  # (nothing holding and still no watermark room: admit, it fits the pool)
+            victim = self._batch_victim() if seq.priority == 0 else None
+            if victim is None:
+                return False
+            self._preempt(victim)
+            self.num_priority_preemptions += 1
+
     def _schedule_decode(self) -> ScheduledBatch:
-        queue = deque(self.running)
+        # while interactive work is active, batch sequences beyond the reserve keep their KV but pause
+        cap = self.batch_reserve if self._interactive_active() else len(self.running)
+        batch_seqs = [q for q in self.running if q.priority > 0]
+        paused = batch_seqs[cap:]
+        queue = [q for q in self.running if q.priority == 0] + batch_seqs[:cap]
         scheduled: list[Sequence] = []
         preempted: list[Sequence] = []
         while queue:
-            seq = queue.popleft()
+            seq = queue.pop(0)
             while not self.blocks.can_append(seq):
-                victim = queue.pop() if queue else seq
+                # least urgent first: paused batch sequences, then the tail of the step's own queue
+                victim = paused.pop() if paused else (self._least_urgent(queue) if queue else seq)
+                if victim in queue:
+                    queue.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -181,22 +226,49 @@ class Scheduler:
             else:
                 self.blocks.append_slot(seq)
                 scheduled.append(seq)
-        self.running = scheduled
-        return ScheduledBatch(is_prefill=False, seqs=scheduled, preempted=preempted)
+        stepping, kept = set(scheduled), set(scheduled) | set(paused)
+        self.running = [q for q in self.running if q in kept]  # admission order, paused ones included
+        return ScheduledBatch(is_prefill=False, seqs=[q for q in self.running if q in stepping],
+                              preempted=preempted)
 
     def requeue(self, seq: Sequence) -> None:
-        """Take an admitted sequence back to the front of the queue, freeing its blocks."""
+        """Take an admitted sequence back to the front of its class in the queue, freeing its blocks."""
         self._drop(seq)
         self.blocks.free(seq)
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.blocks.free(seq)
+        self._drop(seq)
+        self.blocks.free(seq)  # num_cached = 0: recomputed from scratch (prompt + tokens generated so far)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Into the queue by (priority, arrival): a preempted sequence returns to the front of its class."""
+        keys = [(q.priority, q.arrival) for q in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, (seq.priority, seq.arrival)), seq)
+
+    def _all(self) -> list[Sequence]:
+        return [*self.running, *self.prefilling, *self.waiting]
+
+    def _interactive_active(self) -> bool:
+        return any(q.priority == 0 for q in self._all())
+
+    def _holding(self, priority: int) -> int:
+        return sum(1 for q in (*self.running, *self.prefilling) if q.priority == priority)
+
+    def _batch_victim(self) -> Sequence | None:
+        """The batch sequence to preempt for an interactive one: beyond the reserve, most recently admitted
+        (a paused one when there is one), else None."""
+        holding = [q for q in (*self.running, *self.prefilling) if q.priority > 0]
+        return max(holding, key=lambda q: q.arrival) if len(holding) > self.batch_reserve else None
+
+    @staticmethod
+    def _least_urgent(queue: list[Sequence]) -> Sequence:
+        return max(queue, key=lambda q: (q.priority, q.arrival))
 
     def _finish(self, seq: Sequence) -> None:
         self.blocks.free(seq)

@@ -35,6 +35,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
+    priority: int = 0  # 0 = interactive, 1 = batch (common/lanes.py RANK): lower is more urgent
+    arrival: int = 0  # the scheduler's admission counter: order within a priority, kept across preemptions
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.token_ids)
