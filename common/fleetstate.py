@@ -19,12 +19,14 @@ from batchfleet.common.protocol import FleetInfo
 
 @dataclass(frozen=True)
 class QueueStats:
-    """One bucket stream. ``depth``: entries not yet delivered to any worker (the group's lag, or XLEN
-    minus pending when Redis cannot say); ``pending``: delivered, not yet answered; ``lag``: Redis' own
-    figure (None before Redis 7 or when deletions make it unknown); ``oldest_age_s``: age of the oldest
-    entry still in the stream (queued or running), 0 when empty."""
+    """One bucket stream of one priority class (``lane``: interactive or batch). ``depth``: entries not yet
+    delivered to any worker (the group's lag, or XLEN minus pending when Redis cannot say); ``pending``:
+    delivered, not yet answered; ``lag``: Redis' own figure (None before Redis 7 or when deletions make it
+    unknown); ``oldest_age_s``: age of the oldest entry still in the stream (queued or running), 0 when
+    empty."""
 
     bucket: int
+    lane: str
     length: int
     depth: int
     pending: int
@@ -67,11 +69,12 @@ def fleet_info(r: redis.Redis, keys: Keys) -> FleetInfo | None:
 
 
 def queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int]) -> list[QueueStats]:
-    """Depth, pending, lag and oldest age of every bucket stream (one pipeline round trip)."""
+    """Depth, pending, lag and oldest age of every bucket stream of both classes, interactive first (one
+    pipeline round trip)."""
+    streams = keys.streams(buckets)
     pipe = r.pipeline(transaction=False)
     pipe.time()
-    for b in buckets:
-        stream = keys.stream(b)
+    for stream, _, _ in streams:
         pipe.xlen(stream)
         pipe.xinfo_groups(stream)
         pipe.xrange(stream, "-", "+", count=1)
@@ -79,7 +82,7 @@ def queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int]
     sec, usec = res[0]
     now_ms = int(sec) * 1000 + int(usec) // 1000
     out = []
-    for i, b in enumerate(buckets):
+    for i, (_, b, lane) in enumerate(streams):
         length, groups, first = res[1 + 3 * i: 4 + 3 * i]
         length = length if isinstance(length, int) else 0
         group = {}
@@ -93,7 +96,7 @@ def queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int]
         if isinstance(first, list) and first:
             entry_ms = int(_decode(first[0][0]).split("-")[0])
             age = max(0.0, (now_ms - entry_ms) / 1000)
-        out.append(QueueStats(b, length, depth, pending, lag, age))
+        out.append(QueueStats(b, lane, length, depth, pending, lag, age))
     return out
 
 

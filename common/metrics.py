@@ -29,7 +29,7 @@ SCRAPE_TIMEOUT_S = 2.0  # a scrape must answer even when Redis does not: queue g
 
 
 class QueueCollector(Collector):
-    """batchfleet_queue_depth / _pending / _oldest_age_seconds {bucket}, read from Redis per scrape.
+    """batchfleet_queue_depth / _pending / _oldest_age_seconds {bucket, class}, read from Redis per scrape.
 
     Has its own small connection pool with a short timeout, so a slow Redis delays a scrape by at most
     SCRAPE_TIMEOUT_S and never blocks the process' own Redis traffic. ``buckets`` None: the buckets the
@@ -46,11 +46,11 @@ class QueueCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         depth = GaugeMetricFamily("batchfleet_queue_depth", "Entries in a bucket stream not yet delivered to any "
-                                  "worker (consumer-group lag).", labels=["bucket"])
+                                  "worker (consumer-group lag).", labels=["bucket", "class"])
         pending = GaugeMetricFamily("batchfleet_queue_pending", "Entries delivered to a worker and not yet "
-                                    "answered (consumer-group pending list).", labels=["bucket"])
+                                    "answered (consumer-group pending list).", labels=["bucket", "class"])
         age = GaugeMetricFamily("batchfleet_queue_oldest_age_seconds", "Age of the oldest unanswered entry of a "
-                                "bucket stream, on Redis' clock (0 when empty).", labels=["bucket"])
+                                "bucket stream, on Redis' clock (0 when empty).", labels=["bucket", "class"])
         try:
             with self._lock:
                 buckets = self.buckets
@@ -62,9 +62,9 @@ class QueueCollector(Collector):
             log.debug("queue gauges not read: %r", exc)
             return
         for q in stats:
-            depth.add_metric([str(q.bucket)], q.depth)
-            pending.add_metric([str(q.bucket)], q.pending)
-            age.add_metric([str(q.bucket)], q.oldest_age_s)
+            depth.add_metric([str(q.bucket), q.lane], q.depth)
+            pending.add_metric([str(q.bucket), q.lane], q.pending)
+            age.add_metric([str(q.bucket), q.lane], q.oldest_age_s)
         yield depth
         yield pending
         yield age

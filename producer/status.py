@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from batchfleet.common.fleetstate import dead_letters, fleet_info, queue_stats, worker_stats
+from batchfleet.common.fleetstate import QueueStats, dead_letters, fleet_info, queue_stats, worker_stats
 from batchfleet.common.functions import LIVE_WORKER_MS
 from batchfleet.common.keys import Keys
 
@@ -23,11 +23,17 @@ def snapshot(r: redis.Redis, keys: Keys) -> dict[str, Any]:
         buckets = sorted({int(b) for w in workers for b in w.get("buckets", ())})
     fleet = None if info is None else {"model": info.model, "buckets": list(info.buckets),
                                        "max_seq_len": info.max_seq_len, "max_batch_size": info.max_batch_size,
-                                       "max_queue_len": info.max_queue_len}
+                                       "max_queue_len": info.max_queue_len, "batch_queue_len": info.batch_queue_len}
     return {"namespace": keys.namespace, "fleet": fleet,
-            "queues": [asdict(q) for q in queue_stats(r, keys, buckets)],
+            "queues": [_queue_row(q) for q in queue_stats(r, keys, buckets)],
             "workers": [_worker_row(w) for w in sorted(workers, key=lambda w: (not w["alive"], w["name"]))],
             "dead_letters": dead_letters(r, keys)}
+
+
+def _queue_row(q: QueueStats) -> dict[str, Any]:
+    row = asdict(q)
+    row["class"] = row.pop("lane")
+    return row
 
 
 def _worker_row(w: dict[str, Any]) -> dict[str, Any]:
@@ -68,8 +74,8 @@ def render(snap: dict[str, Any]) -> str:
              f"max_seq_len {fleet['max_seq_len']}  {alive}" if fleet else
              f"namespace {snap['namespace']}  no fleet published: {alive} (queues of the buckets gone workers "
              "served)", ""]
-    lines += _table(["bucket", "depth", "pending", "oldest", "lag"],
-                    [[str(q["bucket"]), str(q["depth"]), str(q["pending"]),
+    lines += _table(["bucket", "class", "depth", "pending", "oldest", "lag"],
+                    [[str(q["bucket"]), q["class"], str(q["depth"]), str(q["pending"]),
                       _age(q["oldest_age_s"]) if q["length"] else "-", _dash(q["lag"])] for q in snap["queues"]])
     lines.append("")
     rows = []

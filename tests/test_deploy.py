@@ -178,7 +178,7 @@ def test_keda_triggers_match_streams_and_group():
     assert so["spec"]["minReplicaCount"] == 0
     triggers = so["spec"]["triggers"]
     assert all(t["type"] == "redis-streams" for t in triggers)
-    assert sorted(t["metadata"]["stream"] for t in triggers) == sorted(keys.stream(b) for b in DEFAULT_BUCKETS)
+    assert sorted(t["metadata"]["stream"] for t in triggers) == sorted(s for s, _, _ in keys.streams(DEFAULT_BUCKETS))
     redis_url = urlsplit(configmap_env()["BATCHFLEET_REDIS_URL"])
     for t in triggers:
         md = t["metadata"]

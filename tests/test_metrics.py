@@ -36,6 +36,9 @@ def scrape(port: int) -> dict[str, dict[tuple, float]]:
     return out
 
 
+IA = {"class": "interactive"}  # the queue gauges of interactive streams
+
+
 def one(m: dict, name: str, **labels: str) -> float:
     return m[name][tuple(sorted(labels.items()))]
 
@@ -64,7 +67,8 @@ def test_worker_metrics_under_load(start_worker, redis_url: str, namespace: str)
             assert name + "_total" in m, name
         for name in HISTOGRAMS:
             assert name + "_count" in m and name + "_sum" in m and name + "_bucket" in m, name
-        assert set(dict(k)["bucket"] for k in m["batchfleet_queue_depth"]) == {str(b) for b in TEST_BUCKETS}
+        assert {(dict(k)["bucket"], dict(k)["class"]) for k in m["batchfleet_queue_depth"]} == {
+            (str(b), c) for b in TEST_BUCKETS for c in ("interactive", "batch")}
         assert total(m, "batchfleet_queue_depth") == 0 and total(m, "batchfleet_queue_pending") == 0
         assert one(m, "batchfleet_requests_running") == 0 and one(m, "batchfleet_requests_waiting") == 0
         assert 0 <= one(m, "batchfleet_kv_cache_usage_ratio") <= 1
@@ -96,15 +100,15 @@ def test_worker_metrics_under_load(start_worker, redis_url: str, namespace: str)
             client.submit([7] * 3, max_new_tokens=2, job_id=f"queued-{i}")
         time.sleep(0.3)
         m = scrape(port)
-        depth = one(m, "batchfleet_queue_depth", bucket=str(TEST_BUCKETS[0]))
-        assert depth == 5 and one(m, "batchfleet_queue_pending", bucket=str(TEST_BUCKETS[0])) == 0
-        assert one(m, "batchfleet_queue_oldest_age_seconds", bucket=str(TEST_BUCKETS[0])) >= 0.2
-        assert one(m, "batchfleet_queue_oldest_age_seconds", bucket=str(TEST_BUCKETS[1])) == 0
+        depth = one(m, "batchfleet_queue_depth", bucket=str(TEST_BUCKETS[0]), **IA)
+        assert depth == 5 and one(m, "batchfleet_queue_pending", bucket=str(TEST_BUCKETS[0]), **IA) == 0
+        assert one(m, "batchfleet_queue_oldest_age_seconds", bucket=str(TEST_BUCKETS[0]), **IA) >= 0.2
+        assert one(m, "batchfleet_queue_oldest_age_seconds", bucket=str(TEST_BUCKETS[1]), **IA) == 0
         # another consumer takes two: they move from depth to pending
         r.xreadgroup(keys.group, "someone", {keys.stream(TEST_BUCKETS[0]): ">"}, count=2)
         m = scrape(port)
-        assert one(m, "batchfleet_queue_depth", bucket=str(TEST_BUCKETS[0])) == 3
-        assert one(m, "batchfleet_queue_pending", bucket=str(TEST_BUCKETS[0])) == 2
+        assert one(m, "batchfleet_queue_depth", bucket=str(TEST_BUCKETS[0]), **IA) == 3
+        assert one(m, "batchfleet_queue_pending", bucket=str(TEST_BUCKETS[0]), **IA) == 2
     w.loop.observer.close()
     r.close()
 
@@ -120,7 +124,7 @@ def test_queue_collector_serves_alone_and_survives_redis_down(redis_url: str, na
     server = serve_metrics(registry_with(queue_collector(ConnectionConfig(redis_url, namespace), [64])), 0,
                            addr="127.0.0.1")
     try:
-        assert one(scrape(server.port), "batchfleet_queue_depth", bucket="64") == 1
+        assert one(scrape(server.port), "batchfleet_queue_depth", bucket="64", **IA) == 1
     finally:
         server.close()
     down = serve_metrics(registry_with(queue_collector(ConnectionConfig(f"redis://127.0.0.1:{free_port()}/0",
@@ -160,4 +164,4 @@ def test_gateway_serves_the_fleet_queue_gauges(start_worker, redis_url, namespac
     finally:
         proc.terminate()
         proc.wait(10)
-    assert 'batchfleet_queue_depth{bucket="32"}' in body
+    assert 'batchfleet_queue_depth{bucket="32",class="interactive"}' in body

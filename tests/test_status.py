@@ -43,7 +43,9 @@ def test_status_table_and_json(start_worker, redis_url: str, namespace: str):
     assert proc.returncode == 0, proc.stderr
     snap = json.loads(proc.stdout)
     assert snap["fleet"]["buckets"] == list(TEST_BUCKETS) and snap["dead_letters"] == 1
-    q = {x["bucket"]: x for x in snap["queues"]}
+    q = {x["bucket"]: x for x in snap["queues"] if x["class"] == "interactive"}
+    lanes = {(x["bucket"], x["class"]) for x in snap["queues"]}
+    assert lanes == {(b, c) for b in TEST_BUCKETS for c in ("interactive", "batch")}
     assert q[TEST_BUCKETS[0]]["depth"] == 1 and q[TEST_BUCKETS[0]]["pending"] == 0
     assert q[TEST_BUCKETS[0]]["oldest_age_s"] > 0 and q[TEST_BUCKETS[1]]["depth"] == 0
     w = {x["name"]: x for x in snap["workers"]}
@@ -60,7 +62,7 @@ def test_status_table_and_json(start_worker, redis_url: str, namespace: str):
     out = proc.stdout
     assert f"buckets {list(TEST_BUCKETS)}" in out and "dead letters: 1" in out
     lines = out.splitlines()
-    assert any(line.split()[:3] == [str(TEST_BUCKETS[0]), "1", "0"] for line in lines), out
+    assert any(line.split()[:4] == [str(TEST_BUCKETS[0]), "interactive", "1", "0"] for line in lines), out
     assert any(line.startswith("worker-a") and " alive " in line and "hf/dynamic" in line for line in lines), out
     assert any(line.startswith("worker-old") and "gone (2." in line for line in lines), out
     r.close()

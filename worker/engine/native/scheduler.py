@@ -161,25 +161,27 @@ class Scheduler:
             chosen.append(seq)
             num_new.append(n)
             budget -= n
-        bucket = bucket if bucket is not None else (self.waiting[0].bucket if self.waiting else None)
-        admitted = 0
-        while self.waiting and budget > 0 and len(chosen) < self.max_batch_size:
-            seq = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(chosen) < self.max_batch_size:
+            seq = self.waiting[i]
             n = len(seq)
-            if seq.bucket != bucket or (not self.chunked and chosen and n > budget):
+            if seq.priority == 0 and self._holding(0) >= self.max_running - self._kept_for_batch():
+                i += 1  # the interactive class is at its share: the batch class may use its reserve
+                continue
+            if (bucket is not None and seq.bucket != bucket) or (not self.chunked and chosen and n > budget):
                 break
             if seq.priority > 0 and self._interactive_active() and self._holding(1) >= self.batch_reserve:
                 break  # batch work keeps its reserve while interactive work is active, no more
             if not self._make_room(seq, n):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
+            bucket = seq.bucket
             self.blocks.allocate(seq, n)  # the whole prompt, even when it is prefilled in chunks
             seq.status = SeqStatus.RUNNING
             n = min(n, budget) if self.chunked else n
             chosen.append(seq)
             num_new.append(n)
             budget -= n
-            admitted += 1
             self.prefilling.append(seq)  # until its prompt is complete (below)
         if not chosen:
             return None
@@ -259,6 +261,10 @@ class Scheduler:
 
     def _holding(self, priority: int) -> int:
         return sum(1 for q in (*self.running, *self.prefilling) if q.priority == priority)
+
+    def _kept_for_batch(self) -> int:
+        """Slots interactive work leaves to the batch class: its reserve, while it has that much work."""
+        return min(self.batch_reserve, sum(1 for q in self._all() if q.priority > 0))
 
     def _batch_victim(self) -> Sequence | None:
         """The batch sequence to preempt for an interactive one: beyond the reserve, most recently admitted

@@ -1,0 +1,59 @@
+"""Priority classes through Redis with a real worker (tiny model, native engine, continuous mode): batch work
+goes to its own streams, an interactive request arriving while the engine is full of batch sequences is
+answered first, a mismatched class is refused, and status shows both classes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from batchfleet.common.errors import InvalidRequest, JobFailed
+from batchfleet.common.keys import Keys
+from batchfleet.common.protocol import Request
+from batchfleet.producer import Client
+from batchfleet.producer.status import snapshot
+from tests.helpers.loops import wait_until
+
+NATIVE = dict(engine="native", mode="continuous", max_running=4, max_batch_size=4, max_wait_ms=5)
+
+
+def test_interactive_is_answered_while_the_engine_is_full_of_batch_work(start_worker, redis_url, namespace):
+    w = start_worker(**NATIVE)
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(namespace)
+    with Client(redis_url, namespace) as client:
+        bulk = [client.submit([10 + i, 11, 12], max_new_tokens=150, priority="batch") for i in range(8)]
+        wait_until(lambda: len(w.loop.engine.scheduler.running) == 4, 30, "the engine full of batch sequences")
+        t0 = time.monotonic()
+        res = client.generate([20, 21, 22], max_new_tokens=4)  # interactive: the default
+        took = time.monotonic() - t0
+        assert res.completion_tokens == 4
+        done_before = sum(1 for j in bulk if r.exists(keys.done(j)))
+        results = [client.result(j, timeout=120) for j in bulk]
+    assert done_before < len(bulk), "the interactive request waited for the batch work to finish"
+    assert all(x.completion_tokens == 150 for x in results)
+    assert w.loop.engine.stats()["priority_preemptions"] >= 1 and took < 30
+    assert r.xinfo_groups(keys.stream(32, "batch"))[0]["entries-read"] == 8  # batch work took its own stream
+
+
+def test_priority_spellings_and_a_mismatched_class(start_worker, redis_url, namespace):
+    w = start_worker(engine="native", mode="continuous")
+    keys = Keys(namespace)
+    with Client(redis_url, namespace) as client:
+        for p in ("batch", "flex", 5, "interactive", "default", 0, -3):
+            assert client.generate([5, 6], max_new_tokens=2, priority=p).completion_tokens == 2
+        for bad in ("urgent", True, 1.5):
+            with pytest.raises(InvalidRequest, match="priority"):
+                client.submit([5, 6], max_new_tokens=2, priority=bad)
+        # a raw producer putting an interactive request into a batch stream gets invalid_request
+        req = Request(id="mismatch-1", prompt=[5, 6], max_new_tokens=2, reply_key=client.reply_key)
+        r = redis.Redis.from_url(redis_url)
+        r.xadd(keys.stream(32, "batch"), {"id": req.id, "r": req.reply_key, "p": req.encode()})
+        with pytest.raises(JobFailed, match="does not match the batch stream"):
+            client.result(req.id, timeout=30)
+        snap = snapshot(r, keys)
+    lanes = {(q["bucket"], q["class"]) for q in snap["queues"]}
+    assert {(32, "interactive"), (32, "batch")} <= lanes
+    assert w.loop.ledger["completed"] == 7 and w.loop.ledger["errors"] == 1
