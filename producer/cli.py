@@ -19,6 +19,7 @@ import redis
 from batchfleet.common.cli import connection_options
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.errors import BatchfleetError, RedisUnavailable
+from batchfleet.common.keys import BATCH, INTERACTIVE, LANES
 from batchfleet.common.redis_conn import sync_client
 from batchfleet.common.redis_url import redact_url
 from batchfleet.producer.client import Client
@@ -82,9 +83,17 @@ def check_reachable(conn: ConnectionConfig) -> None:
 
 
 def _params(max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
-            stop: tuple[str, ...]) -> dict:
+            stop: tuple[str, ...], priority: str) -> dict:
     return {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-            "seed": seed, "stop": list(stop) or None}
+            "seed": seed, "stop": list(stop) or None, "priority": priority}
+
+
+def priority_option(default: str):
+    """``--priority``: the priority class (common/lanes.py); ``submit`` defaults to interactive, ``bulk`` to
+    batch."""
+    return click.option("--priority", type=click.Choice(LANES), default=default, show_default=True,
+                        help="Priority class: interactive work is read, batched and run first; batch work uses "
+                             "the spare capacity (docs/OPERATIONS.md).")
 
 
 def generation_options(fn):
@@ -105,6 +114,7 @@ def generation_options(fn):
 @connection_options
 @click.argument("prompt")
 @generation_options
+@priority_option(INTERACTIVE)
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
 @one_line_errors
 def submit(redis_url: str, namespace: str, prompt: str, timeout: float | None, as_json: bool, **gen) -> None:
@@ -132,15 +142,19 @@ def submit(redis_url: str, namespace: str, prompt: str, timeout: float | None, a
 @click.option("--window", type=int, default=256, show_default=True, help="Max jobs in flight.")
 @click.option("--resume/--no-resume", default=None,
               help="Keep the lines already in OUTPUT and collect the answers of jobs an interrupted run left in "
-                   "flight (the default when OUTPUT exists); --no-resume starts OUTPUT over.")
+                   "flight (the default when OUTPUT and its run key OUTPUT.run exist); --no-resume starts OUTPUT "
+                   "over under a new run key.")
 @generation_options
+@priority_option(BATCH)
 @one_line_errors
 def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int, resume: bool | None,
          timeout: float | None, **gen) -> None:
     """Answer every line of a JSONL file ({"prompt": ..., "id"?: ..., params?}); never aborts on a bad line.
 
     Ctrl-C stops submitting, writes what has arrived and leaves the jobs in flight to the next run of the
-    same command, which resumes (exit status 130)."""
+    same command, which resumes. Exit status: 0 every line answered with a result; 3 every line answered,
+    some with an error line; 1 the run could not start or stopped (no live worker, Redis unreachable;
+    rerun to resume); 130 interrupted (rerun to resume); 2 a usage error."""
     import asyncio
     import signal
     import threading
@@ -197,8 +211,11 @@ def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int,
         sys.exit(130 if s.error is None else 1)
     if main:
         signal.signal(signal.SIGINT, previous)
+    earlier = f" ({s.kept_failed} of them kept from an earlier run)" if s.kept_failed else ""
     click.echo(f"done: {s.total} prompts ({s.kept} kept from an earlier run, {s.collected} collected, "
-               f"{s.submitted} submitted), {s.failed} failed", err=True)
+               f"{s.submitted} submitted), {s.failed_lines} failed{earlier}", err=True)
+    if s.failed_lines:
+        sys.exit(3)
 
 
 @click.command()

@@ -56,18 +56,18 @@ def bulk(input_path: str, output_path: str, window: int = 256, timeout: float | 
          **params: Any) -> dict:
     """Run a JSONL prompt file into an answer file with ``batchfleet bulk`` semantics; returns the summary.
 
-    Idempotent: job ids come from the input lines and the reply inbox from the output path, and an
-    existing output is resumed, so a retried job (RQ ``Retry``, a requeue after its worker died) keeps
-    the lines written, collects the answers of jobs the killed attempt left in flight and submits only
-    the rest: every line appears once. Progress goes to ``job.meta`` (total, done, failed, submitted,
-    collected) about once a second."""
+    Runs in the batch class unless ``priority`` is given. Idempotent: job ids and the reply inbox come from
+    the run key kept beside the output (``<output>.run``), and an existing output is resumed, so a retried
+    job (RQ ``Retry``, a requeue after its worker died) keeps the lines written, collects the answers of
+    jobs the killed attempt left in flight and submits only the rest: every line appears once. Progress
+    goes to ``job.meta`` (total, done, failed, submitted, collected) about once a second."""
     from rq import get_current_job  # rq is needed only here, inside an RQ worker
 
     job = get_current_job()
 
     def report(s: Summary) -> None:
         if job is not None:
-            job.meta.update({"total": s.total, "done": s.done, "failed": s.failed, "submitted": s.submitted,
+            job.meta.update({"total": s.total, "done": s.done, "failed": s.failed_lines, "submitted": s.submitted,
                              "collected": s.collected})
             job.save_meta()
 

@@ -15,34 +15,44 @@ from pathlib import Path
 import pytest
 import redis
 
-from batchfleet.common.keys import Keys
-from batchfleet.producer.bulk import parse_lines, run_names
+from batchfleet.common.keys import BATCH, Keys
+from batchfleet.producer.bulk_input import RunNames, parse_lines, run_names
 from tests.conftest import TEST_BUCKETS, worker_config
 from tests.helpers.loops import LoopThread
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_lines_are_named_from_the_input_and_checked():
+@pytest.mark.unit
+def test_lines_are_named_from_the_run_key_and_checked():
     text = ['{"prompt": "a", "id": "doc-1"}', "", '{"prompt": "b", "max_new_token": 3}', '"plain"',
             '{"prompt": "c", "id": "doc-1"}', '{"prompt": "d", "id": "odd id/with spaces"}', "{bad",
             '{"prompt": "e", "id": true}']
-    _, prefix = run_names("/tmp/out.jsonl", "bf")
-    lines = parse_lines(text, "/tmp/in.jsonl", prefix)
+    prefix = RunNames.fresh().prefix
+    lines = parse_lines(text, prefix)
     assert [ln.index for ln in lines] == [0, 2, 3, 4, 5, 6, 7]  # line numbers: the blank line counts
     by = {ln.index: ln for ln in lines}
     assert by[0].job_id == f"{prefix}.doc-1" and by[0].error is None
     assert by[2].error["code"] == "invalid_request" and "max_new_token" in by[2].error["message"]
-    assert by[3].error is None and by[3].obj == {"prompt": "plain"}
+    assert by[3].error is None and by[3].obj == {"prompt": "plain"} and by[3].job_id == f"{prefix}.l3"
     assert by[4].error["code"] == "invalid_request" and "duplicate" in by[4].error["message"]
     assert by[5].error is None and by[5].job_id.startswith(prefix + ".h")  # hashed into a valid job id
     assert by[6].error["code"] == by[7].error["code"] == "invalid_request"
-    again = parse_lines(text, "/tmp/in.jsonl", prefix)
-    assert [ln.job_id for ln in again] == [ln.job_id for ln in lines]  # stable across runs
-    other = parse_lines(text, "/tmp/other.jsonl", prefix)
-    assert other[2].job_id != lines[2].job_id  # no id: input path + line number name the job
-    assert run_names("/tmp/out.jsonl", "bf") != run_names("/tmp/out2.jsonl", "bf")
-    assert run_names("/tmp/out.jsonl", "bf") != run_names("/tmp/out.jsonl", "bf2")
+    assert [ln.job_id for ln in parse_lines(text, prefix)] == [ln.job_id for ln in lines]  # stable per key
+
+
+@pytest.mark.unit
+def test_run_key_is_random_kept_beside_the_output_and_read_back_on_resume(tmp_path):
+    out = tmp_path / "out.jsonl"
+    first, resumed = run_names(str(out), resume=True)  # no output yet: a new key, written (0600)
+    assert not resumed and (tmp_path / "out.jsonl.run").read_text().strip() == first.key
+    assert (tmp_path / "out.jsonl.run").stat().st_mode & 0o777 == 0o600
+    out.write_text("")
+    again, resumed = run_names(str(out), resume=True)
+    assert resumed and again == first
+    fresh, resumed = run_names(str(out), resume=False)  # --no-resume: a new key replaces it
+    assert not resumed and fresh.key != first.key and len({first.prefix, fresh.prefix}) == 2
+    assert len(first.key) == 64 and first.inbox not in first.key and first.prefix[1:] not in first.key
 
 
 def _bulk(src: Path, dst: Path, redis_url: str, namespace: str) -> subprocess.Popen:
@@ -115,9 +125,9 @@ def test_interrupted_bulk_resumes_without_recomputing(fleet, start_worker, redis
     second = _bulk(src, dst, redis_url, namespace)
     if gated is not None:
         r = redis.Redis.from_url(redis_url)
-        queued = sum(r.xlen(Keys(namespace).stream(b)) for b in TEST_BUCKETS)
+        queued = sum(r.xlen(Keys(namespace).stream(b, BATCH)) for b in TEST_BUCKETS)
         end = time.monotonic() + 60
-        while sum(r.xlen(Keys(namespace).stream(b)) for b in TEST_BUCKETS) <= queued and time.monotonic() < end:
+        while sum(r.xlen(Keys(namespace).stream(b, BATCH)) for b in TEST_BUCKETS) <= queued and time.monotonic() < end:
             time.sleep(0.01)  # until the second run has enqueued more
         gated.loop.engine.gate.set()
     _, err2 = second.communicate(timeout=600)
