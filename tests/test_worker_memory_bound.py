@@ -2,7 +2,8 @@
 never answered on a key (point 4), end to end with a worker process.
 
 Raw XADDs (a producer may bypass the enqueue function) of 26 entries of 40 MB, plus ones without a
-usable id: the worker's peak RSS (VmHWM) stays within ``RSS_BOUND_MB`` of its idle RSS, each entry with
+usable id, and 10 cancel entries and a cancel marker of 40 MB each (the cancel path is read the same bounded
+way): the worker's peak RSS (VmHWM) stays within ``RSS_BOUND_MB`` of its idle RSS, each entry with
 an id is answered ``invalid_request`` exactly once, each without one is dead-lettered exactly once, and
 no key holding a newline appears. On a private redis-server (1 GB of entries stays off the shared one).
 """
@@ -51,6 +52,9 @@ def test_worker_rss_stays_bounded_under_huge_raw_entries_each_answered_once(tiny
             r.xadd(keys.stream((32, 64, 128, 256)[i % 4]), fields)
         nameless = [r.xadd(keys.stream(32), {"p": big}),  # no id: nobody to answer
                     r.xadd(keys.stream(64), {"id": "abc\n", "r": inbox, "p": b"x"})]  # not a valid id either
+        for _ in range(10):  # hostile cancels: neither a job id nor a reply key of that size exists
+            r.xadd(keys.cancels, {"id": big, "r": big})
+        r.set(keys.cancel(jobs[1]), big)  # a marker no reply key matches: the job is answered as usual
         del big
 
         def settled() -> bool:

@@ -43,6 +43,8 @@ MAX_BLOCK_MS = 1_000  # also bounds how long SIGTERM waits for an idle blocking 
 BLOCK_SLACK_MS = 110  # Redis may end a BLOCK up to one cron tick (100 ms at hz 10) late
 POLL_S = 0.002
 STARTUP_WAIT_S = 60.0  # setup() waits this long for Redis to come up
+CANCELS_PER_TICK = 1000
+MARKER_BYTES = 256  # longest job id or reply key a cancel entry or marker may hold (longer ones are cut)
 
 
 def connect(conn: ConnectionConfig) -> redis.Redis:
@@ -201,28 +203,30 @@ class StreamConsumer(Transport):
 
     @_refused
     def cancels(self) -> list[Cancel]:
-        """New entries of the cancels stream since the last call (non-blocking XREAD)."""
-        resp = self.r.xread({self.keys.cancels: self._cancels_from}, count=1000)
+        """New entries of the cancels stream since the last call (the size-checking ``CANCELS`` script: at most
+        CANCELS_PER_TICK entries, each field cut to MARKER_BYTES)."""
+        last, entries = self._scripts.cancels(keys=[self.keys.cancels],
+                                              args=[self._cancels_from, CANCELS_PER_TICK, MARKER_BYTES])
+        self._cancels_from = last.decode() if isinstance(last, bytes) else last
         out: list[Cancel] = []
-        for _stream, entries in resp or []:
-            for entry_id, fields in entries:
-                self._cancels_from = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                try:
-                    out.append(Cancel(fields[b"id"].decode(), fields[b"r"].decode()))
-                except (KeyError, UnicodeDecodeError):
-                    continue  # malformed: nothing to cancel
+        for _id, job_id, reply_key in entries:
+            try:
+                if job_id and reply_key:
+                    out.append(Cancel(job_id.decode(), reply_key.decode()))
+            except UnicodeDecodeError:
+                continue  # malformed: nothing to cancel
         return out
 
     @_refused
     def marks(self, job_ids: list[str]) -> list[tuple[str | None, bool]]:
         """Each job's cancel marker (the reply key of whoever cancelled it) and whether its ``done`` marker
-        exists, in one MGET."""
+        exists, in one size-checking ``MARKS`` script call (a marker longer than MARKER_BYTES is no reply key)."""
         if not job_ids:
             return []
-        raw = self.r.mget([self.keys.cancel(j) for j in job_ids] + [self.keys.done(j) for j in job_ids])
         n = len(job_ids)
-        return [(c.decode(errors="replace") if c is not None else None, d is not None)
-                for c, d in zip(raw[:n], raw[n:])]
+        raw = self._scripts.marks(keys=[self.keys.cancel(j) for j in job_ids] + [self.keys.done(j) for j in job_ids],
+                                  args=[n, MARKER_BYTES])
+        return [(c.decode(errors="replace") if c else None, bool(d)) for c, d in zip(raw[:n], raw[n:])]
 
     def log_batch(self, record: dict) -> None:
         """Append a batch record (worker, bucket, ids, size) to the capped audit stream; best effort: the

@@ -1,10 +1,10 @@
 """Every Lua script a worker runs inside Redis, in one module, registered once per connection.
 
 Producers' server-side code (enqueue, cancel) is common/functions.py. Here: the reply write (first writer
-wins, then ack + delete), the heartbeat, joining and leaving the fleet, and the size-checking read and
-reclaim (worker/bounded.py says why). ``WorkerScripts(r)`` registers each body once on client ``r``
-(redis-py then sends EVALSHA, loading the body again by itself after a SCRIPT FLUSH or a restart); the
-stream consumer builds one and hands it to its parts.
+wins, then ack + delete), the heartbeat, joining and leaving the fleet, and the size-checking reads of
+request entries, cancel entries and job markers (worker/bounded.py says why). ``WorkerScripts(r)``
+registers each body once on client ``r`` (redis-py then sends EVALSHA, loading the body again by itself
+after a SCRIPT FLUSH or a restart); the stream consumer builds one and hands it to its parts.
 """
 
 from __future__ import annotations
@@ -160,6 +160,40 @@ end
 return {cursor, out, deleted}
 """
 
+# KEYS: cancels stream. ARGV: last id seen, most entries, bytes kept per field value.
+# Returns {last id, {{id, job id, reply key}, ...}}: entries one at a time (the Lua heap holds one), each
+# field cut to ARGV[3] bytes, so a hostile 40 MB cancel entry costs the worker nothing.
+CANCELS = """
+local last, out = ARGV[1], {}
+for _ = 1, tonumber(ARGV[2]) do
+  local r = redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', 1)
+  local e = r[1]
+  r = nil
+  if not e then break end
+  last = e[1]
+  local id, reply = '', ''
+  for j = 1, #e[2], 2 do
+    if e[2][j] == 'id' then id = string.sub(e[2][j + 1], 1, tonumber(ARGV[3])) end
+    if e[2][j] == 'r' then reply = string.sub(e[2][j + 1], 1, tonumber(ARGV[3])) end
+  end
+  out[#out + 1] = {last, id, reply}
+  e = nil
+end
+return {last, out}
+"""
+
+# KEYS: n cancel markers, then n done markers. ARGV: n, longest marker value kept.
+# Returns {cancel value or false, ..., done 0/1, ...}: a marker longer than ARGV[2] comes back false (it
+# cannot be a reply key), so a hostile marker value is never read into the worker.
+MARKS = """
+local n, out = tonumber(ARGV[1]), {}
+for i = 1, n do
+  if redis.call('STRLEN', KEYS[i]) <= tonumber(ARGV[2]) then out[i] = redis.call('GET', KEYS[i]) else out[i] = false end
+  out[n + i] = redis.call('EXISTS', KEYS[n + i])
+end
+return out
+"""
+
 
 class WorkerScripts:
     """The worker's scripts registered on one client (call each with keys=[...], args=[...], client=pipe)."""
@@ -171,3 +205,5 @@ class WorkerScripts:
         self.leave = r.register_script(LEAVE)
         self.read = r.register_script(READ)
         self.autoclaim = r.register_script(AUTOCLAIM)
+        self.cancels = r.register_script(CANCELS)
+        self.marks = r.register_script(MARKS)
