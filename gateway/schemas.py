@@ -3,8 +3,10 @@
 field, never silently ignored (``n`` > 1, logprobs, penalties, tools, ...); fields that change nothing
 (``user``, ``model`` when it names this fleet) are accepted.
 
-Two extensions, both optional: ``timeout`` (seconds; at most the gateway's --request-timeout, HTTP 504
-past it) and ``top_k`` (0 = off), as vLLM and others accept it.
+Extensions, all optional: ``timeout`` (seconds; at most the gateway's --request-timeout, HTTP 504 past
+it), ``top_k`` (0 = off) and ``priority`` (vLLM's integer: lower is more urgent), as vLLM accepts them.
+OpenAI's ``service_tier`` picks the priority class: ``flex`` -> batch, ``auto`` / ``default`` ->
+interactive (common/lanes.py); ``priority`` > 0 -> batch.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from batchfleet.common.lanes import lane_of
 from batchfleet.common.protocol import MIN_TEMPERATURE
 from batchfleet.gateway.errors import invalid
 
@@ -59,6 +62,8 @@ class _Common(BaseModel):
     logit_bias: dict[str, Any] | None = None
     logprobs: Any = None
     user: StrictStr | None = None
+    service_tier: Literal["auto", "default", "flex"] | None = None
+    priority: StrictInt | None = None
 
     def refuse_unsupported(self) -> None:
         """400 for features the fleet does not implement (silently dropping them would change answers)."""
@@ -71,6 +76,18 @@ class _Common(BaseModel):
             raise invalid("logit_bias is not supported", "logit_bias")
         if self.logprobs not in (None, False, 0):
             raise invalid("logprobs are not supported", "logprobs")
+
+    def lane(self) -> str:
+        """The priority class: ``priority`` (vLLM's integer) when given, else ``service_tier``, else
+        interactive; both given and disagreeing is a 400."""
+        tier = lane_of(self.service_tier or "auto")
+        if self.priority is None:
+            return tier
+        lane = lane_of(self.priority)
+        if self.service_tier is not None and lane != tier:
+            raise invalid(f"priority {self.priority} (class {lane}) contradicts service_tier "
+                          f"{self.service_tier!r} (class {tier})", "priority")
+        return lane
 
     def job(self, prompt: Any, max_tokens: int, timeout_cap: float) -> Job:
         self.refuse_unsupported()
@@ -85,6 +102,7 @@ class _Common(BaseModel):
             "top_k": self.top_k or 0,
             "seed": self.seed,
             "stop": stop or None,
+            "priority": self.lane(),
         }
         return Job(prompt=prompt, params=params, stream=bool(self.stream),
                    include_usage=bool(self.stream and self.stream_options and self.stream_options.include_usage),

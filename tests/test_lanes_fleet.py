@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import httpx
+import openai
 import pytest
 import redis
 
@@ -14,6 +16,8 @@ from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import Request
 from batchfleet.producer import Client
 from batchfleet.producer.status import snapshot
+from tests.conftest import TEST_BUCKETS
+from tests.helpers.gateway import gateways
 from tests.helpers.loops import wait_until
 
 NATIVE = dict(engine="native", mode="continuous", max_running=4, max_batch_size=4, max_wait_ms=5)
@@ -57,3 +61,28 @@ def test_priority_spellings_and_a_mismatched_class(start_worker, redis_url, name
     lanes = {(q["bucket"], q["class"]) for q in snap["queues"]}
     assert {(32, "interactive"), (32, "batch")} <= lanes
     assert w.loop.ledger["completed"] == 7 and w.loop.ledger["errors"] == 1
+
+
+def test_gateway_maps_service_tier_and_vllm_priority_to_classes(start_worker, redis_url, namespace):
+    start_worker(engine="native", mode="continuous")
+    keys = Keys(namespace)
+    r = redis.Redis.from_url(redis_url)
+
+    def read_from(lane: str) -> int:
+        return sum(r.xinfo_groups(keys.stream(b, lane))[0]["entries-read"] or 0 for b in TEST_BUCKETS)
+
+    with gateways(redis_url, namespace) as start:
+        gw = start()
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        client.completions.create(model=model, prompt="hello", max_tokens=2, extra_body={"service_tier": "flex"})
+        client.completions.create(model=model, prompt="hello", max_tokens=2, extra_body={"priority": 1})
+        assert (read_from("batch"), read_from("interactive")) == (2, 0)
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       service_tier="default")
+        client.completions.create(model=model, prompt="hello", max_tokens=2, extra_body={"priority": -1})
+        assert (read_from("batch"), read_from("interactive")) == (2, 2)
+        bad = httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "service_tier": "flex", "priority": 0})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+        bad = httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "service_tier": "premium"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "service_tier"
