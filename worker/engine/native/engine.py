@@ -85,8 +85,9 @@ class NativeEngine:
         self.step_log: deque[tuple[bool, tuple[tuple[str, int], ...]]] = deque(maxlen=STEP_LOG_LEN)
         self._errors: list[Completion] = []
         self.last_step_ids: list[str] = []
+        # decode_slots_*: sequences per decode step by class, summed (the batch class's share under load)
         self._counters = dict(steps=0, prefill_steps=0, decode_steps=0, tokens_generated=0,
-                              peak_contiguous_waste=0)
+                              decode_slots_interactive=0, decode_slots_batch=0, peak_contiguous_waste=0)
 
     # -- Engine API -------------------------------------------------------------------------------
     def add(self, requests: Sequence[GenRequest]) -> None:
@@ -161,6 +162,7 @@ class NativeEngine:
             "kv_slots_wasted_peak_per_seq": s.peak_wasted_per_seq,
             "kv_slots_wasted_contiguous_peak": self._counters["peak_contiguous_waste"],
             "running": len(s.running),
+            "running_limit": s.max_running,
             "waiting": len(s.waiting),
             "preemptions": s.num_preemptions,
             "priority_preemptions": s.num_priority_preemptions,
@@ -206,6 +208,10 @@ class NativeEngine:
         c["steps"] += 1
         c["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
         c["tokens_generated"] += len(batch.sampled)  # a partial prefill chunk generates nothing
+        if not batch.is_prefill:
+            batch_slots = sum(1 for s in batch.seqs if s.priority > 0)
+            c["decode_slots_batch"] += batch_slots
+            c["decode_slots_interactive"] += len(batch.seqs) - batch_slots
         waste = contiguous_waste((s.num_cached for s in self.scheduler.running), self.batching.max_seq_len)
         c["peak_contiguous_waste"] = max(c["peak_contiguous_waste"], waste)
 

@@ -1,0 +1,170 @@
+"""Interactive and bulk on one worker (issue #17): does a web client notice a bulk job, and does the bulk
+job notice the web client? One worker at user defaults (native engine, continuous mode, tiny preset), one
+run, four phases:
+
+1. idle: a client sends ``--interactive`` short requests one after the other (16 new tokens): p50 idle;
+2. bulk alone: ``batchfleet bulk`` semantics (``bulk_file``, default window, batch class) over ``--prompts``
+   prompts (64 new tokens): its throughput alone;
+3. both: the same bulk again while the client sends its requests one after the other: interactive p50
+   under bulk / idle p50 (target <= 1.5) and bulk throughput / alone (target >= 0.85); every line answered;
+4. flood: a batch backlog while ``--flood`` x max_running interactive clients send back to back (a flood at
+   80% of the engine's capacity): the batch class's share of decode slots (target >= --batch-min-share).
+
+    python scripts/bench_lanes.py --json docs/bench/lanes.json
+
+Writes JSON and prints a table. Not a test: run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import click
+
+from batchfleet.common.config import DEFAULT_REDIS_URL
+from batchfleet.common.keys import Keys
+from batchfleet.producer import Client
+from batchfleet.producer.bulk import bulk_file
+from batchfleet.worker.devtools import delete_namespace, ensure_redis, spawn_worker
+
+SHORT = "Summarize in one line: the queue is full of work."
+
+
+def interactive_run(client: Client, n: int, stop: threading.Event | None = None) -> list[float]:
+    """``n`` requests one after the other (or until ``stop``); latency of each in ms."""
+    out = []
+    for i in range(n):
+        if stop is not None and stop.is_set():
+            break
+        t0 = time.perf_counter()
+        client.generate(f"{SHORT} ({i})", max_new_tokens=16, timeout=120)
+        out.append((time.perf_counter() - t0) * 1000)
+    return out
+
+
+def run_bulk(url: str, ns: str, prompts: int, tmp: Path, tag: str) -> dict:
+    src, dst = tmp / f"{tag}.jsonl", tmp / f"{tag}.out.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"Write a short note about item {i}: " + "details " * (i % 9)})
+                           + "\n" for i in range(prompts)))
+    t0 = time.perf_counter()
+    s = asyncio.run(bulk_file(str(src), str(dst), redis_url=url, namespace=ns, defaults={"max_new_tokens": 64},
+                              timeout=3600))
+    took = time.perf_counter() - t0
+    lines = [json.loads(x) for x in dst.read_text().splitlines()]
+    tokens = sum(x["result"]["completion_tokens"] for x in lines if "result" in x)
+    return {"seconds": round(took, 2), "lines": len(lines), "failed": s.failed_lines, "tokens": tokens,
+            "tok_s": round(tokens / took, 1), "all_answered": sorted(x["index"] for x in lines) == list(range(prompts))}
+
+
+def flood(url: str, ns: str, concurrency: int, seconds: float, backlog: int) -> dict:
+    """A batch backlog, then ``concurrency`` interactive clients sending back to back for ``seconds``: the
+    decode slots each class got meanwhile (the engine's counters, read from the worker's heartbeat)."""
+    with Client(url, ns) as client:
+        jobs = [client.submit(f"backlog item {i}", max_new_tokens=64, priority="batch") for i in range(backlog)]
+        time.sleep(3.0)  # the batch class fills the engine first
+        before = _engine_stats(url, ns)
+        stop = threading.Event()
+        counts = [0] * concurrency
+
+        def one(k: int) -> None:
+            while not stop.is_set():
+                client.generate(f"{SHORT} [{k}]", max_new_tokens=16, timeout=300)
+                counts[k] += 1
+        threads = [threading.Thread(target=one, args=(k,), daemon=True) for k in range(concurrency)]
+        for th in threads:
+            th.start()
+        time.sleep(seconds)
+        after = _engine_stats(url, ns)
+        stop.set()
+        for th in threads:
+            th.join(300)
+        for j in jobs:
+            client.cancel(j)
+    slots = {c: after[f"engine_decode_slots_{c}"] - before[f"engine_decode_slots_{c}"]
+             for c in ("interactive", "batch")}
+    return {"window_s": seconds, "concurrency": concurrency, "interactive_requests": sum(counts),
+            "decode_slots": slots, "batch_share": round(slots["batch"] / max(1, sum(slots.values())), 3)}
+
+
+@click.command(help=__doc__)
+@click.option("--redis-url", default=DEFAULT_REDIS_URL, show_default=True, help="Started privately if unreachable.")
+@click.option("--prompts", type=int, default=3000, show_default=True, help="Bulk prompts per bulk phase.")
+@click.option("--interactive", type=int, default=20, show_default=True, help="Interactive requests per phase.")
+@click.option("--flood", "flood_x", type=float, default=0.8, show_default=True,
+              help="Interactive clients in the flood phase, as a fraction of the engine's --max-running slots.")
+@click.option("--flood-s", type=float, default=30.0, show_default=True, help="Length of the flood phase.")
+@click.option("--worker-arg", multiple=True, help="Extra worker CLI argument (repeatable).")
+@click.option("--json", "json_path", default=None, help="Write the result as JSON here.")
+def main(redis_url: str, prompts: int, interactive: int, flood_x: float, flood_s: float, worker_arg: tuple[str, ...],
+         json_path: str | None) -> None:
+    url, private = ensure_redis(redis_url)
+    ns = f"lanes-{uuid.uuid4().hex[:6]}"
+    worker = spawn_worker(url, ns, list(worker_arg))
+    out: dict = {"prompts": prompts, "interactive": interactive, "worker_args": list(worker_arg)}
+    try:
+        with tempfile.TemporaryDirectory() as d, Client(url, ns) as client:
+            tmp = Path(d)
+            interactive_run(client, 3)  # warm-up
+            idle = interactive_run(client, interactive)
+            alone = run_bulk(url, ns, prompts, tmp, "alone")
+            got: list[float] = []
+            stop = threading.Event()
+
+            def web() -> None:
+                time.sleep(3.0)  # the bulk has filled the engine
+                got.extend(interactive_run(client, interactive, stop))
+            th = threading.Thread(target=web, daemon=True)
+            th.start()
+            both = run_bulk(url, ns, prompts, tmp, "both")
+            stop.set()
+            th.join(300)
+            max_running = _engine_stats(url, ns)["engine_running_limit"]
+            fl = flood(url, ns, max(1, round(flood_x * max_running)), flood_s, backlog=1000)
+        p50_idle, p50_bulk = statistics.median(idle), statistics.median(got) if got else float("nan")
+        out.update({
+            "idle_p50_ms": round(p50_idle, 1), "under_bulk_p50_ms": round(p50_bulk, 1),
+            "under_bulk_requests": len(got), "interactive_ratio": round(p50_bulk / p50_idle, 2),
+            "bulk_alone": alone, "bulk_with_interactive": both,
+            "bulk_ratio": round(both["tok_s"] / alone["tok_s"], 3),
+            "flood": fl,
+        })
+    finally:
+        worker.stop()
+        delete_namespace(url, Keys(ns))
+        if private is not None:
+            private.stop()
+    print("| measure | value | target |\n|---|---:|---|")
+    print(f"| interactive p50 idle | {out['idle_p50_ms']} ms | - |")
+    print(f"| interactive p50 during bulk ({out['under_bulk_requests']} requests) | {out['under_bulk_p50_ms']} ms "
+          f"({out['interactive_ratio']}x idle) | <= 1.5x |")
+    print(f"| bulk alone | {alone['tok_s']} tok/s ({alone['seconds']} s, {alone['lines']} lines) | - |")
+    print(f"| bulk with interactive | {both['tok_s']} tok/s ({out['bulk_ratio']}x alone; all answered: "
+          f"{both['all_answered']}) | >= 0.85x |")
+    print(f"| flood ({fl['concurrency']} interactive clients): batch share of decode slots | "
+          f"{fl['batch_share']} | >= batch_min_share |")
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
+
+
+def _engine_stats(url: str, ns: str) -> dict:
+    """The worker's latest heartbeat status (one worker: this benchmark's)."""
+    from batchfleet.common.fleetstate import worker_stats
+    from batchfleet.common.redis_conn import sync_client
+
+    time.sleep(2.2)  # one heartbeat period: the figures are fresh
+    r = sync_client(url)
+    try:
+        return next(w for w in worker_stats(r, Keys(ns)) if w["alive"])
+    finally:
+        r.close()
+
+
+if __name__ == "__main__":
+    main()
