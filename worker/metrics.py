@@ -166,5 +166,7 @@ class _LoopCollector(Collector):
                                   value=ledger["dead_lettered"])
         yield CounterMetricFamily("batchfleet_preemptions", "Sequences the engine preempted (KV cache full).",
                                   value=stats.get("preemptions", 0))
+        yield CounterMetricFamily("batchfleet_priority_preemptions", "Batch-class sequences preempted for "
+                                  "interactive ones.", value=stats.get("priority_preemptions", 0))
         yield CounterMetricFamily("batchfleet_reclaimed", "Entries taken over from silent workers.",
                                   value=ledger["reclaimed"])
