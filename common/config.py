@@ -8,7 +8,6 @@ type, help) from these fields, so nothing here is restated elsewhere.
 from __future__ import annotations
 
 import bisect
-import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import Field, dataclass, field
@@ -295,9 +294,3 @@ def connection_from_env(redis_url: str | None = None, namespace: str | None = No
     explicit = {"redis_url": redis_url, "namespace": namespace}
     values = {f.name: explicit.get(f.name) or env.get(option_env(f)) for f in fields(ConnectionConfig) if is_option(f)}
     return ConnectionConfig(**{k: v for k, v in values.items() if v})
-
-
-def batch_reserve(max_running: int, share: float) -> int:
-    """Decode slots the batch class keeps while interactive work runs: ``share`` of ``max_running``, at least
-    one when ``share`` > 0."""
-    return 0 if share <= 0 else max(1, math.ceil(share * max_running))

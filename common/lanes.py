@@ -13,12 +13,14 @@ Accepted spellings (``lane_of``): the class names; OpenAI's ``service_tier`` (``
 
 from __future__ import annotations
 
+import math
+
 from batchfleet.common.keys import BATCH, INTERACTIVE, LANES
 
 SERVICE_TIERS = {"auto": INTERACTIVE, "default": INTERACTIVE, "flex": BATCH}
 RANK = {lane: i for i, lane in enumerate(LANES)}  # 0 = most urgent: what the engine orders by
 
-__all__ = ["BATCH", "INTERACTIVE", "LANES", "RANK", "SERVICE_TIERS", "lane_of"]
+__all__ = ["BATCH", "INTERACTIVE", "LANES", "RANK", "SERVICE_TIERS", "batch_reserve", "lane_of"]
 
 
 def lane_of(priority: object) -> str:
@@ -34,3 +36,9 @@ def lane_of(priority: object) -> str:
             return SERVICE_TIERS[priority]
     raise ValueError(f"priority must be one of {', '.join(LANES)} (or service_tier auto, default, flex, or an "
                      f"integer), got {priority!r}"[:300])
+
+
+def batch_reserve(max_running: int, share: float) -> int:
+    """Decode slots the batch class keeps while interactive work runs: ``share`` of ``max_running``, at least
+    one when ``share`` > 0."""
+    return 0 if share <= 0 else max(1, math.ceil(share * max_running))
