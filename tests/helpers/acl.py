@@ -19,7 +19,7 @@ import redis
 
 from batchfleet.worker.devtools import PrivateRedis, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SECURITY_MD = ROOT / "docs" / "SECURITY.md"
 NAMESPACE = "a"  # the document's tenant
 BUCKETS = (128, 256, 512, 1024, 4096)  # the document's bucket streams (the default buckets)
