@@ -20,6 +20,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.errors import ConfigError
 from batchfleet.common.fleetstate import fleet_info, queue_stats
 from batchfleet.common.redis_conn import sync_client
 
@@ -78,9 +79,13 @@ def queue_collector(conn_config: ConnectionConfig, buckets: Iterable[int] | None
     return QueueCollector(conn_config, buckets)
 
 
-def registry_with(*collectors: Collector) -> CollectorRegistry:
-    """A fresh registry (never prometheus_client's global one) holding ``collectors``."""
-    registry = CollectorRegistry(auto_describe=False)
+class MetricsPortInUse(ConfigError):
+    """The metrics port cannot be bound (another process holds it, or no permission)."""
+
+
+def registry_with(*collectors: Collector, registry: CollectorRegistry | None = None) -> CollectorRegistry:
+    """A fresh registry (never prometheus_client's global one; or ``registry``) holding ``collectors``."""
+    registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
     for c in collectors:
         registry.register(c)
     return registry
@@ -101,7 +106,13 @@ class MetricsServer:
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> MetricsServer:
-    """Serve ``registry`` on http://addr:port/metrics from a thread (port 0: any free port, see .port)."""
-    server, thread = start_http_server(port, addr=addr, registry=registry)
+    """Serve ``registry`` on http://addr:port/metrics from a thread (port 0: any free port, see .port).
+    The port is bound here (MetricsPortInUse when it cannot be): a registry may be filled afterwards."""
+    try:
+        server, thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        raise MetricsPortInUse(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc} (another worker "
+                               "on this host has --metrics-port "
+                               f"{port}? give each its own, or 0 for none)") from None
     log.info("metrics on http://%s:%d/metrics", addr, server.server_address[1])
     return MetricsServer(server, thread)

@@ -313,7 +313,7 @@ class StreamConsumer(Transport):
         """Drop the heartbeat and, when nothing is pending on us any more, our consumer names."""
         try:
             self.r.delete(self.keys.worker(self.name))
-            if fleet.leave(self.r, self.keys, self.name):  # the last live worker: producers now get NoWorkers
+            if self.presence.leave():  # the last live worker: producers now get NoWorkers
                 log.info("last live worker of %r stopped: fleet description deleted", self.keys.namespace)
             for b in self.buckets:
                 stream = self.keys.stream(b)

@@ -5,7 +5,10 @@ route with the one published fleet description. ``fingerprint`` hashes what must
 script, so two workers starting at once cannot both win) publishes this worker's description only when
 no live worker serves a different fingerprint (or when told to replace the fleet), and registers the
 worker in the live set; ``leave`` removes it and deletes the description when no live worker remains,
-so producers get ``NoWorkers`` / ``FleetUnavailable`` instead of enqueueing into streams nobody reads.
+so producers get ``NoWorkers`` / ``FleetUnavailable`` instead of enqueueing into streams nobody reads --
+unless the fleet scales to zero (``FleetInfo.scale_to_zero``, ``--scale-to-zero``): then the description
+has no TTL and stays when the last worker leaves, producers enqueue anyway, and the next worker (started
+by KEDA on the streams' lag) answers.
 
 The description is published with a TTL (``FLEET_TTL_MS``) that live workers' heartbeats refresh: a
 fleet whose workers all died expires by itself.
@@ -28,8 +31,9 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: fleet, workers. ARGV: encoded FleetInfo, its fingerprint, worker name, live window ms, ttl ms,
-# replace ('1'/'0'). Returns {1} when published, {0, published fingerprint, live workers other than us}.
+# KEYS: fleet, workers. ARGV: encoded FleetInfo, its fingerprint, worker name, live window ms, ttl ms (0: no
+# TTL, a fleet that scales to zero), replace ('1'/'0'). Returns {1} when published, {0, published fingerprint,
+# live workers other than us}.
 _JOIN = _NOW_MS + """
 local since = now - tonumber(ARGV[4])
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. since)  -- dead workers' names
@@ -48,15 +52,20 @@ if ARGV[6] ~= '1' then
     end
   end
 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[5]))
+if tonumber(ARGV[5]) > 0 then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[5]))
+else
+  redis.call('SET', KEYS[1], ARGV[1])  -- scale to zero: kept with no worker left
+end
 redis.call('ZADD', KEYS[2], now, ARGV[3])
 return {1}
 """
 
-# KEYS: fleet, workers. ARGV: worker name, live window ms. Returns 1 when the fleet key was deleted.
+# KEYS: fleet, workers. ARGV: worker name, live window ms, keep ('1': a fleet that scales to zero keeps its
+# description). Returns 1 when the fleet key was deleted.
 _LEAVE = _NOW_MS + """
 redis.call('ZREM', KEYS[2], ARGV[1])
-if redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[2]), '+inf') == 0 then
+if ARGV[3] ~= '1' and redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[2]), '+inf') == 0 then
   redis.call('DEL', KEYS[1])
   return 1
 end
@@ -103,7 +112,7 @@ def join(r, keys: Keys, info: FleetInfo, name: str, replace: bool = False) -> No
     fingerprint: then raise FleetConflict (``replace`` publishes anyway: the operator is replacing the
     fleet). ``r`` is a redis-py client."""
     res = r.register_script(_JOIN)(keys=[keys.fleet, keys.workers], args=[
-        info.encode(), info.fingerprint, name, LIVE_WORKER_MS, FLEET_TTL_MS, "1" if replace else "0"])
+        info.encode(), info.fingerprint, name, LIVE_WORKER_MS, fleet_ttl_ms(info), "1" if replace else "0"])
     if int(res[0]) == 1:
         return
     raw = r.get(keys.fleet)
@@ -116,10 +125,17 @@ def join(r, keys: Keys, info: FleetInfo, name: str, replace: bool = False) -> No
         f"worker [{describe(info)}]; stop them first or start with --replace-fleet")
 
 
-def leave(r, keys: Keys, name: str) -> bool:
-    """Drop this worker from the live set; delete the fleet description when no live worker remains.
-    Returns whether it was deleted."""
-    return bool(r.register_script(_LEAVE)(keys=[keys.fleet, keys.workers], args=[name, LIVE_WORKER_MS]))
+def fleet_ttl_ms(info: FleetInfo) -> int:
+    """How long the description outlives its last heartbeat: FLEET_TTL_MS, or 0 (for ever) for a fleet
+    that scales to zero."""
+    return 0 if info.scale_to_zero else FLEET_TTL_MS
+
+
+def leave(r, keys: Keys, name: str, keep: bool = False) -> bool:
+    """Drop this worker from the live set; delete the fleet description when no live worker remains,
+    unless ``keep`` (a fleet that scales to zero). Returns whether it was deleted."""
+    return bool(r.register_script(_LEAVE)(keys=[keys.fleet, keys.workers],
+                                          args=[name, LIVE_WORKER_MS, "1" if keep else "0"]))
 
 
 def live_workers(r, keys: Keys, exclude: str = "") -> int:

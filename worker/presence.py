@@ -21,7 +21,8 @@ log = logging.getLogger("batchfleet.worker.consumer")
 FLEET_TTL_S = fleet.FLEET_TTL_MS // 1000  # the fleet description outlives its last heartbeat by this much
 STATUS_TTL_S = 10
 
-# KEYS: workers (zset), status key, fleet key. ARGV: name, status blob ('' = keep), status ttl, fleet ttl.
+# KEYS: workers (zset), status key, fleet key. ARGV: name, status blob ('' = keep), status ttl, fleet ttl (0:
+# none).
 # Redis' own clock scores liveness, so no host clock matters. Returns TIME (for this host's clock offset)
 # and whether the fleet description still existed (0: the worker publishes it again).
 _HEARTBEAT_SCRIPT = """
@@ -30,7 +31,9 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZADD', KEYS[1], now_ms, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms - 86400000)
 if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'EX', tonumber(ARGV[3])) end
-local kept = redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
+local kept
+if tonumber(ARGV[4]) > 0 then kept = redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
+else kept = redis.call('EXISTS', KEYS[3]) end  -- a fleet that scales to zero: no TTL
 return {t[1], t[2], kept}
 """
 
@@ -62,12 +65,22 @@ class Presence:
                 log.error("%s", exc)
         self.beat(b"")
 
+    def fleet_ttl_s(self) -> int:
+        """The description's TTL each heartbeat renews; 0 (none) for a fleet that scales to zero."""
+        return 0 if self.info is not None and self.info.scale_to_zero else FLEET_TTL_S
+
+    def leave(self) -> bool:
+        """Out of the live set now; the description goes too when this was the last live worker (unless
+        the fleet scales to zero). Returns whether it was deleted."""
+        keep = self.info is not None and self.info.scale_to_zero
+        return fleet.leave(self.r, self.keys, self.name, keep=keep)
+
     def beat(self, status: bytes) -> None:
         """Mark this worker live, renew the fleet description's TTL and (non-empty ``status``) publish the
         status for STATUS_TTL_S; measures the clock offset on the way."""
         before = time.time()
         t = self._script(keys=[self.keys.workers, self.keys.worker(self.name), self.keys.fleet],
-                         args=[self.name, status, STATUS_TTL_S, FLEET_TTL_S])
+                         args=[self.name, status, STATUS_TTL_S, self.fleet_ttl_s()])
         after = time.time()
         self.offset = int(t[0]) + int(t[1]) / 1e6 - (before + after) / 2
         if int(t[2]) == 0 and self.info is not None:  # the description is gone (deleted, or expired)
