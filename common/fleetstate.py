@@ -79,6 +79,11 @@ def queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int]
     return out
 
 
+def live_worker_count(r: redis.Redis, keys: Keys) -> int:
+    """Workers whose last heartbeat (Redis time) is within LIVE_WORKER_MS: the live set producers check."""
+    return int(r.zcount(keys.workers, redis_now_ms(r) - LIVE_WORKER_MS, "+inf"))
+
+
 def worker_stats(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     """Every worker of the live-worker set: its last status (when its status key has not expired) plus
     ``alive`` (heartbeat within LIVE_WORKER_MS of Redis' clock) and ``seen_s`` (seconds since it)."""

@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.errors import ConfigError
-from batchfleet.common.fleetstate import fleet_info, queue_stats
+from batchfleet.common.fleetstate import fleet_info, live_worker_count, queue_stats
 from batchfleet.common.redis_conn import sync_client
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,8 @@ SCRAPE_TIMEOUT_S = 2.0  # a scrape must answer even when Redis does not: queue g
 
 
 class QueueCollector(Collector):
-    """batchfleet_queue_depth / _pending / _oldest_age_seconds {bucket}, read from Redis per scrape.
+    """batchfleet_queue_depth / _pending / _oldest_age_seconds {bucket} and batchfleet_workers_live, read
+    from Redis per scrape.
 
     Has its own small connection pool with a short timeout, so a slow Redis delays a scrape by at most
     SCRAPE_TIMEOUT_S and never blocks the process' own Redis traffic. ``buckets`` None: the buckets the
@@ -59,6 +60,7 @@ class QueueCollector(Collector):
                     info = fleet_info(self.r, self.keys)
                     buckets = info.buckets if info is not None else ()
                 stats = queue_stats(self.r, self.keys, buckets)
+                live = live_worker_count(self.r, self.keys)
         except redis.RedisError as exc:  # Redis down: the scrape still answers, without queue gauges
             log.debug("queue gauges not read: %r", exc)
             return
@@ -69,6 +71,8 @@ class QueueCollector(Collector):
         yield depth
         yield pending
         yield age
+        yield GaugeMetricFamily("batchfleet_workers_live", "Workers with a heartbeat within the live window (the "
+                                "set producers check), fleet-wide.", value=live)
 
     def close(self) -> None:
         self.r.close()

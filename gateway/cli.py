@@ -38,11 +38,11 @@ def serve(**values) -> None:
         raise click.UsageError(str(exc)) from exc
     app = create_app(config)
     if config.metrics_port:  # the fleet's queue gauges and this gateway's HTTP metrics
-        from batchfleet.common.metrics import MetricsPortInUse, queue_collector, registry_with, serve_metrics
+        from batchfleet.common.metrics import MetricsPortInUse
+        from batchfleet.gateway.metrics import serve_gateway_metrics
 
         try:
-            serve_metrics(registry_with(queue_collector(config.connection), registry=app.state.metrics.registry),
-                          config.metrics_port, config.metrics_host)
+            serve_gateway_metrics(app.state.metrics, config.connection, config.metrics_port, config.metrics_host)
         except MetricsPortInUse as exc:
             raise fatal(str(exc)) from None
     auth = f"{len(config.api_keys)} API key(s)" if config.api_keys else "no API key (anyone may call it)"

@@ -16,6 +16,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.metrics import MetricsServer, queue_collector, registry_with, serve_metrics
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -60,3 +63,10 @@ class HttpMetrics:
             route = scope.get("route")
             path = getattr(route, "path", None) or "other"
             self.metrics.observe(path, status["code"], time.monotonic() - start)
+
+
+def serve_gateway_metrics(metrics: GatewayMetrics, conn: ConnectionConfig, port: int,
+                          host: str = "0.0.0.0") -> MetricsServer:
+    """Serve ``metrics`` and the fleet's queue gauges (and live-worker count) on http://host:port/metrics
+    (port 0: any free one). MetricsPortInUse when the port is taken."""
+    return serve_metrics(registry_with(queue_collector(conn), registry=metrics.registry), port, host)
