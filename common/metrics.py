@@ -98,9 +98,10 @@ def registry_with(*collectors: Collector, registry: CollectorRegistry | None = N
 class MetricsServer:
     """The running /metrics HTTP server (a daemon thread); ``close`` stops it and frees the port."""
 
-    def __init__(self, server: Any, thread: threading.Thread) -> None:
+    def __init__(self, server: Any, thread: threading.Thread, registry: CollectorRegistry) -> None:
         self.server = server
         self.thread = thread
+        self.registry = registry  # what it serves (collectors may be added while it runs)
         self.port = int(server.server_address[1])
 
     def close(self) -> None:
@@ -119,4 +120,10 @@ def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0")
                                "on this host has --metrics-port "
                                f"{port}? give each its own, or 0 for none)") from None
     log.info("metrics on http://%s:%d/metrics", addr, server.server_address[1])
-    return MetricsServer(server, thread)
+    return MetricsServer(server, thread, registry)
+
+
+def reserve_metrics(port: int, addr: str = "0.0.0.0") -> MetricsServer:
+    """Bind ``port`` now and serve an empty registry (``.registry``) that is filled later: a process checks
+    its metrics port before its slow start (a worker: before importing torch and loading the model)."""
+    return serve_metrics(CollectorRegistry(auto_describe=False), port, addr)

@@ -22,12 +22,19 @@ def worker(**values) -> None:
         cfg = build_worker_config(**values)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    from batchfleet.common.metrics import MetricsPortInUse
-    from batchfleet.worker.compose import run_worker
-    from batchfleet.worker.fleet import FleetConflict
+    from batchfleet.common.metrics import MetricsPortInUse, reserve_metrics
 
+    server = None
     try:
-        code = run_worker(cfg)
-    except (FleetConflict, MetricsPortInUse) as exc:  # one clear line, no traceback: an operator mistake
+        if cfg.metrics_port:  # checked first: a port in use stops this worker in a second, before torch loads
+            server = reserve_metrics(cfg.metrics_port, cfg.metrics_host)
+        from batchfleet.worker.compose import run_worker
+        from batchfleet.worker.fleet import FleetConflict
+
+        try:
+            code = run_worker(cfg, metrics_server=server)
+        except FleetConflict as exc:  # one clear line, no traceback: an operator mistake, not a crash
+            raise fatal(str(exc)) from None
+    except MetricsPortInUse as exc:
         raise fatal(str(exc)) from None
     sys.exit(code)

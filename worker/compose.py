@@ -13,11 +13,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from prometheus_client import CollectorRegistry
 
 from batchfleet.common import logs
 from batchfleet.common.config import DynamicBatchingConfig, EngineConfig, WorkerConfig
-from batchfleet.common.metrics import serve_metrics
+from batchfleet.common.metrics import MetricsServer, reserve_metrics
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.worker.consumer import StreamConsumer, default_consumer_name
 from batchfleet.worker.engine.base import Engine
@@ -70,18 +69,19 @@ def chat_template_of(tokenizer) -> str:
 
 
 def build_worker(cfg: WorkerConfig, transport: Transport | None = None,
-                 loaded: LoadedModel | None = None) -> WorkerLoop:
+                 loaded: LoadedModel | None = None, metrics_server: MetricsServer | None = None) -> WorkerLoop:
     """Everything a worker needs, wired; does not start serving.
 
     ``transport`` replaces the Redis StreamConsumer (the benchmark's in-process transport); ``loaded``
     replaces loading ``cfg``'s model (a model built in memory, e.g. the GPU benchmark's random weights).
-    With ``metrics_port`` the port is bound first (MetricsPortInUse before any model is loaded); whatever
-    fails later leaves the fleet at once (transport closed: out of the live set) and frees the port.
+    With ``metrics_port`` the port is bound first (MetricsPortInUse before any model is loaded), unless
+    the caller bound it already (``metrics_server``, from ``reserve_metrics``: the CLI does, before it
+    imports torch); whatever fails later leaves the fleet at once (transport closed: out of the live set)
+    and frees the port.
     """
-    server = registry = None
-    if cfg.metrics_port:
-        registry = CollectorRegistry(auto_describe=False)  # served empty until the loop's metrics join it
-        server = serve_metrics(registry, cfg.metrics_port, cfg.metrics_host)
+    server = metrics_server
+    if server is None and cfg.metrics_port:
+        server = reserve_metrics(cfg.metrics_port, cfg.metrics_host)  # served empty until the loop's metrics join
     try:
         loop = _build(cfg, transport, loaded)
     except BaseException:
@@ -89,7 +89,7 @@ def build_worker(cfg: WorkerConfig, transport: Transport | None = None,
             server.close()
         raise
     if server is not None:
-        loop.observer = WorkerMetrics(loop, registry, server)
+        loop.observer = WorkerMetrics(loop, server.registry, server)
     return loop
 
 
@@ -116,8 +116,9 @@ def _build(cfg: WorkerConfig, transport: Transport | None, loaded: LoadedModel |
         raise
 
 
-def run_worker(cfg: WorkerConfig) -> int:
-    """Serve until SIGTERM/SIGINT; the running batch finishes, queued entries are handed back. Exit 0."""
+def run_worker(cfg: WorkerConfig, metrics_server: MetricsServer | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; the running batch finishes, queued entries are handed back. Exit 0.
+    ``metrics_server``: the metrics port, already bound (``reserve_metrics``)."""
     logs.configure()  # a handler when the caller set none (the CLI set the level and format already)
     if logs.current_format() == "json":  # keep stderr one JSON object per line: no progress bars in between
         from transformers.utils import logging as hf_logging
@@ -128,7 +129,7 @@ def run_worker(cfg: WorkerConfig) -> int:
         torch.set_num_threads(cfg.engine.threads)
     cfg = replace(cfg, name=cfg.name or default_consumer_name())
     logs.set_context(worker=cfg.name)  # on every log line of this process, model loading included
-    loop = build_worker(cfg)
+    loop = build_worker(cfg, metrics_server=metrics_server)
 
     def on_signal(signum, _frame) -> None:
         log.info("signal %d: finishing the running batch, then exiting", signum)
