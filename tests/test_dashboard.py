@@ -175,3 +175,16 @@ def test_chromium_on_the_standalone_dashboard_without_workers(redis_url: str, na
         server.close()
     assert "no fleet published" in dom.text["fleet"] and dom.text["live"] == "0 live workers"
     assert "no workers" in dom.text["workers"] and "no batches yet" in dom.text["batches"]
+
+
+@pytest.mark.unit
+def test_ci_installs_chromium_then_runs_the_readme_test_command():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    ci = (root / ".ci" / "run").read_text().strip().splitlines()
+    readme = (root / "README.md").read_text()
+    (command,) = re.findall(r"Run the tests .*?\n\n```bash\n(.*?)\n```", readme, flags=re.S)
+    assert ci[-1] == command
+    install = next(i for i, line in enumerate(ci) if "apt-get install" in line and "chromium" in line)
+    assert install < len(ci) - 1
