@@ -26,6 +26,7 @@ from typing import Any
 import redis
 
 from batchfleet.common.config import ConnectionConfig, DashboardConfig
+from batchfleet.common.errors import RedisUnavailable
 from batchfleet.common.fleetstate import dead_letter_entries, recent_batches
 from batchfleet.common.keys import Keys
 from batchfleet.common.redis_conn import sync_client
@@ -51,7 +52,15 @@ def dashboard_client(conn: ConnectionConfig) -> redis.Redis:
 def dashboard_data(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     """What the page shows: ``batchfleet status --json``'s snapshot (fleet, queues, workers, dead_letters)
     plus ``batches`` and ``dead_letter_entries`` (newest first), ``batch_jobs`` (None: this fleet has no
-    batch-job API) and ``time`` (this server's clock, s)."""
+    batch-job API) and ``time`` (this server's clock, s). Redis errors raise RedisUnavailable (callers
+    need not import redis)."""
+    try:
+        return _read(r, keys)
+    except redis.RedisError as exc:
+        raise RedisUnavailable(f"Redis: {exc}"[:300]) from None
+
+
+def _read(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     snap = snapshot(r, keys)
     snap["batches"] = recent_batches(r, keys, SHOWN)
     snap["dead_letter_entries"] = dead_letter_entries(r, keys, SHOWN)
@@ -88,8 +97,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             try:
                 self._json(HTTPStatus.OK, dashboard_data(self.server.r, self.server.keys))
-            except redis.RedisError as exc:
-                self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": {"message": f"Redis: {exc}"[:300],
+            except RedisUnavailable as exc:
+                self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": {"message": str(exc),
                                                                       "code": "redis_unavailable"}})
         else:
             self._json(HTTPStatus.NOT_FOUND, {"error": {"message": f"no page {path}", "code": "not_found"}})
