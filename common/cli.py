@@ -7,10 +7,8 @@ import importlib.util
 
 import click
 
-from batchfleet.common import logs
 from batchfleet.common.config import ConnectionConfig
-from batchfleet.common.logs import LOG_FORMATS
-from batchfleet.common.options import config_options
+from batchfleet.common.options import config_options, log_options
 
 _COMMANDS = {
     "worker": "batchfleet.worker.cli:worker",
@@ -20,6 +18,7 @@ _COMMANDS = {
     "bulk": "batchfleet.producer.cli:bulk",
     "status": "batchfleet.producer.cli:status",
     "serve": "batchfleet.gateway.cli:serve",
+    "dashboard": "batchfleet.producer.cli:dashboard",
 }
 
 # `pip install batchfleet` is the client only: a command that needs an extra's packages says which
@@ -30,7 +29,13 @@ _NEEDS = {"worker": "worker", "demo": "worker", "bench": "worker", "serve": "ser
 
 # --redis-url / --namespace (BATCHFLEET_REDIS_URL / BATCHFLEET_NAMESPACE), shared by every command
 # --wait-replicas is a worker option; clients (submit, bulk, the gateway, Python) read BATCHFLEET_WAIT_REPLICAS
-connection_options = config_options(ConnectionConfig, exclude=("wait_replicas",))
+# --log-level / --log-format come with them, so every command takes them (not only the group)
+_connection = config_options(ConnectionConfig, exclude=("wait_replicas",))
+
+
+def connection_options(fn):
+    """--redis-url, --namespace, --log-level, --log-format (each with its BATCHFLEET_* variable)."""
+    return log_options(_connection(fn))
 
 
 class LazyGroup(click.Group):
@@ -59,12 +64,12 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup)
-@click.option("--log-level", envvar="BATCHFLEET_LOG_LEVEL", default="INFO", show_default=True)
-@click.option("--log-format", envvar="BATCHFLEET_LOG_FORMAT", type=click.Choice(LOG_FORMATS), default="text",
-              show_default=True, help="json: one JSON object per line (for log shippers).")
-def main(log_level: str, log_format: str) -> None:
-    """batchfleet: a Redis-streams LLM inference fleet with dynamic batching."""
-    logs.configure(log_level, log_format)
+@log_options
+def main() -> None:
+    """batchfleet: a Redis-streams LLM inference fleet with dynamic batching.
+
+    Every option of the fleet's configuration also reads BATCHFLEET_<OPTION> (shown in each command's
+    --help); --log-level and --log-format work here and on every command."""
 
 
 if __name__ == "__main__":

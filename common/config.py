@@ -29,14 +29,16 @@ ENV_PREFIX = "BATCHFLEET_"
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|npu(:\d+)?)$")
 
 
-def option(help: str, *, flag: str | None = None, env: str | None = None, choices: tuple[str, ...] | None = None,
-           parse: Callable[[str], Any] | None = None) -> dict[str, Any]:
+def option(help: str, *, flag: str | None = None, choices: tuple[str, ...] | None = None,
+           parse: Callable[[str], Any] | None = None, aliases: tuple[str, ...] = ()) -> dict[str, Any]:
     """Field metadata that makes a config field a CLI option (read by common/options.py).
 
-    ``flag`` overrides ``--<field-name>`` (without the dashes), ``env`` overrides ``BATCHFLEET_<FLAG>``,
-    ``choices`` restricts the value, ``parse`` turns the command-line text into the field's value.
+    ``flag`` overrides ``--<field-name>`` (without the dashes); the environment variable is always
+    ``BATCHFLEET_<FLAG>`` (one rule, no exceptions: README and --help say so). ``choices`` restricts the
+    value, ``parse`` turns the command-line text into the field's value, ``aliases`` are older flag names
+    still accepted.
     """
-    return {"help": help, "flag": flag, "env": env, "choices": choices, "parse": parse}
+    return {"help": help, "flag": flag, "choices": choices, "parse": parse, "aliases": aliases}
 
 
 def option_flag(f: Field) -> str:
@@ -46,12 +48,26 @@ def option_flag(f: Field) -> str:
 
 def option_env(f: Field) -> str:
     """The option's environment variable: ``BATCHFLEET_REPLY_TTL`` for ``reply_ttl_s``."""
-    return f.metadata["env"] or ENV_PREFIX + option_flag(f).upper().replace("-", "_")
+    return ENV_PREFIX + option_flag(f).upper().replace("-", "_")
 
 
 def is_option(f: Field) -> bool:
     """Whether a config field is also a command-line option."""
     return "help" in f.metadata
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """Logging, the same on every command (and on the ``batchfleet`` group: a subcommand's own value wins,
+    else the group's)."""
+
+    log_level: str = field(default="INFO", metadata=option("Log level.", choices=LOG_LEVELS))
+    log_format: str = field(default="text", metadata=option(
+        "text: one readable line per record; json: one JSON object per line (time, level, logger, message, "
+        "job, bucket, worker) for log shippers, and nothing else on stderr.", choices=LOG_FORMATS))
 
 
 def parse_buckets(text: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -239,7 +255,7 @@ class WorkerConfig:
     batch_queue_len: int = field(default=1_000_000, metadata=option(
         "Per-bucket queue length of the batch class at which producers get QueueFull (0 = unbounded)."))
     name: str | None = field(default=None, metadata=option(
-        "Consumer name (default host-pid-rand).", env="BATCHFLEET_WORKER_NAME"))
+        "Consumer name, unique per worker (default host-pid-rand).", flag="worker-name", aliases=("name",)))
     claim_idle_ms: int = field(default=30_000, metadata=option(
         "Reclaim entries a silent (dead) worker left pending this long."))
     max_deliveries: int = field(default=3, metadata=option(
@@ -253,11 +269,15 @@ class WorkerConfig:
         "A worker whose loop makes no progress this long (one engine step included) stops renewing its leases, "
         "so other workers take its requests over."))
 
+    scale_to_zero: bool = field(default=False, metadata=option(
+        "The fleet may run with zero workers (KEDA minReplicaCount 0): the fleet description is kept when the "
+        "last worker stops, and producers and the gateway enqueue while no worker is live (a worker started "
+        "later answers). Set it on every worker of the namespace."))
     metrics_port: int = field(default=0, metadata=option(
-        "Serve Prometheus metrics on http://0.0.0.0:PORT/metrics (0 = off)."))
-    log_format: str = field(default="text", metadata=option(
-        "text: one readable line per record; json: one JSON object per line (time, level, logger, message, "
-        "job, bucket, worker) for log shippers.", choices=LOG_FORMATS))
+        "Serve Prometheus metrics on http://METRICS_HOST:PORT/metrics (0 = off). The port is bound before the "
+        "model loads: a port in use stops the worker at once."))
+    metrics_host: str = field(default="0.0.0.0", metadata=option(
+        "Address the metrics server binds (127.0.0.1: this host only)."))
 
     def __post_init__(self) -> None:
         if self.reply_ttl_s < 1:
@@ -276,8 +296,42 @@ class WorkerConfig:
             raise ConfigError("stall_timeout_s must be > 0")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be 0..65535, got {self.metrics_port}")
-        if self.log_format not in LOG_FORMATS:
-            raise ConfigError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
+        if not self.metrics_host:
+            raise ConfigError("metrics_host must not be empty")
+
+
+MIN_KEY_CHARS = 8  # a shorter "secret" is guessable; refuse it rather than pretend to protect anything
+
+
+def parse_api_keys(text: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+    """``"k1,k2"`` -> ("k1", "k2"); empty text -> () (no authentication)."""
+    if text is None:
+        return ()
+    parts = text.split(",") if isinstance(text, str) else list(text)
+    return tuple(p.strip() for p in parts if p.strip())
+
+
+def check_api_keys(keys: tuple[str, ...]) -> None:
+    """ConfigError unless every key is long enough and printable without spaces."""
+    if any(len(k) < MIN_KEY_CHARS or not k.isprintable() or " " in k for k in keys):
+        raise ConfigError(f"each API key must be at least {MIN_KEY_CHARS} printable chars without spaces")
+
+
+@dataclass(frozen=True)
+class DashboardConfig:
+    """``batchfleet dashboard``: the live web dashboard on its own (the gateway also serves it at /dashboard)."""
+
+    host: str = field(default="127.0.0.1", metadata=option("Address to listen on (0.0.0.0: every interface)."))
+    port: int = field(default=8001, metadata=option("TCP port to listen on."))
+    api_keys: tuple[str, ...] = field(default=(), metadata=option(
+        "API keys the dashboard's data needs, comma-separated (the gateway's); none: no auth.",
+        flag="api-key", parse=parse_api_keys))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "api_keys", parse_api_keys(self.api_keys))
+        check_api_keys(self.api_keys)
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
 
 
 def connection_from_env(redis_url: str | None = None, namespace: str | None = None,

@@ -119,3 +119,50 @@ def worker_stats(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
 def dead_letters(r: redis.Redis, keys: Keys) -> int:
     """Entries in the dead-letter stream (capped, so the most recent ones)."""
     return int(r.xlen(keys.dead))
+
+
+def _str(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _text_fields(fields: dict) -> dict[str, str]:
+    return {_str(k): _str(v) for k, v in fields.items()}
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _entry_time_s(entry_id: Any) -> float:
+    """The Redis time (s since the epoch) an entry id was stamped with."""
+    return int(_decode(entry_id).split("-")[0]) / 1000
+
+
+def recent_batches(r: redis.Redis, keys: Keys, count: int = 20) -> list[dict[str, Any]]:
+    """The newest ``count`` batch records (``<ns>:batches``), newest first: worker, kind, bucket, size
+    (sequences in the engine after it started), requests (entries of this batch), time (Redis' clock)."""
+    out = []
+    for entry_id, fields in r.xrevrange(keys.batches, count=count):
+        f = _text_fields(fields)
+        ids = [i for i in f.get("ids", "").split(",") if i]
+        out.append({"time": _entry_time_s(entry_id), "worker": f.get("worker"), "kind": f.get("kind"),
+                    "bucket": _int(f.get("bucket")), "size": _int(f.get("size")), "requests": len(ids)})
+    return out
+
+
+DEAD_LETTER_SHOWN = ("reason", "bucket", "worker", "entry_id", "deliveries", "id")  # never the payload
+
+
+def dead_letter_entries(r: redis.Redis, keys: Keys, count: int = 20) -> list[dict[str, Any]]:
+    """The newest ``count`` dead letters, newest first: when, why, which bucket/worker/entry/job. Their
+    fields come from hostile input (the entry as received): text only, each cut to 300 chars."""
+    out = []
+    for entry_id, fields in r.xrevrange(keys.dead, count=count):
+        f = _text_fields({k: v for k, v in fields.items() if _str(k) in DEAD_LETTER_SHOWN})
+        row: dict[str, Any] = {"time": _entry_time_s(entry_id)}
+        row.update({k: f[k][:300] for k in DEAD_LETTER_SHOWN if k in f})
+        out.append(row)
+    return out

@@ -51,13 +51,27 @@ def formatter(fmt: str) -> logging.Formatter:
     return JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT)
 
 
-def configure(level: str | int | None = None, fmt: str = "text") -> None:
-    """Set up the root logger (a stderr handler when there is none) with ``fmt``; ``level`` None keeps
-    the current level. Calling it again switches the format of the existing handlers."""
+_format = {"current": "text"}  # what the last configure() set: a later call with fmt None keeps it
+
+
+def current_format() -> str:
+    """The log format in force ("text" until configure() is given another)."""
+    return _format["current"]
+
+
+def configure(level: str | int | None = None, fmt: str | None = None) -> None:
+    """Set up the root logger (a stderr handler when there is none) with ``fmt``; ``level`` or ``fmt``
+    None keeps the current one. Calling it again switches the format of the existing handlers.
+
+    JSON mode also routes Python warnings through logging, so stderr stays one JSON object per line."""
+    fmt = fmt or _format["current"]
+    formatter(fmt)  # ValueError on an unknown format, before anything changes
+    _format["current"] = fmt
     root = logging.getLogger()
     if not root.handlers:
         root.addHandler(logging.StreamHandler())
     for handler in root.handlers:
         handler.setFormatter(formatter(fmt))
+    logging.captureWarnings(fmt == "json")
     if level is not None:
         root.setLevel(level.upper() if isinstance(level, str) else level)

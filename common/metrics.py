@@ -20,7 +20,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from batchfleet.common.config import ConnectionConfig
-from batchfleet.common.fleetstate import fleet_info, queue_stats
+from batchfleet.common.errors import ConfigError
+from batchfleet.common.fleetstate import fleet_info, live_workers, queue_stats
 from batchfleet.common.redis_conn import sync_client
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,8 @@ SCRAPE_TIMEOUT_S = 2.0  # a scrape must answer even when Redis does not: queue g
 
 
 class QueueCollector(Collector):
-    """batchfleet_queue_depth / _pending / _oldest_age_seconds {bucket, class}, read from Redis per scrape.
+    """batchfleet_queue_depth / _pending / _oldest_age_seconds {bucket, class} and batchfleet_workers_live,
+    read from Redis per scrape.
 
     Has its own small connection pool with a short timeout, so a slow Redis delays a scrape by at most
     SCRAPE_TIMEOUT_S and never blocks the process' own Redis traffic. ``buckets`` None: the buckets the
@@ -58,6 +60,7 @@ class QueueCollector(Collector):
                     info = fleet_info(self.r, self.keys)
                     buckets = info.buckets if info is not None else ()
                 stats = queue_stats(self.r, self.keys, buckets)
+                live = len(live_workers(self.r, self.keys))
         except redis.RedisError as exc:  # Redis down: the scrape still answers, without queue gauges
             log.debug("queue gauges not read: %r", exc)
             return
@@ -68,6 +71,8 @@ class QueueCollector(Collector):
         yield depth
         yield pending
         yield age
+        yield GaugeMetricFamily("batchfleet_workers_live", "Workers with a heartbeat within the live window (the "
+                                "set producers check), fleet-wide.", value=live)
 
     def close(self) -> None:
         self.r.close()
@@ -78,9 +83,13 @@ def queue_collector(conn_config: ConnectionConfig, buckets: Iterable[int] | None
     return QueueCollector(conn_config, buckets)
 
 
-def registry_with(*collectors: Collector) -> CollectorRegistry:
-    """A fresh registry (never prometheus_client's global one) holding ``collectors``."""
-    registry = CollectorRegistry(auto_describe=False)
+class MetricsPortInUse(ConfigError):
+    """The metrics port cannot be bound (another process holds it, or no permission)."""
+
+
+def registry_with(*collectors: Collector, registry: CollectorRegistry | None = None) -> CollectorRegistry:
+    """A fresh registry (never prometheus_client's global one; or ``registry``) holding ``collectors``."""
+    registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
     for c in collectors:
         registry.register(c)
     return registry
@@ -89,9 +98,10 @@ def registry_with(*collectors: Collector) -> CollectorRegistry:
 class MetricsServer:
     """The running /metrics HTTP server (a daemon thread); ``close`` stops it and frees the port."""
 
-    def __init__(self, server: Any, thread: threading.Thread) -> None:
+    def __init__(self, server: Any, thread: threading.Thread, registry: CollectorRegistry) -> None:
         self.server = server
         self.thread = thread
+        self.registry = registry  # what it serves (collectors may be added while it runs)
         self.port = int(server.server_address[1])
 
     def close(self) -> None:
@@ -101,7 +111,19 @@ class MetricsServer:
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> MetricsServer:
-    """Serve ``registry`` on http://addr:port/metrics from a thread (port 0: any free port, see .port)."""
-    server, thread = start_http_server(port, addr=addr, registry=registry)
+    """Serve ``registry`` on http://addr:port/metrics from a thread (port 0: any free port, see .port).
+    The port is bound here (MetricsPortInUse when it cannot be): a registry may be filled afterwards."""
+    try:
+        server, thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        raise MetricsPortInUse(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc} (another worker "
+                               "on this host has --metrics-port "
+                               f"{port}? give each its own, or 0 for none)") from None
     log.info("metrics on http://%s:%d/metrics", addr, server.server_address[1])
-    return MetricsServer(server, thread)
+    return MetricsServer(server, thread, registry)
+
+
+def reserve_metrics(port: int, addr: str = "0.0.0.0") -> MetricsServer:
+    """Bind ``port`` now and serve an empty registry (``.registry``) that is filled later: a process checks
+    its metrics port before its slow start (a worker: before importing torch and loading the model)."""
+    return serve_metrics(CollectorRegistry(auto_describe=False), port, addr)

@@ -18,11 +18,14 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 
+from batchfleet.common import logs
 from batchfleet.common.config import (
     ConnectionConfig,
     DynamicBatchingConfig,
     EngineConfig,
+    LogConfig,
     WorkerConfig,
     is_option,
     option_env,
@@ -80,21 +83,23 @@ class _Parsed(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-def _click_option(cls: type, f: dataclasses.Field, default: Any) -> Callable[[F], F]:
+def _click_option(cls: type, f: dataclasses.Field, default: Any, **extra: Any) -> Callable[[F], F]:
     flag, meta = option_flag(f), f.metadata
     kind = _field_types(cls)[f.name]
-    kw: dict[str, Any] = {"envvar": option_env(f), "help": meta["help"], "default": default,
-                          "show_default": default is not None}
+    kw: dict[str, Any] = {"envvar": option_env(f), "show_envvar": True, "help": meta["help"], "default": default,
+                          "show_default": default is not None, **extra}
+    aliases = [f"--{a}" for a in meta.get("aliases", ())]
     if kind is bool:
         return click.option(f"--{flag}/--no-{flag}", f.name, **kw)
     if meta["parse"] is not None:
         kw["type"] = _Parsed(meta["parse"], flag)
-        kw["default"] = None if default is None else _text(default)
+        kw["default"] = None if default in (None, ()) else _text(default)
+        kw["show_default"] = kw["default"] is not None
     elif meta["choices"] is not None:
-        kw["type"] = click.Choice(meta["choices"])
+        kw["type"] = click.Choice(meta["choices"], case_sensitive=False)
     else:
         kw["type"] = kind
-    return click.option(f"--{flag}", f.name, **kw)
+    return click.option(f"--{flag}", *aliases, f.name, **kw)
 
 
 def config_options(*classes: type, exclude: Iterable[str] = (),
@@ -117,6 +122,45 @@ def config_options(*classes: type, exclude: Iterable[str] = (),
         return fn
 
     return decorate
+
+
+def _apply_log_option(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """Set up logging as soon as a --log-level / --log-format is parsed. On a subcommand a value left at
+    its default keeps what the ``batchfleet`` group set (``batchfleet --log-format json status``)."""
+    if value is None or ctx.resilient_parsing:
+        return value
+    if ctx.parent is not None and ctx.get_parameter_source(param.name) is ParameterSource.DEFAULT:
+        return value
+    if param.name == "log_level":
+        logs.configure(level=value)
+    else:
+        logs.configure(fmt=value)
+    return value
+
+
+def fatal(message: str) -> click.ClickException:
+    """The one-line error a command stops with: ``Error: <message>`` on stderr (exit 1), or in JSON log mode
+    one JSON log record (stderr stays one object per line). Raise what it returns."""
+    if logs.current_format() == "json":
+        import logging
+
+        logging.getLogger("batchfleet").error(message)
+        return _JsonExit(message)
+    return click.ClickException(message)
+
+
+class _JsonExit(click.ClickException):
+    def show(self, file: Any = None) -> None:  # already logged as JSON
+        pass
+
+
+def log_options(fn: F) -> F:
+    """``--log-level`` and ``--log-format`` (LogConfig; BATCHFLEET_LOG_LEVEL / _FORMAT), applied when parsed:
+    on the group and on every subcommand alike."""
+    for f in reversed(dataclasses.fields(LogConfig)):
+        fn = _click_option(LogConfig, f, f.default, callback=_apply_log_option, expose_value=False,
+                           is_eager=True)(fn)
+    return fn
 
 
 def _leaf_fields(cls: type) -> list[str]:

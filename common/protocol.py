@@ -269,6 +269,8 @@ class FleetInfo:
     bos_token: str = ""  # the template's ``bos_token`` / ``eos_token`` variables
     eos_token: str = ""
     fingerprint: str = ""  # hash of model, tokenizer and buckets: workers that differ refuse to join
+    # the fleet may run with zero workers: the description is kept and producers enqueue without live workers
+    scale_to_zero: bool = False
 
     def encode(self) -> bytes:
         return _pack({
@@ -278,6 +280,7 @@ class FleetInfo:
             "max_queue_len": self.max_queue_len, "batch_queue_len": self.batch_queue_len,
             "chat_template": self.chat_template,
             "bos_token": self.bos_token, "eos_token": self.eos_token, "fingerprint": self.fingerprint,
+            "scale_to_zero": self.scale_to_zero,
         })
 
     @classmethod
@@ -290,5 +293,5 @@ class FleetInfo:
             max_queue_len=obj.get("max_queue_len", 0), batch_queue_len=obj.get("batch_queue_len", 0),
             chat_template=obj.get("chat_template") or "",
             bos_token=obj.get("bos_token") or "", eos_token=obj.get("eos_token") or "",
-            fingerprint=obj.get("fingerprint") or "",
+            fingerprint=obj.get("fingerprint") or "", scale_to_zero=obj.get("scale_to_zero") is True,
         )

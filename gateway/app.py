@@ -2,6 +2,7 @@
 
     POST /v1/completions        POST /v1/chat/completions   (``stream: true``: server-sent events)
     GET  /v1/models             GET  /health (no key needed: Redis reachable + live workers)
+    GET  /dashboard             GET  /dashboard/data (the live dashboard, gateway/dashboard.py)
 
 The app holds no model: it validates, hands the job to the fleet through AsyncClient and shapes the
 answer. One AsyncClient per app, made in the lifespan (startup) and closed at shutdown, so every request
@@ -24,7 +25,10 @@ from starlette.responses import JSONResponse, Response
 
 from batchfleet.common.errors import BatchfleetError
 from batchfleet.gateway.config import GatewayConfig
+from batchfleet.gateway.dashboard import add_dashboard
+from batchfleet.gateway.dashboard import close as close_dashboard
 from batchfleet.gateway.errors import APIError, api_error, invalid
+from batchfleet.gateway.metrics import GatewayMetrics, HttpMetrics
 from batchfleet.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
 from batchfleet.gateway.service import Gateway
 from batchfleet.producer import AsyncClient
@@ -50,8 +54,11 @@ def create_app(config: GatewayConfig | None = None,
             yield
         finally:
             await client.aclose()
+            close_dashboard(app)
 
     app = FastAPI(title="batchfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.metrics = GatewayMetrics()  # served by `batchfleet serve --metrics-port` (gateway/cli.py)
+    app.add_middleware(HttpMetrics, metrics=app.state.metrics)
     for exc_type in (APIError, BatchfleetError, ValueError, Exception):
         app.add_exception_handler(exc_type, _error_response)
     app.add_exception_handler(HTTPException, _http_error)
@@ -86,6 +93,8 @@ def create_app(config: GatewayConfig | None = None,
     async def health(request: Request) -> Any:
         status, body = await _gateway(request).health()
         return JSONResponse(body, status_code=status)
+
+    add_dashboard(app, config)
 
     return app
 

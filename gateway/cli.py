@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import click
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.errors import ConfigError
-from batchfleet.common.options import config_options, config_values
+from batchfleet.common.options import config_options, config_values, fatal, log_options
 from batchfleet.gateway.config import GatewayConfig
 
 GRACEFUL_SHUTDOWN_S = 10  # open streams get this long to finish on Ctrl-C / SIGTERM, then are cancelled
@@ -20,6 +22,7 @@ def build_gateway_config(**values) -> GatewayConfig:
 
 @click.command()
 @config_options(ConnectionConfig, GatewayConfig)
+@log_options
 def serve(**values) -> None:
     """Serve the fleet over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health). Holds no model: run workers with `batchfleet worker`."""
@@ -33,13 +36,18 @@ def serve(**values) -> None:
         config = build_gateway_config(**values)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    if config.metrics_port:
-        from batchfleet.common.metrics import queue_collector, registry_with, serve_metrics
+    app = create_app(config)
+    if config.metrics_port:  # the fleet's queue gauges and this gateway's HTTP metrics
+        from batchfleet.common.metrics import MetricsPortInUse
+        from batchfleet.gateway.metrics import serve_gateway_metrics
 
-        serve_metrics(registry_with(queue_collector(config.connection)), config.metrics_port)
+        try:
+            serve_gateway_metrics(app.state.metrics, config.connection, config.metrics_port, config.metrics_host)
+        except MetricsPortInUse as exc:
+            raise fatal(str(exc)) from None
     auth = f"{len(config.api_keys)} API key(s)" if config.api_keys else "no API key (anyone may call it)"
-    click.echo(f"batchfleet gateway on http://{config.host}:{config.port}/v1 for namespace "
-               f"{config.connection.namespace!r}, {auth}", err=True)
+    logging.getLogger(__name__).info("batchfleet gateway on http://%s:%d/v1 for namespace %r, %s", config.host,
+                                     config.port, config.connection.namespace, auth)
     # log_config=None: uvicorn's loggers follow the logging `batchfleet --log-level` set up
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_config=None,
+    uvicorn.run(app, host=config.host, port=config.port, log_config=None,
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

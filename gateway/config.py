@@ -9,18 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from batchfleet.common.config import ConnectionConfig, option
+from batchfleet.common.config import MIN_KEY_CHARS, ConnectionConfig, check_api_keys, option, parse_api_keys
 from batchfleet.common.errors import ConfigError
 
-MIN_KEY_CHARS = 8  # a shorter "secret" is guessable; refuse it rather than pretend to protect anything
-
-
-def parse_api_keys(text: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
-    """``"k1,k2"`` -> ("k1", "k2"); empty text -> () (no authentication)."""
-    if text is None:
-        return ()
-    parts = text.split(",") if isinstance(text, str) else list(text)
-    return tuple(p.strip() for p in parts if p.strip())
+__all__ = ["MIN_KEY_CHARS", "GatewayConfig", "parse_api_keys"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +33,10 @@ class GatewayConfig:
     chat_max_tokens: int = field(default=256, metadata=option(
         "max_tokens of a chat completion that does not set it (completions default to 16, as OpenAI's)."))
     metrics_port: int = field(default=0, metadata=option(
-        "Serve Prometheus metrics (the fleet's queue gauges) on this port; 0 = off."))
+        "Serve Prometheus metrics (this gateway's HTTP requests and the fleet's queue gauges) on this port; "
+        "0 = off."))
+    metrics_host: str = field(default="0.0.0.0", metadata=option(
+        "Address the metrics server binds (127.0.0.1: this host only)."))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", parse_api_keys(self.api_keys))
@@ -49,8 +44,7 @@ class GatewayConfig:
             raise ConfigError("host must not be empty")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        if any(len(k) < MIN_KEY_CHARS or not k.isprintable() or " " in k for k in self.api_keys):
-            raise ConfigError(f"each API key must be at least {MIN_KEY_CHARS} printable chars without spaces")
+        check_api_keys(self.api_keys)
         if self.model_name is not None and not self.model_name.strip():
             raise ConfigError("model_name must not be blank")
         if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s > 0):

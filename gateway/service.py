@@ -14,6 +14,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from batchfleet.common.errors import FleetUnavailable
 from batchfleet.common.protocol import Result
 from batchfleet.gateway.config import GatewayConfig
 from batchfleet.gateway.errors import APIError
@@ -101,14 +102,23 @@ class Gateway:
             log.warning("could not cancel job %s: %s", job_id, exc)
 
     async def health(self) -> tuple[int, dict[str, Any]]:
-        """(status, body): 200 when Redis answers and at least one worker has a fresh heartbeat, else 503."""
+        """(status, body): 200 when Redis answers and at least one worker has a fresh heartbeat, or none
+        does but the fleet scales to zero (``scaled_to_zero``: requests are taken and wake a worker); else
+        503."""
         try:
             workers = await asyncio.wait_for(self.client.live_workers(HEALTH_TIMEOUT_S), HEALTH_TIMEOUT_S + 0.5)
+            idle = not workers and await asyncio.wait_for(self._scales_to_zero(), HEALTH_TIMEOUT_S + 0.5)
         except Exception as exc:  # noqa: BLE001 - any failure to reach Redis is "unavailable"
             return 503, {"status": "unavailable", "redis": False, "workers": 0,
                          "error": f"{type(exc).__name__}: {exc}"[:300]}
-        status = "ok" if workers else "no_workers"
-        return (200 if workers else 503), {"status": status, "redis": True, "workers": workers}
+        status = "ok" if workers else "scaled_to_zero" if idle else "no_workers"
+        return (200 if workers or idle else 503), {"status": status, "redis": True, "workers": workers}
+
+    async def _scales_to_zero(self) -> bool:
+        try:
+            return (await self.client.fleet(HEALTH_TIMEOUT_S)).scales_to_zero
+        except FleetUnavailable:  # no description published (NoWorkers)
+            return False
 
 
 def _unauthorized(message: str) -> APIError:

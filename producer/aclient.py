@@ -48,7 +48,9 @@ class AsyncClient:
         inbox: this client's inbox token (16-64 chars of [A-Za-z0-9_-]); default: 192 random bits. Reuse
             one (keep it secret) to collect, after a restart, replies of jobs submitted before it.
         require_workers: submit raises ``NoWorkers`` when no worker has a fresh heartbeat; False enqueues
-            anyway (fleets that scale from zero), using the last fleet description seen.
+            anyway, using the last fleet description seen. A fleet whose workers run with ``--scale-to-zero``
+            publishes that, and every client then enqueues without live workers (a worker started later,
+            e.g. by KEDA, answers).
         max_connections: the pool's size (the inbox reader has one more connection of its own).
     """
 
@@ -162,7 +164,8 @@ class AsyncClient:
         try:
             code = await self._io(
                 lambda: self._function("enqueue", [job.stream, self.keys.workers],
-                                       job.args(self.require_workers, LIVE_WORKER_MS)),
+                                       job.args(self.require_workers and not fleet.scales_to_zero,
+                                                LIVE_WORKER_MS)),
                 deadline, f"enqueue of job {job.id}")
             job.accepted(code, self.keys.namespace)
         except BaseException:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -17,9 +18,10 @@ import click
 import redis
 
 from batchfleet.common.cli import connection_options
-from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.config import ConnectionConfig, DashboardConfig
 from batchfleet.common.errors import BatchfleetError, RedisUnavailable
 from batchfleet.common.keys import BATCH, INTERACTIVE, LANES
+from batchfleet.common.options import config_options, config_values, fatal
 from batchfleet.common.redis_conn import sync_client
 from batchfleet.common.redis_url import redact_url
 from batchfleet.producer.client import Client
@@ -59,7 +61,7 @@ def one_line_errors(command: F) -> F:
             line = error_line(exc, kwargs.get("redis_url") or "")
             if line is None:
                 raise
-            raise click.ClickException(line) from None
+            raise fatal(line) from None
 
     return run  # type: ignore[return-value]
 
@@ -224,8 +226,8 @@ def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int,
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (per refresh with --watch).")
 @click.option("--watch", type=float, default=None, metavar="SECONDS", help="Refresh every SECONDS until Ctrl-C.")
 def status(redis_url: str, namespace: str, as_json: bool, watch: float | None) -> None:
-    """Queues per bucket, workers (alive or gone, load, KV use, tok/s) and dead letters of a namespace
-    (plain Redis reads, no client); see producer/status.py."""
+    """Queues per bucket, workers (alive or gone, load, KV use, tok/s) and dead letters of a namespace,
+    read from Redis (no worker needed). The web view of the same: `batchfleet dashboard`."""
     import time
 
     from batchfleet.producer.status import render, snapshot
@@ -254,3 +256,33 @@ def status(redis_url: str, namespace: str, as_json: bool, watch: float | None) -
                 time.sleep(watch)
         except KeyboardInterrupt:  # the way out of --watch
             return
+
+
+@click.command()
+@connection_options
+@config_options(DashboardConfig)
+def dashboard(redis_url: str, namespace: str, **values: Any) -> None:
+    """Serve the live web dashboard (queues, workers, recent batches, dead letters) on
+    http://HOST:PORT/dashboard until Ctrl-C. The gateway (`batchfleet serve`) serves the same page at
+    /dashboard; with --api-key the data needs that key (the page asks for it, or open /dashboard#key=KEY)."""
+    from batchfleet.producer.dashboard import DashboardServer
+
+    try:
+        config = DashboardConfig(**config_values(DashboardConfig, values))
+        conn = ConnectionConfig(redis_url, namespace)
+    except BatchfleetError as exc:
+        raise click.UsageError(str(exc)) from exc
+    try:
+        server = DashboardServer(config, conn)
+    except OSError as exc:  # the port is taken: one line
+        raise fatal(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+    auth = f"{len(config.api_keys)} API key(s)" if config.api_keys else "no API key"
+    logging.getLogger(__name__).info("batchfleet dashboard on http://%s:%d/dashboard for namespace %r, %s",
+                                     config.host, server.port, namespace, auth)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        server.r.close()

@@ -133,6 +133,11 @@ class FleetView:
         self.info = info
         self.fetched_at = time.monotonic()
 
+    @property
+    def scales_to_zero(self) -> bool:
+        """The fleet runs with zero workers at times (``--scale-to-zero``): enqueue without a live worker."""
+        return bool(self.info is not None and self.info.scale_to_zero)
+
     def require(self, keys: Keys) -> FleetView:
         """This view, once a worker has published the fleet; NoWorkers before that (or after it expired)."""
         if self.info is None:

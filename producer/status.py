@@ -23,7 +23,8 @@ def snapshot(r: redis.Redis, keys: Keys) -> dict[str, Any]:
         buckets = sorted({int(b) for w in workers for b in w.get("buckets", ())})
     fleet = None if info is None else {"model": info.model, "buckets": list(info.buckets),
                                        "max_seq_len": info.max_seq_len, "max_batch_size": info.max_batch_size,
-                                       "max_queue_len": info.max_queue_len, "batch_queue_len": info.batch_queue_len}
+                                       "max_queue_len": info.max_queue_len, "batch_queue_len": info.batch_queue_len,
+                                       "scale_to_zero": info.scale_to_zero}
     return {"namespace": keys.namespace, "fleet": fleet,
             "queues": [_queue_row(q) for q in queue_stats(r, keys, buckets)],
             "workers": [_worker_row(w) for w in sorted(workers, key=lambda w: (not w["alive"], w["name"]))],
@@ -43,7 +44,18 @@ def _worker_row(w: dict[str, Any]) -> dict[str, Any]:
             "engine": w.get("engine"), "mode": w.get("mode"), "running": w.get("active"),
             "waiting": w.get("waiting"), "kv_usage": None if kv is None else round(kv, 4),
             "tokens_per_s": w.get("tokens_per_s"), "last_batch_sizes": w.get("last_batch_sizes"),
-            "completed": w.get("completed"), "errors": w.get("errors"), "dead_lettered": w.get("dead_lettered")}
+            "completed": w.get("completed"), "errors": w.get("errors"), "dead_lettered": w.get("dead_lettered"),
+            "prefix_cache_hit_rate": prefix_cache_hit_rate(w)}
+
+
+def prefix_cache_hit_rate(w: dict[str, Any]) -> float | None:
+    """Hits / queries of the engine's prefix cache when the heartbeat carries those counters (as engine
+    stats ``engine_prefix_cache_{hits,queries}`` or top-level), else None (no prefix cache, or none yet)."""
+    hits = w.get("engine_prefix_cache_hits", w.get("prefix_cache_hits"))
+    queries = w.get("engine_prefix_cache_queries", w.get("prefix_cache_queries"))
+    if not isinstance(hits, (int, float)) or not isinstance(queries, (int, float)) or queries <= 0:
+        return None
+    return round(hits / queries, 4)
 
 
 def _age(seconds: float) -> str:

@@ -98,7 +98,7 @@ WORKER_FLAGS = {  # the README's Configuration table: every flag keeps its name 
     "--claim-idle-ms": "BATCHFLEET_CLAIM_IDLE_MS", "--max-deliveries": "BATCHFLEET_MAX_DELIVERIES",
     "--stall-timeout-s": "BATCHFLEET_STALL_TIMEOUT_S", "--max-queue-len": "BATCHFLEET_MAX_QUEUE_LEN",
     "--threads": "BATCHFLEET_THREADS", "--cache-dir": "BATCHFLEET_CACHE_DIR",
-    "--native-kernel": "BATCHFLEET_NATIVE_KERNEL", "--name": "BATCHFLEET_WORKER_NAME",
+    "--native-kernel": "BATCHFLEET_NATIVE_KERNEL", "--worker-name": "BATCHFLEET_WORKER_NAME",
 }
 
 

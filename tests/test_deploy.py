@@ -35,10 +35,50 @@ def compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
+def kustomization() -> dict:
+    return yaml.safe_load((K8S / "kustomization.yaml").read_text())
+
+
+def _split(value: str, options: dict | None) -> tuple[list[str], int | None]:
+    if not options:
+        return [value], None
+    return value.split(options["delimiter"]), int(options.get("index", 0))
+
+
+def _replace(docs: list[dict], rep: dict) -> None:
+    """kustomize's `replacements` for what kustomization.yaml uses: a source field (optionally one
+    delimited part of it) written into target fields (``*`` over a list; optionally one part of them)."""
+    src = rep["source"]
+    (doc,) = [d for d in docs if d["kind"] == src["kind"] and d["metadata"]["name"] == src["name"]]
+    value = doc
+    for part in src["fieldPath"].split("."):
+        value = value[part]
+    parts, index = _split(value, src.get("options"))
+    value = parts[index] if index is not None else value
+    for target in rep["targets"]:
+        sel = target["select"]
+        for d in (d for d in docs if d["kind"] == sel["kind"] and d["metadata"]["name"] == sel["name"]):
+            for path in target["fieldPaths"]:
+                *head, leaf = path.split(".")
+                nodes = [d]
+                for part in head:
+                    nodes = [x for n in nodes for x in (n if part == "*" else [n[part]])]
+                for n in nodes:
+                    parts, index = _split(str(n[leaf]), target.get("options"))
+                    if index is None:
+                        n[leaf] = value
+                    else:
+                        parts[index] = value
+                        n[leaf] = target["options"]["delimiter"].join(parts)
+
+
 def manifests() -> list[dict]:
+    """Every object of deploy/k8s as `kubectl apply -k` applies it: its replacements applied."""
     docs = []
     for path in sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml"):
         docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for rep in kustomization().get("replacements", []):
+        _replace(docs, rep)
     return docs
 
 
@@ -166,7 +206,7 @@ def test_manifests_parse_with_the_expected_objects():
     assert {("Deployment", "batchfleet-worker"), ("Deployment", "batchfleet-gateway"), ("Service", "redis"),
             ("Service", "batchfleet-gateway"), ("StatefulSet", "redis"), ("ScaledObject", "batchfleet-worker"),
             ("ConfigMap", "batchfleet-env")} <= kinds
-    listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    listed = kustomization()["resources"]
     assert sorted(listed) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
 
 
@@ -186,14 +226,16 @@ def test_keda_triggers_match_streams_and_group():
         assert int(md["lagCount"]) >= 1 and int(md["activationLagCount"]) >= 0
         assert "pendingEntriesCount" not in md  # lag (undelivered) is the queue depth, pending is in flight
         host, port = md["address"].rsplit(":", 1)
-        assert host.split(".")[0] == redis_url.hostname and int(port) == redis_url.port
+        assert host == redis_url.hostname and int(port) == redis_url.port
         assert int(md.get("databaseIndex", 0)) == int(redis_url.path.strip("/") or 0)
 
 
 @pytest.mark.unit
 def test_redis_manifest_aof_always_and_service_port():
     redis_url = urlsplit(configmap_env()["BATCHFLEET_REDIS_URL"])
-    svc = of_kind("Service")[redis_url.hostname]
+    name, namespace, *svc_domain = redis_url.hostname.split(".")  # fully qualified: KEDA resolves it too
+    assert svc_domain == ["svc", "cluster", "local"] and namespace == "batchfleet"
+    svc = of_kind("Service")[name]
     assert [p["port"] for p in svc["spec"]["ports"]] == [redis_url.port]
     sts = of_kind("StatefulSet")["redis"]
     args = container(sts)["args"]
@@ -242,7 +284,8 @@ def test_gateway_command_and_service_ports():
     assert {p["name"]: p["containerPort"] for p in c["ports"]}["http"] == GATEWAY_PORT
     svc = of_kind("Service")["batchfleet-gateway"]
     assert svc["spec"]["selector"] == dep["spec"]["template"]["metadata"]["labels"]
-    assert [p["targetPort"] for p in svc["spec"]["ports"]] == [GATEWAY_PORT]
+    assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]} == {"http": GATEWAY_PORT,
+                                                                            "metrics": METRICS_PORT}
 
 
 def test_health_check_sees_a_fresh_heartbeat(redis_url: str, namespace: str):

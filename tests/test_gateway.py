@@ -221,7 +221,8 @@ def test_readme_gateway_example_runs(start_worker, redis_url, namespace, tmp_pat
 
 def test_gateway_holds_no_model_and_no_sync_redis():
     """The app imports neither torch nor the worker, and no synchronous Redis client (every Redis call is
-    the AsyncClient's, so no handler can block the event loop on Redis)."""
+    the AsyncClient's, so no handler can block the event loop on Redis; the dashboard's status reads run
+    in a worker thread, producer/dashboard.py)."""
     for path in (ROOT / "gateway").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (

@@ -42,8 +42,8 @@ def test_json_formatter_fields():
 
 def test_worker_logs_json_lines(redis_url: str, namespace: str, tiny_model_dir: Path, tmp_path: Path):
     name = f"w-{uuid.uuid4().hex[:8]}"
-    args = option_args({**TEST_WORKER, "buckets": ",".join(map(str, TEST_BUCKETS)), "model": str(tiny_model_dir),
-                        "log_format": "json"})
+    args = [*option_args({**TEST_WORKER, "buckets": ",".join(map(str, TEST_BUCKETS)), "model": str(tiny_model_dir)}),
+            "--log-format", "json"]
     err = open(tmp_path / "stderr", "wb")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen([sys.executable, "-m", "batchfleet.worker", "--redis-url", redis_url, "--namespace",
                              namespace, "--name", name, *args], stdout=subprocess.DEVNULL, stderr=err)

@@ -5,7 +5,8 @@
 - From the "Command line" block, ``batchfleet submit``, ``bulk`` (on a prompts.jsonl made in a temporary
   working directory) and ``status`` run as subprocesses. Not run here: ``worker`` (the in-thread worker
   stands in for it; tests/test_cli.py and the fleet tests cover workers), ``bench`` (tests/test_bench.py;
-  far too slow for this) and ``docker compose`` (no Docker on the test machines). Every other line of that
+  far too slow for this), ``dashboard`` (a server until Ctrl-C: tests/test_dashboard.py serves it and
+  loads it in Chromium) and ``docker compose`` (no Docker on the test machines). Every other line of that
   block must be one of these, so a new example cannot be silently skipped.
 """
 
@@ -24,7 +25,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 RUN = {"submit", "bulk", "status"}
-NOT_RUN = {"worker", "bench"}  # see the module docstring
+NOT_RUN = {"worker", "bench", "dashboard"}  # see the module docstring (dashboard: a server, tests/test_dashboard.py)
 
 
 def python_blocks() -> list[str]:

@@ -10,22 +10,31 @@ import sys
 import click
 
 from batchfleet.common.errors import ConfigError
-from batchfleet.common.options import CONFIG_CLASSES, build_worker_config, config_options
+from batchfleet.common.options import CONFIG_CLASSES, build_worker_config, config_options, fatal, log_options
 
 
 @click.command()
 @config_options(*CONFIG_CLASSES)
+@log_options
 def worker(**values) -> None:
     """Serve bucket streams: read up to max_batch_size entries within max_wait_ms, run, reply."""
     try:
         cfg = build_worker_config(**values)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    from batchfleet.worker.compose import run_worker
-    from batchfleet.worker.fleet import FleetConflict
+    from batchfleet.common.metrics import MetricsPortInUse, reserve_metrics
 
+    server = None
     try:
-        code = run_worker(cfg)
-    except FleetConflict as exc:  # one clear line, no traceback: an operator mistake, not a crash
-        raise click.ClickException(str(exc)) from None
+        if cfg.metrics_port:  # checked first: a port in use stops this worker in a second, before torch loads
+            server = reserve_metrics(cfg.metrics_port, cfg.metrics_host)
+        from batchfleet.worker.compose import run_worker
+        from batchfleet.worker.fleet import FleetConflict
+
+        try:
+            code = run_worker(cfg, metrics_server=server)
+        except FleetConflict as exc:  # one clear line, no traceback: an operator mistake, not a crash
+            raise fatal(str(exc)) from None
+    except MetricsPortInUse as exc:
+        raise fatal(str(exc)) from None
     sys.exit(code)

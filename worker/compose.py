@@ -17,6 +17,7 @@ import torch
 
 from batchfleet.common import logs
 from batchfleet.common.config import DynamicBatchingConfig, EngineConfig, WorkerConfig
+from batchfleet.common.metrics import MetricsServer, reserve_metrics
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.worker.consumer import StreamConsumer, default_consumer_name
 from batchfleet.worker.engine.base import Engine
@@ -57,7 +58,7 @@ def fleet_info(cfg: WorkerConfig, loaded: LoadedModel) -> FleetInfo:
         eos_token_ids=tuple(sorted(loaded.eos_ids)), max_queue_len=cfg.max_queue_len,
         batch_queue_len=cfg.batch_queue_len,
         chat_template=chat_template_of(loaded.tokenizer), bos_token=loaded.tokenizer.bos_token or "",
-        eos_token=loaded.tokenizer.eos_token or "",
+        eos_token=loaded.tokenizer.eos_token or "", scale_to_zero=cfg.scale_to_zero,
     )
 
 
@@ -70,13 +71,34 @@ def chat_template_of(tokenizer) -> str:
 
 
 def build_worker(cfg: WorkerConfig, transport: Transport | None = None, loaded: LoadedModel | None = None,
-                 wrap_engine: Callable[[Engine], Engine] | None = None) -> WorkerLoop:
+                 wrap_engine: Callable[[Engine], Engine] | None = None,
+                 metrics_server: MetricsServer | None = None) -> WorkerLoop:
     """Everything a worker needs, wired; does not start serving.
 
     ``transport`` replaces the Redis StreamConsumer (the benchmark's in-process transport); ``loaded``
     replaces loading ``cfg``'s model (a model built in memory, e.g. the GPU benchmark's random weights);
     ``wrap_engine`` wraps the engine built (tests: a fault-injecting wrapper).
+    With ``metrics_port`` the port is bound first (MetricsPortInUse before any model is loaded), unless
+    the caller bound it already (``metrics_server``, from ``reserve_metrics``: the CLI does, before it
+    imports torch); whatever fails later leaves the fleet at once (transport closed: out of the live set)
+    and frees the port.
     """
+    server = metrics_server
+    if server is None and cfg.metrics_port:
+        server = reserve_metrics(cfg.metrics_port, cfg.metrics_host)  # served empty until the loop's metrics join
+    try:
+        loop = _build(cfg, transport, loaded, wrap_engine)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+    if server is not None:
+        loop.observer = WorkerMetrics(loop, server.registry, server)
+    return loop
+
+
+def _build(cfg: WorkerConfig, transport: Transport | None, loaded: LoadedModel | None,
+           wrap_engine: Callable[[Engine], Engine] | None) -> WorkerLoop:
     if loaded is None:
         loaded = load_model(resolve_model_path(cfg), cfg.engine.device, cfg.engine.dtype)
     engine = build_engine(cfg.engine, cfg.batching, loaded)
@@ -88,24 +110,24 @@ def build_worker(cfg: WorkerConfig, transport: Transport | None = None, loaded: 
     transport.setup()
     try:  # refuses (FleetConflict) when live workers serve another model, tokenizer or buckets
         transport.publish_fleet(with_fingerprint(fleet_info(cfg, loaded)), replace=cfg.replace_fleet)
-    except Exception:
+    except BaseException:
         transport.close()
         raise
-    limits = Limits(max_seq_len=cfg.batching.max_seq_len, vocab_size=int(loaded.model.config.vocab_size))
-    tokenizer = loaded.tokenizer
-    loop = WorkerLoop(cfg, engine, transport, limits,
-                      decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    if cfg.metrics_port:
-        metrics = WorkerMetrics(loop)
-        metrics.serve(cfg.metrics_port)
-        loop.observer = metrics
-    return loop
+    try:
+        limits = Limits(max_seq_len=cfg.batching.max_seq_len, vocab_size=int(loaded.model.config.vocab_size))
+        tokenizer = loaded.tokenizer
+        return WorkerLoop(cfg, engine, transport, limits,
+                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    except BaseException:
+        transport.close()  # joined: leave the live set now, not LIVE_WORKER_MS later
+        raise
 
 
-def run_worker(cfg: WorkerConfig) -> int:
-    """Serve until SIGTERM/SIGINT; the running batch finishes, queued entries are handed back. Exit 0."""
-    logs.configure(fmt=cfg.log_format)
-    if cfg.log_format == "json":  # keep stderr one JSON object per line: no progress bars in between
+def run_worker(cfg: WorkerConfig, metrics_server: MetricsServer | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; the running batch finishes, queued entries are handed back. Exit 0.
+    ``metrics_server``: the metrics port, already bound (``reserve_metrics``)."""
+    logs.configure()  # a handler when the caller set none (the CLI set the level and format already)
+    if logs.current_format() == "json":  # keep stderr one JSON object per line: no progress bars in between
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -114,7 +136,7 @@ def run_worker(cfg: WorkerConfig) -> int:
         torch.set_num_threads(cfg.engine.threads)
     cfg = replace(cfg, name=cfg.name or default_consumer_name())
     logs.set_context(worker=cfg.name)  # on every log line of this process, model loading included
-    loop = build_worker(cfg)
+    loop = build_worker(cfg, metrics_server=metrics_server)
 
     def on_signal(signum, _frame) -> None:
         log.info("signal %d: finishing the running batch, then exiting", signum)
@@ -126,7 +148,8 @@ def run_worker(cfg: WorkerConfig) -> int:
     log.info("worker %s serving buckets %s (engine %s, mode %s, max_wait_ms %s, max_batch_size %d)",
              loop.transport.name, cfg.batching.buckets, cfg.engine.engine, cfg.engine.mode,
              cfg.batching.max_wait_ms, cfg.batching.max_batch_size)
-    print(f"batchfleet worker {loop.transport.name} ready", flush=True)
+    if logs.current_format() != "json":  # JSON mode: the log line above says it; nothing else is printed
+        print(f"batchfleet worker {loop.transport.name} ready", flush=True)
     try:
         loop.run()
     finally:

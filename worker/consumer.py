@@ -27,7 +27,6 @@ from batchfleet.common.keys import LANES, Keys
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.common.redis_conn import sync_client
 from batchfleet.common.retry import TRANSIENT, Backoff
-from batchfleet.worker import fleet
 from batchfleet.worker.bounded import BoundedReader
 from batchfleet.worker.pending import PendingList
 from batchfleet.worker.presence import Presence
@@ -283,7 +282,7 @@ class StreamConsumer(Transport):
         """Drop the heartbeat and, when nothing is pending on us any more, our consumer names."""
         try:
             self.r.delete(self.keys.worker(self.name))
-            if fleet.leave(self._scripts, self.keys, self.name):  # the last live worker: producers now get NoWorkers
+            if self.presence.leave():  # the last live worker: producers now get NoWorkers
                 log.info("last live worker of %r stopped: fleet description deleted", self.keys.namespace)
             for stream, _, _ in self.keys.streams(self.buckets):
                 if not self.r.xpending_range(stream, self.keys.group, "-", "+", 1, consumername=self.name):

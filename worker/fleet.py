@@ -5,7 +5,10 @@ route with the one published fleet description. ``fingerprint`` hashes what must
 script, so two workers starting at once cannot both win) publishes this worker's description only when
 no live worker serves a different fingerprint (or when told to replace the fleet), and registers the
 worker in the live set; ``leave`` removes it and deletes the description when no live worker remains,
-so producers get ``NoWorkers`` / ``FleetUnavailable`` instead of enqueueing into streams nobody reads.
+so producers get ``NoWorkers`` / ``FleetUnavailable`` instead of enqueueing into streams nobody reads --
+unless the fleet scales to zero (``FleetInfo.scale_to_zero``, ``--scale-to-zero``): then the description
+has no TTL and stays when the last worker leaves, producers enqueue anyway, and the next worker (started
+by KEDA on the streams' lag) answers.
 
 The description is published with a TTL (``FLEET_TTL_MS``) that live workers' heartbeats refresh: a
 fleet whose workers all died expires by itself.
@@ -54,7 +57,7 @@ def join(r, scripts: WorkerScripts, keys: Keys, info: FleetInfo, name: str, repl
     fingerprint: then raise FleetConflict (``replace`` publishes anyway: the operator is replacing the
     fleet). ``r`` is the redis-py client ``scripts`` are registered on."""
     res = scripts.join(keys=[keys.fleet, keys.workers], args=[
-        info.encode(), info.fingerprint, name, LIVE_WORKER_MS, FLEET_TTL_MS, "1" if replace else "0"])
+        info.encode(), info.fingerprint, name, LIVE_WORKER_MS, fleet_ttl_ms(info), "1" if replace else "0"])
     if int(res[0]) == 1:
         return
     raw = r.get(keys.fleet)
@@ -67,8 +70,14 @@ def join(r, scripts: WorkerScripts, keys: Keys, info: FleetInfo, name: str, repl
         f"worker [{describe(info)}]; stop them first or start with --replace-fleet")
 
 
-def leave(scripts: WorkerScripts, keys: Keys, name: str) -> bool:
-    """Drop this worker from the live set; delete the fleet description when no live worker remains.
-    Returns whether it was deleted."""
-    return bool(scripts.leave(keys=[keys.fleet, keys.workers], args=[name, LIVE_WORKER_MS]))
+def fleet_ttl_ms(info: FleetInfo) -> int:
+    """How long the description outlives its last heartbeat: FLEET_TTL_MS, or 0 (for ever) for a fleet
+    that scales to zero."""
+    return 0 if info.scale_to_zero else FLEET_TTL_MS
+
+
+def leave(scripts: WorkerScripts, keys: Keys, name: str, keep: bool = False) -> bool:
+    """Drop this worker from the live set; delete the fleet description when no live worker remains,
+    unless ``keep`` (a fleet that scales to zero). Returns whether it was deleted."""
+    return bool(scripts.leave(keys=[keys.fleet, keys.workers], args=[name, LIVE_WORKER_MS, "1" if keep else "0"]))
 

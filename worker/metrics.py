@@ -82,12 +82,14 @@ class LoopStats:
 class WorkerMetrics(LoopStats):
     """LoopStats plus the worker's Prometheus metrics, in a registry of its own, optionally served."""
 
-    def __init__(self, loop: Any) -> None:
-        """``loop``: the WorkerLoop observed (typed loosely: the loop imports this module)."""
+    def __init__(self, loop: Any, registry: CollectorRegistry | None = None,
+                 server: MetricsServer | None = None) -> None:
+        """``loop``: the WorkerLoop observed (typed loosely: the loop imports this module); ``registry`` and
+        ``server``: an empty registry already served (the port is bound before the model loads)."""
         super().__init__(loop.ledger)
         self.loop = loop
         self.queues = queue_collector(loop.cfg.connection, loop.cfg.batching.buckets)
-        self.registry: CollectorRegistry = registry_with(self.queues, _LoopCollector(self))
+        self.registry: CollectorRegistry = registry_with(self.queues, _LoopCollector(self), registry=registry)
         self.ttft = Histogram("batchfleet_time_to_first_token_seconds", "From enqueue to the first generated token.",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("batchfleet_e2e_request_latency_seconds", "From enqueue to the final result.",
@@ -99,7 +101,7 @@ class WorkerMetrics(LoopStats):
         self.decode_step = Histogram("batchfleet_decode_step_seconds", "Duration of one engine step (a decode "
                                      "step, with any prefill scheduled in it).", buckets=STEP_BUCKETS,
                                      registry=self.registry)
-        self.server: MetricsServer | None = None
+        self.server: MetricsServer | None = server
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> MetricsServer:
         """Serve /metrics on ``port`` from a thread (0: a free port, see ``.server.port``)."""

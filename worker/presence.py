@@ -49,12 +49,22 @@ class Presence:
                 log.error("%s", exc)
         self.beat(b"")
 
+    def fleet_ttl_s(self) -> int:
+        """The description's TTL each heartbeat renews; 0 (none) for a fleet that scales to zero."""
+        return 0 if self.info is not None and self.info.scale_to_zero else FLEET_TTL_S
+
+    def leave(self) -> bool:
+        """Out of the live set now; the description goes too when this was the last live worker (unless
+        the fleet scales to zero). Returns whether it was deleted."""
+        keep = self.info is not None and self.info.scale_to_zero
+        return fleet.leave(self.scripts, self.keys, self.name, keep=keep)
+
     def beat(self, status: bytes) -> None:
         """Mark this worker live, renew the fleet description's TTL and (non-empty ``status``) publish the
         status for STATUS_TTL_S; measures the clock offset on the way."""
         before = time.time()
         t = self.scripts.heartbeat(keys=[self.keys.workers, self.keys.worker(self.name), self.keys.fleet],
-                         args=[self.name, status, STATUS_TTL_S, FLEET_TTL_S])
+                                   args=[self.name, status, STATUS_TTL_S, self.fleet_ttl_s()])
         after = time.time()
         self.offset = int(t[0]) + int(t[1]) / 1e6 - (before + after) / 2
         if int(t[2]) == 0 and self.info is not None:  # the description is gone (deleted, or expired)

@@ -28,7 +28,8 @@ return 0
 """
 
 
-# KEYS: workers (zset), status key, fleet key. ARGV: name, status blob ('' = keep), status ttl, fleet ttl.
+# KEYS: workers (zset), status key, fleet key. ARGV: name, status blob ('' = keep), status ttl, fleet ttl (0:
+# none: a fleet that scales to zero).
 # Redis' own clock scores liveness, so no host clock matters. Returns TIME (for this host's clock offset)
 # and whether the fleet description still existed (0: the worker publishes it again).
 HEARTBEAT = """
@@ -37,7 +38,9 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZADD', KEYS[1], now_ms, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms - 86400000)
 if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'EX', tonumber(ARGV[3])) end
-local kept = redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
+local kept
+if tonumber(ARGV[4]) > 0 then kept = redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
+else kept = redis.call('EXISTS', KEYS[3]) end  -- a fleet that scales to zero: no TTL
 return {t[1], t[2], kept}
 """
 
@@ -47,8 +50,9 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: fleet, workers. ARGV: encoded FleetInfo, its fingerprint, worker name, live window ms, ttl ms,
-# replace ('1'/'0'). Returns {1} when published, {0, published fingerprint, live workers other than us}.
+# KEYS: fleet, workers. ARGV: encoded FleetInfo, its fingerprint, worker name, live window ms, ttl ms (0: no
+# TTL, a fleet that scales to zero), replace ('1'/'0'). Returns {1} when published, {0, published fingerprint,
+# live workers other than us}.
 JOIN = _NOW_MS + """
 local since = now - tonumber(ARGV[4])
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. since)  -- dead workers' names
@@ -67,15 +71,20 @@ if ARGV[6] ~= '1' then
     end
   end
 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[5]))
+if tonumber(ARGV[5]) > 0 then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[5]))
+else
+  redis.call('SET', KEYS[1], ARGV[1])  -- scale to zero: kept with no worker left
+end
 redis.call('ZADD', KEYS[2], now, ARGV[3])
 return {1}
 """
 
-# KEYS: fleet, workers. ARGV: worker name, live window ms. Returns 1 when the fleet key was deleted.
+# KEYS: fleet, workers. ARGV: worker name, live window ms, keep ('1': a fleet that scales to zero keeps its
+# description). Returns 1 when the fleet key was deleted.
 LEAVE = _NOW_MS + """
 redis.call('ZREM', KEYS[2], ARGV[1])
-if redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[2]), '+inf') == 0 then
+if ARGV[3] ~= '1' and redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[2]), '+inf') == 0 then
   redis.call('DEL', KEYS[1])
   return 1
 end

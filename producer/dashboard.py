@@ -1,0 +1,146 @@
+"""The live web dashboard: its data (one JSON object polled by the page), its key check, and the
+stand-alone server of ``batchfleet dashboard``. The gateway serves the same page and data at
+``/dashboard`` and ``/dashboard/data`` (gateway/app.py).
+
+The page (producer/dashboard.html) is one static HTML file with its script inline (no front-end build
+step, no external assets) and no data in it, so it is served to anyone;
+the data needs ``Authorization: Bearer <key>`` when keys are configured (the page asks for the key once,
+or takes it from the URL fragment ``#key=...``, which browsers never send to the server).
+
+Everything comes from Redis through common/fleetstate.py and producer/status.py (the same reads as
+``batchfleet status``): no torch, no FastAPI, plain redis-py.
+"""
+
+from __future__ import annotations
+
+import hmac
+import importlib.resources
+import json
+import logging
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import redis
+
+from batchfleet.common.config import ConnectionConfig, DashboardConfig
+from batchfleet.common.errors import RedisUnavailable
+from batchfleet.common.fleetstate import dead_letter_entries, recent_batches
+from batchfleet.common.keys import Keys
+from batchfleet.common.redis_conn import sync_client
+from batchfleet.producer.status import snapshot
+
+log = logging.getLogger(__name__)
+
+PAGE_PATH = "/dashboard"
+DATA_PATH = "/dashboard/data"
+SHOWN = 10  # recent batches and dead letters listed
+READ_TIMEOUT_S = 2.0  # a slow Redis makes one poll fail (the page says so), never hangs the server
+# polls DATA_PATH every ?refresh= s (default 2) and redraws; values go in with textContent (dead letters hold
+# hostile input); queue columns follow the rows' keys, so a priority `class` column shows once fleetstate has it
+PAGE = importlib.resources.files("batchfleet.producer").joinpath("dashboard.html").read_text(encoding="utf-8")
+
+
+def dashboard_client(conn: ConnectionConfig) -> redis.Redis:
+    """The dashboard's own small pool (sync; the gateway calls it from a thread)."""
+    return sync_client(conn.redis_url, socket_timeout=READ_TIMEOUT_S, socket_connect_timeout=READ_TIMEOUT_S,
+                       max_connections=4, client_name=f"{conn.namespace}:dashboard")
+
+
+def dashboard_data(r: redis.Redis, keys: Keys) -> dict[str, Any]:
+    """What the page shows: ``batchfleet status --json``'s snapshot (fleet, queues, workers, dead_letters)
+    plus ``batches`` and ``dead_letter_entries`` (newest first), ``batch_jobs`` (None: this fleet has no
+    batch-job API) and ``time`` (this server's clock, s). Redis errors raise RedisUnavailable (callers
+    need not import redis)."""
+    try:
+        return _read(r, keys)
+    except redis.RedisError as exc:
+        raise RedisUnavailable(f"Redis: {exc}"[:300]) from None
+
+
+def _read(r: redis.Redis, keys: Keys) -> dict[str, Any]:
+    snap = snapshot(r, keys)
+    snap["batches"] = recent_batches(r, keys, SHOWN)
+    snap["dead_letter_entries"] = dead_letter_entries(r, keys, SHOWN)
+    snap["batch_jobs"] = None
+    snap["time"] = time.time()
+    return snap
+
+
+def authorized(header: str | None, api_keys: tuple[str, ...]) -> bool:
+    """Whether an ``Authorization`` header carries one of ``api_keys`` (always, when there are none).
+    Compares with every key whatever matches, so the time taken says nothing about the keys."""
+    if not api_keys:
+        return True
+    scheme, _, key = (header or "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return False
+    given = key.strip().encode()
+    return bool(sum(hmac.compare_digest(given, k.encode()) for k in api_keys))
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: DashboardServer
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        path = self.path.split("?", 1)[0]
+        if path in ("/", ""):
+            self._send(HTTPStatus.FOUND, b"", "text/plain", {"Location": PAGE_PATH})
+        elif path == PAGE_PATH:
+            self._send(HTTPStatus.OK, PAGE.encode(), "text/html; charset=utf-8")
+        elif path == DATA_PATH:
+            if not authorized(self.headers.get("Authorization"), self.server.config.api_keys):
+                self._json(HTTPStatus.UNAUTHORIZED, {"error": {"message": "missing or wrong API key",
+                                                              "code": "invalid_api_key"}})
+                return
+            try:
+                self._json(HTTPStatus.OK, dashboard_data(self.server.r, self.server.keys))
+            except RedisUnavailable as exc:
+                self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": {"message": str(exc),
+                                                                      "code": "redis_unavailable"}})
+        else:
+            self._json(HTTPStatus.NOT_FOUND, {"error": {"message": f"no page {path}", "code": "not_found"}})
+
+    def _json(self, status: HTTPStatus, body: dict[str, Any]) -> None:
+        self._send(status, json.dumps(body).encode(), "application/json")
+
+    def _send(self, status: HTTPStatus, body: bytes, ctype: str, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # through logging, not raw stderr lines
+        log.debug("%s " + format, self.address_string(), *args)
+
+
+class DashboardServer(ThreadingHTTPServer):
+    """The stand-alone dashboard: ``serve_forever`` (or ``start`` for a thread), ``close``."""
+
+    daemon_threads = True
+
+    def __init__(self, config: DashboardConfig, conn: ConnectionConfig) -> None:
+        super().__init__((config.host, config.port), _Handler)
+        self.config = config
+        self.keys = conn.keys
+        self.r = dashboard_client(conn)
+        self.port = int(self.server_address[1])
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> DashboardServer:
+        self._thread = threading.Thread(target=self.serve_forever, name="batchfleet-dashboard", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.shutdown()
+            self._thread.join(5)
+        self.server_close()
+        self.r.close()

@@ -1,0 +1,89 @@
+"""One command-line convention (issue 19): every option that reads an environment variable reads
+BATCHFLEET_<ITS FLAG> and says so in --help, as README states; --log-level / --log-format work on every
+subcommand as on the group; JSON log mode writes nothing but JSON objects to stderr; no --help names a
+source file."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from batchfleet.common.cli import _COMMANDS, main
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE_FILE = re.compile(r"\b[\w/]+\.py\b")
+
+
+def commands() -> dict[str, click.Command]:
+    return {name: main.get_command(click.Context(main), name) for name in sorted(_COMMANDS)}
+
+
+def env_options(command: click.Command) -> list[click.Option]:
+    return [p for p in command.params if isinstance(p, click.Option) and p.envvar]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", sorted(_COMMANDS))
+def test_every_env_var_is_batchfleet_flag_and_shown(name: str):
+    command = commands()[name]
+    help_text = " ".join(CliRunner().invoke(main, [name, "--help"], terminal_width=400).output.split())
+    for opt in env_options(command):
+        flag = opt.opts[0]
+        assert opt.envvar == "BATCHFLEET_" + flag[2:].upper().replace("-", "_"), (name, flag, opt.envvar)
+        assert opt.show_envvar and f"env var: {opt.envvar}" in help_text, (name, flag)
+    assert not SOURCE_FILE.search(help_text), f"`batchfleet {name} --help` names a source file"
+
+
+@pytest.mark.unit
+def test_group_help_names_the_rule_and_no_source_file():
+    out = CliRunner().invoke(main, ["--help"]).output
+    assert "BATCHFLEET_<OPTION>" in " ".join(out.split()) and not SOURCE_FILE.search(out)
+
+
+@pytest.mark.unit
+def test_readme_option_tables_hold_to_the_rule():
+    """Each `--flag` of README's worker option table is an option of `batchfleet worker` whose variable is
+    BATCHFLEET_<FLAG> (the README says so right above the table)."""
+    readme = (ROOT / "README.md").read_text()
+    assert "each also `BATCHFLEET_<NAME>`" in readme.replace("\n", " ")
+    worker = commands()["worker"]
+    by_flag = {o: p for p in env_options(worker) for o in p.opts}
+    table = re.findall(r"^\| `(--[a-z0-9-]+)(?:/--no-[a-z0-9-]+)?` \|", readme, flags=re.M)
+    assert len(table) >= 25
+    for flag in table:
+        assert flag in by_flag, f"README lists {flag}, which `batchfleet worker` lacks"
+        assert by_flag[flag].envvar == "BATCHFLEET_" + flag[2:].upper().replace("-", "_")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", sorted(_COMMANDS))
+def test_log_options_on_every_subcommand(name: str):
+    params = {p.name for p in commands()[name].params}
+    assert {"log_level", "log_format"} <= params, name
+
+
+def test_subcommand_log_format_json_prints_only_json(namespace: str):
+    """An error on an unreachable Redis, with the log options given to the subcommand (and, the other time,
+    to the group): stderr is JSON objects only, stdout empty."""
+    for argv in (["status", "--log-format", "json", "--log-level", "debug"], ["--log-format", "json", "status"]):
+        proc = subprocess.run([sys.executable, "-m", "batchfleet.common.cli", *argv, "--redis-url",
+                               "redis://127.0.0.1:1/0", "--namespace", namespace],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 1 and not proc.stdout
+        records = [json.loads(line) for line in proc.stderr.splitlines()]  # every line is one JSON object
+        assert records and records[-1]["level"] == "ERROR" and "unreachable" in records[-1]["message"]
+
+
+def test_subcommand_log_level_takes_effect(namespace: str):
+    proc = subprocess.run([sys.executable, "-m", "batchfleet.common.cli", "--log-level", "debug", "status",
+                           "--log-level", "error", "--log-format", "json", "--redis-url", "redis://127.0.0.1:1/0",
+                           "--namespace", namespace], capture_output=True, text=True, timeout=60)
+    levels = {json.loads(line)["level"] for line in proc.stderr.splitlines()}
+    assert levels == {"ERROR"}, proc.stderr  # the subcommand's own level wins over the group's

@@ -1,0 +1,190 @@
+"""The live dashboard: its data read from a real fleet (a real worker answering real requests, a dead
+letter), the key check on the gateway and on `batchfleet dashboard`, and the page itself loaded in a real
+headless Chromium (Debian's `chromium`) against that fleet: what it shows is checked in the rendered DOM."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+
+import httpx
+import pytest
+import redis
+
+from batchfleet.common.config import ConnectionConfig, DashboardConfig
+from batchfleet.common.fleetstate import worker_stats
+from batchfleet.common.keys import Keys
+from batchfleet.producer import Client
+from batchfleet.producer.dashboard import DashboardServer, dashboard_data
+from batchfleet.producer.status import prefix_cache_hit_rate
+from tests.conftest import TEST_BUCKETS
+from tests.helpers.gateway import gateways
+from tests.helpers.loops import wait_until
+
+KEY = "sk-dash-0123456789"
+HOSTILE = "<img src=x onerror=alert(1)>"  # a dead letter's fields are whatever a producer sent
+CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed "
+                                    "(apt-get install -y chromium; .ci/run installs it)")
+
+
+def chromium(url: str, *flags: str) -> str:
+    """The DOM after the page ran its script (virtual time lets its first poll finish)."""
+    proc = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                           "--no-first-run", "--virtual-time-budget=5000", *flags, "--dump-dom", url],
+                          capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+class Dom(HTMLParser):
+    """Rows by their data attributes (and their cells' text, ``cells``) and the text of each element with
+    an id."""
+
+    def __init__(self, html: str) -> None:
+        super().__init__()
+        self.rows: list[dict[str, str]] = []
+        self.text: dict[str, str] = {}
+        self.tags: list[str] = []
+        self._open: list[str] = []
+        self.style: dict[str, str] = {}
+        self._row = False  # inside a row with data attributes
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        self.tags.append(tag)
+        if tag == "tr":
+            self._row = any(k.startswith("data-") for k in a)
+            if self._row:
+                self.rows.append({**a, "cells": []})
+        elif tag == "td" and self._row:
+            self.rows[-1]["cells"].append("")
+        if "id" in a:
+            self.style[a["id"]] = a.get("style") or ""
+        self._open.append(a.get("id", ""))
+        for i in filter(None, self._open):
+            self.text.setdefault(i, "")
+
+    def handle_endtag(self, tag):
+        if self._open:
+            self._open.pop()
+
+    def handle_data(self, data):
+        if self._row and self.rows[-1]["cells"] and self.tags[-1] in ("td", "span"):
+            self.rows[-1]["cells"][-1] += data
+        for i in filter(None, self._open):
+            self.text[i] = self.text.get(i, "") + data
+
+
+def make_traffic(redis_url: str, namespace: str) -> None:
+    """Requests of two buckets answered, and one dead letter whose reason quotes hostile text."""
+    with Client(redis_url, namespace) as client:
+        client.generate_many([[5] * 10, [6] * 50, [7] * 12], max_new_tokens=3, timeout=60)
+    r = redis.Redis.from_url(redis_url)
+    r.xadd(Keys(namespace).stream(TEST_BUCKETS[0]), {"id": "dead-1", "r": HOSTILE, "p": b"x"})
+    wait_until(lambda: r.xlen(Keys(namespace).dead) == 1, 30, "the dead letter")
+    # the worker's status is its heartbeat's (every 2 s): wait for the one that counts all three
+    wait_until(lambda: [w.get("completed") for w in worker_stats(r, Keys(namespace))] == [3], 30, "a heartbeat")
+    r.close()
+
+
+@pytest.mark.unit
+def test_prefix_cache_hit_rate_from_the_heartbeat():
+    assert prefix_cache_hit_rate({}) is None
+    assert prefix_cache_hit_rate({"engine_prefix_cache_queries": 0, "engine_prefix_cache_hits": 0}) is None
+    assert prefix_cache_hit_rate({"engine_prefix_cache_queries": 8, "engine_prefix_cache_hits": 6}) == 0.75
+    assert prefix_cache_hit_rate({"prefix_cache_queries": 4, "prefix_cache_hits": 1}) == 0.25
+
+
+def test_data_and_key_on_the_gateway_and_the_standalone_server(start_worker, redis_url: str, namespace: str):
+    w = start_worker(max_wait_ms=10)
+    make_traffic(redis_url, namespace)
+    keys = Keys(namespace)
+    r = redis.Redis.from_url(redis_url)
+    data = dashboard_data(r, keys)
+    r.close()
+    assert [q["bucket"] for q in data["queues"]] == list(TEST_BUCKETS)
+    (worker,) = data["workers"]
+    assert worker["name"] == w.loop.transport.name and worker["alive"] and worker["completed"] == 3
+    assert {b["bucket"] for b in data["batches"]} == {TEST_BUCKETS[0], TEST_BUCKETS[1]}
+    assert sum(b["requests"] for b in data["batches"]) == 3 and all(b["worker"] == worker["name"]
+                                                                    for b in data["batches"])
+    (dead,) = data["dead_letter_entries"]
+    assert dead["id"] == "dead-1" and dead["bucket"] == str(TEST_BUCKETS[0]) and "p" not in dead
+    assert data["dead_letters"] == 1 and data["batch_jobs"] is None
+    with gateways(redis_url, namespace) as start_gateway:
+        gw = start_gateway(api_keys=KEY)
+        with httpx.Client(base_url=gw.url, timeout=30) as http:
+            page = http.get("/dashboard")
+            assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+            assert worker["name"] not in page.text  # the page holds no data: served without a key
+            assert http.get("/dashboard/data").status_code == 401
+            assert http.get("/dashboard/data", headers={"Authorization": "Bearer wrong-key-123"}).status_code == 401
+            got = http.get("/dashboard/data", headers={"Authorization": f"Bearer {KEY}"})
+            assert got.status_code == 200 and got.json()["workers"][0]["name"] == worker["name"]
+    server = DashboardServer(DashboardConfig(port=0, api_keys=KEY), ConnectionConfig(redis_url, namespace)).start()
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=30) as http:
+            assert http.get("/", follow_redirects=True).text == page.text
+            assert http.get("/dashboard/data").status_code == 401
+            got = http.get("/dashboard/data", headers={"Authorization": f"Bearer {KEY}"})
+            assert got.status_code == 200 and got.json()["dead_letter_entries"][0]["id"] == "dead-1"
+            assert http.get("/elsewhere").status_code == 404
+    finally:
+        server.close()
+
+
+@needs_chromium
+def test_chromium_shows_the_running_fleet(start_worker, redis_url: str, namespace: str):
+    w = start_worker(max_wait_ms=10)
+    make_traffic(redis_url, namespace)
+    name = w.loop.transport.name
+    with gateways(redis_url, namespace) as start_gateway:
+        gw = start_gateway(api_keys=KEY)
+        dom = Dom(chromium(f"{gw.url}/dashboard#key={KEY}"))
+        locked = Dom(chromium(f"{gw.url}/dashboard"))  # no key: the page asks for one, shows no data
+    assert "tiny" in dom.text["fleet"] and f"namespace {namespace}" in dom.text["fleet"]
+    assert dom.text["live"] == "1 live worker" and not dom.text["error"].strip()
+    assert [int(row["data-bucket"]) for row in dom.rows if "data-bucket" in row] == list(TEST_BUCKETS)
+    (row,) = [row for row in dom.rows if "data-worker" in row]
+    assert row["data-worker"] == name and row["data-alive"] == "true"
+    workers = dom.text["workers"]
+    for header in ("running", "waiting", "KV", "tok/s (1m)", "last batches", "prefix hits"):
+        assert header in workers
+    assert re.search(r"hf/dynamic", workers)
+    cells = [c.strip() for c in row["cells"]]
+    assert cells[:5] == [name, "alive", "hf/dynamic", "0", "0"] and cells[9] == "3"  # running, waiting, done
+    assert sum(map(int, cells[7].split(","))) == 3  # last batch sizes: the 3 requests, in 2 or 3 batches
+    assert name in dom.text["batches"] and str(TEST_BUCKETS[1]) in dom.text["batches"]
+    assert "dead-1" in dom.text["dead"] and "(1 kept)" in dom.text["dead-total"]
+    assert "img" not in dom.tags, "a dead letter's text must never become markup"
+    assert "none" in dom.text["jobs"]
+    assert "display: block" in locked.style["auth"] and "needs an API key" in locked.text["error"]
+    assert name not in "".join(locked.text.values())
+
+
+@needs_chromium
+def test_chromium_on_the_standalone_dashboard_without_workers(redis_url: str, namespace: str):
+    server = DashboardServer(DashboardConfig(port=0), ConnectionConfig(redis_url, namespace)).start()
+    try:
+        dom = Dom(chromium(f"http://127.0.0.1:{server.port}/dashboard?refresh=1"))
+    finally:
+        server.close()
+    assert "no fleet published" in dom.text["fleet"] and dom.text["live"] == "0 live workers"
+    assert "no workers" in dom.text["workers"] and "no batches yet" in dom.text["batches"]
+
+
+@pytest.mark.unit
+def test_ci_installs_chromium_then_runs_the_readme_test_command():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    ci = (root / ".ci" / "run").read_text().strip().splitlines()
+    readme = (root / "README.md").read_text()
+    (command,) = re.findall(r"Run the tests .*?\n\n```bash\n(.*?)\n```", readme, flags=re.S)
+    assert ci[-1] == command
+    install = next(i for i, line in enumerate(ci) if "apt-get install" in line and "chromium" in line)
+    assert install < len(ci) - 1

@@ -1,0 +1,121 @@
+"""The Grafana dashboard and the Prometheus alert rules shipped under deploy/ query metrics that exist: every
+PromQL expression parses (promql-parser), and every metric name (and label matcher) it uses is exported by a
+live worker or a live gateway, scraped over HTTP. The Kubernetes PrometheusRule holds the same rules."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+GRAFANA = ROOT / "deploy" / "grafana" / "batchfleet-dashboard.json"
+ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+promql_parser = pytest.importorskip("promql_parser", reason="promql-parser (the dev extra) parses the queries")
+
+
+def grafana_exprs() -> list[str]:
+    dash = json.loads(GRAFANA.read_text())
+    return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+
+
+def alert_rules() -> list[dict]:
+    return [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
+
+
+def selectors(expr: str) -> list[tuple[str, set[str]]]:
+    """(metric name, label names matched) of every vector selector in ``expr`` (raises on a parse error)."""
+    found: list[tuple[str, set[str]]] = []
+
+    def walk(node) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            labels = {m.name for m in node.matchers.matchers} if node.matchers else set()
+            found.append((node.name, labels))
+            return
+        if isinstance(node, promql_parser.MatrixSelector):
+            walk(node.vector_selector)
+            return
+        for attr in ("lhs", "rhs", "expr", "param"):
+            child = getattr(node, attr, None)
+            if child is not None and not isinstance(child, (str, int, float)):
+                walk(child)
+        for arg in getattr(node, "args", None) or []:
+            walk(arg)
+
+    walk(promql_parser.parse(expr))
+    return found
+
+
+@pytest.mark.unit
+def test_dashboard_and_rules_parse_and_cover_the_issue():
+    exprs = grafana_exprs()
+    assert len(exprs) >= 15
+    for e in exprs:
+        assert selectors(e), e
+    names = {r["alert"] for r in alert_rules()}
+    assert names == {"BatchfleetNoLiveWorkers", "BatchfleetQueueTooOld", "BatchfleetDeadLettersGrowing",
+                     "BatchfleetKVCacheSaturated", "BatchfleetGateway5xx"}
+    for r in alert_rules():
+        assert selectors(r["expr"]) and r["labels"]["severity"] in ("warning", "critical")
+        assert r["annotations"]["summary"] and r["annotations"]["description"]
+    dash = json.loads(GRAFANA.read_text())
+    assert dash["uid"] == "batchfleet" and dash["templating"]["list"][0]["type"] == "datasource"
+
+
+@pytest.mark.unit
+def test_kubernetes_rule_is_the_same_as_the_rule_file():
+    docs = [d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "monitoring.yaml").read_text()) if d]
+    (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    assert rule["spec"]["groups"] == yaml.safe_load(ALERTS.read_text())["groups"]
+
+
+def scrape(url: str) -> dict[str, set[str]]:
+    """sample name -> label names seen, from a live /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, set[str]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, set()).update(s.labels)
+    return out
+
+
+def test_every_metric_used_is_exported(start_worker, redis_url: str, namespace: str):
+    from batchfleet.gateway.metrics import serve_gateway_metrics
+    from batchfleet.worker.devtools import free_port
+    from tests.helpers.gateway import GatewayThread
+
+    port = free_port()
+    start_worker(metrics_port=port, metrics_host="127.0.0.1", max_wait_ms=20)
+    gw = GatewayThread(redis_url, namespace)
+    server = serve_gateway_metrics(gw.app.state.metrics, gw.config.connection, 0, "127.0.0.1")
+    try:
+        with httpx.Client(base_url=gw.url, timeout=60) as http:
+            resp = http.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 4})
+            assert resp.status_code == 200, resp.text
+            assert http.get("/v1/nothing-here").status_code == 404
+        worker, gateway = scrape(f"http://127.0.0.1:{port}/metrics"), scrape(f"http://127.0.0.1:{server.port}/metrics")
+    finally:
+        server.close()
+        gw.stop()
+    exported = {**worker}
+    for name, labels in gateway.items():
+        exported.setdefault(name, set()).update(labels)
+    assert "batchfleet_gateway_requests_total" in gateway and "batchfleet_workers_live" in gateway
+    assert {"route", "status"} <= gateway["batchfleet_gateway_requests_total"]
+    used = [(where, name, labels) for where, exprs in (("grafana", grafana_exprs()),
+                                                       ("alerts", [r["expr"] for r in alert_rules()]))
+            for e in exprs for name, labels in selectors(e)]
+    for where, name, labels in used:
+        assert name in exported, f"{where} uses {name}, which no worker or gateway exports"
+        assert labels <= exported[name], f"{where} matches {labels - exported[name]} on {name}"
+    histograms = {n for _, n, _ in used if n.endswith(HISTOGRAM_SUFFIXES)}
+    assert any(n.startswith("batchfleet_gateway_") for n in histograms)
