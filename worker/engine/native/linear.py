@@ -23,6 +23,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -81,21 +82,25 @@ class Plan:
         return out
 
 
-def _time(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
+def best_times(fns: list[Callable[[], object]], reps: int) -> list[float]:
+    """Minimum seconds of each of ``fns`` over ``reps`` rounds (interleaved, so a burst of load elsewhere
+    hits every candidate alike), after one warm-up call each."""
+    best = [float("inf")] * len(fns)
+    for fn in fns:
         fn()
-        best = min(best, time.perf_counter() - t)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t)
     return best
 
 
 @torch.inference_mode()
 def measure(w: torch.Tensor, packed: torch.Tensor, rows: Iterable[int] = PROBE_ROWS,
             reps: int = PROBE_REPS) -> Plan:
-    """Time ``default`` against ``onednn`` for ``w`` [out, in] at each probe row count (interleaved, min of
-    ``reps``); return the faster per row count."""
+    """Time ``default`` against ``onednn`` for ``w`` [out, in] at each probe row count; return the faster
+    per row count (with the GFLOP/s each reached)."""
     n_out, n_in = w.shape
     by_probe: dict[int, str] = {}
     gflops: dict[int, dict[str, float]] = {}
@@ -104,8 +109,9 @@ def measure(w: torch.Tensor, packed: torch.Tensor, rows: Iterable[int] = PROBE_R
         if by_probe and flop > PROBE_MAX_FLOP:
             break
         x = torch.randn(r, n_in, dtype=w.dtype, device=w.device)
-        t_def = _time(lambda: F.linear(x, w), reps)
-        t_one = _time(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), reps)
+        t_def, t_one = best_times([partial(F.linear, x, w),
+                                    partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], "")],
+                                   reps)
         by_probe[r] = "onednn" if t_one < t_def else "default"
         gflops[r] = {"default": round(flop / t_def / 1e9, 1), "onednn": round(flop / t_one / 1e9, 1)}
     return Plan(by_probe, gflops)
