@@ -18,7 +18,6 @@ shape default vs chosen) and writes everything to ``--json``.
 from __future__ import annotations
 
 import datetime
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 
 from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
 from batchfleet.worker.benchmark.floor import step_vs_floor
-from batchfleet.worker.benchmark.report import machine, write_json
+from batchfleet.worker.benchmark.report import git_commit, machine, write_json
 from batchfleet.worker.engine.models import load_model, make_preset
 from batchfleet.worker.engine.native import cpu_kernel
 from batchfleet.worker.engine.native.engine import NativeEngine
@@ -48,14 +47,6 @@ def measure(loaded, batch: int, context: int, linear: str, isa: str, kv_gb: floa
     return out
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
 @click.command(help=__doc__)
 @click.option("--batch", type=int, default=32, show_default=True)
 @click.option("--context", type=int, default=300, show_default=True)
@@ -73,7 +64,7 @@ def main(batch: int, context: int, dtype: str | None, kv_cache_gb: float, cache_
         click.echo(f"{name}: linear {linear}, decode kernel up to {isa} ...", err=True)
         runs[name] = measure(loaded, batch, context, linear, isa, kv_cache_gb)
     doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(["python", "scripts/bench_cpu.py", *sys.argv[1:]]), "commit": _commit(),
+           "command": " ".join(["python", "scripts/bench_cpu.py", *sys.argv[1:]]), "commit": git_commit(),
            "machine": machine(), "dtype": str(loaded.dtype).removeprefix("torch."), **runs}
     click.echo(markdown(doc))
     if json_path:

@@ -54,6 +54,17 @@ def machine() -> dict:
             **cpu_kind()}
 
 
+def git_commit() -> str:
+    """The short commit of the checkout this code runs from ("" outside a git checkout)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile",
               "avx_ne_convert")
 
