@@ -51,7 +51,7 @@ def machine() -> dict:
 
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            **cpu_kind()}
+            "load_avg_1m": round(os.getloadavg()[0], 2), **cpu_kind()}
 
 
 def git_commit() -> str:
