@@ -85,7 +85,10 @@ def test_prepacked_greedy_matches_transformers(tmp_path, choice):
     engine = NativeEngine(loaded, batching, EngineConfig(engine="native", kv_cache_gb=0.01, linear=choice),
                           max_running=4)
     packed = [x.packed is not None for lw in engine.runner.model.layers for x in (lw.qkv_l, lw.o_l, lw.down_l)]
-    assert all(packed) == (choice == "onednn" and L.onednn_available())
+    if choice == "onednn":  # forced: every layer prepacked wherever oneDNN exists
+        assert all(packed) == L.onednn_available()
+    else:  # measured: packed only where oneDNN won at some row count
+        assert not any(packed) or L.onednn_available()
     done = run_all(engine, [reqs])
     assert {k: v.token_ids for k, v in done.items()} == refs
     stats = engine.stats()

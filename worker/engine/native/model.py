@@ -109,6 +109,10 @@ class NativeModel:
                 qkv_l=make(qkv, qkv_b), o_l=make(o, o_b), gate_up_l=make(gate_up, gu_b), down_l=make(down, down_b),
             ))
         self.cos, self.sin = _rope_tables(inner.rotary_emb, max_positions, self.device, self.dtype)
+        # sin with rotate-half's sign folded in (first half negated): rope needs no separate negation, and
+        # x2 * -sin == -x2 * sin exactly, so the result is bit-identical to transformers'
+        half = self.head_dim // 2
+        self.sin_rot = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1).contiguous()
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """transformers' LlamaRMSNorm, op for op (fp32 statistics, weight applied in model dtype)."""
@@ -116,11 +120,12 @@ class NativeModel:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * xf.to(x.dtype)
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, heads, D]; cos/sin: [B, S, 1, D] (rotate-half convention)."""
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, heads, D]; cos/sin_rot: [B, S, 1, D] (rotate-half convention; sin_rot: rows of
+        ``self.sin_rot``, the sign of rotate-half folded in)."""
         half = x.shape[-1] // 2
-        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rot * sin
+        rot = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin_rot
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttnFn,
                 last_idx: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,17 +134,17 @@ class NativeModel:
         B, S = tokens.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         cos = self.cos[positions].unsqueeze(2)  # [B, S, 1, D]
-        sin = self.sin[positions].unsqueeze(2)
+        sin = self.sin_rot[positions].unsqueeze(2)
         h = F.embedding(tokens, self.embed)  # [B, S, hidden]
         for i, lw in enumerate(self.layers):
             x = self.rms_norm(h, lw.in_norm)
             qkv = lw.qkv_l(x).view(B, S, H + 2 * Hkv, D)
             qk = self.rope(qkv[:, :, : H + Hkv], cos, sin)  # [B, S, H + Hkv, D]
             o = attn(i, qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv :])  # [B, S, H * D]
-            h = h + lw.o_l(o)
+            h = lw.o_l.add_to(o, h)
             x = self.rms_norm(h, lw.post_norm)
             gate, up = lw.gate_up_l(x).chunk(2, dim=-1)
-            h = h + lw.down_l(self.act(gate) * up)
+            h = lw.down_l.add_to(self.act(gate) * up, h)
         h = h[:, -1] if last_idx is None else h.reshape(B * S, -1)[last_idx]  # [R, hidden]
         return self.lm_head_l(self.rms_norm(h, self.final_norm))  # [R, V]
 
