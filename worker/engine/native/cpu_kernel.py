@@ -70,7 +70,26 @@ def load(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.paged_decode_isa.restype = ctypes.c_char_p
+    lib.paged_decode_isa.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.paged_decode_set_isa.restype = None
+    lib.paged_decode_set_isa.argtypes = [ctypes.c_int]
     return lib
+
+
+ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512bf16": 2}
+
+
+def isa(lib: ctypes.CDLL, dtype: torch.dtype, head_dim: int = 64) -> str:
+    """The instruction-set path the kernel takes here for ``dtype`` and ``head_dim``: "avx512bf16" (bf16 on
+    CPUs with AVX512-BF16), "avx2" (AVX2 + FMA, checked at runtime) or "portable" (the plain C loop)."""
+    return lib.paged_decode_isa(int(dtype == torch.bfloat16), head_dim).decode()
+
+
+def set_isa(lib: ctypes.CDLL, level: str) -> None:
+    """Cap the path the kernel may take (process-wide, for tests and benchmarks): one of ``ISA_LEVELS``.
+    A path the CPU lacks is never taken whatever the cap."""
+    lib.paged_decode_set_isa(ISA_LEVELS[level])
 
 
 def supports(dtype: torch.dtype) -> bool:

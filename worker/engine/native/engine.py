@@ -72,7 +72,8 @@ class NativeEngine:
         self.runner = ModelRunner(loaded.model, cfg.block_size, running, batching.max_seq_len,
                                   kv_cache_gb=cfg.kv_cache_gb, buckets=batching.buckets,
                                   padding=batching.padding, num_blocks=num_blocks, prefill=prefill, decode=decode,
-                                  kernel_dir=Path(cfg.cache_dir) / "kernels" if cfg.native_kernel else None)
+                                  kernel_dir=Path(cfg.cache_dir) / "kernels" if cfg.native_kernel else None,
+                                  linear=cfg.linear)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size)
         if continuous:
             budget = max_prefill_tokens or cfg.max_prefill_tokens
@@ -168,6 +169,7 @@ class NativeEngine:
             "preemptions": s.num_preemptions,
             "priority_preemptions": s.num_priority_preemptions,
             "decode_shapes": [f"{b}x{w}" for b, w in sorted(self.runner.decode_shapes)],
+            **self.runner.describe(),  # kernels chosen at load (weight matmuls, decode attention)
             **{k: v for k, v in self._counters.items() if k != "peak_contiguous_waste"},
         }
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from batchfleet.worker.engine.native.linear import Linear, LinearFactory
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # same block structure; others differ (qk-norm, ...)
 
 # attn(layer_idx, q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, D]) -> [B, S, H * D]
@@ -32,6 +34,11 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor  # [hidden, inter]
     down_bias: torch.Tensor | None
+    # the same weights on the kernel chosen at load (linear.py): what the forward calls
+    qkv_l: Linear
+    o_l: Linear
+    gate_up_l: Linear
+    down_l: Linear
 
 
 def _fuse(mods: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -55,7 +62,9 @@ def _fuse(mods: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | Non
 class NativeModel:
     """Shapes, weights and forward of one decoder-only model."""
 
-    def __init__(self, hf_model: torch.nn.Module, max_positions: int) -> None:
+    def __init__(self, hf_model: torch.nn.Module, max_positions: int, linear: str | LinearFactory = "auto") -> None:
+        """linear: how each weight matmul runs (linear.py): "auto" (measured per shape at load),
+        "default" (F.linear) or "onednn" (prepacked wherever possible), or a LinearFactory."""
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise NotImplementedError(
@@ -84,17 +93,26 @@ class NativeModel:
         self.embed = inner.embed_tokens.weight  # [V, hidden]
         self.final_norm = inner.norm.weight
         self.lm_head = hf_model.get_output_embeddings().weight  # [V, hidden]
+        make = linear if isinstance(linear, LinearFactory) else LinearFactory(linear)
+        self.linears = make
+        self.lm_head_l = make(self.lm_head)
         self.layers: list[LayerWeights] = []
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
             qkv, qkv_b = _fuse([a.q_proj, a.k_proj, a.v_proj])
             gate_up, gu_b = _fuse([m.gate_proj, m.up_proj])
+            o, o_b, down, down_b = a.o_proj.weight, a.o_proj.bias, m.down_proj.weight, m.down_proj.bias
             self.layers.append(LayerWeights(
                 in_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_b,
-                o=a.o_proj.weight, o_bias=a.o_proj.bias, post_norm=layer.post_attention_layernorm.weight,
-                gate_up=gate_up, gate_up_bias=gu_b, down=m.down_proj.weight, down_bias=m.down_proj.bias,
+                o=o, o_bias=o_b, post_norm=layer.post_attention_layernorm.weight,
+                gate_up=gate_up, gate_up_bias=gu_b, down=down, down_bias=down_b,
+                qkv_l=make(qkv, qkv_b), o_l=make(o, o_b), gate_up_l=make(gate_up, gu_b), down_l=make(down, down_b),
             ))
         self.cos, self.sin = _rope_tables(inner.rotary_emb, max_positions, self.device, self.dtype)
+        # sin with rotate-half's sign folded in (first half negated): rope needs no separate negation, and
+        # x2 * -sin == -x2 * sin exactly, so the result is bit-identical to transformers'
+        half = self.head_dim // 2
+        self.sin_rot = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1).contiguous()
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """transformers' LlamaRMSNorm, op for op (fp32 statistics, weight applied in model dtype)."""
@@ -102,11 +120,12 @@ class NativeModel:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * xf.to(x.dtype)
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, heads, D]; cos/sin: [B, S, 1, D] (rotate-half convention)."""
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, heads, D]; cos/sin_rot: [B, S, 1, D] (rotate-half convention; sin_rot: rows of
+        ``self.sin_rot``, the sign of rotate-half folded in)."""
         half = x.shape[-1] // 2
-        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rot * sin
+        rot = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin_rot
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttnFn,
                 last_idx: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,19 +134,19 @@ class NativeModel:
         B, S = tokens.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         cos = self.cos[positions].unsqueeze(2)  # [B, S, 1, D]
-        sin = self.sin[positions].unsqueeze(2)
+        sin = self.sin_rot[positions].unsqueeze(2)
         h = F.embedding(tokens, self.embed)  # [B, S, hidden]
         for i, lw in enumerate(self.layers):
             x = self.rms_norm(h, lw.in_norm)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias).view(B, S, H + 2 * Hkv, D)
+            qkv = lw.qkv_l(x).view(B, S, H + 2 * Hkv, D)
             qk = self.rope(qkv[:, :, : H + Hkv], cos, sin)  # [B, S, H + Hkv, D]
             o = attn(i, qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv :])  # [B, S, H * D]
-            h = h + F.linear(o, lw.o, lw.o_bias)
+            h = lw.o_l.add_to(o, h)
             x = self.rms_norm(h, lw.post_norm)
-            gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
-            h = h + F.linear(self.act(gate) * up, lw.down, lw.down_bias)
+            gate, up = lw.gate_up_l(x).chunk(2, dim=-1)
+            h = lw.down_l.add_to(self.act(gate) * up, h)
         h = h[:, -1] if last_idx is None else h.reshape(B * S, -1)[last_idx]  # [R, hidden]
-        return F.linear(self.rms_norm(h, self.final_norm), self.lm_head)  # [R, V]
+        return self.lm_head_l(self.rms_norm(h, self.final_norm))  # [R, V]
 
 
 def _sliding_window(cfg) -> int | None:

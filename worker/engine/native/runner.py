@@ -35,12 +35,14 @@ class ModelRunner:
     def __init__(self, hf_model: torch.nn.Module, block_size: int, max_batch_size: int, max_seq_len: int,
                  kv_cache_gb: float | None = None, buckets: tuple[int, ...] = (), padding: str = "bucket",
                  num_blocks: int | None = None, prefill: str = "auto", decode: str = "auto",
-                 kernel_dir: Path | None = cpu_kernel.DEFAULT_KERNEL_DIR, static_decode: bool | None = None) -> None:
+                 kernel_dir: Path | None = cpu_kernel.DEFAULT_KERNEL_DIR, static_decode: bool | None = None,
+                 linear: str = "auto") -> None:
         """prefill: "padded" (per ``padding``), "packed" (varlen) or "auto" (packed on CPU);
         decode: "kernel" (C kernel, CPU), "gather" (gather + SDPA), "npu" or "auto";
         kernel_dir: where the C kernel is built (None: never use it);
-        static_decode: pad decode steps to a few shapes (None: on CUDA/NPU, where a new shape recompiles)."""
-        self.model = NativeModel(hf_model, max_positions=max_seq_len)
+        static_decode: pad decode steps to a few shapes (None: on CUDA/NPU, where a new shape recompiles);
+        linear: the weight matmuls' kernel ("auto": measured per shape at load; see linear.py)."""
+        self.model = NativeModel(hf_model, max_positions=max_seq_len, linear=linear)
         self.device, self.dtype = self.model.device, self.model.dtype
         self.block_size = block_size
         self.max_seq_len = max_seq_len
@@ -74,6 +76,15 @@ class ModelRunner:
         self.num_threads = torch.get_num_threads()  # read once; never changed here
         log.info("KV pool: %d blocks x %d slots (%.1f MiB); prefill %s, decode %s", self.num_blocks, block_size,
                  self.kv.numel() * elem / 2**20, self.prefill_mode, self.decode_mode)
+        log.info("weight matmuls (measured in %.1f s): %s", m.linears.seconds, m.linears.describe())
+
+    def describe(self) -> dict:
+        """The kernels chosen at load, for the worker's status: weight matmuls per shape (kernel per
+        probed row count) and the decode attention path."""
+        attn = self.decode_mode
+        if self.kernel is not None and attn == "kernel":
+            attn = f"kernel {cpu_kernel.isa(self.kernel, self.dtype, self.model.head_dim)}"
+        return {"linear_kernels": self.model.linears.describe(), "decode_attention": attn}
 
     def _size_pool(self, kv_cache_gb: float | None, max_batch_size: int, max_seq_len: int) -> int:
         if kv_cache_gb is not None:

@@ -1,0 +1,96 @@
+"""Weight matmuls on the kernel chosen at load (worker/engine/native/linear.py): every choice computes
+F.linear's result at every row count, falls back where oneDNN cannot run, shows in the engine's stats,
+and keeps greedy output token-identical to transformers' generate (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
+from batchfleet.worker.engine.native import linear as L
+from batchfleet.worker.engine.native.engine import NativeEngine
+
+
+def _weights(n_out=48, n_in=40, dtype=torch.float32, bias=True):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n_out, n_in, generator=g).to(dtype)
+    return w, (torch.randn(n_out, generator=g).to(dtype) if bias else None)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("choice", L.CHOICES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_choice_computes_f_linear_at_every_row_count(choice, bias):
+    w, b = _weights(bias=bias)
+    lin = L.LinearFactory(choice)(w, b)
+    with torch.inference_mode():
+        for rows in (0, 1, 3, 17, 64, 300, 1500):
+            x = torch.randn(rows, 40)
+            torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+            assert lin.kernel_for(rows) in L.KERNELS
+        x3 = torch.randn(2, 5, 40)  # [B, S, in] as the forward calls it; and a strided row view
+        torch.testing.assert_close(lin(x3), F.linear(x3, w, b), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lin(x3[:, -1]), F.linear(x3[:, -1], w, b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.unit
+def test_auto_measures_each_shape_once_and_describes_it():
+    make = L.LinearFactory("auto")
+    w, b = _weights()
+    a, c = make(w, b), make(w.clone(), None)
+    assert a.plan is c.plan or not L.onednn_available()
+    desc = make.describe()
+    assert list(desc) == ["40->48 float32"]
+    if L.onednn_available():
+        plan = make.plans[(48, 40, "float32")]
+        assert set(plan.by_probe) <= set(L.PROBE_ROWS) and 1 in plan.by_probe
+        assert all(set(g) == set(L.KERNELS) and min(g.values()) >= 0 for g in plan.gflops.values())
+        assert desc["40->48 float32"].startswith("1:")
+    else:
+        assert desc["40->48 float32"] == "default"
+
+
+@pytest.mark.unit
+def test_default_never_packs_and_bf16_falls_back_where_onednn_cannot():
+    w, b = _weights()
+    assert L.LinearFactory("default")(w, b).packed is None
+    # bf16 prepacking needs AVX512 (bw/vl/dq) or AVX-NE-CONVERT: where it fails the layer stays on F.linear
+    wb, bb = w.bfloat16(), b.bfloat16()
+    lin = L.LinearFactory("onednn")(wb, bb)
+    x = torch.randn(7, 40).bfloat16()
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x).float(), F.linear(x, wb, bb).float(), atol=0.1, rtol=0.02)
+    with pytest.raises(ValueError, match="linear kernel"):
+        L.LinearFactory("fastest")
+
+
+@pytest.mark.unit
+def test_plan_table_picks_the_nearest_probe_in_log_scale():
+    plan = L.Plan({1: "default", 4: "onednn", 16: "onednn", 64: "default"})
+    table = plan.table()
+    assert [table[r.bit_length()] for r in (1, 2, 3, 5, 12, 20, 40, 100, 5000)] == [
+        "default", "onednn", "onednn", "onednn", "onednn", "onednn", "default", "default", "default"]
+
+
+@pytest.mark.parametrize("choice", ["onednn", "auto"])
+def test_prepacked_greedy_matches_transformers(tmp_path, choice):
+    from tests.helpers.native import build_model, hf_greedy, prompt, request, run_all
+
+    loaded = build_model("qwen2", tmp_path)  # GQA + qkv bias: every linear kind, with and without bias
+    reqs = [request(i, prompt(200 + i, n), m) for i, (n, m) in enumerate([(5, 12), (30, 9), (70, 14), (120, 6)])]
+    refs = {r.id: hf_greedy(loaded, r.prompt, r.max_new_tokens) for r in reqs}
+    batching = DynamicBatchingConfig(max_batch_size=4, max_seq_len=256, buckets=(16, 32, 64, 128))
+    engine = NativeEngine(loaded, batching, EngineConfig(engine="native", kv_cache_gb=0.01, linear=choice),
+                          max_running=4)
+    packed = [x.packed is not None for lw in engine.runner.model.layers for x in (lw.qkv_l, lw.o_l, lw.down_l)]
+    if choice == "onednn":  # forced: every layer prepacked wherever oneDNN exists
+        assert all(packed) == L.onednn_available()
+    else:  # measured: packed only where oneDNN won at some row count
+        assert not any(packed) or L.onednn_available()
+    done = run_all(engine, [reqs])
+    assert {k: v.token_ids for k, v in done.items()} == refs
+    stats = engine.stats()
+    assert "64->320 float32" in stats["linear_kernels"]  # lm_head: hidden 64 -> vocab 320
+    assert stats["decode_attention"].split()[0] in ("kernel", "gather")

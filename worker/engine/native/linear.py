@@ -1,0 +1,200 @@
+"""Linear layers on the fastest kernel this machine has, chosen per weight shape and row count.
+
+On x86 CPUs torch's default ``F.linear`` (MKL sgemm in fp32) leaves much of the machine unused at the
+small row counts of a decode step: on an AVX2 EPYC it reached 33 GFLOP/s on the lm_head shape at 32
+rows where oneDNN, with the weight reordered once into its blocked layout, reached 74. Which kernel
+wins depends on the shape and the number of rows (oneDNN's packed weight is slow at 1 row there; MKL
+wins some shapes at 512), so the choice is *measured* once at load, per distinct (out, in, dtype)
+shape and per row-count bucket, and the weight is prepacked only where oneDNN won somewhere.
+
+Kernels: ``default`` (``F.linear``: every device, always available) and ``onednn``
+(``torch.ops.mkldnn._linear_pointwise`` over ``torch.ops.mkldnn._reorder_linear_weight``: CPU only,
+fp32, bf16 where oneDNN supports it on this CPU). A missing op, a non-CPU device or a reorder that
+fails (e.g. bf16 without AVX512/AVX-NE-CONVERT) leaves the layer on ``default``: never an error.
+
+Memory: a prepacked weight is a second copy of that weight (the dense one stays for the rows where the
+default kernel won, and for the transformers module the weights came from).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("default", "onednn")
+CHOICES = ("auto", *KERNELS)
+# row counts measured at load (a decode step has as many rows as sequences, a prefill step as tokens);
+# a row count uses the choice of the nearest measured one (log scale)
+PROBE_ROWS = (1, 4, 16, 64, 256, 1024)
+PROBE_MAX_FLOP = 2e9  # skip probes costlier than this (larger row counts take the largest probe's choice)
+PROBE_REPS = 3  # timed calls per (kernel, rows) after one warm-up; the minimum is kept (noise only adds)
+_MAX_BITS = 64
+# measured plans of this process: (out, in, dtype, threads) -> Plan. A second engine in the same process
+# (tests, benchmarks, a restarted engine) reuses them instead of measuring again
+_MEASURED: dict[tuple[int, int, str, int], Plan] = {}
+
+
+def onednn_available() -> bool:
+    """Whether this torch has the oneDNN linear ops (CPU builds with MKLDNN)."""
+    try:
+        return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _prepack(w: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of ``w`` [out, in], or None where it cannot be made here."""
+    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not onednn_available():
+        return None
+    try:
+        with torch.no_grad():
+            return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
+    except RuntimeError as exc:  # e.g. bf16 without avx512bw/vl/dq or avx_ne_convert
+        log.info("oneDNN prepack unavailable for %s %s: %s", tuple(w.shape), w.dtype, exc)
+        return None
+
+
+@dataclass
+class Plan:
+    """The kernel chosen for each row-count bucket of one weight shape, and what was measured."""
+
+    by_probe: dict[int, str]  # probe rows -> kernel
+    gflops: dict[int, dict[str, float]] = field(default_factory=dict)  # probe rows -> kernel -> GFLOP/s
+
+    def table(self) -> list[str]:
+        """Kernel per ``rows.bit_length()`` (index 0..64): the nearest probe in log scale."""
+        probes = sorted(self.by_probe)
+        out = []
+        for bits in range(_MAX_BITS + 1):
+            mid = 2 ** max(bits - 1, 0) * 1.5 if bits else 1  # middle of [2^(bits-1), 2^bits)
+            nearest = min(probes, key=lambda p: abs(math.log2(p / mid)))
+            out.append(self.by_probe[nearest])
+        return out
+
+
+def best_times(fns: list[Callable[[], object]], reps: int) -> list[float]:
+    """Minimum seconds of each of ``fns`` over ``reps`` rounds (interleaved, so a burst of load elsewhere
+    hits every candidate alike), after one warm-up call each."""
+    best = [float("inf")] * len(fns)
+    for fn in fns:
+        fn()
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best
+
+
+@torch.inference_mode()
+def measure(w: torch.Tensor, packed: torch.Tensor, rows: Iterable[int] = PROBE_ROWS,
+            reps: int = PROBE_REPS) -> Plan:
+    """Time ``default`` against ``onednn`` for ``w`` [out, in] at each probe row count; return the faster
+    per row count (with the GFLOP/s each reached)."""
+    n_out, n_in = w.shape
+    by_probe: dict[int, str] = {}
+    gflops: dict[int, dict[str, float]] = {}
+    for r in rows:
+        flop = 2.0 * r * n_in * n_out
+        if by_probe and flop > PROBE_MAX_FLOP:
+            break
+        x = torch.randn(r, n_in, dtype=w.dtype, device=w.device)
+        t_def, t_one = best_times([partial(F.linear, x, w),
+                                    partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], "")],
+                                   reps)
+        by_probe[r] = "onednn" if t_one < t_def else "default"
+        gflops[r] = {"default": round(flop / t_def / 1e9, 1), "onednn": round(flop / t_one / 1e9, 1)}
+    return Plan(by_probe, gflops)
+
+
+class Linear:
+    """``y = x @ weight.T + bias`` on the kernel chosen for ``x``'s row count. x: [..., in] -> [..., out]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Plan | None = None,
+                 packed: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias  # [out, in], [out]
+        self.packed = packed if plan is not None and "onednn" in plan.by_probe.values() else None
+        self.plan = plan
+        kinds = plan.table() if self.packed is not None else ["default"] * (_MAX_BITS + 1)
+        self._fns: list[Callable[[torch.Tensor], torch.Tensor]] = [
+            self._onednn if k == "onednn" else self._default for k in kinds]
+        self._add_fns: list[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = [
+            self._onednn_add if k == "onednn" else self._default_add for k in kinds]
+        self.n_in = weight.shape[1]
+
+    def _default(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def _default_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual + F.linear(x, self.weight, self.bias)
+
+    def _onednn_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # the residual add as oneDNN's binary post-op on the fp32 result: bit-identical to the add after the
+        # matmul (tested), one pass over the output fewer
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fns[(x.numel() // self.n_in).bit_length()](x)
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)``; residual: [..., out], contiguous, same leading shape as x."""
+        return self._add_fns[(x.numel() // self.n_in).bit_length()](x, residual)
+
+    def kernel_for(self, rows: int) -> str:
+        """Which kernel runs ``rows`` rows."""
+        return "onednn" if self._fns[rows.bit_length()] == self._onednn else "default"
+
+
+class LinearFactory:
+    """Builds ``Linear`` layers, measuring each distinct (out, in, dtype) shape once.
+
+    choice: ``auto`` (measure per shape and row count), ``default`` (F.linear everywhere) or ``onednn``
+    (prepacked everywhere it can be; default where it cannot)."""
+
+    def __init__(self, choice: str = "auto") -> None:
+        if choice not in CHOICES:
+            raise ValueError(f"linear kernel must be one of {CHOICES}, not {choice!r}")
+        self.choice = choice
+        self.plans: dict[tuple[int, int, str], Plan | None] = {}  # None: default only (no oneDNN here)
+        self.seconds = 0.0  # spent measuring
+
+    def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        if self.choice == "default":
+            return Linear(weight, bias)
+        packed = _prepack(weight)
+        key = (weight.shape[0], weight.shape[1], str(weight.dtype).removeprefix("torch."))
+        if packed is None:
+            self.plans.setdefault(key, None)
+            return Linear(weight, bias)
+        if key not in self.plans:
+            if self.choice == "onednn":
+                self.plans[key] = Plan({r: "onednn" for r in PROBE_ROWS})
+            else:
+                cached = (*key, torch.get_num_threads())
+                if cached not in _MEASURED:
+                    t = time.perf_counter()
+                    _MEASURED[cached] = measure(weight, packed)
+                    self.seconds += time.perf_counter() - t
+                self.plans[key] = _MEASURED[cached]
+        return Linear(weight, bias, self.plans[key], packed)
+
+    def describe(self) -> dict[str, str]:
+        """Per shape ``"in->out dtype"``: the kernel per probed row count, e.g. ``"1:default 4:onednn ..."``."""
+        out = {}
+        for (n_out, n_in, dt), plan in sorted(self.plans.items()):
+            name = f"{n_in}->{n_out} {dt}"
+            out[name] = "default" if plan is None else " ".join(f"{r}:{k}" for r, k in sorted(plan.by_probe.items()))
+        return out
