@@ -19,14 +19,14 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from batchfleet.common.errors import BatchfleetError
 from batchfleet.gateway.config import GatewayConfig
 from batchfleet.gateway.errors import APIError, api_error, invalid
 from batchfleet.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
-from batchfleet.gateway.service import Gateway
+from batchfleet.gateway.service import CLIENT_CLOSED, Gateway
 from batchfleet.producer import AsyncClient
 
 log = logging.getLogger(__name__)
@@ -103,12 +103,22 @@ async def read_json(request: Request) -> Any:
             raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error",
                            "body_too_large")
     try:
-        return json.loads(body)
+        return json.loads(body, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError):
         raise invalid("the request body is not valid JSON") from None
+    except RecursionError:  # nested ~1000 deep: no request needs that
+        raise invalid("the request body is nested too deeply") from None
+
+
+def _no_constant(name: str) -> Any:
+    """NaN, Infinity and -Infinity are not JSON (Python's json accepts them)."""
+    raise ValueError(f"{name} is not valid JSON")
 
 
 async def _error_response(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, ClientDisconnect):  # gone before its body was read: nobody to answer, nothing wrong
+        log.debug("%s %s: client disconnected before sending its body", request.method, request.url.path)
+        return Response(status_code=CLIENT_CLOSED)
     err = api_error(exc)
     if err.status == 500:
         log.error("%s %s failed: %r", request.method, request.url.path, exc, exc_info=exc)

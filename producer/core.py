@@ -29,7 +29,9 @@ from batchfleet.common.errors import (
 from batchfleet.common.keys import Keys, valid_job_id
 from batchfleet.common.protocol import (
     MAX_PAYLOAD_BYTES,
+    MAX_REPETITION_PENALTY,
     MAX_STOP,
+    MAX_TOP_K,
     MIN_TEMPERATURE,
     Delta,
     Error,
@@ -74,25 +76,39 @@ class Params:
     top_k: int = 0
     seed: int | None = None
     stop: Sequence[str] | None = None
+    # vLLM's sampling extensions (docs/PROTOCOL.md: a request setting one needs version-3 workers)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
             raise InvalidRequest(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not (
+        if not _number(self.temperature) or not (
                 self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 100.0):
             raise InvalidRequest(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100], "
                                  f"got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if type(self.top_k) is not int or self.top_k < 0:
-            raise InvalidRequest(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if type(self.top_k) is not int or not 0 <= self.top_k <= MAX_TOP_K:
+            raise InvalidRequest(f"top_k must be an integer in [0, {MAX_TOP_K}], got {self.top_k!r}")
         if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < 2**63):
             raise InvalidRequest(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if type(self.ignore_eos) is not bool:
+            raise InvalidRequest(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidRequest(f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}")
+        if not _number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequest(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                                 f"got {self.repetition_penalty!r}")
+        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.stop is not None:
             if isinstance(self.stop, str):
                 self.stop = [self.stop]
-            if len(self.stop) > MAX_STOP or not all(isinstance(s, str) and s for s in self.stop):
-                raise InvalidRequest(f"stop must be at most {MAX_STOP} non-empty strings")
+            if len(self.stop) > MAX_STOP or not all(isinstance(s, str) and s and _unicode(s) for s in self.stop):
+                raise InvalidRequest(f"stop must be at most {MAX_STOP} non-empty strings of valid Unicode")
 
     @classmethod
     def of(cls, params: Mapping) -> Params:
@@ -101,6 +117,20 @@ class Params:
         if unknown:
             raise InvalidRequest(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
         return cls(**params)
+
+
+def _unicode(text: str) -> bool:
+    """Whether ``text`` has a UTF-8 form (a lone surrogate, which JSON's \\ud800 escape can carry, has none)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _number(x: object) -> bool:
+    """A real number (not a bool, not NaN)."""
+    return type(x) in (int, float) and x == x  # type: ignore[comparison-overlap]
 
 
 class FleetView:
@@ -135,10 +165,14 @@ class FleetView:
     def tokenize(self, prompt: Prompt) -> list[int]:
         assert self.info is not None and self.tokenizer is not None
         if isinstance(prompt, str):
+            if not _unicode(prompt):  # the tokenizer would raise TypeError
+                raise InvalidRequest("the prompt is not valid Unicode (it holds a lone surrogate)")
             return self.tokenizer.encode(prompt).ids
         if is_messages(prompt):
             info = self.info
             text = render(info.chat_template, prompt, info.bos_token, info.eos_token)  # type: ignore[arg-type]
+            if not _unicode(text):
+                raise InvalidRequest("a message is not valid Unicode (it holds a lone surrogate)")
             # a template that writes the BOS itself must not get a second one from the tokenizer
             return self.tokenizer.encode(text, add_special_tokens=not (info.bos_token and
                                                                        text.startswith(info.bos_token))).ids
@@ -161,6 +195,8 @@ class FleetView:
             id=job_id, prompt=ids, max_new_tokens=params.max_new_tokens, temperature=float(params.temperature),
             top_p=float(params.top_p), top_k=params.top_k, seed=params.seed, stop=tuple(params.stop or ()),
             timeout_ms=None if timeout is None else int(timeout * 1000), reply_key=reply_key, stream=stream,
+            ignore_eos=params.ignore_eos, min_tokens=params.min_tokens,
+            repetition_penalty=float(params.repetition_penalty), min_p=float(params.min_p),
         )
         return Outgoing(bucket, keys.stream(bucket), req, self.info.max_queue_len)
 
