@@ -33,13 +33,15 @@ def serve(**values) -> None:
         config = build_gateway_config(**values)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    if config.metrics_port:
+    registry = None
+    if config.metrics_port:  # the fleet's queue gauges and the gateway's own HTTP metrics, one endpoint
         from batchfleet.common.metrics import queue_collector, registry_with, serve_metrics
 
-        serve_metrics(registry_with(queue_collector(config.connection)), config.metrics_port)
+        registry = registry_with(queue_collector(config.connection))
+        serve_metrics(registry, config.metrics_port)
     auth = f"{len(config.api_keys)} API key(s)" if config.api_keys else "no API key (anyone may call it)"
     click.echo(f"batchfleet gateway on http://{config.host}:{config.port}/v1 for namespace "
                f"{config.connection.namespace!r}, {auth}", err=True)
     # log_config=None: uvicorn's loggers follow the logging `batchfleet --log-level` set up
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_config=None,
+    uvicorn.run(create_app(config, registry=registry), host=config.host, port=config.port, log_config=None,
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

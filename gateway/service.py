@@ -48,22 +48,24 @@ class Gateway:
         if not sum(hmac.compare_digest(given, k) for k in self._keys):
             raise _unauthorized("incorrect API key provided")
 
-    async def model_name(self) -> str:
-        """--model-name, else the name the fleet publishes (FleetUnavailable -> 503 before any worker)."""
-        return self.config.model_name or (await self.client.fleet()).info.model
+    async def model_names(self) -> tuple[str, ...]:
+        """--served-model-name, else the name the fleet publishes (FleetUnavailable -> 503 before any
+        worker). Answers report the first."""
+        return self.config.served_model_names or ((await self.client.fleet()).info.model,)
 
-    async def check_model(self, job: Job) -> str:
-        """The served model's name; 404 when the request names another one."""
-        name = await self.model_name()
-        if job.model is not None and job.model != name:
-            raise APIError(404, f"the model {job.model!r} does not exist here; this gateway serves {name!r}",
-                           "invalid_request_error", "model_not_found", "model")
-        return name
+    async def check_model(self, model: str | None, param: str | None = "model") -> str:
+        """The name answers report; 404 when ``model`` is given and is none of the served names."""
+        names = await self.model_names()
+        if model is not None and model not in names:
+            served = ", ".join(repr(n) for n in names)
+            raise APIError(404, f"the model {model[:200]!r} does not exist here; this gateway serves {served}",
+                           "invalid_request_error", "model_not_found", param)
+        return names[0]
 
     async def complete(self, request: Request, job: Job, chat: bool) -> Response:
         """Run one job: the whole answer, or an event stream. Submission errors (QueueFull,
         PromptTooLong, NoWorkers...) raise here, before any byte of the answer is sent."""
-        model = await self.check_model(job)
+        model = await self.check_model(job.model)
         info = (await self.client.fleet()).info
         job_id = uuid.uuid4().hex
         shape = Shape(chat=chat, job_id=job_id, model=model, created=int(time.time()),
