@@ -26,7 +26,7 @@ from batchfleet.common.protocol import Result
 from batchfleet.common.redis_conn import async_client, write_acked
 from batchfleet.common.retry import TRANSIENT, Backoff
 from batchfleet.producer.chat import is_messages
-from batchfleet.producer.core import RETRY_S, Deadline, FleetView, Outgoing, Params, Prompt
+from batchfleet.producer.core import INLINE_PROMPT_CHARS, RETRY_S, Deadline, FleetView, Outgoing, Params, Prompt
 from batchfleet.producer.inbox import Inbox, WaitExpired
 from batchfleet.producer.stream import AsyncTokenStream
 
@@ -36,7 +36,6 @@ T = TypeVar("T")
 CANCEL_TTL_S = 3600  # a cancel marker outlives any queue wait worth having
 LIVENESS_CHECK_S = 0.3  # budget of the "how many workers are alive" question a Timeout message asks
 GIVE_UP_CANCEL_TIMEOUT_S = 5.0
-INLINE_PROMPT_CHARS = 16_384  # prompts up to this size are tokenized on the loop (well under a millisecond)
 
 
 class AsyncClient:

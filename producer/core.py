@@ -45,6 +45,9 @@ from batchfleet.producer.chat import is_messages, render
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]  # text, token ids, or chat messages
 FLEET_REFRESH_S = 30.0
 RETRY_S = 30.0  # default: how long a call without a timeout keeps retrying through a Redis outage
+# prompts up to this size are tokenized on the caller's thread (well under a millisecond); the async
+# client tokenizes longer ones on a worker thread, with the GIL released
+INLINE_PROMPT_CHARS = 16_384
 
 
 class Deadline:
@@ -167,20 +170,27 @@ class FleetView:
         if isinstance(prompt, str):
             if not _unicode(prompt):  # the tokenizer would raise TypeError
                 raise InvalidRequest("the prompt is not valid Unicode (it holds a lone surrogate)")
-            return self.tokenizer.encode(prompt).ids
+            return self._encode(prompt)
         if is_messages(prompt):
             info = self.info
             text = render(info.chat_template, prompt, info.bos_token, info.eos_token)  # type: ignore[arg-type]
             if not _unicode(text):
                 raise InvalidRequest("a message is not valid Unicode (it holds a lone surrogate)")
             # a template that writes the BOS itself must not get a second one from the tokenizer
-            return self.tokenizer.encode(text, add_special_tokens=not (info.bos_token and
-                                                                       text.startswith(info.bos_token))).ids
+            return self._encode(text, add_special_tokens=not (info.bos_token and text.startswith(info.bos_token)))
         ids = list(prompt)
         if not ids or not all(type(t) is int and 0 <= t < self.info.vocab_size for t in ids):
             raise InvalidRequest("a prompt is text, chat messages, or a non-empty list of token ids in "
                                  f"[0, {self.info.vocab_size})")
         return ids
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. A long text goes through ``encode_batch``, which releases the GIL while
+        it runs (``encode`` holds it: on a worker thread it would still stall the event loop's thread)."""
+        assert self.tokenizer is not None
+        if len(text) <= INLINE_PROMPT_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def build(self, keys: Keys, reply_key: str, prompt: Prompt, params: Params, timeout: float | None,
               job_id: str | None, stream: bool = False) -> Outgoing:
