@@ -25,8 +25,16 @@ from batchfleet.common.keys import valid_inbox
 from batchfleet.common.protocol import Result
 from batchfleet.common.redis_conn import async_client, write_acked
 from batchfleet.common.retry import TRANSIENT, Backoff
-from batchfleet.producer.chat import is_messages
-from batchfleet.producer.core import INLINE_PROMPT_CHARS, RETRY_S, Deadline, FleetView, Outgoing, Params, Prompt
+from batchfleet.producer.core import (
+    INLINE_PROMPT_CHARS,
+    RETRY_S,
+    Deadline,
+    FleetView,
+    Outgoing,
+    Params,
+    Prompt,
+    prompt_size,
+)
 from batchfleet.producer.inbox import Inbox, WaitExpired
 from batchfleet.producer.stream import AsyncTokenStream
 
@@ -182,7 +190,7 @@ class AsyncClient:
         """Tokenize (chat: render the template) and build the request; a large prompt on a worker thread,
         so one multi-MB prompt or thousand-message chat never stalls the event loop (and every other
         request of a web backend with it)."""
-        if _prompt_size(prompt) <= INLINE_PROMPT_CHARS:  # small: a thread hop would cost more than it saves
+        if prompt_size(prompt) <= INLINE_PROMPT_CHARS:  # small: a thread hop would cost more than it saves
             return fleet.build(self.keys, self.inbox.key, prompt, params, timeout, job_id, stream)
         return await asyncio.to_thread(fleet.build, self.keys, self.inbox.key, prompt, params, timeout, job_id,
                                        stream)
@@ -316,13 +324,3 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-
-def _prompt_size(prompt: Prompt) -> int:
-    """Characters (text, chat contents) or ids (token ids) of a prompt: what tokenizing it costs."""
-    if isinstance(prompt, str):
-        return len(prompt)
-    if is_messages(prompt):
-        # rendering costs per message too (templates loop over them): 1,000 short messages go to a thread
-        contents = (m.get("content") for m in prompt)  # type: ignore[union-attr]
-        return sum(len(c) if isinstance(c, str) else 0 for c in contents) + 256 * len(prompt)
-    return len(prompt)

@@ -136,6 +136,17 @@ def _number(x: object) -> bool:
     return type(x) in (int, float) and x == x  # type: ignore[comparison-overlap]
 
 
+def prompt_size(prompt: Prompt) -> int:
+    """Characters (text, chat contents) or ids (token ids) of a prompt: what tokenizing it costs."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if is_messages(prompt):
+        # rendering costs per message too (templates loop over them): 1,000 short messages go to a thread
+        contents = (m.get("content") for m in prompt)  # type: ignore[union-attr]
+        return sum(len(c) if isinstance(c, str) else 0 for c in contents) + 256 * len(prompt)
+    return len(prompt)
+
+
 class FleetView:
     """The fleet's tokenizer, chat template and limits as published by workers, cached and refreshed."""
 
