@@ -6,6 +6,7 @@ several served names, the HTTP metrics, and a too-large max_tokens named as such
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -132,7 +133,13 @@ def test_served_names_model_route_and_http_metrics(start_worker, start_gateway):
         assert http.get("/nowhere/x1").status_code == 404
         events = parse_events(http.post("/v1/completions", json={**COMPLETION, "stream": True}).text.splitlines())
         assert events[-1] == "[DONE]"
-    text = generate_latest(gw.app.state.metrics.registry).decode()
+    histogram = 'batchfleet_gateway_request_duration_seconds_bucket{le="+Inf",method="POST",route="/v1/completions"}'
+    deadline = time.monotonic() + 10
+    while True:  # a request is counted once its last byte is sent: the client may have read it just before
+        text = generate_latest(gw.app.state.metrics.registry).decode()
+        if f"{histogram} 4.0" in text or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
 
     def count(route: str, method: str, status: int) -> float:
         pattern = (rf'batchfleet_gateway_requests_total\{{method="{method}",route="{re.escape(route)}",'
@@ -143,7 +150,6 @@ def test_served_names_model_route_and_http_metrics(start_worker, start_gateway):
     assert count("/v1/completions", "POST", 200) == 3 and count("/v1/completions", "POST", 404) == 1
     assert count("/v1/models/{model_id:path}", "GET", 404) == 1 and count("/v1/models", "GET", 200) == 1
     assert count("/health", "GET", 200) == 1 and count("unmatched", "GET", 404) == 1
-    histogram = 'batchfleet_gateway_request_duration_seconds_bucket{le="+Inf",method="POST",route="/v1/completions"}'
     assert f"{histogram} 4.0" in text
 
 
