@@ -115,7 +115,7 @@ def test_refused_submits_leave_nothing_in_memory(start_worker, redis_url, namesp
     async def scenario() -> None:
         async with AsyncClient(redis_url, namespace) as client:
             queued = [await client.submit("Hi", max_new_tokens=2) for _ in range(2)]
-            refused = await asyncio.gather(*(client.submit("Hi", max_new_tokens=2) for _ in range(2000)),
+            refused = await asyncio.gather(*(client.submit("Hi", max_new_tokens=2) for _ in range(1000)),
                                            return_exceptions=True)
             assert all(isinstance(x, QueueFull) for x in refused), {type(x) for x in refused}
             assert client.inbox.held() == {**NOTHING, "waiting": len(queued)}
