@@ -14,6 +14,7 @@ No coercion anywhere: ``"temperature": "0.5"`` or ``true`` is a 400, as is ``"n"
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from batchfleet.gateway.errors import invalid
@@ -96,6 +97,4 @@ def refuse_non_neutral(values: dict[str, Any], rules: dict[str, tuple[Any, ...]]
 
 
 def _json(value: Any) -> str:
-    import json
-
     return json.dumps(value)

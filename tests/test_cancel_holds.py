@@ -11,6 +11,7 @@ import random
 import time
 
 import httpx
+import openai
 import pytest
 import redis
 
@@ -57,6 +58,16 @@ def test_gateway_timeout_504_cancels_the_running_job(long_worker, start_gateway,
     resp = httpx.post(gw.url + "/v1/completions", json=body, timeout=30)
     assert resp.status_code == 504 and resp.headers["x-should-retry"] == "false", resp.text
     assert_all_left(long_worker, gw.gateway.client, redis_url, 1)
+    # the official client (2 retries by default) does not start it again
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", timeout=30)
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model=client.models.list().data[0].id, prompt="Hi", max_tokens=LONG,
+                                  extra_body={"ignore_eos": True, "timeout": 0.5})
+    assert info.value.status_code == 504
+    assert_all_left(long_worker, gw.gateway.client, redis_url, 2)
+    answered = gw.app.state.metrics.registry.get_sample_value(
+        "batchfleet_gateway_requests_total", {"route": "/v1/completions", "method": "POST", "status": "504"})
+    assert answered == 2
 
 
 @pytest.mark.parametrize("how", ["wait_for", "task.cancel", "timeout"])
