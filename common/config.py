@@ -131,8 +131,8 @@ def bucket_for(buckets: tuple[int, ...], max_seq_len: int, prompt_len: int, max_
         raise PromptTooLong(f"prompt has {prompt_len} tokens; the largest bucket is {buckets[-1]}")
     if prompt_len + max_new_tokens > max_seq_len:
         raise PromptTooLong(
-            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len ({max_seq_len})"
-        )
+            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len ({max_seq_len})",
+            "max_new_tokens")  # the prompt fits a bucket: what it asks for on top is too much
     return buckets[bisect.bisect_left(buckets, prompt_len)]
 
 

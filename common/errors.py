@@ -37,7 +37,12 @@ class InvalidRequest(BatchfleetError, ValueError):
 
 
 class PromptTooLong(InvalidRequest):
-    """The prompt does not fit the largest bucket, or prompt + max_new_tokens > max_seq_len."""
+    """The prompt does not fit the largest bucket, or prompt + max_new_tokens > max_seq_len. ``field``
+    says which to shorten: ``"prompt"`` or ``"max_new_tokens"``."""
+
+    def __init__(self, message: str, field: str = "prompt") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class QueueFull(BatchfleetError):

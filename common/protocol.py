@@ -18,7 +18,11 @@ import msgpack
 from batchfleet.common.errors import UNSUPPORTED_SCHEMA, ProtocolError
 from batchfleet.common.keys import INTERACTIVE, LANES, valid_job_id
 
-SCHEMA_VERSION = 3  # 2: per-client inbox streams, timeouts on Redis' clock; 3: priority classes (lanes)
+SCHEMA_VERSION = 3  # 2: per-client inbox streams, timeouts on Redis' clock; 3: priority classes (lanes) and
+# vLLM's sampling extensions (ignore_eos, min_tokens, repetition_penalty, min_p): a v2 worker would ignore
+# them and answer something else than asked, so it refuses v3 (unsupported_schema) instead
+MAX_REPETITION_PENALTY = 10.0
+MAX_TOP_K = 1 << 20
 MAX_PAYLOAD_BYTES = 1 << 20  # 1 MiB: far above 4096 token ids + stop strings
 MAX_TOKENS = 1 << 16  # prompt or completion length cap at decode time (the worker checks its own limits)
 MAX_STOP = 16
@@ -28,7 +32,7 @@ FINISH_REASONS = ("stop", "length", "eos")
 MAX_TIMEOUT_MS = 10 * 365 * 86400 * 1000
 
 
-def _unpack(data: bytes) -> dict[str, Any]:
+def _unpack(data: bytes, versions: tuple[int, ...] = (SCHEMA_VERSION,)) -> dict[str, Any]:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError("payload must be bytes")
     if len(data) > MAX_PAYLOAD_BYTES:
@@ -49,14 +53,15 @@ def _unpack(data: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ProtocolError(f"payload must be a map, got {type(obj).__name__}")
     version = obj.get("v")
-    if type(version) is not int or version != SCHEMA_VERSION:  # 1.0 and True == 1 in Python
-        raise ProtocolError(f"unsupported schema version {version!r} (this side speaks {SCHEMA_VERSION})",
+    if type(version) is not int or version not in versions:  # 1.0 and True == 1 in Python
+        speaks = " or ".join(map(str, versions))
+        raise ProtocolError(f"unsupported schema version {version!r} (this side speaks {speaks})",
                             code=UNSUPPORTED_SCHEMA)
     return obj
 
 
-def _pack(obj: dict[str, Any]) -> bytes:
-    return msgpack.packb({"v": SCHEMA_VERSION, **obj}, use_bin_type=True)
+def _pack(obj: dict[str, Any], version: int = SCHEMA_VERSION) -> bytes:
+    return msgpack.packb({"v": version, **obj}, use_bin_type=True)
 
 
 def _int(obj: dict, key: str, lo: int, hi: int, default: int | None = None) -> int:
@@ -123,13 +128,19 @@ class Request:
     reply_key: str = ""
     stream: bool = False
     priority: str = INTERACTIVE
+    # sampling extensions (vLLM's names and meanings)
+    ignore_eos: bool = False  # an end-of-sequence token does not end the request
+    min_tokens: int = 0  # EOS and stop strings cannot end it before this many tokens
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or the output
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
 
     def encode(self) -> bytes:
         return _pack({
             "id": self.id, "prompt": list(self.prompt), "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
             "stop": list(self.stop), "timeout_ms": self.timeout_ms, "reply_key": self.reply_key,
-            "stream": self.stream, "priority": self.priority,
+            "stream": self.stream, "priority": self.priority, "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens, "repetition_penalty": self.repetition_penalty, "min_p": self.min_p,
         })
 
     @classmethod
@@ -157,19 +168,32 @@ class Request:
         priority = obj.get("priority", INTERACTIVE)
         if priority not in LANES:
             raise ProtocolError(f"priority must be one of {', '.join(LANES)}, got {priority!r}"[:200])
+        ext: dict[str, Any] = {"ignore_eos": obj.get("ignore_eos", False)}
+        if type(ext["ignore_eos"]) is not bool:
+            raise ProtocolError(f"ignore_eos must be a boolean, got {ext['ignore_eos']!r}"[:200])
+        ext["min_tokens"] = _int(obj, "min_tokens", 0, MAX_TOKENS, 0)
+        penalty = _float(obj, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY, 1.0)
+        if penalty <= 0.0:
+            raise ProtocolError("repetition_penalty must be > 0")
+        ext["repetition_penalty"] = penalty
+        ext["min_p"] = _float(obj, "min_p", 0.0, 1.0, 0.0)
+        max_new_tokens = _int(obj, "max_new_tokens", 1, MAX_TOKENS)
+        if ext["min_tokens"] > max_new_tokens:
+            raise ProtocolError(f"min_tokens ({ext['min_tokens']}) must be <= max_new_tokens ({max_new_tokens})")
         return cls(
             id=job_id,
             prompt=_tokens(obj, "prompt", 1),
-            max_new_tokens=_int(obj, "max_new_tokens", 1, MAX_TOKENS),
+            max_new_tokens=max_new_tokens,
             temperature=_temperature(obj),
             top_p=_float(obj, "top_p", 1e-6, 1.0, 1.0),
-            top_k=_int(obj, "top_k", 0, 1 << 20, 0),
+            top_k=_int(obj, "top_k", 0, MAX_TOP_K, 0),
             seed=seed,
             stop=tuple(stop),
             timeout_ms=timeout_ms,
             reply_key=_str(obj, "reply_key"),
             stream=stream,
             priority=priority,
+            **ext,
         )
 
 

@@ -19,18 +19,20 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from batchfleet.common.errors import BatchfleetError
+from batchfleet.common.protocol import FleetInfo
 from batchfleet.gateway.config import GatewayConfig
 from batchfleet.gateway.dashboard import add_dashboard
 from batchfleet.gateway.dashboard import close as close_dashboard
 from batchfleet.gateway.errors import APIError, api_error, invalid
-from batchfleet.gateway.metrics import GatewayMetrics, HttpMetrics
+from batchfleet.gateway.metrics import HTTPMetrics, MetricsMiddleware
 from batchfleet.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
-from batchfleet.gateway.service import Gateway
+from batchfleet.gateway.service import CLIENT_CLOSED, Gateway
 from batchfleet.producer import AsyncClient
 
 log = logging.getLogger(__name__)
@@ -42,9 +44,12 @@ def default_client(config: GatewayConfig) -> AsyncClient:
 
 
 def create_app(config: GatewayConfig | None = None,
-               client_factory: Callable[[GatewayConfig], AsyncClient] = default_client) -> FastAPI:
-    """The gateway app; ``client_factory(config)`` makes its AsyncClient at startup."""
+               client_factory: Callable[[GatewayConfig], AsyncClient] = default_client,
+               registry: CollectorRegistry | None = None) -> FastAPI:
+    """The gateway app; ``client_factory(config)`` makes its AsyncClient at startup; its HTTP metrics go
+    to ``registry`` (default: a fresh one, ``app.state.metrics.registry``)."""
     config = config or GatewayConfig()
+    metrics = HTTPMetrics(registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,8 +62,8 @@ def create_app(config: GatewayConfig | None = None,
             close_dashboard(app)
 
     app = FastAPI(title="batchfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.metrics = GatewayMetrics()  # served by `batchfleet serve --metrics-port` (gateway/cli.py)
-    app.add_middleware(HttpMetrics, metrics=app.state.metrics)
+    app.state.metrics = metrics
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
     for exc_type in (APIError, BatchfleetError, ValueError, Exception):
         app.add_exception_handler(exc_type, _error_response)
     app.add_exception_handler(HTTPException, _http_error)
@@ -84,10 +89,14 @@ def create_app(config: GatewayConfig | None = None,
         gateway = _gateway(request)
         gateway.authorize(request)
         info = (await gateway.client.fleet()).info
-        return {"object": "list", "data": [{
-            "id": await gateway.model_name(), "object": "model", "created": 0, "owned_by": "batchfleet",
-            "max_model_len": info.max_seq_len, "max_prompt_tokens": info.buckets[-1],
-        }]}
+        return {"object": "list", "data": [_model(name, info) for name in await gateway.model_names()]}
+
+    @app.get("/v1/models/{model_id:path}")  # :path: ids like "org/model" hold a slash
+    async def model(request: Request, model_id: str) -> Any:
+        gateway = _gateway(request)
+        gateway.authorize(request)
+        await gateway.check_model(model_id, param=None)
+        return _model(model_id, (await gateway.client.fleet()).info)
 
     @app.get("/health")
     async def health(request: Request) -> Any:
@@ -97,6 +106,12 @@ def create_app(config: GatewayConfig | None = None,
     add_dashboard(app, config)
 
     return app
+
+
+def _model(name: str, info: FleetInfo) -> dict[str, Any]:
+    """A model object in OpenAI's shape (plus vLLM's max_model_len and the largest prompt bucket)."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "batchfleet",
+            "max_model_len": info.max_seq_len, "max_prompt_tokens": info.buckets[-1]}
 
 
 def _gateway(request: Request) -> Gateway:
@@ -112,12 +127,22 @@ async def read_json(request: Request) -> Any:
             raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error",
                            "body_too_large")
     try:
-        return json.loads(body)
+        return json.loads(body, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError):
         raise invalid("the request body is not valid JSON") from None
+    except RecursionError:  # nested ~1000 deep: no request needs that
+        raise invalid("the request body is nested too deeply") from None
+
+
+def _no_constant(name: str) -> Any:
+    """NaN, Infinity and -Infinity are not JSON (Python's json accepts them)."""
+    raise ValueError(f"{name} is not valid JSON")
 
 
 async def _error_response(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, ClientDisconnect):  # gone before its body was read: nobody to answer, nothing wrong
+        log.debug("%s %s: client disconnected before sending its body", request.method, request.url.path)
+        return Response(status_code=CLIENT_CLOSED)
     err = api_error(exc)
     if err.status == 500:
         log.error("%s %s failed: %r", request.method, request.url.path, exc, exc_info=exc)

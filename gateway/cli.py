@@ -37,7 +37,7 @@ def serve(**values) -> None:
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     app = create_app(config)
-    if config.metrics_port:  # the fleet's queue gauges and this gateway's HTTP metrics
+    if config.metrics_port:  # the fleet's queue gauges and this gateway's HTTP metrics, one endpoint
         from batchfleet.common.metrics import MetricsPortInUse
         from batchfleet.gateway.metrics import serve_gateway_metrics
 

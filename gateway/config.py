@@ -25,28 +25,30 @@ class GatewayConfig:
     api_keys: tuple[str, ...] = field(default=(), metadata=option(
         "Accepted API keys, comma-separated (clients send 'Authorization: Bearer <key>'); none: no auth.",
         flag="api-key", parse=parse_api_keys))
-    model_name: str | None = field(default=None, metadata=option(
-        "Model id the API reports and accepts. Default: the fleet's model name."))
+    served_model_names: tuple[str, ...] = field(default=(), metadata=option(
+        "Model ids the API lists and accepts, comma-separated (as vLLM's); answers report the first. "
+        "Default: the fleet's model name.", flag="served-model-name", parse=parse_api_keys))
     request_timeout_s: float = field(default=600.0, metadata=option(
         "Longest a request may take (queue + generation), also its deadline in the fleet; a request may ask "
         "for less with the 'timeout' field (seconds). Past it: HTTP 504.", flag="request-timeout"))
     chat_max_tokens: int = field(default=256, metadata=option(
         "max_tokens of a chat completion that does not set it (completions default to 16, as OpenAI's)."))
     metrics_port: int = field(default=0, metadata=option(
-        "Serve Prometheus metrics (this gateway's HTTP requests and the fleet's queue gauges) on this port; "
-        "0 = off."))
+        "Serve Prometheus metrics (the fleet's queue gauges and the gateway's HTTP requests by route and "
+        "status, latency histogram) on this port; 0 = off."))
     metrics_host: str = field(default="0.0.0.0", metadata=option(
         "Address the metrics server binds (127.0.0.1: this host only)."))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", parse_api_keys(self.api_keys))
+        object.__setattr__(self, "served_model_names", parse_api_keys(self.served_model_names))
         if not self.host:
             raise ConfigError("host must not be empty")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         check_api_keys(self.api_keys)
-        if self.model_name is not None and not self.model_name.strip():
-            raise ConfigError("model_name must not be blank")
+        if len(set(self.served_model_names)) != len(self.served_model_names):
+            raise ConfigError("served_model_names must not repeat a name")
         if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s > 0):
             raise ConfigError(f"request_timeout_s must be a positive number, got {self.request_timeout_s}")
         if not 0 <= self.metrics_port <= 65535:

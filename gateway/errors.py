@@ -24,6 +24,7 @@ from batchfleet.common.errors import (
     Timeout,
 )
 
+NO_RETRY = {"x-should-retry": "false"}  # the official OpenAI clients honour it (they retry 5xx otherwise)
 RETRY_AFTER_S = 1  # what a 429 / 503 tells a client to wait: queues drain in about a batch's time
 
 
@@ -57,8 +58,8 @@ def api_error(exc: BaseException) -> APIError:
     """The answer for an exception raised while serving a request (order matters: subclasses first)."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, Timeout):
-        return APIError(504, str(exc), "timeout_error", "timeout")
+    if isinstance(exc, Timeout):  # the job was cancelled: a retry would start it again past the timeout asked
+        return APIError(504, str(exc), "timeout_error", "timeout", headers=NO_RETRY)
     if isinstance(exc, PromptTooLong):
         return invalid(str(exc), "prompt", "context_length_exceeded")
     if isinstance(exc, (InvalidRequest, ValueError)):  # the client's parameter checks (pydantic's too)
@@ -81,7 +82,7 @@ def api_error(exc: BaseException) -> APIError:
 def _job_failed(exc: JobFailed) -> APIError:
     """A worker's Error reply: the fleet's own code is kept as the OpenAI ``code``."""
     if exc.code == DEADLINE_EXCEEDED:
-        return APIError(504, exc.message, "timeout_error", DEADLINE_EXCEEDED)
+        return APIError(504, exc.message, "timeout_error", DEADLINE_EXCEEDED, headers=NO_RETRY)
     if exc.code == PROMPT_TOO_LONG:
         return invalid(exc.message, "prompt", "context_length_exceeded")
     if exc.code == INVALID_REQUEST:

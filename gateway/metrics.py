@@ -1,71 +1,81 @@
-"""The gateway's own Prometheus metrics: HTTP requests by route and status, and their latency.
+"""The gateway's own HTTP metrics (Prometheus), beside the fleet's queue gauges on ``--metrics-port``:
 
-    batchfleet_gateway_requests_total{route, status}          counter
-    batchfleet_gateway_request_duration_seconds{route}         histogram (until the last byte, streams too)
+    batchfleet_gateway_requests_total{route, method, status}       requests answered
+    batchfleet_gateway_request_duration_seconds{route, method}     latency histogram (a stream: until its last byte)
+    batchfleet_gateway_requests_in_progress                        requests being served now
 
-Measured by a plain ASGI middleware (``HttpMetrics``) around the whole app, so error responses and
-streamed answers count like any other. ``route`` is the route's path template (``/v1/completions``), or
-``other`` for paths no route matched: the label set stays bounded whatever clients send. Served on the
-gateway's ``--metrics-port`` with the fleet's queue gauges (gateway/cli.py).
+``route`` is the matched route's template (``/v1/models/{model_id}``), ``unmatched`` for any other path, so
+a scanner cannot grow the label set. A pure ASGI middleware, not Starlette's BaseHTTPMiddleware: that one
+buffers nothing but reads ``receive`` itself, which would hide a client's disconnect from the streams.
+A client gone before any answer counts as status 499.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.metrics import MetricsServer, queue_collector, registry_with, serve_metrics
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+CLIENT_CLOSED = 499
+# from a cached /v1/models (ms) to a long generation (minutes)
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
-class GatewayMetrics:
-    """The counters and histogram, in a registry of their own (never prometheus_client's global one)."""
+class HTTPMetrics:
+    """The metric families, registered in ``registry`` (a fresh one per app: never the global registry)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
-        self.requests = Counter("batchfleet_gateway_requests", "HTTP requests answered, by route and status code.",
-                                ["route", "status"], registry=self.registry)
-        self.latency = Histogram("batchfleet_gateway_request_duration_seconds", "From request to the last byte of "
-                                 "the response (a stream: its end), by route.", ["route"], buckets=LATENCY_BUCKETS,
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.requests = Counter("batchfleet_gateway_requests", "HTTP requests answered by the gateway.",
+                                ["route", "method", "status"], registry=self.registry)
+        self.latency = Histogram("batchfleet_gateway_request_duration_seconds", "Time from a request's arrival "
+                                 "to its answer's last byte.", ["route", "method"], buckets=BUCKETS,
+                                 registry=self.registry)
+        self.in_progress = Gauge("batchfleet_gateway_requests_in_progress", "Requests being served.",
                                  registry=self.registry)
 
-    def observe(self, route: str, status: int, seconds: float) -> None:
-        self.requests.labels(route=route, status=str(status)).inc()
-        self.latency.labels(route=route).observe(seconds)
 
+class MetricsMiddleware:
+    """ASGI middleware counting every HTTP request of ``app`` in ``metrics``."""
 
-class HttpMetrics:
-    """ASGI middleware: one observation per HTTP request, when its response ends (or the client left)."""
-
-    def __init__(self, app: Any, metrics: GatewayMetrics) -> None:
+    def __init__(self, app: Callable[..., Awaitable[None]], metrics: HTTPMetrics) -> None:
         self.app = app
         self.metrics = metrics
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         start = time.monotonic()
-        status = {"code": 500}  # an exception that escapes every handler is a 500 to the client
+        status = CLIENT_CLOSED
 
-        async def sending(message: dict) -> None:
+        async def sending(message: dict[str, Any]) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
-                status["code"] = int(message["status"])
+                status = message["status"]
             await send(message)
 
+        self.metrics.in_progress.inc()
         try:
             await self.app(scope, receive, sending)
+        except Exception:
+            if status == CLIENT_CLOSED:  # nothing sent yet: the server answers 500
+                status = 500
+            raise
         finally:
-            route = scope.get("route")
-            path = getattr(route, "path", None) or "other"
-            self.metrics.observe(path, status["code"], time.monotonic() - start)
+            self.metrics.in_progress.dec()
+            route = getattr(scope.get("route"), "path", None) or "unmatched"  # set by the router once matched
+            method = scope.get("method", "")
+            self.metrics.requests.labels(route, method, str(status)).inc()
+            self.metrics.latency.labels(route, method).observe(time.monotonic() - start)
 
 
-def serve_gateway_metrics(metrics: GatewayMetrics, conn: ConnectionConfig, port: int,
+def serve_gateway_metrics(metrics: HTTPMetrics, conn: ConnectionConfig, port: int,
                           host: str = "0.0.0.0") -> MetricsServer:
     """Serve ``metrics`` and the fleet's queue gauges (and live-worker count) on http://host:port/metrics
     (port 0: any free one). MetricsPortInUse when the port is taken."""

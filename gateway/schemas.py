@@ -1,24 +1,26 @@
 """Request bodies of /v1/completions and /v1/chat/completions (OpenAI's field names), validated into one
-``Job``: what AsyncClient is asked for. Anything the fleet cannot honour is refused with a 400 naming the
-field, never silently ignored (``n`` > 1, logprobs, penalties, tools, ...); fields that change nothing
-(``user``, ``model`` when it names this fleet) are accepted.
+``Job``: what AsyncClient is asked for. Strict (gateway/strict.py has the rules): pydantic's strict mode
+(no coercion: ``"0.5"`` or ``true`` is not a number), unknown fields forbidden, and the fields the fleet
+cannot honour accepted only at their neutral values; every refusal is a 400 naming the field.
 
 Extensions, all optional: ``timeout`` (seconds; at most the gateway's --request-timeout, HTTP 504 past
-it), ``top_k`` (0 = off) and ``priority`` (vLLM's integer: lower is more urgent), as vLLM accepts them.
-OpenAI's ``service_tier`` picks the priority class: ``flex`` -> batch, ``auto`` / ``default`` ->
-interactive (common/lanes.py); ``priority`` > 0 -> batch.
+it), and vLLM's ``top_k`` (0 or -1 = off), ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``ignore_eos`` and ``priority`` (an integer: lower is more urgent). OpenAI's ``service_tier`` picks the
+priority class: ``flex`` -> batch, ``auto`` / ``default`` -> interactive (common/lanes.py); ``priority``
+> 0 -> batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from batchfleet.common.lanes import lane_of
-from batchfleet.common.protocol import MIN_TEMPERATURE
+from batchfleet.common.protocol import MAX_REPETITION_PENALTY, MAX_STOP, MAX_TOP_K, MIN_TEMPERATURE
 from batchfleet.gateway.errors import invalid
+from batchfleet.gateway.strict import NEUTRAL_CHAT, NEUTRAL_COMPLETIONS, NEUTRAL_MESSAGE, refuse_non_neutral
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's
 TokenIds = list[StrictInt]
@@ -35,47 +37,52 @@ class Job:
     include_usage: bool
     timeout: float
     model: str | None
+    prompt_field: str = "prompt"  # the fields a PromptTooLong names: the prompt's, or the length's
+    max_tokens_field: str = "max_tokens"
+
+
+STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+Number = float  # in strict mode a float field takes JSON numbers (ints too), never strings or booleans
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: StrictBool = False
+    model_config = STRICT
+    include_usage: StrictBool | None = None
+    continuous_usage_stats: Literal[False] | None = None  # vLLM: usage in every chunk (not supported)
 
 
 class _Common(BaseModel):
-    """Fields both endpoints share; unknown fields are ignored (clients send vendor extras)."""
+    """Fields both endpoints share (honoured, or neutral-only: see gateway/strict.py)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     model: StrictStr | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: StrictInt | None = Field(default=None, ge=0)
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    n: StrictInt | None = None
+    temperature: Number | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Number | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(default=None, ge=-1, le=MAX_TOP_K)
+    min_p: Number | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: Number | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
+    min_tokens: StrictInt | None = Field(default=None, ge=0)
+    ignore_eos: StrictBool | None = None
+    seed: StrictInt | None = Field(default=None, ge=0, lt=2**63)
+    stop: StrictStr | list[StrictStr] | None = Field(default=None)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    timeout: float | None = Field(default=None, gt=0.0)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
-    logprobs: Any = None
+    timeout: Number | None = Field(default=None, gt=0.0)
     user: StrictStr | None = None
     service_tier: Literal["auto", "default", "flex"] | None = None
     priority: StrictInt | None = None
-
-    def refuse_unsupported(self) -> None:
-        """400 for features the fleet does not implement (silently dropping them would change answers)."""
-        if self.n not in (None, 1):
-            raise invalid("only n=1 is supported: send one request per completion", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise invalid(f"{name} is not supported", name)
-        if self.logit_bias:
-            raise invalid("logit_bias is not supported", "logit_bias")
-        if self.logprobs not in (None, False, 0):
-            raise invalid("logprobs are not supported", "logprobs")
+    # neutral-only (gateway/strict.py)
+    n: StrictInt | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool | None = None
+    spaces_between_special_tokens: StrictBool | None = None
+    include_stop_str_in_output: StrictBool | None = None
 
     def lane(self) -> str:
         """The priority class: ``priority`` (vLLM's integer) when given, else ``service_tier``, else
@@ -90,8 +97,12 @@ class _Common(BaseModel):
         return lane
 
     def job(self, prompt: Any, max_tokens: int, timeout_cap: float) -> Job:
-        self.refuse_unsupported()
+        refuse_non_neutral({k: getattr(self, k) for k in self.model_fields_set}, self.NEUTRAL)
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is not None and (len(stop) > MAX_STOP or not all(stop)):
+            raise invalid(f"stop must be at most {MAX_STOP} non-empty strings", "stop")
+        if self.min_tokens is not None and self.min_tokens > max_tokens:
+            raise invalid(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
         temperature = 1.0 if self.temperature is None else self.temperature  # OpenAI's default
         if temperature < MIN_TEMPERATURE:  # OpenAI accepts any t >= 0; the fleet's sampler, t = 0 or >= 1e-3
             temperature = 0.0  # which is what such a t means: the most likely token
@@ -99,10 +110,14 @@ class _Common(BaseModel):
             "max_new_tokens": max_tokens,
             "temperature": temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": self.top_k or 0,
+            "top_k": max(self.top_k or 0, 0),  # vLLM's -1 = off = the fleet's 0
             "seed": self.seed,
             "stop": stop or None,
             "priority": self.lane(),
+            "min_p": self.min_p or 0.0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "min_tokens": self.min_tokens or 0,
+            "ignore_eos": bool(self.ignore_eos),
         }
         return Job(prompt=prompt, params=params, stream=bool(self.stream),
                    include_usage=bool(self.stream and self.stream_options and self.stream_options.include_usage),
@@ -110,19 +125,16 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = NEUTRAL_COMPLETIONS
+
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
     max_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictInt | None = None
     echo: StrictBool | None = None
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
 
     def to_job(self, timeout_cap: float) -> Job:
-        if self.echo:
-            raise invalid("echo is not supported", "echo")
-        if self.best_of not in (None, 1):
-            raise invalid("only best_of=1 is supported", "best_of")
-        if self.suffix:
-            raise invalid("suffix is not supported", "suffix")
         prompt: Any = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:  # a batch of prompts: n choices would need n jobs and a merged answer
@@ -134,19 +146,27 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: Literal["text"]
     text: StrictStr
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     role: StrictStr
     content: StrictStr | list[TextPart] | None = None
+    # neutral-only (gateway/strict.py NEUTRAL_MESSAGE)
+    name: StrictStr | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: StrictStr | None = None
+    function_call: Any = None
+    refusal: StrictStr | None = None
 
-    def rendered(self) -> dict[str, str]:
+    def rendered(self, index: int) -> dict[str, str]:
         """{"role", "content"} as the chat template expects: text parts joined, OpenAI's
         ``developer`` role as ``system``."""
+        refuse_non_neutral({k: getattr(self, k) for k in self.model_fields_set}, NEUTRAL_MESSAGE,
+                           f"messages.{index}.")
         if self.role not in ROLES:
             raise invalid(f"unsupported message role {self.role!r} (use system, user or assistant)", "messages")
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
@@ -154,20 +174,35 @@ class Message(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = NEUTRAL_CHAT
+
     messages: list[Message] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    function_call: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    store: StrictBool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: StrictStr | None = None
+    modalities: list[StrictStr] | None = None
+    add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool | None = None
+    echo: StrictBool | None = None
+
+    def max_tokens_field(self) -> str:
+        """The field that set the completion's length (named when it is too large)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def to_job(self, timeout_cap: float, default_max_tokens: int) -> Job:
-        if self.tools or self.functions:
-            raise invalid("tools and function calling are not supported", "tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise invalid("only response_format {\"type\": \"text\"} is supported", "response_format")
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
-        return self.job([m.rendered() for m in self.messages], max_tokens, timeout_cap)
+        job = self.job([], max_tokens, timeout_cap)  # the request's own fields first, then each message's
+        return replace(job, prompt=[m.rendered(i) for i, m in enumerate(self.messages)], prompt_field="messages",
+                       max_tokens_field=self.max_tokens_field())
 
 
 def parse(model: type[_Common], body: Any) -> Any:
@@ -177,6 +212,15 @@ def parse(model: type[_Common], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        param = str(err["loc"][0]) if err["loc"] else None  # deeper parts name union members: noise
-        raise invalid(f"invalid value for '{param}': {err['msg']}", param) from None
+        errors = exc.errors()
+        first = errors[0]
+        loc = [str(part) for part in first["loc"]]
+        if first["type"] == "extra_forbidden":  # the whole path of an unknown field: messages.0.foo
+            param = ".".join(loc)
+            raise invalid(f"unknown field '{param}': not supported by this gateway", param) from None
+        # a union's members each fail: the deepest failure of the same field says most (an image part
+        # fails at messages.0.content.list[TextPart].0.type, not at "not a string")
+        deepest = max((e for e in errors if e["loc"][:1] == first["loc"][:1]), key=lambda e: len(e["loc"]))
+        param = loc[0] if loc else None  # deeper parts name union members: noise
+        where = ".".join(str(p) for p in deepest["loc"])
+        raise invalid(f"invalid value for '{where}': {deepest['msg']}"[:500], param) from None

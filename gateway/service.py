@@ -14,10 +14,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from batchfleet.common.errors import FleetUnavailable
+from batchfleet.common.errors import FleetUnavailable, PromptTooLong
 from batchfleet.common.protocol import Result
 from batchfleet.gateway.config import GatewayConfig
-from batchfleet.gateway.errors import APIError
+from batchfleet.gateway.errors import APIError, invalid
 from batchfleet.gateway.formats import Shape
 from batchfleet.gateway.schemas import Job
 from batchfleet.gateway.sse import EventStream, job_events, wait_disconnect
@@ -25,7 +25,6 @@ from batchfleet.producer import AsyncClient
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 2.0  # /health answers "unavailable" rather than hang on a frozen Redis
-CANCEL_TIMEOUT_S = 5.0
 CLIENT_CLOSED = 499  # nginx's status for "client closed request": never seen by anyone, only logged
 
 
@@ -49,57 +48,57 @@ class Gateway:
         if not sum(hmac.compare_digest(given, k) for k in self._keys):
             raise _unauthorized("incorrect API key provided")
 
-    async def model_name(self) -> str:
-        """--model-name, else the name the fleet publishes (FleetUnavailable -> 503 before any worker)."""
-        return self.config.model_name or (await self.client.fleet()).info.model
+    async def model_names(self) -> tuple[str, ...]:
+        """--served-model-name, else the name the fleet publishes (FleetUnavailable -> 503 before any
+        worker). Answers report the first."""
+        return self.config.served_model_names or ((await self.client.fleet()).info.model,)
 
-    async def check_model(self, job: Job) -> str:
-        """The served model's name; 404 when the request names another one."""
-        name = await self.model_name()
-        if job.model is not None and job.model != name:
-            raise APIError(404, f"the model {job.model!r} does not exist here; this gateway serves {name!r}",
-                           "invalid_request_error", "model_not_found", "model")
-        return name
+    async def check_model(self, model: str | None, param: str | None = "model") -> str:
+        """The name answers report; 404 when ``model`` is given and is none of the served names."""
+        names = await self.model_names()
+        if model is not None and model not in names:
+            served = ", ".join(repr(n) for n in names)
+            raise APIError(404, f"the model {model[:200]!r} does not exist here; this gateway serves {served}",
+                           "invalid_request_error", "model_not_found", param)
+        return names[0]
 
     async def complete(self, request: Request, job: Job, chat: bool) -> Response:
         """Run one job: the whole answer, or an event stream. Submission errors (QueueFull,
         PromptTooLong, NoWorkers...) raise here, before any byte of the answer is sent."""
-        model = await self.check_model(job)
+        model = await self.check_model(job.model)
         info = (await self.client.fleet()).info
         job_id = uuid.uuid4().hex
         shape = Shape(chat=chat, job_id=job_id, model=model, created=int(time.time()),
                       fingerprint=info.fingerprint or None, include_usage=job.include_usage)
         headers = {"x-request-id": job_id}
-        if job.stream:
-            stream = await self.client.stream(job.prompt, timeout=job.timeout, job_id=job_id, **job.params)
-            return EventStream(job_events(stream, shape), headers=headers)
-        start = time.monotonic()
-        await self.client.submit(job.prompt, timeout=job.timeout, job_id=job_id, **job.params)
+        try:
+            if job.stream:
+                stream = await self.client.stream(job.prompt, timeout=job.timeout, job_id=job_id, **job.params)
+                return EventStream(job_events(stream, shape), headers=headers)
+            start = time.monotonic()
+            await self.client.submit(job.prompt, timeout=job.timeout, job_id=job_id, **job.params)
+        except PromptTooLong as exc:  # name the request's own field: prompt / messages, max_tokens / ...
+            param = job.max_tokens_field if exc.field == "max_new_tokens" else job.prompt_field
+            raise invalid(str(exc).replace("max_new_tokens", param), param, "context_length_exceeded") from None
         result = await self._wait(request, job_id, max(0.0, job.timeout - (time.monotonic() - start)))
         return JSONResponse(shape.response(result), headers=headers)
 
     async def _wait(self, request: Request, job_id: str, timeout: float) -> Result:
-        """The job's result, unless the client goes away first: then the job is cancelled (a web page
-        closed mid-answer must not keep a batch slot busy)."""
-        waiting = asyncio.ensure_future(self.client.result(job_id, timeout=timeout))
+        """The job's result, unless the client goes away or the request's timeout passes first: then the
+        job is cancelled and its answer dropped (a web page closed mid-answer, or a 504, must not keep a
+        batch slot busy, nor leave the answer in the inbox)."""
+        waiting = asyncio.ensure_future(self.client.result(job_id, timeout=timeout, give_up=True))
         gone = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
             await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when this handler is cancelled (server shutdown)
             gone.cancel()
             if not waiting.done():
-                waiting.cancel()
-                await asyncio.shield(self.cancel(job_id))
+                waiting.cancel()  # its give_up cancels the job
+                await asyncio.gather(waiting, return_exceptions=True)
         if waiting.cancelled():
             raise APIError(CLIENT_CLOSED, "client closed the request", "invalid_request_error", "client_closed")
         return waiting.result()
-
-    async def cancel(self, job_id: str) -> None:
-        """Best effort: a cancel that cannot reach Redis is logged (the job's deadline still bounds it)."""
-        try:
-            await asyncio.wait_for(self.client.cancel(job_id), CANCEL_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - nobody is left to tell
-            log.warning("could not cancel job %s: %s", job_id, exc)
 
     async def health(self) -> tuple[int, dict[str, Any]]:
         """(status, body): 200 when Redis answers and at least one worker has a fresh heartbeat, or none

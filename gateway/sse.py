@@ -46,6 +46,7 @@ class EventStream(Response):
         self.status_code = 200
         self.background = None
         self.raw_headers = HEADERS + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+        self.gone = False  # the client disconnected: the pump stops at its next event whatever happens
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -53,6 +54,7 @@ class EventStream(Response):
         watch = asyncio.ensure_future(wait_disconnect(receive))
         try:
             await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+            self.gone = watch.done()
         finally:
             for task in (pump, watch):
                 task.cancel()
@@ -63,6 +65,8 @@ class EventStream(Response):
     async def _pump(self, send: Callable) -> None:
         try:
             async for chunk in self.events:
+                if self.gone:  # a cancellation lost in a race (see _within in producer/stream.py) ends here
+                    break
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:

@@ -26,7 +26,16 @@ from batchfleet.common.keys import valid_inbox
 from batchfleet.common.protocol import Result
 from batchfleet.common.redis_conn import async_client, write_acked
 from batchfleet.common.retry import TRANSIENT, Backoff
-from batchfleet.producer.core import RETRY_S, Deadline, FleetView, Outgoing, Params, Prompt
+from batchfleet.producer.core import (
+    INLINE_PROMPT_CHARS,
+    RETRY_S,
+    Deadline,
+    FleetView,
+    Outgoing,
+    Params,
+    Prompt,
+    prompt_size,
+)
 from batchfleet.producer.inbox import Inbox, WaitExpired
 from batchfleet.producer.stream import AsyncTokenStream
 
@@ -35,6 +44,7 @@ T = TypeVar("T")
 
 CANCEL_TTL_S = 3600  # a cancel marker outlives any queue wait worth having
 LIVENESS_CHECK_S = 0.3  # budget of the "how many workers are alive" question a Timeout message asks
+GIVE_UP_CANCEL_TIMEOUT_S = 5.0
 
 
 class AsyncClient:
@@ -81,6 +91,7 @@ class AsyncClient:
         self._fleet_lock = asyncio.Lock()
         self._scripts = {name: self.r.register_script(body) for name, body in BODIES.items()}
         self._functions = True  # False once Redis says it has no FCALL (< 7)
+        self._background: set[asyncio.Task] = set()  # cancels of given-up jobs (a reference keeps them alive)
 
     @property
     def reply_key(self) -> str:
@@ -99,8 +110,9 @@ class AsyncClient:
             if give_up is not None:  # no timeout: a frozen Redis must not hold one try past retry_s
                 left = max(0.05, give_up - time.monotonic())
             try:
-                out = await asyncio.wait_for(call(), left)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(left):  # not wait_for: it can swallow a cancellation (stream.py)
+                    out = await call()
+            except TimeoutError:
                 if give_up is None:
                     raise Timeout(f"{what}: Redis did not answer within {deadline.timeout:g} s") from None
                 raise RedisUnavailable(f"{what}: Redis at {self.conn.redis_url.split('@')[-1]} did not answer "
@@ -159,7 +171,7 @@ class AsyncClient:
     async def _submit(self, prompt: Prompt, deadline: Deadline, job_id: str | None, stream: bool,
                       params: Params) -> Outgoing:
         fleet = await self._fleet_view(deadline)
-        job = fleet.build(self.keys, self.inbox.key, prompt, params, deadline.left(), job_id, stream)
+        job = await self._build(fleet, prompt, params, deadline.left(), job_id, stream)
         self.inbox.expect(job.id, stream)
         try:
             code = await self._io(
@@ -167,15 +179,56 @@ class AsyncClient:
                                        job.args(self.require_workers and not fleet.scales_to_zero,
                                                 LIVE_WORKER_MS)),
                 deadline, f"enqueue of job {job.id}")
+        except BaseException as exc:  # enqueued or not, nobody can tell: cancel it in case it was
+            self._give_up_later(job.id, cancel=isinstance(exc, asyncio.CancelledError))
+            raise
+        try:
             job.accepted(code, self.keys.namespace)
-        except BaseException:
-            self.inbox.abandon(job.id)
+        except BaseException:  # refused (QueueFull, NoWorkers, too large): no answer will ever come
+            self.inbox.forget(job.id)
             raise
         return job
 
-    async def result(self, job_id: str, timeout: float | None = None) -> Result:
+    async def _build(self, fleet: FleetView, prompt: Prompt, params: Params, timeout: float | None,
+                     job_id: str | None, stream: bool) -> Outgoing:
+        """Tokenize (chat: render the template) and build the request; a large prompt on a worker thread,
+        so one multi-MB prompt or thousand-message chat never stalls the event loop (and every other
+        request of a web backend with it)."""
+        if prompt_size(prompt) <= INLINE_PROMPT_CHARS:  # small: a thread hop would cost more than it saves
+            return fleet.build(self.keys, self.inbox.key, prompt, params, timeout, job_id, stream)
+        return await asyncio.to_thread(fleet.build, self.keys, self.inbox.key, prompt, params, timeout, job_id,
+                                       stream)
+
+    def _give_up_later(self, job_id: str, cancel: bool = True) -> None:
+        """Nobody will wait for this job: drop its answer when it comes and (``cancel``) stop it in the
+        fleet, from a task of its own (the caller may be being cancelled: its own awaits would not run)."""
+        self.inbox.abandon(job_id)
+        if not cancel:
+            return
+        task = asyncio.get_running_loop().create_task(self._cancel_quietly(job_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cancel_quietly(self, job_id: str) -> None:
+        try:
+            await self.cancel(job_id, GIVE_UP_CANCEL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - best effort: the job's deadline still bounds it
+            log.warning("could not cancel job %s: %r", job_id, exc)
+
+    async def give_up(self, job_id: str, timeout: float | None = GIVE_UP_CANCEL_TIMEOUT_S) -> None:
+        """Stop waiting for a job: cancel it in the fleet and drop its answer (deleted from the inbox, and
+        from memory) whenever it comes. ``cancel`` instead keeps the answer for ``result()``."""
+        self.inbox.abandon(job_id)
+        await self.cancel(job_id, timeout)
+
+    async def result(self, job_id: str, timeout: float | None = None, *, give_up: bool = False) -> Result:
         """Wait for the result of a job this client submitted (or one submitted under the same inbox).
-        Raises Timeout, Cancelled or JobFailed. Survives Redis restarts and dropped connections."""
+        Raises Timeout, Cancelled or JobFailed. Survives Redis restarts and dropped connections.
+        ``give_up``: a call that ends without the answer (its timeout passed, or it was cancelled) cancels
+        the job and drops its answer, as ``generate`` does; without it the job stays expected (a later
+        ``result`` may still get it)."""
+        if give_up:
+            return await self._result_or_give_up(job_id, Deadline(timeout))
         return await self._result(job_id, Deadline(timeout))
 
     async def _result(self, job_id: str, deadline: Deadline) -> Result:
@@ -186,10 +239,23 @@ class AsyncClient:
                           f"{await self._liveness()}") from None
 
     async def generate(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Result:
-        """Submit and wait. ``timeout`` (s) bounds the whole call and is also the job's deadline."""
+        """Submit and wait. ``timeout`` (s) bounds the whole call and is also the job's deadline. A call
+        that ends without the answer (its timeout passed, or the awaiting task was cancelled: a web
+        framework's timeout, ``asyncio.wait_for``) cancels the job and drops its answer."""
         deadline = Deadline(timeout)
         job = await self._submit(prompt, deadline, None, False, Params.of(params))
-        return await self._result(job.id, deadline)  # one deadline: a Timeout names the caller's timeout
+        return await self._result_or_give_up(job.id, deadline)
+
+    async def _result_or_give_up(self, job_id: str, deadline: Deadline) -> Result:
+        try:
+            return await self.inbox.final(job_id, deadline)
+        except WaitExpired:
+            self._give_up_later(job_id)
+            raise Timeout(f"no result for job {job_id} within {deadline.timeout:g} s; "
+                          f"{await self._liveness()}") from None
+        except asyncio.CancelledError:
+            self._give_up_later(job_id)
+            raise
 
     def stream(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
                **params: Any) -> AsyncTokenStream:
@@ -211,9 +277,16 @@ class AsyncClient:
         if failed:
             for j in jobs:
                 if isinstance(j, Outgoing):
-                    self.inbox.abandon(j.id)
+                    self._give_up_later(j.id)
             raise failed[0]
-        return list(await asyncio.gather(*(self._result(j.id, deadline) for j in jobs)))
+        waits = [asyncio.ensure_future(self._result_or_give_up(j.id, deadline)) for j in jobs]
+        try:
+            return list(await asyncio.gather(*waits))
+        except BaseException:  # one failed or the call was cancelled: nobody waits for the others
+            for w in waits:
+                w.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+            raise
 
     async def cancel(self, job_id: str, timeout: float | None = 5.0) -> None:
         """Ask the fleet to stop a job this client submitted: a queued job is skipped, a running one leaves
@@ -237,6 +310,8 @@ class AsyncClient:
 
     async def aclose(self) -> None:
         """Stop the inbox reader and close the connections (bounded: a dead Redis cannot hold it up)."""
+        if self._background:  # cancels of given-up jobs still on their way
+            await asyncio.wait(set(self._background), timeout=GIVE_UP_CANCEL_TIMEOUT_S)
         await self.inbox.close()
         for r in (self.inbox.reader, self.r):
             try:  # a client made on a given pool leaves the pool open: disconnect it too
@@ -250,3 +325,4 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+

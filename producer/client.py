@@ -119,9 +119,9 @@ class Client:
         """Enqueue one prompt; returns its job id (see AsyncClient.submit)."""
         return self._loop.run(self._async.submit(prompt, timeout=timeout, job_id=job_id, stream=stream, **params))
 
-    def result(self, job_id: str, timeout: float | None = None) -> Result:
+    def result(self, job_id: str, timeout: float | None = None, *, give_up: bool = False) -> Result:
         """Wait for a job's result (see AsyncClient.result)."""
-        return self._loop.run(self._async.result(job_id, timeout))
+        return self._loop.run(self._async.result(job_id, timeout, give_up=give_up))
 
     def generate(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Result:
         """Submit and wait; ``timeout`` (s) bounds the call and is the job's deadline."""
@@ -139,6 +139,10 @@ class Client:
     def cancel(self, job_id: str, timeout: float | None = 5.0) -> None:
         """Stop a job this client submitted (see AsyncClient.cancel)."""
         self._loop.run(self._async.cancel(job_id, timeout))
+
+    def give_up(self, job_id: str, timeout: float | None = 5.0) -> None:
+        """Cancel a job and drop its answer whenever it comes (see AsyncClient.give_up)."""
+        self._loop.run(self._async.give_up(job_id, timeout))
 
     def live_workers(self, timeout: float = 1.0) -> int:
         return self._loop.run(self._async.live_workers(timeout))

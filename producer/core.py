@@ -30,7 +30,9 @@ from batchfleet.common.keys import BATCH, INTERACTIVE, Keys, valid_job_id
 from batchfleet.common.lanes import lane_of
 from batchfleet.common.protocol import (
     MAX_PAYLOAD_BYTES,
+    MAX_REPETITION_PENALTY,
     MAX_STOP,
+    MAX_TOP_K,
     MIN_TEMPERATURE,
     Delta,
     Error,
@@ -44,6 +46,9 @@ from batchfleet.producer.chat import is_messages, render
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]  # text, token ids, or chat messages
 FLEET_REFRESH_S = 30.0
 RETRY_S = 30.0  # default: how long a call without a timeout keeps retrying through a Redis outage
+# prompts up to this size are tokenized on the caller's thread (well under a millisecond); the async
+# client tokenizes longer ones on a worker thread, with the GIL released
+INLINE_PROMPT_CHARS = 16_384
 
 
 class Deadline:
@@ -78,25 +83,39 @@ class Params:
     # the priority class: "interactive" (default) or "batch"; also OpenAI's service_tier names and vLLM's
     # integer priority (common/lanes.py)
     priority: str | int = INTERACTIVE
+    # vLLM's sampling extensions (docs/PROTOCOL.md: a request setting one needs version-3 workers)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
             raise InvalidRequest(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not (
+        if not _number(self.temperature) or not (
                 self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 100.0):
             raise InvalidRequest(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100], "
                                  f"got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if type(self.top_k) is not int or self.top_k < 0:
-            raise InvalidRequest(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if type(self.top_k) is not int or not 0 <= self.top_k <= MAX_TOP_K:
+            raise InvalidRequest(f"top_k must be an integer in [0, {MAX_TOP_K}], got {self.top_k!r}")
         if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < 2**63):
             raise InvalidRequest(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if type(self.ignore_eos) is not bool:
+            raise InvalidRequest(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidRequest(f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}")
+        if not _number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequest(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                                 f"got {self.repetition_penalty!r}")
+        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.stop is not None:
             if isinstance(self.stop, str):
                 self.stop = [self.stop]
-            if len(self.stop) > MAX_STOP or not all(isinstance(s, str) and s for s in self.stop):
-                raise InvalidRequest(f"stop must be at most {MAX_STOP} non-empty strings")
+            if len(self.stop) > MAX_STOP or not all(isinstance(s, str) and s and _unicode(s) for s in self.stop):
+                raise InvalidRequest(f"stop must be at most {MAX_STOP} non-empty strings of valid Unicode")
         try:
             self.priority = lane_of(self.priority)
         except ValueError as exc:
@@ -109,6 +128,31 @@ class Params:
         if unknown:
             raise InvalidRequest(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
         return cls(**params)
+
+
+def _unicode(text: str) -> bool:
+    """Whether ``text`` has a UTF-8 form (a lone surrogate, which JSON's \\ud800 escape can carry, has none)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _number(x: object) -> bool:
+    """A real number (not a bool, not NaN)."""
+    return type(x) in (int, float) and x == x  # type: ignore[comparison-overlap]
+
+
+def prompt_size(prompt: Prompt) -> int:
+    """Characters (text, chat contents) or ids (token ids) of a prompt: what tokenizing it costs."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if is_messages(prompt):
+        # rendering costs per message too (templates loop over them): 1,000 short messages go to a thread
+        contents = (m.get("content") for m in prompt)  # type: ignore[union-attr]
+        return sum(len(c) if isinstance(c, str) else 0 for c in contents) + 256 * len(prompt)
+    return len(prompt)
 
 
 class FleetView:
@@ -148,18 +192,29 @@ class FleetView:
     def tokenize(self, prompt: Prompt) -> list[int]:
         assert self.info is not None and self.tokenizer is not None
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt).ids
+            if not _unicode(prompt):  # the tokenizer would raise TypeError
+                raise InvalidRequest("the prompt is not valid Unicode (it holds a lone surrogate)")
+            return self._encode(prompt)
         if is_messages(prompt):
             info = self.info
             text = render(info.chat_template, prompt, info.bos_token, info.eos_token)  # type: ignore[arg-type]
+            if not _unicode(text):
+                raise InvalidRequest("a message is not valid Unicode (it holds a lone surrogate)")
             # a template that writes the BOS itself must not get a second one from the tokenizer
-            return self.tokenizer.encode(text, add_special_tokens=not (info.bos_token and
-                                                                       text.startswith(info.bos_token))).ids
+            return self._encode(text, add_special_tokens=not (info.bos_token and text.startswith(info.bos_token)))
         ids = list(prompt)
         if not ids or not all(type(t) is int and 0 <= t < self.info.vocab_size for t in ids):
             raise InvalidRequest("a prompt is text, chat messages, or a non-empty list of token ids in "
                                  f"[0, {self.info.vocab_size})")
         return ids
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. A long text goes through ``encode_batch``, which releases the GIL while
+        it runs (``encode`` holds it: on a worker thread it would still stall the event loop's thread)."""
+        assert self.tokenizer is not None
+        if len(text) <= INLINE_PROMPT_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def build(self, keys: Keys, reply_key: str, prompt: Prompt, params: Params, timeout: float | None,
               job_id: str | None, stream: bool = False) -> Outgoing:
@@ -175,6 +230,8 @@ class FleetView:
             top_p=float(params.top_p), top_k=params.top_k, seed=params.seed, stop=tuple(params.stop or ()),
             timeout_ms=None if timeout is None else int(timeout * 1000), reply_key=reply_key, stream=stream,
             priority=str(params.priority),
+            ignore_eos=params.ignore_eos, min_tokens=params.min_tokens,
+            repetition_penalty=float(params.repetition_penalty), min_p=float(params.min_p),
         )
         limit = self.info.batch_queue_len if req.priority == BATCH else self.info.max_queue_len
         return Outgoing(bucket, keys.stream(bucket, req.priority), req, limit)

@@ -25,6 +25,8 @@ from batchfleet.producer.core import Deadline, parse_reply
 log = logging.getLogger("producer")
 
 MAX_UNCLAIMED = 100_000  # finals with no waiter kept for a later result(job_id) (a reused inbox name)
+MAX_ABANDONED = 100_000  # ids whose answer is still to be dropped; the oldest are forgotten beyond it
+ABANDONED_TTL_S = 3600.0  # an answer later than this (the workers' default reply TTL) never comes
 READ_COUNT = 1024
 
 Final = tuple[str, Result | BaseException]  # (entry id, the Result or the error it stands for)
@@ -56,7 +58,9 @@ class Inbox:
         self.unavailable_after_s: float | None = None  # the client's retry_s: see _wait
         self.last_read = time.monotonic()  # the last XREAD that returned (every block_ms at most, if healthy)
         self._jobs: dict[str, _Waiter] = {}
-        self._abandoned: set[str] = set()  # cancelled or given up by the caller: answers are dropped
+        # cancelled or given up by the caller: answers are dropped (and deleted) when they come;
+        # id -> monotonic time it was given up, oldest first
+        self._abandoned: OrderedDict[str, float] = OrderedDict()
         self._unclaimed: OrderedDict[str, Final] = OrderedDict()
         self._last = "0-0"  # everything in the inbox: a reused inbox name picks up earlier replies
         self._consumed: list[str] = []
@@ -66,7 +70,7 @@ class Inbox:
 
     def expect(self, job_id: str, stream: bool = False) -> _Waiter:
         """Register a job before it is enqueued, so no reply can arrive unseen."""
-        self._abandoned.discard(job_id)
+        self._abandoned.pop(job_id, None)
         waiter = self._jobs.get(job_id)
         if waiter is None:
             waiter = self._jobs[job_id] = _Waiter(stream)
@@ -74,10 +78,33 @@ class Inbox:
         return waiter
 
     def abandon(self, job_id: str) -> None:
-        """Nobody will take this job's answer (cancelled, or its enqueue failed): drop it when it comes."""
+        """Nobody will take this job's answer (given up, or its enqueue's outcome is unknown): an answer
+        already here is deleted now, one still to come is deleted when it comes; nothing stays in memory
+        past that (or past ABANDONED_TTL_S / MAX_ABANDONED, for an answer that never comes)."""
+        waiter = self._jobs.pop(job_id, None)
+        taken = self._unclaimed.pop(job_id, None)
+        if waiter is not None and waiter.final.done() and not waiter.final.cancelled():
+            taken = waiter.final.result()
+        if taken is not None:
+            self.consumed(taken[0])
+            return
+        now = time.monotonic()
+        self._abandoned[job_id] = now
+        self._abandoned.move_to_end(job_id)
+        while self._abandoned:
+            oldest, since = next(iter(self._abandoned.items()))
+            if len(self._abandoned) <= MAX_ABANDONED and now - since < ABANDONED_TTL_S:
+                break
+            del self._abandoned[oldest]
+
+    def forget(self, job_id: str) -> None:
+        """The job was never enqueued (refused: QueueFull, NoWorkers...): no answer will come."""
         self._jobs.pop(job_id, None)
-        self._unclaimed.pop(job_id, None)
-        self._abandoned.add(job_id)
+
+    def held(self) -> dict[str, int]:
+        """How many jobs this inbox holds something for (tests: nothing may stay behind)."""
+        return {"waiting": len(self._jobs), "abandoned": len(self._abandoned), "unclaimed": len(self._unclaimed),
+                "to_delete": len(self._consumed)}
 
     def waiter(self, job_id: str) -> _Waiter:
         """The job's waiter; one is made for a job this client did not submit (a reused inbox name)."""
@@ -112,9 +139,10 @@ class Inbox:
         started = time.monotonic()
         while True:
             step = deadline.sooner(1.0) if self.unavailable_after_s is not None else deadline.left()
-            try:
-                return await asyncio.wait_for(asyncio.shield(waiter.final), step)
-            except asyncio.TimeoutError:
+            try:  # not wait_for: before 3.12 it can swallow a cancellation (producer/stream.py)
+                async with asyncio.timeout(step):
+                    return await asyncio.shield(waiter.final)
+            except TimeoutError:
                 if deadline.left() == 0:
                     raise WaitExpired(f"no result for job {job_id}") from None
                 # a healthy XREAD returns at least every block_ms: longer without one is an outage (refused,
@@ -206,7 +234,7 @@ class Inbox:
                 waiter.deltas.put_nowait(reply)
             return
         if job_id in self._abandoned:
-            self._abandoned.discard(job_id)
+            del self._abandoned[job_id]
             self.consumed(entry_id)
             return
         waiter = self._jobs.get(job_id)

@@ -124,7 +124,11 @@ class AsyncTokenStream:
 
 
 async def _within(aw, deadline: Deadline):
+    """``await aw`` within the deadline. Not ``asyncio.wait_for``: before Python 3.12 it returns the
+    result and swallows a cancellation that arrives as ``aw`` completes, so a stream whose client left
+    at that instant went on to the end of its job instead of cancelling it."""
     try:
-        return await asyncio.wait_for(aw, deadline.left())
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(deadline.left()):
+            return await aw
+    except TimeoutError:
         raise Timeout("deadline passed") from None

@@ -165,3 +165,4 @@ def test_gateway_serves_the_fleet_queue_gauges(start_worker, redis_url, namespac
         proc.terminate()
         proc.wait(10)
     assert 'batchfleet_queue_depth{bucket="32",class="interactive"}' in body
+    assert "batchfleet_gateway_requests_in_progress 0.0" in body  # and its own HTTP metrics, on the same port

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from batchfleet.common.protocol import Delta
 
 REPLACEMENT = "\ufffd"
-MAX_HELD_TOKENS = 3  # a UTF-8 character spans at most 4 bytes, so at most 4 byte-level tokens
+MAX_HELD_TOKENS = 8  # a UTF-8 character spans at most 4 bytes; special tokens between them add no bytes
 
 
 @dataclass
@@ -85,31 +85,36 @@ class StreamPublisher:
         return out
 
     def _advance(self, d: _Detok, tokens: list[int]) -> None:
-        """Decode what the tokens since ``d.read`` add to the text, up to the last complete character.
+        """Decode what the tokens since ``d.read`` add to the text, up to the last closed character.
 
-        A text ending in U+FFFD may be a character whose last bytes are still to come (a UTF-8 character
-        has at most 4 bytes, so at most 3 more tokens), so up to 3 trailing tokens are held back. When
-        every such cut ends in U+FFFD (random or invalid bytes), the cut 3 tokens back is taken if the
-        whole window re-decodes with it as a prefix: its U+FFFD is then an invalid sequence, final.
+        Invariants: ``d.text`` is exactly the decode of ``tokens[:d.read]``, and ``d.read`` (so also
+        ``d.prefix``, an earlier ``read``) is a closed boundary: no later byte can change the text before
+        it. A cut is closed when its text ends in a whole character; when it ends in U+FFFD (a character
+        whose last bytes may still come, or invalid bytes), it is closed only if the bytes after it did not
+        join it: the window decodes to the same text split there or not (an incomplete sequence followed
+        by a byte continuing it decodes differently split). Up to MAX_HELD_TOKENS tokens are held back
+        while no cut is closed; the final reply carries whatever is held at the end.
         """
         if len(tokens) <= d.read:
             return
         before = self.decode(tokens[d.prefix:d.read])
-        end = 0
+        whole: str | None = None
         for held in range(MAX_HELD_TOKENS + 1):
             cut = len(tokens) - held
             if cut <= d.read:
                 return  # every new token may still belong to an unfinished character: wait for more
             after = self.decode(tokens[d.prefix:cut])
             if not after.endswith(REPLACEMENT):
-                end = cut
                 break
-        else:  # ``after``, ``cut``: the window without its last 3 tokens
-            if not self.decode(tokens[d.prefix:]).startswith(after):
-                return
-            end = cut
+            if held:
+                rest = self.decode(tokens[cut:])
+                whole = self.decode(tokens[d.prefix:]) if whole is None else whole
+                if rest and after + rest == whole:
+                    break
+        else:
+            return
         if not after.startswith(before):
             return  # a window that re-decodes differently: wait for more context
         d.text += after[len(before):]
         # the next window starts at the tokens just decoded: enough left context for their successors
-        d.prefix, d.read = d.read, end
+        d.prefix, d.read = d.read, cut

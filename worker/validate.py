@@ -119,6 +119,7 @@ def accept(entry: Entry, keys: Keys, limits: Limits, now: float, clock_offset: f
     gen = GenRequest(
         id=req.id, prompt=list(req.prompt), bucket=entry.bucket, max_new_tokens=req.max_new_tokens,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop,
-        enqueued_at=enqueued, priority=RANK[entry.lane],
+        ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, repetition_penalty=req.repetition_penalty,
+        min_p=req.min_p, enqueued_at=enqueued, priority=RANK[entry.lane],
     )
     return Accepted(entry, req, gen, enqueued, deadline)

@@ -26,6 +26,10 @@ class GenRequest:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # sampling extensions: see common/protocol.py Request
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
     enqueued_at: float = 0.0  # unix time, for bookkeeping only
     priority: int = 0  # 0 = interactive, 1 = batch (common/lanes.py RANK): lower is more urgent
 

@@ -34,7 +34,7 @@ class _RowSampler(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         # scores: [B, V]
-        tokens = sample(scores, self.reqs, self.gens)
+        tokens = sample(scores, self.reqs, self.gens, self.checkers)
         if not self.first_token_at:
             self.first_token_at = time.time()
         for i, tok in enumerate(tokens.tolist()):

@@ -22,19 +22,51 @@ def make_generator(req: GenRequest, device: torch.device) -> torch.Generator | N
     return gen
 
 
-def sample(logits: torch.Tensor, reqs: Sequence[GenRequest], gens: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """Pick one token per row. logits: [B, V] -> tokens: [B] (long, on logits.device)."""
+def _adjusted(req: GenRequest, checker: StopChecker | None) -> bool:
+    """Whether a row's logits change before picking (penalty, or EOS still forbidden by min_tokens)."""
+    return req.repetition_penalty != 1.0 or (checker is not None and len(checker.tokens) < req.min_tokens)
+
+
+def adjust(row: torch.Tensor, req: GenRequest, checker: StopChecker | None) -> torch.Tensor:
+    """vLLM's logits processors, before temperature: the repetition penalty (HF/vLLM semantics: a token
+    seen in the prompt or the output has its logit divided by the penalty when positive, multiplied when
+    negative) and min_tokens (EOS ids masked until that many tokens are out). row: [V] float, CPU."""
+    output = checker.tokens if checker is not None else []
+    if req.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.prompt) | set(output)), dtype=torch.long)
+        seen = seen[seen < row.numel()]
+        vals = row[seen]
+        row = row.clone()
+        row[seen] = torch.where(vals > 0, vals / req.repetition_penalty, vals * req.repetition_penalty)
+    if checker is not None and len(output) < req.min_tokens and checker.eos_ids:
+        eos = torch.tensor(sorted(checker.eos_ids), dtype=torch.long)
+        row = row.index_fill(0, eos[eos < row.numel()], float("-inf"))
+    return row
+
+
+def sample(logits: torch.Tensor, reqs: Sequence[GenRequest], gens: Sequence[torch.Generator | None],
+           checkers: Sequence[StopChecker] | None = None) -> torch.Tensor:
+    """Pick one token per row. logits: [B, V] -> tokens: [B] (long, on logits.device). ``checkers`` (each
+    row's output so far and EOS ids) are needed by repetition_penalty and min_tokens."""
     out = logits.argmax(dim=-1)
-    sampled = [i for i, r in enumerate(reqs) if r.temperature > 0.0]
-    if not sampled:
+    picked = [i for i, r in enumerate(reqs)
+              if r.temperature > 0.0 or _adjusted(r, checkers[i] if checkers is not None else None)]
+    if not picked:
         return out
-    rows = logits[sampled].float().cpu()  # [S, V]
-    for j, i in enumerate(sampled):
+    rows = logits[picked].float().cpu()  # [S, V]
+    for j, i in enumerate(picked):
         r = reqs[i]
-        row = rows[j] / max(r.temperature, 1e-5)  # validated >= 1e-3 on the wire; never overflow here
+        row = adjust(rows[j], r, checkers[i] if checkers is not None else None)
+        if r.temperature == 0.0:
+            out[i] = int(row.argmax())
+            continue
+        row = row / max(r.temperature, 1e-5)  # validated >= 1e-3 on the wire; never overflow here
         if 0 < r.top_k < row.numel():
             kth = torch.topk(row, r.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
+        if r.min_p > 0.0:  # relative to the most likely token, after temperature (as vLLM)
+            probs = row.softmax(-1)
+            row = row.masked_fill(probs < r.min_p * probs.max(), float("-inf"))
         if r.top_p < 1.0:
             sorted_logits, order = torch.sort(row, descending=True)
             probs = sorted_logits.softmax(-1)
@@ -64,9 +96,10 @@ class StopChecker:
     def push(self, token: int) -> bool:
         """Record one generated token; return True when the request is finished."""
         self.tokens.append(token)
-        if token in self.eos_ids:
+        early = len(self.tokens) < self.req.min_tokens  # min_tokens: neither EOS nor a stop string ends it
+        if token in self.eos_ids and not self.req.ignore_eos and not early:
             self.reason = "eos"
-        elif self.req.stop and self._match_stop():
+        elif self.req.stop and not early and self._match_stop():
             self.reason = "stop"
         elif len(self.tokens) >= self.req.max_new_tokens:
             self.reason = "length"

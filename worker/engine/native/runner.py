@@ -101,7 +101,7 @@ class ModelRunner:
         logits = self._prefill(batch) if batch.is_prefill else self._decode(batch)  # [len(sampled), V]
         logits = logits.float()  # like transformers' generate; argmax is also ~4x faster than on bf16
         payloads = [s.payload for s in batch.sampled]
-        tokens = sample(logits, [p.req for p in payloads], [p.gen for p in payloads])
+        tokens = sample(logits, [p.req for p in payloads], [p.gen for p in payloads], [p.checker for p in payloads])
         return tokens.tolist()
 
     def padded_len(self, longest: int) -> int:

@@ -1,0 +1,100 @@
+"""The gateway's strictness rules, in one place (README's table is written from these).
+
+A request field is one of three kinds:
+
+* honoured: the fleet does what it asks (``HONOURED``, validated by the schemas' types and bounds);
+* neutral only: the fleet cannot do it, but standard clients send its "off" value (``n: 1``,
+  ``logprobs: null``, ``presence_penalty: 0``, ...): accepted at exactly these values (``NEUTRAL``),
+  any other value is a 400 naming the field;
+* anything else, an unknown field included: a 400 naming the field.
+
+No coercion anywhere: ``"temperature": "0.5"`` or ``true`` is a 400, as is ``"n": true`` (in Python
+``True == 1``: the comparison here also requires the same type).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from batchfleet.gateway.errors import invalid
+
+# fields whose value the fleet honours, per endpoint ("both" = completions and chat)
+HONOURED: dict[str, str] = {
+    "model": "both", "prompt": "completions", "messages": "chat", "max_tokens": "both",
+    "max_completion_tokens": "chat", "temperature": "both", "top_p": "both", "top_k": "both", "min_p": "both",
+    "seed": "both", "stop": "both", "stream": "both", "stream_options": "both", "timeout": "both",
+    "repetition_penalty": "both", "min_tokens": "both", "ignore_eos": "both", "user": "both",
+}
+
+# neutral-only fields: the values accepted (null always is); each tuple is (value, ...) compared by type too
+_TEXT_FORMAT = {"type": "text"}
+NEUTRAL_COMMON: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "logit_bias": ({},),
+    "response_format": (_TEXT_FORMAT,),  # structured outputs: issue 22 item 1 (another branch)
+    "stop_token_ids": ([],),  # vLLM
+    "skip_special_tokens": (True,),  # vLLM: the fleet's text never holds special tokens
+    "spaces_between_special_tokens": (True,),  # vLLM
+    "include_stop_str_in_output": (False,),  # vLLM: a matched stop string is cut (OpenAI's semantics)
+}
+NEUTRAL_COMPLETIONS: dict[str, tuple[Any, ...]] = {
+    **NEUTRAL_COMMON,
+    "logprobs": (),  # completions: an int asks for logprobs (0 included: the sampled token's)
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+}
+NEUTRAL_CHAT: dict[str, tuple[Any, ...]] = {
+    **NEUTRAL_COMMON,
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),  # without tools both mean: answer in text
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "parallel_tool_calls": (True, False),  # without tools it changes nothing
+    "store": (False,),
+    "metadata": ({},),
+    "service_tier": ("auto", "default"),
+    "modalities": (["text"],),
+    "add_generation_prompt": (True,),  # vLLM: the template always ends with the assistant's header
+    "continue_final_message": (False,),  # vLLM
+    "echo": (False,),  # vLLM's chat extension
+}
+# per message of a chat request
+NEUTRAL_MESSAGE: dict[str, tuple[Any, ...]] = {
+    "name": (),  # a participant name: the fleet's templates do not render it
+    "tool_calls": ([],),
+    "tool_call_id": (),
+    "function_call": (),
+    "refusal": (),
+}
+
+
+def same(value: Any, neutral: Any) -> bool:
+    """``value == neutral`` with the same type all the way down (``True`` is not ``1``, ``1`` is ``1.0``
+    only for float fields, which the schema already made floats)."""
+    if type(value) is not type(neutral):
+        return False
+    if isinstance(value, dict):
+        return value.keys() == neutral.keys() and all(same(value[k], neutral[k]) for k in value)
+    if isinstance(value, list):
+        return len(value) == len(neutral) and all(same(a, b) for a, b in zip(value, neutral))
+    return value == neutral
+
+
+def refuse_non_neutral(values: dict[str, Any], rules: dict[str, tuple[Any, ...]], where: str = "") -> None:
+    """400 naming the first field of ``values`` (the fields a request set) not at a neutral value."""
+    for name, neutral in rules.items():
+        value = values.get(name)
+        if value is None or any(same(value, n) for n in neutral):
+            continue
+        accepted = ", ".join(["null", *(_json(n) for n in neutral)])
+        raise invalid(f"'{where}{name}' is not supported with this value (accepted: {accepted})", where + name)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value)

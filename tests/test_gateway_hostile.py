@@ -1,0 +1,117 @@
+"""Hostile requests never get a 5xx: a few hundred malformed, mistyped, oversized, deeply nested and
+invalid-Unicode bodies against a gateway with a live worker, each answered 4xx (or 200 when it happens to be
+valid), and no ERROR logged; a client that disconnects before sending its body is not an error either."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import socket
+import time
+
+import httpx
+import pytest
+
+from batchfleet.producer import Client, InvalidRequest
+from tests.helpers.gateway import gateways
+
+FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+          "seed", "stop", "n", "stream", "stream_options", "timeout", "logprobs", "top_logprobs", "logit_bias",
+          "repetition_penalty", "min_tokens", "ignore_eos", "user", "model", "tools", "response_format", "echo"]
+VALUES = [None, True, False, 0, -1, 1, 2**63, 2**64, 10**30, -2**64, 1.5, -0.0, 1e308, 1e-320, "", "x", "\ud800",
+          "\udfff\ud800", "0.5", "true", [], {}, [1, 2], [2**64], [-1], ["a", 3], {"a": [1]}, [[1]], [[]],
+          {"type": "json_schema"}, {"include_usage": "yes"}, "a" * 5000]
+
+
+def nested(depth: int, leaf: object = 1) -> str:
+    return "[" * depth + json.dumps(leaf) + "]" * depth
+
+
+def hostile_bodies(rng: random.Random) -> list[tuple[str, bytes]]:
+    """(path, raw body): handcrafted cases first, then random field/value mixtures."""
+    base = {"prompt": "Hi", "max_tokens": 2}
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    raw: list[tuple[str, bytes]] = [
+        ("/v1/completions", nested(1000).encode()),
+        ("/v1/completions", ('{"prompt": ' + nested(1000, "a") + "}").encode()),
+        ("/v1/completions", ('{"prompt": "a", "logit_bias": ' + '{"a":' * 900 + "1" + "}" * 900 + "}").encode()),
+        ("/v1/chat/completions", ('{"messages": ' + nested(5000) + "}").encode()),
+        ("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 2}'),
+        ("/v1/completions", b'{"prompt": ["\\udc00abc"], "max_tokens": 2}'),
+        ("/v1/completions", b'{"prompt": "a", "stop": ["\\ud800"], "max_tokens": 2}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\ud83d"}], "max_tokens": 2}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}'),
+        ("/v1/completions", json.dumps({**base, "top_k": 2**64}).encode()),
+        ("/v1/completions", json.dumps({**base, "top_k": 2**100, "seed": 2**64}).encode()),
+        ("/v1/completions", json.dumps({**base, "max_tokens": 2**64}).encode()),
+        ("/v1/completions", json.dumps({**base, "prompt": [2**64, 1]}).encode()),
+        ("/v1/completions", json.dumps({**base, "prompt": [[2**70]]}).encode()),
+        ("/v1/completions", json.dumps({**base, "timeout": 1e308}).encode()),
+        ("/v1/chat/completions", json.dumps({**chat, "messages": [{"role": "user", "content": "x"}] * 2000}).encode()),
+        ("/v1/chat/completions", json.dumps({**chat, "messages": [{"role": "user"}]}).encode()),
+        ("/v1/chat/completions", json.dumps({**chat, "messages": [{"content": "x"}]}).encode()),
+        ("/v1/completions", b""), ("/v1/completions", b"null"), ("/v1/completions", b"[]"), ("/v1/completions", b'"x"'),
+        ("/v1/completions", b"\xff\xfe\x00garbage"), ("/v1/completions", b'{"prompt": "a"'),
+        ("/v1/completions", b'{"prompt": "a", "temperature": NaN}'), ("/v1/completions", b'{"prompt": "a",}'),
+        ("/v1/completions", b'{"prompt": "a", "prompt": 3}'), ("/v1/completions", b"1" * 10_000),
+        ("/v1/completions", json.dumps({**base, "model": "m" * 100_000}).encode()),
+    ]
+    for _ in range(300):
+        body: dict = dict(rng.choice([base, chat]))
+        for _ in range(rng.randint(1, 3)):
+            body[rng.choice(FIELDS + ["x-unknown", "", "__proto__"])] = rng.choice(VALUES)
+        raw.append(("/v1/chat/completions" if "messages" in body else "/v1/completions", json.dumps(body).encode()))
+    return raw
+
+
+@pytest.fixture
+def start_gateway(redis_url, namespace):
+    with gateways(redis_url, namespace) as start:
+        yield start
+
+
+def test_hostile_requests_never_get_a_5xx(start_worker, start_gateway, caplog):
+    start_worker(max_wait_ms=5)
+    gw = start_gateway(request_timeout_s=20)
+    bodies = hostile_bodies(random.Random(22))
+    caplog.set_level(logging.WARNING)
+
+    async def fire() -> list[tuple[int, str, bytes]]:
+        limit = asyncio.Semaphore(32)
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60) as http:
+            async def one(path: str, body: bytes) -> tuple[int, str, bytes]:
+                async with limit:
+                    resp = await http.post(path, content=body, headers={"content-type": "application/json"})
+                    if resp.status_code != 200:  # an error body in OpenAI's shape
+                        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}, resp.text
+                    return resp.status_code, path, body[:200]
+            return await asyncio.gather(*(one(p, b) for p, b in bodies))
+
+    answers = asyncio.run(fire())
+    bad = [a for a in answers if a[0] >= 500]
+    assert not bad, bad[:5]
+    assert len(answers) >= 300 and {s for s, *_ in answers} <= {200, 400, 404, 413}, {s for s, *_ in answers}
+    assert sum(s == 400 for s, *_ in answers) > 250
+    # a client that sends headers announcing a body, then leaves: nothing logged as an error
+    for sent in (b"", b'{"prompt": "a'):
+        with socket.create_connection(("127.0.0.1", gw.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n" + sent)
+            time.sleep(0.2)
+    time.sleep(0.5)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors][:3]
+
+
+def test_the_python_client_refuses_invalid_unicode_before_sending(start_worker, redis_url, namespace):
+    start_worker(max_wait_ms=5)
+    with Client(redis_url, namespace) as client:
+        for bad in ("a\ud800", [{"role": "user", "content": "\udc00"}]):
+            with pytest.raises(InvalidRequest, match="Unicode"):
+                client.generate(bad, max_new_tokens=2, timeout=30)
+        with pytest.raises(InvalidRequest, match="stop"):
+            client.generate("a", max_new_tokens=2, stop=["\ud800"], timeout=30)
+        with pytest.raises(InvalidRequest, match="top_k"):
+            client.generate("a", max_new_tokens=2, top_k=2**64, timeout=30)
