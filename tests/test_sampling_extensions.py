@@ -68,9 +68,9 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
 
 
 @pytest.mark.unit
-def test_requests_with_extensions_are_version_3_and_plain_ones_stay_version_2():
+def test_requests_carry_the_extensions_in_version_3():
     plain = Request(id="j", prompt=[1], reply_key="k")
-    assert msgpack.unpackb(plain.encode())["v"] == 2 and Request.decode(plain.encode()) == plain
+    assert msgpack.unpackb(plain.encode())["v"] == 3 and Request.decode(plain.encode()) == plain
     ext = Request(id="j", prompt=[1], reply_key="k", ignore_eos=True, min_tokens=2, repetition_penalty=1.3, min_p=0.1)
     assert msgpack.unpackb(ext.encode())["v"] == 3 and Request.decode(ext.encode()) == ext
     with pytest.raises(ProtocolError, match="min_tokens"):
