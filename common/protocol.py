@@ -16,9 +16,15 @@ from typing import Any
 import msgpack
 
 from batchfleet.common.errors import UNSUPPORTED_SCHEMA, ProtocolError
+from batchfleet.common.guided import Guide, GuideError
 from batchfleet.common.keys import valid_job_id
 
-SCHEMA_VERSION = 2  # 2: replies go to per-client inbox streams; timeouts are relative to Redis' clock
+# 2: replies go to per-client inbox streams; timeouts are relative to Redis' clock
+# 3: structured outputs (Request.guide) and logprobs (Request.logprobs, Result/Delta.logprobs)
+SCHEMA_VERSION = 3
+SPOKEN_VERSIONS = (2, 3)  # what readers accept; a writer uses the lowest version that has its fields, so a
+# worker that speaks only 2 refuses a request it cannot honour (unsupported_schema), never ignores a field
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 MAX_PAYLOAD_BYTES = 1 << 20  # 1 MiB: far above 4096 token ids + stop strings
 MAX_TOKENS = 1 << 16  # prompt or completion length cap at decode time (the worker checks its own limits)
 MAX_STOP = 16
@@ -49,14 +55,30 @@ def _unpack(data: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ProtocolError(f"payload must be a map, got {type(obj).__name__}")
     version = obj.get("v")
-    if type(version) is not int or version != SCHEMA_VERSION:  # 1.0 and True == 1 in Python
+    if type(version) is not int or version not in SPOKEN_VERSIONS:  # 1.0 and True == 1 in Python
         raise ProtocolError(f"unsupported schema version {version!r} (this side speaks {SCHEMA_VERSION})",
                             code=UNSUPPORTED_SCHEMA)
     return obj
 
 
-def _pack(obj: dict[str, Any]) -> bytes:
-    return msgpack.packb({"v": SCHEMA_VERSION, **obj}, use_bin_type=True)
+def _pack(obj: dict[str, Any], version: int = 2) -> bytes:
+    return msgpack.packb({"v": version, **obj}, use_bin_type=True)
+
+
+# logprobs on the wire: one entry per generated token, aligned with ``token_ids``:
+# [logprob of the token, [top token ids], [their logprobs]] (top lists: ``Request.logprobs`` long, best first)
+LogprobEntry = tuple[float, tuple[int, ...], tuple[float, ...]]
+
+
+def _logprobs_wire(entries: list[LogprobEntry] | None) -> list | None:
+    return None if entries is None else [[lp, list(ids), list(lps)] for lp, ids, lps in entries]
+
+
+def _logprobs_of(obj: dict) -> list[LogprobEntry] | None:
+    raw = obj.get("logprobs")
+    if raw is None:
+        return None
+    return [(float(lp), tuple(ids), tuple(float(x) for x in lps)) for lp, ids, lps in raw]
 
 
 def _int(obj: dict, key: str, lo: int, hi: int, default: int | None = None) -> int:
@@ -120,14 +142,20 @@ class Request:
     timeout_ms: int | None = None  # after enqueue + timeout_ms the answer is useless (deadline_exceeded)
     reply_key: str = ""
     stream: bool = False
+    guide: Guide | None = None  # v3: structured output the tokens must match (None: free)
+    logprobs: int | None = None  # v3: None = off; k = each token's logprob and its k best alternatives
 
     def encode(self) -> bytes:
-        return _pack({
+        obj = {
             "id": self.id, "prompt": list(self.prompt), "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
             "stop": list(self.stop), "timeout_ms": self.timeout_ms, "reply_key": self.reply_key,
             "stream": self.stream,
-        })
+        }
+        if self.guide is None and self.logprobs is None:
+            return _pack(obj)  # version 2: workers that predate structured outputs serve it
+        return _pack({**obj, "guide": None if self.guide is None else self.guide.to_wire(),
+                      "logprobs": self.logprobs}, version=3)
 
     @classmethod
     def decode(cls, data: bytes) -> Request:
@@ -151,6 +179,15 @@ class Request:
         stream = obj.get("stream", False)
         if type(stream) is not bool:
             raise ProtocolError(f"stream must be a boolean, got {stream!r}"[:200])
+        guide = obj.get("guide")
+        if guide is not None:
+            try:
+                guide = Guide.from_wire(guide)
+            except GuideError as exc:
+                raise ProtocolError(str(exc)) from None
+        logprobs = obj.get("logprobs")
+        if logprobs is not None:
+            logprobs = _int(obj, "logprobs", 0, MAX_LOGPROBS)
         return cls(
             id=job_id,
             prompt=_tokens(obj, "prompt", 1),
@@ -163,6 +200,8 @@ class Request:
             timeout_ms=timeout_ms,
             reply_key=_str(obj, "reply_key"),
             stream=stream,
+            guide=guide,
+            logprobs=logprobs,
         )
 
 
@@ -182,15 +221,21 @@ class Result:
     worker: str
     batch_size: int
     extra: dict[str, Any] = field(default_factory=dict)
+    # v3, when the request asked: per token of ``token_ids``, (its logprob, top ids, their logprobs); the
+    # log-softmax of the model's logits at that step (before temperature, top-k/p and structured masks)
+    logprobs: list[LogprobEntry] | None = None
 
     def encode(self) -> bytes:
-        return _pack({
+        obj = {
             "kind": "result", "id": self.id, "token_ids": list(self.token_ids), "text": self.text,
             "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens, "queue_ms": self.queue_ms, "ttft_ms": self.ttft_ms,
             "total_ms": self.total_ms, "worker": self.worker, "batch_size": self.batch_size,
             "extra": self.extra,
-        })
+        }
+        if self.logprobs is None:
+            return _pack(obj)
+        return _pack({**obj, "logprobs": _logprobs_wire(self.logprobs)}, version=3)
 
 
 @dataclass(frozen=True)
@@ -220,10 +265,14 @@ class Delta:
     offset: int  # where ``text`` starts in the final text: a re-run's repeated deltas are recognised by it
     text: str
     token_ids: list[int]
+    logprobs: list[LogprobEntry] | None = None  # v3, when the request asked: one per token of ``token_ids``
 
     def encode(self) -> bytes:
-        return _pack({"kind": "delta", "id": self.id, "seq": self.seq, "offset": self.offset, "text": self.text,
-                      "token_ids": list(self.token_ids)})
+        obj = {"kind": "delta", "id": self.id, "seq": self.seq, "offset": self.offset, "text": self.text,
+               "token_ids": list(self.token_ids)}
+        if self.logprobs is None:
+            return _pack(obj)
+        return _pack({**obj, "logprobs": _logprobs_wire(self.logprobs)}, version=3)
 
 
 def decode_reply(data: bytes) -> Result | Error | Delta:
@@ -234,14 +283,14 @@ def decode_reply(data: bytes) -> Result | Error | Delta:
         return Error(id=obj["id"], code=obj["code"], message=obj["message"])
     if kind == "delta":
         return Delta(id=obj["id"], seq=obj["seq"], offset=obj["offset"], text=obj["text"],
-                     token_ids=list(obj["token_ids"]))
+                     token_ids=list(obj["token_ids"]), logprobs=_logprobs_of(obj))
     if kind != "result":
         raise ProtocolError(f"unknown reply kind {kind!r}")
     return Result(
         id=obj["id"], token_ids=list(obj["token_ids"]), text=obj["text"], finish_reason=obj["finish_reason"],
         prompt_tokens=obj["prompt_tokens"], completion_tokens=obj["completion_tokens"],
         queue_ms=obj["queue_ms"], ttft_ms=obj["ttft_ms"], total_ms=obj["total_ms"], worker=obj["worker"],
-        batch_size=obj["batch_size"], extra=obj.get("extra") or {},
+        batch_size=obj["batch_size"], extra=obj.get("extra") or {}, logprobs=_logprobs_of(obj),
     )
 
 

@@ -9,14 +9,16 @@ import hmac
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from batchfleet.common.guided import GuideError
 from batchfleet.common.protocol import Result
 from batchfleet.gateway.config import GatewayConfig
-from batchfleet.gateway.errors import APIError
+from batchfleet.gateway.errors import APIError, invalid
 from batchfleet.gateway.formats import Shape
 from batchfleet.gateway.schemas import Job
 from batchfleet.gateway.sse import EventStream, job_events, wait_disconnect
@@ -61,37 +63,71 @@ class Gateway:
         return name
 
     async def complete(self, request: Request, job: Job, chat: bool) -> Response:
-        """Run one job: the whole answer, or an event stream. Submission errors (QueueFull,
-        PromptTooLong, NoWorkers...) raise here, before any byte of the answer is sent."""
+        """Run one request: its ``n`` jobs (choice i seeded ``seed + i``), whole or as an event stream.
+        Submission errors (QueueFull, PromptTooLong, NoWorkers...) raise here, before any byte of the answer
+        is sent; the choices already submitted are cancelled."""
         model = await self.check_model(job)
-        info = (await self.client.fleet()).info
+        fleet = await self.client.fleet()
+        params = dict(job.params)
+        if job.guide is not None:
+            try:  # compiling a large schema takes a while: not on the event loop
+                await asyncio.to_thread(job.guide.check)
+            except GuideError as exc:
+                raise invalid(str(exc), job.guide_param) from None
+            params["guide"] = job.guide
         job_id = uuid.uuid4().hex
+        ids = [job_id] if job.n == 1 else [f"{job_id}-{i}" for i in range(job.n)]
         shape = Shape(chat=chat, job_id=job_id, model=model, created=int(time.time()),
-                      fingerprint=info.fingerprint or None, include_usage=job.include_usage)
+                      fingerprint=fleet.info.fingerprint or None, include_usage=job.include_usage,
+                      token_text=None if job.logprobs is None else token_texts(fleet.tokenizer))
         headers = {"x-request-id": job_id}
         if job.stream:
-            stream = await self.client.stream(job.prompt, timeout=job.timeout, job_id=job_id, **job.params)
-            return EventStream(job_events(stream, shape), headers=headers)
+            streams: list[Any] = []
+            try:
+                for i, jid in enumerate(ids):
+                    streams.append(await self.client.stream(job.prompt, timeout=job.timeout, job_id=jid,
+                                                            **choice_params(params, i)))
+            except BaseException:
+                await asyncio.shield(asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True))
+                raise
+            return EventStream(job_events(streams, shape), headers=headers)
         start = time.monotonic()
-        await self.client.submit(job.prompt, timeout=job.timeout, job_id=job_id, **job.params)
-        result = await self._wait(request, job_id, max(0.0, job.timeout - (time.monotonic() - start)))
-        return JSONResponse(shape.response(result), headers=headers)
+        submitted: list[str] = []
+        try:
+            for i, jid in enumerate(ids):
+                await self.client.submit(job.prompt, timeout=job.timeout, job_id=jid, **choice_params(params, i))
+                submitted.append(jid)
+        except BaseException:
+            await asyncio.shield(asyncio.gather(*(self.cancel(j) for j in submitted)))
+            raise
+        results = await self._wait(request, ids, max(0.0, job.timeout - (time.monotonic() - start)))
+        return JSONResponse(shape.response(results), headers=headers)
 
-    async def _wait(self, request: Request, job_id: str, timeout: float) -> Result:
-        """The job's result, unless the client goes away first: then the job is cancelled (a web page
-        closed mid-answer must not keep a batch slot busy)."""
-        waiting = asyncio.ensure_future(self.client.result(job_id, timeout=timeout))
+    async def _wait(self, request: Request, job_ids: list[str], timeout: float) -> list[Result]:
+        """The jobs' results, unless the client goes away or one job fails first: then the jobs still
+        running are cancelled (a web page closed mid-answer must not keep batch slots busy)."""
+        waiting = [asyncio.ensure_future(self.client.result(j, timeout=timeout)) for j in job_ids]
         gone = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
-            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+            pending = set(waiting)
+            while pending and not gone.done():
+                done, pending = await asyncio.wait(pending | {gone}, return_when=asyncio.FIRST_COMPLETED)
+                pending.discard(gone)
+                if any(not t.cancelled() and t.exception() is not None for t in done if t is not gone):
+                    break
         finally:  # also when this handler is cancelled (server shutdown)
             gone.cancel()
-            if not waiting.done():
-                waiting.cancel()
-                await asyncio.shield(self.cancel(job_id))
-        if waiting.cancelled():
+            unfinished = [j for j, t in zip(job_ids, waiting) if not t.done()]
+            for t in waiting:
+                t.cancel()
+            if unfinished:
+                await asyncio.shield(asyncio.gather(*(self.cancel(j) for j in unfinished)))
+        for t in waiting:  # the first failure, in choice order
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+        if any(t.cancelled() for t in waiting):
             raise APIError(CLIENT_CLOSED, "client closed the request", "invalid_request_error", "client_closed")
-        return waiting.result()
+        return [t.result() for t in waiting]
 
     async def cancel(self, job_id: str) -> None:
         """Best effort: a cancel that cannot reach Redis is logged (the job's deadline still bounds it)."""
@@ -109,6 +145,28 @@ class Gateway:
                          "error": f"{type(exc).__name__}: {exc}"[:300]}
         status = "ok" if workers else "no_workers"
         return (200 if workers else 503), {"status": status, "redis": True, "workers": workers}
+
+
+def choice_params(params: dict[str, Any], index: int) -> dict[str, Any]:
+    """Choice ``index``'s parameters: its own sampling stream, seeded ``seed + index`` when seeded."""
+    if index == 0 or params.get("seed") is None:
+        return params
+    return {**params, "seed": (params["seed"] + index) % 2**63}
+
+
+def token_texts(tokenizer: Any) -> Callable[[int], str]:
+    """token id -> its text (special tokens included; a byte of an unfinished character decodes to U+FFFD),
+    as vLLM shows tokens in logprobs."""
+    cache: dict[int, str] = {}
+
+    def text(token_id: int) -> str:
+        if token_id not in cache:
+            if len(cache) > 65536:
+                cache.clear()
+            cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+        return cache[token_id]
+
+    return text
 
 
 def _unauthorized(message: str) -> APIError:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -26,8 +27,10 @@ from batchfleet.common.errors import (
     QueueFull,
     Timeout,
 )
+from batchfleet.common.guided import Guide, GuideError, from_options
 from batchfleet.common.keys import Keys, valid_job_id
 from batchfleet.common.protocol import (
+    MAX_LOGPROBS,
     MAX_PAYLOAD_BYTES,
     MAX_STOP,
     MIN_TEMPERATURE,
@@ -66,7 +69,14 @@ class Deadline:
 
 @dataclass
 class Params:
-    """Generation parameters accepted by generate/submit/stream (validated here, before anything is sent)."""
+    """Generation parameters accepted by generate/submit/stream (validated here, before anything is sent).
+
+    Structured outputs: at most one of ``response_format`` (OpenAI's: ``{"type": "json_object"}`` or
+    ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``), ``guided_json`` (a JSON
+    schema), ``guided_regex``, ``guided_choice`` (a list of strings), ``guided_grammar`` (Lark or GBNF), as
+    vLLM names them, or ``guide`` (a ``batchfleet.common.guided.Guide``). ``logprobs`` = k (0-20): each
+    generated token's logprob and its k most likely alternatives, in ``Result.logprobs``.
+    """
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -74,6 +84,14 @@ class Params:
     top_k: int = 0
     seed: int | None = None
     stop: Sequence[str] | None = None
+    logprobs: int | None = None
+    response_format: Mapping[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: Sequence[str] | None = None
+    guided_grammar: str | None = None
+    guide: Guide | None = None
+    structured: Guide | None = field(default=None, init=False)  # what the options above ask for
 
     def __post_init__(self) -> None:
         if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
@@ -93,11 +111,26 @@ class Params:
                 self.stop = [self.stop]
             if len(self.stop) > MAX_STOP or not all(isinstance(s, str) and s for s in self.stop):
                 raise InvalidRequest(f"stop must be at most {MAX_STOP} non-empty strings")
+        if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        try:
+            structured = from_options(response_format=self.response_format, guided_json=self.guided_json,
+                                      guided_regex=self.guided_regex, guided_choice=self.guided_choice,
+                                      guided_grammar=self.guided_grammar)
+            if self.guide is not None:
+                if structured is not None or not isinstance(self.guide, Guide):
+                    raise GuideError("guide must be a Guide, and the only structured-output option given")
+                structured = Guide.from_wire(self.guide.to_wire())
+            if structured is not None:
+                structured.check()
+        except GuideError as exc:
+            raise InvalidRequest(str(exc)) from None
+        self.structured = structured
 
     @classmethod
     def of(cls, params: Mapping) -> Params:
         """Params from keyword arguments; an unknown name is an InvalidRequest (not a TypeError)."""
-        unknown = set(params) - set(cls.__dataclass_fields__)
+        unknown = set(params) - set(cls.__dataclass_fields__) | ({"structured"} & set(params))
         if unknown:
             raise InvalidRequest(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
         return cls(**params)
@@ -161,6 +194,7 @@ class FleetView:
             id=job_id, prompt=ids, max_new_tokens=params.max_new_tokens, temperature=float(params.temperature),
             top_p=float(params.top_p), top_k=params.top_k, seed=params.seed, stop=tuple(params.stop or ()),
             timeout_ms=None if timeout is None else int(timeout * 1000), reply_key=reply_key, stream=stream,
+            guide=params.structured, logprobs=params.logprobs,
         )
         return Outgoing(bucket, keys.stream(bucket), req, self.info.max_queue_len)
 

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from batchfleet.common.guided import Guide
+
 
 @dataclass
 class GenRequest:
@@ -27,6 +29,8 @@ class GenRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     enqueued_at: float = 0.0  # unix time, for bookkeeping only
+    guide: Guide | None = None  # structured output: each step samples only tokens the grammar allows
+    logprobs: int | None = None  # None = off; k: record each token's logprob and its k best alternatives
 
 
 @dataclass
@@ -42,6 +46,7 @@ class Completion:
     batch_size: int  # size of the batch it first ran in
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    logprobs: list | None = None  # one (logprob, top ids, top logprobs) per token when the request asked
 
 
 class Engine(Protocol):
@@ -72,4 +77,5 @@ class Engine(Protocol):
 
     def progress(self, ids: Sequence[str]) -> dict[str, list[int]]:
         """Tokens generated so far by each of these running requests (streaming); engines that finish a
-        request within one step may return nothing."""
+        request within one step may return nothing. A request that asked for logprobs gets a
+        ``sampling.Generated`` list, whose ``logprobs`` holds one entry per token."""
