@@ -184,21 +184,24 @@ def test_document_matches_the_code():
     from batchfleet.common.errors import ERROR_CODES
     from batchfleet.common.functions import CANCEL, ENQUEUE, FUNCTION_NAMES, LIBRARY_NAME
     from batchfleet.common.keys import Keys
+    from batchfleet.common.guided import GUIDE_KINDS, Guide
     from batchfleet.common.protocol import SCHEMA_VERSION, Delta, Error, FleetInfo, Request, Result
 
     def fields(obj) -> set[str]:
         return set(msgpack.unpackb(obj.encode(), raw=False))
 
-    assert SCHEMA_VERSION == 2 and "`v` = 2" in DOC.read_text()
+    assert SCHEMA_VERSION == 3 and "`v` = 3" in DOC.read_text()
     assert lua_blocks() == [ENQUEUE.strip(), CANCEL.strip()]
     assert f"name={LIBRARY_NAME}" in DOC.read_text()
     assert all(f"FCALL {name} 2" in DOC.read_text() for name in FUNCTION_NAMES.values())
-    assert table_fields("### Request") == fields(Request(id="j", prompt=[1]))
-    result = Result("j", [1], "a", "eos", 1, 1, 0.0, 0.0, 0.0, "w", 1)
+    assert table_fields("### Request") == fields(Request(id="j", prompt=[1], guide=Guide("json_object"), logprobs=0))
+    assert table_fields("### Request") - fields(Request(id="j", prompt=[1])) == {"guide", "logprobs"}  # v2: without
+    assert set(GUIDE_KINDS) == table_fields("### Request", 1)
+    result = Result("j", [1], "a", "eos", 1, 1, 0.0, 0.0, 0.0, "w", 1, logprobs=[(-0.5, (1,), (-0.5,))])
     assert table_fields("### Result (`kind` = `result`)") == fields(result)
     assert table_fields("### Error (`kind` = `error`)") == fields(Error("j", "cancelled", "m"))
     assert table_fields("### Delta (`kind` = `delta`, only when `stream` was true)") == fields(
-        Delta(id="j", seq=0, offset=0, text="", token_ids=[]))
+        Delta(id="j", seq=0, offset=0, text="", token_ids=[], logprobs=[]))
     assert table_fields("## 1. Read the fleet description") == fields(FleetInfo("m", "{}", (1,), 1, 1, 1, ()))
     assert table_fields("### Error (`kind` = `error`)", 1) == ERROR_CODES
     k = Keys("bf")
