@@ -129,8 +129,8 @@ def test_bad_structured_requests_are_400s_naming_the_field(fleet):
         assert r.status_code == 400, (extra, r.text)
         assert param is None or r.json()["error"]["param"] == param, (extra, r.json())
     chat = {"messages": MESSAGES, "max_tokens": 4}
-    for extra, param in [({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-                         ({"logprobs": 1}, "logprobs")]:
+    for extra, param in [({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 1}, "logprobs"),
+                         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")]:
         r = http.post("/v1/chat/completions", json={**chat, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
 
@@ -141,7 +141,8 @@ def test_logprobs_and_n_in_openai_shapes(fleet):
     whole = client.completions.create(prompt="Once", model=model, max_tokens=8, temperature=0.8, seed=3, logprobs=3)
     lp = whole.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == whole.usage.completion_tokens
-    assert all(x <= 0 for x in lp.token_logprobs) and all(1 <= len(t) <= 4 for t in lp.top_logprobs)  # ids whose text is alike share a key
+    # ids whose text is alike (bytes of one character: U+FFFD) share a key
+    assert all(x <= 0 for x in lp.token_logprobs) and all(1 <= len(t) <= 4 for t in lp.top_logprobs)
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     for tok, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert tok in top and (tok == "\ufffd" or top[tok] == pytest.approx(x))  # bytes of a character: alike
@@ -174,7 +175,8 @@ def test_logprobs_and_n_in_openai_shapes(fleet):
     chunks = list(client.completions.create(prompt="Once", model=model, max_tokens=6, temperature=1.0, seed=40, n=3,
                                             stream=True, stream_options={"include_usage": True}))
     for i in range(3):
-        assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) == many.choices[i].text
+        text = "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+        assert text == many.choices[i].text
     assert chunks[-1].usage == many.usage
     finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
     assert sorted(finishes) == [0, 1, 2]

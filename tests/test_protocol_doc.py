@@ -183,8 +183,8 @@ def test_cancel_and_errors_as_documented(doc_client):
 def test_document_matches_the_code():
     from batchfleet.common.errors import ERROR_CODES
     from batchfleet.common.functions import CANCEL, ENQUEUE, FUNCTION_NAMES, LIBRARY_NAME
-    from batchfleet.common.keys import Keys
     from batchfleet.common.guided import GUIDE_KINDS, Guide
+    from batchfleet.common.keys import Keys
     from batchfleet.common.protocol import SCHEMA_VERSION, Delta, Error, FleetInfo, Request, Result
 
     def fields(obj) -> set[str]:
