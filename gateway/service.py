@@ -120,8 +120,9 @@ class Gateway:
             unfinished = [j for j, t in zip(job_ids, waiting) if not t.done()]
             for t in waiting:
                 t.cancel()
-            if unfinished:
-                await asyncio.shield(asyncio.gather(*(self.cancel(j) for j in unfinished)))
+            # shielded: when this handler is cancelled, the waits must still end and the cancels go out
+            await asyncio.shield(asyncio.gather(*waiting, *(self.cancel(j) for j in unfinished),
+                                                return_exceptions=True))
         for t in waiting:  # the first failure, in choice order
             if not t.cancelled() and t.exception() is not None:
                 raise t.exception()
