@@ -5,10 +5,12 @@ same model, same prompts, one run.
 
 Each side runs the same requests twice, all submitted at once: free (greedy, ``ignore_eos``, a fixed
 number of tokens) and constrained by a bounded JSON schema (greedy; the output ends when the schema is
-complete, or at ``--max-new-tokens``). Reported: tokens/s of both runs, constrained / free (the mask's
-cost), and how many constrained outputs parse and validate. The fleet's side is the worker's engine
-in-process (native, continuous, its defaults), so Redis is not measured here. vLLM runs in its own venv
-(``--vllm-python``, see scripts/bench_vs_vllm.py) with its default structured-output backend.
+complete, or at ``--max-new-tokens``; the default, 600, is above the schema's longest output: 40
+characters of strings, each up to 12 bytes as an escaped surrogate pair, one token per byte with the
+presets' tokenizer). Reported: tokens/s of both runs, constrained / free (the mask's cost), and how many
+constrained outputs parse and validate. The fleet's side is the worker's engine in-process (native,
+continuous, its defaults), so Redis is not measured here. vLLM runs in its own venv (``--vllm-python``,
+see scripts/bench_vs_vllm.py) with its default structured-output backend.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def vllm(python: str, model_dir: Path, prompts: list, max_new: int, free_tokens:
 @click.option("--vllm-python", envvar="VLLM_PYTHON", default="/work/vllm-venv/bin/python", show_default=True)
 @click.option("--requests", "n", type=int, default=16, show_default=True)
 @click.option("--prompt-len", default="32-256", show_default=True)
-@click.option("--max-new-tokens", "max_new", type=int, default=200, show_default=True)
+@click.option("--max-new-tokens", "max_new", type=int, default=600, show_default=True)
 @click.option("--free-tokens", type=int, default=64, show_default=True, help="Tokens per request, free run.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--cache-dir", default="~/.cache/batchfleet", show_default=True)
