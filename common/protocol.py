@@ -16,13 +16,17 @@ from typing import Any
 import msgpack
 
 from batchfleet.common.errors import UNSUPPORTED_SCHEMA, ProtocolError
+from batchfleet.common.guided import Guide, GuideError
 from batchfleet.common.keys import INTERACTIVE, LANES, valid_job_id
 
-SCHEMA_VERSION = 3  # 2: per-client inbox streams, timeouts on Redis' clock; 3: priority classes (lanes) and
-# vLLM's sampling extensions (ignore_eos, min_tokens, repetition_penalty, min_p): a v2 worker would ignore
-# them and answer something else than asked, so it refuses v3 (unsupported_schema) instead
+# 2: per-client inbox streams, timeouts on Redis' clock
+# 3: priority classes (lanes), vLLM's sampling extensions (ignore_eos, min_tokens, repetition_penalty,
+# min_p), structured outputs (Request.guide) and logprobs (Request.logprobs, Result/Delta.logprobs): a v2
+# worker would ignore them and answer something else than asked, so it refuses v3 (unsupported_schema)
+SCHEMA_VERSION = 3
 MAX_REPETITION_PENALTY = 10.0
 MAX_TOP_K = 1 << 20
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 MAX_PAYLOAD_BYTES = 1 << 20  # 1 MiB: far above 4096 token ids + stop strings
 MAX_TOKENS = 1 << 16  # prompt or completion length cap at decode time (the worker checks its own limits)
 MAX_STOP = 16
@@ -32,7 +36,7 @@ FINISH_REASONS = ("stop", "length", "eos")
 MAX_TIMEOUT_MS = 10 * 365 * 86400 * 1000
 
 
-def _unpack(data: bytes, versions: tuple[int, ...] = (SCHEMA_VERSION,)) -> dict[str, Any]:
+def _unpack(data: bytes) -> dict[str, Any]:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError("payload must be bytes")
     if len(data) > MAX_PAYLOAD_BYTES:
@@ -53,15 +57,30 @@ def _unpack(data: bytes, versions: tuple[int, ...] = (SCHEMA_VERSION,)) -> dict[
     if not isinstance(obj, dict):
         raise ProtocolError(f"payload must be a map, got {type(obj).__name__}")
     version = obj.get("v")
-    if type(version) is not int or version not in versions:  # 1.0 and True == 1 in Python
-        speaks = " or ".join(map(str, versions))
-        raise ProtocolError(f"unsupported schema version {version!r} (this side speaks {speaks})",
+    if type(version) is not int or version != SCHEMA_VERSION:  # 1.0 and True == 1 in Python
+        raise ProtocolError(f"unsupported schema version {version!r} (this side speaks {SCHEMA_VERSION})",
                             code=UNSUPPORTED_SCHEMA)
     return obj
 
 
-def _pack(obj: dict[str, Any], version: int = SCHEMA_VERSION) -> bytes:
-    return msgpack.packb({"v": version, **obj}, use_bin_type=True)
+def _pack(obj: dict[str, Any]) -> bytes:
+    return msgpack.packb({"v": SCHEMA_VERSION, **obj}, use_bin_type=True)
+
+
+# logprobs on the wire: one entry per generated token, aligned with ``token_ids``:
+# [logprob of the token, [top token ids], [their logprobs]] (top lists: ``Request.logprobs`` long, best first)
+LogprobEntry = tuple[float, tuple[int, ...], tuple[float, ...]]
+
+
+def _logprobs_wire(entries: list[LogprobEntry] | None) -> list | None:
+    return None if entries is None else [[lp, list(ids), list(lps)] for lp, ids, lps in entries]
+
+
+def _logprobs_of(obj: dict) -> list[LogprobEntry] | None:
+    raw = obj.get("logprobs")
+    if raw is None:
+        return None
+    return [(float(lp), tuple(ids), tuple(float(x) for x in lps)) for lp, ids, lps in raw]
 
 
 def _int(obj: dict, key: str, lo: int, hi: int, default: int | None = None) -> int:
@@ -133,6 +152,8 @@ class Request:
     min_tokens: int = 0  # EOS and stop strings cannot end it before this many tokens
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or the output
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    guide: Guide | None = None  # structured output the tokens must match (None: free)
+    logprobs: int | None = None  # None = off; k = each token's logprob and its k best alternatives
 
     def encode(self) -> bytes:
         return _pack({
@@ -141,6 +162,7 @@ class Request:
             "stop": list(self.stop), "timeout_ms": self.timeout_ms, "reply_key": self.reply_key,
             "stream": self.stream, "priority": self.priority, "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens, "repetition_penalty": self.repetition_penalty, "min_p": self.min_p,
+            "guide": None if self.guide is None else self.guide.to_wire(), "logprobs": self.logprobs,
         })
 
     @classmethod
@@ -180,6 +202,15 @@ class Request:
         max_new_tokens = _int(obj, "max_new_tokens", 1, MAX_TOKENS)
         if ext["min_tokens"] > max_new_tokens:
             raise ProtocolError(f"min_tokens ({ext['min_tokens']}) must be <= max_new_tokens ({max_new_tokens})")
+        guide = obj.get("guide")
+        if guide is not None:
+            try:
+                guide = Guide.from_wire(guide)
+            except GuideError as exc:
+                raise ProtocolError(str(exc)) from None
+        logprobs = obj.get("logprobs")
+        if logprobs is not None:
+            logprobs = _int(obj, "logprobs", 0, MAX_LOGPROBS)
         return cls(
             id=job_id,
             prompt=_tokens(obj, "prompt", 1),
@@ -194,6 +225,8 @@ class Request:
             stream=stream,
             priority=priority,
             **ext,
+            guide=guide,
+            logprobs=logprobs,
         )
 
 
@@ -213,15 +246,21 @@ class Result:
     worker: str
     batch_size: int
     extra: dict[str, Any] = field(default_factory=dict)
+    # when the request asked: per token of ``token_ids``, (its logprob, top ids, their logprobs); the
+    # log-softmax of the model's logits at that step (before temperature, top-k/p and structured masks)
+    logprobs: list[LogprobEntry] | None = None
 
     def encode(self) -> bytes:
-        return _pack({
+        obj = {
             "kind": "result", "id": self.id, "token_ids": list(self.token_ids), "text": self.text,
             "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens, "queue_ms": self.queue_ms, "ttft_ms": self.ttft_ms,
             "total_ms": self.total_ms, "worker": self.worker, "batch_size": self.batch_size,
             "extra": self.extra,
-        })
+        }
+        if self.logprobs is None:
+            return _pack(obj)
+        return _pack({**obj, "logprobs": _logprobs_wire(self.logprobs)})
 
 
 @dataclass(frozen=True)
@@ -251,10 +290,14 @@ class Delta:
     offset: int  # where ``text`` starts in the final text: a re-run's repeated deltas are recognised by it
     text: str
     token_ids: list[int]
+    logprobs: list[LogprobEntry] | None = None  # when the request asked: one per token of ``token_ids``
 
     def encode(self) -> bytes:
-        return _pack({"kind": "delta", "id": self.id, "seq": self.seq, "offset": self.offset, "text": self.text,
-                      "token_ids": list(self.token_ids)})
+        obj = {"kind": "delta", "id": self.id, "seq": self.seq, "offset": self.offset, "text": self.text,
+               "token_ids": list(self.token_ids)}
+        if self.logprobs is None:
+            return _pack(obj)
+        return _pack({**obj, "logprobs": _logprobs_wire(self.logprobs)})
 
 
 def decode_reply(data: bytes) -> Result | Error | Delta:
@@ -265,14 +308,14 @@ def decode_reply(data: bytes) -> Result | Error | Delta:
         return Error(id=obj["id"], code=obj["code"], message=obj["message"])
     if kind == "delta":
         return Delta(id=obj["id"], seq=obj["seq"], offset=obj["offset"], text=obj["text"],
-                     token_ids=list(obj["token_ids"]))
+                     token_ids=list(obj["token_ids"]), logprobs=_logprobs_of(obj))
     if kind != "result":
         raise ProtocolError(f"unknown reply kind {kind!r}")
     return Result(
         id=obj["id"], token_ids=list(obj["token_ids"]), text=obj["text"], finish_reason=obj["finish_reason"],
         prompt_tokens=obj["prompt_tokens"], completion_tokens=obj["completion_tokens"],
         queue_ms=obj["queue_ms"], ttft_ms=obj["ttft_ms"], total_ms=obj["total_ms"], worker=obj["worker"],
-        batch_size=obj["batch_size"], extra=obj.get("extra") or {},
+        batch_size=obj["batch_size"], extra=obj.get("extra") or {}, logprobs=_logprobs_of(obj),
     )
 
 

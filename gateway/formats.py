@@ -1,14 +1,16 @@
 """The JSON objects the gateway answers with, in OpenAI's shapes: completions and chat completions,
-whole or as stream chunks.
+whole or as stream chunks, with ``n`` choices and logprobs when asked.
 
 Extension: every finished answer (the response object, or the stream chunk carrying ``finish_reason``)
 has a ``batchfleet`` field: ``{"job_id", "worker", "batch_size", "queue_ms", "ttft_ms", "total_ms"}``,
-the fleet's own view of the job (``batch_size``: the sequences in the batch that ran it). OpenAI
-clients keep unknown fields (``response.model_extra["batchfleet"]`` in the Python client).
+the fleet's own view of the job (``batch_size``: the sequences in the batch that ran it); with ``n`` > 1
+the response's is the first choice's, plus ``"choices"``: one such view per choice. OpenAI clients keep
+unknown fields (``response.model_extra["batchfleet"]`` in the Python client).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +20,11 @@ from batchfleet.common.protocol import Result
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
-def usage(result: Result) -> dict[str, int]:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens}
+def usage(results: Sequence[Result]) -> dict[str, int]:
+    """As OpenAI counts n choices: the prompt once, every choice's completion tokens."""
+    prompt = results[0].prompt_tokens
+    completion = sum(r.completion_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def fleet_view(result: Result) -> dict[str, Any]:
@@ -32,7 +36,8 @@ def fleet_view(result: Result) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Shape:
-    """How the answers to one request look: its endpoint (chat or not), id, model and creation time."""
+    """How the answers to one request look: its endpoint (chat or not), id, model and creation time;
+    ``token_text`` (token id -> its text) when logprobs were asked for."""
 
     chat: bool
     job_id: str
@@ -40,6 +45,7 @@ class Shape:
     created: int
     fingerprint: str | None = None
     include_usage: bool = False
+    token_text: Callable[[int], str] | None = None
 
     @property
     def id(self) -> str:
@@ -49,27 +55,59 @@ class Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint}
 
-    def response(self, result: Result) -> dict[str, Any]:
-        """The whole (non-streamed) answer."""
-        finish = FINISH_REASONS.get(result.finish_reason, result.finish_reason)
+    def logprobs(self, token_ids: Sequence[int], entries: Sequence | None, offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object for these tokens (None when not asked). ``offset``: where the first
+        token's text starts in the choice's text (completions' ``text_offset``)."""
+        if entries is None or self.token_text is None:
+            return None
+        text = self.token_text
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish}
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage(result), "batchfleet": fleet_view(result)}
+            def item(tid: int, lp: float) -> dict[str, Any]:
+                s = text(tid)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "replace"))}
 
-    def chunk(self, text: str, *, first: bool = False, result: Result | None = None) -> dict[str, Any]:
-        """One stream chunk: ``text`` generated since the previous one; ``first`` (chat) announces the
-        assistant's role; ``result`` (the last chunk with choices) carries the finish reason."""
+            return {"content": [{**item(t, lp), "top_logprobs": [item(i, x) for i, x in zip(ids, lps)]}
+                                for t, (lp, ids, lps) in zip(token_ids, entries)], "refusal": None}
+        tokens, offsets, tops = [], [], []
+        for t, (lp, ids, lps) in zip(token_ids, entries):
+            tokens.append(text(t))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+            top = {text(i): x for i, x in zip(ids, lps)}
+            top.setdefault(tokens[-1], lp)  # as OpenAI's legacy API: the sampled token is always listed
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [e[0] for e in entries], "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def response(self, results: Sequence[Result]) -> dict[str, Any]:
+        """The whole (non-streamed) answer: one choice per result."""
+        choices = []
+        for index, result in enumerate(results):
+            finish = FINISH_REASONS.get(result.finish_reason, result.finish_reason)
+            logprobs = self.logprobs(result.token_ids, result.logprobs)
+            if self.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": result.text},
+                                "logprobs": logprobs, "finish_reason": finish})
+            else:
+                choices.append({"index": index, "text": result.text, "logprobs": logprobs, "finish_reason": finish})
+        view = fleet_view(results[0])
+        if len(results) > 1:
+            view["choices"] = [fleet_view(r) for r in results]
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": usage(results), "batchfleet": view}
+
+    def chunk(self, text: str, *, index: int = 0, first: bool = False, result: Result | None = None,
+              logprobs: dict | None = None) -> dict[str, Any]:
+        """One stream chunk of choice ``index``: ``text`` generated since its previous one; ``first``
+        (chat) announces the assistant's role; ``result`` (its last chunk) carries the finish reason;
+        ``logprobs``: those of the tokens this chunk stands for (``self.logprobs(...)``)."""
         finish = None if result is None else FINISH_REASONS.get(result.finish_reason, result.finish_reason)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else (
                 {"content": text} if text or result is None else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if self.include_usage:
             out["usage"] = None  # as OpenAI: only the final usage chunk fills it
@@ -77,7 +115,7 @@ class Shape:
             out["batchfleet"] = fleet_view(result)
         return out
 
-    def usage_chunk(self, result: Result) -> dict[str, Any]:
+    def usage_chunk(self, results: Sequence[Result]) -> dict[str, Any]:
         """The chunk ``stream_options.include_usage`` asks for: after the last choice, with no choices."""
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": usage(result)}
+                "usage": usage(results)}

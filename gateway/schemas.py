@@ -3,6 +3,11 @@
 (no coercion: ``"0.5"`` or ``true`` is not a number), unknown fields forbidden, and the fields the fleet
 cannot honour accepted only at their neutral values; every refusal is a 400 naming the field.
 
+Honoured beyond text: ``n`` (n jobs, choice i seeded ``seed + i``), ``logprobs`` (completions: k;
+chat: ``logprobs: true`` + ``top_logprobs: k``), ``response_format`` (json_object, json_schema) and
+vLLM's structured-output extensions (``guided_json``, ``guided_regex``, ``guided_choice``,
+``guided_grammar``, or ``structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object"}``).
+
 Extensions, all optional: ``timeout`` (seconds; at most the gateway's --request-timeout, HTTP 504 past
 it), and vLLM's ``top_k`` (0 or -1 = off), ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos`` and ``priority`` (an integer: lower is more urgent). OpenAI's ``service_tier`` picks the
@@ -17,12 +22,14 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from batchfleet.common.guided import Guide, GuideError, from_options
 from batchfleet.common.lanes import lane_of
-from batchfleet.common.protocol import MAX_REPETITION_PENALTY, MAX_STOP, MAX_TOP_K, MIN_TEMPERATURE
+from batchfleet.common.protocol import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP, MAX_TOP_K, MIN_TEMPERATURE
 from batchfleet.gateway.errors import invalid
 from batchfleet.gateway.strict import NEUTRAL_CHAT, NEUTRAL_COMPLETIONS, NEUTRAL_MESSAGE, refuse_non_neutral
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's
+MAX_N = 32  # choices per request: each is a job of its own
 TokenIds = list[StrictInt]
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -39,6 +46,10 @@ class Job:
     model: str | None
     prompt_field: str = "prompt"  # the fields a PromptTooLong names: the prompt's, or the length's
     max_tokens_field: str = "max_tokens"
+    n: int = 1
+    guide: Guide | None = None  # structured output (compiled by the caller, off the event loop)
+    guide_param: str | None = None  # the request field it came from, for a 400
+    logprobs: int | None = None  # k alternatives per token (None: no logprobs)
 
 
 STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -49,6 +60,25 @@ class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: StrictBool | None = None
     continuous_usage_stats: Literal[False] | None = None  # vLLM: usage in every chunk (not supported)
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` object: exactly one of its constraints."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+
+    def options(self) -> dict[str, Any]:
+        """As ``from_options`` keywords."""
+        out = {"guided_json": self.json_, "guided_regex": self.regex, "guided_choice": self.choice,
+               "guided_grammar": self.grammar}
+        if self.json_object:
+            out["response_format"] = {"type": "json_object"}
+        return {k: v for k, v in out.items() if v is not None}
 
 
 class _Common(BaseModel):
@@ -73,12 +103,17 @@ class _Common(BaseModel):
     user: StrictStr | None = None
     service_tier: Literal["auto", "default", "flex"] | None = None
     priority: StrictInt | None = None
+    n: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    structured_outputs: StructuredOutputs | None = None
     # neutral-only (gateway/strict.py)
-    n: StrictInt | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     logit_bias: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool | None = None
     spaces_between_special_tokens: StrictBool | None = None
@@ -96,8 +131,29 @@ class _Common(BaseModel):
                           f"{self.service_tier!r} (class {tier})", "priority")
         return lane
 
-    def job(self, prompt: Any, max_tokens: int, timeout_cap: float) -> Job:
+    def guide(self) -> tuple[Guide | None, str | None]:
+        """The structured output asked for (shape-checked, not compiled) and the field it came from."""
+        options = {"response_format": self.response_format, "guided_json": self.guided_json,
+                   "guided_regex": self.guided_regex, "guided_choice": self.guided_choice,
+                   "guided_grammar": self.guided_grammar}
+        options = {k: v for k, v in options.items() if v is not None}
+        if self.structured_outputs is not None:
+            if options:
+                raise invalid(f"give structured_outputs or {', '.join(sorted(options))}, not both",
+                              "structured_outputs")
+            options = self.structured_outputs.options()
+            if len(options) != 1:
+                raise invalid("structured_outputs must set exactly one of json, regex, choice, grammar, "
+                              "json_object", "structured_outputs")
+        try:
+            guide = from_options(**options)
+        except GuideError as exc:
+            raise invalid(str(exc), "structured_outputs" if self.structured_outputs else exc.param) from None
+        return guide, ("structured_outputs" if self.structured_outputs else next(iter(options), None))
+
+    def job(self, prompt: Any, max_tokens: int, timeout_cap: float, logprobs: int | None = None) -> Job:
         refuse_non_neutral({k: getattr(self, k) for k in self.model_fields_set}, self.NEUTRAL)
+        guide, guide_param = self.guide()
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None and (len(stop) > MAX_STOP or not all(stop)):
             raise invalid(f"stop must be at most {MAX_STOP} non-empty strings", "stop")
@@ -118,10 +174,12 @@ class _Common(BaseModel):
             "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
             "min_tokens": self.min_tokens or 0,
             "ignore_eos": bool(self.ignore_eos),
+            "logprobs": logprobs,
         }
         return Job(prompt=prompt, params=params, stream=bool(self.stream),
                    include_usage=bool(self.stream and self.stream_options and self.stream_options.include_usage),
-                   timeout=min(self.timeout or timeout_cap, timeout_cap), model=self.model)
+                   timeout=min(self.timeout or timeout_cap, timeout_cap), model=self.model, n=self.n or 1,
+                   guide=guide, guide_param=guide_param, logprobs=logprobs)
 
 
 class CompletionRequest(_Common):
@@ -129,7 +187,7 @@ class CompletionRequest(_Common):
 
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # k: the token's and its top k
     echo: StrictBool | None = None
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
@@ -142,7 +200,7 @@ class CompletionRequest(_Common):
             prompt = prompt[0]
         if not prompt:
             raise invalid("prompt must not be empty", "prompt")
-        return self.job(prompt, self.max_tokens or OPENAI_DEFAULT_MAX_TOKENS, timeout_cap)
+        return self.job(prompt, self.max_tokens or OPENAI_DEFAULT_MAX_TOKENS, timeout_cap, self.logprobs)
 
 
 class TextPart(BaseModel):
@@ -180,7 +238,7 @@ class ChatCompletionRequest(_Common):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     functions: list[Any] | None = None
@@ -188,7 +246,6 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: StrictBool | None = None
     store: StrictBool | None = None
     metadata: dict[str, Any] | None = None
-    service_tier: StrictStr | None = None
     modalities: list[StrictStr] | None = None
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool | None = None
@@ -199,8 +256,11 @@ class ChatCompletionRequest(_Common):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def to_job(self, timeout_cap: float, default_max_tokens: int) -> Job:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
-        job = self.job([], max_tokens, timeout_cap)  # the request's own fields first, then each message's
+        # the request's own fields first, then each message's
+        job = self.job([], max_tokens, timeout_cap, (self.top_logprobs or 0) if self.logprobs else None)
         return replace(job, prompt=[m.rendered(i) for i, m in enumerate(self.messages)], prompt_field="messages",
                        max_tokens_field=self.max_tokens_field())
 

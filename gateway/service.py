@@ -9,12 +9,14 @@ import hmac
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from batchfleet.common.errors import FleetUnavailable, PromptTooLong
+from batchfleet.common.guided import GuideError
 from batchfleet.common.protocol import Result
 from batchfleet.gateway.config import GatewayConfig
 from batchfleet.gateway.errors import APIError, invalid
@@ -25,6 +27,7 @@ from batchfleet.producer import AsyncClient
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 2.0  # /health answers "unavailable" rather than hang on a frozen Redis
+CANCEL_TIMEOUT_S = 5.0
 CLIENT_CLOSED = 499  # nginx's status for "client closed request": never seen by anyone, only logged
 
 
@@ -62,43 +65,87 @@ class Gateway:
                            "invalid_request_error", "model_not_found", param)
         return names[0]
 
+
     async def complete(self, request: Request, job: Job, chat: bool) -> Response:
-        """Run one job: the whole answer, or an event stream. Submission errors (QueueFull,
-        PromptTooLong, NoWorkers...) raise here, before any byte of the answer is sent."""
+        """Run one request: its ``n`` jobs (choice i seeded ``seed + i``), whole or as an event stream.
+        Submission errors (QueueFull, PromptTooLong, NoWorkers...) raise here, before any byte of the answer
+        is sent; the choices already submitted are cancelled."""
         model = await self.check_model(job.model)
-        info = (await self.client.fleet()).info
+        fleet = await self.client.fleet()
+        params = dict(job.params)
+        if job.guide is not None:
+            try:  # compiling a large schema takes a while: not on the event loop
+                await asyncio.to_thread(job.guide.check)
+            except GuideError as exc:
+                raise invalid(str(exc), job.guide_param) from None
+            params["guide"] = job.guide
         job_id = uuid.uuid4().hex
+        ids = [job_id] if job.n == 1 else [f"{job_id}-{i}" for i in range(job.n)]
         shape = Shape(chat=chat, job_id=job_id, model=model, created=int(time.time()),
-                      fingerprint=info.fingerprint or None, include_usage=job.include_usage)
+                      fingerprint=fleet.info.fingerprint or None, include_usage=job.include_usage,
+                      token_text=None if job.logprobs is None else token_texts(fleet.tokenizer))
         headers = {"x-request-id": job_id}
         try:
             if job.stream:
-                stream = await self.client.stream(job.prompt, timeout=job.timeout, job_id=job_id, **job.params)
-                return EventStream(job_events(stream, shape), headers=headers)
+                streams: list[Any] = []
+                try:
+                    for i, jid in enumerate(ids):
+                        streams.append(await self.client.stream(job.prompt, timeout=job.timeout, job_id=jid,
+                                                                **choice_params(params, i)))
+                except BaseException:
+                    await asyncio.shield(asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True))
+                    raise
+                return EventStream(job_events(streams, shape), headers=headers)
             start = time.monotonic()
-            await self.client.submit(job.prompt, timeout=job.timeout, job_id=job_id, **job.params)
+            submitted: list[str] = []
+            try:
+                for i, jid in enumerate(ids):
+                    await self.client.submit(job.prompt, timeout=job.timeout, job_id=jid,
+                                             **choice_params(params, i))
+                    submitted.append(jid)
+            except BaseException:
+                await asyncio.shield(asyncio.gather(*(self.cancel(j) for j in submitted)))
+                raise
         except PromptTooLong as exc:  # name the request's own field: prompt / messages, max_tokens / ...
             param = job.max_tokens_field if exc.field == "max_new_tokens" else job.prompt_field
             raise invalid(str(exc).replace("max_new_tokens", param), param, "context_length_exceeded") from None
-        result = await self._wait(request, job_id, max(0.0, job.timeout - (time.monotonic() - start)))
-        return JSONResponse(shape.response(result), headers=headers)
+        results = await self._wait(request, ids, max(0.0, job.timeout - (time.monotonic() - start)))
+        return JSONResponse(shape.response(results), headers=headers)
 
-    async def _wait(self, request: Request, job_id: str, timeout: float) -> Result:
-        """The job's result, unless the client goes away or the request's timeout passes first: then the
-        job is cancelled and its answer dropped (a web page closed mid-answer, or a 504, must not keep a
-        batch slot busy, nor leave the answer in the inbox)."""
-        waiting = asyncio.ensure_future(self.client.result(job_id, timeout=timeout, give_up=True))
+    async def _wait(self, request: Request, job_ids: list[str], timeout: float) -> list[Result]:
+        """The jobs' results, unless the client goes away, the request's timeout passes or one job fails
+        first: then the jobs still running are cancelled and their answers dropped (a web page closed
+        mid-answer, or a 504, must not keep batch slots busy, nor leave answers in the inbox)."""
+        waiting = [asyncio.ensure_future(self.client.result(j, timeout=timeout, give_up=True)) for j in job_ids]
         gone = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
-            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+            pending = set(waiting)
+            while pending and not gone.done():
+                done, pending = await asyncio.wait(pending | {gone}, return_when=asyncio.FIRST_COMPLETED)
+                pending.discard(gone)
+                if any(not t.cancelled() and t.exception() is not None for t in done if t is not gone):
+                    break
         finally:  # also when this handler is cancelled (server shutdown)
             gone.cancel()
-            if not waiting.done():
-                waiting.cancel()  # its give_up cancels the job
-                await asyncio.gather(waiting, return_exceptions=True)
-        if waiting.cancelled():
+            unfinished = [j for j, t in zip(job_ids, waiting) if not t.done()]
+            for t in waiting:
+                t.cancel()
+            # shielded: when this handler is cancelled, the waits must still end and the cancels go out
+            await asyncio.shield(asyncio.gather(*waiting, *(self.cancel(j) for j in unfinished),
+                                                return_exceptions=True))
+        for t in waiting:  # the first failure, in choice order
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+        if any(t.cancelled() for t in waiting):
             raise APIError(CLIENT_CLOSED, "client closed the request", "invalid_request_error", "client_closed")
-        return waiting.result()
+        return [t.result() for t in waiting]
+
+    async def cancel(self, job_id: str) -> None:
+        """Best effort: a cancel that cannot reach Redis is logged (the job's deadline still bounds it)."""
+        try:
+            await asyncio.wait_for(self.client.cancel(job_id), CANCEL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - nobody is left to tell
+            log.warning("could not cancel job %s: %s", job_id, exc)
 
     async def health(self) -> tuple[int, dict[str, Any]]:
         """(status, body): 200 when Redis answers and at least one worker has a fresh heartbeat, or none
@@ -118,6 +165,28 @@ class Gateway:
             return (await self.client.fleet(HEALTH_TIMEOUT_S)).scales_to_zero
         except FleetUnavailable:  # no description published (NoWorkers)
             return False
+
+
+def choice_params(params: dict[str, Any], index: int) -> dict[str, Any]:
+    """Choice ``index``'s parameters: its own sampling stream, seeded ``seed + index`` when seeded."""
+    if index == 0 or params.get("seed") is None:
+        return params
+    return {**params, "seed": (params["seed"] + index) % 2**63}
+
+
+def token_texts(tokenizer: Any) -> Callable[[int], str]:
+    """token id -> its text (special tokens included; a byte of an unfinished character decodes to U+FFFD),
+    as vLLM shows tokens in logprobs."""
+    cache: dict[int, str] = {}
+
+    def text(token_id: int) -> str:
+        if token_id not in cache:
+            if len(cache) > 65536:
+                cache.clear()
+            cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+        return cache[token_id]
+
+    return text
 
 
 def _unauthorized(message: str) -> APIError:

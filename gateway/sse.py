@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from starlette.responses import Response
@@ -73,22 +73,44 @@ class EventStream(Response):
             await self.events.aclose()  # a generator cancelled at a yield still runs its cleanup
 
 
-async def job_events(stream: Any, shape: Shape) -> AsyncIterator[bytes]:
-    """The events of one streamed job (an AsyncTokenStream): chunks, the finish chunk, the usage chunk when
-    asked, ``[DONE]``. A job that fails once the stream has started sends an error event, then ``[DONE]``.
-    However the iteration ends (finished, failed, client gone), the stream is closed, which cancels the
-    job if it is still running."""
+async def job_events(streams: Sequence[Any], shape: Shape) -> AsyncIterator[bytes]:
+    """The events of one streamed request: its choices' streams (AsyncTokenStreams, one per choice),
+    chunks as deltas arrive (each choice's in order, choices interleaved), each choice's finish chunk, the
+    usage chunk when asked, ``[DONE]``. A job that fails once the stream has started sends an error event,
+    then ``[DONE]``. However the iteration ends (finished, failed, client gone), every stream is closed,
+    which cancels the jobs still running."""
+    arrivals: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: Any) -> None:
+        try:
+            async for delta in stream:
+                await arrivals.put((index, delta, None))
+            await arrivals.put((index, None, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the writer, which answers with an error event
+            await arrivals.put((index, None, exc))
+
+    pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
         try:
             if shape.chat:
-                yield event(shape.chunk("", first=True))
-            async for delta in stream:
-                if delta.text:
-                    yield event(shape.chunk(delta.text))
-            result = stream.result
-            yield event(shape.chunk("", result=result))
+                for i in range(len(streams)):
+                    yield event(shape.chunk("", index=i, first=True))
+            sent = [0] * len(streams)  # characters of each choice sent so far
+            left = len(streams)
+            while left:
+                i, delta, exc = await arrivals.get()
+                if exc is not None:
+                    raise exc
+                if delta is None:
+                    left -= 1
+                    yield event(shape.chunk("", index=i, result=streams[i].result))
+                    continue
+                logprobs = shape.logprobs(delta.token_ids, delta.logprobs, sent[i])
+                if delta.text or (logprobs is not None and delta.token_ids):
+                    yield event(shape.chunk(delta.text, index=i, logprobs=logprobs))
+                sent[i] += len(delta.text)
             if shape.include_usage:
-                yield event(shape.usage_chunk(result))
+                yield event(shape.usage_chunk([s.result for s in streams]))
         except Exception as exc:  # noqa: BLE001 - every failure becomes the error event OpenAI clients raise
             err = api_error(exc)
             if err.status >= 500 and err.code not in ("timeout", "deadline_exceeded"):
@@ -96,5 +118,13 @@ async def job_events(stream: Any, shape: Shape) -> AsyncIterator[bytes]:
             yield event(err.body())
         yield DONE
     finally:
-        # shielded: when the client went away this task is being cancelled, and the cancel must still go out
-        await asyncio.shield(stream.aclose())
+        for task in pumps:
+            task.cancel()
+        # shielded: when the client went away this task is being cancelled, and the cancels must still go out
+        await asyncio.shield(_close(pumps, streams))
+
+
+async def _close(pumps: list[asyncio.Future], streams: Sequence[Any]) -> None:
+    """Wait for the cancelled pumps, then close every stream (cancelling the jobs still running)."""
+    await asyncio.gather(*pumps, return_exceptions=True)
+    await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)

@@ -25,16 +25,16 @@ HONOURED: dict[str, str] = {
     "max_completion_tokens": "chat", "temperature": "both", "top_p": "both", "top_k": "both", "min_p": "both",
     "seed": "both", "stop": "both", "stream": "both", "stream_options": "both", "timeout": "both",
     "repetition_penalty": "both", "min_tokens": "both", "ignore_eos": "both", "user": "both",
+    "n": "both", "logprobs": "both", "top_logprobs": "chat", "response_format": "both", "guided_json": "both",
+    "guided_regex": "both", "guided_choice": "both", "guided_grammar": "both", "structured_outputs": "both",
+    "service_tier": "both", "priority": "both",
 }
 
 # neutral-only fields: the values accepted (null always is); each tuple is (value, ...) compared by type too
-_TEXT_FORMAT = {"type": "text"}
 NEUTRAL_COMMON: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "presence_penalty": (0.0,),
     "frequency_penalty": (0.0,),
     "logit_bias": ({},),
-    "response_format": (_TEXT_FORMAT,),  # structured outputs: issue 22 item 1 (another branch)
     "stop_token_ids": ([],),  # vLLM
     "skip_special_tokens": (True,),  # vLLM: the fleet's text never holds special tokens
     "spaces_between_special_tokens": (True,),  # vLLM
@@ -42,15 +42,12 @@ NEUTRAL_COMMON: dict[str, tuple[Any, ...]] = {
 }
 NEUTRAL_COMPLETIONS: dict[str, tuple[Any, ...]] = {
     **NEUTRAL_COMMON,
-    "logprobs": (),  # completions: an int asks for logprobs (0 included: the sampled token's)
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
 }
 NEUTRAL_CHAT: dict[str, tuple[Any, ...]] = {
     **NEUTRAL_COMMON,
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "tools": ([],),
     "tool_choice": ("none", "auto"),  # without tools both mean: answer in text
     "functions": ([],),
@@ -58,7 +55,6 @@ NEUTRAL_CHAT: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (True, False),  # without tools it changes nothing
     "store": (False,),
     "metadata": ({},),
-    "service_tier": ("auto", "default"),
     "modalities": (["text"],),
     "add_generation_prompt": (True,),  # vLLM: the template always ends with the assistant's header
     "continue_final_message": (False,),  # vLLM

@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -26,9 +27,11 @@ from batchfleet.common.errors import (
     QueueFull,
     Timeout,
 )
+from batchfleet.common.guided import Guide, GuideError, from_options
 from batchfleet.common.keys import BATCH, INTERACTIVE, Keys, valid_job_id
 from batchfleet.common.lanes import lane_of
 from batchfleet.common.protocol import (
+    MAX_LOGPROBS,
     MAX_PAYLOAD_BYTES,
     MAX_REPETITION_PENALTY,
     MAX_STOP,
@@ -72,7 +75,14 @@ class Deadline:
 
 @dataclass
 class Params:
-    """Generation parameters accepted by generate/submit/stream (validated here, before anything is sent)."""
+    """Generation parameters accepted by generate/submit/stream (validated here, before anything is sent).
+
+    Structured outputs: at most one of ``response_format`` (OpenAI's: ``{"type": "json_object"}`` or
+    ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``), ``guided_json`` (a JSON
+    schema), ``guided_regex``, ``guided_choice`` (a list of strings), ``guided_grammar`` (Lark or GBNF), as
+    vLLM names them, or ``guide`` (a ``batchfleet.common.guided.Guide``). ``logprobs`` = k (0-20): each
+    generated token's logprob and its k most likely alternatives, in ``Result.logprobs``.
+    """
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -88,6 +98,14 @@ class Params:
     min_tokens: int = 0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    logprobs: int | None = None
+    response_format: Mapping[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: Sequence[str] | None = None
+    guided_grammar: str | None = None
+    guide: Guide | None = None
+    structured: Guide | None = field(default=None, init=False)  # what the options above ask for
 
     def __post_init__(self) -> None:
         if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
@@ -120,11 +138,26 @@ class Params:
             self.priority = lane_of(self.priority)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+        if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        try:
+            structured = from_options(response_format=self.response_format, guided_json=self.guided_json,
+                                      guided_regex=self.guided_regex, guided_choice=self.guided_choice,
+                                      guided_grammar=self.guided_grammar)
+            if self.guide is not None:
+                if structured is not None or not isinstance(self.guide, Guide):
+                    raise GuideError("guide must be a Guide, and the only structured-output option given")
+                structured = Guide.from_wire(self.guide.to_wire())
+            if structured is not None:
+                structured.check()
+        except GuideError as exc:
+            raise InvalidRequest(str(exc)) from None
+        self.structured = structured
 
     @classmethod
     def of(cls, params: Mapping) -> Params:
         """Params from keyword arguments; an unknown name is an InvalidRequest (not a TypeError)."""
-        unknown = set(params) - set(cls.__dataclass_fields__)
+        unknown = set(params) - set(cls.__dataclass_fields__) | ({"structured"} & set(params))
         if unknown:
             raise InvalidRequest(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
         return cls(**params)
@@ -232,6 +265,7 @@ class FleetView:
             priority=str(params.priority),
             ignore_eos=params.ignore_eos, min_tokens=params.min_tokens,
             repetition_penalty=float(params.repetition_penalty), min_p=float(params.min_p),
+            guide=params.structured, logprobs=params.logprobs,
         )
         limit = self.info.batch_queue_len if req.priority == BATCH else self.info.max_queue_len
         return Outgoing(bucket, keys.stream(bucket, req.priority), req, limit)

@@ -97,7 +97,7 @@ class AsyncTokenStream:
         text = d.text[len(self.text) - d.offset:]
         self.text += text
         self._tokens += len(d.token_ids)
-        return Delta(d.id, d.seq, d.offset + len(d.text) - len(text), text, list(d.token_ids))
+        return Delta(d.id, d.seq, d.offset + len(d.text) - len(text), text, list(d.token_ids), d.logprobs)
 
     def _finish(self, result: Result) -> Delta:
         """Keep the Result; the rest of its text is the last delta (or the iteration ends)."""
@@ -106,7 +106,8 @@ class AsyncTokenStream:
             log.warning("job %s: streamed text is not a prefix of the final text", result.id)
             return Delta(result.id, -1, len(self.text), "", [])
         rest = result.text[len(self.text):]
-        delta = Delta(result.id, -1, len(self.text), rest, list(result.token_ids[self._tokens:]))
+        logprobs = None if result.logprobs is None else result.logprobs[self._tokens:]
+        delta = Delta(result.id, -1, len(self.text), rest, list(result.token_ids[self._tokens:]), logprobs)
         self.text = result.text
         return delta
 

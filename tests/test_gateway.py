@@ -96,16 +96,16 @@ def test_auth_and_invalid_requests(start_worker, start_gateway):
     assert error_of(http.post("/v1/completions", json=too_many), 400)["code"] == "context_length_exceeded"
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     cases = [
-        ({**body, "n": 2}, "n"), ({**body, "temperature": 3}, "temperature"), ({**body, "max_tokens": 0}, "max_tokens"),
+        ({**body, "n": 0}, "n"), ({**body, "temperature": 3}, "temperature"), ({**body, "max_tokens": 0}, "max_tokens"),
         ({**body, "prompt": ["a", "b"]}, "prompt"), ({**body, "prompt": ""}, "prompt"), ({"max_tokens": 4}, "prompt"),
-        ({**body, "logprobs": 2}, "logprobs"), ({**body, "stop": 3}, "stop"), ({**body, "stream": "yes"}, "stream"),
+        ({**body, "logprobs": 21}, "logprobs"), ({**body, "stop": 3}, "stop"), ({**body, "stream": "yes"}, "stream"),
         ({**body, "seed": -1}, None), ({**body, "prompt": [1, 10**9]}, None), ({**body, "echo": True}, "echo"),
     ]
     for bad, param in cases:
         err = error_of(http.post("/v1/completions", json=bad), 400)
         assert err["type"] == "invalid_request_error" and (param is None or err["param"] == param), (bad, err)
     for bad, param in [({"messages": []}, "messages"), ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
-                       ({**chat, "tools": [{"type": "function"}]}, "tools"), ({**chat, "n": 3}, "n")]:
+                       ({**chat, "tools": [{"type": "function"}]}, "tools"), ({**chat, "n": 0}, "n")]:
         assert error_of(http.post("/v1/chat/completions", json=bad), 400)["param"] == param, bad
     assert error_of(http.post("/v1/completions", content=b"{not json"), 400)
     assert error_of(http.post("/v1/completions", json=[1, 2]), 400)

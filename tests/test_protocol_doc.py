@@ -183,6 +183,7 @@ def test_cancel_and_errors_as_documented(doc_client):
 def test_document_matches_the_code():
     from batchfleet.common.errors import ERROR_CODES
     from batchfleet.common.functions import CANCEL, ENQUEUE, FUNCTION_NAMES, LIBRARY_NAME
+    from batchfleet.common.guided import GUIDE_KINDS, Guide
     from batchfleet.common.keys import Keys
     from batchfleet.common.protocol import SCHEMA_VERSION, Delta, Error, FleetInfo, Request, Result
 
@@ -193,12 +194,14 @@ def test_document_matches_the_code():
     assert lua_blocks() == [ENQUEUE.strip(), CANCEL.strip()]
     assert f"name={LIBRARY_NAME}" in DOC.read_text()
     assert all(f"FCALL {name} 2" in DOC.read_text() for name in FUNCTION_NAMES.values())
-    assert table_fields("### Request") | table_fields("### Request", 1) == fields(Request(id="j", prompt=[1]))
-    result = Result("j", [1], "a", "eos", 1, 1, 0.0, 0.0, 0.0, "w", 1)
+    full = Request(id="j", prompt=[1], guide=Guide("json_object"), logprobs=0)
+    assert table_fields("### Request") | table_fields("### Request", 1) == fields(full)
+    assert set(GUIDE_KINDS) == table_fields("### Request", 2)
+    result = Result("j", [1], "a", "eos", 1, 1, 0.0, 0.0, 0.0, "w", 1, logprobs=[(-0.5, (1,), (-0.5,))])
     assert table_fields("### Result (`kind` = `result`)") == fields(result)
     assert table_fields("### Error (`kind` = `error`)") == fields(Error("j", "cancelled", "m"))
     assert table_fields("### Delta (`kind` = `delta`, only when `stream` was true)") == fields(
-        Delta(id="j", seq=0, offset=0, text="", token_ids=[]))
+        Delta(id="j", seq=0, offset=0, text="", token_ids=[], logprobs=[]))
     assert table_fields("## 1. Read the fleet description") == fields(FleetInfo("m", "{}", (1,), 1, 1, 1, ()))
     assert table_fields("### Error (`kind` = `error`)", 1) == ERROR_CODES
     k = Keys("bf")

@@ -79,7 +79,10 @@ class StreamPublisher:
             safe = len(d.text) - d.stop_holdback
             if safe <= d.sent:
                 continue
-            delta = Delta(job_id, d.seq, d.sent, d.text[d.sent:safe], list(tokens[d.tokens_sent:]))
+            logprobs = getattr(tokens, "logprobs", None)  # sampling.Generated of a request that asked
+            if logprobs is not None:
+                logprobs = list(logprobs[d.tokens_sent:len(tokens)])
+            delta = Delta(job_id, d.seq, d.sent, d.text[d.sent:safe], list(tokens[d.tokens_sent:]), logprobs)
             d.sent, d.tokens_sent, d.seq = safe, len(tokens), d.seq + 1
             out.append((job_id, d.reply_key, delta.encode()))
         return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchfleet.common.errors import INVALID_REQUEST, PROMPT_TOO_LONG, ProtocolError
+from batchfleet.common.guided import GuideError
 from batchfleet.common.keys import Keys, valid_job_id
 from batchfleet.common.lanes import RANK
 from batchfleet.common.protocol import Error, Request
@@ -113,6 +114,11 @@ def accept(entry: Entry, keys: Keys, limits: Limits, now: float, clock_offset: f
         return reject(PROMPT_TOO_LONG, f"prompt + max_new_tokens exceeds max_seq_len {limits.max_seq_len}")
     if max(req.prompt) >= limits.vocab_size:
         return reject(INVALID_REQUEST, f"token id {max(req.prompt)} is outside the vocabulary ({limits.vocab_size})")
+    if req.guide is not None:
+        try:  # compiled here too (without the tokenizer): a bad schema is the client's error, not the engine's
+            req.guide.check()
+        except GuideError as exc:
+            return reject(INVALID_REQUEST, str(exc))
     stamped = entry_time(entry.entry_id)
     enqueued = now if stamped is None else min(stamped - clock_offset, now)
     deadline = None if req.timeout_ms is None else enqueued + req.timeout_ms / 1000
@@ -120,6 +126,6 @@ def accept(entry: Entry, keys: Keys, limits: Limits, now: float, clock_offset: f
         id=req.id, prompt=list(req.prompt), bucket=entry.bucket, max_new_tokens=req.max_new_tokens,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop,
         ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, repetition_penalty=req.repetition_penalty,
-        min_p=req.min_p, enqueued_at=enqueued, priority=RANK[entry.lane],
+        min_p=req.min_p, enqueued_at=enqueued, priority=RANK[entry.lane], guide=req.guide, logprobs=req.logprobs,
     )
     return Accepted(entry, req, gen, enqueued, deadline)

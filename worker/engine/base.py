@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from batchfleet.common.guided import Guide
+
 
 @dataclass
 class GenRequest:
@@ -32,6 +34,8 @@ class GenRequest:
     min_p: float = 0.0
     enqueued_at: float = 0.0  # unix time, for bookkeeping only
     priority: int = 0  # 0 = interactive, 1 = batch (common/lanes.py RANK): lower is more urgent
+    guide: Guide | None = None  # structured output: each step samples only tokens the grammar allows
+    logprobs: int | None = None  # None = off; k: record each token's logprob and its k best alternatives
 
 
 @dataclass
@@ -47,6 +51,7 @@ class Completion:
     batch_size: int  # size of the batch it first ran in
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    logprobs: list | None = None  # one (logprob, top ids, top logprobs) per token when the request asked
 
 
 class Engine(Protocol):
@@ -83,4 +88,5 @@ class Engine(Protocol):
 
     def progress(self, ids: Sequence[str]) -> dict[str, list[int]]:
         """Tokens generated so far by each of these running requests (streaming); engines that finish a
-        request within one step may return nothing."""
+        request within one step may return nothing. A request that asked for logprobs gets a
+        ``sampling.Generated`` list, whose ``logprobs`` holds one entry per token."""

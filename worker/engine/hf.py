@@ -14,15 +14,18 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from batchfleet.common.config import DynamicBatchingConfig
+from batchfleet.common.guided import GuideError
 from batchfleet.worker.engine.base import Completion, GenRequest
+from batchfleet.worker.engine.guided import GuideCompiler
 from batchfleet.worker.engine.models import LoadedModel
-from batchfleet.worker.engine.sampling import StopChecker, make_generator, sample
+from batchfleet.worker.engine.sampling import StopChecker, make_generator, sample, token_logprobs
 
 
 class _RowSampler(LogitsProcessor):
     """Chooses each row's token with the shared sampler and forces it (all other logits -inf).
 
-    Also records when the first token was produced and feeds every token to the row's StopChecker.
+    Also records when the first token was produced and feeds every token (and its logprobs, taken from
+    the raw ``scores``) to the row's StopChecker; a constrained row chooses within its grammar's mask.
     """
 
     def __init__(self, reqs: Sequence[GenRequest], checkers: list[StopChecker], device: torch.device) -> None:
@@ -33,13 +36,14 @@ class _RowSampler(LogitsProcessor):
         self.done = torch.zeros(len(reqs), dtype=torch.bool)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        # scores: [B, V]
+        # scores: [B, V], the raw logits of this step (float32)
         tokens = sample(scores, self.reqs, self.gens, self.checkers)
+        logprobs = token_logprobs(scores, tokens, self.reqs)
         if not self.first_token_at:
             self.first_token_at = time.time()
         for i, tok in enumerate(tokens.tolist()):
             if not self.done[i]:
-                self.done[i] = self.checkers[i].push(tok)
+                self.done[i] = self.checkers[i].push(tok, logprobs[i])
         forced = torch.full_like(scores, float("-inf"))
         forced.scatter_(1, tokens[:, None], 0.0)
         return forced
@@ -67,6 +71,7 @@ class HFEngine:
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
         self.eos_ids = loaded.eos_ids
+        self.guides = GuideCompiler(self.tokenizer, loaded.model.config.vocab_size, self.eos_ids)
         self._pending: list[GenRequest] = []
         self._batches = 0
 
@@ -107,6 +112,17 @@ class HFEngine:
         if not reqs:
             return []
         started = time.time()
+        matchers, refused = {}, []
+        for r in reqs:  # a guide the worker cannot compile fails its own request only
+            try:
+                matchers[r.id] = self.guides.matcher(r.guide) if r.guide is not None else None
+            except GuideError as exc:
+                refused.append(Completion(id=r.id, token_ids=[], text="", finish_reason="", started_at=started,
+                                          first_token_at=started, batch_size=len(reqs), error=str(exc)))
+        if refused:
+            reqs = [r for r in reqs if r.id in matchers]
+            if not reqs:
+                return refused
         width = max(len(r.prompt) for r in reqs)
         if self.batching.padding == "bucket":
             width = max(width, reqs[0].bucket)
@@ -117,7 +133,7 @@ class HFEngine:
         for i, r in enumerate(reqs):
             ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
             mask[i, width - len(r.prompt):] = 1
-        checkers = [StopChecker(r, self.eos_ids, self.tokenizer) for r in reqs]
+        checkers = [StopChecker(r, self.eos_ids, self.tokenizer, matchers[r.id]) for r in reqs]
         sampler = _RowSampler(reqs, checkers, device)
         with torch.inference_mode():
             self.model.generate(
@@ -129,9 +145,9 @@ class HFEngine:
                 temperature=None, top_p=None, top_k=None,
             )
         self._batches += 1
-        return [
-            Completion(id=r.id, token_ids=c.tokens, text=c.text(), finish_reason=c.reason or "length",
+        return refused + [
+            Completion(id=r.id, token_ids=list(c.tokens), text=c.text(), finish_reason=c.reason or "length",
                        started_at=started, first_token_at=sampler.first_token_at or time.time(),
-                       batch_size=len(reqs))
+                       batch_size=len(reqs), logprobs=c.logprobs)
             for r, c in zip(reqs, checkers)
         ]

@@ -1,7 +1,9 @@
-"""Per-row sampling and stop handling shared by every engine.
+"""Per-row sampling, logprobs and stop handling shared by every engine.
 
 Each sampled request owns a torch.Generator seeded from its seed, and draws exactly one number per
-step from it, so a seeded answer is reproducible whatever it is batched with.
+step from it, so a seeded answer is reproducible whatever it is batched with. A constrained request's
+row is masked by its grammar first (worker/engine/guided.py), then vLLM's logits processors apply
+(repetition_penalty, min_tokens); logprobs are taken from the raw logits.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from batchfleet.worker.engine.base import GenRequest
+from batchfleet.worker.engine.guided import apply_masks
 
 
 def make_generator(req: GenRequest, device: torch.device) -> torch.Generator | None:
@@ -47,7 +50,12 @@ def adjust(row: torch.Tensor, req: GenRequest, checker: StopChecker | None) -> t
 def sample(logits: torch.Tensor, reqs: Sequence[GenRequest], gens: Sequence[torch.Generator | None],
            checkers: Sequence[StopChecker] | None = None) -> torch.Tensor:
     """Pick one token per row. logits: [B, V] -> tokens: [B] (long, on logits.device). ``checkers`` (each
-    row's output so far and EOS ids) are needed by repetition_penalty and min_tokens."""
+    row's output so far, EOS ids and grammar matcher): a constrained row chooses among the tokens its
+    grammar allows (``logits`` itself is left as it was); repetition_penalty and min_tokens need the output."""
+    masked = [(i, m) for i, c in enumerate(checkers or ()) if (m := c.live_matcher()) is not None]
+    if masked:
+        logits = logits.clone()
+        apply_masks(logits, masked)
     out = logits.argmax(dim=-1)
     picked = [i for i, r in enumerate(reqs)
               if r.temperature > 0.0 or _adjusted(r, checkers[i] if checkers is not None else None)]
@@ -78,29 +86,72 @@ def sample(logits: torch.Tensor, reqs: Sequence[GenRequest], gens: Sequence[torc
     return out
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, reqs: Sequence[GenRequest]) -> list:
+    """Per row, None, or (logprob of its token, top-k ids, their logprobs) for rows whose request asked
+    (k = ``req.logprobs``): the log-softmax of the raw logits [B, V] of this step, in float32."""
+    want = [i for i, r in enumerate(reqs) if r.logprobs is not None]
+    out: list = [None] * len(reqs)
+    if not want:
+        return out
+    lp = torch.log_softmax(logits[want].float(), dim=-1).cpu()  # [W, V]
+    chosen = lp.gather(1, tokens[want].cpu().view(-1, 1)).view(-1).tolist()
+    k = max(reqs[i].logprobs for i in want)
+    top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    for j, i in enumerate(want):
+        n = reqs[i].logprobs
+        out[i] = (chosen[j], tuple(top_ids[j, :n].tolist()), tuple(top_lp[j, :n].tolist()))
+    return out
+
+
+class Generated(list):
+    """The token ids a request generated so far; ``logprobs``, when it asked for them, one entry per token."""
+
+    logprobs: list | None = None
+
+
 class StopChecker:
-    """Decides, token by token, whether one request is finished and why.
+    """Decides, token by token, whether one request is finished and why; holds its generated tokens, its
+    logprobs and its grammar matcher.
 
     EOS ids are kept in token_ids (as transformers and vLLM do) and never appear in text; a matched
     stop string is cut from the text (OpenAI semantics) and the token completing it is the last one.
+    A structured output ends ("stop") as soon as its grammar is complete and allows no further token.
     """
 
-    def __init__(self, req: GenRequest, eos_ids: frozenset[int], tokenizer) -> None:
+    def __init__(self, req: GenRequest, eos_ids: frozenset[int], tokenizer, matcher=None) -> None:
         self.req = req
         self.eos_ids = eos_ids
         self.tokenizer = tokenizer
-        self.tokens: list[int] = []
+        self.matcher = matcher  # llguidance.LLMatcher of a constrained request
+        self.tokens = Generated()
+        if req.logprobs is not None:
+            self.tokens.logprobs = []
         self.reason = ""
         self.stop_at: int | None = None  # char index where a stop string begins
 
-    def push(self, token: int) -> bool:
-        """Record one generated token; return True when the request is finished."""
+    @property
+    def logprobs(self) -> list | None:
+        return self.tokens.logprobs
+
+    def live_matcher(self):
+        """The matcher, while it may still constrain a next token (None: free, or finished)."""
+        m = self.matcher
+        return m if m is not None and not self.reason and not m.is_stopped() else None
+
+    def push(self, token: int, logprob=None) -> bool:
+        """Record one generated token (and its logprob entry, if asked); return True when finished."""
         self.tokens.append(token)
+        if self.tokens.logprobs is not None and logprob is not None:
+            self.tokens.logprobs.append(logprob)
+        if self.matcher is not None and token not in self.eos_ids:
+            self.matcher.consume_token(token)
         early = len(self.tokens) < self.req.min_tokens  # min_tokens: neither EOS nor a stop string ends it
         if token in self.eos_ids and not self.req.ignore_eos and not early:
             self.reason = "eos"
         elif self.req.stop and not early and self._match_stop():
             self.reason = "stop"
+        elif self.matcher is not None and self.matcher.is_stopped():
+            self.reason = "stop"  # the structured output is complete (or, never expected, the matcher failed)
         elif len(self.tokens) >= self.req.max_new_tokens:
             self.reason = "length"
         return bool(self.reason)

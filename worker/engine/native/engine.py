@@ -19,6 +19,7 @@ import torch
 from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
 from batchfleet.common.lanes import batch_reserve
 from batchfleet.worker.engine.base import Completion, GenRequest
+from batchfleet.worker.engine.guided import GuideCompiler
 from batchfleet.worker.engine.models import LoadedModel
 from batchfleet.worker.engine.native.block_manager import BlockManager
 from batchfleet.worker.engine.native.runner import ModelRunner
@@ -67,6 +68,7 @@ class NativeEngine:
         self.cfg = cfg
         self.tokenizer = loaded.tokenizer
         self.eos_ids = loaded.eos_ids
+        self.guides = GuideCompiler(self.tokenizer, loaded.model.config.vocab_size, self.eos_ids)
         continuous = cfg.mode == "continuous"
         running = (max_running or cfg.max_running) if continuous else batching.max_batch_size
         self.runner = ModelRunner(loaded.model, cfg.block_size, running, batching.max_seq_len,
@@ -95,12 +97,13 @@ class NativeEngine:
     def add(self, requests: Sequence[GenRequest]) -> None:
         """Queue requests; they start at the next step (invalid ones come back as error completions)."""
         for req in requests:
-            state = ReqState(req=req, gen=make_generator(req, self.runner.device),
-                             checker=StopChecker(req, self.eos_ids, self.tokenizer))
-            seq = Seq(id=req.id, token_ids=list(req.prompt), max_new_tokens=req.max_new_tokens,
-                      stopper=state.checker.push, payload=state, bucket=req.bucket, priority=req.priority)
             try:
                 self._validate(req)
+                matcher = self.guides.matcher(req.guide) if req.guide is not None else None
+                state = ReqState(req=req, gen=make_generator(req, self.runner.device),
+                                 checker=StopChecker(req, self.eos_ids, self.tokenizer, matcher))
+                seq = Seq(id=req.id, token_ids=list(req.prompt), max_new_tokens=req.max_new_tokens,
+                          stopper=state.checker.push, payload=state, bucket=req.bucket)
                 self.scheduler.add(seq)
             except ValueError as exc:
                 self._errors.append(Completion(id=req.id, token_ids=[], text="", finish_reason="",
@@ -223,4 +226,4 @@ class NativeEngine:
         return Completion(id=seq.id, token_ids=list(st.checker.tokens), text=st.checker.text(),
                           finish_reason=st.checker.reason or "length", started_at=st.started_at,
                           first_token_at=st.first_token_at, batch_size=st.batch_size,
-                          extra={"preemptions": seq.num_preemptions})
+                          extra={"preemptions": seq.num_preemptions}, logprobs=st.checker.logprobs)

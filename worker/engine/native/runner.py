@@ -13,7 +13,7 @@ from batchfleet.worker.engine.native import cpu_kernel, memlimit
 from batchfleet.worker.engine.native.block_manager import blocks_for
 from batchfleet.worker.engine.native.model import NativeModel
 from batchfleet.worker.engine.native.scheduler import ScheduledBatch
-from batchfleet.worker.engine.sampling import sample
+from batchfleet.worker.engine.sampling import sample, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +96,17 @@ class ModelRunner:
     # -- steps ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:
-        """Compute one step for ``batch``; return one sampled token per ``batch.sampled`` sequence."""
+        """Compute one step for ``batch``; return one sampled token per ``batch.sampled`` sequence (and,
+        for those that asked, append its logprobs entry to its StopChecker's, which the token then joins)."""
         # a step of partial prefill chunks only writes KV: logits [0, V], nothing sampled
         logits = self._prefill(batch) if batch.is_prefill else self._decode(batch)  # [len(sampled), V]
         logits = logits.float()  # like transformers' generate; argmax is also ~4x faster than on bf16
         payloads = [s.payload for s in batch.sampled]
-        tokens = sample(logits, [p.req for p in payloads], [p.gen for p in payloads], [p.checker for p in payloads])
+        reqs = [p.req for p in payloads]
+        tokens = sample(logits, reqs, [p.gen for p in payloads], [p.checker for p in payloads])
+        for p, entry in zip(payloads, token_logprobs(logits, tokens, reqs)):
+            if entry is not None:
+                p.checker.logprobs.append(entry)
         return tokens.tolist()
 
     def padded_len(self, longest: int) -> int:
