@@ -256,7 +256,7 @@ class ChatCompletionRequest(_Common):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def to_job(self, timeout_cap: float, default_max_tokens: int) -> Job:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         # the request's own fields first, then each message's

@@ -25,16 +25,16 @@ COMPLETION = {"prompt": "Hello", "max_tokens": 4}
 REFUSED = [  # (endpoint, body additions, the param the 400 names)
     ("completions", {"temperature": "0.5"}, "temperature"), ("completions", {"temperature": True}, "temperature"),
     ("completions", {"max_tokens": 4.0}, "max_tokens"), ("completions", {"n": True}, "n"),
-    ("completions", {"n": 2}, "n"),
-    ("completions", {"bogus": 1}, "bogus"), ("completions", {"logprobs": 0}, "logprobs"),
+    ("completions", {"n": 33}, "n"), ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"bogus": 1}, "bogus"),
     ("completions", {"presence_penalty": 0.5}, "presence_penalty"), ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"top_k": 2**64}, "top_k"), ("completions", {"seed": 2**64}, "seed"),
     ("completions", {"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
     ("completions", {"repetition_penalty": "1.5"}, "repetition_penalty"), ("completions", {"min_p": 2}, "min_p"),
     ("completions", {"min_tokens": 9}, "min_tokens"), ("completions", {"ignore_eos": 1}, "ignore_eos"),
-    ("completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("completions", {"response_format": {"type": "xml"}}, "response_format"),
     ("completions", {"stop_token_ids": [2]}, "stop_token_ids"), ("completions", {"timeout": "5"}, "timeout"),
-    ("chat", {"top_logprobs": 3}, "top_logprobs"), ("chat", {"logprobs": True}, "logprobs"),
+    ("chat", {"top_logprobs": 3}, "top_logprobs"), ("chat", {"logprobs": 1}, "logprobs"),
     ("chat", {"tool_choice": "required"}, "tool_choice"), ("chat", {"tools": [{"type": "function"}]}, "tools"),
     ("chat", {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name"),
     ("chat", {"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages.0.extra"),
@@ -98,12 +98,12 @@ def test_the_openai_client_extensions_and_refusals(start_worker, start_gateway):
                                                 "min_p": 0.05, "top_k": 20})
     assert out.usage.completion_tokens == 7 and out.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=out.model, prompt="Hello", max_tokens=4, extra_body={"guided_regex": "a+"})
+        client.completions.create(model=out.model, prompt="Hello", max_tokens=4, extra_body={"guided_regex": "(a+"})
     assert info.value.body["param"] == "guided_regex"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=out.model, messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=4, logprobs=True, top_logprobs=2)
-    assert info.value.body["param"] == "logprobs"
+                                       max_tokens=4, top_logprobs=2)
+    assert info.value.body["param"] == "top_logprobs"
     # too long: max_tokens (or max_completion_tokens) is named, not the prompt (test worker: max_seq_len 512)
     for param in ("max_tokens", "max_completion_tokens"):
         kwargs = {param: 600}

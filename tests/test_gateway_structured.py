@@ -121,7 +121,7 @@ def test_bad_structured_requests_are_400s_naming_the_field(fleet):
         ({"guided_grammar": "start: ("}, "guided_grammar"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, None),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
-        ({"structured_outputs": {"xml": "a"}}, "structured_outputs"),
+        ({"structured_outputs": {"xml": "a"}}, "structured_outputs.xml"),  # strict: the unknown field's path
         ({"logprobs": 21}, "logprobs"), ({"logprobs": "2"}, "logprobs"), ({"n": 0}, "n"), ({"n": 1000}, "n"),
     ]
     for extra, param in cases:

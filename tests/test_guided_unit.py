@@ -56,7 +56,7 @@ def test_guides_compile_or_say_why():
 
 def test_wire_versions_and_roundtrip():
     plain = Request(id="j", prompt=[1], reply_key="k")
-    assert msgpack.unpackb(plain.encode())["v"] == 2 and "guide" not in msgpack.unpackb(plain.encode())
+    assert msgpack.unpackb(plain.encode())["v"] == 3 and msgpack.unpackb(plain.encode())["guide"] is None
     rich = Request(id="j", prompt=[1], reply_key="k", guide=Guide("regex", "a+"), logprobs=5)
     assert msgpack.unpackb(rich.encode())["v"] == 3 and Request.decode(rich.encode()) == rich
     base = {"v": 3, "id": "j", "prompt": [1], "max_new_tokens": 1, "reply_key": "k"}
@@ -66,7 +66,7 @@ def test_wire_versions_and_roundtrip():
         with pytest.raises(ProtocolError):
             Request.decode(msgpack.packb({**base, **bad}))
     res = Result("j", [5, 6], "ab", "stop", 1, 2, 0.0, 0.0, 0.0, "w", 1)
-    assert msgpack.unpackb(res.encode())["v"] == 2
+    assert msgpack.unpackb(res.encode())["v"] == 3 and "logprobs" not in msgpack.unpackb(res.encode())
     lp = [(-0.1, (5, 7), (-0.1, -2.5)), (-1.0, (9, 6), (-0.5, -1.0))]
     with_lp = Result("j", [5, 6], "ab", "stop", 1, 2, 0.0, 0.0, 0.0, "w", 1, logprobs=lp)
     assert msgpack.unpackb(with_lp.encode())["v"] == 3 and decode_reply(with_lp.encode()) == with_lp
@@ -87,14 +87,15 @@ def test_masks_touch_only_constrained_rows_and_logprobs_are_log_softmax():
     from batchfleet.worker.engine.base import GenRequest
     from batchfleet.worker.engine.guided import GuideCompiler
     from batchfleet.worker.engine.models import byte_level_tokenizer
-    from batchfleet.worker.engine.sampling import sample, token_logprobs
+    from batchfleet.worker.engine.sampling import StopChecker, sample, token_logprobs
 
     compiler = GuideCompiler(byte_level_tokenizer(), 320, frozenset([2]))
     digits = compiler.matcher(Guide("regex", "[0-9]{2}"))
     logits = torch.randn(3, 320, generator=torch.Generator().manual_seed(0))
     reqs = [GenRequest(id=str(i), prompt=[1], bucket=16, max_new_tokens=4, logprobs=3) for i in range(3)]
     before = logits.clone()
-    tokens = sample(logits, reqs, [None] * 3, [None, digits, None])
+    constrained = StopChecker(reqs[1], frozenset([2]), byte_level_tokenizer(), digits)
+    tokens = sample(logits, reqs, [None] * 3, [None, constrained, None])
     assert torch.equal(logits, before)  # the mask works on a copy: logprobs see the raw logits
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
     assert chr(int(tokens[1]) - 4) in "0123456789"  # byte-level ids: 4 + byte value

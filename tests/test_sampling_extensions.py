@@ -27,7 +27,7 @@ def req(**kw) -> GenRequest:
 
 def checker(r: GenRequest, tokens: list[int] = ()) -> StopChecker:
     c = StopChecker(r, EOS, byte_level_tokenizer())
-    c.tokens = list(tokens)
+    c.tokens.extend(tokens)
     return c
 
 

@@ -48,11 +48,11 @@ def adjust(row: torch.Tensor, req: GenRequest, checker: StopChecker | None) -> t
 
 
 def sample(logits: torch.Tensor, reqs: Sequence[GenRequest], gens: Sequence[torch.Generator | None],
-           checkers: Sequence[StopChecker] | None = None) -> torch.Tensor:
+           checkers: Sequence[StopChecker | None] | None = None) -> torch.Tensor:
     """Pick one token per row. logits: [B, V] -> tokens: [B] (long, on logits.device). ``checkers`` (each
     row's output so far, EOS ids and grammar matcher): a constrained row chooses among the tokens its
     grammar allows (``logits`` itself is left as it was); repetition_penalty and min_tokens need the output."""
-    masked = [(i, m) for i, c in enumerate(checkers or ()) if (m := c.live_matcher()) is not None]
+    masked = [(i, m) for i, c in enumerate(checkers or ()) if c is not None and (m := c.live_matcher()) is not None]
     if masked:
         logits = logits.clone()
         apply_masks(logits, masked)

@@ -103,7 +103,7 @@ class NativeEngine:
                 state = ReqState(req=req, gen=make_generator(req, self.runner.device),
                                  checker=StopChecker(req, self.eos_ids, self.tokenizer, matcher))
                 seq = Seq(id=req.id, token_ids=list(req.prompt), max_new_tokens=req.max_new_tokens,
-                          stopper=state.checker.push, payload=state, bucket=req.bucket)
+                          stopper=state.checker.push, payload=state, bucket=req.bucket, priority=req.priority)
                 self.scheduler.add(seq)
             except ValueError as exc:
                 self._errors.append(Completion(id=req.id, token_ids=[], text="", finish_reason="",
