@@ -190,6 +190,9 @@ class EngineConfig:
         "Where built-in presets (models/) are created and the CPU kernel (kernels/) is compiled."))
     native_kernel: bool = field(default=True, metadata=option(
         "Use the C paged-decode kernel on CPU (off: gather + SDPA)."))
+    prefix_cache: bool = field(default=True, metadata=option(
+        "Native engine: keep the KV of full prompt blocks and reuse it for every later prompt starting with the "
+        "same tokens (a shared system prompt is computed once); cached blocks are evicted least recently used."))
     seed: int = 0
 
     def __post_init__(self) -> None:

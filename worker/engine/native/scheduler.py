@@ -16,6 +16,11 @@ Policy (see docs/NATIVE_ENGINE.md):
 - When a decode step needs a block and none is free, the most recently admitted running sequence is
   preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
   (prompt + tokens generated so far) by a later prefill. Nothing ever runs out of memory.
+- Prefix cache (the block manager's): an admitted sequence starts with every cached full block of its
+  tokens and computes only the rest, so only those tokens count against the prefill budget. The full
+  blocks a prefill step computes are registered when it is scheduled, so later sequences of the same
+  step share them (the runner writes every chunk's K/V before any attention reads the pool); a failed
+  step unregisters them (``ScheduledBatch.registered``). Decode steps register a block once it is full.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class ScheduledBatch:
     seqs: list[Sequence]
     preempted: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)  # tokens computed per sequence (decode: all 1)
+    registered: list[int] = field(default_factory=list)  # blocks this step put in the prefix cache
     sampled: list[Sequence] = field(init=False)  # those that get a new token (a partial chunk gets none)
 
     def __post_init__(self) -> None:
@@ -112,6 +118,7 @@ class Scheduler:
         assert len(tokens) == len(sampled)
         for seq, n in zip(batch.seqs, batch.num_new, strict=True):
             seq.num_cached += n  # the step wrote KV for these tokens (never for the newly sampled one)
+            self.blocks.commit(seq, seq.num_cached)  # a block a decode step just filled
         finished = [seq for seq, tok in zip(sampled, tokens, strict=True) if seq.append(tok)]
         for seq in finished:
             self._finish(seq)
@@ -124,6 +131,7 @@ class Scheduler:
         num_new: list[int] = []
         budget = self.max_prefill_tokens
         bucket = None
+        registered: list[int] = []
         for seq in self.prefilling:  # partly prefilled sequences go on first (they hold their blocks)
             if budget <= 0 or (bucket is not None and seq.bucket != bucket):
                 break
@@ -131,6 +139,7 @@ class Scheduler:
             n = min(len(seq) - seq.num_cached, budget)
             chosen.append(seq)
             num_new.append(n)
+            registered += self.blocks.commit(seq, seq.num_cached + n)
             budget -= n
         bucket = bucket if bucket is not None else (self.waiting[0].bucket if self.waiting else None)
         holding = len(self.running) + len(self.prefilling)  # sequences that already hold blocks
@@ -138,20 +147,24 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(chosen) < self.max_batch_size
                and holding + admitted < self.max_running):
             seq = self.waiting[0]
-            n = len(seq)
-            if seq.bucket != bucket or (not self.chunked and chosen and n > budget):
+            if seq.bucket != bucket:
+                break
+            hits = self.blocks.match(seq)  # cached leading blocks: their tokens are not computed
+            n = len(seq) - len(hits) * self.blocks.block_size
+            if not self.chunked and chosen and n > budget:
                 break
             reserve = holding + admitted
-            if not self.blocks.can_allocate(n, reserve=reserve):
+            if not self.blocks.can_allocate(len(seq), reserve=reserve, hits=hits):
                 # nothing running and still no room: admit without the watermark (it fits the pool)
-                if reserve or not self.blocks.can_allocate(n):
+                if reserve or not self.blocks.can_allocate(len(seq), hits=hits):
                     break
             self.waiting.popleft()
-            self.blocks.allocate(seq, n)  # the whole prompt, even when it is prefilled in chunks
+            self.blocks.allocate(seq, len(seq), hits)  # the whole prompt, even when prefilled in chunks
             seq.status = SeqStatus.RUNNING
             n = min(n, budget) if self.chunked else n
             chosen.append(seq)
             num_new.append(n)
+            registered += self.blocks.commit(seq, seq.num_cached + n)  # later ones of this step share them
             budget -= n
             admitted += 1
         if not chosen:
@@ -164,7 +177,7 @@ class Scheduler:
                 self.prefilling.append(seq)
             if complete:
                 self.running.append(seq)
-        return ScheduledBatch(is_prefill=True, seqs=chosen, num_new=num_new)
+        return ScheduledBatch(is_prefill=True, seqs=chosen, num_new=num_new, registered=registered)
 
     def _schedule_decode(self) -> ScheduledBatch:
         queue = deque(self.running)
@@ -183,6 +196,13 @@ class Scheduler:
                 scheduled.append(seq)
         self.running = scheduled
         return ScheduledBatch(is_prefill=False, seqs=scheduled, preempted=preempted)
+
+    def rollback(self, batch: ScheduledBatch) -> None:
+        """Undo a prefill step whose forward failed: its KV is incomplete, so the blocks it registered
+        leave the prefix cache and its sequences go back to the front of the queue, in order."""
+        self.blocks.uncache(batch.registered)
+        for seq in reversed(batch.seqs):
+            self.requeue(seq)
 
     def requeue(self, seq: Sequence) -> None:
         """Take an admitted sequence back to the front of the queue, freeing its blocks."""
