@@ -9,6 +9,10 @@ output, so a kill at any instant leaves each answer on disk or still in the inbo
 killed run left queued or running is enqueued again: its first answer wins the worker's ``done`` marker and
 is the only one written to the inbox, so the output gets it once (the fleet may compute it twice).
 
+Lines are written in input order, but submitted prefix-grouped: within each run of ``window`` lines, those
+whose prompts start alike (the same first 64 characters, or 16 token ids: about one KV block) go one after
+another, so one worker's batch shares its prefix and a worker's prefix cache keeps what the next lines need.
+
 A bad line (not JSON, unknown keys, bad parameters, too long) becomes an error line carrying the protocol's
 error code; the run goes on. Fleet-wide failures (no live worker, Redis unreachable) stop it like Ctrl-C does:
 the answers already here are written, and a rerun resumes.
@@ -135,6 +139,38 @@ def parse_lines(text_lines: list[str], input_path: str | None, prefix: str) -> l
     return out
 
 
+PREFIX_KEY_CHARS = 64  # about one KV block (16 tokens) of English text
+PREFIX_KEY_TOKENS = 16
+
+
+def prefix_key(prompt: object) -> str | None:
+    """What two prompts must share to share a leading KV block, without tokenizing: the first
+    PREFIX_KEY_CHARS characters of a text (of the messages as JSON, for chat), the first 16 token ids."""
+    if isinstance(prompt, str):
+        return "s" + prompt[:PREFIX_KEY_CHARS]
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return "t" + ",".join(map(str, prompt[:PREFIX_KEY_TOKENS]))
+    try:
+        return "m" + json.dumps(prompt, sort_keys=True)[:PREFIX_KEY_CHARS]
+    except (TypeError, ValueError):
+        return None
+
+
+def submission_order(lines: list[Line], window: int) -> list[Line]:
+    """The order to submit ``lines`` in: each run of ``window`` consecutive lines grouped by
+    ``prefix_key`` (groups in order of first appearance, lines in input order within a group). Grouping
+    never reaches past ``window`` lines, so the line written next is always among those submitted."""
+    out: list[Line] = []
+    for start in range(0, len(lines), window):
+        groups: dict[object, list[Line]] = {}
+        for line in lines[start:start + window]:
+            key = prefix_key(line.obj.get("prompt")) if line.error is None else None
+            groups.setdefault(key if key is not None else ("line", line.index), []).append(line)
+        for group in groups.values():
+            out += group
+    return out
+
+
 def answered_lines(output_path: str) -> set[int]:
     """Indexes already in an output file; a partial last line (a kill mid-write) is cut off."""
     with open(output_path, "rb+") as f:
@@ -204,8 +240,9 @@ async def run_bulk(client: AsyncClient, lines: list[Line], out, *, window: int, 
     stale = [present.pop(ln.job_id) for ln in lines if ln.job_id in present and (fresh or ln.index in skip)]
     for i in range(0, len(stale), 1000):
         await client.r.xdel(client.reply_key, *stale[i:i + 1000])
-    todo = deque(ln for ln in lines if ln.index not in skip)
-    inflight: deque[_Pending] = deque()
+    order = deque(ln for ln in lines if ln.index not in skip)  # input order: the line written next first
+    todo = deque(submission_order(list(order), window))  # prefix-grouped within each window of lines
+    inflight: dict[int, _Pending] = {}  # line index -> submitted (or failed) and not yet written
     stopper = asyncio.ensure_future(stop.wait())
     wait_s = QUEUE_FULL_WAIT_S[0]
 
@@ -260,7 +297,7 @@ async def run_bulk(client: AsyncClient, lines: list[Line], out, *, window: int, 
                         summary.submitted += 1
                         wait_s = QUEUE_FULL_WAIT_S[0]
                     except QueueFull:
-                        if inflight:
+                        if order[0].index in inflight:
                             break  # answers make room: take the head first
                         await asyncio.wait({stopper}, timeout=wait_s)
                         wait_s = min(2 * wait_s, QUEUE_FULL_WAIT_S[1])
@@ -272,14 +309,15 @@ async def run_bulk(client: AsyncClient, lines: list[Line], out, *, window: int, 
                     except (InvalidRequest, ValueError, TypeError) as exc:
                         item.error = exc
                 todo.popleft()
-                inflight.append(item)
-            if inflight and await finish(inflight[0], wait=True):
-                inflight.popleft()
-        while inflight and await finish(inflight[0], wait=False):  # stopped: keep what already came
-            inflight.popleft()
+                inflight[line.index] = item
+            # the head is submitted here unless stopped: grouping never reaches past the window
+            if order and order[0].index in inflight and await finish(inflight[order[0].index], wait=True):
+                del inflight[order.popleft().index]
+        while order and order[0].index in inflight and await finish(inflight[order[0].index], wait=False):
+            del inflight[order.popleft().index]  # stopped: keep what already came, in order
     finally:
         stopper.cancel()
-        summary.in_flight = sum(1 for p in inflight if p.error is None)
+        summary.in_flight = sum(1 for p in inflight.values() if p.error is None)
         summary.interrupted = bool(todo or inflight)
     return summary
 
