@@ -5,19 +5,19 @@ status``, and ``--no-prefix-cache`` (flag and environment variable)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 import urllib.request
 
 import click
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchfleet.common.cli import main
 from batchfleet.common.devtools import free_port
+from batchfleet.common.keys import Keys
 from batchfleet.common.options import build_worker_config
 from batchfleet.producer import Client
+from batchfleet.producer.status import render, snapshot
 from tests.test_native_util import prompt
 
 SHARED = prompt(11, 48)  # three whole blocks of 16
@@ -29,12 +29,10 @@ def scrape(port: int, name: str) -> float:
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
 
 
-def run_status(redis_url: str, namespace: str, *args: str) -> str:
-    env = {**os.environ, "BATCHFLEET_REDIS_URL": redis_url, "BATCHFLEET_NAMESPACE": namespace}
-    proc = subprocess.run([sys.executable, "-m", "batchfleet.common.cli", "status", *args], env=env,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+def status(redis_url: str, namespace: str) -> tuple[dict, str]:
+    """What ``batchfleet status --json`` prints, and its table."""
+    snap = snapshot(redis.Redis.from_url(redis_url), Keys(namespace))
+    return json.loads(json.dumps(snap)), render(snap)
 
 
 def worker_params(*args: str) -> dict:
@@ -58,9 +56,9 @@ def test_counters_in_metrics_status_and_table(start_worker, redis_url: str, name
     assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (queries, hits)
 
     time.sleep(2.5)  # one more heartbeat: the status carries the counters
-    (row,) = json.loads(run_status(redis_url, namespace, "--json"))["workers"]
+    snap, table = status(redis_url, namespace)
+    (row,) = snap["workers"]
     assert row["prefix_hit_rate"] == round(hits / queries, 4)
-    table = run_status(redis_url, namespace)
     header = next(line for line in table.splitlines() if line.startswith("worker"))
     assert "prefix hit" in header
     assert f"{hits / queries * 100:.0f}%" in next(line for line in table.splitlines() if line.startswith(row["name"]))
@@ -79,5 +77,5 @@ def test_no_prefix_cache_turns_it_off(start_worker, redis_url: str, namespace: s
     stats = w.loop.engine.stats()
     assert stats["prefix_cache"] is False and (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (0, 0)
     time.sleep(2.5)
-    (row,) = json.loads(run_status(redis_url, namespace, "--json"))["workers"]
-    assert row["prefix_hit_rate"] is None
+    (row,) = status(redis_url, namespace)[0]["workers"]
+    assert row["prefix_hit_rate"] is None and row["kv_usage"] is not None
