@@ -116,9 +116,11 @@ class Scheduler:
         in that order); free and return finished ones."""
         sampled = batch.sampled
         assert len(tokens) == len(sampled)
+        full = (self.blocks.block_size if self.blocks.enable_caching else 0) or None
         for seq, n in zip(batch.seqs, batch.num_new, strict=True):
             seq.num_cached += n  # the step wrote KV for these tokens (never for the newly sampled one)
-            self.blocks.commit(seq, seq.num_cached)  # a block a decode step just filled
+            if full and seq.num_cached >= (seq.num_committed + 1) * full:
+                self.blocks.commit(seq, seq.num_cached)  # a block a decode step just filled
         finished = [seq for seq, tok in zip(sampled, tokens, strict=True) if seq.append(tok)]
         for seq in finished:
             self._finish(seq)
