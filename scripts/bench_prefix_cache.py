@@ -22,6 +22,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import click
@@ -33,6 +34,9 @@ from batchfleet.worker.benchmark.report import machine, write_json
 from batchfleet.worker.benchmark.runner import serving_redis
 from batchfleet.worker.benchmark.strategies import parse_strategy
 from batchfleet.worker.engine.models import make_preset
+from batchfleet.worker.engine.native.block_manager import BlockManager
+from batchfleet.worker.engine.native.scheduler import Scheduler
+from batchfleet.worker.engine.native.sequence import Sequence
 
 HERE = Path(__file__).resolve().parent
 MAX_SEQ_LEN = 4096
@@ -92,6 +96,29 @@ def run_vllm(python: str, model_dir: Path, workload: Workload, warm: list[list[i
     if out.get("prefix_cache_queries"):
         out["hit_rate"] = out["prefix_cache_hits"] / out["prefix_cache_queries"]
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def scheduler_overhead(workload: Workload, repeats: int = 5) -> dict:
+    """CPU time (process time: robust to other processes) of the pure-Python scheduler over a workload with
+    the prefix cache on and off, fake tokens, no model: what the cache's hashing and lookups cost per step."""
+    def once(cache: bool) -> tuple[float, int]:
+        s = Scheduler(BlockManager(4096, 16, enable_caching=cache), max_batch_size=32, max_prefill_tokens=2048,
+                      max_running=64, chunked=True)
+        for i, (p, m) in enumerate(zip(workload.prompts, workload.max_new_tokens)):
+            s.add(Sequence(id=str(i), token_ids=list(p), max_new_tokens=m, bucket=512))
+        t0, steps = time.process_time(), 0
+        while s.has_work():
+            batch = s.schedule()
+            s.postprocess(batch, [7] * len(batch.sampled))
+            steps += 1
+        return time.process_time() - t0, steps
+    out = {}
+    for cache in (False, True):
+        runs = [once(cache) for _ in range(repeats)]
+        best = min(t for t, _ in runs)
+        out["on" if cache else "off"] = {"steps": runs[0][1], "best_ms": round(best * 1000, 2),
+                                         "per_step_us": round(best / runs[0][1] * 1e6, 1)}
+    return out
 
 
 def table(name: str, part: dict) -> list[str]:
@@ -157,8 +184,11 @@ def main(redis_url: str, vllm_python: str, workloads: str, no_vllm: bool, n: int
                                               / part["vllm"]["throughput_tok_s"], 3)
             part["on_vs_off"] = round(part["fleet_cache_on"]["throughput_tok_s"]
                                       / part["fleet_cache_off"]["throughput_tok_s"], 3)
+            part["scheduler_overhead"] = sched = scheduler_overhead(load)
             doc[name] = part
             lines += table(name, part)
+            lines.append(f"scheduler CPU per step (no model): cache off {sched['off']['per_step_us']} us, "
+                         f"on {sched['on']['per_step_us']} us")
             click.echo("\n".join(table(name, part)), err=True)
     finally:
         if private is not None:
