@@ -44,6 +44,7 @@ from batchfleet.common.errors import (
 from batchfleet.common.keys import valid_job_id
 from batchfleet.producer.aclient import AsyncClient
 from batchfleet.producer.core import Deadline
+from batchfleet.producer.prefix_order import submission_order
 
 PARAM_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 LINE_KEYS = frozenset({"prompt", "id", *PARAM_KEYS})
@@ -136,38 +137,6 @@ def parse_lines(text_lines: list[str], input_path: str | None, prefix: str) -> l
             else:
                 key = "l" + _digest(where, str(index))
             line.job_id = f"{prefix}.{key}"
-    return out
-
-
-PREFIX_KEY_CHARS = 64  # about one KV block (16 tokens) of English text
-PREFIX_KEY_TOKENS = 16
-
-
-def prefix_key(prompt: object) -> str | None:
-    """What two prompts must share to share a leading KV block, without tokenizing: the first
-    PREFIX_KEY_CHARS characters of a text (of the messages as JSON, for chat), the first 16 token ids."""
-    if isinstance(prompt, str):
-        return "s" + prompt[:PREFIX_KEY_CHARS]
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return "t" + ",".join(map(str, prompt[:PREFIX_KEY_TOKENS]))
-    try:
-        return "m" + json.dumps(prompt, sort_keys=True)[:PREFIX_KEY_CHARS]
-    except (TypeError, ValueError):
-        return None
-
-
-def submission_order(lines: list[Line], window: int) -> list[Line]:
-    """The order to submit ``lines`` in: each run of ``window`` consecutive lines grouped by
-    ``prefix_key`` (groups in order of first appearance, lines in input order within a group). Grouping
-    never reaches past ``window`` lines, so the line written next is always among those submitted."""
-    out: list[Line] = []
-    for start in range(0, len(lines), window):
-        groups: dict[object, list[Line]] = {}
-        for line in lines[start:start + window]:
-            key = prefix_key(line.obj.get("prompt")) if line.error is None else None
-            groups.setdefault(key if key is not None else ("line", line.index), []).append(line)
-        for group in groups.values():
-            out += group
     return out
 
 
