@@ -215,6 +215,9 @@ class EngineConfig:
         "Native engine weight matmuls: auto = per weight shape and row count, the faster of torch's default "
         "and oneDNN with the weight prepacked, measured at load (CPU; elsewhere default); default = F.linear; "
         "onednn = prepacked wherever oneDNN can.", choices=LINEAR_CHOICES))
+    prefix_cache: bool = field(default=True, metadata=option(
+        "Native engine: keep the KV of full prompt blocks and reuse it for every later prompt starting with the "
+        "same tokens (a shared system prompt is computed once); cached blocks are evicted least recently used."))
     seed: int = 0
 
     def __post_init__(self) -> None:

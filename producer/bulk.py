@@ -13,6 +13,11 @@ Every job's timeout runs from its own submission, so answers that never come exp
 after the other. A bad line (not JSON, unknown keys, bad parameters, too long) becomes an error line
 carrying the protocol's error code; the run goes on. Fleet-wide failures (no live worker, Redis
 unreachable) stop it like Ctrl-C does: the answers already here are written, and a rerun resumes.
+
+Lines are submitted prefix-grouped: within each run of ``window`` lines, those whose prompts start alike
+(the same first 64 characters, or 16 token ids: about one KV block; producer/prefix_order.py) go one after
+another, so one worker's batch shares its prefix and its prefix cache keeps what the next lines need.
+Answers are written in submission order; each line carries its input line number (``index``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from batchfleet.common.keys import BATCH
 from batchfleet.producer.aclient import AsyncClient
 from batchfleet.producer.bulk_input import PARAM_KEYS, Line, Written, error_code, parse_lines, read_output, run_names
 from batchfleet.producer.core import Deadline
+from batchfleet.producer.prefix_order import submission_order
 
 FATAL = (FleetUnavailable, RedisUnavailable)  # every later line would fail the same way: stop, resume later
 QUEUE_FULL_WAIT_S = (0.05, 2.0)
@@ -67,7 +73,7 @@ class _Pending:
 
 
 class _Run:
-    """One pass over the lines: submit within the window, write answers in input order."""
+    """One pass over the lines: submit within the window, write answers in submission order."""
 
     def __init__(self, client: AsyncClient, out, defaults: dict, timeout: float | None, stop: asyncio.Event,
                  summary: Summary, progress: Callable[[Summary], None] | None) -> None:
@@ -146,7 +152,7 @@ class _Run:
 async def run_bulk(client: AsyncClient, lines: list[Line], out, *, window: int, defaults: dict,
                    timeout: float | None, kept: Written | None = None, stop: asyncio.Event | None = None,
                    progress: Callable[[Summary], None] | None = None) -> Summary:
-    """Answer every line not in ``kept.done``, writing to ``out`` in input order with at most ``window`` jobs
+    """Answer every line not in ``kept.done``, writing to ``out`` in submission order with at most ``window`` jobs
     in flight (batch class unless ``defaults`` says otherwise). ``stop`` set: submit nothing more, write the
     answers already here, return. NoWorkers / RedisUnavailable while submitting stop it the same way."""
     kept = kept or Written()
@@ -157,7 +163,8 @@ async def run_bulk(client: AsyncClient, lines: list[Line], out, *, window: int, 
     stale = [present.pop(ln.job_id) for ln in lines if ln.job_id in present and ln.index in kept.done]
     for i in range(0, len(stale), 1000):  # answered and written: a run killed before it deleted them
         await client.r.xdel(client.reply_key, *stale[i:i + 1000])
-    todo = deque(_Pending(ln, ln.error) for ln in lines if ln.index not in kept.done)
+    todo = deque(_Pending(ln, ln.error) for ln in submission_order([ln for ln in lines if ln.index not in kept.done],
+                                                                  window))
     inflight: deque[_Pending] = deque()
     run = _Run(client, out, defaults, timeout, stop, summary, progress)
     try:

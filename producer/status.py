@@ -40,9 +40,12 @@ def _queue_row(q: QueueStats) -> dict[str, Any]:
 def _worker_row(w: dict[str, Any]) -> dict[str, Any]:
     total = w.get("engine_kv_blocks_total")
     kv = (w.get("engine_kv_blocks_used", 0) / total) if total else None
+    queries = w.get("engine_prefix_cache_queries")
+    hit_rate = (w.get("engine_prefix_cache_hits", 0) / queries) if queries else None
     return {"name": w["name"], "alive": w["alive"], "seen_s": round(w["seen_s"], 1),
             "engine": w.get("engine"), "mode": w.get("mode"), "running": w.get("active"),
             "waiting": w.get("waiting"), "kv_usage": None if kv is None else round(kv, 4),
+            "prefix_hit_rate": None if hit_rate is None else round(hit_rate, 4),
             "tokens_per_s": w.get("tokens_per_s"), "last_batch_sizes": w.get("last_batch_sizes"),
             "completed": w.get("completed"), "errors": w.get("errors"), "dead_lettered": w.get("dead_lettered"),
             "prefix_cache_hit_rate": prefix_cache_hit_rate(w)}
@@ -95,9 +98,10 @@ def render(snap: dict[str, Any]) -> str:
         rows.append([w["name"], "alive" if w["alive"] else f"gone ({_age(w['seen_s'])} ago)",
                      f"{w['engine']}/{w['mode']}" if w["engine"] else "-", _dash(w["running"]), _dash(w["waiting"]),
                      _dash(None if w["kv_usage"] is None else w["kv_usage"] * 100, "{:.0f}%"),
+                     _dash(None if w.get("prefix_hit_rate") is None else w["prefix_hit_rate"] * 100, "{:.0f}%"),
                      _dash(w["tokens_per_s"], "{:.1f}"),
                      ",".join(str(b) for b in w["last_batch_sizes"] or []) or "-", _dash(w["completed"])])
-    lines += _table(["worker", "state", "engine/mode", "running", "waiting", "kv", "tok/s(1m)", "last batches",
-                     "done"], rows) if rows else ["no workers"]
+    lines += _table(["worker", "state", "engine/mode", "running", "waiting", "kv", "prefix hit", "tok/s(1m)",
+                     "last batches", "done"], rows) if rows else ["no workers"]
     lines += ["", f"dead letters: {snap['dead_letters']}"]
     return "\n".join(lines)

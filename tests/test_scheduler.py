@@ -9,6 +9,12 @@ from batchfleet.worker.engine.native.sequence import SeqStatus, Sequence
 pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
 
 
+def plain(num_blocks: int) -> BlockManager:
+    """A pool without prefix caching: these tests pin the plain allocator's block ids (the cache's own
+    behaviour is tested in test_prefix_cache.py)."""
+    return BlockManager(num_blocks=num_blocks, block_size=4, enable_caching=False)
+
+
 def seq(name: str, n: int, max_new: int = 8) -> Sequence:
     return Sequence(id=name, token_ids=list(range(n)), max_new_tokens=max_new)
 
@@ -20,7 +26,7 @@ def step(s: Scheduler, token: int = 7):
 
 
 def test_prefill_then_decode_and_block_growth():
-    s = Scheduler(BlockManager(num_blocks=10, block_size=4), max_batch_size=4)
+    s = Scheduler(plain(10), max_batch_size=4)
     a, b = seq("a", 4), seq("b", 6)
     s.add(a)
     s.add(b)
@@ -36,7 +42,7 @@ def test_prefill_then_decode_and_block_growth():
 
 
 def test_finished_sequences_free_blocks_immediately():
-    s = Scheduler(BlockManager(num_blocks=10, block_size=4), max_batch_size=4)
+    s = Scheduler(plain(10), max_batch_size=4)
     short, long = seq("s", 3, max_new=2), seq("l", 3, max_new=5)
     s.add(long)
     s.add(short)
@@ -50,7 +56,7 @@ def test_finished_sequences_free_blocks_immediately():
 
 
 def test_max_batch_size_keeps_extra_waiting():
-    s = Scheduler(BlockManager(num_blocks=20, block_size=4), max_batch_size=2)
+    s = Scheduler(plain(20), max_batch_size=2)
     for i in range(3):
         s.add(seq(f"r{i}", 2, max_new=3))
     batch, _ = step(s)
@@ -62,7 +68,7 @@ def test_max_batch_size_keeps_extra_waiting():
 
 
 def test_watermark_keeps_a_block_per_running_sequence():
-    s = Scheduler(BlockManager(num_blocks=4, block_size=4), max_batch_size=4)
+    s = Scheduler(plain(4), max_batch_size=4)
     s.add(seq("a", 4))
     step(s)  # a holds block 0; 3 free
     s.add(seq("b", 12, max_new=1))  # needs 3 blocks; with 1 reserved for a only 2 are usable
@@ -71,7 +77,7 @@ def test_watermark_keeps_a_block_per_running_sequence():
 
 
 def test_preemption_recomputes_newest_first():
-    s = Scheduler(BlockManager(num_blocks=4, block_size=4), max_batch_size=4)
+    s = Scheduler(plain(4), max_batch_size=4)
     a, b = seq("a", 4, max_new=12), seq("b", 3, max_new=12)
     s.add(a)
     s.add(b)
@@ -90,7 +96,7 @@ def test_preemption_recomputes_newest_first():
 
 
 def test_lone_sequence_that_cannot_grow_is_preempted_not_crashed():
-    s = Scheduler(BlockManager(num_blocks=2, block_size=4), max_batch_size=2)
+    s = Scheduler(plain(2), max_batch_size=2)
     with pytest.raises(ValueError):
         s.add(seq("big", 6, max_new=4))  # KV for 9 tokens > 8 slots: rejected up front
     s.add(seq("ok", 5, max_new=3))
@@ -100,7 +106,7 @@ def test_lone_sequence_that_cannot_grow_is_preempted_not_crashed():
 
 
 def test_abort_frees_running_and_waiting():
-    s = Scheduler(BlockManager(num_blocks=8, block_size=4), max_batch_size=1)
+    s = Scheduler(plain(8), max_batch_size=1)
     s.add(seq("a", 5))
     s.add(seq("b", 5))
     step(s)
@@ -111,7 +117,7 @@ def test_abort_frees_running_and_waiting():
 
 
 def test_requeue_puts_sequence_back_in_front():
-    s = Scheduler(BlockManager(num_blocks=8, block_size=4), max_batch_size=4)
+    s = Scheduler(plain(8), max_batch_size=4)
     s.add(seq("a", 5))
     s.add(seq("b", 2))
     batch = s.schedule()

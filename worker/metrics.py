@@ -170,5 +170,11 @@ class _LoopCollector(Collector):
                                   value=stats.get("preemptions", 0))
         yield CounterMetricFamily("batchfleet_priority_preemptions", "Batch-class sequences preempted for "
                                   "interactive ones.", value=stats.get("priority_preemptions", 0))
+        # vLLM's prefix_cache_queries / prefix_cache_hits: hits / queries is the hit rate (in tokens)
+        yield CounterMetricFamily("batchfleet_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                  "when their sequence was admitted (0 with --no-prefix-cache or the hf engine).",
+                                  value=stats.get("prefix_cache_queries", 0))
+        yield CounterMetricFamily("batchfleet_prefix_cache_hits", "Of those, tokens whose KV came from the prefix "
+                                  "cache (prefill not computed).", value=stats.get("prefix_cache_hits", 0))
         yield CounterMetricFamily("batchfleet_reclaimed", "Entries taken over from silent workers.",
                                   value=ledger["reclaimed"])

@@ -6,10 +6,12 @@ padded with the trash block id and masked out by length.
 
 Paths (measured numbers in docs/NATIVE_ENGINE.md):
 - prefill, padded: the prompt's own K/V are attended directly with causal SDPA (right padding: a real query
-  only sees earlier, real keys), then scattered into the pool; no pool read is needed since prefills
-  always start from position 0 (a preempted sequence is recomputed from scratch).
+  only sees earlier, real keys), then scattered into the pool; only used when every prompt of the step
+  starts at position 0 (no prefix-cache hit, no earlier chunk).
 - prefill, packed (varlen): prompts back to back in one row, one causal SDPA per prompt: no padding
-  compute at all (the default on CPU, where padding costs FLOPs linearly).
+  compute at all (the default on CPU, where padding costs FLOPs linearly). A chunk that starts after
+  cached K/V (an earlier chunk, or blocks from the prefix cache) attends to them through the pool; every
+  chunk's K/V is written before any attention of the layer, so sequences of one step may share blocks.
 - decode, ``kernel`` (CPU default): the C kernel of cpu_kernel.py reads K/V in place through the
   block table (no copy), one pass over K and one over V.
 - decode, ``gather``: index_select the sequence's blocks into a dense [B, Hkv, T, D] view and run SDPA

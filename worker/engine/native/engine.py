@@ -76,7 +76,7 @@ class NativeEngine:
                                   padding=batching.padding, num_blocks=num_blocks, prefill=prefill, decode=decode,
                                   kernel_dir=Path(cfg.cache_dir) / "kernels" if cfg.native_kernel else None,
                                   linear=cfg.linear)
-        self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size)
+        self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, enable_caching=cfg.prefix_cache)
         if continuous:
             budget = max_prefill_tokens or cfg.max_prefill_tokens
         else:  # whole prompts, as many as fit (the reference behaviour)
@@ -171,6 +171,11 @@ class NativeEngine:
             "waiting": len(s.waiting),
             "preemptions": s.num_preemptions,
             "priority_preemptions": s.num_priority_preemptions,
+            "prefix_cache": b.enable_caching,
+            "prefix_cache_queries": b.queries,  # prompt tokens looked up at admission (vLLM's counters)
+            "prefix_cache_hits": b.hits,  # of those, tokens whose KV came from the cache (not computed)
+            "kv_blocks_cached": b.num_evictable,  # free blocks still holding reusable content
+            "prefix_cache_evictions": b.evictions,
             "decode_shapes": [f"{b}x{w}" for b, w in sorted(self.runner.decode_shapes)],
             **self.runner.describe(),  # kernels chosen at load (weight matmuls, decode attention)
             **{k: v for k, v in self._counters.items() if k != "peak_contiguous_waste"},
@@ -194,6 +199,7 @@ class NativeEngine:
         s = self.scheduler
         self.abort([q.id for q in (*s.running, *s.prefilling, *s.waiting)])
         self._errors = []
+        self.blocks.reset_cache()  # a reset follows a failure: trust no cached content
 
     # -- internals --------------------------------------------------------------------------------
     def _validate(self, req: GenRequest) -> None:
@@ -205,9 +211,8 @@ class NativeEngine:
             raise ValueError(f"prompt + max_new_tokens exceeds max_seq_len {self.batching.max_seq_len}")
 
     def _rollback(self, batch: ScheduledBatch) -> None:
-        if batch.is_prefill:  # their KV is incomplete: back to the queue, to be recomputed
-            for seq in reversed(batch.seqs):
-                self.scheduler.requeue(seq)
+        if batch.is_prefill:  # their KV is incomplete: uncached, back to the queue, to be recomputed
+            self.scheduler.rollback(batch)
 
     def _count(self, batch: ScheduledBatch) -> None:
         c = self._counters
@@ -226,4 +231,5 @@ class NativeEngine:
         return Completion(id=seq.id, token_ids=list(st.checker.tokens), text=st.checker.text(),
                           finish_reason=st.checker.reason or "length", started_at=st.started_at,
                           first_token_at=st.first_token_at, batch_size=st.batch_size,
-                          extra={"preemptions": seq.num_preemptions}, logprobs=st.checker.logprobs)
+                          extra={"preemptions": seq.num_preemptions, "cached_tokens": seq.num_cache_hit},
+                          logprobs=st.checker.logprobs)

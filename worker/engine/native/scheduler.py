@@ -17,6 +17,12 @@ Policy (see docs/NATIVE_ENGINE.md):
   then the most recently admitted): its blocks are freed and it goes back to the front of its class in
   the queue, to be recomputed (prompt + tokens generated so far) by a later prefill. Nothing ever runs
   out of memory.
+- Prefix cache (the block manager's): an admitted sequence starts with every cached full block of its
+  tokens and computes only the rest, so only those tokens count against the prefill budget. The full
+  blocks a prefill step computes are registered when it is scheduled, so later sequences of the same
+  step share them (the runner writes every chunk's K/V before any attention reads the pool); a failed
+  step unregisters them (``ScheduledBatch.registered``). Decode steps register a block once it is full.
+  A preempted sequence's blocks stay cached while free, so its recompute mostly hits them.
 
 Priority classes (``Sequence.priority``: 0 interactive, 1 batch; docs/OPERATIONS.md):
 - The queue is ordered by (priority, arrival): interactive sequences are admitted first; a preempted
@@ -50,6 +56,7 @@ class ScheduledBatch:
     seqs: list[Sequence]
     preempted: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)  # tokens computed per sequence (decode: all 1)
+    registered: list[int] = field(default_factory=list)  # blocks this step put in the prefix cache
     sampled: list[Sequence] = field(init=False)  # those that get a new token (a partial chunk gets none)
 
     def __post_init__(self) -> None:
@@ -136,8 +143,11 @@ class Scheduler:
         in that order); free and return finished ones."""
         sampled = batch.sampled
         assert len(tokens) == len(sampled)
+        full = (self.blocks.block_size if self.blocks.enable_caching else 0) or None
         for seq, n in zip(batch.seqs, batch.num_new, strict=True):
             seq.num_cached += n  # the step wrote KV for these tokens (never for the newly sampled one)
+            if full and seq.num_cached >= (seq.num_committed + 1) * full:
+                self.blocks.commit(seq, seq.num_cached)  # a block a decode step just filled
         finished = [seq for seq, tok in zip(sampled, tokens, strict=True) if seq.append(tok)]
         for seq in finished:
             self._finish(seq)
@@ -151,6 +161,7 @@ class Scheduler:
         budget = self.max_prefill_tokens
         bucket = None
         urgent = any(q.priority == 0 for q in self.waiting)  # interactive work queued: batch chunks wait
+        registered: list[int] = []
         for seq in self.prefilling:  # partly prefilled sequences go on first (they hold their blocks)
             if budget <= 0 or (bucket is not None and seq.bucket != bucket):
                 break
@@ -160,27 +171,32 @@ class Scheduler:
             n = min(len(seq) - seq.num_cached, budget)
             chosen.append(seq)
             num_new.append(n)
+            registered += self.blocks.commit(seq, seq.num_cached + n)
             budget -= n
         i = 0
         while i < len(self.waiting) and budget > 0 and len(chosen) < self.max_batch_size:
             seq = self.waiting[i]
-            n = len(seq)
             if seq.priority == 0 and self._holding(0) >= self.max_running - self._kept_for_batch():
                 i += 1  # the interactive class is at its share: the batch class may use its reserve
                 continue
-            if (bucket is not None and seq.bucket != bucket) or (not self.chunked and chosen and n > budget):
+            if bucket is not None and seq.bucket != bucket:
                 break
             if seq.priority > 0 and self._interactive_active() and self._holding(1) >= self.batch_reserve:
                 break  # batch work keeps its reserve while interactive work is active, no more
-            if not self._make_room(seq, n):
+            hits = self._make_room(seq)  # cached leading blocks: their tokens are not computed
+            if hits is None:
+                break
+            n = len(seq) - len(hits) * self.blocks.block_size
+            if not self.chunked and chosen and n > budget:
                 break
             self.waiting.pop(i)
             bucket = seq.bucket
-            self.blocks.allocate(seq, n)  # the whole prompt, even when it is prefilled in chunks
+            self.blocks.allocate(seq, len(seq), hits)  # the whole prompt, even when prefilled in chunks
             seq.status = SeqStatus.RUNNING
             n = min(n, budget) if self.chunked else n
             chosen.append(seq)
             num_new.append(n)
+            registered += self.blocks.commit(seq, seq.num_cached + n)  # later ones of this step share them
             budget -= n
             self.prefilling.append(seq)  # until its prompt is complete (below)
         if not chosen:
@@ -189,20 +205,22 @@ class Scheduler:
             if seq.num_cached + n == len(seq):
                 self.prefilling.remove(seq)
                 self.running.append(seq)
-        return ScheduledBatch(is_prefill=True, seqs=chosen, num_new=num_new)
+        return ScheduledBatch(is_prefill=True, seqs=chosen, num_new=num_new, registered=registered)
 
-    def _make_room(self, seq: Sequence, n: int) -> bool:
-        """Whether ``seq`` (``n`` prompt tokens) can be admitted now: a slot within ``max_running`` and
-        free blocks (with one spare per holding sequence, a watermark against immediate preemption). An
-        interactive sequence preempts batch sequences beyond the reserve until it fits."""
+    def _make_room(self, seq: Sequence) -> list[int] | None:
+        """The prefix-cache hits ``seq`` is admitted with, when it can be admitted now: a slot within
+        ``max_running`` and free blocks for the rest of its prompt (with one spare per holding sequence, a
+        watermark against immediate preemption); None when it cannot. An interactive sequence preempts
+        batch sequences beyond the reserve until it fits (its hits are looked up again after each)."""
         while True:
             holding = len(self.running) + len(self.prefilling)
-            if holding < self.max_running and (self.blocks.can_allocate(n, reserve=holding)
-                                               or (not holding and self.blocks.can_allocate(n))):
-                return True  # (nothing holding and still no watermark room: admit, it fits the pool)
+            hits = self.blocks.match(seq)
+            if holding < self.max_running and (self.blocks.can_allocate(len(seq), reserve=holding, hits=hits)
+                                               or (not holding and self.blocks.can_allocate(len(seq), hits=hits))):
+                return hits  # (nothing holding and still no watermark room: admit, it fits the pool)
             victim = self._batch_victim() if seq.priority == 0 else None
             if victim is None:
-                return False
+                return None
             self._preempt(victim)
             self.num_priority_preemptions += 1
 
@@ -232,6 +250,13 @@ class Scheduler:
         self.running = [q for q in self.running if q in kept]  # admission order, paused ones included
         return ScheduledBatch(is_prefill=False, seqs=[q for q in self.running if q in stepping],
                               preempted=preempted)
+
+    def rollback(self, batch: ScheduledBatch) -> None:
+        """Undo a prefill step whose forward failed: its KV is incomplete, so the blocks it registered
+        leave the prefix cache and its sequences go back to the front of the queue, in order."""
+        self.blocks.uncache(batch.registered)
+        for seq in reversed(batch.seqs):
+            self.requeue(seq)
 
     def requeue(self, seq: Sequence) -> None:
         """Take an admitted sequence back to the front of its class in the queue, freeing its blocks."""

@@ -21,7 +21,10 @@ class Sequence:
     Invariants: while RUNNING between steps, ``num_cached == len(token_ids) - 1`` (the newest sampled
     token has no KV yet) once its prefill is complete, ``num_cached < len(token_ids)`` while a chunked
     prefill is under way; ``len(block_table) * block_size >= num_cached``. While WAITING,
-    ``num_cached == 0`` and ``block_table == []`` (a preempted sequence is recomputed from scratch).
+    ``num_cached == 0`` and ``block_table == []`` (a preempted sequence is recomputed, except the blocks
+    the prefix cache still holds). ``block_hashes[i]`` is the prefix-cache key of tokens
+    ``[i * block_size, (i + 1) * block_size)`` chained over every earlier block: a pure function of
+    ``token_ids``, which only grow, so it is computed once per full block.
     """
 
     id: str
@@ -37,6 +40,9 @@ class Sequence:
     num_preemptions: int = 0
     priority: int = 0  # 0 = interactive, 1 = batch (common/lanes.py RANK): lower is more urgent
     arrival: int = 0  # the scheduler's admission counter: order within a priority, kept across preemptions
+    block_hashes: list[bytes] = field(default_factory=list)  # one per full block of token_ids (as needed)
+    num_committed: int = 0  # leading blocks of block_table already offered to the prefix cache
+    num_cache_hit: int = 0  # prompt tokens the prefix cache supplied at the last admission
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.token_ids)

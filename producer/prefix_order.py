@@ -1,0 +1,42 @@
+"""The order ``batchfleet bulk`` submits lines in: lines whose prompts start alike go one after another
+(within each window of lines), so one worker's batch shares its prefix and the workers' prefix cache keeps
+what the next lines need. Pure: no I/O, no tokenizer."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchfleet.producer.bulk_input import Line
+
+PREFIX_KEY_CHARS = 64  # about one KV block (16 tokens) of English text
+PREFIX_KEY_TOKENS = 16
+
+
+def prefix_key(prompt: object) -> str | None:
+    """What two prompts must share to share a leading KV block, without tokenizing: the first
+    PREFIX_KEY_CHARS characters of a text (of the messages as JSON, for chat), the first 16 token ids."""
+    if isinstance(prompt, str):
+        return "s" + prompt[:PREFIX_KEY_CHARS]
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return "t" + ",".join(map(str, prompt[:PREFIX_KEY_TOKENS]))
+    try:
+        return "m" + json.dumps(prompt, sort_keys=True)[:PREFIX_KEY_CHARS]
+    except (TypeError, ValueError):
+        return None
+
+
+def submission_order(lines: list[Line], window: int) -> list[Line]:
+    """The order to submit ``lines`` in: each run of ``window`` consecutive lines grouped by
+    ``prefix_key`` (groups in order of first appearance, lines in input order within a group). Grouping
+    never reaches past ``window`` lines, so the line written next is always among those submitted."""
+    out: list[Line] = []
+    for start in range(0, len(lines), window):
+        groups: dict[object, list[Line]] = {}
+        for line in lines[start:start + window]:
+            key = prefix_key(line.obj.get("prompt")) if line.error is None else None
+            groups.setdefault(key if key is not None else ("line", line.index), []).append(line)
+        for group in groups.values():
+            out += group
+    return out
