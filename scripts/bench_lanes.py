@@ -126,7 +126,8 @@ def main(redis_url: str, prompts: int, interactive: int, flood_x: float, flood_s
             stop.set()
             th.join(300)
             max_running = _engine_stats(url, ns)["engine_running_limit"]
-            fl = flood(url, ns, max(1, round(flood_x * max_running)), flood_s, backlog=1000)
+            # a backlog the batch class cannot finish within the window, whatever share it gets
+            fl = flood(url, ns, max(1, round(flood_x * max_running)), flood_s, backlog=3000)
         p50_idle, p50_bulk = statistics.median(idle), statistics.median(got) if got else float("nan")
         out.update({
             "idle_p50_ms": round(p50_idle, 1), "under_bulk_p50_ms": round(p50_bulk, 1),
