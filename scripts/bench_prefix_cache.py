@@ -16,12 +16,8 @@ otherwise idle machine; each part runs alone, one after another.
 from __future__ import annotations
 
 import datetime
-import json
-import os
 import random
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +28,7 @@ from batchfleet.worker.benchmark.loadgen import Workload, closed_loop, make_work
 from batchfleet.worker.benchmark.report import machine, write_json
 from batchfleet.worker.benchmark.runner import serving_redis
 from batchfleet.worker.benchmark.strategies import parse_strategy
+from batchfleet.worker.benchmark.vllm_peer import run_offline
 from batchfleet.worker.devtools import ensure_redis
 from batchfleet.worker.engine.models import make_preset
 from batchfleet.worker.engine.native.block_manager import BlockManager
@@ -81,18 +78,7 @@ def run_fleet(url: str, workload: Workload, warm: list[list[int]], cache: bool, 
 def run_vllm(python: str, model_dir: Path, workload: Workload, warm: list[list[int]], dtype: str) -> dict:
     spec = {"model": str(model_dir), "prompts": workload.prompts, "max_new_tokens": workload.max_new_tokens,
             "dtype": dtype, "max_model_len": MAX_SEQ_LEN, "warmup": warm}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
-    try:
-        proc = subprocess.run([python, str(HERE / "vllm_offline.py"), f.name], capture_output=True, text=True,
-                              env=env, cwd=tempfile.gettempdir(), timeout=1800)
-    finally:
-        os.unlink(f.name)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise click.ClickException(f"vLLM run failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    out = json.loads(lines[-1])
+    out = run_offline(python, spec)
     if out.get("prefix_cache_queries"):
         out["hit_rate"] = out["prefix_cache_hits"] / out["prefix_cache_queries"]
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +30,7 @@ from batchfleet.common.guided import Guide, dump_schema
 from batchfleet.worker.benchmark.cli import parse_range
 from batchfleet.worker.benchmark.loadgen import make_workload
 from batchfleet.worker.benchmark.report import machine, write_json
+from batchfleet.worker.benchmark.vllm_peer import run_offline
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.models import load_model, make_preset
 from batchfleet.worker.engine.native.engine import NativeEngine
@@ -99,16 +97,7 @@ def vllm(python: str, model_dir: Path, prompts: list, max_new: int, free_tokens:
     def run(schema: dict | None, tokens: int) -> dict:
         spec = {"model": str(model_dir), "prompts": prompts, "max_new_tokens": [tokens] * len(prompts),
                 "dtype": "bfloat16", "max_model_len": 4096, **({"json_schema": schema} if schema else {})}
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(spec, f)
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
-        proc = subprocess.run([python, str(HERE / "vllm_offline.py"), f.name], capture_output=True, text=True,
-                              env=env, cwd=tempfile.gettempdir(), timeout=1800)
-        os.unlink(f.name)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            raise click.ClickException(f"vLLM run failed ({proc.returncode}): {proc.stderr[-2000:]}")
-        return json.loads(lines[-1])
+        return run_offline(python, spec)
 
     free = run(None, free_tokens)
     con = run(SCHEMA, max_new)

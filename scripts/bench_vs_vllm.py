@@ -15,11 +15,7 @@ produced (a random-weight model seldom samples EOS). Also reports a decode step 
 from __future__ import annotations
 
 import datetime
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +29,7 @@ from batchfleet.worker.benchmark.loadgen import make_workload
 from batchfleet.worker.benchmark.report import git_commit, machine, write_json
 from batchfleet.worker.benchmark.runner import LoadSpec, run_load, serving_redis
 from batchfleet.worker.benchmark.strategies import parse_strategy
+from batchfleet.worker.benchmark.vllm_peer import run_offline
 from batchfleet.worker.devtools import ensure_redis
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.models import default_dtype, load_model, make_preset
@@ -66,16 +63,7 @@ def in_process_one_batch(model_dir: Path, workload, max_seq_len: int, dtype: str
 def run_vllm(python: str, model_dir: Path, workload, max_seq_len: int, dtype: str, kv_gb: float) -> dict:
     spec = {"model": str(model_dir), "prompts": [list(p) for p in workload.prompts],
             "max_new_tokens": list(workload.max_new_tokens), "dtype": dtype, "max_model_len": max_seq_len}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(int(kv_gb)))}
-    proc = subprocess.run([python, str(HERE / "vllm_offline.py"), f.name], capture_output=True, text=True,
-                          env=env, cwd=tempfile.gettempdir(), timeout=1800)
-    os.unlink(f.name)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise click.ClickException(f"vLLM run failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    out = json.loads(lines[-1])
+    out = run_offline(python, spec, kv_gb)
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}
 
 

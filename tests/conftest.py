@@ -101,3 +101,12 @@ def start_worker(redis_url: str, namespace: str, tiny_model_dir: Path, cache_dir
     yield start
     for w in started:
         w.stop()
+
+
+@pytest.fixture
+def start_gateway(redis_url: str, namespace: str):
+    """start_gateway(**GatewayConfig overrides) -> the gateway on uvicorn in a thread; stopped at teardown."""
+    from tests.helpers.gateway import gateways
+
+    with gateways(redis_url, namespace) as start:
+        yield start

@@ -17,7 +17,7 @@ import redis
 
 from batchfleet.common.keys import Keys
 from batchfleet.producer import AsyncClient, QueueFull, Timeout
-from tests.helpers.gateway import engine_stats, gateways
+from tests.helpers.gateway import engine_stats
 
 LONG = 3000  # tokens: seconds of decoding on the tiny model; a job left running would show
 NOTHING = {"waiting": 0, "abandoned": 0, "unclaimed": 0, "to_delete": 0}
@@ -26,12 +26,6 @@ NOTHING = {"waiting": 0, "abandoned": 0, "unclaimed": 0, "to_delete": 0}
 @pytest.fixture
 def long_worker(start_worker):
     return start_worker(engine="native", mode="continuous", max_wait_ms=5, kv_cache_gb=0.05, max_seq_len=4096)
-
-
-@pytest.fixture
-def start_gateway(redis_url, namespace):
-    with gateways(redis_url, namespace) as start:
-        yield start
 
 
 def wait_until(check, what: str, timeout: float = 20.0) -> None:

@@ -19,20 +19,13 @@ from pathlib import Path
 
 import httpx
 import openai
-import pytest
 import redis
 
 from batchfleet.common.keys import Keys
-from tests.helpers.gateway import gateways, joined_text, stream_events
+from tests.helpers.gateway import joined_text, stream_events
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-0123456789"
-
-
-@pytest.fixture
-def start_gateway(redis_url, namespace):
-    with gateways(redis_url, namespace) as start:
-        yield start
 
 
 def error_of(resp: httpx.Response, status: int) -> dict:

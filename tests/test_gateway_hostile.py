@@ -15,7 +15,6 @@ import httpx
 import pytest
 
 from batchfleet.producer import Client, InvalidRequest
-from tests.helpers.gateway import gateways
 
 FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
           "seed", "stop", "n", "stream", "stream_options", "timeout", "logprobs", "top_logprobs", "logit_bias",
@@ -64,12 +63,6 @@ def hostile_bodies(rng: random.Random) -> list[tuple[str, bytes]]:
             body[rng.choice(FIELDS + ["x-unknown", "", "__proto__"])] = rng.choice(VALUES)
         raw.append(("/v1/chat/completions" if "messages" in body else "/v1/completions", json.dumps(body).encode()))
     return raw
-
-
-@pytest.fixture
-def start_gateway(redis_url, namespace):
-    with gateways(redis_url, namespace) as start:
-        yield start
 
 
 def test_hostile_requests_never_get_a_5xx(start_worker, start_gateway, caplog):

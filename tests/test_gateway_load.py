@@ -11,20 +11,13 @@ import threading
 import time
 
 import httpx
-import pytest
 import redis
 
 from batchfleet.common.keys import Keys
 from batchfleet.producer import AsyncClient
-from tests.helpers.gateway import engine_stats, gateways, joined_text, loop_lag, parse_events, stream_events
+from tests.helpers.gateway import engine_stats, joined_text, loop_lag, parse_events, stream_events
 
 N_STREAMS = 200
-
-
-@pytest.fixture
-def start_gateway(redis_url, namespace):
-    with gateways(redis_url, namespace) as start:
-        yield start
 
 
 def test_200_concurrent_streams(start_worker, start_gateway, redis_url, namespace):

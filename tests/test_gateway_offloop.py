@@ -8,15 +8,8 @@ import threading
 import time
 
 import httpx
-import pytest
 
-from tests.helpers.gateway import gateways, loop_lag
-
-
-@pytest.fixture
-def start_gateway(redis_url, namespace):
-    with gateways(redis_url, namespace) as start:
-        yield start
+from tests.helpers.gateway import loop_lag
 
 
 def test_health_stays_responsive_while_huge_prompts_are_tokenized(start_worker, start_gateway):

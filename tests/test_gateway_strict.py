@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 
 from batchfleet.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from batchfleet.gateway.strict import HONOURED, NEUTRAL_CHAT, NEUTRAL_COMPLETIONS, NEUTRAL_MESSAGE
-from tests.helpers.gateway import gateways, parse_events
+from tests.helpers.gateway import parse_events
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -59,12 +59,6 @@ NEUTRAL = [  # what standard clients send with nothing asked: accepted
                      "min_p": 0.0, "min_tokens": 0, "stop_token_ids": [], "skip_special_tokens": True,
                      "include_stop_str_in_output": False, "stream_options": {"include_usage": False}}),
 ]
-
-
-@pytest.fixture
-def start_gateway(redis_url, namespace):
-    with gateways(redis_url, namespace) as start:
-        yield start
 
 
 def test_refused_and_neutral_fields_over_raw_http(start_worker, start_gateway):
