@@ -11,7 +11,6 @@ shares its bounded Redis connections.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -29,10 +28,11 @@ from batchfleet.common.protocol import FleetInfo
 from batchfleet.gateway.config import GatewayConfig
 from batchfleet.gateway.dashboard import add_dashboard
 from batchfleet.gateway.dashboard import close as close_dashboard
-from batchfleet.gateway.errors import APIError, api_error, invalid
+from batchfleet.gateway.errors import APIError, api_error
 from batchfleet.gateway.metrics import HTTPMetrics, MetricsMiddleware
-from batchfleet.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
+from batchfleet.gateway.schemas import request_job
 from batchfleet.gateway.service import CLIENT_CLOSED, Gateway
+from batchfleet.gateway.strict import strict_json
 from batchfleet.producer import AsyncClient
 
 log = logging.getLogger(__name__)
@@ -73,15 +73,14 @@ def create_app(config: GatewayConfig | None = None,
     async def completions(request: Request) -> Any:
         gateway = _gateway(request)
         gateway.authorize(request)
-        job = parse(CompletionRequest, await read_json(request)).to_job(config.request_timeout_s)
+        job = request_job(False, await read_json(request), config.request_timeout_s, config.chat_max_tokens)
         return await gateway.complete(request, job, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         gateway = _gateway(request)
         gateway.authorize(request)
-        job = parse(ChatCompletionRequest, await read_json(request)).to_job(config.request_timeout_s,
-                                                                             config.chat_max_tokens)
+        job = request_job(True, await read_json(request), config.request_timeout_s, config.chat_max_tokens)
         return await gateway.complete(request, job, chat=True)
 
     @app.get("/v1/models")
@@ -126,17 +125,7 @@ async def read_json(request: Request) -> Any:
         if len(body) > MAX_BODY_BYTES:
             raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error",
                            "body_too_large")
-    try:
-        return json.loads(body, parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError):
-        raise invalid("the request body is not valid JSON") from None
-    except RecursionError:  # nested ~1000 deep: no request needs that
-        raise invalid("the request body is nested too deeply") from None
-
-
-def _no_constant(name: str) -> Any:
-    """NaN, Infinity and -Infinity are not JSON (Python's json accepts them)."""
-    raise ValueError(f"{name} is not valid JSON")
+    return strict_json(body)
 
 
 async def _error_response(request: Request, exc: Exception) -> Response:

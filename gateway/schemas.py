@@ -284,3 +284,11 @@ def parse(model: type[_Common], body: Any) -> Any:
         param = loc[0] if loc else None  # deeper parts name union members: noise
         where = ".".join(str(p) for p in deepest["loc"])
         raise invalid(f"invalid value for '{where}': {deepest['msg']}"[:500], param) from None
+
+
+def request_job(chat: bool, body: Any, timeout_cap: float, chat_max_tokens: int) -> Job:
+    """A decoded request body of /v1/chat/completions (``chat``) or /v1/completions as a validated Job, or
+    the 400 the gateway answers: the one path for the HTTP routes and for batch input lines."""
+    if chat:
+        return parse(ChatCompletionRequest, body).to_job(timeout_cap, chat_max_tokens)
+    return parse(CompletionRequest, body).to_job(timeout_cap)

@@ -59,10 +59,9 @@ class Gateway:
     async def check_model(self, model: str | None, param: str | None = "model") -> str:
         """The name answers report; 404 when ``model`` is given and is none of the served names."""
         names = await self.model_names()
-        if model is not None and model not in names:
-            served = ", ".join(repr(n) for n in names)
-            raise APIError(404, f"the model {model[:200]!r} does not exist here; this gateway serves {served}",
-                           "invalid_request_error", "model_not_found", param)
+        error = unknown_model(model, names, param)
+        if error is not None:
+            raise error
         return names[0]
 
 
@@ -106,9 +105,8 @@ class Gateway:
             except BaseException:
                 await asyncio.shield(asyncio.gather(*(self.cancel(j) for j in submitted)))
                 raise
-        except PromptTooLong as exc:  # name the request's own field: prompt / messages, max_tokens / ...
-            param = job.max_tokens_field if exc.field == "max_new_tokens" else job.prompt_field
-            raise invalid(str(exc).replace("max_new_tokens", param), param, "context_length_exceeded") from None
+        except PromptTooLong as exc:
+            raise too_long(exc, job) from None
         results = await self._wait(request, ids, max(0.0, job.timeout - (time.monotonic() - start)))
         return JSONResponse(shape.response(results), headers=headers)
 
@@ -165,6 +163,22 @@ class Gateway:
             return (await self.client.fleet(HEALTH_TIMEOUT_S)).scales_to_zero
         except FleetUnavailable:  # no description published (NoWorkers)
             return False
+
+
+def too_long(exc: PromptTooLong, job: Job) -> APIError:
+    """The 400 for a prompt too long for the fleet, naming the request's own field: prompt / messages,
+    max_tokens / max_completion_tokens."""
+    param = job.max_tokens_field if exc.field == "max_new_tokens" else job.prompt_field
+    return invalid(str(exc).replace("max_new_tokens", param), param, "context_length_exceeded")
+
+
+def unknown_model(model: str | None, names: tuple[str, ...], param: str | None = "model") -> APIError | None:
+    """The 404 for a request naming a model this gateway does not serve (None: ``model`` unset or served)."""
+    if model is None or model in names:
+        return None
+    served = ", ".join(repr(n) for n in names)
+    return APIError(404, f"the model {model[:200]!r} does not exist here; this gateway serves {served}",
+                    "invalid_request_error", "model_not_found", param)
 
 
 def choice_params(params: dict[str, Any], index: int) -> dict[str, Any]:

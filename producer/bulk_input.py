@@ -40,6 +40,16 @@ CLIENT_CODES: tuple[tuple[type[BaseException], str], ...] = (
 )
 
 
+def looks_like_batch(first_line: bytes | str) -> bool:
+    """Whether a file's first non-empty line is an OpenAI Batch API request (``custom_id`` and ``body``):
+    ``bulk --format auto`` then runs it as one (gateway/batch_files.py)."""
+    try:
+        obj = json.loads(first_line)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and "custom_id" in obj and "body" in obj
+
+
 def error_code(exc: BaseException) -> str:
     """The protocol's code for an error (``prompt_too_long``, ``queue_full``, ...), never a class name."""
     code = getattr(exc, "code", None)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import sys
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, TypeVar
@@ -20,7 +19,7 @@ import redis
 from batchfleet.common.cli import connection_options
 from batchfleet.common.config import ConnectionConfig, DashboardConfig
 from batchfleet.common.errors import BatchfleetError, RedisUnavailable
-from batchfleet.common.keys import BATCH, INTERACTIVE, LANES
+from batchfleet.common.keys import INTERACTIVE, LANES
 from batchfleet.common.options import config_options, config_values, fatal
 from batchfleet.common.redis_conn import sync_client
 from batchfleet.common.redis_url import redact_url
@@ -134,90 +133,6 @@ def submit(redis_url: str, namespace: str, prompt: str, timeout: float | None, a
         click.echo(f"[{result.completion_tokens} tokens, finish={result.finish_reason}, "
                    f"queue {result.queue_ms:.0f} ms, ttft {result.ttft_ms:.0f} ms, total {result.total_ms:.0f} ms, "
                    f"batch {result.batch_size}]", err=True)
-
-
-@click.command()
-@connection_options
-@click.argument("prompts", type=click.Path(dir_okay=False, allow_dash=True))
-@click.option("-o", "--output", default="-", show_default=True,
-              help="JSONL: one line per prompt: {index, id?, result} or {index, id?, error: {code, message}}.")
-@click.option("--window", type=int, default=256, show_default=True, help="Max jobs in flight.")
-@click.option("--resume/--no-resume", default=None,
-              help="Keep the lines already in OUTPUT and collect the answers of jobs an interrupted run left in "
-                   "flight (the default when OUTPUT and its run key OUTPUT.run exist); --no-resume starts OUTPUT "
-                   "over under a new run key.")
-@generation_options
-@priority_option(BATCH)
-@one_line_errors
-def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int, resume: bool | None,
-         timeout: float | None, **gen) -> None:
-    """Answer every line of a JSONL file ({"prompt": ..., "id"?: ..., params?}); never aborts on a bad line.
-
-    Ctrl-C stops submitting, writes what has arrived and leaves the jobs in flight to the next run of the
-    same command, which resumes. Exit status: 0 every line answered with a result; 3 every line answered,
-    some with an error line; 1 the run could not start or stopped (no live worker, Redis unreachable;
-    rerun to resume); 130 interrupted (rerun to resume); 2 a usage error."""
-    import asyncio
-    import signal
-    import threading
-
-    from batchfleet.producer.bulk import Summary, bulk_file
-
-    if window < 1:
-        raise click.UsageError("--window must be >= 1")
-    if prompts == "-":
-        text = sys.stdin.read()
-    else:
-        with open(prompts, encoding="utf-8") as f:
-            text = f.read()
-    check_reachable(ConnectionConfig(redis_url, namespace))
-    stop = asyncio.Event()
-    running: list[asyncio.AbstractEventLoop] = []
-    presses: list[int] = []
-
-    def interrupted(signum: int, frame: object) -> None:
-        """First Ctrl-C: stop cleanly (also right after the run ended: then it changes nothing);
-        a second one ends the process at once."""
-        presses.append(signum)
-        if len(presses) > 1:
-            raise KeyboardInterrupt
-        if running and not running[0].is_closed():
-            running[0].call_soon_threadsafe(stop.set)
-
-    main = threading.current_thread() is threading.main_thread()  # signal handlers: main thread only
-    previous = signal.signal(signal.SIGINT, interrupted) if main else None
-    bars: list = []  # shown from the first answer on: an error before it stays the only line
-
-    def progress(s: Summary) -> None:
-        if not bars:
-            bars.append(click.progressbar(length=s.total, label="prompts", show_pos=True, file=sys.stderr))
-            bars[0].__enter__()
-        bars[0].update(s.done - bars[0].pos)
-
-    async def run() -> Summary:
-        running.append(asyncio.get_running_loop())
-        return await bulk_file(None if prompts == "-" else prompts, None if output == "-" else output,
-                               redis_url=redis_url, namespace=namespace, window=window, defaults=_params(**gen),
-                               timeout=timeout, resume=resume, stop=stop, progress=progress, text=text,
-                               out=sys.stdout)
-
-    try:
-        s = asyncio.run(run())
-    finally:
-        if bars:
-            bars[0].__exit__(None, None, None)
-    if s.interrupted:  # our handler stays: a Ctrl-C racing this exit must not turn it into a traceback
-        why = "interrupted" if s.error is None else f"stopped ({' '.join(str(s.error).split())})"
-        click.echo(f"{why}: {s.done} of {s.total} lines written, {s.in_flight} jobs left in flight; run the "
-                   "same command again to resume", err=True)
-        sys.exit(130 if s.error is None else 1)
-    if main:
-        signal.signal(signal.SIGINT, previous)
-    earlier = f" ({s.kept_failed} of them kept from an earlier run)" if s.kept_failed else ""
-    click.echo(f"done: {s.total} prompts ({s.kept} kept from an earlier run, {s.collected} collected, "
-               f"{s.submitted} submitted), {s.failed_lines} failed{earlier}", err=True)
-    if s.failed_lines:
-        sys.exit(3)
 
 
 @click.command()

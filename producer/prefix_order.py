@@ -5,11 +5,13 @@ what the next lines need. Pure: no I/O, no tokenizer."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from batchfleet.producer.bulk_input import Line
 
+T = TypeVar("T")
 PREFIX_KEY_CHARS = 64  # about one KV block (16 tokens) of English text
 PREFIX_KEY_TOKENS = 16
 
@@ -33,10 +35,16 @@ def submission_order(lines: list[Line], window: int) -> list[Line]:
     never reaches past ``window`` lines, so the line written next is always among those submitted."""
     out: list[Line] = []
     for start in range(0, len(lines), window):
-        groups: dict[object, list[Line]] = {}
-        for line in lines[start:start + window]:
-            key = prefix_key(line.obj.get("prompt")) if line.error is None else None
-            groups.setdefault(key if key is not None else ("line", line.index), []).append(line)
-        for group in groups.values():
-            out += group
+        out += grouped(lines[start:start + window],
+                       lambda line: prefix_key(line.obj.get("prompt")) if line.error is None else None)
     return out
+
+
+def grouped(items: list[T], key: Callable[[T], object | None]) -> list[T]:
+    """``items`` grouped by ``key`` (groups in order of first appearance, items in order within a group;
+    a None key is a group of its own)."""
+    groups: dict[object, list[T]] = {}
+    for i, item in enumerate(items):
+        k = key(item)
+        groups.setdefault(k if k is not None else ("item", i), []).append(item)
+    return [item for group in groups.values() for item in group]

@@ -1,0 +1,180 @@
+"""``batchfleet bulk``: a JSONL file of prompts, or of OpenAI Batch API requests, answered line by line
+(producer/bulk.py, gateway/batch_files.py); resumable, stopped cleanly by Ctrl-C."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from batchfleet.common.cli import connection_options
+from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.keys import BATCH
+from batchfleet.producer.bulk_input import looks_like_batch
+from batchfleet.producer.cli import _params, check_reachable, generation_options, one_line_errors, priority_option
+
+
+@click.command()
+@connection_options
+@click.argument("prompts", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("-o", "--output", default="-", show_default=True,
+              help="JSONL: one line per prompt: {index, id?, result} or {index, id?, error: {code, message}}.")
+@click.option("--window", type=int, default=256, show_default=True, help="Max jobs in flight.")
+@click.option("--resume/--no-resume", default=None,
+              help="Keep the lines already in OUTPUT and collect the answers of jobs an interrupted run left in "
+                   "flight (the default when OUTPUT and its run key OUTPUT.run exist); --no-resume starts OUTPUT "
+                   "over under a new run key.")
+@click.option("--format", "fmt", type=click.Choice(["auto", "prompts", "openai"]), default="auto",
+              show_default=True, help="prompts: {prompt, id?, params?} lines; openai: OpenAI Batch API lines "
+              "({custom_id, method, url, body}), answered with OpenAI batch output lines; auto: from the "
+              "file's first line.")
+@click.option("--errors", "errors_path", default=None,
+              help="--format openai: where error lines go (default: OUTPUT.errors.jsonl; with OUTPUT '-', "
+                   "standard output).")
+@click.option("--served-model-name", "model_names", default="",
+              help="--format openai: model names the lines may ask for, comma-separated, as the gateway's option "
+                   "(default: the fleet's model name); a line asking for another gets a 404 error line.")
+@generation_options
+@priority_option(BATCH)
+@one_line_errors
+def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int, resume: bool | None,
+         timeout: float | None, fmt: str, errors_path: str | None, model_names: str, **gen) -> None:
+    """Answer every line of a JSONL file ({"prompt": ..., "id"?: ..., params?}, or OpenAI Batch API request
+    lines); never aborts on a bad line.
+
+    Ctrl-C stops submitting, writes what has arrived and leaves the jobs in flight to the next run of the
+    same command, which resumes. Exit status: 0 every line answered with a result; 3 every line answered,
+    some with an error line; 1 the run could not start or stopped (no live worker, Redis unreachable;
+    rerun to resume); 130 interrupted (rerun to resume); 2 a usage error."""
+    if window < 1:
+        raise click.UsageError("--window must be >= 1")
+    text = None
+    if prompts == "-":
+        text = sys.stdin.read()
+    if fmt == "auto":
+        fmt = "openai" if looks_like_batch(_first_line(prompts, text)) else "prompts"
+    check_reachable(ConnectionConfig(redis_url, namespace))
+    if fmt == "openai":
+        if output != "-" and errors_path is None:
+            errors_path = output + ".errors.jsonl"
+        _bulk_openai(redis_url, namespace, prompts, text, output, errors_path, window, resume, timeout,
+                     tuple(n.strip() for n in model_names.split(",") if n.strip()))
+        return
+    if text is None:
+        with open(prompts, encoding="utf-8") as f:
+            text = f.read()
+    _bulk_prompts(redis_url, namespace, prompts, text, output, window, resume, timeout, gen)
+
+
+def _first_line(path: str, text: str | None) -> str:
+    lines = text.splitlines() if text is not None else open(path, encoding="utf-8", errors="replace")
+    try:
+        return next((ln for ln in lines if ln.strip()), "")
+    finally:
+        if text is None:
+            lines.close()
+
+
+def _bulk_openai(redis_url: str, namespace: str, prompts: str, text: str | None, output: str,
+                 errors_path: str | None, window: int, resume: bool | None, timeout: float | None,
+                 model_names: tuple[str, ...]) -> None:
+    import asyncio
+    import tempfile
+
+    try:
+        from batchfleet.gateway.batch_files import bulk_openai
+    except ImportError as exc:  # pydantic: the gateway's validation, installed with the serve extra
+        raise click.ClickException(f"--format openai validates lines as the gateway does: pip install "
+                                   f"'batchfleet[serve]' ({exc})") from None
+    stop = asyncio.Event()
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=text is None) as tmp:
+        if text is not None:  # stdin: spooled to disk, then streamed like a file
+            tmp.write(text)
+            tmp.flush()
+        ctrl_c = _CtrlC(stop)
+        r = asyncio.run(ctrl_c.run(bulk_openai(
+            tmp.name if text is not None else prompts, None if output == "-" else output, errors_path,
+            redis_url=redis_url, namespace=namespace, window=window, timeout=timeout, resume=resume, stop=stop,
+            model_names=model_names)))
+    o = r.outcome
+    kept = r.kept_ok + r.kept_failed
+    if o.stopped:
+        why = "interrupted" if o.error is None else f"stopped ({' '.join(str(o.error).split())})"
+        click.echo(f"{why}: {kept + o.ok + o.failed} lines written; run the same command again to resume", err=True)
+        sys.exit(130 if o.error is None else 1)
+    ctrl_c.restore()
+    click.echo(f"done: {kept + o.ok + o.failed} requests ({kept} kept from an earlier run), {r.failed} in the "
+               "error file", err=True)
+    if r.failed:
+        sys.exit(3)
+
+
+def _bulk_prompts(redis_url: str, namespace: str, prompts: str, text: str, output: str, window: int,
+                  resume: bool | None, timeout: float | None, gen: dict) -> None:
+    import asyncio
+
+    from batchfleet.producer.bulk import Summary, bulk_file
+
+    stop = asyncio.Event()
+    bars: list = []  # shown from the first answer on: an error before it stays the only line
+
+    def progress(s: Summary) -> None:
+        if not bars:
+            bars.append(click.progressbar(length=s.total, label="prompts", show_pos=True, file=sys.stderr))
+            bars[0].__enter__()
+        bars[0].update(s.done - bars[0].pos)
+
+    ctrl_c = _CtrlC(stop)
+    try:
+        s = asyncio.run(ctrl_c.run(bulk_file(
+            None if prompts == "-" else prompts, None if output == "-" else output, redis_url=redis_url,
+            namespace=namespace, window=window, defaults=_params(**gen), timeout=timeout, resume=resume, stop=stop,
+            progress=progress, text=text, out=sys.stdout)))
+    finally:
+        if bars:
+            bars[0].__exit__(None, None, None)
+    if s.interrupted:  # our handler stays: a Ctrl-C racing this exit must not turn it into a traceback
+        why = "interrupted" if s.error is None else f"stopped ({' '.join(str(s.error).split())})"
+        click.echo(f"{why}: {s.done} of {s.total} lines written, {s.in_flight} jobs left in flight; run the "
+                   "same command again to resume", err=True)
+        sys.exit(130 if s.error is None else 1)
+    ctrl_c.restore()
+    earlier = f" ({s.kept_failed} of them kept from an earlier run)" if s.kept_failed else ""
+    click.echo(f"done: {s.total} prompts ({s.kept} kept from an earlier run, {s.collected} collected, "
+               f"{s.submitted} submitted), {s.failed_lines} failed{earlier}", err=True)
+    if s.failed_lines:
+        sys.exit(3)
+
+
+class _CtrlC:
+    """While a bulk run runs: the first Ctrl-C sets ``stop`` (a clean stop, also right after the run ended:
+    then it changes nothing); a second one ends the process at once. The handler stays installed until
+    ``restore()``, so a Ctrl-C racing an interrupted run's exit never becomes a traceback."""
+
+    def __init__(self, stop: Any) -> None:
+        import signal
+        import threading
+
+        self.stop, self.loop, self.presses = stop, None, 0
+        self.main = threading.current_thread() is threading.main_thread()  # signal handlers: main thread only
+        self.previous = signal.signal(signal.SIGINT, self._pressed) if self.main else None
+
+    def _pressed(self, signum: int, frame: object) -> None:
+        self.presses += 1
+        if self.presses > 1:
+            raise KeyboardInterrupt
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.stop.set)
+
+    async def run(self, coro: Any) -> Any:
+        import asyncio
+
+        self.loop = asyncio.get_running_loop()
+        return await coro
+
+    def restore(self) -> None:
+        import signal
+
+        if self.main:
+            signal.signal(signal.SIGINT, self.previous)
