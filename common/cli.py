@@ -18,13 +18,14 @@ _COMMANDS = {
     "bulk": "batchfleet.producer.bulk_cli:bulk",
     "status": "batchfleet.producer.cli:status",
     "serve": "batchfleet.gateway.cli:serve",
+    "batches": "batchfleet.gateway.cli:batches",
     "dashboard": "batchfleet.producer.cli:dashboard",
 }
 
 # `pip install batchfleet` is the client only: a command that needs an extra's packages says which
 # extra to install (one line) instead of failing with a traceback deep in an import.
 _EXTRAS = {"worker": ("torch", "transformers"), "serve": ("fastapi", "uvicorn")}
-_NEEDS = {"worker": "worker", "demo": "worker", "bench": "worker", "serve": "serve"}
+_NEEDS = {"worker": "worker", "demo": "worker", "bench": "worker", "serve": "serve", "batches": "serve"}
 
 
 # --redis-url / --namespace (BATCHFLEET_REDIS_URL / BATCHFLEET_NAMESPACE), shared by every command

@@ -114,6 +114,32 @@ class Keys:
         """Capped dead-letter stream."""
         return f"{self.namespace}:dead"
 
+    def file(self, file_id: str) -> str:
+        """An uploaded or produced file's metadata (JSON; the bytes live in the gateway's files directory)."""
+        return f"{self.namespace}:file:{file_id}"
+
+    def files(self, owner: str) -> str:
+        """Sorted set of one API key's files (score: creation time)."""
+        return f"{self.namespace}:files:{owner}"
+
+    def openai_batch(self, batch_id: str) -> str:
+        """An OpenAI batch: hash of ``doc`` (the batch object, written by whoever runs it), ``run`` (its
+        output names) and ``cancel`` (when a cancel was asked, written by the API)."""
+        return f"{self.namespace}:obatch:{batch_id}"
+
+    def openai_batches(self, owner: str) -> str:
+        """Sorted set of one API key's batches (score: creation time)."""
+        return f"{self.namespace}:obatches:{owner}"
+
+    @property
+    def openai_batches_due(self) -> str:
+        """Sorted set of the batches not yet finished: any batch runner may take one (under its lease)."""
+        return f"{self.namespace}:obatches-due"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """Who runs a batch now (a random token; expires unless renewed)."""
+        return f"{self.namespace}:obatch-lease:{batch_id}"
+
     @property
     def pattern(self) -> str:
         return f"{self.namespace}:*"

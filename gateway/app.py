@@ -2,6 +2,7 @@
 
     POST /v1/completions        POST /v1/chat/completions   (``stream: true``: server-sent events)
     GET  /v1/models             GET  /health (no key needed: Redis reachable + live workers)
+    /v1/files, /v1/batches      the OpenAI Batch API (gateway/batch_api.py; run by gateway/batch_runner.py)
     GET  /dashboard             GET  /dashboard/data (the live dashboard, gateway/dashboard.py)
 
 The app holds no model: it validates, hands the job to the fleet through AsyncClient and shapes the
@@ -11,6 +12,7 @@ shares its bounded Redis connections.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -25,6 +27,9 @@ from starlette.responses import JSONResponse, Response
 
 from batchfleet.common.errors import BatchfleetError
 from batchfleet.common.protocol import FleetInfo
+from batchfleet.gateway.batch_api import add_batch_routes
+from batchfleet.gateway.batch_runner import BatchRunner
+from batchfleet.gateway.batch_store import BatchStore, FileStore
 from batchfleet.gateway.config import GatewayConfig
 from batchfleet.gateway.dashboard import add_dashboard
 from batchfleet.gateway.dashboard import close as close_dashboard
@@ -32,11 +37,10 @@ from batchfleet.gateway.errors import APIError, api_error
 from batchfleet.gateway.metrics import HTTPMetrics, MetricsMiddleware
 from batchfleet.gateway.schemas import request_job
 from batchfleet.gateway.service import CLIENT_CLOSED, Gateway
-from batchfleet.gateway.strict import strict_json
+from batchfleet.gateway.strict import read_json
 from batchfleet.producer import AsyncClient
 
 log = logging.getLogger(__name__)
-MAX_BODY_BYTES = 4 << 20  # far above any prompt a bucket holds; refuses a body meant to exhaust memory
 
 
 def default_client(config: GatewayConfig) -> AsyncClient:
@@ -55,9 +59,16 @@ def create_app(config: GatewayConfig | None = None,
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = client_factory(config)
         app.state.gateway = Gateway(config, client)
+        app.state.files = FileStore(client.r, client.keys, config.files_dir, config.max_file_mb << 20)
+        app.state.batches = BatchStore(client.r, client.keys)
+        runner = BatchRunner(config, app.state.files, app.state.batches) if config.batch_runner else None
+        serving = asyncio.ensure_future(runner.serve()) if runner is not None else None
         try:
             yield
         finally:
+            if runner is not None and serving is not None:
+                serving.cancel()
+                await runner.close()
             await client.aclose()
             close_dashboard(app)
 
@@ -102,6 +113,7 @@ def create_app(config: GatewayConfig | None = None,
         status, body = await _gateway(request).health()
         return JSONResponse(body, status_code=status)
 
+    add_batch_routes(app)
     add_dashboard(app, config)
 
     return app
@@ -115,17 +127,6 @@ def _model(name: str, info: FleetInfo) -> dict[str, Any]:
 
 def _gateway(request: Request) -> Gateway:
     return request.app.state.gateway
-
-
-async def read_json(request: Request) -> Any:
-    """The request body as JSON, refusing a body over MAX_BODY_BYTES before reading all of it."""
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error",
-                           "body_too_large")
-    return strict_json(body)
 
 
 async def _error_response(request: Request, exc: Exception) -> Response:

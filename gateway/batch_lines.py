@@ -25,6 +25,8 @@ ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}  # url -> c
 LINE_KEYS = frozenset({"custom_id", "method", "url", "body"})
 MAX_CUSTOM_ID_CHARS = 512
 MAX_LINE_ERRORS = 100  # a malformed file's errors listed in the batch object (OpenAI lists some, not all)
+MAX_LINE_BYTES = (4 << 20) + 4096  # a body the gateway takes (4 MiB) and the line around it
+TOO_LONG = b"<line too long>"  # what a reader yields in place of a longer line (gateway/batch_run.py numbered)
 
 
 class LineError(ValueError):
@@ -62,6 +64,8 @@ def parse_line(raw: bytes | str, index: int, limits: Limits, endpoint: str | Non
     """Parse input line ``index``; LineError when it is no batch request (``endpoint``: the batch's own, a
     line for another is malformed; ``seen``: custom_ids met so far, extended here)."""
     line = index + 1
+    if raw is TOO_LONG:
+        raise LineError("line_too_long", f"line {line}: over {MAX_LINE_BYTES} bytes", line)
     try:
         obj = strict_json(raw)
     except APIError as exc:

@@ -27,13 +27,22 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 from batchfleet.common.errors import FleetUnavailable, PromptTooLong, QueueFull, RedisUnavailable, Timeout
 from batchfleet.common.guided import GuideError
 from batchfleet.common.keys import BATCH
 from batchfleet.common.protocol import Result
-from batchfleet.gateway.batch_lines import BatchLine, Limits, LineError, failure_line, parse_line, response_line
+from batchfleet.gateway.batch_lines import (
+    MAX_LINE_BYTES,
+    TOO_LONG,
+    BatchLine,
+    Limits,
+    LineError,
+    failure_line,
+    parse_line,
+    response_line,
+)
 from batchfleet.gateway.errors import APIError, api_error, invalid
 from batchfleet.gateway.formats import Shape
 from batchfleet.gateway.service import choice_params, token_texts, too_long, unknown_model
@@ -80,11 +89,18 @@ class Outcome:
     unparsed: list[LineError] = field(default_factory=list)
 
 
-def numbered(lines: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
-    """(line number, raw line) of every non-blank line."""
-    for index, raw in enumerate(lines):
+def numbered(f: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw line) of every non-blank line of a binary file, read one line at a time; a line
+    over MAX_LINE_BYTES is skipped unread and comes as TOO_LONG (memory stays bounded by one line)."""
+    index = 0
+    while raw := f.readline(MAX_LINE_BYTES + 1):
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            while (rest := f.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                pass
+            raw = TOO_LONG
         if raw.strip():
             yield index, raw
+        index += 1
 
 
 class _Run:
@@ -231,7 +247,10 @@ class _Run:
         the rest."""
         for _, ids in self.inflight.values():
             for jid in ids:
-                await self.client.cancel(jid)
+                try:
+                    await self.client.cancel(jid)
+                except Exception as exc:  # noqa: BLE001 - the job's deadline still bounds it
+                    log.warning("could not cancel job %s: %r", jid, exc)
         done, pending = (await asyncio.wait(list(self.inflight), timeout=CANCEL_GRACE_S)
                          if self.inflight else (set(), set()))
         for task in done:
@@ -305,11 +324,9 @@ async def run_lines(client: AsyncClient, lines: Iterable[tuple[int, bytes]], don
 
 async def _submit_all(run: _Run, chunk: list[BatchLine]) -> None:
     for line in grouped(chunk, lambda ln: prefix_key(ln.job.prompt) if ln.job is not None else None):
-        while len(run.inflight) >= run.spec.window:
+        while len(run.inflight) >= run.spec.window and not run.stop.is_set():
             await run.drain(once=True)
-        if run.stop.is_set() and run.spec.abandon is not None:
-            run.abandon_line(line.index, line.custom_id)
-        elif not await run.submit(line) and run.spec.abandon is not None:
+        if (run.stop.is_set() or not await run.submit(line)) and run.spec.abandon is not None:
             run.abandon_line(line.index, line.custom_id)
 
 

@@ -51,3 +51,43 @@ def serve(**values) -> None:
     # log_config=None: uvicorn's loggers follow the logging `batchfleet --log-level` set up
     uvicorn.run(app, host=config.host, port=config.port, log_config=None,
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+
+
+HTTP_ONLY = ("host", "port", "api_keys", "metrics_port", "metrics_host", "batch_runner", "request_timeout_s",
+             "max_file_mb")
+
+
+@click.command()
+@config_options(ConnectionConfig, GatewayConfig, exclude=HTTP_ONLY)
+@log_options
+def batches(**values) -> None:
+    """Run OpenAI batches (/v1/batches) without serving HTTP: start as many as you like beside gateways run
+    with --no-batch-runner; a lease in Redis lets exactly one process run each batch. Use the gateways'
+    --files-dir (a shared volume) and --served-model-name."""
+    import asyncio
+
+    from batchfleet.gateway.batch_runner import BatchRunner
+    from batchfleet.gateway.batch_store import BatchStore, FileStore
+    from batchfleet.producer import AsyncClient
+
+    try:
+        config = build_gateway_config(**values)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+    async def run() -> None:
+        client = AsyncClient(config.connection.redis_url, config.connection.namespace)
+        runner = BatchRunner(config, FileStore(client.r, client.keys, config.files_dir, config.max_file_mb << 20),
+                             BatchStore(client.r, client.keys))
+        logging.getLogger(__name__).info("batch runner for namespace %r, files in %s", config.connection.namespace,
+                                         config.files_dir)
+        try:
+            await runner.serve()
+        finally:
+            await runner.close()
+            await client.aclose()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass

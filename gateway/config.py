@@ -38,6 +38,17 @@ class GatewayConfig:
         "status, latency histogram) on this port; 0 = off."))
     metrics_host: str = field(default="0.0.0.0", metadata=option(
         "Address the metrics server binds (127.0.0.1: this host only)."))
+    files_dir: str = field(default="batchfleet-files", metadata=option(
+        "Directory of the files API (/v1/files: batch inputs, outputs and error files); every gateway and "
+        "`batchfleet batches` process of a fleet must see the same one (a shared volume)."))
+    max_file_mb: int = field(default=512, metadata=option("Largest file /v1/files accepts, in MiB."))
+    batch_runner: bool = field(default=True, metadata=option(
+        "Run OpenAI batches (/v1/batches) in this process as well as serving the API; off: a dedicated "
+        "`batchfleet batches` process runs them. A lease in Redis lets exactly one process run each batch."))
+    batch_window: int = field(default=256, metadata=option("Requests of one batch in flight at once."))
+    batch_lease_s: float = field(default=15.0, metadata=option(
+        "A batch's lease, in seconds: when the process running it dies, another takes it over after this long.",
+        flag="batch-lease"))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", parse_api_keys(self.api_keys))
@@ -53,5 +64,13 @@ class GatewayConfig:
             raise ConfigError(f"request_timeout_s must be a positive number, got {self.request_timeout_s}")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if not self.files_dir:
+            raise ConfigError("files_dir must not be empty")
+        if self.max_file_mb < 1:
+            raise ConfigError(f"max_file_mb must be >= 1, got {self.max_file_mb}")
+        if self.batch_window < 1:
+            raise ConfigError(f"batch_window must be >= 1, got {self.batch_window}")
+        if not (math.isfinite(self.batch_lease_s) and self.batch_lease_s >= 1):
+            raise ConfigError(f"batch_lease_s must be >= 1 second, got {self.batch_lease_s}")
         if self.chat_max_tokens < 1:
             raise ConfigError(f"chat_max_tokens must be >= 1, got {self.chat_max_tokens}")

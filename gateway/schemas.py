@@ -265,7 +265,7 @@ class ChatCompletionRequest(_Common):
                        max_tokens_field=self.max_tokens_field())
 
 
-def parse(model: type[_Common], body: Any) -> Any:
+def parse(model: type[BaseModel], body: Any) -> Any:
     """Validate a decoded JSON body; a 400 naming the first bad field otherwise."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")

@@ -9,7 +9,8 @@ A request field is one of three kinds:
 * anything else, an unknown field included: a 400 naming the field.
 
 No coercion anywhere: ``"temperature": "0.5"`` or ``true`` is a 400, as is ``"n": true`` (in Python
-``True == 1``: the comparison here also requires the same type).
+``True == 1``: the comparison here also requires the same type). Bodies are decoded here too
+(``read_json``, ``strict_json``: strict JSON, bounded in size and depth), for the routes and for batch lines.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from batchfleet.gateway.errors import invalid
+from batchfleet.gateway.errors import APIError, invalid
+
+MAX_BODY_BYTES = 4 << 20  # far above any prompt a bucket holds; refuses a body meant to exhaust memory
 
 # fields whose value the fleet honours, per endpoint ("both" = completions and chat)
 HONOURED: dict[str, str] = {
@@ -94,6 +97,17 @@ def refuse_non_neutral(values: dict[str, Any], rules: dict[str, tuple[Any, ...]]
 
 def _json(value: Any) -> str:
     return json.dumps(value)
+
+
+async def read_json(request: Any) -> Any:
+    """A starlette request's body as JSON, refusing a body over MAX_BODY_BYTES before reading all of it."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error",
+                           "body_too_large")
+    return strict_json(body)
 
 
 def strict_json(data: bytes | str) -> Any:

@@ -49,11 +49,32 @@ def test_readme_has_examples():
     assert len(python_blocks()) >= 2 and len(command_lines()) >= 4
 
 
+GATEWAY_URL = 'base_url="http://127.0.0.1:8000/v1"'  # blocks that talk to the README's gateway
+
+
 @pytest.mark.parametrize("index", range(len(python_blocks())))
-def test_python_example_runs(index: int, start_worker, readme_env):
+def test_python_example_runs(index: int, start_worker, readme_env, redis_url, namespace, tmp_path, monkeypatch):
     start_worker(max_wait_ms=10)
     code = python_blocks()[index]
-    exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "readme_example"})
+    gateway = None
+    if GATEWAY_URL in code:  # the README's gateway: port 8000, its key, and the batch file it uploads
+        from tests.helpers.gateway import GatewayThread
+
+        key = re.search(r'--api-key (\S+)', README).group(1)
+        gateway = GatewayThread(redis_url, namespace, port=8000, api_keys=(key,), files_dir=str(tmp_path / "f"))
+        monkeypatch.chdir(tmp_path)
+        (tmp_path / "batch.jsonl").write_text("".join(json.dumps(
+            {"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": 4}}) + "\n"
+            for i in range(3)))
+    try:
+        scope: dict = {"__name__": "readme_example"}
+        exec(compile(code, f"README.md python block {index}", "exec"), scope)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+    if gateway is not None:
+        assert scope["batch"].status == "completed" and len(scope["answers"].splitlines()) == 3
 
 
 def test_command_line_examples_run(start_worker, readme_env, tmp_path: Path):

@@ -24,12 +24,12 @@ class GatewayThread:
     """``create_app`` served by uvicorn on a free port, in a thread with its own event loop (``run``
     executes a coroutine on that loop, e.g. to measure how long the loop stalls)."""
 
-    def __init__(self, redis_url: str, namespace: str, **config: Any) -> None:
+    def __init__(self, redis_url: str, namespace: str, port: int = 0, **config: Any) -> None:
         self.config = GatewayConfig(connection=ConnectionConfig(redis_url=redis_url, namespace=namespace), **config)
         self.app = create_app(self.config)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))  # the kernel picks the port: no race with other tests
+        sock.bind(("127.0.0.1", port))  # 0: the kernel picks the port, no race with other tests
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False,
