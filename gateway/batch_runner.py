@@ -36,6 +36,7 @@ from batchfleet.producer.aclient import AsyncClient
 log = logging.getLogger(__name__)
 POLL_S = 1.0
 RETRY_S = 5.0  # a batch that stopped on a fleet-wide failure (no live worker, Redis) is tried again after this
+EXPIRY_GRACE_S = 30.0
 MAX_BATCHES = 4  # batches one process runs at once
 # compare-and-renew / compare-and-delete: only the lease's holder extends or drops it
 RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
@@ -198,7 +199,9 @@ class BatchJob:
         counts = doc["request_counts"]
         counts.update(completed=n_ok, failed=n_err)
         client = AsyncClient(self.config.connection.redis_url, self.config.connection.namespace, inbox=run["inbox"])
-        spec = Spec(prefix=prefix, limits=Limits(max(1.0, doc["expires_at"] - time.time()),
+        # a job's deadline: past the window by a grace, so expiry ends the batch (batch_expired lines), not the
+        # fleet's deadline (a 504 per line)
+        spec = Spec(prefix=prefix, limits=Limits(max(1.0, doc["expires_at"] - time.time()) + EXPIRY_GRACE_S,
                                                  self.config.chat_max_tokens),
                     model_names=(), window=self.config.batch_window, endpoint=doc["endpoint"])
         if cancelled or time.time() >= doc["expires_at"]:  # stopped before this turn began: only finish it

@@ -82,3 +82,24 @@ def test_numbered_skips_blank_lines_and_never_reads_a_huge_line_whole():
     with pytest.raises(LineError) as err:
         parse_line(out[1][1], out[1][0], LIMITS)
     assert err.value.code == "line_too_long" and err.value.line == 3
+
+
+def test_validating_a_large_input_holds_one_line_at_a_time(tmp_path):
+    import tracemalloc
+
+    from batchfleet.gateway.batch_runner import validate
+
+    body = {"messages": [{"role": "user", "content": "x" * 4000}], "max_tokens": 4}
+    path = tmp_path / "big.jsonl"
+    with open(path, "w") as f:
+        for i in range(6000):  # ~24 MB
+            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": body}) + "\n")
+    tracemalloc.start()
+    try:
+        total, errors = validate(str(path), "/v1/chat/completions", LIMITS)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert total == 6000 and errors == []
+    assert peak < 3 << 20, f"peak {peak / 2**20:.1f} MiB for a {path.stat().st_size / 2**20:.0f} MiB file"

@@ -128,7 +128,7 @@ def test_malformed_file_fails_whole_and_cancel_finalizes(start_worker, start_gat
                                                                (4, "mismatched_endpoint")]
     assert failed.output_file_id is None and failed.failed_at
     # cancel: a batch far longer than the test, cancelled while it runs
-    worker = start_worker(max_wait_ms=5, max_running=1)  # one at a time: far slower than the test
+    worker = start_worker(max_wait_ms=5, max_running=1, max_batch_size=1)  # one at a time: slower than the test
     many = "".join(batch_line(f"r{i}", chat(f"q {i}", max_tokens=100, ignore_eos=True)) for i in range(200))
     f = client.files.create(file=("many.jsonl", io.BytesIO(many.encode())), purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -202,3 +202,52 @@ def test_killed_runner_is_taken_over_and_every_request_appears_once(start_worker
     assert sorted(json.loads(x)["custom_id"] for x in out.splitlines()) == sorted(f"r{i}" for i in range(n))
     # nothing written was computed again: at most the lines in flight at the kill were enqueued twice
     assert n <= enqueued(redis_url, namespace) <= n + window
+
+
+def test_expired_batch_returns_what_completed_and_the_rest_as_expired(start_worker, start_gateway, redis_url,
+                                                                      namespace, tmp_path):
+    worker = start_worker(max_wait_ms=5, max_running=1, max_batch_size=1)
+    gw = start_gateway(served_model_names=("tiny",), files_dir=str(tmp_path / "files"))
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    many = "".join(batch_line(f"r{i}", chat(f"q {i}", max_tokens=100, ignore_eos=True)) for i in range(100))
+    f = client.files.create(file=("many.jsonl", io.BytesIO(many.encode())), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="3s")
+    done = wait_until(client, batch.id, ("expired", "completed"), timeout=60)
+    assert done.status == "expired" and done.expired_at >= done.expires_at
+    out, errors = lines_of(client, done.output_file_id), lines_of(client, done.error_file_id)
+    assert sorted(o["custom_id"] for o in out + errors) == sorted(f"r{i}" for i in range(100))
+    assert out and {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert worker.loop.ledger["completed"] == len(out)
+
+
+def test_hostile_requests_to_files_and_batches_get_clear_errors(start_gateway, tmp_path):
+    import httpx
+
+    gw = start_gateway(files_dir=str(tmp_path / "files"), max_file_mb=1)
+    with httpx.Client(base_url=gw.url, timeout=30) as http:
+        cases = [
+            http.post("/v1/files", content=b"not multipart", headers={"content-type": "application/json"}),
+            http.post("/v1/files", files={"file": ("x.jsonl", b"{}\n")}),  # no purpose
+            http.post("/v1/files", files={"file": ("x.jsonl", b"{}\n")}, data={"purpose": "fine-tune"}),
+            http.post("/v1/files", files={"file": ("x.jsonl", b"x" * (2 << 20))}, data={"purpose": "batch"}),
+            http.post("/v1/files", content=b"--b\r\ngarbage",
+                      headers={"content-type": "multipart/form-data; boundary=b"}),
+            http.get("/v1/files/../../etc/passwd"), http.get("/v1/files/file-" + "0" * 24 + "/content"),
+            http.get("/v1/files", params={"limit": "-1"}), http.get("/v1/batches", params={"limit": "x"}),
+            http.post("/v1/batches", json={"input_file_id": "file-x", "endpoint": "/v1/chat/completions"}),
+            http.post("/v1/batches", json={"input_file_id": 7, "endpoint": "/v1/chat/completions"}),
+            http.post("/v1/batches", json={"input_file_id": "f", "endpoint": "/v1/embeddings"}),
+            http.post("/v1/batches", json={"input_file_id": "f", "endpoint": "/v1/completions",
+                                           "completion_window": "forever"}),
+            http.post("/v1/batches", json={"input_file_id": "f", "endpoint": "/v1/completions", "extra": 1}),
+            http.post("/v1/batches", content=b"\xff\xfe"), http.post("/v1/batches", content=b"[" * 5000),
+            http.get("/v1/batches/batch_nope"), http.post("/v1/batches/batch_" + "0" * 24 + "/cancel"),
+        ]
+        statuses = [r.status_code for r in cases]
+        assert statuses == [400, 400, 400, 413, 400, 404, 404, 400, 400, 404, 400, 400, 400, 400, 400, 400,
+                            404, 404], [(r.status_code, r.text[:200]) for r in cases]
+        assert all(set(r.json()["error"]) == {"message", "type", "param", "code"} for r in cases)
+        good = http.post("/v1/files", files={"file": ("x.jsonl", b"{}\n")}, data={"purpose": "batch"}).json()
+        assert good["bytes"] == 3 and http.get(f"/v1/files/{good['id']}/content").content == b"{}\n"
+        assert http.get("/v1/files").json()["data"][0]["id"] == good["id"]
+        assert not list((tmp_path / "files").glob("*.part"))  # the refused upload left nothing behind
