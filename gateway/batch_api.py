@@ -71,14 +71,14 @@ def limit_param(request: Request, default: int, most: int) -> int:
 
 
 def add_batch_routes(app: FastAPI) -> None:
-    def stores(request: Request) -> tuple[Gateway, FileStore, BatchStore]:
+    def caller(request: Request) -> tuple[str, FileStore, BatchStore]:
+        """(the caller's owner name, once its key is checked; the file store; the batch store)."""
         state = request.app.state
-        return state.gateway, state.files, state.batches
+        return owner_of(request, state.gateway), state.files, state.batches
 
     @app.post("/v1/files")
     async def upload_file(request: Request) -> Any:
-        gateway, files, _ = stores(request)
-        owner = owner_of(request, gateway)
+        owner, files, _ = caller(request)
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > files.max_bytes + (1 << 20):
             raise APIError(413, f"file over {files.max_bytes >> 20} MiB", "invalid_request_error",
@@ -99,31 +99,29 @@ def add_batch_routes(app: FastAPI) -> None:
 
     @app.get("/v1/files")
     async def list_files(request: Request) -> Any:
-        gateway, files, _ = stores(request)
-        owner = owner_of(request, gateway)
+        owner, files, _ = caller(request)
         return await files.list(owner, request.query_params.get("purpose"), request.query_params.get("after"),
                                 limit_param(request, FILES_LIST_MAX, FILES_LIST_MAX))
 
     @app.get("/v1/files/{file_id}")
     async def get_file(request: Request, file_id: str) -> Any:
-        gateway, files, _ = stores(request)
-        return public(await files.get(owner_of(request, gateway), file_id))
+        owner, files, _ = caller(request)
+        return public(await files.get(owner, file_id))
 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(request: Request, file_id: str) -> Any:
-        gateway, files, _ = stores(request)
-        meta = await files.get(owner_of(request, gateway), file_id)
+        owner, files, _ = caller(request)
+        meta = await files.get(owner, file_id)
         return FileResponse(files.path(meta["id"]), media_type="application/jsonl", filename=meta["filename"])
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(request: Request, file_id: str) -> Any:
-        gateway, files, _ = stores(request)
-        return await files.delete(owner_of(request, gateway), file_id)
+        owner, files, _ = caller(request)
+        return await files.delete(owner, file_id)
 
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> Any:
-        gateway, files, batches = stores(request)
-        owner = owner_of(request, gateway)
+        owner, files, batches = caller(request)
         body = parse(CreateBatch, await read_json(request))
         if body.endpoint not in ENDPOINTS:
             raise invalid(f"endpoint must be one of {', '.join(ENDPOINTS)}", "endpoint")
@@ -151,16 +149,16 @@ def add_batch_routes(app: FastAPI) -> None:
 
     @app.get("/v1/batches")
     async def list_batches(request: Request) -> Any:
-        gateway, _, batches = stores(request)
-        return await batches.list(owner_of(request, gateway), request.query_params.get("after"),
+        owner, _, batches = caller(request)
+        return await batches.list(owner, request.query_params.get("after"),
                                   limit_param(request, 20, LIST_MAX))
 
     @app.get("/v1/batches/{batch_id}")
     async def get_batch(request: Request, batch_id: str) -> Any:
-        gateway, _, batches = stores(request)
-        return public(await batches.get(owner_of(request, gateway), batch_id))
+        owner, _, batches = caller(request)
+        return public(await batches.get(owner, batch_id))
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: Request, batch_id: str) -> Any:
-        gateway, _, batches = stores(request)
-        return public(await batches.cancel(owner_of(request, gateway), batch_id))
+        owner, _, batches = caller(request)
+        return public(await batches.cancel(owner, batch_id))

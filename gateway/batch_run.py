@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from batchfleet.common.errors import FleetUnavailable, PromptTooLong, QueueFull, RedisUnavailable, Timeout
-from batchfleet.common.guided import GuideError
 from batchfleet.common.keys import BATCH
 from batchfleet.common.protocol import Result
 from batchfleet.gateway.batch_lines import (
@@ -43,9 +42,9 @@ from batchfleet.gateway.batch_lines import (
     parse_line,
     response_line,
 )
-from batchfleet.gateway.errors import APIError, api_error, invalid
+from batchfleet.gateway.errors import APIError, api_error
 from batchfleet.gateway.formats import Shape
-from batchfleet.gateway.service import choice_params, token_texts, too_long, unknown_model
+from batchfleet.gateway.service import choice_params, job_params, token_texts, too_long, unknown_model
 from batchfleet.producer.aclient import AsyncClient
 from batchfleet.producer.bulk import inbox_replies
 from batchfleet.producer.core import Deadline
@@ -145,14 +144,7 @@ class _Run:
         error = unknown_model(job.model, self.spec.model_names)
         if error is not None:
             raise error
-        params = {**job.params, "priority": BATCH}  # batches run in the batch class, whatever the body says
-        if job.guide is not None:
-            try:  # compiling a large schema takes a while: not on the event loop
-                await asyncio.to_thread(job.guide.check)
-            except GuideError as exc:
-                raise invalid(str(exc), job.guide_param) from None
-            params["guide"] = job.guide
-        return params
+        return {**await job_params(job), "priority": BATCH}  # the batch class, whatever the body says
 
     async def submit(self, line: BatchLine) -> bool:
         """Submit the line's jobs (or write its error line); False: stopped before it was submitted."""

@@ -71,13 +71,7 @@ class Gateway:
         is sent; the choices already submitted are cancelled."""
         model = await self.check_model(job.model)
         fleet = await self.client.fleet()
-        params = dict(job.params)
-        if job.guide is not None:
-            try:  # compiling a large schema takes a while: not on the event loop
-                await asyncio.to_thread(job.guide.check)
-            except GuideError as exc:
-                raise invalid(str(exc), job.guide_param) from None
-            params["guide"] = job.guide
+        params = await job_params(job)
         job_id = uuid.uuid4().hex
         ids = [job_id] if job.n == 1 else [f"{job_id}-{i}" for i in range(job.n)]
         shape = Shape(chat=chat, job_id=job_id, model=model, created=int(time.time()),
@@ -163,6 +157,19 @@ class Gateway:
             return (await self.client.fleet(HEALTH_TIMEOUT_S)).scales_to_zero
         except FleetUnavailable:  # no description published (NoWorkers)
             return False
+
+
+async def job_params(job: Job) -> dict[str, Any]:
+    """The job's AsyncClient parameters, its structured-output guide compiled (a 400 naming the field when
+    it does not compile)."""
+    params = dict(job.params)
+    if job.guide is not None:
+        try:  # compiling a large schema takes a while: not on the event loop
+            await asyncio.to_thread(job.guide.check)
+        except GuideError as exc:
+            raise invalid(str(exc), job.guide_param) from None
+        params["guide"] = job.guide
+    return params
 
 
 def too_long(exc: PromptTooLong, job: Job) -> APIError:

@@ -26,7 +26,7 @@ PER_EXAMPLE = (44, 56)
 GOOD_PER_EXAMPLE = 3
 
 _bad_value = {
-    "id": st.one_of(st.integers(), st.none(), st.text(alphabet=" !@#/", min_size=1, max_size=8)),
+    "id": st.one_of(st.integers(-(2**63), 2**64 - 1), st.none(), st.text(alphabet=" !@#/", min_size=1, max_size=8)),
     "prompt": st.one_of(
         st.just([]), st.lists(st.integers(max_value=-1), min_size=1, max_size=4),
         st.lists(st.integers(min_value=VOCAB, max_value=2**40), min_size=1, max_size=4),
@@ -42,14 +42,17 @@ _bad_value = {
     "top_k": st.one_of(st.integers(max_value=-1), st.integers(min_value=2**20 + 1, max_value=2**62), st.floats()),
     "seed": st.one_of(st.integers(min_value=-(2**62), max_value=-1), st.floats(), st.text(max_size=3)),
     "stop": st.one_of(st.text(min_size=1, max_size=4), st.just([""]), st.lists(st.just("x"), min_size=17, max_size=20),
-                      st.just(["y" * 300]), st.lists(st.integers(), min_size=1, max_size=2)),
+                      st.just(["y" * 300]), st.lists(st.integers(-(2**63), 2**64 - 1), min_size=1, max_size=2)),
     "timeout_ms": st.one_of(st.integers(min_value=-(2**62), max_value=-1), st.floats(), st.text(max_size=3),
                             st.booleans(),
                             st.integers(min_value=MAX_TIMEOUT_MS + 1, max_value=2**62),
                             st.just(0)),  # 0: valid, answered deadline_exceeded
     "stream": st.one_of(st.integers(-(2**62), 2**62), st.text(max_size=3), st.none()),
-    "reply_key": st.one_of(st.text(max_size=10), st.just("other:inbox:x"), st.integers()),
-    "v": st.one_of(st.sampled_from([0, 1, 3, 99, -1, "2", None, [2]])),
+    # integers msgpack can pack (past 64 bits the generator itself would fail)
+    "reply_key": st.one_of(st.text(max_size=10), st.just("other:inbox:x"), st.integers(-(2**63), 2**64 - 1)),
+    # every version but this side's own (a literal list went stale when the schema moved to 3)
+    "v": st.sampled_from([0, SCHEMA_VERSION - 1, SCHEMA_VERSION + 1, 99, -1, str(SCHEMA_VERSION), None,
+                          [SCHEMA_VERSION], float(SCHEMA_VERSION), True]),
 }
 _required = ["id", "prompt", "max_new_tokens", "reply_key", "v"]
 
