@@ -9,62 +9,32 @@ cannot make a worker allocate without bound. No pickle anywhere.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
-from batchfleet.common.errors import UNSUPPORTED_SCHEMA, ProtocolError
+from batchfleet.common.errors import ProtocolError
 from batchfleet.common.guided import Guide, GuideError
 from batchfleet.common.keys import INTERACTIVE, LANES, valid_job_id
+from batchfleet.common.wire import (  # noqa: F401 - SCHEMA_VERSION and the bounds are the protocol's names too
+    MAX_PAYLOAD_BYTES,
+    MAX_TEXT_CHARS,
+    MAX_TOKENS,
+    SCHEMA_VERSION,
+    float_field,
+    int_field,
+    pack,
+    str_field,
+    tokens_field,
+    unpack,
+)
 
-# 2: per-client inbox streams, timeouts on Redis' clock
-# 3: priority classes (lanes), vLLM's sampling extensions (ignore_eos, min_tokens, repetition_penalty,
-# min_p), structured outputs (Request.guide) and logprobs (Request.logprobs, Result/Delta.logprobs): a v2
-# worker would ignore them and answer something else than asked, so it refuses v3 (unsupported_schema)
-SCHEMA_VERSION = 3
 MAX_REPETITION_PENALTY = 10.0
 MAX_TOP_K = 1 << 20
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
-MAX_PAYLOAD_BYTES = 1 << 20  # 1 MiB: far above 4096 token ids + stop strings
-MAX_TOKENS = 1 << 16  # prompt or completion length cap at decode time (the worker checks its own limits)
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
-MAX_TEXT_CHARS = 1 << 20
 FINISH_REASONS = ("stop", "length", "eos")
 MAX_TIMEOUT_MS = 10 * 365 * 86400 * 1000
-
-
-def _unpack(data: bytes) -> dict[str, Any]:
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ProtocolError("payload must be bytes")
-    if len(data) > MAX_PAYLOAD_BYTES:
-        raise ProtocolError(f"payload of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}")
-    try:
-        obj = msgpack.unpackb(
-            bytes(data),
-            raw=False,
-            strict_map_key=True,
-            max_str_len=MAX_TEXT_CHARS,
-            max_bin_len=0,
-            max_array_len=MAX_TOKENS,
-            max_map_len=64,
-            max_ext_len=0,
-        )
-    except Exception as exc:  # msgpack raises a zoo of types (ExtraData, ValueError, UnicodeDecodeError...)
-        raise ProtocolError(f"undecodable payload: {type(exc).__name__}: {exc}"[:300]) from None
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"payload must be a map, got {type(obj).__name__}")
-    version = obj.get("v")
-    if type(version) is not int or version != SCHEMA_VERSION:  # 1.0 and True == 1 in Python
-        raise ProtocolError(f"unsupported schema version {version!r} (this side speaks {SCHEMA_VERSION})",
-                            code=UNSUPPORTED_SCHEMA)
-    return obj
-
-
-def _pack(obj: dict[str, Any]) -> bytes:
-    return msgpack.packb({"v": SCHEMA_VERSION, **obj}, use_bin_type=True)
 
 
 # logprobs on the wire: one entry per generated token, aligned with ``token_ids``:
@@ -83,45 +53,14 @@ def _logprobs_of(obj: dict) -> list[LogprobEntry] | None:
     return [(float(lp), tuple(ids), tuple(float(x) for x in lps)) for lp, ids, lps in raw]
 
 
-def _int(obj: dict, key: str, lo: int, hi: int, default: int | None = None) -> int:
-    value = obj.get(key, default)
-    if type(value) is not int or not lo <= value <= hi:  # bool is an int subclass: rejected on purpose
-        raise ProtocolError(f"{key} must be an integer in [{lo}, {hi}], got {value!r}"[:200])
-    return value
-
-
-def _float(obj: dict, key: str, lo: float, hi: float, default: float) -> float:
-    value = obj.get(key, default)
-    if type(value) not in (int, float) or not math.isfinite(value) or not lo <= value <= hi:
-        raise ProtocolError(f"{key} must be a number in [{lo}, {hi}], got {value!r}"[:200])
-    return float(value)
-
-
 MIN_TEMPERATURE = 1e-3  # below it logits / t overflow; 0 means greedy
 
 
 def _temperature(obj: dict) -> float:
-    t = _float(obj, "temperature", 0.0, 100.0, 0.0)
+    t = float_field(obj, "temperature", 0.0, 100.0, 0.0)
     if 0.0 < t < MIN_TEMPERATURE:
         raise ProtocolError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100], got {t!r}")
     return t
-
-
-def _str(obj: dict, key: str, max_len: int = 256) -> str:
-    value = obj.get(key)
-    if not isinstance(value, str) or len(value) > max_len:
-        raise ProtocolError(f"{key} must be a string of at most {max_len} chars")
-    return value
-
-
-def _tokens(obj: dict, key: str, min_len: int) -> list[int]:
-    value = obj.get(key)
-    if not isinstance(value, list) or len(value) < min_len:
-        raise ProtocolError(f"{key} must be a list of at least {min_len} token ids")
-    for tok in value:
-        if type(tok) is not int or not 0 <= tok < 2**31:
-            raise ProtocolError(f"{key} holds an invalid token id {tok!r}"[:200])
-    return value
 
 
 @dataclass(frozen=True)
@@ -156,7 +95,7 @@ class Request:
     logprobs: int | None = None  # None = off; k = each token's logprob and its k best alternatives
 
     def encode(self) -> bytes:
-        return _pack({
+        return pack({
             "id": self.id, "prompt": list(self.prompt), "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
             "stop": list(self.stop), "timeout_ms": self.timeout_ms, "reply_key": self.reply_key,
@@ -168,7 +107,7 @@ class Request:
     @classmethod
     def decode(cls, data: bytes) -> Request:
         """Decode and validate; raises ProtocolError with a message fit for the client."""
-        obj = _unpack(data)
+        obj = unpack(data)
         job_id = obj.get("id")
         if not valid_job_id(job_id):
             raise ProtocolError("id must be 1-128 chars of [A-Za-z0-9_.-]")
@@ -180,10 +119,10 @@ class Request:
                 raise ProtocolError(f"each stop string must be 1-{MAX_STOP_CHARS} chars of valid UTF-8")
         seed = obj.get("seed")
         if seed is not None:
-            seed = _int(obj, "seed", 0, 2**63 - 1)
+            seed = int_field(obj, "seed", 0, 2**63 - 1)
         timeout_ms = obj.get("timeout_ms")
         if timeout_ms is not None:
-            timeout_ms = _int(obj, "timeout_ms", 0, MAX_TIMEOUT_MS)
+            timeout_ms = int_field(obj, "timeout_ms", 0, MAX_TIMEOUT_MS)
         stream = obj.get("stream", False)
         if type(stream) is not bool:
             raise ProtocolError(f"stream must be a boolean, got {stream!r}"[:200])
@@ -193,13 +132,13 @@ class Request:
         ext: dict[str, Any] = {"ignore_eos": obj.get("ignore_eos", False)}
         if type(ext["ignore_eos"]) is not bool:
             raise ProtocolError(f"ignore_eos must be a boolean, got {ext['ignore_eos']!r}"[:200])
-        ext["min_tokens"] = _int(obj, "min_tokens", 0, MAX_TOKENS, 0)
-        penalty = _float(obj, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY, 1.0)
+        ext["min_tokens"] = int_field(obj, "min_tokens", 0, MAX_TOKENS, 0)
+        penalty = float_field(obj, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY, 1.0)
         if penalty <= 0.0:
             raise ProtocolError("repetition_penalty must be > 0")
         ext["repetition_penalty"] = penalty
-        ext["min_p"] = _float(obj, "min_p", 0.0, 1.0, 0.0)
-        max_new_tokens = _int(obj, "max_new_tokens", 1, MAX_TOKENS)
+        ext["min_p"] = float_field(obj, "min_p", 0.0, 1.0, 0.0)
+        max_new_tokens = int_field(obj, "max_new_tokens", 1, MAX_TOKENS)
         if ext["min_tokens"] > max_new_tokens:
             raise ProtocolError(f"min_tokens ({ext['min_tokens']}) must be <= max_new_tokens ({max_new_tokens})")
         guide = obj.get("guide")
@@ -210,18 +149,18 @@ class Request:
                 raise ProtocolError(str(exc)) from None
         logprobs = obj.get("logprobs")
         if logprobs is not None:
-            logprobs = _int(obj, "logprobs", 0, MAX_LOGPROBS)
+            logprobs = int_field(obj, "logprobs", 0, MAX_LOGPROBS)
         return cls(
             id=job_id,
-            prompt=_tokens(obj, "prompt", 1),
+            prompt=tokens_field(obj, "prompt", 1),
             max_new_tokens=max_new_tokens,
             temperature=_temperature(obj),
-            top_p=_float(obj, "top_p", 1e-6, 1.0, 1.0),
-            top_k=_int(obj, "top_k", 0, MAX_TOP_K, 0),
+            top_p=float_field(obj, "top_p", 1e-6, 1.0, 1.0),
+            top_k=int_field(obj, "top_k", 0, MAX_TOP_K, 0),
             seed=seed,
             stop=tuple(stop),
             timeout_ms=timeout_ms,
-            reply_key=_str(obj, "reply_key"),
+            reply_key=str_field(obj, "reply_key"),
             stream=stream,
             priority=priority,
             **ext,
@@ -259,8 +198,8 @@ class Result:
             "extra": self.extra,
         }
         if self.logprobs is None:
-            return _pack(obj)
-        return _pack({**obj, "logprobs": _logprobs_wire(self.logprobs)})
+            return pack(obj)
+        return pack({**obj, "logprobs": _logprobs_wire(self.logprobs)})
 
 
 @dataclass(frozen=True)
@@ -272,7 +211,7 @@ class Error:
     message: str
 
     def encode(self) -> bytes:
-        return _pack({"kind": "error", "id": self.id, "code": self.code, "message": self.message[:2000]})
+        return pack({"kind": "error", "id": self.id, "code": self.code, "message": self.message[:2000]})
 
 
 @dataclass(frozen=True)
@@ -296,13 +235,13 @@ class Delta:
         obj = {"kind": "delta", "id": self.id, "seq": self.seq, "offset": self.offset, "text": self.text,
                "token_ids": list(self.token_ids)}
         if self.logprobs is None:
-            return _pack(obj)
-        return _pack({**obj, "logprobs": _logprobs_wire(self.logprobs)})
+            return pack(obj)
+        return pack({**obj, "logprobs": _logprobs_wire(self.logprobs)})
 
 
 def decode_reply(data: bytes) -> Result | Error | Delta:
     """Decode what a worker wrote to an inbox (the ``p`` field of an inbox entry)."""
-    obj = _unpack(data)
+    obj = unpack(data)
     kind = obj.get("kind")
     if kind == "error":
         return Error(id=obj["id"], code=obj["code"], message=obj["message"])
@@ -340,7 +279,7 @@ class FleetInfo:
     scale_to_zero: bool = False
 
     def encode(self) -> bytes:
-        return _pack({
+        return pack({
             "model": self.model, "tokenizer_json": self.tokenizer_json, "buckets": list(self.buckets),
             "max_seq_len": self.max_seq_len, "max_batch_size": self.max_batch_size,
             "vocab_size": self.vocab_size, "eos_token_ids": list(self.eos_token_ids),
@@ -352,7 +291,7 @@ class FleetInfo:
 
     @classmethod
     def decode(cls, data: bytes) -> FleetInfo:
-        obj = _unpack(data)
+        obj = unpack(data)
         return cls(
             model=obj["model"], tokenizer_json=obj["tokenizer_json"], buckets=tuple(obj["buckets"]),
             max_seq_len=obj["max_seq_len"], max_batch_size=obj["max_batch_size"],
