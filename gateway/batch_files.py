@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-from batchfleet.gateway.batch_lines import Limits, written_index
-from batchfleet.gateway.batch_run import Outcome, Sink, Spec, numbered, run_lines
+from batchfleet.gateway.batch_lines import Limits, numbered, written_index
+from batchfleet.gateway.batch_run import Outcome, Sink, Spec, run_lines
 from batchfleet.producer.aclient import AsyncClient
 from batchfleet.producer.bulk_input import run_names
 

@@ -14,8 +14,10 @@ which lines are written.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from batchfleet.gateway.errors import APIError, invalid
 from batchfleet.gateway.schemas import Job, request_job
@@ -129,3 +131,26 @@ def failure_line(prefix: str, index: int, custom_id: str | None, code: str, mess
     """An error-file line for a request that never got a response (expired, cancelled, malformed in bulk)."""
     return {"id": request_name(prefix, index), "custom_id": custom_id, "response": None,
             "error": {"code": code, "message": message}}
+
+
+def numbered(f: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw line) of every non-blank line of a binary file, read one line at a time; a line
+    over MAX_LINE_BYTES is skipped unread and comes as TOO_LONG (memory stays bounded by one line)."""
+    index = 0
+    while raw := f.readline(MAX_LINE_BYTES + 1):
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            while (rest := f.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                pass
+            raw = TOO_LONG
+        if raw.strip():
+            yield index, raw
+        index += 1
+
+
+def custom_id_of(raw: bytes) -> str | None:
+    """A malformed line's custom_id, when it has one to name."""
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    return obj.get("custom_id") if isinstance(obj, dict) and isinstance(obj.get("custom_id"), str) else None

@@ -21,23 +21,21 @@ error line with that code.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import IO, Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from batchfleet.common.errors import FleetUnavailable, PromptTooLong, QueueFull, RedisUnavailable, Timeout
 from batchfleet.common.keys import BATCH
 from batchfleet.common.protocol import Result
 from batchfleet.gateway.batch_lines import (
-    MAX_LINE_BYTES,
-    TOO_LONG,
     BatchLine,
     Limits,
     LineError,
+    custom_id_of,
     failure_line,
     parse_line,
     response_line,
@@ -72,9 +70,7 @@ class Spec:
     model_names: tuple[str, ...]
     window: int = 256
     endpoint: str | None = None  # the batch's url (None: each line names its own)
-    job_timeout: float | None = None  # a job's deadline cap (None: the limits' cap)
     abandon: tuple[str, str] | None = None  # set when stopping: (error code, message) for unanswered lines
-    progress: Callable[[], None] | None = None
 
 
 @dataclass
@@ -85,21 +81,6 @@ class Outcome:
     failed: int = 0
     stopped: bool = False
     error: BaseException | None = None  # NoWorkers / RedisUnavailable: what stopped it
-    unparsed: list[LineError] = field(default_factory=list)
-
-
-def numbered(f: IO[bytes]) -> Iterator[tuple[int, bytes]]:
-    """(line number, raw line) of every non-blank line of a binary file, read one line at a time; a line
-    over MAX_LINE_BYTES is skipped unread and comes as TOO_LONG (memory stays bounded by one line)."""
-    index = 0
-    while raw := f.readline(MAX_LINE_BYTES + 1):
-        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
-            while (rest := f.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
-                pass
-            raw = TOO_LONG
-        if raw.strip():
-            yield index, raw
-        index += 1
 
 
 class _Run:
@@ -116,8 +97,6 @@ class _Run:
             self.outcome.ok += 1
         else:
             self.outcome.failed += 1
-        if self.spec.progress is not None:
-            self.spec.progress()
 
     def refuse(self, line: BatchLine, error: APIError) -> None:
         self.write(response_line(self.spec.prefix, line, self.job_stem(line), error.status, error.body()), False)
@@ -158,7 +137,7 @@ class _Run:
             self.refuse(line, exc)
             return True
         assert line.job is not None
-        timeout = line.job.timeout if self.spec.job_timeout is None else min(line.job.timeout, self.spec.job_timeout)
+        timeout = line.job.timeout
         sent: list[str] = []
         for i, jid in enumerate(ids):
             while jid not in self.present:
@@ -285,14 +264,14 @@ async def run_lines(client: AsyncClient, lines: Iterable[tuple[int, bytes]], don
             if stop.is_set():
                 if spec.abandon is None:
                     break
-                run.abandon_line(index, _custom_id(raw))
+                run.abandon_line(index, custom_id_of(raw))
                 continue
             try:
                 chunk.append(parse_line(raw, index, spec.limits, spec.endpoint, seen))
             except LineError as exc:
                 if strict:
                     raise
-                run.write(failure_line(spec.prefix, index, _custom_id(raw), exc.code, exc.message), False)
+                run.write(failure_line(spec.prefix, index, custom_id_of(raw), exc.code, exc.message), False)
             if len(chunk) >= spec.window:
                 await _submit_all(run, chunk)
                 chunk = []
@@ -320,12 +299,3 @@ async def _submit_all(run: _Run, chunk: list[BatchLine]) -> None:
             await run.drain(once=True)
         if (run.stop.is_set() or not await run.submit(line)) and run.spec.abandon is not None:
             run.abandon_line(line.index, line.custom_id)
-
-
-def _custom_id(raw: bytes) -> str | None:
-    """A malformed line's custom_id, when it has one to name."""
-    try:
-        obj = json.loads(raw)
-    except ValueError:
-        return None
-    return obj.get("custom_id") if isinstance(obj, dict) and isinstance(obj.get("custom_id"), str) else None

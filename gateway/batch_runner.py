@@ -27,8 +27,8 @@ import redis.asyncio
 from batchfleet.common.errors import FleetUnavailable
 from batchfleet.common.keys import Keys
 from batchfleet.gateway.batch_files import FileSink, input_lines, written
-from batchfleet.gateway.batch_lines import MAX_LINE_ERRORS, Limits, LineError, parse_line
-from batchfleet.gateway.batch_run import Spec, numbered, run_lines
+from batchfleet.gateway.batch_lines import MAX_LINE_ERRORS, Limits, LineError, numbered, parse_line
+from batchfleet.gateway.batch_run import Spec, run_lines
 from batchfleet.gateway.batch_store import BatchStore, FileStore
 from batchfleet.gateway.config import GatewayConfig
 from batchfleet.producer.aclient import AsyncClient
@@ -133,18 +133,24 @@ class BatchRunner:
     async def _keep(self, batch_id: str, token: str, stop: asyncio.Event, lost: asyncio.Event) -> None:
         """Renew the lease; lose it (Redis away too long, or taken over) and the run stops at once."""
         ttl_ms = int(self.config.batch_lease_s * 1000)
+        renewed = time.monotonic()
         while True:
             await asyncio.sleep(self.config.batch_lease_s / 3)
             try:
                 held = await self._renew(keys=[self.keys.batch_lease(batch_id)], args=[token, ttl_ms])
-            except Exception as exc:  # noqa: BLE001 - retried until the lease would have run out
+            except Exception as exc:  # noqa: BLE001 - retried while the lease surely still holds
                 log.warning("batch %s: could not renew its lease: %r", batch_id, exc)
-                continue
+                # stop well before it can expire: another process may take the batch only after that, so
+                # two never append to its files at once
+                held = time.monotonic() - renewed < self.config.batch_lease_s * 2 / 3
+                if held:
+                    continue
             if not held:
                 log.warning("batch %s: lease lost; another process runs it now", batch_id)
                 lost.set()
                 stop.set()
                 return
+            renewed = time.monotonic()
 
 
 class BatchJob:

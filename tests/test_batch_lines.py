@@ -13,11 +13,11 @@ from batchfleet.gateway.batch_lines import (
     Limits,
     LineError,
     failure_line,
+    numbered,
     parse_line,
     request_name,
     written_index,
 )
-from batchfleet.gateway.batch_run import numbered
 from batchfleet.gateway.errors import APIError
 from batchfleet.gateway.schemas import request_job
 
