@@ -49,7 +49,7 @@ def test_documented_users_exist_with_their_library(server):
     admin = connect(server, "bf-admin-a", decode_responses=True)
     assert [dict(zip(lib[::2], lib[1::2]))["library_name"] for lib in admin.function_list()] == [LIBRARY_NAME]
     assert {u for u in redis.Redis(port=server.port, decode_responses=True).acl_users()} >= {
-        "bf-admin-a", "worker-a", "producer-a"}
+        "bf-admin-a", "worker-a", "producer-a", "gateway-a"}
     with pytest.raises(redis.exceptions.NoPermissionError):
         admin.get(K.fleet)  # the admin has no key access at all
 

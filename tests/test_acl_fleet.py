@@ -1,6 +1,7 @@
 """A fleet end to end under docs/SECURITY.md's users on Redis 7: the worker runs as ``worker-a`` (with the
 redelivery and dead-letter path), ``Client`` and ``AsyncClient`` run as ``producer-a`` (generate, stream,
-cancel), and Redis refused nothing either of them sent (``ACL LOG`` stays empty)."""
+cancel), the gateway with its batches runner as ``gateway-a``, and Redis refused nothing any of them sent
+(``ACL LOG`` stays empty)."""
 
 from __future__ import annotations
 
@@ -63,5 +64,49 @@ def test_fleet_runs_under_the_documented_users(tiny_model_dir, caplog):
                   and ("unavailable" in rec.getMessage() or "NOPERM" in rec.getMessage())]
         assert denied == []
         assert redis.Redis(port=server.port).acl_log() == []
+    finally:
+        server.stop()
+
+
+def test_batches_run_under_the_documented_gateway_user(tiny_model_dir, tmp_path, caplog):
+    import io
+    import json
+    import time
+
+    import openai
+
+    from tests.helpers.gateway import GatewayThread
+
+    caplog.set_level(logging.WARNING)
+    server = start_redis7()
+    try:
+        install_documented_acl(server)
+        cfg = worker_config(user_url(server, "worker-a"), NAMESPACE, tiny_model_dir, buckets=BUCKETS,
+                            max_seq_len=BUCKETS[-1], max_wait_ms=10)
+        worker = LoopThread(cfg)
+        gw = GatewayThread(user_url(server, "gateway-a"), NAMESPACE, files_dir=str(tmp_path / "files"),
+                           batch_lease_s=2.0)
+        try:
+            client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=30)
+            lines = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                                        "body": {"prompt": f"item {i}", "max_tokens": 2}}) + "\n" for i in range(4))
+            f = client.files.create(file=("in.jsonl", io.BytesIO(lines.encode())), purpose="batch")
+            batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+            deadline = time.monotonic() + 60
+            while (batch := client.batches.retrieve(batch.id)).status != "completed":
+                assert time.monotonic() < deadline and batch.status in ("validating", "in_progress", "finalizing")
+                time.sleep(0.2)
+            out = client.files.content(batch.output_file_id).text.splitlines()
+            assert sorted(json.loads(x)["custom_id"] for x in out) == [f"r{i}" for i in range(4)]
+            model = client.models.list().data[0].id
+            answer = client.completions.create(model=model, prompt="hi", max_tokens=2)
+            assert answer.choices[0].finish_reason == "length"
+            assert [b.id for b in client.batches.list()] == [batch.id] and client.files.delete(f.id).deleted
+        finally:
+            gw.stop()
+            worker.stop()
+        denied = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING
+                  and "NOPERM" in rec.getMessage()]
+        assert denied == [] and redis.Redis(port=server.port).acl_log() == []
     finally:
         server.stop()

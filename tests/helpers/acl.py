@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SECURITY_MD = ROOT / "docs" / "SECURITY.md"
 NAMESPACE = "a"  # the document's tenant
 BUCKETS = (128, 256, 512, 1024, 4096)  # the document's bucket streams (the default buckets)
-PASSWORDS = {"bf-admin-a": "ADMIN_PASSWORD", "worker-a": "WORKER_PASSWORD", "producer-a": "PRODUCER_PASSWORD"}
+PASSWORDS = {"bf-admin-a": "ADMIN_PASSWORD", "worker-a": "WORKER_PASSWORD", "producer-a": "PRODUCER_PASSWORD",
+             "gateway-a": "GATEWAY_PASSWORD"}
 
 
 def _version(binary: str) -> tuple[int, ...]:
