@@ -288,6 +288,19 @@ def test_gateway_command_and_service_ports():
                                                                             "metrics": METRICS_PORT}
 
 
+def test_gateways_share_the_batch_files_volume():
+    gw = compose()["services"]["gateway"]
+    mount = next(v for v in gw["volumes"] if v.startswith("batch-files:"))
+    assert gw["environment"]["BATCHFLEET_FILES_DIR"] == mount.split(":")[1] and "batch-files" in compose()["volumes"]
+    c = container(of_kind("Deployment")["batchfleet-gateway"])
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "files"]
+    assert env["BATCHFLEET_FILES_DIR"] == mount["mountPath"]
+    (vol,) = of_kind("Deployment")["batchfleet-gateway"]["spec"]["template"]["spec"]["volumes"]
+    claim = of_kind("PersistentVolumeClaim")[vol["persistentVolumeClaim"]["claimName"]]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # every replica, on any node
+
+
 def test_health_check_sees_a_fresh_heartbeat(redis_url: str, namespace: str):
     """The readiness check the compose healthcheck and the k8s probes run, against the real Redis."""
     import redis
