@@ -11,6 +11,7 @@ gateway/batch_runner.py (in this process unless ``--no-batch-runner``).
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import secrets
 import time
@@ -112,7 +113,11 @@ def add_batch_routes(app: FastAPI) -> None:
     async def file_content(request: Request, file_id: str) -> Any:
         owner, files, _ = caller(request)
         meta = await files.get(owner, file_id)
-        return FileResponse(files.path(meta["id"]), media_type="application/jsonl", filename=meta["filename"])
+        path = files.path(meta["id"])
+        if not os.path.exists(path):  # recorded in Redis, but not in this gateway's directory
+            raise APIError(500, f"file {file_id} is not in this gateway's --files-dir: every gateway of a fleet "
+                           "must mount the same files volume", "server_error", "file_unavailable")
+        return FileResponse(path, media_type="application/jsonl", filename=meta["filename"])
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(request: Request, file_id: str) -> Any:

@@ -251,3 +251,16 @@ def test_hostile_requests_to_files_and_batches_get_clear_errors(start_gateway, t
         assert good["bytes"] == 3 and http.get(f"/v1/files/{good['id']}/content").content == b"{}\n"
         assert http.get("/v1/files").json()["data"][0]["id"] == good["id"]
         assert not list((tmp_path / "files").glob("*.part"))  # the refused upload left nothing behind
+
+
+def test_a_gateway_without_the_shared_files_volume_says_so(start_gateway, tmp_path):
+    import httpx
+
+    first = start_gateway(files_dir=str(tmp_path / "one"))
+    other = start_gateway(files_dir=str(tmp_path / "other"))  # same Redis, another directory: misconfigured
+    with httpx.Client(timeout=30) as http:
+        f = http.post(first.url + "/v1/files", files={"file": ("x.jsonl", b"{}\n")}, data={"purpose": "batch"}).json()
+        assert http.get(f"{first.url}/v1/files/{f['id']}/content").content == b"{}\n"
+        missing = http.get(f"{other.url}/v1/files/{f['id']}/content")
+    assert missing.status_code == 500 and missing.json()["error"]["code"] == "file_unavailable"
+    assert "same files volume" in missing.json()["error"]["message"]
