@@ -25,7 +25,8 @@ def build_gateway_config(**values) -> GatewayConfig:
 @log_options
 def serve(**values) -> None:
     """Serve the fleet over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
-    /v1/models, /health). Holds no model: run workers with `batchfleet worker`."""
+    /v1/models, /health, and the Batch API: /v1/files, /v1/batches). Holds no model: run workers with
+    `batchfleet worker`."""
     # imported here: `batchfleet --help` lists this command on a client-only install (common/cli.py says
     # which extra to install before this runs)
     import uvicorn
