@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -24,13 +24,15 @@ ERRORS_SUFFIX = ".errors.jsonl"
 class FileSink(Sink):
     """Appends output lines to one file and error lines to another (the same file is fine)."""
 
-    def __init__(self, output: IO[str], errors: IO[str]) -> None:
-        self.output, self.errors = output, errors
+    def __init__(self, output: IO[str], errors: IO[str], written: Callable[[], None] | None = None) -> None:
+        self.output, self.errors, self.written = output, errors, written
 
     def write(self, line: dict[str, Any], ok: bool) -> None:
         f = self.output if ok else self.errors
         f.write(json.dumps(line) + "\n")
         f.flush()
+        if self.written is not None:
+            self.written()
 
 
 def written(path: str | None, prefix: str) -> tuple[set[int], int]:
@@ -78,10 +80,11 @@ class BulkOutcome:
 async def bulk_openai(input_path: str, output_path: str | None, errors_path: str | None, *,
                       redis_url: str | None = None, namespace: str | None = None, window: int = 256,
                       timeout: float | None = None, resume: bool | None = None, chat_max_tokens: int = 256,
-                      stop=None, model_names: tuple[str, ...] = ()) -> BulkOutcome:
+                      stop=None, model_names: tuple[str, ...] = (),
+                      progress: Callable[[int], None] | None = None) -> BulkOutcome:
     """Answer an OpenAI batch input file into OpenAI batch output lines (``output_path``, None: stdout) and
     error lines (``errors_path``, None: with the output). Resumes like ``bulk_file`` (the run key beside
-    the output)."""
+    the output). ``progress(lines written so far, kept ones included)`` after each line."""
     import sys
 
     names, resuming = run_names(output_path, resume is not False)
@@ -96,8 +99,14 @@ async def bulk_openai(input_path: str, output_path: str | None, errors_path: str
         fleet = await client.fleet()
         spec = Spec(prefix=prefix, limits=Limits(timeout or BULK_TIMEOUT_S, chat_max_tokens),
                     model_names=model_names or (fleet.info.model,), window=window)
-        outcome = await run_lines(client, input_lines(input_path), kept_ok | kept_err, FileSink(out, err), spec,
-                                  stop)
+        count = [n_ok + n_err]
+
+        def written_one() -> None:
+            count[0] += 1
+            if progress is not None:
+                progress(count[0])
+        outcome = await run_lines(client, input_lines(input_path), kept_ok | kept_err,
+                                  FileSink(out, err, written_one), spec, stop)
     finally:
         for f in {out, err} - {sys.stdout}:
             f.close()

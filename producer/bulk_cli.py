@@ -92,11 +92,14 @@ def _bulk_openai(redis_url: str, namespace: str, prompts: str, text: str | None,
         if text is not None:  # stdin: spooled to disk, then streamed like a file
             tmp.write(text)
             tmp.flush()
+        source = tmp.name if text is not None else prompts
+        bar = click.progressbar(length=_requests_in(source), label="requests", show_pos=True, file=sys.stderr)
         ctrl_c = _CtrlC(stop)
-        r = asyncio.run(ctrl_c.run(bulk_openai(
-            tmp.name if text is not None else prompts, None if output == "-" else output, errors_path,
-            redis_url=redis_url, namespace=namespace, window=window, timeout=timeout, resume=resume, stop=stop,
-            model_names=model_names)))
+        with bar:
+            r = asyncio.run(ctrl_c.run(bulk_openai(
+                source, None if output == "-" else output, errors_path, redis_url=redis_url, namespace=namespace,
+                window=window, timeout=timeout, resume=resume, stop=stop, model_names=model_names,
+                progress=lambda n: bar.update(n - bar.pos))))
     o = r.outcome
     kept = r.kept_ok + r.kept_failed
     if o.stopped:
@@ -108,6 +111,14 @@ def _bulk_openai(redis_url: str, namespace: str, prompts: str, text: str | None,
                "error file", err=True)
     if r.failed:
         sys.exit(3)
+
+
+def _requests_in(path: str) -> int:
+    """Non-blank lines of a file (the progress bar's length), one bounded line at a time."""
+    from batchfleet.gateway.batch_lines import numbered
+
+    with open(path, "rb") as f:
+        return sum(1 for _ in numbered(f))
 
 
 def _bulk_prompts(redis_url: str, namespace: str, prompts: str, text: str, output: str, window: int,
