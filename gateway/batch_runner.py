@@ -41,6 +41,8 @@ MAX_BATCHES = 4  # batches one process runs at once
 # compare-and-renew / compare-and-delete: only the lease's holder extends or drops it
 RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+FILE_GONE = {"code": "file_not_found", "message": "the input file was deleted", "param": "input_file_id",
+             "line": None}
 CANCELLED = ("batch_cancelled", "the batch was cancelled before this request completed")
 EXPIRED = ("batch_expired", "this request could not be executed before the completion window expired")
 
@@ -182,8 +184,7 @@ class BatchJob:
                 total, errors = await asyncio.to_thread(validate, self.runner.files.path(doc["input_file_id"]),
                                                         doc["endpoint"], limits)
             except FileNotFoundError:
-                total, errors = 0, [{"code": "file_not_found", "message": "the input file was deleted",
-                                     "param": "input_file_id", "line": None}]
+                total, errors = 0, [FILE_GONE]
             if not errors and total == 0:
                 errors = [{"code": "empty_file", "message": "the input file holds no request", "param": None,
                            "line": None}]
@@ -204,6 +205,9 @@ class BatchJob:
         done_err, n_err = written(err_path, prefix)
         counts = doc["request_counts"]
         counts.update(completed=n_ok, failed=n_err)
+        if not os.path.exists(files.path(doc["input_file_id"])):  # deleted since: what was written is kept
+            doc["errors"] = {"object": "list", "data": [FILE_GONE]}
+            return await self.finish(doc, "failed", run)
         client = AsyncClient(self.config.connection.redis_url, self.config.connection.namespace, inbox=run["inbox"])
         # a job's deadline: past the window by a grace, so expiry ends the batch (batch_expired lines), not the
         # fleet's deadline (a 504 per line)

@@ -264,3 +264,27 @@ def test_a_gateway_without_the_shared_files_volume_says_so(start_gateway, tmp_pa
         missing = http.get(f"{other.url}/v1/files/{f['id']}/content")
     assert missing.status_code == 500 and missing.json()["error"]["code"] == "file_unavailable"
     assert "same files volume" in missing.json()["error"]["message"]
+
+
+def test_an_input_deleted_while_its_batch_waits_fails_it_keeping_what_was_written(start_worker, start_gateway,
+                                                                                   tmp_path):
+    start_worker(max_wait_ms=5, max_running=1, max_batch_size=1)
+    files_dir = str(tmp_path / "files")
+    api = start_gateway(served_model_names=("tiny",), files_dir=files_dir, batch_runner=False)
+    client = openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    many = "".join(batch_line(f"r{i}", chat(f"q {i}", max_tokens=50, ignore_eos=True)) for i in range(100))
+    f = client.files.create(file=("many.jsonl", io.BytesIO(many.encode())), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    runner = start_gateway(files_dir=files_dir, served_model_names=("tiny",))
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch.id).request_counts.completed < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    runner.stop()  # its run stops, the lease is released; the batch waits, in progress
+    assert client.batches.retrieve(batch.id).status == "in_progress"
+    assert client.files.delete(f.id).deleted
+    start_gateway(files_dir=files_dir, served_model_names=("tiny",))  # the next runner finds the input gone
+    failed = wait_until(client, batch.id, ("failed",), timeout=30)
+    assert [e.code for e in failed.errors.data] == ["file_not_found"]
+    out = lines_of(client, failed.output_file_id)
+    assert len(out) == failed.request_counts.completed >= 2  # what was written stays readable
