@@ -6,8 +6,11 @@ input lines are answered, cutting off a partial last line a kill left.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
@@ -22,17 +25,18 @@ ERRORS_SUFFIX = ".errors.jsonl"
 
 
 class FileSink(Sink):
-    """Appends output lines to one file and error lines to another (the same file is fine)."""
+    """Appends output lines to one file and error lines to another (the same file is fine); ``written(ok)``
+    after each line."""
 
-    def __init__(self, output: IO[str], errors: IO[str], written: Callable[[], None] | None = None) -> None:
+    def __init__(self, output: IO[str], errors: IO[str], written: Callable[[bool], None] | None = None) -> None:
         self.output, self.errors, self.written = output, errors, written
 
     def write(self, line: dict[str, Any], ok: bool) -> None:
         f = self.output if ok else self.errors
         f.write(json.dumps(line) + "\n")
         f.flush()
-        if self.written is not None:
-            self.written()
+        if self.written is not None:  # once the line is on disk
+            self.written(ok)
 
 
 def written(path: str | None, prefix: str) -> tuple[set[int], int]:
@@ -80,13 +84,14 @@ class BulkOutcome:
 async def bulk_openai(input_path: str, output_path: str | None, errors_path: str | None, *,
                       redis_url: str | None = None, namespace: str | None = None, window: int = 256,
                       timeout: float | None = None, resume: bool | None = None, chat_max_tokens: int = 256,
-                      stop=None, model_names: tuple[str, ...] = (),
+                      stop: asyncio.Event | None = None, model_names: tuple[str, ...] = (),
                       progress: Callable[[int], None] | None = None) -> BulkOutcome:
     """Answer an OpenAI batch input file into OpenAI batch output lines (``output_path``, None: stdout) and
-    error lines (``errors_path``, None: with the output). Resumes like ``bulk_file`` (the run key beside
-    the output). ``progress(lines written so far, kept ones included)`` after each line."""
-    import sys
-
+    error lines (``errors_path``; None: ``<output>.errors.jsonl``, or stdout with the output). Resumes like
+    ``bulk_file`` (the run key beside the output). ``progress(lines written so far, kept ones included)``
+    after each line."""
+    if errors_path is None and output_path is not None:
+        errors_path = output_path + ERRORS_SUFFIX
     names, resuming = run_names(output_path, resume is not False)
     prefix = names.prefix
     kept_ok, n_ok = written(output_path, prefix) if resuming else (set(), 0)
@@ -99,14 +104,9 @@ async def bulk_openai(input_path: str, output_path: str | None, errors_path: str
         fleet = await client.fleet()
         spec = Spec(prefix=prefix, limits=Limits(timeout or BULK_TIMEOUT_S, chat_max_tokens),
                     model_names=model_names or (fleet.info.model,), window=window)
-        count = [n_ok + n_err]
-
-        def written_one() -> None:
-            count[0] += 1
-            if progress is not None:
-                progress(count[0])
-        outcome = await run_lines(client, input_lines(input_path), kept_ok | kept_err,
-                                  FileSink(out, err, written_one), spec, stop)
+        lines_written = itertools.count(n_ok + n_err + 1)  # kept lines count towards the progress
+        sink = FileSink(out, err, None if progress is None else lambda ok: progress(next(lines_written)))
+        outcome = await run_lines(client, input_lines(input_path), kept_ok | kept_err, sink, spec, stop)
     finally:
         for f in {out, err} - {sys.stdout}:
             f.close()

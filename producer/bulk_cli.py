@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import click
@@ -13,6 +17,8 @@ from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.keys import BATCH
 from batchfleet.producer.bulk_input import looks_like_batch
 from batchfleet.producer.cli import _params, check_reachable, generation_options, one_line_errors, priority_option
+
+FIRST_LINE_MAX = 8 << 20
 
 
 @click.command()
@@ -49,38 +55,44 @@ def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int,
     rerun to resume); 130 interrupted (rerun to resume); 2 a usage error."""
     if window < 1:
         raise click.UsageError("--window must be >= 1")
-    text = None
-    if prompts == "-":
-        text = sys.stdin.read()
-    if fmt == "auto":
-        fmt = "openai" if looks_like_batch(_first_line(prompts, text)) else "prompts"
-    check_reachable(ConnectionConfig(redis_url, namespace))
-    if fmt == "openai":
-        if output != "-" and errors_path is None:
-            errors_path = output + ".errors.jsonl"
-        _bulk_openai(redis_url, namespace, prompts, text, output, errors_path, window, resume, timeout,
-                     tuple(n.strip() for n in model_names.split(",") if n.strip()))
-        return
-    if text is None:
-        with open(prompts, encoding="utf-8") as f:
+    with _input_file(prompts) as path:
+        if fmt == "auto":
+            fmt = "openai" if looks_like_batch(_first_line(path)) else "prompts"
+        check_reachable(ConnectionConfig(redis_url, namespace))
+        if fmt == "openai":
+            _bulk_openai(redis_url, namespace, path, output, errors_path, window, resume, timeout,
+                         tuple(n.strip() for n in model_names.split(",") if n.strip()))
+            return
+        with open(path, encoding="utf-8") as f:
             text = f.read()
     _bulk_prompts(redis_url, namespace, prompts, text, output, window, resume, timeout, gen)
 
 
-def _first_line(path: str, text: str | None) -> str:
-    lines = text.splitlines() if text is not None else open(path, encoding="utf-8", errors="replace")
-    try:
-        return next((ln for ln in lines if ln.strip()), "")
-    finally:
-        if text is None:
-            lines.close()
+@contextmanager
+def _input_file(prompts: str) -> Iterator[str]:
+    """The input as a file path: standard input ("-") is copied to a temporary file in chunks first, so
+    either format reads it like any file (an OpenAI batch file one line at a time)."""
+    if prompts != "-":
+        yield prompts
+        return
+    with tempfile.NamedTemporaryFile("wb", suffix=".jsonl") as tmp:
+        shutil.copyfileobj(sys.stdin.buffer, tmp)
+        tmp.flush()
+        yield tmp.name
 
 
-def _bulk_openai(redis_url: str, namespace: str, prompts: str, text: str | None, output: str,
-                 errors_path: str | None, window: int, resume: bool | None, timeout: float | None,
-                 model_names: tuple[str, ...]) -> None:
+def _first_line(path: str) -> bytes:
+    """The first non-blank line, at most FIRST_LINE_MAX bytes of it (enough to tell the format)."""
+    with open(path, "rb") as f:
+        while raw := f.readline(FIRST_LINE_MAX):
+            if raw.strip():
+                return raw
+    return b""
+
+
+def _bulk_openai(redis_url: str, namespace: str, path: str, output: str, errors_path: str | None, window: int,
+                 resume: bool | None, timeout: float | None, model_names: tuple[str, ...]) -> None:
     import asyncio
-    import tempfile
 
     try:
         from batchfleet.gateway.batch_files import bulk_openai
@@ -88,18 +100,13 @@ def _bulk_openai(redis_url: str, namespace: str, prompts: str, text: str | None,
         raise click.ClickException(f"--format openai validates lines as the gateway does: pip install "
                                    f"'batchfleet[serve]' ({exc})") from None
     stop = asyncio.Event()
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=text is None) as tmp:
-        if text is not None:  # stdin: spooled to disk, then streamed like a file
-            tmp.write(text)
-            tmp.flush()
-        source = tmp.name if text is not None else prompts
-        bar = click.progressbar(length=_requests_in(source), label="requests", show_pos=True, file=sys.stderr)
-        ctrl_c = _CtrlC(stop)
-        with bar:
-            r = asyncio.run(ctrl_c.run(bulk_openai(
-                source, None if output == "-" else output, errors_path, redis_url=redis_url, namespace=namespace,
-                window=window, timeout=timeout, resume=resume, stop=stop, model_names=model_names,
-                progress=lambda n: bar.update(n - bar.pos))))
+    bar = click.progressbar(length=_requests_in(path), label="requests", show_pos=True, file=sys.stderr)
+    ctrl_c = _CtrlC(stop)
+    with bar:
+        r = asyncio.run(ctrl_c.run(bulk_openai(
+            path, None if output == "-" else output, errors_path, redis_url=redis_url, namespace=namespace,
+            window=window, timeout=timeout, resume=resume, stop=stop, model_names=model_names,
+            progress=lambda n: bar.update(n - bar.pos))))
     o = r.outcome
     kept = r.kept_ok + r.kept_failed
     if o.stopped:
