@@ -109,12 +109,13 @@ class _Run:
         nor written (an output file cut short by hand): the fleet drops a second answer under one id, so
         the line then runs under a fresh one."""
         n = line.job.n if line.job is not None else 1
-        stem = self.job_stem(line)
-        ids = [stem] if n == 1 else [f"{stem}-{i}" for i in range(n)]
+
+        def named(stem: str) -> list[str]:
+            return [stem] if n == 1 else [f"{stem}-{i}" for i in range(n)]
+        ids = named(self.job_stem(line))
         lost = [j for j in ids if j not in self.present]
         if lost and await self.client.r.exists(*(self.client.keys.done(j) for j in lost)):
-            stem = f"{stem}.r{secrets.token_hex(4)}"
-            ids = [stem] if n == 1 else [f"{stem}-{i}" for i in range(n)]
+            ids = named(f"{self.job_stem(line)}.r{secrets.token_hex(4)}")
         return ids
 
     async def params(self, line: BatchLine) -> dict[str, Any]:
@@ -187,8 +188,7 @@ class _Run:
         outcomes = [o for _, o in taken]
         failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if failure is not None and self.spec.abandon is not None and getattr(failure, "code", None) == "cancelled":
-            code, message = self.spec.abandon
-            self.write(failure_line(self.spec.prefix, line.index, line.custom_id, code, message), False)
+            self.abandon_line(line.index, line.custom_id)
         elif failure is not None:
             self.refuse(line, api_error(failure))
         else:

@@ -47,18 +47,6 @@ CANCELLED = ("batch_cancelled", "the batch was cancelled before this request com
 EXPIRED = ("batch_expired", "this request could not be executed before the completion window expired")
 
 
-class CountingSink(FileSink):
-    """Output and error lines on disk, counted into the batch's ``request_counts``."""
-
-    def __init__(self, output: Any, errors: Any, counts: dict[str, int]) -> None:
-        super().__init__(output, errors)
-        self.counts = counts
-
-    def write(self, line: dict[str, Any], ok: bool) -> None:
-        super().write(line, ok)
-        self.counts["completed" if ok else "failed"] += 1
-
-
 def validate(path: str, endpoint: str, limits: Limits) -> tuple[int, list[dict[str, Any]]]:
     """(requests in the input, the first MAX_LINE_ERRORS malformed lines as OpenAI's error objects)."""
     seen: set[str] = set()
@@ -222,8 +210,10 @@ class BatchJob:
             fleet = await client.fleet()
             spec.model_names = self.config.served_model_names or (fleet.info.model,)
             with open(out_path, "a", encoding="utf-8") as out, open(err_path, "a", encoding="utf-8") as err:
+                def count(ok: bool) -> None:  # the batch's request_counts, published by watch()
+                    counts["completed" if ok else "failed"] += 1
                 outcome = await run_lines(client, input_lines(files.path(doc["input_file_id"])), done_ok | done_err,
-                                          CountingSink(out, err, counts), spec, self.stop, strict=True)
+                                          FileSink(out, err, count), spec, self.stop, strict=True)
         except FleetUnavailable:
             return True
         finally:

@@ -101,7 +101,8 @@ def test_batches_run_under_the_documented_gateway_user(tiny_model_dir, tmp_path,
             model = client.models.list().data[0].id
             answer = client.completions.create(model=model, prompt="hi", max_tokens=2)
             assert answer.choices[0].finish_reason == "length"
-            assert [b.id for b in client.batches.list()] == [batch.id] and client.files.delete(f.id).deleted
+            assert [b.id for b in client.batches.list()] == [batch.id]
+            assert f.id in [x.id for x in client.files.list(purpose="batch")] and client.files.delete(f.id).deleted
         finally:
             gw.stop()
             worker.stop()
