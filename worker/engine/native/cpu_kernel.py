@@ -1,10 +1,12 @@
-"""Build (once, cached) and call the C paged-decode-attention kernel for CPU (``paged_decode.c``).
+"""Build (once, cached) and call the C kernels of a CPU decode step: paged decode attention
+(``paged_decode.c``) and the fused RoPE + KV write (``decode_ops.c``).
 
 The kernel reads K/V in place from the block pool, so a decode step never copies the cache. It is a
 plain C shared library built with the system C compiler in about a second and called through ctypes
 (no torch headers, no torch.compile). It links the libgomp torch already loaded (same soname), so
 there is one OpenMP runtime. If no compiler is found or the build fails, ``load()`` returns None and
-the runner falls back to gather + SDPA. Disable with ``--no-native-kernel`` (EngineConfig.native_kernel).
+the runner falls back to gather + SDPA (and ``load_ops()`` to the torch ops). Disable both with
+``--no-native-kernel`` (EngineConfig.native_kernel).
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
           "-fassociative-math", "-fno-signed-zeros"]
 _DTYPES = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+OPS_SOURCE = Path(__file__).with_name("decode_ops.c")
+# exact arithmetic: no FMA contraction, no reassociation (results bit-identical to the torch ops replaced)
+OPS_CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
+_ROPE_KV = {torch.bfloat16: "rope_kv_bf16", torch.float32: "rope_kv_f32"}
 
 
 DEFAULT_KERNEL_DIR = Path("~/.cache/batchfleet/kernels")
@@ -40,31 +46,40 @@ def _cpu_key() -> str:
     return flags
 
 
-@lru_cache(maxsize=4)
-def load(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
-    """The compiled kernel library, built into ``kernel_dir`` on first use; None when unavailable."""
+def _build(source: Path, flags: list[str], kernel_dir: Path) -> ctypes.CDLL | None:
+    """``source`` compiled with ``flags`` into ``kernel_dir`` (once: the file name hashes the source, the
+    flags and this CPU's flags) and loaded; None when no compiler is found or the build fails."""
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        log.warning("no C compiler found: native decode falls back to gather + SDPA")
+        log.warning("no C compiler found: %s unavailable", source.name)
         return None
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(CFLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
-    target = Path(kernel_dir).expanduser() / f"paged_decode-{key}.so"
+    src = source.read_bytes()
+    key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_key().encode()).hexdigest()[:16]
+    target = Path(kernel_dir).expanduser() / f"{source.stem}-{key}.so"
     try:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
             os.close(fd)
             try:
-                subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+                subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], check=True, capture_output=True,
                                timeout=120)
                 os.replace(tmp, target)  # atomic: concurrent workers never load a half-written file
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
-        lib = ctypes.CDLL(str(target))
+        return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("native decode kernel unavailable (%s): falling back to gather + SDPA", exc)
+        log.warning("%s unavailable (%s)", source.name, exc)
+        return None
+
+
+@lru_cache(maxsize=4)
+def load(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
+    """The compiled kernel library, built into ``kernel_dir`` on first use; None when unavailable (the
+    runner then falls back to gather + SDPA)."""
+    lib = _build(SOURCE, CFLAGS, kernel_dir)
+    if lib is None:
         return None
     for name in _DTYPES.values():
         fn = getattr(lib, name)
@@ -74,6 +89,20 @@ def load(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
     lib.paged_decode_isa.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.paged_decode_set_isa.restype = None
     lib.paged_decode_set_isa.argtypes = [ctypes.c_int]
+    return lib
+
+
+@lru_cache(maxsize=4)
+def load_ops(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
+    """The decode step's fused small ops (``decode_ops.c``: RoPE + KV write), built like ``load``; None
+    when unavailable (the forward then runs them as torch ops)."""
+    lib = _build(OPS_SOURCE, OPS_CFLAGS, kernel_dir)
+    if lib is None:
+        return None
+    for name in _ROPE_KV.values():
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 4
     return lib
 
 
@@ -114,3 +143,21 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor, tables: 
     if failed:
         raise MemoryError(f"paged decode kernel: {failed} work items could not allocate scratch memory")
     return out
+
+
+def rope_kv(lib: ctypes.CDLL, qkv: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor, pos: torch.Tensor,
+            slots: torch.Tensor, pool: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """One decode step's RoPE and KV write for one layer, bit-identical to ``NativeModel.rope`` followed by
+    ``attention.write_kv``. qkv: [B, 1, (H + 2 Hkv) * D] before RoPE; cos/sin_rot: [P, D] tables;
+    pos, slots: [B] int64; pool: [2, NB + 1, bs, Hkv, D] (written in place) -> q [B, H, D] after RoPE.
+    ``lib``: what ``load_ops`` returned."""
+    qkv = qkv.contiguous()
+    Hkv, D = pool.shape[3], pool.shape[4]
+    B = qkv.shape[0]
+    assert qkv.numel() == B * (num_heads + 2 * Hkv) * D and pool.is_contiguous() and cos.is_contiguous()
+    assert pos.dtype == slots.dtype == torch.int64 and qkv.dtype == pool.dtype == cos.dtype == sin_rot.dtype
+    q = torch.empty(B, num_heads, D, dtype=qkv.dtype)
+    getattr(lib, _ROPE_KV[qkv.dtype])(qkv.data_ptr(), cos.data_ptr(), sin_rot.data_ptr(), pos.data_ptr(),
+                                      slots.data_ptr(), q.data_ptr(), pool[0].data_ptr(), pool[1].data_ptr(),
+                                      B, num_heads, Hkv, D)
+    return q

@@ -20,6 +20,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # same block structure; o
 
 # attn(layer_idx, q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, D]) -> [B, S, H * D]
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# rope_attn(layer_idx, qkv [B, S, (H + 2 Hkv) * D] before RoPE) -> [B, S, H * D]: RoPE, the KV write and
+# attention in one, where the runner has them fused (CPU decode: cpu_kernel.rope_kv + the C kernel)
+RopeAttnFn = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -128,19 +131,24 @@ class NativeModel:
         return x * cos + rot * sin_rot
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttnFn,
-                last_idx: torch.Tensor | None = None) -> torch.Tensor:
+                last_idx: torch.Tensor | None = None, rope_attn: RopeAttnFn | None = None) -> torch.Tensor:
         """tokens, positions: [B, S] -> logits [R, V] of the rows ``last_idx`` of the flattened [B * S]
-        tokens (default: the last position of each row, R = B)."""
+        tokens (default: the last position of each row, R = B). Attention: ``rope_attn`` where given (it
+        applies RoPE itself), else RoPE here and ``attn``."""
         B, S = tokens.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        cos = self.cos[positions].unsqueeze(2)  # [B, S, 1, D]
-        sin = self.sin_rot[positions].unsqueeze(2)
+        if rope_attn is None:
+            cos = self.cos[positions].unsqueeze(2)  # [B, S, 1, D]
+            sin = self.sin_rot[positions].unsqueeze(2)
         h = F.embedding(tokens, self.embed)  # [B, S, hidden]
         for i, lw in enumerate(self.layers):
             x = self.rms_norm(h, lw.in_norm)
-            qkv = lw.qkv_l(x).view(B, S, H + 2 * Hkv, D)
-            qk = self.rope(qkv[:, :, : H + Hkv], cos, sin)  # [B, S, H + Hkv, D]
-            o = attn(i, qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv :])  # [B, S, H * D]
+            if rope_attn is not None:
+                o = rope_attn(i, lw.qkv_l(x))  # [B, S, H * D]
+            else:
+                qkv = lw.qkv_l(x).view(B, S, H + 2 * Hkv, D)
+                qk = self.rope(qkv[:, :, : H + Hkv], cos, sin)  # [B, S, H + Hkv, D]
+                o = attn(i, qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv :])  # [B, S, H * D]
             h = lw.o_l.add_to(o, h)
             x = self.rms_norm(h, lw.post_norm)
             gate, up = lw.gate_up_l(x).chunk(2, dim=-1)

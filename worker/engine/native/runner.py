@@ -69,6 +69,8 @@ class ModelRunner:
         if self.prefill_mode not in ("padded", "packed") or decode not in ("kernel", "gather", "npu"):
             raise ValueError(f"unknown prefill {prefill!r} or decode {decode!r} path")
         self.decode_mode = decode
+        # RoPE + KV write of a decode step fused in C, beside the C attention kernel (else torch ops)
+        self.ops = cpu_kernel.load_ops(Path(kernel_dir)) if decode == "kernel" else None
         # decode buckets: rows and block-table width rounded up to powers of two, so a graph-compiled
         # device sees O(log(max_running) * log(max_blocks)) shapes; on CPU padding only costs (measured)
         self.static_decode = (not cpu) if static_decode is None else static_decode
@@ -80,11 +82,12 @@ class ModelRunner:
 
     def describe(self) -> dict:
         """The kernels chosen at load, for the worker's status: weight matmuls per shape (kernel per
-        probed row count) and the decode attention path."""
+        probed row count), the decode attention path and where a decode step's RoPE + KV write run."""
         attn = self.decode_mode
         if self.kernel is not None and attn == "kernel":
             attn = f"kernel {cpu_kernel.isa(self.kernel, self.dtype, self.model.head_dim)}"
-        return {"linear_kernels": self.model.linears.describe(), "decode_attention": attn}
+        return {"linear_kernels": self.model.linears.describe(), "decode_attention": attn,
+                "decode_rope_kv": "fused" if self.ops is not None else "torch"}
 
     def _size_pool(self, kv_cache_gb: float | None, max_batch_size: int, max_seq_len: int) -> int:
         if kv_cache_gb is not None:
@@ -213,4 +216,15 @@ class ModelRunner:
                 o = A.decode_attention_gather(q1, pool, tables, mask, m.scale)
             return o.reshape(B, 1, -1)
 
-        return m.forward(tokens, positions, attn)[:n]
+        rope_attn = None
+        if self.ops is not None:
+            pos = positions.view(B)
+
+            def rope_attn(i: int, qkv: torch.Tensor) -> torch.Tensor:
+                # qkv: [B, 1, (H + 2 Hkv) * D] before RoPE; RoPE and the KV write in one C call
+                pool = self.kv[i]
+                q1 = cpu_kernel.rope_kv(self.ops, qkv, m.cos, m.sin_rot, pos, slots, pool, m.num_heads)
+                o = cpu_kernel.paged_decode(self.kernel, q1, pool, tables, ctx, m.scale, self.num_threads)
+                return o.reshape(B, 1, -1)
+
+        return m.forward(tokens, positions, attn, rope_attn=rope_attn)[:n]

@@ -1,0 +1,61 @@
+"""The fused RoPE + KV write of a CPU decode step (decode_ops.c) is bit-identical to the torch ops it
+replaces (NativeModel.rope, then attention.write_kv), in fp32 and bf16, MHA and GQA; the engine uses it
+and its greedy output does not change."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from batchfleet.worker.engine.native import attention as A
+from batchfleet.worker.engine.native import cpu_kernel
+from batchfleet.worker.engine.native.model import NativeModel
+
+ops = cpu_kernel.load_ops()
+needs_ops = pytest.mark.skipif(ops is None, reason="no C compiler")
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 4, 4, 64), (9, 8, 2, 32), (3, 6, 1, 128), (33, 4, 4, 8)])
+def test_rope_kv_is_bit_identical_to_rope_then_write_kv(dtype, shape):
+    B, H, Hkv, D = shape
+    g = torch.Generator().manual_seed(B * 100 + D)
+    P, bs, nb = 64, 4, 20
+    # tables as NativeModel builds them: cos / sin with rotate-half's sign folded into its first half
+    ang = torch.rand(P, D // 2, generator=g) * 40
+    cos = torch.cat((ang.cos(), ang.cos()), -1).to(dtype).contiguous()
+    sin = torch.cat((ang.sin(), ang.sin()), -1).to(dtype)
+    sin_rot = torch.cat((-sin[:, : D // 2], sin[:, D // 2 :]), -1).contiguous()
+    qkv = (torch.randn(B, 1, (H + 2 * Hkv) * D, generator=g) * 3).to(dtype)
+    pos = torch.randint(0, P, (B,), generator=g)
+    slots = torch.randperm(nb * bs, generator=g)[:B]
+    pool_ref = torch.randn(2, nb, bs, Hkv, D, generator=g).to(dtype)
+    pool = pool_ref.clone()
+
+    model = types.SimpleNamespace()  # NativeModel.rope reads nothing from self
+    view = qkv.view(B, 1, H + 2 * Hkv, D)
+    qk = NativeModel.rope(model, view[:, :, : H + Hkv], cos[pos].view(B, 1, 1, D), sin_rot[pos].view(B, 1, 1, D))
+    A.write_kv(pool_ref, slots, qk[:, 0, H:], view[:, 0, H + Hkv :])
+
+    q = cpu_kernel.rope_kv(ops, qkv, cos, sin_rot, pos, slots, pool, H)
+    assert torch.equal(q, qk[:, 0, :H].contiguous())
+    assert torch.equal(pool, pool_ref)  # the written slots, and nothing else touched
+
+
+@needs_ops
+def test_engine_decodes_through_fused_rope_and_matches_unfused(tmp_path):
+    from tests.helpers.native import build_model, make_engine, prompt, request, run_all
+
+    model = build_model("qwen2", tmp_path)  # GQA, q/k/v biases
+    fused, plain = make_engine(model), make_engine(model)
+    plain.runner.ops = None  # RoPE and the KV write as torch ops
+    assert fused.runner.describe()["decode_rope_kv"] == "fused"
+    outs = []
+    for engine in (fused, plain):
+        reqs = [request(i, prompt(i, n), 12) for i, n in enumerate((6, 3, 37))]
+        done = run_all(engine, [reqs])
+        outs.append({k: c.token_ids for k, c in done.items()})
+    assert outs[0] == outs[1] and all(len(t) == 12 for t in outs[0].values())

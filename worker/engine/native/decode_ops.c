@@ -1,0 +1,63 @@
+/* The small per-layer work of a CPU decode step in one call: RoPE (rotate-half) of q and k, q copied out
+ * contiguous, k and v written to their KV slots. Built by cpu_kernel.py with -ffp-contract=off and without
+ * -fassociative-math: every result is bit-identical to the torch ops it replaces (x * cos + rot * sin as
+ * three separately rounded ops, in the model dtype; bf16 ops computed in fp32 and rounded to nearest even,
+ * as torch's CPU kernels do), so greedy output does not change.
+ *
+ * qkv:       [B, (H + 2 Hkv) * D] contiguous (the qkv projection of one token per sequence)
+ * cos, sin:  [P, D] RoPE tables (sin with rotate-half's sign folded into its first half); pos: [B] int64
+ * slots:     [B] int64 flat KV slot of each sequence's token
+ * q_out:     [B, H, D]; kpool, vpool: [slots, Hkv, D] (one layer's K and V pools)
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* branch-free, so that the loops below vectorize */
+static inline float bf2f(uint16_t x) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)x << 16};
+    return v.f;
+}
+
+static inline uint16_t f2bf(float f) { /* round to nearest even; NaN stays a (quiet) NaN, as in torch */
+    union { float f; uint32_t u; } v = {.f = f};
+    const uint16_t r = (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+    return (v.u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : r;
+}
+
+#define ID(x) (x)
+/* One head's D values: o = x * c + rot(x) * s, each op rounded to T. Inlined with D constant (64, 128)
+ * where it can be, so the short loops vectorize without runtime checks. */
+#define DEFINE_ROPE_HEAD(NAME, T, LOAD, STORE)                                                        \
+static inline __attribute__((always_inline)) void NAME(const T *restrict x, const T *restrict c,      \
+                                                       const T *restrict s, T *restrict o, int D) {   \
+    const int half = D / 2;                                                                           \
+    for (int d = 0; d < half; d++) /* first half: rot = x[half:] */                                   \
+        o[d] = STORE(LOAD(STORE(LOAD(x[d]) * LOAD(c[d]))) + LOAD(STORE(LOAD(x[d + half]) * LOAD(s[d])))); \
+    for (int d = half; d < D; d++) /* second half: rot = x[:half] */                                  \
+        o[d] = STORE(LOAD(STORE(LOAD(x[d]) * LOAD(c[d]))) + LOAD(STORE(LOAD(x[d - half]) * LOAD(s[d])))); \
+}
+DEFINE_ROPE_HEAD(rope_head_f32, float, ID, ID)
+DEFINE_ROPE_HEAD(rope_head_bf16, uint16_t, bf2f, f2bf)
+
+#define DEFINE_ROPE_KV(NAME, T, HEAD)                                                                 \
+static inline __attribute__((always_inline)) void NAME##_d(                                           \
+        const T *qkv, const T *cos, const T *sin, const int64_t *pos, const int64_t *slots, T *q_out,  \
+        T *kpool, T *vpool, int B, int H, int Hkv, int D) {                                           \
+    const int width = (H + 2 * Hkv) * D;                                                              \
+    for (int b = 0; b < B; b++) {                                                                     \
+        const T *row = qkv + (int64_t)b * width, *c = cos + pos[b] * D, *s = sin + pos[b] * D;        \
+        T *kd = kpool + slots[b] * Hkv * D;                                                           \
+        for (int h = 0; h < H; h++) HEAD(row + h * D, c, s, q_out + ((int64_t)b * H + h) * D, D);     \
+        for (int h = 0; h < Hkv; h++) HEAD(row + (H + h) * D, c, s, kd + h * D, D);                   \
+        memcpy(vpool + slots[b] * Hkv * D, row + (H + Hkv) * D, sizeof(T) * Hkv * D);                 \
+    }                                                                                                 \
+}                                                                                                     \
+void NAME(const T *qkv, const T *cos, const T *sin, const int64_t *pos, const int64_t *slots, T *q_out, \
+          T *kpool, T *vpool, int B, int H, int Hkv, int D) {                                         \
+    if (D == 64) NAME##_d(qkv, cos, sin, pos, slots, q_out, kpool, vpool, B, H, Hkv, 64);             \
+    else if (D == 128) NAME##_d(qkv, cos, sin, pos, slots, q_out, kpool, vpool, B, H, Hkv, 128);      \
+    else NAME##_d(qkv, cos, sin, pos, slots, q_out, kpool, vpool, B, H, Hkv, D);                      \
+}
+DEFINE_ROPE_KV(rope_kv_f32, float, rope_head_f32)
+DEFINE_ROPE_KV(rope_kv_bf16, uint16_t, rope_head_bf16)
