@@ -59,3 +59,18 @@ def test_engine_decodes_through_fused_rope_and_matches_unfused(tmp_path):
         done = run_all(engine, [reqs])
         outs.append({k: c.token_ids for k, c in done.items()})
     assert outs[0] == outs[1] and all(len(t) == 12 for t in outs[0].values())
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(32, 1, 768), (3, 1, 20), (1, 1, 4096)])
+def test_rms_norm_matches_the_torch_ops(dtype, shape):
+    g = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(*shape, generator=g) * 5).to(dtype)
+    w = torch.randn(shape[-1], generator=g).to(dtype)
+    model = types.SimpleNamespace(eps=1e-6)
+    ref = NativeModel.rms_norm(model, x, w)
+    out = cpu_kernel.rms_norm(ops, x, w, 1e-6)
+    # the sum of squares in another order: ~1 ulp of fp32 in the scale, at most one bf16 rounding step
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=2**-7)
+    torch.testing.assert_close(out, ref, **tol)

@@ -61,3 +61,27 @@ void NAME(const T *qkv, const T *cos, const T *sin, const int64_t *pos, const in
 }
 DEFINE_ROPE_KV(rope_kv_f32, float, rope_head_f32)
 DEFINE_ROPE_KV(rope_kv_bf16, uint16_t, rope_head_bf16)
+
+/* RMSNorm of ``rows`` rows of n values, as transformers' LlamaRMSNorm: fp32 statistics, x * rsqrt(mean(x^2)
+ * + eps) rounded to T, then times the weight in T. Not bit-identical to torch (the sum of squares runs in
+ * 16 lanes, torch's in its own order: ~1 ulp of fp32 in the scale), like a different GEMM kernel.
+ * x, out: [rows, n]; w: [n]. */
+#define NLANES 16
+#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE)                                                         \
+void NAME(const T *restrict x, const T *restrict w, T *restrict out, int rows, int n, float eps) {    \
+    for (int r = 0; r < rows; r++) {                                                                  \
+        const T *restrict xr = x + (int64_t)r * n;                                                    \
+        T *restrict orow = out + (int64_t)r * n;                                                      \
+        float lane[NLANES] = {0.f};                                                                   \
+        int i = 0;                                                                                    \
+        for (; i + NLANES <= n; i += NLANES)                                                          \
+            for (int j = 0; j < NLANES; j++) lane[j] += LOAD(xr[i + j]) * LOAD(xr[i + j]);            \
+        float ss = 0.f;                                                                               \
+        for (; i < n; i++) ss += LOAD(xr[i]) * LOAD(xr[i]);                                           \
+        for (int j = 0; j < NLANES; j++) ss += lane[j];                                               \
+        const float scale = 1.f / sqrtf(ss / (float)n + eps);                                         \
+        for (int k = 0; k < n; k++) orow[k] = STORE(LOAD(w[k]) * LOAD(STORE(LOAD(xr[k]) * scale)));   \
+    }                                                                                                 \
+}
+DEFINE_RMS_NORM(rms_norm_f32, float, ID, ID)
+DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf2f, f2bf)

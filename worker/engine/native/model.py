@@ -23,6 +23,8 @@ AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # rope_attn(layer_idx, qkv [B, S, (H + 2 Hkv) * D] before RoPE) -> [B, S, H * D]: RoPE, the KV write and
 # attention in one, where the runner has them fused (CPU decode: cpu_kernel.rope_kv + the C kernel)
 RopeAttnFn = Callable[[int, torch.Tensor], torch.Tensor]
+# norm(x [..., hidden], weight [hidden]) -> [..., hidden]: RMSNorm (default: NativeModel.rms_norm)
+NormFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -131,18 +133,21 @@ class NativeModel:
         return x * cos + rot * sin_rot
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttnFn,
-                last_idx: torch.Tensor | None = None, rope_attn: RopeAttnFn | None = None) -> torch.Tensor:
+                last_idx: torch.Tensor | None = None, rope_attn: RopeAttnFn | None = None,
+                norm: NormFn | None = None) -> torch.Tensor:
         """tokens, positions: [B, S] -> logits [R, V] of the rows ``last_idx`` of the flattened [B * S]
         tokens (default: the last position of each row, R = B). Attention: ``rope_attn`` where given (it
-        applies RoPE itself), else RoPE here and ``attn``."""
+        applies RoPE itself), else RoPE here and ``attn``. ``norm``: the RMSNorm to use (default: the
+        torch ops of ``rms_norm``; the runner passes the C one for CPU decode steps)."""
         B, S = tokens.shape
+        norm = norm or self.rms_norm
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if rope_attn is None:
             cos = self.cos[positions].unsqueeze(2)  # [B, S, 1, D]
             sin = self.sin_rot[positions].unsqueeze(2)
         h = F.embedding(tokens, self.embed)  # [B, S, hidden]
         for i, lw in enumerate(self.layers):
-            x = self.rms_norm(h, lw.in_norm)
+            x = norm(h, lw.in_norm)
             if rope_attn is not None:
                 o = rope_attn(i, lw.qkv_l(x))  # [B, S, H * D]
             else:
@@ -150,11 +155,11 @@ class NativeModel:
                 qk = self.rope(qkv[:, :, : H + Hkv], cos, sin)  # [B, S, H + Hkv, D]
                 o = attn(i, qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv :])  # [B, S, H * D]
             h = lw.o_l.add_to(o, h)
-            x = self.rms_norm(h, lw.post_norm)
+            x = norm(h, lw.post_norm)
             gate, up = lw.gate_up_l(x).chunk(2, dim=-1)
             h = lw.down_l.add_to(self.act(gate) * up, h)
         h = h[:, -1] if last_idx is None else h.reshape(B * S, -1)[last_idx]  # [R, hidden]
-        return self.lm_head_l(self.rms_norm(h, self.final_norm))  # [R, V]
+        return self.lm_head_l(norm(h, self.final_norm))  # [R, V]
 
 
 def _sliding_window(cfg) -> int | None:
