@@ -34,6 +34,7 @@ OPS_SOURCE = Path(__file__).with_name("decode_ops.c")
 OPS_CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
 _ROPE_KV = {torch.bfloat16: "rope_kv_bf16", torch.float32: "rope_kv_f32"}
 _RMS_NORM = {torch.bfloat16: "rms_norm_bf16", torch.float32: "rms_norm_f32"}
+_SILU_MUL = {torch.bfloat16: "silu_mul_bf16", torch.float32: "silu_mul_f32"}
 
 
 DEFAULT_KERNEL_DIR = Path("~/.cache/batchfleet/kernels")
@@ -108,6 +109,10 @@ def load_ops(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]
+    for name in _SILU_MUL.values():
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
     return lib
 
 
@@ -176,4 +181,14 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, eps: float) -> 
     n = x.shape[-1]
     out = torch.empty_like(x)
     getattr(lib, _RMS_NORM[x.dtype])(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
+    return out
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused gate/up projection in one C call (within ~1 ulp of torch's exp).
+    gate_up: [..., 2 * n] (gate, then up) -> [..., n]. ``lib``: what ``load_ops`` returned."""
+    gate_up = gate_up.contiguous()
+    n = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype)
+    getattr(lib, _SILU_MUL[gate_up.dtype])(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n)
     return out

@@ -85,3 +85,40 @@ void NAME(const T *restrict x, const T *restrict w, T *restrict out, int rows, i
 }
 DEFINE_RMS_NORM(rms_norm_f32, float, ID, ID)
 DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf2f, f2bf)
+
+/* exp(x), Cephes expf polynomial (~1 ulp; inf above 88.72 as expf, x clamped below at -87.33; 2^n as two
+ * factors so that n = 128 stays finite); plain C that the compiler vectorizes (no libm call in the loop). */
+static inline float exp_poly(float x0) {
+    float x = x0 < -87.33f ? -87.33f : x0; /* not fminf / fmaxf: their NaN rules keep the loop scalar */
+    x = x > 88.72f ? 88.72f : x;
+    const float n = rintf(x * 1.44269504089f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * (r * r) + (r + 1.f);
+    const int32_t ni = (int32_t)n, h = ni / 2;
+    union { uint32_t u; float f; } f1 = {.u = (uint32_t)(h + 127) << 23}, f2 = {.u = (uint32_t)(ni - h + 127) << 23};
+    return x0 > 88.72f ? INFINITY : p * f1.f * f2.f;
+}
+
+/* silu(gate) * up of a fused gate/up projection, as transformers' LlamaMLP in the model dtype: silu(g) =
+ * g / (1 + exp(-g)) in fp32 rounded to T, times up rounded to T (within ~1 ulp of torch's exp). gate_up:
+ * [rows, 2 * n] (gate then up); out: [rows, n]. */
+#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE)                                                         \
+void NAME(const T *restrict gate_up, T *restrict out, int rows, int n) {                              \
+    for (int r = 0; r < rows; r++) {                                                                  \
+        const T *restrict g = gate_up + (int64_t)r * 2 * n, *restrict u = g + n;                        \
+        T *restrict o = out + (int64_t)r * n;                                                         \
+        for (int k = 0; k < n; k++) {                                                                 \
+            const float x = LOAD(g[k]);                                                               \
+            o[k] = STORE(LOAD(STORE(x / (1.f + exp_poly(-x)))) * LOAD(u[k]));                         \
+        }                                                                                             \
+    }                                                                                                 \
+}
+DEFINE_SILU_MUL(silu_mul_f32, float, ID, ID)
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf2f, f2bf)

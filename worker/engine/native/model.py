@@ -25,6 +25,8 @@ AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 RopeAttnFn = Callable[[int, torch.Tensor], torch.Tensor]
 # norm(x [..., hidden], weight [hidden]) -> [..., hidden]: RMSNorm (default: NativeModel.rms_norm)
 NormFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# act_mul(gate_up [..., 2 * inter]) -> act(gate) * up [..., inter] (default: NativeModel.act_mul)
+ActMulFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -83,6 +85,7 @@ class NativeModel:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.hidden = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
+        self.hidden_act = cfg.hidden_act
         self.act = ACT2FN[cfg.hidden_act]
         self.vocab_size = cfg.vocab_size
         attn0 = inner.layers[0].self_attn
@@ -125,6 +128,11 @@ class NativeModel:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * xf.to(x.dtype)
 
+    def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's act(gate) * up of the fused gate/up projection [..., 2 * inter] -> [..., inter]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up
+
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> torch.Tensor:
         """x: [B, S, heads, D]; cos/sin_rot: [B, S, 1, D] (rotate-half convention; sin_rot: rows of
         ``self.sin_rot``, the sign of rotate-half folded in)."""
@@ -134,13 +142,13 @@ class NativeModel:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttnFn,
                 last_idx: torch.Tensor | None = None, rope_attn: RopeAttnFn | None = None,
-                norm: NormFn | None = None) -> torch.Tensor:
+                norm: NormFn | None = None, act_mul: ActMulFn | None = None) -> torch.Tensor:
         """tokens, positions: [B, S] -> logits [R, V] of the rows ``last_idx`` of the flattened [B * S]
         tokens (default: the last position of each row, R = B). Attention: ``rope_attn`` where given (it
         applies RoPE itself), else RoPE here and ``attn``. ``norm``: the RMSNorm to use (default: the
-        torch ops of ``rms_norm``; the runner passes the C one for CPU decode steps)."""
+        torch ops of ``rms_norm``; the runner passes the C one for CPU decode steps), ``act_mul`` likewise."""
         B, S = tokens.shape
-        norm = norm or self.rms_norm
+        norm, act_mul = norm or self.rms_norm, act_mul or self.act_mul
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if rope_attn is None:
             cos = self.cos[positions].unsqueeze(2)  # [B, S, 1, D]
@@ -156,8 +164,7 @@ class NativeModel:
                 o = attn(i, qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv :])  # [B, S, H * D]
             h = lw.o_l.add_to(o, h)
             x = norm(h, lw.post_norm)
-            gate, up = lw.gate_up_l(x).chunk(2, dim=-1)
-            h = lw.down_l.add_to(self.act(gate) * up, h)
+            h = lw.down_l.add_to(act_mul(lw.gate_up_l(x)), h)
         h = h[:, -1] if last_idx is None else h.reshape(B * S, -1)[last_idx]  # [R, hidden]
         return self.lm_head_l(norm(h, self.final_norm))  # [R, V]
 

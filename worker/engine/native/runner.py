@@ -69,7 +69,8 @@ class ModelRunner:
         if self.prefill_mode not in ("padded", "packed") or decode not in ("kernel", "gather", "npu"):
             raise ValueError(f"unknown prefill {prefill!r} or decode {decode!r} path")
         self.decode_mode = decode
-        # RMSNorm and RoPE + KV write of a decode step in C, beside the C attention kernel (else torch ops)
+        # RMSNorm, RoPE + KV write and SiLU * up of a decode step in C, beside the C attention kernel
+        # (else the torch ops)
         self.ops = cpu_kernel.load_ops(Path(kernel_dir)) if decode == "kernel" else None
         # decode buckets: rows and block-table width rounded up to powers of two, so a graph-compiled
         # device sees O(log(max_running) * log(max_blocks)) shapes; on CPU padding only costs (measured)
@@ -216,13 +217,17 @@ class ModelRunner:
                 o = A.decode_attention_gather(q1, pool, tables, mask, m.scale)
             return o.reshape(B, 1, -1)
 
-        rope_attn = norm = None
+        rope_attn = norm = act_mul = None
         if self.ops is not None:
             pos = positions.view(B)
             ops, eps = self.ops, m.eps
 
             def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                 return cpu_kernel.rms_norm(ops, x, w, eps)
+
+            if m.hidden_act == "silu":
+                def act_mul(gate_up: torch.Tensor) -> torch.Tensor:
+                    return cpu_kernel.silu_mul(ops, gate_up)
 
             def rope_attn(i: int, qkv: torch.Tensor) -> torch.Tensor:
                 # qkv: [B, 1, (H + 2 Hkv) * D] before RoPE; RoPE and the KV write in one C call
@@ -231,4 +236,4 @@ class ModelRunner:
                 o = cpu_kernel.paged_decode(self.kernel, q1, pool, tables, ctx, m.scale, self.num_threads)
                 return o.reshape(B, 1, -1)
 
-        return m.forward(tokens, positions, attn, rope_attn=rope_attn, norm=norm)[:n]
+        return m.forward(tokens, positions, attn, rope_attn=rope_attn, norm=norm, act_mul=act_mul)[:n]
