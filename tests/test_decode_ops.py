@@ -1,6 +1,6 @@
-"""The fused RoPE + KV write of a CPU decode step (decode_ops.c) is bit-identical to the torch ops it
-replaces (NativeModel.rope, then attention.write_kv), in fp32 and bf16, MHA and GQA; the engine uses it
-and its greedy output does not change."""
+"""A CPU decode step's small ops in C (decode_ops.c): the fused RoPE + KV write is bit-identical to the
+torch ops it replaces (NativeModel.rope, then attention.write_kv), in fp32 and bf16, MHA and GQA; RMSNorm
+and SiLU * up are within ~1 ulp of theirs; the engine uses them and its greedy output does not change."""
 
 from __future__ import annotations
 
@@ -46,13 +46,13 @@ def test_rope_kv_is_bit_identical_to_rope_then_write_kv(dtype, shape):
 
 
 @needs_ops
-def test_engine_decodes_through_fused_rope_and_matches_unfused(tmp_path):
+def test_engine_decodes_through_the_c_ops_and_matches_the_torch_ops(tmp_path):
     from tests.helpers.native import build_model, make_engine, prompt, request, run_all
 
     model = build_model("qwen2", tmp_path)  # GQA, q/k/v biases
     fused, plain = make_engine(model), make_engine(model)
-    plain.runner.ops = None  # RoPE and the KV write as torch ops
-    assert fused.runner.describe()["decode_rope_kv"] == "fused"
+    plain.runner.ops = None  # RMSNorm, RoPE + KV write, SiLU * up as torch ops
+    assert fused.runner.describe()["decode_small_ops"] == "C (decode_ops.c)"
     outs = []
     for engine in (fused, plain):
         reqs = [request(i, prompt(i, n), 12) for i, n in enumerate((6, 3, 37))]

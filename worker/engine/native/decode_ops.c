@@ -1,9 +1,11 @@
-/* The small per-layer work of a CPU decode step in one call: RoPE (rotate-half) of q and k, q copied out
- * contiguous, k and v written to their KV slots. Built by cpu_kernel.py with -ffp-contract=off and without
- * -fassociative-math: every result is bit-identical to the torch ops it replaces (x * cos + rot * sin as
- * three separately rounded ops, in the model dtype; bf16 ops computed in fp32 and rounded to nearest even,
- * as torch's CPU kernels do), so greedy output does not change.
+/* The small per-layer ops of a CPU decode step, one C call each instead of several torch ops (whose fixed
+ * cost per op dominates at decode sizes): RMSNorm, RoPE + KV write, SiLU(gate) * up. Built by cpu_kernel.py
+ * with -ffp-contract=off and without -fassociative-math, so each op rounds where torch's does (bf16 ops
+ * computed in fp32 and rounded to nearest even, as torch's CPU kernels do): RoPE + KV write is
+ * bit-identical to the torch ops; RMSNorm (order of the sum of squares) and SiLU (the exp polynomial) are
+ * within ~1 ulp of fp32 of them.
  *
+ * rope_kv: RoPE (rotate-half) of q and k, q copied out contiguous, k and v written to their KV slots.
  * qkv:       [B, (H + 2 Hkv) * D] contiguous (the qkv projection of one token per sequence)
  * cos, sin:  [P, D] RoPE tables (sin with rotate-half's sign folded into its first half); pos: [B] int64
  * slots:     [B] int64 flat KV slot of each sequence's token

@@ -83,12 +83,13 @@ class ModelRunner:
 
     def describe(self) -> dict:
         """The kernels chosen at load, for the worker's status: weight matmuls per shape (kernel per
-        probed row count), the decode attention path and where a decode step's RoPE + KV write run."""
+        probed row count), the decode attention path and where a decode step's small ops run (RMSNorm,
+        RoPE + KV write, SiLU * up)."""
         attn = self.decode_mode
         if self.kernel is not None and attn == "kernel":
             attn = f"kernel {cpu_kernel.isa(self.kernel, self.dtype, self.model.head_dim)}"
         return {"linear_kernels": self.model.linears.describe(), "decode_attention": attn,
-                "decode_rope_kv": "fused" if self.ops is not None else "torch"}
+                "decode_small_ops": "C (decode_ops.c)" if self.ops is not None else "torch"}
 
     def _size_pool(self, kv_cache_gb: float | None, max_batch_size: int, max_seq_len: int) -> int:
         if kv_cache_gb is not None:
