@@ -210,7 +210,7 @@ class EngineConfig:
     cache_dir: str = field(default="~/.cache/batchfleet", metadata=option(
         "Where built-in presets (models/) are created and the CPU kernel (kernels/) is compiled."))
     native_kernel: bool = field(default=True, metadata=option(
-        "Use the C paged-decode kernel on CPU (off: gather + SDPA)."))
+        "Use the C decode kernels on CPU: paged attention and the step's small ops (off: gather + SDPA, torch ops)."))
     linear: str = field(default="auto", metadata=option(
         "Native engine weight matmuls: auto = per weight shape and row count, the faster of torch's default "
         "and oneDNN with the weight prepacked, measured at load (CPU; elsewhere default); default = F.linear; "

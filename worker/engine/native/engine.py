@@ -177,7 +177,7 @@ class NativeEngine:
             "kv_blocks_cached": b.num_evictable,  # free blocks still holding reusable content
             "prefix_cache_evictions": b.evictions,
             "decode_shapes": [f"{b}x{w}" for b, w in sorted(self.runner.decode_shapes)],
-            **self.runner.describe(),  # kernels chosen at load (weight matmuls, decode attention)
+            **self.runner.describe(),  # kernels chosen at load (weight matmuls, decode attention, small ops)
             **{k: v for k, v in self._counters.items() if k != "peak_contiguous_waste"},
         }
 
