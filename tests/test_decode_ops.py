@@ -52,7 +52,7 @@ def test_engine_decodes_through_the_c_ops_and_matches_the_torch_ops(tmp_path):
     model = build_model("qwen2", tmp_path)  # GQA, q/k/v biases
     fused, plain = make_engine(model), make_engine(model)
     plain.runner.ops = None  # RMSNorm, RoPE + KV write, SiLU * up as torch ops
-    assert fused.runner.describe()["decode_small_ops"] == "C (decode_ops.c)"
+    assert fused.runner.describe()["decode_small_ops"] == "C: rms_norm rope_kv silu_mul"
     outs = []
     for engine in (fused, plain):
         reqs = [request(i, prompt(i, n), 12) for i, n in enumerate((6, 3, 37))]
@@ -86,3 +86,20 @@ def test_silu_mul_matches_the_torch_ops(dtype):
     ref = NativeModel.act_mul(model, gate_up)
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=2**-7)
     torch.testing.assert_close(cpu_kernel.silu_mul(ops, gate_up), ref, **tol)
+
+
+@needs_ops
+def test_out_of_range_position_or_slot_raises_and_writes_nothing():
+    dtype, B, H, Hkv, D = torch.float32, 2, 2, 1, 8
+    cos = sin = torch.ones(4, D)
+    qkv = torch.randn(B, 1, (H + 2 * Hkv) * D)
+    pool = torch.zeros(2, 3, 2, Hkv, D, dtype=dtype)  # 6 slots
+    for pos, slots in (([0, 4], [0, 1]), ([0, -1], [0, 1]), ([0, 1], [0, 6])):
+        with pytest.raises(ValueError, match="out of range"):
+            cpu_kernel.rope_kv(ops, qkv, cos, sin, torch.tensor(pos), torch.tensor(slots), pool, H)
+    flat = pool.view(2, 6, Hkv, D)
+    assert torch.equal(flat[:, 1:], torch.zeros_like(flat[:, 1:]))  # only slot 0 (the valid rows') written
+    with pytest.raises(ValueError):
+        cpu_kernel.rms_norm(ops, torch.randn(2, D).bfloat16(), torch.ones(D), 1e-6)  # weight dtype differs
+    with pytest.raises(ValueError):
+        cpu_kernel.silu_mul(ops, torch.randn(2, 7))  # odd: not a gate/up pair

@@ -37,7 +37,7 @@ def kernel_seconds() -> Iterator[list[float]]:
     spent = [0.0]
     original = cpu_kernel.paged_decode
 
-    def timed(*args, **kwargs):
+    def timed(*args: object, **kwargs: object) -> torch.Tensor:
         t = time.perf_counter()
         try:
             return original(*args, **kwargs)
@@ -156,10 +156,17 @@ def step_vs_floor(engine: NativeEngine, batch: int = 32, context: int = 300, see
     engine.add(reqs)
     while engine.scheduler.waiting or engine.scheduler.prefilling:
         engine.step()
-    reps = 20
+    engine.step()  # warm-up
+    steps, in_kernel = [], []
     with kernel_seconds() as spent:
-        step = time_ms(engine.step, reps)
-    in_step_attn = spent[0] / (reps + 1) * 1000  # per step (time_ms makes one warm-up call)
+        for _ in range(20):
+            spent[0] = 0.0
+            t = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t)
+            in_kernel.append(spent[0])
+    step = statistics.median(steps) * 1000
+    in_step_attn = statistics.median(in_kernel) * 1000
     engine.reset()
     m = engine.runner.model
     elem = torch.empty((), dtype=m.dtype).element_size()

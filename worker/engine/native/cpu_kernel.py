@@ -1,5 +1,5 @@
 """Build (once, cached) and call the C kernels of a CPU decode step: paged decode attention
-(``paged_decode.c``) and the fused RoPE + KV write (``decode_ops.c``).
+(``paged_decode.c``) and the small ops (``decode_ops.c``: RMSNorm, RoPE + KV write, SiLU * up).
 
 The kernel reads K/V in place from the block pool, so a decode step never copies the cache. It is a
 plain C shared library built with the system C compiler in about a second and called through ctypes
@@ -30,7 +30,8 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-err
           "-fassociative-math", "-fno-signed-zeros"]
 _DTYPES = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
 OPS_SOURCE = Path(__file__).with_name("decode_ops.c")
-# exact arithmetic: no FMA contraction, no reassociation (results bit-identical to the torch ops replaced)
+# no FMA contraction, no reassociation: each op rounds where torch's does (RoPE + KV write bit-identical;
+# RMSNorm and SiLU within ~1 ulp: another summation order, another exp)
 OPS_CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
 _ROPE_KV = {torch.bfloat16: "rope_kv_bf16", torch.float32: "rope_kv_f32"}
 _RMS_NORM = {torch.bfloat16: "rms_norm_bf16", torch.float32: "rms_norm_f32"}
@@ -96,15 +97,15 @@ def load(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
 
 @lru_cache(maxsize=4)
 def load_ops(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
-    """The decode step's fused small ops (``decode_ops.c``: RoPE + KV write), built like ``load``; None
-    when unavailable (the forward then runs them as torch ops)."""
+    """The decode step's small ops (``decode_ops.c``: RMSNorm, RoPE + KV write, SiLU * up), built like
+    ``load``; None when unavailable (the forward then runs them as torch ops)."""
     lib = _build(OPS_SOURCE, OPS_CFLAGS, kernel_dir)
     if lib is None:
         return None
     for name in _ROPE_KV.values():
         fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 4
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2
     for name in _RMS_NORM.values():
         fn = getattr(lib, name)
         fn.restype = None
@@ -155,22 +156,53 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor, tables: 
     return out
 
 
+def _check(ok: bool, what: str) -> None:
+    if not ok:  # not assert: these guard raw-pointer writes, also under python -O
+        raise ValueError(f"decode_ops: {what}")
+
+
+class RopeKV:
+    """One decode step's RoPE and KV write, layer by layer, bit-identical to ``NativeModel.rope`` followed by
+    ``attention.write_kv``. The step's arguments are checked once here, so that a layer's call checks only
+    its own tensors (the checks guard raw-pointer writes; a position or slot out of range is checked in C,
+    before anything is written, and raises).
+
+    cos/sin_rot: [P, D] tables; pos, slots: [B] int64; pool_shape: [2, NB + 1, bs, Hkv, D] of each layer's
+    pool. ``lib``: what ``load_ops`` returned."""
+
+    def __init__(self, lib: ctypes.CDLL, cos: torch.Tensor, sin_rot: torch.Tensor, pos: torch.Tensor,
+                 slots: torch.Tensor, num_heads: int, pool_shape: torch.Size) -> None:
+        B, Hkv, D = pos.shape[0], pool_shape[3], pool_shape[4]
+        _check(cos.shape == sin_rot.shape and cos.shape[-1] == D and D % 2 == 0 and cos.dtype == sin_rot.dtype
+               and cos.is_contiguous() and sin_rot.is_contiguous(), "RoPE tables must be [P, D], contiguous")
+        _check(pos.shape == slots.shape == (B,) and pos.dtype == slots.dtype == torch.int64
+               and pos.is_contiguous() and slots.is_contiguous(), "pos and slots must be [B] int64, contiguous")
+        self.tensors = (cos, sin_rot, pos, slots)  # kept alive for the pointers below
+        self.fn = getattr(lib, _ROPE_KV[cos.dtype])
+        self.ptrs = (cos.data_ptr(), sin_rot.data_ptr(), pos.data_ptr(), slots.data_ptr())
+        self.dims = (B, num_heads, Hkv, D, cos.shape[0], pool_shape[1] * pool_shape[2])
+        self.pool_shape, self.dtype = pool_shape, cos.dtype
+        self.numel = B * (num_heads + 2 * Hkv) * D
+
+    def __call__(self, qkv: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+        """qkv: [B, 1, (H + 2 Hkv) * D] before RoPE; pool: one layer's [2, NB + 1, bs, Hkv, D] (written in
+        place) -> q [B, H, D] after RoPE."""
+        qkv = qkv.contiguous()
+        _check(qkv.numel() == self.numel and qkv.dtype == pool.dtype == self.dtype and pool.shape == self.pool_shape
+               and pool.is_contiguous() and qkv.device.type == "cpu", f"qkv {tuple(qkv.shape)} vs the pool")
+        B, H, _, D = self.dims[:4]
+        q = qkv.new_empty(B, H, D)
+        cos, sin, pos, slots = self.ptrs
+        bad = self.fn(qkv.data_ptr(), cos, sin, pos, slots, q.data_ptr(), pool[0].data_ptr(), pool[1].data_ptr(),
+                      *self.dims)
+        _check(bad == 0, f"{bad} rows with a position or KV slot out of range")
+        return q
+
+
 def rope_kv(lib: ctypes.CDLL, qkv: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor, pos: torch.Tensor,
             slots: torch.Tensor, pool: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """One decode step's RoPE and KV write for one layer, bit-identical to ``NativeModel.rope`` followed by
-    ``attention.write_kv``. qkv: [B, 1, (H + 2 Hkv) * D] before RoPE; cos/sin_rot: [P, D] tables;
-    pos, slots: [B] int64; pool: [2, NB + 1, bs, Hkv, D] (written in place) -> q [B, H, D] after RoPE.
-    ``lib``: what ``load_ops`` returned."""
-    qkv = qkv.contiguous()
-    Hkv, D = pool.shape[3], pool.shape[4]
-    B = qkv.shape[0]
-    assert qkv.numel() == B * (num_heads + 2 * Hkv) * D and pool.is_contiguous() and cos.is_contiguous()
-    assert pos.dtype == slots.dtype == torch.int64 and qkv.dtype == pool.dtype == cos.dtype == sin_rot.dtype
-    q = torch.empty(B, num_heads, D, dtype=qkv.dtype)
-    getattr(lib, _ROPE_KV[qkv.dtype])(qkv.data_ptr(), cos.data_ptr(), sin_rot.data_ptr(), pos.data_ptr(),
-                                      slots.data_ptr(), q.data_ptr(), pool[0].data_ptr(), pool[1].data_ptr(),
-                                      B, num_heads, Hkv, D)
-    return q
+    """``RopeKV`` for one layer: qkv [B, 1, (H + 2 Hkv) * D] -> q [B, H, D], k and v written to ``pool``."""
+    return RopeKV(lib, cos, sin_rot, pos, slots, num_heads, pool.shape)(qkv, pool)
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -179,6 +211,8 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, eps: float) -> 
     ``load_ops`` returned."""
     x = x.contiguous()
     n = x.shape[-1]
+    _check(w.shape == (n,) and w.dtype == x.dtype and w.is_contiguous() and x.device.type == w.device.type == "cpu",
+           f"weight {tuple(w.shape)} {w.dtype} for x [..., {n}] {x.dtype}")
     out = torch.empty_like(x)
     getattr(lib, _RMS_NORM[x.dtype])(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
     return out
@@ -188,7 +222,8 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a fused gate/up projection in one C call (within ~1 ulp of torch's exp).
     gate_up: [..., 2 * n] (gate, then up) -> [..., n]. ``lib``: what ``load_ops`` returned."""
     gate_up = gate_up.contiguous()
+    _check(gate_up.shape[-1] % 2 == 0 and gate_up.device.type == "cpu", f"gate_up {tuple(gate_up.shape)}")
     n = gate_up.shape[-1] // 2
-    out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype)
+    out = gate_up.new_empty(*gate_up.shape[:-1], n)
     getattr(lib, _SILU_MUL[gate_up.dtype])(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n)
     return out

@@ -6,10 +6,10 @@
  * within ~1 ulp of fp32 of them.
  *
  * rope_kv: RoPE (rotate-half) of q and k, q copied out contiguous, k and v written to their KV slots.
- * qkv:       [B, (H + 2 Hkv) * D] contiguous (the qkv projection of one token per sequence)
+ * qkv:       [B, (H + 2 Hkv) * D] contiguous (the qkv projection of one token per sequence), D even
  * cos, sin:  [P, D] RoPE tables (sin with rotate-half's sign folded into its first half); pos: [B] int64
- * slots:     [B] int64 flat KV slot of each sequence's token
- * q_out:     [B, H, D]; kpool, vpool: [slots, Hkv, D] (one layer's K and V pools)
+ * slots:     [B] int64 flat KV slot of each sequence's token, < nslots (checked: never written outside)
+ * q_out:     [B, H, D]; kpool, vpool: [nslots, Hkv, D] (one layer's K and V pools)
  */
 #include <math.h>
 #include <stdint.h>
@@ -42,24 +42,28 @@ static inline __attribute__((always_inline)) void NAME(const T *restrict x, cons
 DEFINE_ROPE_HEAD(rope_head_f32, float, ID, ID)
 DEFINE_ROPE_HEAD(rope_head_bf16, uint16_t, bf2f, f2bf)
 
+/* Returns the number of rows left untouched because their position or slot was out of range (0 = ok). */
 #define DEFINE_ROPE_KV(NAME, T, HEAD)                                                                 \
-static inline __attribute__((always_inline)) void NAME##_d(                                           \
+static inline __attribute__((always_inline)) int NAME##_d(                                            \
         const T *qkv, const T *cos, const T *sin, const int64_t *pos, const int64_t *slots, T *q_out,  \
-        T *kpool, T *vpool, int B, int H, int Hkv, int D) {                                           \
+        T *kpool, T *vpool, int B, int H, int Hkv, int D, int64_t P, int64_t nslots) {                \
     const int width = (H + 2 * Hkv) * D;                                                              \
+    int bad = 0;                                                                                      \
     for (int b = 0; b < B; b++) {                                                                     \
+        if (pos[b] < 0 || pos[b] >= P || slots[b] < 0 || slots[b] >= nslots) { bad++; continue; }     \
         const T *row = qkv + (int64_t)b * width, *c = cos + pos[b] * D, *s = sin + pos[b] * D;        \
         T *kd = kpool + slots[b] * Hkv * D;                                                           \
         for (int h = 0; h < H; h++) HEAD(row + h * D, c, s, q_out + ((int64_t)b * H + h) * D, D);     \
         for (int h = 0; h < Hkv; h++) HEAD(row + (H + h) * D, c, s, kd + h * D, D);                   \
         memcpy(vpool + slots[b] * Hkv * D, row + (H + Hkv) * D, sizeof(T) * Hkv * D);                 \
     }                                                                                                 \
+    return bad;                                                                                       \
 }                                                                                                     \
-void NAME(const T *qkv, const T *cos, const T *sin, const int64_t *pos, const int64_t *slots, T *q_out, \
-          T *kpool, T *vpool, int B, int H, int Hkv, int D) {                                         \
-    if (D == 64) NAME##_d(qkv, cos, sin, pos, slots, q_out, kpool, vpool, B, H, Hkv, 64);             \
-    else if (D == 128) NAME##_d(qkv, cos, sin, pos, slots, q_out, kpool, vpool, B, H, Hkv, 128);      \
-    else NAME##_d(qkv, cos, sin, pos, slots, q_out, kpool, vpool, B, H, Hkv, D);                      \
+int NAME(const T *qkv, const T *cos, const T *sin, const int64_t *pos, const int64_t *slots, T *q_out,  \
+         T *kpool, T *vpool, int B, int H, int Hkv, int D, int64_t P, int64_t nslots) {               \
+    if (D == 64) return NAME##_d(qkv, cos, sin, pos, slots, q_out, kpool, vpool, B, H, Hkv, 64, P, nslots); \
+    if (D == 128) return NAME##_d(qkv, cos, sin, pos, slots, q_out, kpool, vpool, B, H, Hkv, 128, P, nslots); \
+    return NAME##_d(qkv, cos, sin, pos, slots, q_out, kpool, vpool, B, H, Hkv, D, P, nslots);         \
 }
 DEFINE_ROPE_KV(rope_kv_f32, float, rope_head_f32)
 DEFINE_ROPE_KV(rope_kv_bf16, uint16_t, rope_head_bf16)
@@ -88,8 +92,9 @@ void NAME(const T *restrict x, const T *restrict w, T *restrict out, int rows, i
 DEFINE_RMS_NORM(rms_norm_f32, float, ID, ID)
 DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf2f, f2bf)
 
-/* exp(x), Cephes expf polynomial (~1 ulp; inf above 88.72 as expf, x clamped below at -87.33; 2^n as two
- * factors so that n = 128 stays finite); plain C that the compiler vectorizes (no libm call in the loop). */
+/* exp(x), Cephes expf polynomial (~1 ulp; inf above 88.72, which expf reaches at 88.7228; x clamped below at
+ * -87.33; NaN stays NaN; 2^n as two factors so that n = 128 stays finite); plain C that the compiler
+ * vectorizes (no libm call in the loop). */
 static inline float exp_poly(float x0) {
     float x = x0 < -87.33f ? -87.33f : x0; /* not fminf / fmaxf: their NaN rules keep the loop scalar */
     x = x > 88.72f ? 88.72f : x;
@@ -103,9 +108,9 @@ static inline float exp_poly(float x0) {
     p = p * r + 1.6666665459E-1f;
     p = p * r + 5.0000001201E-1f;
     p = p * (r * r) + (r + 1.f);
-    const int32_t ni = (int32_t)n, h = ni / 2;
+    const int32_t ni = n == n ? (int32_t)n : 0, h = ni / 2; /* (int)NaN is undefined: NaN gives p = NaN */
     union { uint32_t u; float f; } f1 = {.u = (uint32_t)(h + 127) << 23}, f2 = {.u = (uint32_t)(ni - h + 127) << 23};
-    return x0 > 88.72f ? INFINITY : p * f1.f * f2.f;
+    return x0 > 88.72f ? INFINITY : (x0 != x0 ? x0 : p * f1.f * f2.f);
 }
 
 /* silu(gate) * up of a fused gate/up projection, as transformers' LlamaMLP in the model dtype: silu(g) =

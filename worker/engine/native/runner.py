@@ -70,8 +70,10 @@ class ModelRunner:
             raise ValueError(f"unknown prefill {prefill!r} or decode {decode!r} path")
         self.decode_mode = decode
         # RMSNorm, RoPE + KV write and SiLU * up of a decode step in C, beside the C attention kernel
-        # (else the torch ops)
+        # (else the torch ops). They are the Llama block's ops: SUPPORTED_MODEL_TYPES keeps out models whose
+        # block differs (qk-norm, other norms); another activation than SiLU keeps its torch op
         self.ops = cpu_kernel.load_ops(Path(kernel_dir)) if decode == "kernel" else None
+        self.c_silu = self.ops is not None and m.hidden_act == "silu"
         # decode buckets: rows and block-table width rounded up to powers of two, so a graph-compiled
         # device sees O(log(max_running) * log(max_blocks)) shapes; on CPU padding only costs (measured)
         self.static_decode = (not cpu) if static_decode is None else static_decode
@@ -89,7 +91,7 @@ class ModelRunner:
         if self.kernel is not None and attn == "kernel":
             attn = f"kernel {cpu_kernel.isa(self.kernel, self.dtype, self.model.head_dim)}"
         return {"linear_kernels": self.model.linears.describe(), "decode_attention": attn,
-                "decode_small_ops": "C (decode_ops.c)" if self.ops is not None else "torch"}
+                "decode_small_ops": ("C: rms_norm rope_kv" + " silu_mul" * self.c_silu) if self.ops else "torch"}
 
     def _size_pool(self, kv_cache_gb: float | None, max_batch_size: int, max_seq_len: int) -> int:
         if kv_cache_gb is not None:
@@ -226,14 +228,16 @@ class ModelRunner:
             def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                 return cpu_kernel.rms_norm(ops, x, w, eps)
 
-            if m.hidden_act == "silu":
+            if self.c_silu:
                 def act_mul(gate_up: torch.Tensor) -> torch.Tensor:
                     return cpu_kernel.silu_mul(ops, gate_up)
+
+            rope_kv = cpu_kernel.RopeKV(ops, m.cos, m.sin_rot, pos, slots, m.num_heads, self.kv.shape[1:])
 
             def rope_attn(i: int, qkv: torch.Tensor) -> torch.Tensor:
                 # qkv: [B, 1, (H + 2 Hkv) * D] before RoPE; RoPE and the KV write in one C call
                 pool = self.kv[i]
-                q1 = cpu_kernel.rope_kv(self.ops, qkv, m.cos, m.sin_rot, pos, slots, pool, m.num_heads)
+                q1 = rope_kv(qkv, pool)
                 o = cpu_kernel.paged_decode(self.kernel, q1, pool, tables, ctx, m.scale, self.num_threads)
                 return o.reshape(B, 1, -1)
 
