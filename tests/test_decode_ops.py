@@ -52,7 +52,7 @@ def test_engine_decodes_through_the_c_ops_and_matches_the_torch_ops(tmp_path):
     model = build_model("qwen2", tmp_path)  # GQA, q/k/v biases
     fused, plain = make_engine(model), make_engine(model)
     plain.runner.ops = None  # RMSNorm, RoPE + KV write, SiLU * up as torch ops
-    assert fused.runner.describe()["decode_small_ops"] == "C: rms_norm rope_kv silu_mul"
+    assert fused.runner.describe()["decode_small_ops"] == "C: rms_norm rope_kv silu_mul argmax"
     outs = []
     for engine in (fused, plain):
         reqs = [request(i, prompt(i, n), 12) for i, n in enumerate((6, 3, 37))]
@@ -103,3 +103,22 @@ def test_out_of_range_position_or_slot_raises_and_writes_nothing():
         cpu_kernel.rms_norm(ops, torch.randn(2, D).bfloat16(), torch.ones(D), 1e-6)  # weight dtype differs
     with pytest.raises(ValueError):
         cpu_kernel.silu_mul(ops, torch.randn(2, 7))  # odd: not a gate/up pair
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_torch_argmax_exactly(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 1000, generator=g).to(dtype)
+    nan, inf = float("nan"), float("inf")
+    x[1, 5] = x[1, 700] = 50.0  # a tie: the first wins
+    x[2, 600], x[2, 999] = nan, nan  # NaN counts as the maximum, the first one
+    x[3] = -inf  # all -inf: index 0
+    x[4, 999] = inf  # the very last
+    x[5, 0] = 99.0  # the very first
+    x[6, 3], x[6, 4] = -0.0, 0.0  # equal zeros as the maximum: the first
+    x[6, 5:] = -1.0
+    x[6, :3] = -1.0
+    short = torch.randn(3, 17, generator=g).to(dtype)  # fewer than two 16-wide chunks
+    for t in (x, short, x[:, :15]):
+        assert torch.equal(cpu_kernel.argmax(ops, t), t.argmax(dim=-1))

@@ -8,7 +8,7 @@ row is masked by its grammar first (worker/engine/guided.py), then vLLM's logits
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -48,15 +48,17 @@ def adjust(row: torch.Tensor, req: GenRequest, checker: StopChecker | None) -> t
 
 
 def sample(logits: torch.Tensor, reqs: Sequence[GenRequest], gens: Sequence[torch.Generator | None],
-           checkers: Sequence[StopChecker | None] | None = None) -> torch.Tensor:
+           checkers: Sequence[StopChecker | None] | None = None,
+           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Pick one token per row. logits: [B, V] -> tokens: [B] (long, on logits.device). ``checkers`` (each
     row's output so far, EOS ids and grammar matcher): a constrained row chooses among the tokens its
-    grammar allows (``logits`` itself is left as it was); repetition_penalty and min_tokens need the output."""
+    grammar allows (``logits`` itself is left as it was); repetition_penalty and min_tokens need the output.
+    ``argmax``: the greedy pick of every row, exactly ``logits.argmax(dim=-1)`` (default: that)."""
     masked = [(i, m) for i, c in enumerate(checkers or ()) if c is not None and (m := c.live_matcher()) is not None]
     if masked:
         logits = logits.clone()
         apply_masks(logits, masked)
-    out = logits.argmax(dim=-1)
+    out = argmax(logits) if argmax is not None else logits.argmax(dim=-1)
     picked = [i for i, r in enumerate(reqs)
               if r.temperature > 0.0 or _adjusted(r, checkers[i] if checkers is not None else None)]
     if not picked:

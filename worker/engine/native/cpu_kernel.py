@@ -1,5 +1,5 @@
 """Build (once, cached) and call the C kernels of a CPU decode step: paged decode attention
-(``paged_decode.c``) and the small ops (``decode_ops.c``: RMSNorm, RoPE + KV write, SiLU * up).
+(``paged_decode.c``) and the small ops (``decode_ops.c``: RMSNorm, RoPE + KV write, SiLU * up, argmax).
 
 The kernel reads K/V in place from the block pool, so a decode step never copies the cache. It is a
 plain C shared library built with the system C compiler in about a second and called through ctypes
@@ -36,6 +36,7 @@ OPS_CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "
 _ROPE_KV = {torch.bfloat16: "rope_kv_bf16", torch.float32: "rope_kv_f32"}
 _RMS_NORM = {torch.bfloat16: "rms_norm_bf16", torch.float32: "rms_norm_f32"}
 _SILU_MUL = {torch.bfloat16: "silu_mul_bf16", torch.float32: "silu_mul_f32"}
+_ARGMAX = {torch.bfloat16: "argmax_bf16", torch.float32: "argmax_f32"}
 
 
 DEFAULT_KERNEL_DIR = Path("~/.cache/batchfleet/kernels")
@@ -97,8 +98,8 @@ def load(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
 
 @lru_cache(maxsize=4)
 def load_ops(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
-    """The decode step's small ops (``decode_ops.c``: RMSNorm, RoPE + KV write, SiLU * up), built like
-    ``load``; None when unavailable (the forward then runs them as torch ops)."""
+    """The decode step's small ops (``decode_ops.c``: RMSNorm, RoPE + KV write, SiLU * up, argmax), built
+    like ``load``; None when unavailable (the forward then runs them as torch ops)."""
     lib = _build(OPS_SOURCE, OPS_CFLAGS, kernel_dir)
     if lib is None:
         return None
@@ -110,7 +111,7 @@ def load_ops(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]
-    for name in _SILU_MUL.values():
+    for name in (*_SILU_MUL.values(), *_ARGMAX.values()):
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
@@ -226,4 +227,14 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     n = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], n)
     getattr(lib, _SILU_MUL[gate_up.dtype])(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n)
+    return out
+
+
+def argmax(lib: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` in one C call, exactly (the first maximum; the first NaN if any), on fp32
+    or bf16 logits [R, V] (bf16 needs no fp32 copy: the conversion keeps order) -> [R] int64."""
+    logits = logits.contiguous()
+    _check(logits.dim() == 2 and logits.shape[1] > 0 and logits.device.type == "cpu", f"logits {tuple(logits.shape)}")
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    getattr(lib, _ARGMAX[logits.dtype])(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1])
     return out

@@ -129,3 +129,43 @@ void NAME(const T *restrict gate_up, T *restrict out, int rows, int n) {        
 }
 DEFINE_SILU_MUL(silu_mul_f32, float, ID, ID)
 DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf2f, f2bf)
+
+/* Greedy pick, as torch.argmax(dim=-1): per row the index of the first maximum, or of the first NaN if
+ * any (torch treats NaN as the maximum). Exact (only comparisons): two vectorized passes per row, the
+ * lane-wise maximum, then the first 16-wide chunk holding it. x: [rows, n]; out: [rows] int64. */
+#define DEFINE_ARGMAX(NAME, T, LOAD)                                                                  \
+void NAME(const T *restrict x, int64_t *restrict out, int rows, int n) {                             \
+    for (int r = 0; r < rows; r++) {                                                                  \
+        const T *restrict xr = x + (int64_t)r * n;                                                    \
+        float lane[NLANES];                                                                           \
+        int nan_lane[NLANES] = {0};                                                                   \
+        for (int j = 0; j < NLANES; j++) lane[j] = -INFINITY;                                         \
+        int i = 0;                                                                                    \
+        for (; i + NLANES <= n; i += NLANES)                                                          \
+            for (int j = 0; j < NLANES; j++) {                                                        \
+                const float v = LOAD(xr[i + j]);                                                      \
+                nan_lane[j] |= v != v;                                                                \
+                lane[j] = v > lane[j] ? v : lane[j];                                                  \
+            }                                                                                         \
+        float m = -INFINITY;                                                                          \
+        int nan = 0;                                                                                  \
+        for (; i < n; i++) { const float v = LOAD(xr[i]); nan |= v != v; m = v > m ? v : m; }          \
+        for (int j = 0; j < NLANES; j++) { nan |= nan_lane[j]; m = lane[j] > m ? lane[j] : m; }       \
+        int64_t found = 0;                                                                            \
+        for (int c = 0; c < n; c += NLANES) {                                                         \
+            const int end = c + NLANES < n ? c + NLANES : n;                                          \
+            int hit = 0;                                                                              \
+            for (int k = c; k < end; k++) { const float v = LOAD(xr[k]); hit |= nan ? v != v : v == m; } \
+            if (hit) {                                                                                \
+                for (int k = c; k < end; k++) {                                                       \
+                    const float v = LOAD(xr[k]);                                                      \
+                    if (nan ? v != v : v == m) { found = k; break; }                                  \
+                }                                                                                     \
+                break;                                                                                \
+            }                                                                                         \
+        }                                                                                             \
+        out[r] = found;                                                                               \
+    }                                                                                                 \
+}
+DEFINE_ARGMAX(argmax_f32, float, ID)
+DEFINE_ARGMAX(argmax_bf16, uint16_t, bf2f)
