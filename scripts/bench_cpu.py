@@ -7,9 +7,10 @@ Loads the ``bench`` preset in the worker's default dtype for this CPU and builds
 twice, each measured by ``worker/benchmark/floor.py`` at ``--batch`` sequences of ``--context`` tokens:
 
 * ``before``: weight matmuls on torch's default ``F.linear`` (``--linear default``), C decode kernel
-  capped to its portable loop (what the engine ran before the AVX2 path);
+  capped to its portable loop, the step's small ops (RMSNorm, RoPE + KV write, SiLU * up, argmax) as
+  torch ops: what the engine ran before issue 20;
 * ``after``: the worker's defaults (``--linear auto``: the kernel measured fastest per shape and row
-  count; the decode kernel's best instruction-set path).
+  count; the decode kernel's best instruction-set path; the small ops in C, ``decode_ops.c``).
 
 Prints one markdown table (step, matmuls, attention, the rest, floor, step / floor, GEMM GFLOP/s per
 shape default vs chosen) and writes everything to ``--json``.
@@ -32,9 +33,11 @@ from batchfleet.worker.engine.native import cpu_kernel
 from batchfleet.worker.engine.native.engine import NativeEngine
 
 
-def measure(loaded, batch: int, context: int, linear: str, isa: str, kv_gb: float) -> dict:
+def measure(loaded, batch: int, context: int, linear: str, isa: str, kv_gb: float, c_ops: bool) -> dict:
     engine = NativeEngine(loaded, DynamicBatchingConfig(max_batch_size=batch, max_seq_len=1024, buckets=(512,)),
                           EngineConfig(max_running=batch, linear=linear, kv_cache_gb=kv_gb))
+    if not c_ops:
+        engine.runner.ops = None  # the small ops as torch ops
     lib = engine.runner.kernel
     if lib is not None:
         cpu_kernel.set_isa(lib, isa)
@@ -60,9 +63,10 @@ def main(batch: int, context: int, dtype: str | None, kv_cache_gb: float, cache_
     model_dir = make_preset("bench", Path(cache_dir).expanduser() / "models", max_seq_len=4096)
     loaded = load_model(model_dir, "cpu", dtype)
     runs = {}
-    for name, linear, isa in (("before", "default", "portable"), ("after", "auto", "avx512bf16")):
-        click.echo(f"{name}: linear {linear}, decode kernel up to {isa} ...", err=True)
-        runs[name] = measure(loaded, batch, context, linear, isa, kv_cache_gb)
+    for name, linear, isa, c_ops in (("before", "default", "portable", False), ("after", "auto", "avx512bf16", True)):
+        click.echo(f"{name}: linear {linear}, decode kernel up to {isa}, small ops in {'C' if c_ops else 'torch'}",
+                   err=True)
+        runs[name] = measure(loaded, batch, context, linear, isa, kv_cache_gb, c_ops)
     doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(["python", "scripts/bench_cpu.py", *sys.argv[1:]]), "commit": git_commit(),
            "machine": machine(), "dtype": str(loaded.dtype).removeprefix("torch."), **runs}
