@@ -109,7 +109,7 @@ def test_out_of_range_position_or_slot_raises_and_writes_nothing():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_is_torch_argmax_exactly(dtype):
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(9, 1000, generator=g).to(dtype)
+    x = torch.randn(11, 1000, generator=g).to(dtype)
     nan, inf = float("nan"), float("inf")
     x[1, 5] = x[1, 700] = 50.0  # a tie: the first wins
     x[2, 600], x[2, 999] = nan, nan  # NaN counts as the maximum, the first one
@@ -119,6 +119,9 @@ def test_argmax_is_torch_argmax_exactly(dtype):
     x[6, 3], x[6, 4] = -0.0, 0.0  # equal zeros as the maximum: the first
     x[6, 5:] = -1.0
     x[6, :3] = -1.0
+    x[9, 0] = nan  # a NaN first
+    x[10, 13] = nan  # a NaN inside the first SIMD chunk, after the maximum
+    x[10, 2] = 80.0
     short = torch.randn(3, 17, generator=g).to(dtype)  # fewer than two 16-wide chunks
     for t in (x, short, x[:, :15]):
         assert torch.equal(cpu_kernel.argmax(ops, t), t.argmax(dim=-1))

@@ -131,41 +131,91 @@ DEFINE_SILU_MUL(silu_mul_f32, float, ID, ID)
 DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf2f, f2bf)
 
 /* Greedy pick, as torch.argmax(dim=-1): per row the index of the first maximum, or of the first NaN if
- * any (torch treats NaN as the maximum). Exact (only comparisons): two vectorized passes per row, the
- * lane-wise maximum, then the first 16-wide chunk holding it. x: [rows, n]; out: [rows] int64. */
+ * any (torch treats NaN as the maximum). Exact (comparisons only). Two passes per row: the maximum (and
+ * whether a NaN occurs), then the first position equal to it; SIMD where the build has AVX512 or AVX2 (the
+ * compiler does not vectorize this reduction by itself), else plain loops. x: [rows, n]; out: [rows]. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define AM_W 16
+typedef __m512 am_vec;
+static inline am_vec am_load_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline am_vec am_load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline am_vec am_max(am_vec a, am_vec b) { return _mm512_max_ps(a, b); }
+static inline uint32_t am_eq(am_vec a, am_vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+static inline uint32_t am_nan(am_vec a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+static inline float am_hmax(am_vec a) { return _mm512_reduce_max_ps(a); }
+static inline am_vec am_set1(float x) { return _mm512_set1_ps(x); }
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define AM_W 8
+typedef __m256 am_vec;
+static inline am_vec am_load_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline am_vec am_load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline am_vec am_max(am_vec a, am_vec b) { return _mm256_max_ps(a, b); }
+static inline uint32_t am_eq(am_vec a, am_vec b) { return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
+static inline uint32_t am_nan(am_vec a) { return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+static inline float am_hmax(am_vec a) {
+    float t[8];
+    _mm256_storeu_ps(t, a);
+    float m = t[0];
+    for (int j = 1; j < 8; j++) m = t[j] > m ? t[j] : m;
+    return m;
+}
+static inline am_vec am_set1(float x) { return _mm256_set1_ps(x); }
+#endif
+
+#ifdef AM_W
+/* The max of a NaN-free vector lane and a value: max_ps returns its second operand when either is NaN,
+ * so NaNs never enter the running maximum; they are flagged apart. */
+#define DEFINE_ARGMAX(NAME, T, LOAD, VLOAD)                                                           \
+void NAME(const T *restrict x, int64_t *restrict out, int rows, int n) {                             \
+    for (int r = 0; r < rows; r++) {                                                                  \
+        const T *restrict xr = x + (int64_t)r * n;                                                    \
+        am_vec mv = am_set1(-INFINITY);                                                               \
+        uint32_t nan = 0;                                                                             \
+        int i = 0;                                                                                    \
+        for (; i + AM_W <= n; i += AM_W) {                                                            \
+            const am_vec v = VLOAD(xr + i);                                                           \
+            nan |= am_nan(v);                                                                         \
+            mv = am_max(v, mv);                                                                       \
+        }                                                                                             \
+        float m = am_hmax(mv);                                                                        \
+        for (int k = i; k < n; k++) { const float v = LOAD(xr[k]); nan |= v != v; m = v > m ? v : m; } \
+        const am_vec target = am_set1(m);                                                             \
+        int64_t found = 0;                                                                            \
+        for (i = 0; i + AM_W <= n; i += AM_W) {                                                       \
+            const am_vec v = VLOAD(xr + i);                                                           \
+            const uint32_t hit = nan ? am_nan(v) : am_eq(v, target);                                  \
+            if (hit) { found = i + __builtin_ctz(hit); goto done_##NAME; }                            \
+        }                                                                                             \
+        for (; i < n; i++) {                                                                          \
+            const float v = LOAD(xr[i]);                                                              \
+            if (nan ? v != v : v == m) { found = i; break; }                                          \
+        }                                                                                             \
+    done_##NAME:                                                                                      \
+        out[r] = found;                                                                               \
+    }                                                                                                 \
+}
+DEFINE_ARGMAX(argmax_f32, float, ID, am_load_f32)
+DEFINE_ARGMAX(argmax_bf16, uint16_t, bf2f, am_load_bf16)
+#else
 #define DEFINE_ARGMAX(NAME, T, LOAD)                                                                  \
 void NAME(const T *restrict x, int64_t *restrict out, int rows, int n) {                             \
     for (int r = 0; r < rows; r++) {                                                                  \
         const T *restrict xr = x + (int64_t)r * n;                                                    \
-        float lane[NLANES];                                                                           \
-        int nan_lane[NLANES] = {0};                                                                   \
-        for (int j = 0; j < NLANES; j++) lane[j] = -INFINITY;                                         \
-        int i = 0;                                                                                    \
-        for (; i + NLANES <= n; i += NLANES)                                                          \
-            for (int j = 0; j < NLANES; j++) {                                                        \
-                const float v = LOAD(xr[i + j]);                                                      \
-                nan_lane[j] |= v != v;                                                                \
-                lane[j] = v > lane[j] ? v : lane[j];                                                  \
-            }                                                                                         \
-        float m = -INFINITY;                                                                          \
-        int nan = 0;                                                                                  \
-        for (; i < n; i++) { const float v = LOAD(xr[i]); nan |= v != v; m = v > m ? v : m; }          \
-        for (int j = 0; j < NLANES; j++) { nan |= nan_lane[j]; m = lane[j] > m ? lane[j] : m; }       \
-        int64_t found = 0;                                                                            \
-        for (int c = 0; c < n; c += NLANES) {                                                         \
-            const int end = c + NLANES < n ? c + NLANES : n;                                          \
-            int hit = 0;                                                                              \
-            for (int k = c; k < end; k++) { const float v = LOAD(xr[k]); hit |= nan ? v != v : v == m; } \
-            if (hit) {                                                                                \
-                for (int k = c; k < end; k++) {                                                       \
-                    const float v = LOAD(xr[k]);                                                      \
-                    if (nan ? v != v : v == m) { found = k; break; }                                  \
-                }                                                                                     \
-                break;                                                                                \
-            }                                                                                         \
+        int64_t best = 0;                                                                             \
+        float m = LOAD(xr[0]);                                                                        \
+        for (int k = 0; k < n && m == m; k++) {                                                       \
+            const float v = LOAD(xr[k]);                                                              \
+            if (v != v || v > m) { m = v; best = k; }                                                 \
         }                                                                                             \
-        out[r] = found;                                                                               \
+        out[r] = best;                                                                                \
     }                                                                                                 \
 }
 DEFINE_ARGMAX(argmax_f32, float, ID)
 DEFINE_ARGMAX(argmax_bf16, uint16_t, bf2f)
+#endif
