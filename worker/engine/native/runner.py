@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -111,11 +112,8 @@ class ModelRunner:
         argmax = None
         if self.ops is not None and logits.device.type == "cpu":
             # exact in C on the model dtype: no fp32 copy of the logits (sampled rows and logprobs upcast
-            # their own rows), ~5x faster than torch's argmax here
-            ops = self.ops
-
-            def argmax(x: torch.Tensor) -> torch.Tensor:
-                return cpu_kernel.argmax(ops, x)
+            # their own rows); 96 us at 32 x 32000 bf16 where torch's argmax takes 1.9 ms
+            argmax = partial(cpu_kernel.argmax, self.ops)
         else:
             logits = logits.float()  # like transformers' generate; argmax is also ~4x faster than on bf16
         payloads = [s.payload for s in batch.sampled]
@@ -239,8 +237,7 @@ class ModelRunner:
                 return cpu_kernel.rms_norm(ops, x, w, eps)
 
             if self.c_silu:
-                def act_mul(gate_up: torch.Tensor) -> torch.Tensor:
-                    return cpu_kernel.silu_mul(ops, gate_up)
+                act_mul = partial(cpu_kernel.silu_mul, ops)
 
             rope_kv = cpu_kernel.RopeKV(ops, m.cos, m.sin_rot, pos, slots, m.num_heads, self.kv.shape[1:])
 
