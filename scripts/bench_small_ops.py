@@ -20,8 +20,8 @@ import click
 import torch
 
 from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
+from batchfleet.worker.benchmark.floor import fill_decode
 from batchfleet.worker.benchmark.report import git_commit, machine, write_json
-from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.models import load_model, make_preset
 from batchfleet.worker.engine.native.engine import NativeEngine
 
@@ -34,12 +34,7 @@ def ab(model_dir: Path, dtype: str, batch: int, context: int, steps: int) -> dic
     ops = engine.runner.ops
     if ops is None:
         raise click.ClickException("the C small ops are unavailable here (no C compiler?)")
-    g = torch.Generator().manual_seed(0)
-    vocab = engine.runner.model.vocab_size
-    engine.add([GenRequest(id=f"r{i}", prompt=torch.randint(4, vocab, (context,), generator=g).tolist(),
-                           bucket=512, max_new_tokens=steps * 2 + 10) for i in range(batch)])
-    while engine.scheduler.waiting or engine.scheduler.prefilling:
-        engine.step()
+    fill_decode(engine, batch, context, max_new_tokens=steps * 2 + 10)
     times: dict[str, list[float]] = {"c": [], "torch": []}
     for _ in range(steps):
         for name in times:

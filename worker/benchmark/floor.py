@@ -146,16 +146,21 @@ def bandwidth_gb_s(n_bytes: int = 1 << 30) -> dict[str, float]:
     return {"read": round(n_bytes / read / 1e6, 1), "copy": round(n_bytes / copy / 1e6, 1)}
 
 
-def step_vs_floor(engine: NativeEngine, batch: int = 32, context: int = 300, seed: int = 0) -> dict[str, float]:
-    """Decode step ms at ``batch`` x ``context`` tokens, its matmuls alone, bytes read, floor and ratio."""
+def fill_decode(engine: NativeEngine, batch: int, context: int, max_new_tokens: int = 400, seed: int = 0) -> None:
+    """Add ``batch`` random prompts of ``context`` tokens and run their prefill: every further step is a
+    decode step of ``batch`` sequences (for ``max_new_tokens`` steps)."""
     g = torch.Generator().manual_seed(seed)
     vocab = engine.runner.model.vocab_size
-    reqs = [GenRequest(id=f"f{i}", prompt=torch.randint(4, vocab, (context,), generator=g).tolist(),
-                       bucket=max(engine.batching.buckets), max_new_tokens=400)
-            for i in range(batch)]
-    engine.add(reqs)
+    engine.add([GenRequest(id=f"f{i}", prompt=torch.randint(4, vocab, (context,), generator=g).tolist(),
+                           bucket=max(engine.batching.buckets), max_new_tokens=max_new_tokens)
+                for i in range(batch)])
     while engine.scheduler.waiting or engine.scheduler.prefilling:
         engine.step()
+
+
+def step_vs_floor(engine: NativeEngine, batch: int = 32, context: int = 300, seed: int = 0) -> dict[str, float]:
+    """Decode step ms at ``batch`` x ``context`` tokens, its matmuls alone, bytes read, floor and ratio."""
+    fill_decode(engine, batch, context, seed=seed)
     engine.step()  # warm-up
     steps, in_kernel = [], []
     with kernel_seconds() as spent:

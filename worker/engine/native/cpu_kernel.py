@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 
@@ -78,6 +79,13 @@ def _build(source: Path, flags: list[str], kernel_dir: Path) -> ctypes.CDLL | No
         return None
 
 
+def _declare(lib: ctypes.CDLL, names: Iterable[str], restype: type | None, argtypes: list[type]) -> None:
+    """Give the C functions ``names`` of ``lib`` their return and argument types (ctypes converts calls)."""
+    for name in names:
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+
+
 @lru_cache(maxsize=4)
 def load(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
     """The compiled kernel library, built into ``kernel_dir`` on first use; None when unavailable (the
@@ -85,14 +93,10 @@ def load(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
     lib = _build(SOURCE, CFLAGS, kernel_dir)
     if lib is None:
         return None
-    for name in _DTYPES.values():
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    lib.paged_decode_isa.restype = ctypes.c_char_p
-    lib.paged_decode_isa.argtypes = [ctypes.c_int, ctypes.c_int]
-    lib.paged_decode_set_isa.restype = None
-    lib.paged_decode_set_isa.argtypes = [ctypes.c_int]
+    _declare(lib, _DTYPES.values(), ctypes.c_int,
+             [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
+    _declare(lib, ["paged_decode_isa"], ctypes.c_char_p, [ctypes.c_int, ctypes.c_int])
+    _declare(lib, ["paged_decode_set_isa"], None, [ctypes.c_int])
     return lib
 
 
@@ -103,18 +107,9 @@ def load_ops(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
     lib = _build(OPS_SOURCE, OPS_CFLAGS, kernel_dir)
     if lib is None:
         return None
-    for name in _ROPE_KV.values():
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2
-    for name in _RMS_NORM.values():
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]
-    for name in (*_SILU_MUL.values(), *_ARGMAX.values()):
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
+    _declare(lib, _ROPE_KV.values(), ctypes.c_int, [ctypes.c_void_p] * 8 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2)
+    _declare(lib, _RMS_NORM.values(), None, [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float])
+    _declare(lib, [*_SILU_MUL.values(), *_ARGMAX.values()], None, [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2)
     return lib
 
 

@@ -110,7 +110,7 @@ class ModelRunner:
         # a step of partial prefill chunks only writes KV: logits [0, V], nothing sampled
         logits = self._prefill(batch) if batch.is_prefill else self._decode(batch)  # [len(sampled), V]
         argmax = None
-        if self.ops is not None and logits.device.type == "cpu":
+        if self.ops is not None:  # loaded only for the CPU kernel decode path
             # exact in C on the model dtype: no fp32 copy of the logits (sampled rows and logprobs upcast
             # their own rows); 96 us at 32 x 32000 bf16 where torch's argmax takes 1.9 ms
             argmax = partial(cpu_kernel.argmax, self.ops)
@@ -230,16 +230,12 @@ class ModelRunner:
 
         rope_attn = norm = act_mul = None
         if self.ops is not None:
-            pos = positions.view(B)
-            ops, eps = self.ops, m.eps
-
-            def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-                return cpu_kernel.rms_norm(ops, x, w, eps)
-
+            ops = self.ops
+            norm = partial(cpu_kernel.rms_norm, ops, eps=m.eps)
             if self.c_silu:
                 act_mul = partial(cpu_kernel.silu_mul, ops)
-
-            rope_kv = cpu_kernel.RopeKV(ops, m.cos, m.sin_rot, pos, slots, m.num_heads, self.kv.shape[1:])
+            rope_kv = cpu_kernel.RopeKV(ops, m.cos, m.sin_rot, positions.view(B), slots, m.num_heads,
+                                        self.kv.shape[1:])
 
             def rope_attn(i: int, qkv: torch.Tensor) -> torch.Tensor:
                 # qkv: [B, 1, (H + 2 Hkv) * D] before RoPE; RoPE and the KV write in one C call
