@@ -125,3 +125,28 @@ def test_argmax_is_torch_argmax_exactly(dtype):
     short = torch.randn(3, 17, generator=g).to(dtype)  # fewer than two 16-wide chunks
     for t in (x, short, x[:, :15]):
         assert torch.equal(cpu_kernel.argmax(ops, t), t.argmax(dim=-1))
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_ops_give_the_same_bits_on_any_thread_count(dtype):
+    # sizes above the threading threshold (decode_ops.c PAR_MIN): rows (or row chunks) split across threads
+    g = torch.Generator().manual_seed(7)
+    x, w = (torch.randn(40, 1, 768, generator=g) * 4).to(dtype), torch.randn(768, generator=g).to(dtype)
+    gate_up = (torch.randn(40, 1, 2 * 2050, generator=g) * 6).to(dtype)  # n not a multiple of the chunk
+    logits = torch.randn(40, 3001, generator=g).to(dtype)
+    logits[17, 2999] = 99.0
+    B, H, Hkv, D, P = 40, 4, 2, 64, 64
+    cos, sin = torch.randn(P, D, generator=g).to(dtype), torch.randn(P, D, generator=g).to(dtype)
+    qkv = torch.randn(B, 1, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    pos, slots = torch.randint(0, P, (B,), generator=g), torch.randperm(200, generator=g)[:B]
+    outs = []
+    for threads in (1, 2, 3):
+        pool = torch.zeros(2, 50, 4, Hkv, D, dtype=dtype)
+        q = cpu_kernel.rope_kv(ops, qkv, cos, sin, pos, slots, pool, H, num_threads=threads)
+        outs.append((cpu_kernel.rms_norm(ops, x, w, 1e-6, num_threads=threads),
+                     cpu_kernel.silu_mul(ops, gate_up, num_threads=threads),
+                     cpu_kernel.argmax(ops, logits, num_threads=threads), q, pool))
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+    assert torch.equal(outs[0][2], logits.argmax(dim=-1))

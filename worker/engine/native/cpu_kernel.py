@@ -33,7 +33,7 @@ _DTYPES = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32
 OPS_SOURCE = Path(__file__).with_name("decode_ops.c")
 # no FMA contraction, no reassociation: each op rounds where torch's does (RoPE + KV write bit-identical;
 # RMSNorm and SiLU within ~1 ulp: another summation order, another exp)
-OPS_CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
+OPS_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
 _ROPE_KV = {torch.bfloat16: "rope_kv_bf16", torch.float32: "rope_kv_f32"}
 _RMS_NORM = {torch.bfloat16: "rms_norm_bf16", torch.float32: "rms_norm_f32"}
 _SILU_MUL = {torch.bfloat16: "silu_mul_bf16", torch.float32: "silu_mul_f32"}
@@ -107,9 +107,11 @@ def load_ops(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
     lib = _build(OPS_SOURCE, OPS_CFLAGS, kernel_dir)
     if lib is None:
         return None
-    _declare(lib, _ROPE_KV.values(), ctypes.c_int, [ctypes.c_void_p] * 8 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2)
-    _declare(lib, _RMS_NORM.values(), None, [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float])
-    _declare(lib, [*_SILU_MUL.values(), *_ARGMAX.values()], None, [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2)
+    # the last argument of each: threads (rows split across them above a size; results never depend on it)
+    _declare(lib, _ROPE_KV.values(), ctypes.c_int,
+             [ctypes.c_void_p] * 8 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int])
+    _declare(lib, _RMS_NORM.values(), None, [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int])
+    _declare(lib, [*_SILU_MUL.values(), *_ARGMAX.values()], None, [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3)
     return lib
 
 
@@ -152,6 +154,12 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor, tables: 
     return out
 
 
+def _threads(num_threads: int | None) -> int:
+    """Threads for a small op (default: torch's intra-op count). Each op splits rows across them only above
+    a size and computes every element as on one thread, so results never depend on this."""
+    return int(num_threads) if num_threads is not None else torch.get_num_threads()
+
+
 def _check(ok: bool, what: str) -> None:
     if not ok:  # not assert: these guard raw-pointer writes, also under python -O
         raise ValueError(f"decode_ops: {what}")
@@ -167,7 +175,7 @@ class RopeKV:
     pool. ``lib``: what ``load_ops`` returned."""
 
     def __init__(self, lib: ctypes.CDLL, cos: torch.Tensor, sin_rot: torch.Tensor, pos: torch.Tensor,
-                 slots: torch.Tensor, num_heads: int, pool_shape: torch.Size) -> None:
+                 slots: torch.Tensor, num_heads: int, pool_shape: torch.Size, num_threads: int | None = None) -> None:
         B, Hkv, D = pos.shape[0], pool_shape[3], pool_shape[4]
         _check(cos.shape == sin_rot.shape and cos.shape[-1] == D and D % 2 == 0 and cos.dtype == sin_rot.dtype
                and cos.is_contiguous() and sin_rot.is_contiguous(), "RoPE tables must be [P, D], contiguous")
@@ -176,7 +184,7 @@ class RopeKV:
         self.tensors = (cos, sin_rot, pos, slots)  # kept alive for the pointers below
         self.fn = getattr(lib, _ROPE_KV[cos.dtype])
         self.ptrs = (cos.data_ptr(), sin_rot.data_ptr(), pos.data_ptr(), slots.data_ptr())
-        self.dims = (B, num_heads, Hkv, D, cos.shape[0], pool_shape[1] * pool_shape[2])
+        self.dims = (B, num_heads, Hkv, D, cos.shape[0], pool_shape[1] * pool_shape[2], _threads(num_threads))
         self.pool_shape, self.dtype = pool_shape, cos.dtype
         self.numel = B * (num_heads + 2 * Hkv) * D
 
@@ -196,12 +204,13 @@ class RopeKV:
 
 
 def rope_kv(lib: ctypes.CDLL, qkv: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor, pos: torch.Tensor,
-            slots: torch.Tensor, pool: torch.Tensor, num_heads: int) -> torch.Tensor:
+            slots: torch.Tensor, pool: torch.Tensor, num_heads: int, num_threads: int | None = None) -> torch.Tensor:
     """``RopeKV`` for one layer: qkv [B, 1, (H + 2 Hkv) * D] -> q [B, H, D], k and v written to ``pool``."""
-    return RopeKV(lib, cos, sin_rot, pos, slots, num_heads, pool.shape)(qkv, pool)
+    return RopeKV(lib, cos, sin_rot, pos, slots, num_heads, pool.shape, num_threads)(qkv, pool)
 
 
-def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, eps: float,
+             num_threads: int | None = None) -> torch.Tensor:
     """``NativeModel.rms_norm`` in one C call (within ~1 ulp of fp32 in the scale: the sum of squares runs in
     another order). x: [..., n] (float32 or bfloat16, CPU); w: [n], same dtype -> [..., n]. ``lib``: what
     ``load_ops`` returned."""
@@ -210,26 +219,29 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, eps: float) -> 
     _check(w.shape == (n,) and w.dtype == x.dtype and w.is_contiguous() and x.device.type == w.device.type == "cpu",
            f"weight {tuple(w.shape)} {w.dtype} for x [..., {n}] {x.dtype}")
     out = torch.empty_like(x)
-    getattr(lib, _RMS_NORM[x.dtype])(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
+    getattr(lib, _RMS_NORM[x.dtype])(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,
+                                     _threads(num_threads))
     return out
 
 
-def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
     """``silu(gate) * up`` of a fused gate/up projection in one C call (within ~1 ulp of torch's exp).
     gate_up: [..., 2 * n] (gate, then up) -> [..., n]. ``lib``: what ``load_ops`` returned."""
     gate_up = gate_up.contiguous()
     _check(gate_up.shape[-1] % 2 == 0 and gate_up.device.type == "cpu", f"gate_up {tuple(gate_up.shape)}")
     n = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], n)
-    getattr(lib, _SILU_MUL[gate_up.dtype])(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n)
+    getattr(lib, _SILU_MUL[gate_up.dtype])(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n,
+                                           _threads(num_threads))
     return out
 
 
-def argmax(lib: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:
+def argmax(lib: ctypes.CDLL, logits: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` in one C call, exactly (the first maximum; the first NaN if any), on fp32
     or bf16 logits [R, V] (bf16 needs no fp32 copy: the conversion keeps order) -> [R] int64."""
     logits = logits.contiguous()
     _check(logits.dim() == 2 and logits.shape[1] > 0 and logits.device.type == "cpu", f"logits {tuple(logits.shape)}")
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    getattr(lib, _ARGMAX[logits.dtype])(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1])
+    getattr(lib, _ARGMAX[logits.dtype])(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1],
+                                 _threads(num_threads))
     return out

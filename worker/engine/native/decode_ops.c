@@ -28,6 +28,11 @@ static inline uint16_t f2bf(float f) { /* round to nearest even; NaN stays a (qu
 }
 
 #define ID(x) (x)
+/* Threads (OpenMP, torch's libgomp): rows (or row chunks) split across ``nthreads`` once an op has at least
+ * PAR_MIN elements; below that the fork costs more than it saves. Every element is computed exactly as on
+ * one thread (no reduction crosses a thread), so results never depend on the thread count. */
+#define PAR_MIN 16384
+#define CHUNK 1024
 /* One head's D values: o = x * c + rot(x) * s, each op rounded to T. Inlined with D constant (64, 128)
  * where it can be, so the short loops vectorize without runtime checks. */
 #define DEFINE_ROPE_HEAD(NAME, T, LOAD, STORE)                                                        \
@@ -46,9 +51,10 @@ DEFINE_ROPE_HEAD(rope_head_bf16, uint16_t, bf2f, f2bf)
 #define DEFINE_ROPE_KV(NAME, T, HEAD)                                                                 \
 static inline __attribute__((always_inline)) int NAME##_d(                                            \
         const T *qkv, const T *cos, const T *sin, const int64_t *pos, const int64_t *slots, T *q_out,  \
-        T *kpool, T *vpool, int B, int H, int Hkv, int D, int64_t P, int64_t nslots) {                \
+        T *kpool, T *vpool, int B, int H, int Hkv, int D, int64_t P, int64_t nslots, int nthreads) {  \
     const int width = (H + 2 * Hkv) * D;                                                              \
     int bad = 0;                                                                                      \
+    _Pragma("omp parallel for if (B >= 8) num_threads(nthreads) reduction(+ : bad)")                  \
     for (int b = 0; b < B; b++) {                                                                     \
         if (pos[b] < 0 || pos[b] >= P || slots[b] < 0 || slots[b] >= nslots) { bad++; continue; }     \
         const T *row = qkv + (int64_t)b * width, *c = cos + pos[b] * D, *s = sin + pos[b] * D;        \
@@ -60,10 +66,11 @@ static inline __attribute__((always_inline)) int NAME##_d(                      
     return bad;                                                                                       \
 }                                                                                                     \
 int NAME(const T *qkv, const T *cos, const T *sin, const int64_t *pos, const int64_t *slots, T *q_out,  \
-         T *kpool, T *vpool, int B, int H, int Hkv, int D, int64_t P, int64_t nslots) {               \
-    if (D == 64) return NAME##_d(qkv, cos, sin, pos, slots, q_out, kpool, vpool, B, H, Hkv, 64, P, nslots); \
-    if (D == 128) return NAME##_d(qkv, cos, sin, pos, slots, q_out, kpool, vpool, B, H, Hkv, 128, P, nslots); \
-    return NAME##_d(qkv, cos, sin, pos, slots, q_out, kpool, vpool, B, H, Hkv, D, P, nslots);         \
+         T *kpool, T *vpool, int B, int H, int Hkv, int D, int64_t P, int64_t nslots, int nthreads) {  \
+    if (D == 64) return NAME##_d(qkv, cos, sin, pos, slots, q_out, kpool, vpool, B, H, Hkv, 64, P, nslots, nthreads); \
+    if (D == 128)                                                                                     \
+        return NAME##_d(qkv, cos, sin, pos, slots, q_out, kpool, vpool, B, H, Hkv, 128, P, nslots, nthreads); \
+    return NAME##_d(qkv, cos, sin, pos, slots, q_out, kpool, vpool, B, H, Hkv, D, P, nslots, nthreads); \
 }
 DEFINE_ROPE_KV(rope_kv_f32, float, rope_head_f32)
 DEFINE_ROPE_KV(rope_kv_bf16, uint16_t, rope_head_bf16)
@@ -74,7 +81,9 @@ DEFINE_ROPE_KV(rope_kv_bf16, uint16_t, rope_head_bf16)
  * x, out: [rows, n]; w: [n]. */
 #define NLANES 16
 #define DEFINE_RMS_NORM(NAME, T, LOAD, STORE)                                                         \
-void NAME(const T *restrict x, const T *restrict w, T *restrict out, int rows, int n, float eps) {    \
+void NAME(const T *restrict x, const T *restrict w, T *restrict out, int rows, int n, float eps,       \
+          int nthreads) {                                                                             \
+    _Pragma("omp parallel for if ((int64_t)rows * n >= PAR_MIN) num_threads(nthreads)")               \
     for (int r = 0; r < rows; r++) {                                                                  \
         const T *restrict xr = x + (int64_t)r * n;                                                    \
         T *restrict orow = out + (int64_t)r * n;                                                      \
@@ -117,11 +126,14 @@ static inline float exp_poly(float x0) {
  * g / (1 + exp(-g)) in fp32 rounded to T, times up rounded to T (within ~1 ulp of torch's exp). gate_up:
  * [rows, 2 * n] (gate then up); out: [rows, n]. */
 #define DEFINE_SILU_MUL(NAME, T, LOAD, STORE)                                                         \
-void NAME(const T *restrict gate_up, T *restrict out, int rows, int n) {                              \
-    for (int r = 0; r < rows; r++) {                                                                  \
+void NAME(const T *restrict gate_up, T *restrict out, int rows, int n, int nthreads) {                \
+    const int nchunks = (n + CHUNK - 1) / CHUNK;                                                      \
+    _Pragma("omp parallel for if ((int64_t)rows * n >= PAR_MIN) num_threads(nthreads)")               \
+    for (int item = 0; item < rows * nchunks; item++) {                                               \
+        const int r = item / nchunks, k0 = (item % nchunks) * CHUNK, k1 = k0 + CHUNK < n ? k0 + CHUNK : n; \
         const T *restrict g = gate_up + (int64_t)r * 2 * n, *restrict u = g + n;                        \
         T *restrict o = out + (int64_t)r * n;                                                         \
-        for (int k = 0; k < n; k++) {                                                                 \
+        for (int k = k0; k < k1; k++) {                                                               \
             const float x = LOAD(g[k]);                                                               \
             o[k] = STORE(LOAD(STORE(x / (1.f + exp_poly(-x)))) * LOAD(u[k]));                         \
         }                                                                                             \
@@ -172,7 +184,8 @@ static inline am_vec am_set1(float x) { return _mm256_set1_ps(x); }
 /* The max of a NaN-free vector lane and a value: max_ps returns its second operand when either is NaN,
  * so NaNs never enter the running maximum; they are flagged apart. */
 #define DEFINE_ARGMAX(NAME, T, LOAD, VLOAD)                                                           \
-void NAME(const T *restrict x, int64_t *restrict out, int rows, int n) {                             \
+void NAME(const T *restrict x, int64_t *restrict out, int rows, int n, int nthreads) {               \
+    _Pragma("omp parallel for if ((int64_t)rows * n >= PAR_MIN) num_threads(nthreads)")               \
     for (int r = 0; r < rows; r++) {                                                                  \
         const T *restrict xr = x + (int64_t)r * n;                                                    \
         am_vec mv = am_set1(-INFINITY);                                                               \
@@ -204,7 +217,8 @@ DEFINE_ARGMAX(argmax_f32, float, ID, am_load_f32)
 DEFINE_ARGMAX(argmax_bf16, uint16_t, bf2f, am_load_bf16)
 #else
 #define DEFINE_ARGMAX(NAME, T, LOAD)                                                                  \
-void NAME(const T *restrict x, int64_t *restrict out, int rows, int n) {                             \
+void NAME(const T *restrict x, int64_t *restrict out, int rows, int n, int nthreads) {               \
+    _Pragma("omp parallel for if ((int64_t)rows * n >= PAR_MIN) num_threads(nthreads)")               \
     for (int r = 0; r < rows; r++) {                                                                  \
         const T *restrict xr = x + (int64_t)r * n;                                                    \
         int64_t best = 0;                                                                             \

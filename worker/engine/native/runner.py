@@ -113,7 +113,7 @@ class ModelRunner:
         if self.ops is not None:  # loaded only for the CPU kernel decode path
             # exact in C on the model dtype: no fp32 copy of the logits (sampled rows and logprobs upcast
             # their own rows); 96 us at 32 x 32000 bf16 where torch's argmax takes 1.9 ms
-            argmax = partial(cpu_kernel.argmax, self.ops)
+            argmax = partial(cpu_kernel.argmax, self.ops, num_threads=self.num_threads)
         else:
             logits = logits.float()  # like transformers' generate; argmax is also ~4x faster than on bf16
         payloads = [s.payload for s in batch.sampled]
@@ -231,11 +231,11 @@ class ModelRunner:
         rope_attn = norm = act_mul = None
         if self.ops is not None:
             ops = self.ops
-            norm = partial(cpu_kernel.rms_norm, ops, eps=m.eps)
+            norm = partial(cpu_kernel.rms_norm, ops, eps=m.eps, num_threads=self.num_threads)
             if self.c_silu:
-                act_mul = partial(cpu_kernel.silu_mul, ops)
+                act_mul = partial(cpu_kernel.silu_mul, ops, num_threads=self.num_threads)
             rope_kv = cpu_kernel.RopeKV(ops, m.cos, m.sin_rot, positions.view(B), slots, m.num_heads,
-                                        self.kv.shape[1:])
+                                        self.kv.shape[1:], self.num_threads)
 
             def rope_attn(i: int, qkv: torch.Tensor) -> torch.Tensor:
                 # qkv: [B, 1, (H + 2 Hkv) * D] before RoPE; RoPE and the KV write in one C call
