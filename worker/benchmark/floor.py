@@ -8,7 +8,8 @@ weight shape (default vs chosen) and one layer's decode attention per instructio
 kernel, so the step splits into matmuls + attention + the rest (Python, small ops, sampling, copies).
 The step's attention is the time its C-kernel calls took inside the timed steps (the engine's own block
 layout); the per-path figures run one layer on blocks scattered at random (the worst case for the
-hardware prefetcher), so they compare paths but overstate what a step spends.
+hardware prefetcher), so they compare paths but overstate what a step spends. ``serial_step_ms`` runs only
+the matmuls and a read of the K/V bytes, layer by layer: the best a step can do without overlapping them.
 """
 
 from __future__ import annotations
@@ -136,6 +137,32 @@ def attention_ms(engine: NativeEngine, batch: int, context: int, reps: int = 20)
     return {k: round(v, 3) for k, v in out.items()}
 
 
+def serial_step_ms(engine: NativeEngine, batch: int, context: int, reps: int = 5) -> float:
+    """A decode step with nothing but its two unavoidable parts, one after the other: each layer's weight
+    matmuls on the chosen kernels, then a streaming read of as many bytes as that layer's K/V (a buffer of
+    its own per layer, so the bytes come from memory as the step's do), then the lm_head; the fastest of
+    ``reps``. What a step reaches with no Python, no small ops and attention at the machine's read
+    bandwidth, but without overlapping the compute-bound matmuls and the memory-bound K/V reads: the
+    floor (a max of the two) assumes they overlap."""
+    m = engine.runner.model
+    elem = torch.empty((), dtype=m.dtype).element_size()
+    x = torch.randn(batch, 1, m.hidden, dtype=m.dtype)
+    xo = torch.randn(batch, 1, m.num_heads * m.head_dim, dtype=m.dtype)
+    xi = torch.randn(batch, 1, m.layers[0].down.shape[1], dtype=m.dtype)
+    kv_floats = 2 * batch * context * m.num_kv_heads * m.head_dim * elem // 4  # one layer's K/V bytes / 4
+    kv = [torch.ones(kv_floats) for _ in m.layers]  # summed as fp32: torch's sum streams at bandwidth
+
+    def once() -> None:
+        for lw, buf in zip(m.layers, kv):
+            lw.qkv_l(x)
+            buf.sum()
+            lw.o_l(xo), lw.gate_up_l(x), lw.down_l(xi)
+        m.lm_head_l(x[:, 0])
+
+    with torch.inference_mode():
+        return time_ms(once, reps, best=True)
+
+
 def bandwidth_gb_s(n_bytes: int = 1 << 30) -> dict[str, float]:
     """Streaming bandwidth: ``read`` (sum of an fp32 tensor), ``copy`` (bytes copied per second); the
     fastest of 10 passes each, as the floor takes the best the machine does."""
@@ -182,17 +209,20 @@ def step_vs_floor(engine: NativeEngine, batch: int = 32, context: int = 300, see
     attn = attention_ms(engine, batch, context + 10)
     # the kernel's time inside the steps; an estimate from the per-layer figure where no kernel ran
     attn_step = in_step_attn or attn.get(f"kernel_{_kernel_path(engine)}", attn["gather_sdpa"]) * m.num_layers
+    serial = serial_step_ms(engine, batch, context + 10)
     bw = bandwidth_gb_s()
     out = {"batch": batch, "context": context, "dtype": str(m.dtype).removeprefix("torch."),
            "step_ms": round(step, 2), "matmul_ms": round(mm, 2), "matmul_default_ms": round(mm_default, 2),
            "attention_layer_ms": attn, "attention_step_ms": round(attn_step, 2),
-           "other_ms": round(step - mm - attn_step, 2), "gemm_gflops": gemm_gflops(engine, batch),
+           "other_ms": round(step - mm - attn_step, 2), "serial_step_ms": round(serial, 2),
+           "gemm_gflops": gemm_gflops(engine, batch),
            "linear_kernels": engine.runner.describe(),
            "bytes_read_mb": round((weights + kv) * elem / 1e6, 1), "read_gb_s": bw["read"], "copy_gb_s": bw["copy"]}
     for kind in ("read", "copy"):
         floor = max(mm, (weights + kv) * elem / bw[kind] / 1e6)
         out[f"floor_{kind}_ms"] = round(floor, 2)
         out[f"step_vs_floor_{kind}"] = round(step / floor, 3)
+        out[f"serial_vs_floor_{kind}"] = round(serial / floor, 3)
     return out
 
 
