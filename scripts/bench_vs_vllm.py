@@ -120,8 +120,10 @@ def main(redis_url: str, vllm_python: str, n: int, clients: int, prompt_len: str
                f"fleet / in-process = {doc['fleet_vs_in_process']:.2f} |")
     click.echo(f"\ndecode step at {f['batch']} x {f['context']} tokens: {f['step_ms']} ms; matmuls alone "
                f"{f['matmul_ms']} ms; {f['bytes_read_mb']} MB read at {f['read_gb_s']} GB/s (read) / "
-               f"{f['copy_gb_s']} GB/s (copy); step / floor = {f['step_vs_floor_read']} (read bw), "
-               f"{f['step_vs_floor_copy']} (copy bw)")
+               f"{f['copy_gb_s']} GB/s (copy); step / floor = {f['step_vs_floor_read']} (the bytes read at the "
+               f"read bw; {f['step_vs_floor_copy']} against the copy bw, which counts each byte once though a copy "
+               f"moves it twice); serial bound (matmuls, then the K/V read) {f['serial_step_ms']} ms = "
+               f"{f['serial_vs_floor_read']} x floor")
     if json_path:
         write_json(json_path, doc)
 
