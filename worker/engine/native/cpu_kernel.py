@@ -52,13 +52,15 @@ def _cpu_key() -> str:
 
 
 def _build(source: Path, flags: list[str], kernel_dir: Path) -> ctypes.CDLL | None:
-    """``source`` compiled with ``flags`` into ``kernel_dir`` (once: the file name hashes the source, the
-    flags and this CPU's flags) and loaded; None when no compiler is found or the build fails."""
+    """``source`` compiled with ``flags`` into ``kernel_dir`` (once: the file name hashes the source and the
+    headers beside it, the flags and this CPU's flags) and loaded; None when no compiler is found or the
+    build fails."""
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         log.warning("no C compiler found: %s unavailable", source.name)
         return None
-    src = source.read_bytes()
+    # the headers beside the sources (bf16.h, the kernel's SIMD paths) are part of what is compiled
+    src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_key().encode()).hexdigest()[:16]
     target = Path(kernel_dir).expanduser() / f"{source.stem}-{key}.so"
     try:

@@ -15,17 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* branch-free, so that the loops below vectorize */
-static inline float bf2f(uint16_t x) {
-    union { uint32_t u; float f; } v = {.u = (uint32_t)x << 16};
-    return v.f;
-}
-
-static inline uint16_t f2bf(float f) { /* round to nearest even; NaN stays a (quiet) NaN, as in torch */
-    union { float f; uint32_t u; } v = {.f = f};
-    const uint16_t r = (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-    return (v.u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : r;
-}
+#include "bf16.h"
 
 #define ID(x) (x)
 /* Threads (OpenMP, torch's libgomp): rows (or row chunks) split across ``nthreads`` once an op has at least
