@@ -1,39 +1,17 @@
 """Decides what runs each step: a prefill of newly admitted sequences, or one decode step of all
-running ones (pure Python, no torch).
-
-Policy (see docs/NATIVE_ENGINE.md):
-- FIFO admission while the prefill step has room (``max_batch_size`` sequences), the decoding set stays
-  within ``max_running``, the prompt fits in free blocks with one spare block per running sequence (a
-  watermark against immediate preemption), and the step's prefill token budget is not exceeded.
-- A prefill step holds sequences of ONE bucket (the bucket of the oldest candidate); decode steps take
-  every running sequence, whatever its bucket (a decode step's shape does not depend on prompt length).
-- Unchunked (``chunked=False``, dynamic mode): a prefill step runs before decode whenever something can
-  be admitted, whole prompts only (the first candidate is always admitted if it fits the pool).
-- Chunked (``chunked=True``, continuous mode): a prompt longer than what is left of the step's
-  ``max_prefill_tokens`` budget is prefilled in chunks over several steps (its blocks are allocated for
-  the whole prompt at admission); prefill and decode steps alternate while both have work, so running
-  decodes stall for at most one chunk, and pending prefill work waits at most one decode step.
-- When a decode step needs a block and none is free, a running sequence is preempted (the least urgent,
-  then the most recently admitted): its blocks are freed and it goes back to the front of its class in
-  the queue, to be recomputed (prompt + tokens generated so far) by a later prefill. Nothing ever runs
-  out of memory.
-- Prefix cache (the block manager's): an admitted sequence starts with every cached full block of its
-  tokens and computes only the rest, so only those tokens count against the prefill budget. The full
-  blocks a prefill step computes are registered when it is scheduled, so later sequences of the same
-  step share them (the runner writes every chunk's K/V before any attention reads the pool); a failed
-  step unregisters them (``ScheduledBatch.registered``). Decode steps register a block once it is full.
-  A preempted sequence's blocks stay cached while free, so its recompute mostly hits them.
-
-Priority classes (``Sequence.priority``: 0 interactive, 1 batch; docs/OPERATIONS.md):
-- The queue is ordered by (priority, arrival): interactive sequences are admitted first; a preempted
-  sequence keeps its arrival, so it returns to the front of its class.
-- While interactive work is active (queued, prefilling or running), the batch class keeps
-  ``batch_reserve`` sequences: batch prefills start only below it, only that many batch sequences take
-  part in decode steps (the others keep their KV and wait: no recompute), and batch prefill chunks wait
-  while interactive sequences are queued. An interactive sequence that finds no slot (``max_running``)
-  or no free blocks preempts batch sequences beyond the reserve, paused ones first.
-- So interactive work never waits for batch work to finish, and batch work never starves: it always
-  decodes with at least ``batch_reserve`` sequences.
+running ones (pure Python, no torch). The policy in full: docs/NATIVE_ENGINE.md, "Scheduling and
+preemption policy". In short:
+- FIFO admission per priority class (0 interactive before 1 batch) within the step's sequence limit
+  (``max_batch_size``), ``max_running``, free blocks (one spare per running sequence) and the prefill
+  token budget; a prefill step holds ONE bucket, a decode step every running sequence.
+- Unchunked (dynamic mode): a prefill step runs before decode whenever something can be admitted. Chunked
+  (continuous mode): long prompts are prefilled in chunks, prefill and decode steps alternate.
+- Out of blocks: the least urgent running sequence (batch before interactive, then the most recently
+  admitted) is preempted, its blocks freed (kept in the prefix cache) and recomputed later.
+- While interactive work is active, the batch class keeps ``batch_reserve`` sequences decoding (the
+  others pause with their KV); interactive work preempts batch work beyond the reserve.
+- Prefix cache: an admitted sequence starts with every cached full block of its tokens; blocks a prefill
+  computes are registered when it is scheduled (a failed step unregisters them).
 """
 
 from __future__ import annotations
