@@ -150,3 +150,21 @@ def test_small_ops_give_the_same_bits_on_any_thread_count(dtype):
     for other in outs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
     assert torch.equal(outs[0][2], logits.argmax(dim=-1))
+
+
+@needs_ops
+def test_rows_sharing_a_slot_write_in_row_order_and_bad_thread_counts_raise():
+    # padding rows of a static-shape decode step all write the trash slot: the last row's write wins, as
+    # on one thread, whatever the thread count (such a step runs its RoPE + KV write on one thread)
+    B, H, Hkv, D = 12, 2, 1, 8
+    cos, sin = torch.ones(4, D), torch.zeros(4, D)
+    qkv = torch.randn(B, 1, (H + 2 * Hkv) * D)
+    slots = torch.tensor([0, 1, 2, 3] + [5] * (B - 4))  # rows 4.. share slot 5
+    pool = torch.zeros(2, 3, 2, Hkv, D)
+    cpu_kernel.rope_kv(ops, qkv, cos, sin, torch.zeros(B, dtype=torch.int64), slots, pool, H, num_threads=2)
+    last = qkv.view(B, H + 2 * Hkv, D)[-1]
+    assert torch.equal(pool.view(2, 6, Hkv, D)[0, 5, 0], last[H]) and torch.equal(pool.view(2, 6, Hkv, D)[1, 5, 0],
+                                                                                last[H + Hkv])
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="num_threads"):
+            cpu_kernel.silu_mul(ops, torch.randn(2, 8), num_threads=bad)

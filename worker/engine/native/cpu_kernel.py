@@ -59,9 +59,14 @@ def _build(source: Path, flags: list[str], kernel_dir: Path) -> ctypes.CDLL | No
     if cc is None:
         log.warning("no C compiler found: %s unavailable", source.name)
         return None
-    # the headers beside the sources (bf16.h, the kernel's SIMD paths) are part of what is compiled
-    src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_key().encode()).hexdigest()[:16]
+    digest = hashlib.sha256()
+    # the headers beside the source (bf16.h, the kernel's SIMD paths) are part of what is compiled; each
+    # file hashed with its name and length, so moving text between files changes the key
+    for f in [source, *sorted(source.parent.glob("*.h"))]:
+        data = f.read_bytes()
+        digest.update(f"{f.name}\0{len(data)}\0".encode() + data)
+    digest.update(" ".join(flags).encode() + _cpu_key().encode())
+    key = digest.hexdigest()[:16]
     target = Path(kernel_dir).expanduser() / f"{source.stem}-{key}.so"
     try:
         if not target.exists():
@@ -106,7 +111,9 @@ def load(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
 def load_ops(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
     """The decode step's small ops (``decode_ops.c``: RMSNorm, RoPE + KV write, SiLU * up, argmax), built
     like ``load``; None when unavailable (the forward then runs them as torch ops)."""
-    lib = _build(OPS_SOURCE, OPS_CFLAGS, kernel_dir)
+    # a compiler without OpenMP: the same ops on the calling thread (same bits; the pragmas are ignored)
+    lib = _build(OPS_SOURCE, OPS_CFLAGS, kernel_dir) or _build(
+        OPS_SOURCE, [f for f in OPS_CFLAGS if f != "-fopenmp"], kernel_dir)
     if lib is None:
         return None
     # the last argument of each: threads (rows split across them above a size; results never depend on it)
@@ -159,7 +166,9 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor, tables: 
 def _threads(num_threads: int | None) -> int:
     """Threads for a small op (default: torch's intra-op count). Each op splits rows across them only above
     a size and computes every element as on one thread, so results never depend on this."""
-    return int(num_threads) if num_threads is not None else torch.get_num_threads()
+    n = int(num_threads) if num_threads is not None else torch.get_num_threads()
+    _check(n >= 1, f"num_threads must be >= 1, not {n}")  # OpenMP would read -1 as ~4e9 threads
+    return n
 
 
 def _check(ok: bool, what: str) -> None:
@@ -186,7 +195,10 @@ class RopeKV:
         self.tensors = (cos, sin_rot, pos, slots)  # kept alive for the pointers below
         self.fn = getattr(lib, _ROPE_KV[cos.dtype])
         self.ptrs = (cos.data_ptr(), sin_rot.data_ptr(), pos.data_ptr(), slots.data_ptr())
-        self.dims = (B, num_heads, Hkv, D, cos.shape[0], pool_shape[1] * pool_shape[2], _threads(num_threads))
+        # rows split across threads must write distinct slots (padding rows of a static-shape step share
+        # the trash slot): otherwise one thread, as before threading, so the last row's write wins
+        threads = _threads(num_threads) if slots.unique().numel() == B else 1
+        self.dims = (B, num_heads, Hkv, D, cos.shape[0], pool_shape[1] * pool_shape[2], threads)
         self.pool_shape, self.dtype = pool_shape, cos.dtype
         self.numel = B * (num_heads + 2 * Hkv) * D
 

@@ -19,8 +19,9 @@
 
 #define ID(x) (x)
 /* Threads (OpenMP, torch's libgomp): rows (or row chunks) split across ``nthreads`` once an op has at least
- * PAR_MIN elements; below that the fork costs more than it saves. Every element is computed exactly as on
- * one thread (no reduction crosses a thread), so results never depend on the thread count. */
+ * PAR_MIN elements (rope_kv: 8 rows); below that the fork costs more than it saves. Every element is
+ * computed exactly as on one thread (no reduction crosses a thread), so results never depend on the thread
+ * count. Built without OpenMP, the pragmas are ignored and everything runs on the calling thread. */
 #define PAR_MIN 16384
 #define CHUNK 1024
 /* One head's D values: o = x * c + rot(x) * s, each op rounded to T. Inlined with D constant (64, 128)
@@ -37,30 +38,37 @@ static inline __attribute__((always_inline)) void NAME(const T *restrict x, cons
 DEFINE_ROPE_HEAD(rope_head_f32, float, ID, ID)
 DEFINE_ROPE_HEAD(rope_head_bf16, uint16_t, bf2f, f2bf)
 
-/* Returns the number of rows left untouched because their position or slot was out of range (0 = ok). */
+/* One row: returns 1 (and writes nothing) if its position or slot is out of range. Inlined with D
+ * constant (64, 128) where it can be. */
 #define DEFINE_ROPE_KV(NAME, T, HEAD)                                                                 \
-static inline __attribute__((always_inline)) int NAME##_d(                                            \
+static inline __attribute__((always_inline)) int NAME##_row(                                          \
         const T *qkv, const T *cos, const T *sin, const int64_t *pos, const int64_t *slots, T *q_out,  \
-        T *kpool, T *vpool, int B, int H, int Hkv, int D, int64_t P, int64_t nslots, int nthreads) {  \
-    const int width = (H + 2 * Hkv) * D;                                                              \
+        T *kpool, T *vpool, int b, int H, int Hkv, int D, int64_t P, int64_t nslots) {                \
+    if (pos[b] < 0 || pos[b] >= P || slots[b] < 0 || slots[b] >= nslots) return 1;                   \
+    const T *row = qkv + (int64_t)b * (H + 2 * Hkv) * D, *c = cos + pos[b] * D, *s = sin + pos[b] * D; \
+    T *kd = kpool + slots[b] * Hkv * D;                                                               \
+    for (int h = 0; h < H; h++) HEAD(row + h * D, c, s, q_out + ((int64_t)b * H + h) * D, D);         \
+    for (int h = 0; h < Hkv; h++) HEAD(row + (H + h) * D, c, s, kd + h * D, D);                       \
+    memcpy(vpool + slots[b] * Hkv * D, row + (H + Hkv) * D, sizeof(T) * Hkv * D);                     \
+    return 0;                                                                                         \
+}                                                                                                     \
+/* Returns the number of rows left untouched because their position or slot was out of range (0 = ok).  \
+ * Rows split across threads from 8 rows on: with nthreads > 1 the slots must be distinct (the caller  \
+ * checks; two rows writing one slot would race). The parallel loop is here, not in the inlined row    \
+ * function, so that each D branch keeps its constant. */                                             \
+int NAME(const T *qkv, const T *cos, const T *sin, const int64_t *pos, const int64_t *slots, T *q_out,  \
+         T *kpool, T *vpool, int B, int H, int Hkv, int D, int64_t P, int64_t nslots, int nthreads) {  \
     int bad = 0;                                                                                      \
     _Pragma("omp parallel for if (B >= 8) num_threads(nthreads) reduction(+ : bad)")                  \
     for (int b = 0; b < B; b++) {                                                                     \
-        if (pos[b] < 0 || pos[b] >= P || slots[b] < 0 || slots[b] >= nslots) { bad++; continue; }     \
-        const T *row = qkv + (int64_t)b * width, *c = cos + pos[b] * D, *s = sin + pos[b] * D;        \
-        T *kd = kpool + slots[b] * Hkv * D;                                                           \
-        for (int h = 0; h < H; h++) HEAD(row + h * D, c, s, q_out + ((int64_t)b * H + h) * D, D);     \
-        for (int h = 0; h < Hkv; h++) HEAD(row + (H + h) * D, c, s, kd + h * D, D);                   \
-        memcpy(vpool + slots[b] * Hkv * D, row + (H + Hkv) * D, sizeof(T) * Hkv * D);                 \
+        if (D == 64)                                                                                  \
+            bad += NAME##_row(qkv, cos, sin, pos, slots, q_out, kpool, vpool, b, H, Hkv, 64, P, nslots); \
+        else if (D == 128)                                                                            \
+            bad += NAME##_row(qkv, cos, sin, pos, slots, q_out, kpool, vpool, b, H, Hkv, 128, P, nslots); \
+        else                                                                                          \
+            bad += NAME##_row(qkv, cos, sin, pos, slots, q_out, kpool, vpool, b, H, Hkv, D, P, nslots); \
     }                                                                                                 \
     return bad;                                                                                       \
-}                                                                                                     \
-int NAME(const T *qkv, const T *cos, const T *sin, const int64_t *pos, const int64_t *slots, T *q_out,  \
-         T *kpool, T *vpool, int B, int H, int Hkv, int D, int64_t P, int64_t nslots, int nthreads) {  \
-    if (D == 64) return NAME##_d(qkv, cos, sin, pos, slots, q_out, kpool, vpool, B, H, Hkv, 64, P, nslots, nthreads); \
-    if (D == 128)                                                                                     \
-        return NAME##_d(qkv, cos, sin, pos, slots, q_out, kpool, vpool, B, H, Hkv, 128, P, nslots, nthreads); \
-    return NAME##_d(qkv, cos, sin, pos, slots, q_out, kpool, vpool, B, H, Hkv, D, P, nslots, nthreads); \
 }
 DEFINE_ROPE_KV(rope_kv_f32, float, rope_head_f32)
 DEFINE_ROPE_KV(rope_kv_bf16, uint16_t, rope_head_bf16)
