@@ -25,10 +25,10 @@ import click
 import torch
 
 from batchfleet.common.config import DTYPE_CHOICES, DynamicBatchingConfig, EngineConfig, parse_buckets
-from batchfleet.worker.benchmark.floor import matmul_ms, time_ms
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.models import EOS_ID, PAD_ID, LoadedModel, load_model, make_preset
 from batchfleet.worker.engine.native.engine import NativeEngine
+from benchlib.floor import matmul_ms, time_ms
 
 
 def make_requests(args) -> list[GenRequest]:
