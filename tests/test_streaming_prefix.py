@@ -5,20 +5,29 @@ progress arriving in random chunks."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchfleet.common.protocol import decode_reply
-from batchfleet.worker.engine.models import BYTE_OFFSET, byte_level_tokenizer
 from batchfleet.worker.streaming import StreamPublisher
 
 pytestmark = pytest.mark.unit
-TOK = byte_level_tokenizer()
+BYTE_OFFSET = 4  # models.BYTE_OFFSET, spelled out: collecting imports no transformers (checked below)
+
+
+@functools.cache
+def tokenizer():
+    """The byte-level tokenizer (transformers), built at first use: collecting imports neither torch nor it."""
+    from batchfleet.worker.engine.models import byte_level_tokenizer
+
+    return byte_level_tokenizer()
 
 
 def decode(ids: list[int]) -> str:
-    return TOK.decode(ids, skip_special_tokens=True)
+    return tokenizer().decode(ids, skip_special_tokens=True)
 
 
 # bytes that make UTF-8 hard: ASCII, continuation bytes, 2/3/4-byte leads, never-valid bytes
@@ -44,6 +53,12 @@ def test_streamed_text_is_a_prefix_of_the_final_text(tokens: list[int], data) ->
             assert decode(tokens[:n]).startswith(sent)  # already at that step, not only at the end
     final = decode(tokens)
     assert final.startswith(sent), (tokens, cuts)
+
+
+def test_byte_offset_is_the_tokenizers() -> None:
+    from batchfleet.worker.engine.models import BYTE_OFFSET as offset
+
+    assert offset == BYTE_OFFSET
 
 
 def test_valid_text_is_not_held_back_at_the_end() -> None:
