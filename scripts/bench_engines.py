@@ -24,7 +24,8 @@ from types import SimpleNamespace
 import click
 import torch
 
-from batchfleet.common.config import DTYPE_CHOICES, DynamicBatchingConfig, EngineConfig, parse_buckets
+from batchfleet.common.config import DynamicBatchingConfig, parse_buckets
+from batchfleet.common.engine_config import DTYPE_CHOICES, EngineConfig
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.models import EOS_ID, PAD_ID, LoadedModel, load_model, make_preset
 from batchfleet.worker.engine.native.engine import NativeEngine

@@ -21,7 +21,8 @@ import click
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from batchfleet.common.config import ENGINE_CHOICES, DynamicBatchingConfig, EngineConfig, WorkerConfig
+from batchfleet.common.config import DynamicBatchingConfig, WorkerConfig
+from batchfleet.common.engine_config import ENGINE_CHOICES, EngineConfig
 from batchfleet.worker.benchmark.loadgen import closed_loop, make_workload, summarize
 from batchfleet.worker.benchmark.memqueue import MemClient, MemQueue
 from batchfleet.worker.compose import build_worker

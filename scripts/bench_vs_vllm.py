@@ -22,7 +22,8 @@ from pathlib import Path
 import click
 import torch
 
-from batchfleet.common.config import DEFAULT_BUCKETS, DTYPE_CHOICES, DynamicBatchingConfig, EngineConfig
+from batchfleet.common.config import DEFAULT_BUCKETS, DynamicBatchingConfig
+from batchfleet.common.engine_config import DTYPE_CHOICES, EngineConfig
 from batchfleet.worker.benchmark.cli import parse_range
 from batchfleet.worker.benchmark.loadgen import make_workload
 from batchfleet.worker.benchmark.report import git_commit, machine, write_json

@@ -8,7 +8,8 @@ from types import ModuleType
 
 import pytest
 
-from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
+from batchfleet.common.config import DynamicBatchingConfig
+from batchfleet.common.engine_config import EngineConfig
 
 CHOICES = ("auto", "default", "onednn")  # linear.CHOICES, spelled out: collecting imports no torch (checked below)
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from batchfleet.common import logs
-from batchfleet.common.config import DynamicBatchingConfig, EngineConfig, WorkerConfig
+from batchfleet.common.config import DynamicBatchingConfig, WorkerConfig
+from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.metrics import MetricsServer, reserve_metrics
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.worker.consumer import StreamConsumer, default_consumer_name

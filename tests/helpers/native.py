@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
+from batchfleet.common.config import DynamicBatchingConfig
+from batchfleet.common.engine_config import EngineConfig
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.models import BOS_ID, EOS_ID, PAD_ID, LoadedModel, byte_level_tokenizer, load_model
 from batchfleet.worker.engine.native.engine import NativeEngine
