@@ -21,7 +21,7 @@ import redis
 from batchfleet.common.config import connection_from_env
 from batchfleet.common.errors import InvalidRequest, RedisUnavailable, Timeout
 from batchfleet.common.fleetstate import live_workers_async
-from batchfleet.common.functions import BODIES, CANCELS_MAXLEN, FUNCTION_NAMES, LIVE_WORKER_MS
+from batchfleet.common.functions import CANCELS_MAXLEN, LIVE_WORKER_MS, Functions
 from batchfleet.common.keys import valid_inbox
 from batchfleet.common.protocol import Result
 from batchfleet.common.redis_conn import async_client, write_acked
@@ -89,8 +89,7 @@ class AsyncClient:
         self.inbox.unavailable_after_s = retry_s
         self._fleet = FleetView()
         self._fleet_lock = asyncio.Lock()
-        self._scripts = {name: self.r.register_script(body) for name, body in BODIES.items()}
-        self._functions = True  # False once Redis says it has no FCALL (< 7)
+        self.functions = Functions(self.r)
         self._background: set[asyncio.Task] = set()  # cancels of given-up jobs (a reference keeps them alive)
 
     @property
@@ -136,16 +135,7 @@ class AsyncClient:
         """FCALL of a library function; EVALSHA of the same body where Redis has no functions (6.2) or the
         library is not loaded yet."""
         n = self.conn.wait_replicas  # > 0: the write counts once n replicas have it (WAIT, same connection)
-        if self._functions:
-            try:
-                return await write_acked(self.r, n, lambda c: c.fcall(FUNCTION_NAMES[name], len(keys), *keys, *args))
-            except redis.ResponseError as exc:
-                msg = str(exc).lower()
-                if "unknown command" in msg:
-                    self._functions = False
-                elif "function not found" not in msg:
-                    raise
-        return await write_acked(self.r, n, lambda c: self._scripts[name](keys=keys, args=args, client=c))
+        return await self.functions.call(name, keys, args, send=lambda command: write_acked(self.r, n, command))
 
     # ---- the API -----------------------------------------------------------------------------------
     async def fleet(self, timeout: float | None = None) -> FleetView:
