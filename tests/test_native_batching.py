@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from batchfleet.common.params import Params
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.native.engine import contiguous_waste
 from tests.helpers.native import build_model, hf_greedy, make_engine, prompt, request, run_all
@@ -114,8 +115,8 @@ def test_stop_string_and_eos_and_length(loaded):
 
 def test_invalid_requests_come_back_as_errors(loaded):
     engine = make_engine(loaded, max_seq_len=256)
-    bad = GenRequest(id="bad", prompt=prompt(1, 100), bucket=128, max_new_tokens=200)
-    empty = GenRequest(id="empty", prompt=[], bucket=16, max_new_tokens=4)
+    bad = GenRequest(id="bad", prompt=prompt(1, 100), bucket=128, params=Params(max_new_tokens=200))
+    empty = GenRequest(id="empty", prompt=[], bucket=16, params=Params(max_new_tokens=4))
     engine.add([bad, empty, request(1, prompt(1, 10), 4)])
     assert engine.num_active() == 3
     done = drain(engine)
