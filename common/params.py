@@ -133,16 +133,8 @@ class Params:
         object.__setattr__(self, "stop", stop)
         check(self)
         for name, bound in FIELDS.items():  # ints given for numbers: floats, so the wire and == agree
-            if bound.kind == "number":
+            if bound.kind == "number" and getattr(self, name) is not None:
                 object.__setattr__(self, name, float(getattr(self, name)))
-
-    @classmethod
-    def of(cls, values: dict[str, Any]) -> Params:
-        """From keyword arguments; an unknown name is a ParamError (not a TypeError)."""
-        unknown = sorted(set(values) - set(FIELDS))
-        if unknown:
-            raise ParamError(unknown[0], f"unknown generation parameter(s): {', '.join(unknown)}")
-        return cls(**values)
 
     def keywords(self) -> dict[str, Any]:
         """The fields as keyword arguments (``Params(**p.keywords()) == p``)."""

@@ -24,12 +24,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from batchfleet.common.guided import Guide, GuideError, from_options
 from batchfleet.common.lanes import lane_of
-from batchfleet.common.params import MIN_TEMPERATURE, ParamError, Params
+from batchfleet.common.params import FIELDS, MIN_TEMPERATURE, ParamError, Params
 from batchfleet.gateway.errors import invalid
 from batchfleet.gateway.strict import NEUTRAL_CHAT, NEUTRAL_COMPLETIONS, NEUTRAL_MESSAGE, refuse_non_neutral
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's
 OPENAI_MAX_TEMPERATURE = 2.0  # OpenAI's range (the fleet's own goes to 100: common/params.py)
+# parameters this surface spells or maps its own way; every other field of the fleet's table is taken as named
+SPELLED_HERE = {"max_new_tokens", "temperature", "top_k", "stop", "logprobs", "guide"}
 MAX_N = 32  # choices per request: each is a job of its own
 TokenIds = list[StrictInt]
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -89,8 +91,7 @@ class _Common(BaseModel):
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     model: StrictStr | None = None
-    # the generation parameters' bounds are the fleet's one table (common/params.py), checked when the job is
-    # made (``job``); only OpenAI's own rules are written here: its temperature range, vLLM's top_k -1 = off
+    # bounds: the fleet's one table (common/params.py, checked in ``params``); here only OpenAI's own rules
     temperature: Number | None = Field(default=None, ge=0.0, le=OPENAI_MAX_TEMPERATURE)
     top_p: Number | None = None
     top_k: StrictInt | None = Field(default=None, ge=-1)
@@ -160,12 +161,11 @@ class _Common(BaseModel):
         temperature = 1.0 if self.temperature is None else self.temperature  # OpenAI's default
         if temperature < MIN_TEMPERATURE:  # OpenAI accepts any t >= 0; the fleet's sampler, t = 0 or >= 1e-3
             temperature = 0.0  # which is what such a t means: the most likely token
-        given = {"top_p": self.top_p, "seed": self.seed, "min_p": self.min_p, "min_tokens": self.min_tokens,
-                 "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos}
-        try:
+        given = {k: v for k in FIELDS if k not in SPELLED_HERE and k in type(self).model_fields
+                 and (v := getattr(self, k)) is not None}
+        try:  # vLLM's top_k -1 = off = the fleet's 0
             return Params(max_new_tokens=max_tokens, temperature=temperature, logprobs=logprobs,
-                          top_k=max(self.top_k or 0, 0),  # vLLM's -1 = off = the fleet's 0
-                          stop=self.stop or (), **{k: v for k, v in given.items() if v is not None})
+                          top_k=max(self.top_k or 0, 0), stop=self.stop or (), **given)
         except ParamError as exc:
             message = str(exc)
             for ours, theirs in names.items():

@@ -5,6 +5,7 @@ table. Pure: no Redis, no model."""
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 from pathlib import Path
 
 import msgpack
@@ -30,6 +31,11 @@ def test_the_documents_parameter_table_is_the_code_table():
     start = lines.index(rows[0])
     assert lines[start:start + len(rows)] == rows, "docs/PROTOCOL.md's parameter table: paste doc_rows()"
     assert [line.split("`")[1] for line in rows[2:]] == list(FIELDS)
+
+
+def test_the_type_and_the_table_list_the_same_fields_and_defaults():
+    assert [f.name for f in fields(Params)] == list(FIELDS)
+    assert {f.name: f.default for f in fields(Params)} == {k: b.default for k, b in FIELDS.items()}
 
 
 def boundaries() -> list[tuple[str, object, bool]]:
