@@ -27,10 +27,10 @@ from batchfleet.common.redis_conn import async_client
 from batchfleet.producer.core import (
     INLINE_PROMPT_CHARS,
     RETRY_S,
+    Ask,
     Deadline,
     FleetView,
     Outgoing,
-    Params,
     Prompt,
     prompt_size,
 )
@@ -80,6 +80,7 @@ class AsyncClient:
         self.r = async_client(self.conn.redis_url, max_connections=max_connections, **kwargs)
         reader = async_client(self.conn.redis_url, max_connections=1, **kwargs)
         self.calls = RedisCalls(self.r, self.conn, retry_s)
+        self.functions = self.calls.functions  # shared with the gateway's batch store (gateway/connections.py)
         # the reader blocks at most half the socket timeout, so a healthy idle wait never times out
         self.inbox = Inbox(reader, self.r, self.keys.inbox(token), int(self.conn.socket_timeout_s * 500),
                            self.calls.backoff)
@@ -120,13 +121,13 @@ class AsyncClient:
                      stream: bool = False, **params: Any) -> str:
         """Enqueue one prompt; returns its job id. Raises InvalidRequest / PromptTooLong / QueueFull /
         NoWorkers before anything runs. ``timeout`` (s) bounds this call and is the job's deadline."""
-        job = await self._submit(prompt, Deadline(timeout), job_id, stream, Params.of(params))
+        job = await self._submit(prompt, Deadline(timeout), job_id, stream, Ask.of(params))
         return job.id
 
     async def _submit(self, prompt: Prompt, deadline: Deadline, job_id: str | None, stream: bool,
-                      params: Params) -> Outgoing:
+                      ask: Ask) -> Outgoing:
         fleet = await self._fleet_view(deadline)
-        job = await self._build(fleet, prompt, params, deadline.left(), job_id, stream)
+        job = await self._build(fleet, prompt, ask, deadline.left(), job_id, stream)
         self.inbox.expect(job.id, stream)
         try:
             code = await self.calls.io(
@@ -144,14 +145,14 @@ class AsyncClient:
             raise
         return job
 
-    async def _build(self, fleet: FleetView, prompt: Prompt, params: Params, timeout: float | None,
+    async def _build(self, fleet: FleetView, prompt: Prompt, ask: Ask, timeout: float | None,
                      job_id: str | None, stream: bool) -> Outgoing:
         """Tokenize (chat: render the template) and build the request; a large prompt on a worker thread,
         so one multi-MB prompt or thousand-message chat never stalls the event loop (and every other
         request of a web backend with it)."""
         if prompt_size(prompt) <= INLINE_PROMPT_CHARS:  # small: a thread hop would cost more than it saves
-            return fleet.build(self.keys, self.inbox.key, prompt, params, timeout, job_id, stream)
-        return await asyncio.to_thread(fleet.build, self.keys, self.inbox.key, prompt, params, timeout, job_id,
+            return fleet.build(self.keys, self.inbox.key, prompt, ask, timeout, job_id, stream)
+        return await asyncio.to_thread(fleet.build, self.keys, self.inbox.key, prompt, ask, timeout, job_id,
                                        stream)
 
     def _give_up_later(self, job_id: str, cancel: bool = True) -> None:
@@ -198,7 +199,7 @@ class AsyncClient:
         that ends without the answer (its timeout passed, or the awaiting task was cancelled: a web
         framework's timeout, ``asyncio.wait_for``) cancels the job and drops its answer."""
         deadline = Deadline(timeout)
-        job = await self._submit(prompt, deadline, None, False, Params.of(params))
+        job = await self._submit(prompt, deadline, None, False, Ask.of(params))
         return await self._result_or_give_up(job.id, deadline)
 
     async def _result_or_give_up(self, job_id: str, deadline: Deadline) -> Result:
@@ -223,7 +224,7 @@ class AsyncClient:
         """Validate every prompt first (nothing is sent if one is bad), enqueue all, gather in order."""
         deadline = Deadline(timeout)
         fleet = await self._fleet_view(deadline)
-        p = Params.of(params)
+        p = Ask.of(params)
         for prompt in prompts:  # raises before anything is sent
             fleet.build(self.keys, self.inbox.key, prompt, p, None, None)
         jobs = await asyncio.gather(*(self._submit(x, deadline, None, False, p) for x in prompts),

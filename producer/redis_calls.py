@@ -15,7 +15,7 @@ import redis
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.errors import RedisUnavailable, Timeout
-from batchfleet.common.functions import BODIES, FUNCTION_NAMES
+from batchfleet.common.functions import Functions
 from batchfleet.common.redis_conn import write_acked
 from batchfleet.common.retry import TRANSIENT, Backoff
 from batchfleet.producer.core import Deadline
@@ -30,8 +30,7 @@ class RedisCalls:
     def __init__(self, r: redis.asyncio.Redis, conn: ConnectionConfig, retry_s: float) -> None:
         self.r, self.conn, self.retry_s = r, conn, retry_s
         self.backoff = Backoff(log, "redis", min_s=0.05, max_s=2.0)  # shared with the inbox reader
-        self._scripts = {name: r.register_script(body) for name, body in BODIES.items()}
-        self._functions = True  # False once Redis says it has no FCALL (< 7)
+        self.functions = Functions(r)
 
     async def io(self, call: Callable[[], Awaitable[T]], deadline: Deadline, what: str) -> T:
         """``call()`` within the deadline, retrying connection errors with backoff (see the module doc)."""
@@ -70,13 +69,4 @@ class RedisCalls:
         """FCALL of a library function; EVALSHA of the same body where Redis has no functions (6.2) or the
         library is not loaded yet."""
         n = self.conn.wait_replicas  # > 0: the write counts once n replicas have it (WAIT, same connection)
-        if self._functions:
-            try:
-                return await write_acked(self.r, n, lambda c: c.fcall(FUNCTION_NAMES[name], len(keys), *keys, *args))
-            except redis.ResponseError as exc:
-                msg = str(exc).lower()
-                if "unknown command" in msg:
-                    self._functions = False
-                elif "function not found" not in msg:
-                    raise
-        return await write_acked(self.r, n, lambda c: self._scripts[name](keys=keys, args=args, client=c))
+        return await self.functions.call(name, keys, args, send=lambda command: write_acked(self.r, n, command))
