@@ -88,8 +88,8 @@ def test_masks_touch_only_constrained_rows_and_logprobs_are_log_softmax():
 
     from batchfleet.worker.engine.base import GenRequest
     from batchfleet.worker.engine.guided import GuideCompiler
-    from batchfleet.worker.engine.models import byte_level_tokenizer
     from batchfleet.worker.engine.sampling import StopChecker, sample, token_logprobs
+    from batchfleet.worker.engine.tokenizer import byte_level_tokenizer
 
     compiler = GuideCompiler(byte_level_tokenizer(), 320, frozenset([2]))
     digits = compiler.matcher(Guide("regex", "[0-9]{2}"))

@@ -15,17 +15,13 @@ from batchfleet.common.params import Params
 from batchfleet.common.protocol import Request
 from batchfleet.producer import Client, InvalidRequest
 from batchfleet.worker.engine.base import GenRequest
-
-EOS_ID = 2  # models.EOS_ID, spelled out: collecting this module imports no torch (checked in the fixture)
+from batchfleet.worker.engine.tokenizer import EOS_ID
 
 
 @pytest.fixture(scope="module")
 def torch() -> ModuleType:
     import torch
 
-    from batchfleet.worker.engine import models
-
-    assert models.EOS_ID == EOS_ID
     return torch
 
 
@@ -34,8 +30,8 @@ def req(**kw) -> GenRequest:
 
 
 def checker(r: GenRequest, tokens: list[int] = ()):
-    from batchfleet.worker.engine.models import byte_level_tokenizer
     from batchfleet.worker.engine.sampling import StopChecker
+    from batchfleet.worker.engine.tokenizer import byte_level_tokenizer
 
     c = StopChecker(r, frozenset({EOS_ID}), byte_level_tokenizer())
     c.tokens.extend(tokens)
@@ -103,7 +99,7 @@ def make_eos_model(target: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from batchfleet.worker.engine.models import BOS_ID, PAD_ID, byte_level_tokenizer
+    from batchfleet.worker.engine.tokenizer import BOS_ID, PAD_ID, byte_level_tokenizer
 
     if (target / "config.json").exists():
         return target

@@ -12,16 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchfleet.common.protocol import decode_reply
+from batchfleet.worker.engine.tokenizer import BYTE_OFFSET
 from batchfleet.worker.streaming import StreamPublisher
 
 pytestmark = pytest.mark.unit
-BYTE_OFFSET = 4  # models.BYTE_OFFSET, spelled out: collecting imports no transformers (checked below)
 
 
 @functools.cache
 def tokenizer():
     """The byte-level tokenizer (transformers), built at first use: collecting imports neither torch nor it."""
-    from batchfleet.worker.engine.models import byte_level_tokenizer
+    from batchfleet.worker.engine.tokenizer import byte_level_tokenizer
 
     return byte_level_tokenizer()
 
@@ -53,12 +53,6 @@ def test_streamed_text_is_a_prefix_of_the_final_text(tokens: list[int], data) ->
             assert decode(tokens[:n]).startswith(sent)  # already at that step, not only at the end
     final = decode(tokens)
     assert final.startswith(sent), (tokens, cuts)
-
-
-def test_byte_offset_is_the_tokenizers() -> None:
-    from batchfleet.worker.engine.models import BYTE_OFFSET as offset
-
-    assert offset == BYTE_OFFSET
 
 
 def test_valid_text_is_not_held_back_at_the_end() -> None:

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
 @functools.cache
 def tokenizer():
     """The byte-level tokenizer (transformers), built at first use: collecting imports neither torch nor it."""
-    from batchfleet.worker.engine.models import byte_level_tokenizer
+    from batchfleet.worker.engine.tokenizer import byte_level_tokenizer
 
     return byte_level_tokenizer()
 
