@@ -29,7 +29,8 @@ def tree_of(path: Path) -> ast.Module:
     return ast.parse(path.read_text(), filename=str(path))
 
 
-def imported_names(path: Path, top_level_only: bool = False) -> set[str]:
+@functools.cache
+def imported_names(path: Path, top_level_only: bool = False) -> frozenset[str]:
     """Every module name a file imports (``from m import x`` gives m and m.x); relative imports resolved
     against the file's package. ``top_level_only``: only what runs at import (not inside functions/classes
     or ``if TYPE_CHECKING``)."""
@@ -59,7 +60,7 @@ def imported_names(path: Path, top_level_only: bool = False) -> set[str]:
                 base = ".".join([*package, *([base] if base else [])])
             found.add(base)
             found |= {f"{base}.{a.name}" for a in node.names}
-    return found
+    return frozenset(found)
 
 
 def dotted(path: Path) -> str:
