@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
-
-if TYPE_CHECKING:
-    from batchfleet.producer.bulk_input import Line
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 PREFIX_KEY_CHARS = 64  # about one KV block (16 tokens) of English text
@@ -29,11 +26,12 @@ def prefix_key(prompt: object) -> str | None:
         return None
 
 
-def submission_order(lines: list[Line], window: int) -> list[Line]:
-    """The order to submit ``lines`` in: each run of ``window`` consecutive lines grouped by
-    ``prefix_key`` (groups in order of first appearance, lines in input order within a group). Grouping
-    never reaches past ``window`` lines, so the line written next is always among those submitted."""
-    out: list[Line] = []
+def submission_order(lines: list[Any], window: int) -> list[Any]:
+    """The order to submit prompt lines (producer/bulk_lines.py ``Line``) in: each run of ``window``
+    consecutive lines grouped by ``prefix_key`` (groups in order of first appearance, lines in input order
+    within a group). Grouping never reaches past ``window`` lines, so the line written next is always among
+    those submitted (the bulk runner groups each window it reads the same way)."""
+    out: list[Any] = []
     for start in range(0, len(lines), window):
         out += grouped(lines[start:start + window],
                        lambda line: prefix_key(line.obj.get("prompt")) if line.error is None else None)
