@@ -31,7 +31,7 @@ from batchfleet.gateway.batch_lines import (
 from batchfleet.gateway.errors import api_error
 from batchfleet.gateway.formats import Shape
 from batchfleet.gateway.service import choice_params, job_params, token_texts, too_long, unknown_model
-from batchfleet.producer.bulk_jobs import Work
+from batchfleet.producer.bulk_types import Work
 from batchfleet.producer.prefix_order import prefix_key
 
 BULK_TIMEOUT_S = 24 * 3600.0  # a bulk line's deadline without --timeout: OpenAI's completion window

@@ -32,8 +32,9 @@ from batchfleet.gateway.batch_store import BatchStore, FileStore
 from batchfleet.gateway.config import GatewayConfig
 from batchfleet.producer.aclient import AsyncClient
 from batchfleet.producer.bulk_files import FileSink, read_back
-from batchfleet.producer.bulk_jobs import Spec, Summary, run_lines
+from batchfleet.producer.bulk_jobs import run_lines
 from batchfleet.producer.bulk_lines import numbered
+from batchfleet.producer.bulk_types import Spec, Summary
 
 log = logging.getLogger(__name__)
 POLL_S = 1.0

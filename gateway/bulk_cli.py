@@ -20,7 +20,7 @@ import click
 from batchfleet.common.cli import connection_options
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.keys import BATCH
-from batchfleet.producer.bulk_lines import MAX_LINE_BYTES, looks_like_batch
+from batchfleet.producer.bulk_lines import PromptFormat, looks_like_batch, numbered
 from batchfleet.producer.cli import _params, check_reachable, generation_options, one_line_errors, priority_option
 
 ERRORS_SUFFIX = ".errors.jsonl"
@@ -66,17 +66,14 @@ def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int,
             fmt = "openai" if looks_like_batch(_first_line(path)) else "prompts"
         check_reachable(ConnectionConfig(redis_url, namespace))
         if fmt == "openai":
-            names = tuple(n.strip() for n in model_names.split(",") if n.strip())
+            make = _openai_format(timeout, tuple(n.strip() for n in model_names.split(",") if n.strip()))
             if errors_path is None and out_path is not None:
                 errors_path = out_path + ERRORS_SUFFIX
-            s = _run(path, out_path, errors_path, _openai_format(timeout, names), "requests", redis_url, namespace,
-                     window, resume)
         else:
-            from batchfleet.producer.bulk_lines import PromptFormat
-
             defaults = _params(**gen)
-            s = _run(path, out_path, None, lambda prefix, _fleet: PromptFormat(prefix, defaults, timeout), "prompts",
-                     redis_url, namespace, window, resume)
+            make, errors_path = (lambda prefix, _fleet: PromptFormat(prefix, defaults, timeout)), None
+        s = _run(path, out_path, errors_path, make, "requests" if fmt == "openai" else "prompts", redis_url,
+                 namespace, window, resume)
     if fmt == "openai":
         click.echo(f"done: {s.done} requests ({s.kept} kept from an earlier run), {s.failed_lines} in the error "
                    "file", err=True)
@@ -102,12 +99,9 @@ def _input_file(prompts: str) -> Iterator[str]:
 
 
 def _first_line(path: str) -> bytes:
-    """The first non-blank line, at most MAX_LINE_BYTES of it (enough to tell the format)."""
+    """The first non-blank line (enough to tell the format), read with bounded memory."""
     with open(path, "rb") as f:
-        while raw := f.readline(MAX_LINE_BYTES):
-            if raw.strip():
-                return raw
-    return b""
+        return next(numbered(f), (0, b""))[1]
 
 
 def _openai_format(timeout: float | None, model_names: tuple[str, ...]) -> Any:

@@ -5,10 +5,6 @@ the run from the key kept beside the output (producer/bulk_files.py), reads back
 and runs the rest (producer/bulk_jobs.py says why every line then appears exactly once). ``bulk_file`` runs
 the prompt format (producer/bulk_lines.py); the OpenAI batch format comes from the gateway
 (gateway/batch_format.py), which passes its ``LineFormat`` in: the producer imports nothing of the gateway.
-
-A bad line (not JSON, unknown keys, bad parameters, too long) becomes an error line carrying the protocol's
-error code; the run goes on. Fleet-wide failures (no live worker, Redis unreachable) stop it like Ctrl-C
-does: the answers already here are written, and a rerun resumes.
 """
 
 from __future__ import annotations
@@ -23,8 +19,9 @@ from typing import IO, Any
 from batchfleet.common.errors import InvalidRequest
 from batchfleet.producer.aclient import AsyncClient
 from batchfleet.producer.bulk_files import FileSink, Written, read_back, run_names
-from batchfleet.producer.bulk_jobs import LineFormat, Spec, Summary, run_lines
+from batchfleet.producer.bulk_jobs import run_lines
 from batchfleet.producer.bulk_lines import PromptFormat, numbered
+from batchfleet.producer.bulk_types import LineFormat, Spec, Summary
 
 __all__ = ["Summary", "bulk_file", "run_file", "throttled"]
 

@@ -19,8 +19,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import IO
 
-from batchfleet.producer.bulk_jobs import LineFormat
 from batchfleet.producer.bulk_lines import digest
+from batchfleet.producer.bulk_types import LineFormat
 
 KEY_SUFFIX = ".run"  # the run key file beside the output
 

@@ -1,8 +1,8 @@
 """The one bulk runner: input lines -> jobs in the fleet's batch class -> answer lines on disk, resumable.
 
 ``batchfleet bulk`` (both formats, producer/bulk.py) and the gateway's batches (gateway/batch_runner.py) run
-their lines here; a ``LineFormat`` says what a line asks and how its answer reads (producer/bulk_lines.py:
-prompts; gateway/batch_format.py: OpenAI batch lines), so this module knows neither.
+their lines here; a ``LineFormat`` (producer/bulk_types.py) says what a line asks and how its answer reads
+(producer/bulk_lines.py: prompts; gateway/batch_format.py: OpenAI batch lines), so this module knows neither.
 
 Lines are read one at a time (never the whole input) and submitted with at most ``window`` lines in flight.
 Within each run of ``window`` lines, those whose prompts start alike go one after another
@@ -31,84 +31,17 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from batchfleet.common.errors import FleetUnavailable, QueueFull, RedisUnavailable, Timeout
-from batchfleet.common.protocol import Result
 from batchfleet.producer.aclient import AsyncClient
+from batchfleet.producer.bulk_types import LineFormat, Sink, Spec, Summary, Work
 from batchfleet.producer.core import Deadline
-from batchfleet.producer.prefix_order import grouped
+from batchfleet.producer.prefix_order import submission_order
 
 FATAL = (FleetUnavailable, RedisUnavailable)  # every later line would fail the same way: stop, resume later
 QUEUE_FULL_WAIT_S = (0.05, 2.0)
 CANCEL_GRACE_S = 5.0
-
-
-@dataclass
-class Work:
-    """One parsed input line: its jobs, or ``error``, the answer line it gets without running."""
-
-    index: int  # 0-based line number in the input
-    line: Any  # the format's own parsed line
-    job_ids: list[str] = field(default_factory=list)
-    prompt: Any = None
-    key: str | None = None  # prefix key (producer/prefix_order.py): lines alike are submitted together
-    timeout: float | None = None
-    error: dict | None = None
-
-
-class LineFormat(Protocol):
-    """One kind of input line: what it asks, how its answer and its errors read, how written lines read back."""
-
-    ordered: bool  # answers in submission order (else as they come)
-    refused: tuple[type[BaseException], ...]  # submission errors that are the line's own (an error line)
-
-    def parse(self, index: int, raw: bytes) -> Work: ...
-    async def params(self, work: Work) -> list[dict[str, Any]]: ...  # per job; ``refused`` errors: an error line
-    def answer(self, work: Work, results: list[Result]) -> dict: ...
-    def failure(self, work: Work, exc: BaseException) -> dict: ...
-    def abandoned(self, index: int, line: Any, code: str, message: str) -> dict: ...  # line: raw or parsed
-    def index_of(self, obj: Any) -> int | None: ...  # a written line's input line number
-    def failed(self, obj: dict) -> bool: ...  # a written line is an error line
-
-
-class Sink(Protocol):
-    def write(self, line: dict, ok: bool) -> None: ...  # on disk before it returns
-
-
-@dataclass
-class Spec:
-    """How to run: at most ``window`` lines in flight, skipping ``done``; ``abandon``: see the module doc."""
-
-    window: int = 256
-    done: set[int] = field(default_factory=set)
-    abandon: tuple[str, str] | None = None
-
-
-@dataclass
-class Summary:
-    """What a run did; ``interrupted`` runs leave ``in_flight`` jobs for the next run to collect."""
-
-    total: int = 0  # answer lines the input asks for
-    kept: int = 0  # already in the output when the run started
-    kept_failed: int = 0  # error lines among them
-    written: int = 0  # written by this run
-    failed: int = 0  # error lines written by this run
-    submitted: int = 0  # jobs this run enqueued
-    collected: int = 0  # lines answered by jobs an earlier run enqueued
-    in_flight: int = 0
-    interrupted: bool = False  # stopped (Ctrl-C) or ended by ``error`` before every line was answered
-    error: BaseException | None = None  # NoWorkers / RedisUnavailable mid-run: what ended it
-
-    @property
-    def done(self) -> int:
-        return self.kept + self.written
-
-    @property
-    def failed_lines(self) -> int:
-        """Error lines in the whole output (this run's and the kept ones)."""
-        return self.failed + self.kept_failed
 
 
 async def inbox_replies(client: AsyncClient) -> dict[str, str]:
@@ -258,7 +191,7 @@ class _Run:
                 return
 
     async def submit_all(self, chunk: list[Work]) -> None:
-        for work in grouped(chunk, lambda w: w.key):
+        for work in submission_order(chunk, self.spec.window):
             while len(self.inflight) >= self.spec.window and not self.stop.is_set():
                 await self.drain(once=True)
             if not self.stop.is_set() and await self.submit(work):

@@ -28,7 +28,7 @@ from batchfleet.common.errors import (
 )
 from batchfleet.common.keys import BATCH, valid_job_id
 from batchfleet.common.protocol import Result
-from batchfleet.producer.bulk_jobs import Work
+from batchfleet.producer.bulk_types import Work
 from batchfleet.producer.prefix_order import prefix_key
 
 MAX_LINE_BYTES = (4 << 20) + 4096  # a body the gateway takes (4 MiB) and the line around it
@@ -55,12 +55,6 @@ def numbered(f: IO[bytes]) -> Iterator[tuple[int, bytes]]:
         if raw.strip():
             yield index, raw
         index += 1
-
-
-def count_lines(path: str) -> int:
-    """Non-blank lines of a file (a progress bar's length), one bounded line at a time."""
-    with open(path, "rb") as f:
-        return sum(1 for _ in numbered(f))
 
 
 def looks_like_batch(first_line: bytes | str) -> bool:
@@ -93,6 +87,11 @@ class Line:
     obj: dict = field(default_factory=dict)
     error: dict | None = None
     job_id: str | None = None
+
+    @property
+    def key(self) -> str | None:
+        """What lines submitted together share (producer/prefix_order.py)."""
+        return prefix_key(self.obj.get("prompt")) if self.error is None else None
 
     def answer(self, **body: object) -> dict:
         out: dict = {"index": self.index}
@@ -153,7 +152,7 @@ def _check(obj: dict, index: int, seen: dict[str, int]) -> tuple[dict | None, st
 
 @dataclass
 class PromptFormat:
-    """The prompt line format for the runner (producer/bulk_jobs.py ``LineFormat``): one job per line, in the
+    """The prompt line format for the runner (producer/bulk_types.py ``LineFormat``): one job per line, in the
     batch class unless ``defaults`` says otherwise; answers written in submission order."""
 
     prefix: str
@@ -167,8 +166,7 @@ class PromptFormat:
         line = parse_line(raw, index, self.prefix, self.seen)
         if line.error is not None:
             return Work(index, line, error=line.answer(error=line.error))
-        return Work(index, line, [line.job_id] if line.job_id else [], line.obj["prompt"],
-                    prefix_key(line.obj["prompt"]), self.timeout)
+        return Work(index, line, [line.job_id] if line.job_id else [], line.obj["prompt"], line.key, self.timeout)
 
     async def params(self, work: Work) -> list[dict[str, Any]]:
         obj = work.line.obj

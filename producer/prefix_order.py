@@ -1,6 +1,6 @@
-"""The order ``batchfleet bulk`` submits lines in: lines whose prompts start alike go one after another
-(within each window of lines), so one worker's batch shares its prefix and the workers' prefix cache keeps
-what the next lines need. Pure: no I/O, no tokenizer."""
+"""The order the bulk runner (``batchfleet bulk``, the gateway's batches) submits lines in: lines whose
+prompts start alike go one after another (within each window of lines), so one worker's batch shares its
+prefix and the workers' prefix cache keeps what the next lines need. Pure: no I/O, no tokenizer."""
 
 from __future__ import annotations
 
@@ -26,15 +26,14 @@ def prefix_key(prompt: object) -> str | None:
         return None
 
 
-def submission_order(lines: list[Any], window: int) -> list[Any]:
-    """The order to submit prompt lines (producer/bulk_lines.py ``Line``) in: each run of ``window``
-    consecutive lines grouped by ``prefix_key`` (groups in order of first appearance, lines in input order
-    within a group). Grouping never reaches past ``window`` lines, so the line written next is always among
-    those submitted (the bulk runner groups each window it reads the same way)."""
+def submission_order(items: list[Any], window: int) -> list[Any]:
+    """The order to submit ``items`` (each with its ``key``, a ``prefix_key`` or None) in: each run of
+    ``window`` consecutive items grouped by key (groups in order of first appearance, items in input order
+    within a group). Grouping never reaches past ``window`` items, so the line written next is always among
+    those submitted."""
     out: list[Any] = []
-    for start in range(0, len(lines), window):
-        out += grouped(lines[start:start + window],
-                       lambda line: prefix_key(line.obj.get("prompt")) if line.error is None else None)
+    for start in range(0, len(items), window):
+        out += grouped(items[start:start + window], lambda item: item.key)
     return out
 
 
