@@ -1,15 +1,21 @@
-"""The server-side code producers call: enqueue and cancel, as Lua run inside Redis.
+"""The server-side code of the producer side, as Lua run inside Redis: enqueue and cancel (every
+producer), and the compare-and-renew / compare-and-release of a batch lease (the gateway's batch runner).
 
 On Redis 7+ a worker (or an admin, see docs/SECURITY.md) loads them once as the function library
 ``batchfleet`` and producers call them with ``FCALL``, so a producer's ACL user needs no ``EVAL``: it can
-run these two functions and nothing else of Lua. On Redis 6.2 (no functions) producers send the same
-bodies with ``EVALSHA``. One body each, used both ways.
+run these functions and nothing else of Lua. On Redis 6.2 (no functions) producers send the same
+bodies with ``EVALSHA``. One body each, used both ways (``Functions`` picks).
 
 Both run with the caller's ACL permissions (Redis has no "run as definer"): whatever a function writes,
 its caller may also write directly. docs/SECURITY.md says what that means for untrusted producers.
 """
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis
 
 LIBRARY_NAME = "batchfleet"
 LIVE_WORKER_MS = 30_000  # a worker whose last heartbeat (Redis time) is older than this is gone
@@ -40,23 +46,39 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '~', tonumber(ARGV[4]), '*', 'id', ARGV[1]
 return 1
 """
 
-BODIES = {"enqueue": ENQUEUE, "cancel": CANCEL}
-FUNCTION_NAMES = {name: f"bf_{name}_v1" for name in BODIES}  # bump with an incompatible body change
+# KEYS: a batch lease (gateway/batch_store.py). ARGV: the holder's token, ttl ms. Only the holder extends it:
+# returns 1 renewed, 0 not held (expired, or another process holds it now).
+LEASE_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+# KEYS: a batch lease. ARGV: the holder's token. Only the holder drops it: returns 1 released, 0 not held.
+LEASE_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+BODIES = {"enqueue": ENQUEUE, "cancel": CANCEL}  # the client protocol's (docs/PROTOCOL.md): any producer
+LEASE_BODIES = {"lease_renew": LEASE_RENEW, "lease_release": LEASE_RELEASE}  # the gateway's batch leases
+# bump a name's version with an incompatible body change
+FUNCTION_NAMES = {name: f"bf_{name}_v1" for name in BODIES}
+LEASE_FUNCTION_NAMES = {name: f"bf_{name}_v1" for name in LEASE_BODIES}
+ALL_BODIES = {**BODIES, **LEASE_BODIES}
+ALL_FUNCTION_NAMES = {**FUNCTION_NAMES, **LEASE_FUNCTION_NAMES}
 
 
 def library_code() -> str:
     """The ``FUNCTION LOAD`` source: every body registered under its versioned name."""
     parts = [f"#!lua name={LIBRARY_NAME}"]
-    for name, body in BODIES.items():
+    for name, body in ALL_BODIES.items():
         parts.append(f"local function {name}(KEYS, ARGV)\n{body.strip()}\nend")
-        parts.append(f"redis.register_function('{FUNCTION_NAMES[name]}', {name})")
+        parts.append(f"redis.register_function('{ALL_FUNCTION_NAMES[name]}', {name})")
     return "\n".join(parts) + "\n"
 
 
 def load_library(r) -> bool:
     """Load (or replace) the library with a sync redis-py client; False on a Redis without functions (< 7)."""
-    import redis
-
     try:
         r.execute_command("FUNCTION", "LOAD", "REPLACE", library_code())
     except redis.ResponseError as exc:
@@ -64,3 +86,32 @@ def load_library(r) -> bool:
             return False
         raise
     return True
+
+
+Command = Callable[[Any], Awaitable[Any]]  # client or pipeline -> the reply
+
+
+class Functions:
+    """Calls the library's functions on an asyncio client: ``FCALL``, or ``EVALSHA`` of the same body where
+    Redis has no functions (6.2) or the library is not loaded (yet, or an older one without the function)."""
+
+    def __init__(self, r: Any) -> None:
+        self.r = r
+        self._scripts = {name: r.register_script(body) for name, body in ALL_BODIES.items()}
+        self._fcall = True  # False once Redis says it has no FCALL (< 7)
+
+    async def call(self, name: str, keys: list[str], args: list[Any],
+                   send: Callable[[Command], Awaitable[Any]] | None = None) -> Any:
+        """Run function ``name``. ``send(command)`` awaits ``command(client)`` (default: on this client), so a
+        caller may wrap it (common/redis_conn.py ``write_acked`` runs it in a pipeline with ``WAIT``)."""
+        send = send or (lambda command: command(self.r))
+        if self._fcall:
+            try:
+                return await send(lambda c: c.fcall(ALL_FUNCTION_NAMES[name], len(keys), *keys, *args))
+            except redis.ResponseError as exc:
+                msg = str(exc).lower()
+                if "unknown command" in msg:
+                    self._fcall = False
+                elif "function not found" not in msg:
+                    raise
+        return await send(lambda c: self._scripts[name](keys=keys, args=args, client=c))

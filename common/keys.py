@@ -8,9 +8,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from batchfleet.common.lanes import BATCH, INTERACTIVE, LANES  # noqa: F401 - BATCH: importable from here too
+
 DEFAULT_NAMESPACE = "bf"
-INTERACTIVE, BATCH = "interactive", "batch"
-LANES = (INTERACTIVE, BATCH)  # priority classes, most urgent first (common/lanes.py)
 # fullmatch everywhere: "$" would accept a trailing newline ("abc\n")
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 JOB_ID_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")

@@ -8,15 +8,18 @@ mode an interactive arrival preempts running batch sequences (docs/OPERATIONS.md
 
 Accepted spellings (``lane_of``): the class names; OpenAI's ``service_tier`` (``flex`` -> batch,
 ``auto`` / ``default`` -> interactive); vLLM's integer ``priority`` (lower is more urgent, default 0:
-``<= 0`` -> interactive, ``> 0`` -> batch). Pure: no Redis.
+``<= 0`` -> interactive, ``> 0`` -> batch). Clients normalise once (``lane_of``) and pick the stream with it;
+the stream is the only place the class travels (a worker takes it from the stream an entry came from).
+Pure: no Redis.
 """
 
 from __future__ import annotations
 
 import math
 
-from batchfleet.common.keys import BATCH, INTERACTIVE, LANES
-
+# the lane constants' one home (common/keys.py names streams with them)
+INTERACTIVE, BATCH = "interactive", "batch"
+LANES = (INTERACTIVE, BATCH)  # most urgent first
 SERVICE_TIERS = {"auto": INTERACTIVE, "default": INTERACTIVE, "flex": BATCH}
 RANK = {lane: i for i, lane in enumerate(LANES)}  # 0 = most urgent: what the engine orders by
 

@@ -13,14 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchfleet.common.errors import ProtocolError
-from batchfleet.common.guided import Guide, GuideError
-from batchfleet.common.keys import INTERACTIVE, LANES, valid_job_id
+from batchfleet.common.keys import valid_job_id
+from batchfleet.common.params import DEFAULT, Params
 from batchfleet.common.wire import (  # noqa: F401 - SCHEMA_VERSION and the bounds are the protocol's names too
     MAX_PAYLOAD_BYTES,
     MAX_TEXT_CHARS,
     MAX_TOKENS,
     SCHEMA_VERSION,
-    float_field,
     int_field,
     pack,
     str_field,
@@ -28,17 +27,12 @@ from batchfleet.common.wire import (  # noqa: F401 - SCHEMA_VERSION and the boun
     unpack,
 )
 
-MAX_REPETITION_PENALTY = 10.0
-MAX_TOP_K = 1 << 20
-MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
-MAX_STOP = 16
-MAX_STOP_CHARS = 256
 FINISH_REASONS = ("stop", "length", "eos")
 MAX_TIMEOUT_MS = 10 * 365 * 86400 * 1000
 
 
 # logprobs on the wire: one entry per generated token, aligned with ``token_ids``:
-# [logprob of the token, [top token ids], [their logprobs]] (top lists: ``Request.logprobs`` long, best first)
+# [logprob of the token, [top token ids], [their logprobs]] (top lists: ``Params.logprobs`` long, best first)
 LogprobEntry = tuple[float, tuple[int, ...], tuple[float, ...]]
 
 
@@ -53,56 +47,27 @@ def _logprobs_of(obj: dict) -> list[LogprobEntry] | None:
     return [(float(lp), tuple(ids), tuple(float(x) for x in lps)) for lp, ids, lps in raw]
 
 
-MIN_TEMPERATURE = 1e-3  # below it logits / t overflow; 0 means greedy
-
-
-def _temperature(obj: dict) -> float:
-    t = float_field(obj, "temperature", 0.0, 100.0, 0.0)
-    if 0.0 < t < MIN_TEMPERATURE:
-        raise ProtocolError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100], got {t!r}")
-    return t
-
-
 @dataclass(frozen=True)
 class Request:
     """One generation job. ``prompt`` is token ids: producers tokenize with the fleet's tokenizer.
 
-    ``timeout_ms`` counts from the enqueue as Redis stamped it (the stream entry id), so a producer's
-    clock never matters. ``reply_key`` is the submitting client's inbox stream (``<ns>:inbox:<token>``);
-    ``stream`` asks for Delta entries there while the job runs. ``priority`` is the job's class (one of
-    ``LANES``) and must name the class of the stream it is enqueued in (a worker answers a mismatch
-    ``invalid_request``).
+    ``params`` (common/params.py) travel as flat entries of the map, as they always did. ``timeout_ms``
+    counts from the enqueue as Redis stamped it (the stream entry id), so a producer's clock never matters.
+    ``reply_key`` is the submitting client's inbox stream (``<ns>:inbox:<token>``); ``stream`` asks for
+    Delta entries there while the job runs. The job's priority class is the stream it is enqueued in, and
+    nothing else: a ``priority`` entry (older producers sent one) is ignored.
     """
 
     id: str
     prompt: list[int]
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = disabled
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+    params: Params = DEFAULT
     timeout_ms: int | None = None  # after enqueue + timeout_ms the answer is useless (deadline_exceeded)
     reply_key: str = ""
     stream: bool = False
-    priority: str = INTERACTIVE
-    # sampling extensions (vLLM's names and meanings)
-    ignore_eos: bool = False  # an end-of-sequence token does not end the request
-    min_tokens: int = 0  # EOS and stop strings cannot end it before this many tokens
-    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or the output
-    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
-    guide: Guide | None = None  # structured output the tokens must match (None: free)
-    logprobs: int | None = None  # None = off; k = each token's logprob and its k best alternatives
 
     def encode(self) -> bytes:
-        return pack({
-            "id": self.id, "prompt": list(self.prompt), "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-            "stop": list(self.stop), "timeout_ms": self.timeout_ms, "reply_key": self.reply_key,
-            "stream": self.stream, "priority": self.priority, "ignore_eos": self.ignore_eos,
-            "min_tokens": self.min_tokens, "repetition_penalty": self.repetition_penalty, "min_p": self.min_p,
-            "guide": None if self.guide is None else self.guide.to_wire(), "logprobs": self.logprobs,
-        })
+        return pack({"id": self.id, "prompt": list(self.prompt), **self.params.to_wire(),
+                     "timeout_ms": self.timeout_ms, "reply_key": self.reply_key, "stream": self.stream})
 
     @classmethod
     def decode(cls, data: bytes) -> Request:
@@ -111,62 +76,14 @@ class Request:
         job_id = obj.get("id")
         if not valid_job_id(job_id):
             raise ProtocolError("id must be 1-128 chars of [A-Za-z0-9_.-]")
-        stop = obj.get("stop", [])
-        if not isinstance(stop, list) or len(stop) > MAX_STOP:
-            raise ProtocolError(f"stop must be a list of at most {MAX_STOP} strings")
-        for s in stop:
-            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
-                raise ProtocolError(f"each stop string must be 1-{MAX_STOP_CHARS} chars of valid UTF-8")
-        seed = obj.get("seed")
-        if seed is not None:
-            seed = int_field(obj, "seed", 0, 2**63 - 1)
         timeout_ms = obj.get("timeout_ms")
         if timeout_ms is not None:
             timeout_ms = int_field(obj, "timeout_ms", 0, MAX_TIMEOUT_MS)
         stream = obj.get("stream", False)
         if type(stream) is not bool:
             raise ProtocolError(f"stream must be a boolean, got {stream!r}"[:200])
-        priority = obj.get("priority", INTERACTIVE)
-        if priority not in LANES:
-            raise ProtocolError(f"priority must be one of {', '.join(LANES)}, got {priority!r}"[:200])
-        ext: dict[str, Any] = {"ignore_eos": obj.get("ignore_eos", False)}
-        if type(ext["ignore_eos"]) is not bool:
-            raise ProtocolError(f"ignore_eos must be a boolean, got {ext['ignore_eos']!r}"[:200])
-        ext["min_tokens"] = int_field(obj, "min_tokens", 0, MAX_TOKENS, 0)
-        penalty = float_field(obj, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY, 1.0)
-        if penalty <= 0.0:
-            raise ProtocolError("repetition_penalty must be > 0")
-        ext["repetition_penalty"] = penalty
-        ext["min_p"] = float_field(obj, "min_p", 0.0, 1.0, 0.0)
-        max_new_tokens = int_field(obj, "max_new_tokens", 1, MAX_TOKENS)
-        if ext["min_tokens"] > max_new_tokens:
-            raise ProtocolError(f"min_tokens ({ext['min_tokens']}) must be <= max_new_tokens ({max_new_tokens})")
-        guide = obj.get("guide")
-        if guide is not None:
-            try:
-                guide = Guide.from_wire(guide)
-            except GuideError as exc:
-                raise ProtocolError(str(exc)) from None
-        logprobs = obj.get("logprobs")
-        if logprobs is not None:
-            logprobs = int_field(obj, "logprobs", 0, MAX_LOGPROBS)
-        return cls(
-            id=job_id,
-            prompt=tokens_field(obj, "prompt", 1),
-            max_new_tokens=max_new_tokens,
-            temperature=_temperature(obj),
-            top_p=float_field(obj, "top_p", 1e-6, 1.0, 1.0),
-            top_k=int_field(obj, "top_k", 0, MAX_TOP_K, 0),
-            seed=seed,
-            stop=tuple(stop),
-            timeout_ms=timeout_ms,
-            reply_key=str_field(obj, "reply_key"),
-            stream=stream,
-            priority=priority,
-            **ext,
-            guide=guide,
-            logprobs=logprobs,
-        )
+        return cls(id=job_id, prompt=tokens_field(obj, "prompt", 1), params=Params.from_wire(obj),
+                   timeout_ms=timeout_ms, reply_key=str_field(obj, "reply_key"), stream=stream)
 
 
 @dataclass(frozen=True)

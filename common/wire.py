@@ -1,12 +1,12 @@
 """The wire's codec: bounded msgpack decoding of one payload and the field checks every wire type uses
-(common/protocol.py). A payload is size-checked before unpacking and every container length is capped, so
-a hostile entry cannot make a worker allocate without bound; every field is type- and range-checked
-(booleans are not integers here). No pickle anywhere.
+(common/protocol.py; a Request's generation parameters have their own, common/params.py). A payload is
+size-checked before unpacking and every container length is capped, so a hostile entry cannot make a
+worker allocate without bound; every field is type- and range-checked (booleans are not integers here).
+No pickle anywhere.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import msgpack
@@ -15,7 +15,7 @@ from batchfleet.common.errors import UNSUPPORTED_SCHEMA, ProtocolError
 
 # 2: per-client inbox streams, timeouts on Redis' clock
 # 3: priority classes (lanes), vLLM's sampling extensions (ignore_eos, min_tokens, repetition_penalty,
-# min_p), structured outputs (Request.guide) and logprobs (Request.logprobs, Result/Delta.logprobs): a v2
+# min_p), structured outputs (guide) and logprobs (logprobs, Result/Delta.logprobs; common/params.py): a v2
 # worker would ignore them and answer something else than asked, so it refuses v3 (unsupported_schema)
 SCHEMA_VERSION = 3
 MAX_PAYLOAD_BYTES = 1 << 20  # 1 MiB: far above 4096 token ids + stop strings
@@ -62,13 +62,6 @@ def int_field(obj: dict, key: str, lo: int, hi: int, default: int | None = None)
     if type(value) is not int or not lo <= value <= hi:  # bool is an int subclass: rejected on purpose
         raise ProtocolError(f"{key} must be an integer in [{lo}, {hi}], got {value!r}"[:200])
     return value
-
-
-def float_field(obj: dict, key: str, lo: float, hi: float, default: float) -> float:
-    value = obj.get(key, default)
-    if type(value) not in (int, float) or not math.isfinite(value) or not lo <= value <= hi:
-        raise ProtocolError(f"{key} must be a number in [{lo}, {hi}], got {value!r}"[:200])
-    return float(value)
 
 
 def str_field(obj: dict, key: str, max_len: int = 256) -> str:

@@ -1,4 +1,4 @@
-"""The OpenAI files and batches API on the gateway (``add_batch_routes``):
+"""The OpenAI files and batches API on the gateway (``router``, every route behind the API key):
 
     POST /v1/files (multipart: file, purpose=batch)     GET /v1/files    GET /v1/files/{id}
     GET  /v1/files/{id}/content                         DELETE /v1/files/{id}
@@ -10,24 +10,23 @@ gateway/batch_runner.py (in this process unless ``--no-batch-runner``).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import secrets
 import time
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 from pydantic import BaseModel, Field, StrictStr
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import FileResponse
 
 from batchfleet.gateway.batch_lines import ENDPOINTS
-from batchfleet.gateway.batch_store import LIST_MAX, BatchStore, FileStore, public
+from batchfleet.gateway.batch_store import LIST_MAX, public
+from batchfleet.gateway.deps import KEY_CHECKED, Owner, Redis
 from batchfleet.gateway.errors import APIError, invalid
 from batchfleet.gateway.schemas import STRICT, parse
-from batchfleet.gateway.service import Gateway
 from batchfleet.gateway.strict import read_json
 
 WINDOW_RE = re.compile(r"([1-9][0-9]{0,5})([smh])")  # OpenAI accepts "24h"; shorter windows are ours
@@ -42,15 +41,6 @@ class CreateBatch(BaseModel):
     endpoint: StrictStr
     completion_window: StrictStr = "24h"
     metadata: dict[StrictStr, StrictStr] | None = Field(default=None, max_length=16)
-
-
-def owner_of(request: Request, gateway: Gateway) -> str:
-    """The caller's owner name: a digest of its API key ("public" when the gateway has no keys)."""
-    gateway.authorize(request)
-    if not gateway.config.api_keys:
-        return "public"
-    key = request.headers["authorization"].partition(" ")[2].strip()
-    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def window_seconds(window: str) -> int:
@@ -71,99 +61,97 @@ def limit_param(request: Request, default: int, most: int) -> int:
     return int(raw)
 
 
-def add_batch_routes(app: FastAPI) -> None:
-    def caller(request: Request) -> tuple[str, FileStore, BatchStore]:
-        """(the caller's owner name, once its key is checked; the file store; the batch store)."""
-        state = request.app.state
-        return owner_of(request, state.gateway), state.files, state.batches
+router = APIRouter(dependencies=KEY_CHECKED)
 
-    @app.post("/v1/files")
-    async def upload_file(request: Request) -> Any:
-        owner, files, _ = caller(request)
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > files.max_bytes + (1 << 20):
-            raise APIError(413, f"file over {files.max_bytes >> 20} MiB", "invalid_request_error",
-                           "file_too_large", "file")
-        try:
-            form = await request.form(max_files=1, max_fields=8)
-        except Exception as exc:  # noqa: BLE001 - any multipart the parser refuses is the client's
-            raise invalid(f"the body must be multipart/form-data with 'file' and 'purpose': {exc}"[:300]) from None
-        try:  # the parts are spooled to temporary files: closed (deleted) whatever happens
-            upload, purpose = form.get("file"), form.get("purpose")
-            if not isinstance(upload, UploadFile):
-                raise invalid("missing 'file' (multipart/form-data)", "file")
-            if not isinstance(purpose, str):
-                raise invalid("missing 'purpose' (use 'batch')", "purpose")
-            return public(await files.upload(owner, upload.filename or "upload.jsonl", purpose, upload.file))
-        finally:
-            await form.close()
 
-    @app.get("/v1/files")
-    async def list_files(request: Request) -> Any:
-        owner, files, _ = caller(request)
-        return await files.list(owner, request.query_params.get("purpose"), request.query_params.get("after"),
-                                limit_param(request, FILES_LIST_MAX, FILES_LIST_MAX))
+@router.post("/v1/files")
+async def upload_file(request: Request, owner: Owner, redis: Redis) -> Any:
+    files = redis.files
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > files.max_bytes + (1 << 20):
+        raise APIError(413, f"file over {files.max_bytes >> 20} MiB", "invalid_request_error",
+                       "file_too_large", "file")
+    try:
+        form = await request.form(max_files=1, max_fields=8)
+    except Exception as exc:  # noqa: BLE001 - any multipart the parser refuses is the client's
+        raise invalid(f"the body must be multipart/form-data with 'file' and 'purpose': {exc}"[:300]) from None
+    try:  # the parts are spooled to temporary files: closed (deleted) whatever happens
+        upload, purpose = form.get("file"), form.get("purpose")
+        if not isinstance(upload, UploadFile):
+            raise invalid("missing 'file' (multipart/form-data)", "file")
+        if not isinstance(purpose, str):
+            raise invalid("missing 'purpose' (use 'batch')", "purpose")
+        return public(await files.upload(owner, upload.filename or "upload.jsonl", purpose, upload.file))
+    finally:
+        await form.close()
 
-    @app.get("/v1/files/{file_id}")
-    async def get_file(request: Request, file_id: str) -> Any:
-        owner, files, _ = caller(request)
-        return public(await files.get(owner, file_id))
 
-    @app.get("/v1/files/{file_id}/content")
-    async def file_content(request: Request, file_id: str) -> Any:
-        owner, files, _ = caller(request)
-        meta = await files.get(owner, file_id)
-        path = files.path(meta["id"])
-        if not os.path.exists(path):  # recorded in Redis, but not in this gateway's directory
-            raise APIError(500, f"file {file_id} is not in this gateway's --files-dir: every gateway of a fleet "
-                           "must mount the same files volume", "server_error", "file_unavailable")
-        return FileResponse(path, media_type="application/jsonl", filename=meta["filename"])
+@router.get("/v1/files")
+async def list_files(request: Request, owner: Owner, redis: Redis) -> Any:
+    return await redis.files.list(owner, request.query_params.get("purpose"), request.query_params.get("after"),
+                                  limit_param(request, FILES_LIST_MAX, FILES_LIST_MAX))
 
-    @app.delete("/v1/files/{file_id}")
-    async def delete_file(request: Request, file_id: str) -> Any:
-        owner, files, _ = caller(request)
-        return await files.delete(owner, file_id)
 
-    @app.post("/v1/batches")
-    async def create_batch(request: Request) -> Any:
-        owner, files, batches = caller(request)
-        body = parse(CreateBatch, await read_json(request))
-        if body.endpoint not in ENDPOINTS:
-            raise invalid(f"endpoint must be one of {', '.join(ENDPOINTS)}", "endpoint")
-        if body.metadata and any(len(k) > 64 or len(v) > 512 for k, v in body.metadata.items()):
-            raise invalid("metadata keys are at most 64 characters, values at most 512", "metadata")
-        seconds = window_seconds(body.completion_window)
-        try:
-            source = await files.get(owner, body.input_file_id)
-        except APIError:
-            raise APIError(404, f"no file with id {body.input_file_id[:100]!r}", "invalid_request_error",
-                           "not_found", "input_file_id") from None
-        if source["purpose"] != "batch":
-            raise invalid("input_file_id must name a file uploaded with purpose 'batch'", "input_file_id")
-        now = int(time.time())
-        doc = {"id": "batch_" + secrets.token_hex(12), "object": "batch", "endpoint": body.endpoint, "errors": None,
-               "input_file_id": body.input_file_id, "completion_window": body.completion_window,
-               "status": "validating", "output_file_id": None, "error_file_id": None, "created_at": now,
-               "in_progress_at": None, "expires_at": now + seconds, "finalizing_at": None, "completed_at": None,
-               "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-               "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.metadata}
-        run = {"output": files.new_id(), "errors": files.new_id(), "prefix": "q" + secrets.token_hex(8),
-               "inbox": secrets.token_urlsafe(24)}
-        await batches.create(owner, doc, run)
-        return public(doc)
+@router.get("/v1/files/{file_id}")
+async def get_file(file_id: str, owner: Owner, redis: Redis) -> Any:
+    return public(await redis.files.get(owner, file_id))
 
-    @app.get("/v1/batches")
-    async def list_batches(request: Request) -> Any:
-        owner, _, batches = caller(request)
-        return await batches.list(owner, request.query_params.get("after"),
-                                  limit_param(request, 20, LIST_MAX))
 
-    @app.get("/v1/batches/{batch_id}")
-    async def get_batch(request: Request, batch_id: str) -> Any:
-        owner, _, batches = caller(request)
-        return public(await batches.get(owner, batch_id))
+@router.get("/v1/files/{file_id}/content")
+async def file_content(file_id: str, owner: Owner, redis: Redis) -> Any:
+    files = redis.files
+    meta = await files.get(owner, file_id)
+    path = files.path(meta["id"])
+    if not os.path.exists(path):  # recorded in Redis, but not in this gateway's directory
+        raise APIError(500, f"file {file_id} is not in this gateway's --files-dir: every gateway of a fleet "
+                       "must mount the same files volume", "server_error", "file_unavailable")
+    return FileResponse(path, media_type="application/jsonl", filename=meta["filename"])
 
-    @app.post("/v1/batches/{batch_id}/cancel")
-    async def cancel_batch(request: Request, batch_id: str) -> Any:
-        owner, _, batches = caller(request)
-        return public(await batches.cancel(owner, batch_id))
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(file_id: str, owner: Owner, redis: Redis) -> Any:
+    return await redis.files.delete(owner, file_id)
+
+
+@router.post("/v1/batches")
+async def create_batch(request: Request, owner: Owner, redis: Redis) -> Any:
+    files, batches = redis.files, redis.batches
+    body = parse(CreateBatch, await read_json(request))
+    if body.endpoint not in ENDPOINTS:
+        raise invalid(f"endpoint must be one of {', '.join(ENDPOINTS)}", "endpoint")
+    if body.metadata and any(len(k) > 64 or len(v) > 512 for k, v in body.metadata.items()):
+        raise invalid("metadata keys are at most 64 characters, values at most 512", "metadata")
+    seconds = window_seconds(body.completion_window)
+    try:
+        source = await files.get(owner, body.input_file_id)
+    except APIError:
+        raise APIError(404, f"no file with id {body.input_file_id[:100]!r}", "invalid_request_error",
+                       "not_found", "input_file_id") from None
+    if source["purpose"] != "batch":
+        raise invalid("input_file_id must name a file uploaded with purpose 'batch'", "input_file_id")
+    now = int(time.time())
+    doc = {"id": "batch_" + secrets.token_hex(12), "object": "batch", "endpoint": body.endpoint, "errors": None,
+           "input_file_id": body.input_file_id, "completion_window": body.completion_window,
+           "status": "validating", "output_file_id": None, "error_file_id": None, "created_at": now,
+           "in_progress_at": None, "expires_at": now + seconds, "finalizing_at": None, "completed_at": None,
+           "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+           "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.metadata}
+    run = {"output": files.new_id(), "errors": files.new_id(), "prefix": "q" + secrets.token_hex(8),
+           "inbox": secrets.token_urlsafe(24)}
+    await batches.create(owner, doc, run)
+    return public(doc)
+
+
+@router.get("/v1/batches")
+async def list_batches(request: Request, owner: Owner, redis: Redis) -> Any:
+    return await redis.batches.list(owner, request.query_params.get("after"), limit_param(request, 20, LIST_MAX))
+
+
+@router.get("/v1/batches/{batch_id}")
+async def get_batch(batch_id: str, owner: Owner, redis: Redis) -> Any:
+    return public(await redis.batches.get(owner, batch_id))
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(batch_id: str, owner: Owner, redis: Redis) -> Any:
+    return public(await redis.batches.cancel(owner, batch_id))

@@ -52,6 +52,7 @@ class OpenAIFormat:
     seen: set[str] = field(default_factory=set)  # custom_ids met so far
     texts: Callable[[int], str] | None = None
     ordered = False
+    check_answered = True  # an output cut short by hand: its lines run again under fresh ids
     refused: tuple[type[BaseException], ...] = (Exception,)  # the client's checks (InvalidRequest, ...)
 
     def stem(self, index: int) -> str:

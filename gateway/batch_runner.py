@@ -30,7 +30,7 @@ from batchfleet.gateway.batch_format import OpenAIFormat
 from batchfleet.gateway.batch_lines import MAX_LINE_ERRORS, Limits, LineError, parse_line
 from batchfleet.gateway.batch_store import BatchStore, FileStore
 from batchfleet.gateway.config import GatewayConfig
-from batchfleet.producer.aclient import AsyncClient
+from batchfleet.gateway.connections import producer_client
 from batchfleet.producer.bulk_files import FileSink, read_back
 from batchfleet.producer.bulk_jobs import run_lines
 from batchfleet.producer.bulk_lines import numbered
@@ -41,9 +41,6 @@ POLL_S = 1.0
 RETRY_S = 5.0  # a batch that stopped on a fleet-wide failure (no live worker, Redis) is tried again after this
 EXPIRY_GRACE_S = 30.0
 MAX_BATCHES = 4  # batches one process runs at once
-# compare-and-renew / compare-and-delete: only the lease's holder extends or drops it
-RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
-RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 FILE_GONE = {"code": "file_not_found", "message": "the input file was deleted", "param": "input_file_id",
              "line": None}
 CANCELLED = ("batch_cancelled", "the batch was cancelled before this request completed")
@@ -74,8 +71,6 @@ class BatchRunner:
         self.keys: Keys = batches.keys
         self.running: dict[str, asyncio.Task] = {}
         self.retry_at: dict[str, float] = {}
-        self._renew = self.r.register_script(RENEW)
-        self._release = self.r.register_script(RELEASE)
 
     async def serve(self) -> None:
         """Poll for due batches until cancelled."""
@@ -94,8 +89,7 @@ class BatchRunner:
             if batch_id in self.running or self.retry_at.get(batch_id, 0) > now:
                 continue
             token = secrets.token_hex(16)
-            if await self.r.set(self.keys.batch_lease(batch_id), token, nx=True,
-                                px=int(self.config.batch_lease_s * 1000)):
+            if await self.batches.take_lease(batch_id, token, int(self.config.batch_lease_s * 1000)):
                 task = asyncio.ensure_future(self._run(batch_id, token))
                 self.running[batch_id] = task
                 task.add_done_callback(lambda _, b=batch_id: self.running.pop(b, None))
@@ -119,7 +113,7 @@ class BatchRunner:
         finally:
             keeper.cancel()
             try:
-                await asyncio.shield(self._release(keys=[self.keys.batch_lease(batch_id)], args=[token]))
+                await asyncio.shield(self.batches.release_lease(batch_id, token))
             except Exception:  # noqa: BLE001 - the lease then expires by itself
                 pass
 
@@ -130,7 +124,7 @@ class BatchRunner:
         while True:
             await asyncio.sleep(self.config.batch_lease_s / 3)
             try:
-                held = await self._renew(keys=[self.keys.batch_lease(batch_id)], args=[token, ttl_ms])
+                held = await self.batches.renew_lease(batch_id, token, ttl_ms)
             except Exception as exc:  # noqa: BLE001 - retried while the lease surely still holds
                 log.warning("batch %s: could not renew its lease: %r", batch_id, exc)
                 # stop well before it can expire: another process may take the batch only after that, so
@@ -201,7 +195,7 @@ class BatchJob:
         if not os.path.exists(files.path(doc["input_file_id"])):  # deleted since: what was written is kept
             doc["errors"] = {"object": "list", "data": [FILE_GONE]}
             return await self.finish(doc, "failed", run)
-        client = AsyncClient(self.config.connection.redis_url, self.config.connection.namespace, inbox=run["inbox"])
+        client = producer_client(self.config, inbox=run["inbox"])
         spec = Spec(self.config.batch_window, kept.done)
         if cancelled or time.time() >= doc["expires_at"]:  # stopped before this turn began: only finish it
             spec.abandon = CANCELLED if cancelled else EXPIRED

@@ -5,7 +5,10 @@ complete bytes; its metadata (OpenAI's file object plus its owner) under ``keys.
 per batch (``keys.openai_batch``) whose ``doc`` field is the OpenAI batch object. The API writes ``doc``
 once, at creation; after that only the process holding the batch's lease writes it (gateway/batch_runner.py),
 and the API asks for a cancel through the ``cancel`` field, never by editing ``doc``. An owner is a digest
-of the API key, so a key sees only its own files and batches.
+of the API key, so a key sees only its own files and batches. The lease (``keys.batch_lease``) is a random
+token set with a TTL; only its holder renews or drops it (the ``lease_*`` functions of common/functions.py).
+
+Both stores get their client from gateway/connections.py (the AsyncClient's pool): they make none.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import IO, Any
 
 import redis.asyncio
 
+from batchfleet.common.functions import Functions
 from batchfleet.common.keys import Keys
 from batchfleet.gateway.errors import APIError, invalid
 
@@ -144,8 +148,9 @@ class FileStore:
 class BatchStore:
     """The batches API's records in Redis."""
 
-    def __init__(self, r: redis.asyncio.Redis, keys: Keys) -> None:
+    def __init__(self, r: redis.asyncio.Redis, keys: Keys, functions: Functions | None = None) -> None:
         self.r, self.keys = r, keys
+        self.functions = functions or Functions(r)
 
     async def create(self, owner: str, doc: dict[str, Any], run: dict[str, Any]) -> None:
         async with self.r.pipeline(transaction=True) as p:
@@ -198,3 +203,15 @@ class BatchStore:
 
     async def due(self) -> list[str]:
         return [i.decode() for i in await self.r.zrange(self.keys.openai_batches_due, 0, -1)]
+
+    async def take_lease(self, batch_id: str, token: str, ttl_ms: int) -> bool:
+        """Take the batch's lease when nobody holds it."""
+        return bool(await self.r.set(self.keys.batch_lease(batch_id), token, nx=True, px=ttl_ms))
+
+    async def renew_lease(self, batch_id: str, token: str, ttl_ms: int) -> bool:
+        """Extend the lease ``token`` holds; False: it is not held any more (expired, or taken over)."""
+        return bool(await self.functions.call("lease_renew", [self.keys.batch_lease(batch_id)], [token, ttl_ms]))
+
+    async def release_lease(self, batch_id: str, token: str) -> None:
+        """Drop the lease if ``token`` still holds it."""
+        await self.functions.call("lease_release", [self.keys.batch_lease(batch_id)], [token])

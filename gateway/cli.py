@@ -68,8 +68,7 @@ def batches(**values) -> None:
     import asyncio
 
     from batchfleet.gateway.batch_runner import BatchRunner
-    from batchfleet.gateway.batch_store import BatchStore, FileStore
-    from batchfleet.producer import AsyncClient
+    from batchfleet.gateway.connections import GatewayRedis
 
     try:
         config = build_gateway_config(**values)
@@ -77,16 +76,15 @@ def batches(**values) -> None:
         raise click.UsageError(str(exc)) from exc
 
     async def run() -> None:
-        client = AsyncClient(config.connection.redis_url, config.connection.namespace)
-        runner = BatchRunner(config, FileStore(client.r, client.keys, config.files_dir, config.max_file_mb << 20),
-                             BatchStore(client.r, client.keys))
+        redis = GatewayRedis(config)
+        runner = BatchRunner(config, redis.files, redis.batches)
         logging.getLogger(__name__).info("batch runner for namespace %r, files in %s", config.connection.namespace,
                                          config.files_dir)
         try:
             await runner.serve()
         finally:
             await runner.close()
-            await client.aclose()
+            await redis.aclose()
 
     try:
         asyncio.run(run())

@@ -10,9 +10,8 @@ vLLM's structured-output extensions (``guided_json``, ``guided_regex``, ``guided
 
 Extensions, all optional: ``timeout`` (seconds; at most the gateway's --request-timeout, HTTP 504 past
 it), and vLLM's ``top_k`` (0 or -1 = off), ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos`` and ``priority`` (an integer: lower is more urgent). OpenAI's ``service_tier`` picks the
-priority class: ``flex`` -> batch, ``auto`` / ``default`` -> interactive (common/lanes.py); ``priority``
-> 0 -> batch.
+``ignore_eos`` and ``priority`` (an integer: lower is more urgent; > 0 -> batch). OpenAI's ``service_tier``
+picks the class: ``flex`` -> batch, ``auto`` / ``default`` -> interactive (common/lanes.py).
 """
 
 from __future__ import annotations
@@ -22,13 +21,17 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from batchfleet.common.errors import PromptTooLong
 from batchfleet.common.guided import Guide, GuideError, from_options
 from batchfleet.common.lanes import lane_of
-from batchfleet.common.protocol import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP, MAX_TOP_K, MIN_TEMPERATURE
+from batchfleet.common.params import FIELDS, MIN_TEMPERATURE, ParamError, Params
 from batchfleet.gateway.errors import invalid
 from batchfleet.gateway.strict import NEUTRAL_CHAT, NEUTRAL_COMPLETIONS, NEUTRAL_MESSAGE, refuse_non_neutral
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's
+OPENAI_MAX_TEMPERATURE = 2.0  # OpenAI's range (the fleet's own goes to 100: common/params.py)
+# parameters this surface spells or maps its own way; every other field of the fleet's table is taken as named
+SPELLED_HERE = {"max_new_tokens", "temperature", "top_k", "stop", "logprobs", "guide"}
 MAX_N = 32  # choices per request: each is a job of its own
 TokenIds = list[StrictInt]
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -88,14 +91,15 @@ class _Common(BaseModel):
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     model: StrictStr | None = None
-    temperature: Number | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: Number | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: StrictInt | None = Field(default=None, ge=-1, le=MAX_TOP_K)
-    min_p: Number | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: Number | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
-    min_tokens: StrictInt | None = Field(default=None, ge=0)
+    # bounds: the fleet's one table (common/params.py, checked in ``params``); here only OpenAI's own rules
+    temperature: Number | None = Field(default=None, ge=0.0, le=OPENAI_MAX_TEMPERATURE)
+    top_p: Number | None = None
+    top_k: StrictInt | None = Field(default=None, ge=-1)
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    min_tokens: StrictInt | None = None
     ignore_eos: StrictBool | None = None
-    seed: StrictInt | None = Field(default=None, ge=0, lt=2**63)
+    seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = Field(default=None)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
@@ -151,31 +155,31 @@ class _Common(BaseModel):
             raise invalid(str(exc), "structured_outputs" if self.structured_outputs else exc.param) from None
         return guide, ("structured_outputs" if self.structured_outputs else next(iter(options), None))
 
-    def job(self, prompt: Any, max_tokens: int, timeout_cap: float, logprobs: int | None = None) -> Job:
-        refuse_non_neutral({k: getattr(self, k) for k in self.model_fields_set}, self.NEUTRAL)
-        guide, guide_param = self.guide()
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        if stop is not None and (len(stop) > MAX_STOP or not all(stop)):
-            raise invalid(f"stop must be at most {MAX_STOP} non-empty strings", "stop")
-        if self.min_tokens is not None and self.min_tokens > max_tokens:
-            raise invalid(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
+    def params(self, max_tokens: int, logprobs: int | None, names: dict[str, str]) -> Params:
+        """The request's generation parameters as the fleet's one type (common/params.py), checked against
+        its table: a 400 naming the request's own field (``names``: the fleet's name -> the request's)."""
         temperature = 1.0 if self.temperature is None else self.temperature  # OpenAI's default
         if temperature < MIN_TEMPERATURE:  # OpenAI accepts any t >= 0; the fleet's sampler, t = 0 or >= 1e-3
             temperature = 0.0  # which is what such a t means: the most likely token
-        params: dict[str, Any] = {
-            "max_new_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": max(self.top_k or 0, 0),  # vLLM's -1 = off = the fleet's 0
-            "seed": self.seed,
-            "stop": stop or None,
-            "priority": self.lane(),
-            "min_p": self.min_p or 0.0,
-            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            "min_tokens": self.min_tokens or 0,
-            "ignore_eos": bool(self.ignore_eos),
-            "logprobs": logprobs,
-        }
+        given = {k: v for k in FIELDS if k not in SPELLED_HERE and k in type(self).model_fields
+                 and (v := getattr(self, k)) is not None}
+        try:  # vLLM's top_k -1 = off = the fleet's 0
+            return Params(max_new_tokens=max_tokens, temperature=temperature, logprobs=logprobs,
+                          top_k=max(self.top_k or 0, 0), stop=self.stop or (), **given)
+        except ParamError as exc:
+            message = str(exc)
+            for ours, theirs in names.items():
+                message = message.replace(ours, theirs)
+            code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else "invalid_request"
+            raise invalid(message, names.get(exc.field, exc.field), code) from None
+
+    def job(self, prompt: Any, max_tokens: int, timeout_cap: float, logprobs: int | None = None,
+            names: dict[str, str] | None = None) -> Job:
+        refuse_non_neutral({k: getattr(self, k) for k in self.model_fields_set}, self.NEUTRAL)
+        guide, guide_param = self.guide()
+        checked = self.params(max_tokens, logprobs, {"max_new_tokens": "max_tokens", **(names or {})})
+        params: dict[str, Any] = {**checked.keywords(), "priority": self.lane()}
+        del params["guide"]  # compiled by the caller, off the event loop (Job.guide)
         return Job(prompt=prompt, params=params, stream=bool(self.stream),
                    include_usage=bool(self.stream and self.stream_options and self.stream_options.include_usage),
                    timeout=min(self.timeout or timeout_cap, timeout_cap), model=self.model, n=self.n or 1,
@@ -186,8 +190,8 @@ class CompletionRequest(_Common):
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = NEUTRAL_COMPLETIONS
 
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # k: the token's and its top k
+    max_tokens: StrictInt | None = None
+    logprobs: StrictInt | None = None  # k: the token's and its top k
     echo: StrictBool | None = None
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
@@ -200,7 +204,8 @@ class CompletionRequest(_Common):
             prompt = prompt[0]
         if not prompt:
             raise invalid("prompt must not be empty", "prompt")
-        return self.job(prompt, self.max_tokens or OPENAI_DEFAULT_MAX_TOKENS, timeout_cap, self.logprobs)
+        max_tokens = OPENAI_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        return self.job(prompt, max_tokens, timeout_cap, self.logprobs)
 
 
 class TextPart(BaseModel):
@@ -235,10 +240,10 @@ class ChatCompletionRequest(_Common):
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = NEUTRAL_CHAT
 
     messages: list[Message] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     functions: list[Any] | None = None
@@ -258,9 +263,10 @@ class ChatCompletionRequest(_Common):
     def to_job(self, timeout_cap: float, default_max_tokens: int) -> Job:
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
-        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        max_tokens = next(n for n in (self.max_completion_tokens, self.max_tokens, default_max_tokens) if n is not None)
         # the request's own fields first, then each message's
-        job = self.job([], max_tokens, timeout_cap, (self.top_logprobs or 0) if self.logprobs else None)
+        job = self.job([], max_tokens, timeout_cap, (self.top_logprobs or 0) if self.logprobs else None,
+                       {"max_new_tokens": self.max_tokens_field(), "logprobs": "top_logprobs"})
         return replace(job, prompt=[m.rendered(i) for i, m in enumerate(self.messages)], prompt_field="messages",
                        max_tokens_field=self.max_tokens_field())
 

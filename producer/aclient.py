@@ -21,7 +21,7 @@ import redis
 from batchfleet.common.config import connection_from_env
 from batchfleet.common.errors import InvalidRequest, RedisUnavailable, Timeout
 from batchfleet.common.fleetstate import live_workers_async
-from batchfleet.common.functions import BODIES, CANCELS_MAXLEN, FUNCTION_NAMES, LIVE_WORKER_MS
+from batchfleet.common.functions import CANCELS_MAXLEN, LIVE_WORKER_MS, Functions
 from batchfleet.common.keys import valid_inbox
 from batchfleet.common.protocol import Result
 from batchfleet.common.redis_conn import async_client, write_acked
@@ -29,10 +29,10 @@ from batchfleet.common.retry import TRANSIENT, Backoff
 from batchfleet.producer.core import (
     INLINE_PROMPT_CHARS,
     RETRY_S,
+    Ask,
     Deadline,
     FleetView,
     Outgoing,
-    Params,
     Prompt,
     prompt_size,
 )
@@ -89,8 +89,7 @@ class AsyncClient:
         self.inbox.unavailable_after_s = retry_s
         self._fleet = FleetView()
         self._fleet_lock = asyncio.Lock()
-        self._scripts = {name: self.r.register_script(body) for name, body in BODIES.items()}
-        self._functions = True  # False once Redis says it has no FCALL (< 7)
+        self.functions = Functions(self.r)
         self._background: set[asyncio.Task] = set()  # cancels of given-up jobs (a reference keeps them alive)
 
     @property
@@ -136,16 +135,7 @@ class AsyncClient:
         """FCALL of a library function; EVALSHA of the same body where Redis has no functions (6.2) or the
         library is not loaded yet."""
         n = self.conn.wait_replicas  # > 0: the write counts once n replicas have it (WAIT, same connection)
-        if self._functions:
-            try:
-                return await write_acked(self.r, n, lambda c: c.fcall(FUNCTION_NAMES[name], len(keys), *keys, *args))
-            except redis.ResponseError as exc:
-                msg = str(exc).lower()
-                if "unknown command" in msg:
-                    self._functions = False
-                elif "function not found" not in msg:
-                    raise
-        return await write_acked(self.r, n, lambda c: self._scripts[name](keys=keys, args=args, client=c))
+        return await self.functions.call(name, keys, args, send=lambda command: write_acked(self.r, n, command))
 
     # ---- the API -----------------------------------------------------------------------------------
     async def fleet(self, timeout: float | None = None) -> FleetView:
@@ -165,13 +155,13 @@ class AsyncClient:
                      stream: bool = False, **params: Any) -> str:
         """Enqueue one prompt; returns its job id. Raises InvalidRequest / PromptTooLong / QueueFull /
         NoWorkers before anything runs. ``timeout`` (s) bounds this call and is the job's deadline."""
-        job = await self._submit(prompt, Deadline(timeout), job_id, stream, Params.of(params))
+        job = await self._submit(prompt, Deadline(timeout), job_id, stream, Ask.of(params))
         return job.id
 
     async def _submit(self, prompt: Prompt, deadline: Deadline, job_id: str | None, stream: bool,
-                      params: Params) -> Outgoing:
+                      ask: Ask) -> Outgoing:
         fleet = await self._fleet_view(deadline)
-        job = await self._build(fleet, prompt, params, deadline.left(), job_id, stream)
+        job = await self._build(fleet, prompt, ask, deadline.left(), job_id, stream)
         self.inbox.expect(job.id, stream)
         try:
             code = await self._io(
@@ -189,14 +179,14 @@ class AsyncClient:
             raise
         return job
 
-    async def _build(self, fleet: FleetView, prompt: Prompt, params: Params, timeout: float | None,
+    async def _build(self, fleet: FleetView, prompt: Prompt, ask: Ask, timeout: float | None,
                      job_id: str | None, stream: bool) -> Outgoing:
         """Tokenize (chat: render the template) and build the request; a large prompt on a worker thread,
         so one multi-MB prompt or thousand-message chat never stalls the event loop (and every other
         request of a web backend with it)."""
         if prompt_size(prompt) <= INLINE_PROMPT_CHARS:  # small: a thread hop would cost more than it saves
-            return fleet.build(self.keys, self.inbox.key, prompt, params, timeout, job_id, stream)
-        return await asyncio.to_thread(fleet.build, self.keys, self.inbox.key, prompt, params, timeout, job_id,
+            return fleet.build(self.keys, self.inbox.key, prompt, ask, timeout, job_id, stream)
+        return await asyncio.to_thread(fleet.build, self.keys, self.inbox.key, prompt, ask, timeout, job_id,
                                        stream)
 
     def _give_up_later(self, job_id: str, cancel: bool = True) -> None:
@@ -243,7 +233,7 @@ class AsyncClient:
         that ends without the answer (its timeout passed, or the awaiting task was cancelled: a web
         framework's timeout, ``asyncio.wait_for``) cancels the job and drops its answer."""
         deadline = Deadline(timeout)
-        job = await self._submit(prompt, deadline, None, False, Params.of(params))
+        job = await self._submit(prompt, deadline, None, False, Ask.of(params))
         return await self._result_or_give_up(job.id, deadline)
 
     async def _result_or_give_up(self, job_id: str, deadline: Deadline) -> Result:
@@ -268,7 +258,7 @@ class AsyncClient:
         """Validate every prompt first (nothing is sent if one is bad), enqueue all, gather in order."""
         deadline = Deadline(timeout)
         fleet = await self._fleet_view(deadline)
-        p = Params.of(params)
+        p = Ask.of(params)
         for prompt in prompts:  # raises before anything is sent
             fleet.build(self.keys, self.inbox.key, prompt, p, None, None)
         jobs = await asyncio.gather(*(self._submit(x, deadline, None, False, p) for x in prompts),

@@ -87,7 +87,7 @@ class _Run:
     async def job_ids(self, work: Work) -> list[str]:
         """The work's own ids, unless one was answered and its reply is neither in the inbox nor written (an
         output cut short by hand): the line then runs under fresh ones."""
-        lost = [j for j in work.job_ids if j not in self.present]
+        lost = [j for j in work.job_ids if j not in self.present] if self.fmt.check_answered else []
         done_keys = [self.client.keys.done(j) for j in lost]
         if not lost or not await self.client._io(lambda: self.client.r.exists(*done_keys), Deadline(None),
                                                  "bulk: job ids"):

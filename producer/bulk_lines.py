@@ -160,6 +160,7 @@ class PromptFormat:
     timeout: float | None = None
     seen: dict[str, int] = field(default_factory=dict)
     ordered = True
+    check_answered = False  # an output started over gets a new run key, so new job ids
     refused: tuple[type[BaseException], ...] = (InvalidRequest, ValueError, TypeError)
 
     def parse(self, index: int, raw: bytes) -> Work:

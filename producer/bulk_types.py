@@ -27,6 +27,9 @@ class LineFormat(Protocol):
     """One kind of input line: what it asks, how its answer and its errors read, how written lines read back."""
 
     ordered: bool  # answers in submission order (else as they come)
+    # ask whether a line's jobs were answered already when their replies are gone (EXISTS on the ``done`` markers,
+    # which the producer's ACL user lacks, docs/SECURITY.md): the prompt format needs not (a new output, a new key)
+    check_answered: bool
     refused: tuple[type[BaseException], ...]  # submission errors that are the line's own (an error line)
 
     def parse(self, index: int, raw: bytes) -> Work: ...

@@ -19,7 +19,7 @@ import redis
 from batchfleet.common.cli import connection_options
 from batchfleet.common.config import ConnectionConfig, DashboardConfig
 from batchfleet.common.errors import BatchfleetError, RedisUnavailable
-from batchfleet.common.keys import INTERACTIVE, LANES
+from batchfleet.common.lanes import INTERACTIVE, LANES
 from batchfleet.common.options import config_options, config_values, fatal
 from batchfleet.common.redis_conn import sync_client
 from batchfleet.common.redis_url import redact_url

@@ -1,5 +1,5 @@
-"""What the clients send and receive, without I/O: parameters, tokenizing and routing, building requests,
-what the enqueue function's answer means, decoding replies, deadlines.
+"""What the clients send and receive, without I/O: what a call asks (parameters and class), tokenizing and
+routing, building requests, what the enqueue function's answer means, decoding replies, deadlines.
 
 The clients own their connections (producer/aclient.py, producer/inbox.py); nothing here touches Redis.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -28,15 +28,11 @@ from batchfleet.common.errors import (
     Timeout,
 )
 from batchfleet.common.guided import Guide, GuideError, from_options
-from batchfleet.common.keys import BATCH, INTERACTIVE, Keys, valid_job_id
-from batchfleet.common.lanes import lane_of
+from batchfleet.common.keys import Keys, valid_job_id
+from batchfleet.common.lanes import BATCH, INTERACTIVE, lane_of
+from batchfleet.common.params import FIELDS, Params, has_utf8
 from batchfleet.common.protocol import (
-    MAX_LOGPROBS,
     MAX_PAYLOAD_BYTES,
-    MAX_REPETITION_PENALTY,
-    MAX_STOP,
-    MAX_TOP_K,
-    MIN_TEMPERATURE,
     Delta,
     Error,
     FleetInfo,
@@ -73,108 +69,51 @@ class Deadline:
         return seconds if left is None else min(seconds, left)
 
 
-@dataclass
-class Params:
-    """Generation parameters accepted by generate/submit/stream (validated here, before anything is sent).
+STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What one generate/submit/stream call's keyword arguments ask: the generation parameters (the fleet's
+    one type, common/params.py: checked before anything is sent) and the priority class (normalised once,
+    here: a class name, OpenAI's ``service_tier`` names or vLLM's integer ``priority``; common/lanes.py).
 
     Structured outputs: at most one of ``response_format`` (OpenAI's: ``{"type": "json_object"}`` or
     ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``), ``guided_json`` (a JSON
     schema), ``guided_regex``, ``guided_choice`` (a list of strings), ``guided_grammar`` (Lark or GBNF), as
-    vLLM names them, or ``guide`` (a ``batchfleet.common.guided.Guide``). ``logprobs`` = k (0-20): each
-    generated token's logprob and its k most likely alternatives, in ``Result.logprobs``.
+    vLLM names them, or ``guide`` (a ``batchfleet.common.guided.Guide``), compiled here. ``logprobs`` = k
+    (0-20): each generated token's logprob and its k most likely alternatives, in ``Result.logprobs``.
     """
 
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: Sequence[str] | None = None
-    # the priority class: "interactive" (default) or "batch"; also OpenAI's service_tier names and vLLM's
-    # integer priority (common/lanes.py)
-    priority: str | int = INTERACTIVE
-    # vLLM's sampling extensions (docs/PROTOCOL.md: a request setting one needs version-3 workers)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logprobs: int | None = None
-    response_format: Mapping[str, Any] | None = None
-    guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: Sequence[str] | None = None
-    guided_grammar: str | None = None
-    guide: Guide | None = None
-    structured: Guide | None = field(default=None, init=False)  # what the options above ask for
-
-    def __post_init__(self) -> None:
-        if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
-            raise InvalidRequest(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not _number(self.temperature) or not (
-                self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 100.0):
-            raise InvalidRequest(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100], "
-                                 f"got {self.temperature!r}")
-        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if type(self.top_k) is not int or not 0 <= self.top_k <= MAX_TOP_K:
-            raise InvalidRequest(f"top_k must be an integer in [0, {MAX_TOP_K}], got {self.top_k!r}")
-        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < 2**63):
-            raise InvalidRequest(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        if type(self.ignore_eos) is not bool:
-            raise InvalidRequest(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
-        if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise InvalidRequest(f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}")
-        if not _number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise InvalidRequest(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
-                                 f"got {self.repetition_penalty!r}")
-        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.stop is not None:
-            if isinstance(self.stop, str):
-                self.stop = [self.stop]
-            if len(self.stop) > MAX_STOP or not all(isinstance(s, str) and s and _unicode(s) for s in self.stop):
-                raise InvalidRequest(f"stop must be at most {MAX_STOP} non-empty strings of valid Unicode")
-        try:
-            self.priority = lane_of(self.priority)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
-        if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidRequest(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        try:
-            structured = from_options(response_format=self.response_format, guided_json=self.guided_json,
-                                      guided_regex=self.guided_regex, guided_choice=self.guided_choice,
-                                      guided_grammar=self.guided_grammar)
-            if self.guide is not None:
-                if structured is not None or not isinstance(self.guide, Guide):
-                    raise GuideError("guide must be a Guide, and the only structured-output option given")
-                structured = Guide.from_wire(self.guide.to_wire())
-            if structured is not None:
-                structured.check()
-        except GuideError as exc:
-            raise InvalidRequest(str(exc)) from None
-        self.structured = structured
+    params: Params
+    lane: str = INTERACTIVE
 
     @classmethod
-    def of(cls, params: Mapping) -> Params:
-        """Params from keyword arguments; an unknown name is an InvalidRequest (not a TypeError)."""
-        unknown = set(params) - set(cls.__dataclass_fields__) | ({"structured"} & set(params))
+    def of(cls, kwargs: Mapping[str, Any]) -> Ask:
+        """From keyword arguments; an unknown name is an InvalidRequest (not a TypeError)."""
+        values = dict(kwargs)
+        unknown = set(values) - set(FIELDS) - set(STRUCTURED) - {"priority"}
         if unknown:
             raise InvalidRequest(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
-        return cls(**params)
-
-
-def _unicode(text: str) -> bool:
-    """Whether ``text`` has a UTF-8 form (a lone surrogate, which JSON's \\ud800 escape can carry, has none)."""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _number(x: object) -> bool:
-    """A real number (not a bool, not NaN)."""
-    return type(x) in (int, float) and x == x  # type: ignore[comparison-overlap]
+        options = {k: values.pop(k) for k in STRUCTURED if k in values}
+        given = values.pop("guide", None)
+        priority = values.pop("priority", INTERACTIVE)
+        params = Params(**values)  # the numbers first: a bad one costs no grammar compile
+        try:
+            lane = lane_of(priority)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        try:
+            guide = from_options(**options)
+            if given is not None:
+                if guide is not None or not isinstance(given, Guide):
+                    raise GuideError("guide must be a Guide, and the only structured-output option given")
+                guide = Guide.from_wire(given.to_wire())
+            if guide is not None:
+                guide.check()
+        except GuideError as exc:
+            raise InvalidRequest(str(exc)) from None
+        return cls(params if guide is None else replace(params, guide=guide), lane)
 
 
 def prompt_size(prompt: Prompt) -> int:
@@ -225,13 +164,13 @@ class FleetView:
     def tokenize(self, prompt: Prompt) -> list[int]:
         assert self.info is not None and self.tokenizer is not None
         if isinstance(prompt, str):
-            if not _unicode(prompt):  # the tokenizer would raise TypeError
+            if not has_utf8(prompt):  # the tokenizer would raise TypeError
                 raise InvalidRequest("the prompt is not valid Unicode (it holds a lone surrogate)")
             return self._encode(prompt)
         if is_messages(prompt):
             info = self.info
             text = render(info.chat_template, prompt, info.bos_token, info.eos_token)  # type: ignore[arg-type]
-            if not _unicode(text):
+            if not has_utf8(text):
                 raise InvalidRequest("a message is not valid Unicode (it holds a lone surrogate)")
             # a template that writes the BOS itself must not get a second one from the tokenizer
             return self._encode(text, add_special_tokens=not (info.bos_token and text.startswith(info.bos_token)))
@@ -249,26 +188,20 @@ class FleetView:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def build(self, keys: Keys, reply_key: str, prompt: Prompt, params: Params, timeout: float | None,
+    def build(self, keys: Keys, reply_key: str, prompt: Prompt, ask: Ask, timeout: float | None,
               job_id: str | None, stream: bool = False) -> Outgoing:
-        """Tokenize, route (raises PromptTooLong) and build the request; nothing is sent."""
+        """Tokenize, route (raises PromptTooLong) and build the request; nothing is sent. The class picks
+        the stream (and its queue limit): the one place it travels."""
         assert self.info is not None
         ids = self.tokenize(prompt)
-        bucket = bucket_for(self.info.buckets, self.info.max_seq_len, len(ids), params.max_new_tokens)
+        bucket = bucket_for(self.info.buckets, self.info.max_seq_len, len(ids), ask.params.max_new_tokens)
         job_id = job_id or uuid.uuid4().hex
         if not valid_job_id(job_id):
             raise InvalidRequest("job_id must be 1-128 chars of [A-Za-z0-9_.-]")
-        req = Request(
-            id=job_id, prompt=ids, max_new_tokens=params.max_new_tokens, temperature=float(params.temperature),
-            top_p=float(params.top_p), top_k=params.top_k, seed=params.seed, stop=tuple(params.stop or ()),
-            timeout_ms=None if timeout is None else int(timeout * 1000), reply_key=reply_key, stream=stream,
-            priority=str(params.priority),
-            ignore_eos=params.ignore_eos, min_tokens=params.min_tokens,
-            repetition_penalty=float(params.repetition_penalty), min_p=float(params.min_p),
-            guide=params.structured, logprobs=params.logprobs,
-        )
-        limit = self.info.batch_queue_len if req.priority == BATCH else self.info.max_queue_len
-        return Outgoing(bucket, keys.stream(bucket, req.priority), req, limit)
+        req = Request(id=job_id, prompt=ids, params=ask.params, reply_key=reply_key, stream=stream,
+                      timeout_ms=None if timeout is None else int(timeout * 1000))
+        limit = self.info.batch_queue_len if ask.lane == BATCH else self.info.max_queue_len
+        return Outgoing(bucket, keys.stream(bucket, ask.lane), req, limit, ask.lane)
 
 
 @dataclass(frozen=True)
@@ -279,6 +212,7 @@ class Outgoing:
     stream: str
     request: Request
     max_queue_len: int
+    lane: str = INTERACTIVE
 
     @property
     def id(self) -> str:
@@ -295,7 +229,7 @@ class Outgoing:
             return self.id
         earlier = "; earlier prompts of this call were enqueued" if in_batch else ""
         if code == 0:
-            raise QueueFull(f"bucket {self.bucket} ({self.request.priority}) holds {self.max_queue_len} entries; "
+            raise QueueFull(f"bucket {self.bucket} ({self.lane}) holds {self.max_queue_len} entries; "
                             f"retry later{earlier}")
         if code == -1:
             raise NoWorkers(f"no live worker serves namespace {namespace!r} (none sent a heartbeat recently); "

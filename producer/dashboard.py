@@ -1,6 +1,6 @@
 """The live web dashboard: its data (one JSON object polled by the page), its key check, and the
 stand-alone server of ``batchfleet dashboard``. The gateway serves the same page and data at
-``/dashboard`` and ``/dashboard/data`` (gateway/app.py).
+``/dashboard`` and ``/dashboard/data`` (gateway/dashboard.py).
 
 The page (producer/dashboard.html) is one static HTML file with its script inline (no front-end build
 step, no external assets) and no data in it, so it is served to anyone;

@@ -45,7 +45,8 @@ def _shared_client() -> Client:
 def generate(prompt: Any, timeout: float | None = None, **params: Any) -> dict:
     """Answer one prompt (text, token ids or chat messages) on the fleet; returns the ``Result`` fields as
     a JSON object (text, token_ids, finish_reason, prompt_tokens, completion_tokens, queue_ms, ttft_ms,
-    total_ms, worker, batch_size). ``params``: max_new_tokens, temperature, top_p, top_k, seed, stop.
+    total_ms, worker, batch_size). ``params``: Client.generate's (common/params.py's fields, priority,
+    structured-output options).
     Errors are raised (the job fails; RQ's Retry applies): InvalidRequest, PromptTooLong, QueueFull,
     NoWorkers, Timeout, JobFailed."""
     result = _shared_client().generate(prompt, timeout=timeout, **params)

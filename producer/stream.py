@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from batchfleet.common.errors import Timeout
 from batchfleet.common.protocol import Delta, Result
-from batchfleet.producer.core import Deadline, Outgoing, Params, Prompt
+from batchfleet.producer.core import Ask, Deadline, Outgoing, Prompt
 from batchfleet.producer.inbox import Inbox
 
 log = logging.getLogger("producer")
@@ -27,7 +27,7 @@ class _Submitter(Protocol):
     inbox: Inbox
 
     async def _submit(self, prompt: Prompt, deadline: Deadline, job_id: str | None, stream: bool,
-                      params: Params) -> Outgoing: ...
+                      ask: Ask) -> Outgoing: ...
 
     async def cancel(self, job_id: str, timeout: float | None = 5.0) -> None: ...
 
@@ -39,7 +39,7 @@ class AsyncTokenStream:
                  params: Mapping[str, Any]) -> None:
         self._client = client
         self._prompt = prompt
-        self._params = Params.of(params)
+        self._params = Ask.of(params)
         self._deadline = Deadline(timeout)
         self.job_id: str | None = job_id
         self.result: Result | None = None

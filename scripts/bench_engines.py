@@ -25,6 +25,7 @@ import click
 import torch
 
 from batchfleet.common.config import DTYPE_CHOICES, DynamicBatchingConfig, EngineConfig, parse_buckets
+from batchfleet.common.params import Params
 from batchfleet.worker.benchmark.floor import matmul_ms, time_ms
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.models import EOS_ID, PAD_ID, LoadedModel, load_model, make_preset
@@ -39,7 +40,7 @@ def make_requests(args) -> list[GenRequest]:
         new = int(torch.randint(args.min_new, args.max_new + 1, (1,), generator=g))
         prompt = [1] + torch.randint(4, 32000, (n - 1,), generator=g).tolist()
         bucket = next(b for b in args.buckets if b >= n)
-        reqs.append(GenRequest(id=f"r{i}", prompt=prompt, bucket=bucket, max_new_tokens=new))
+        reqs.append(GenRequest(id=f"r{i}", prompt=prompt, bucket=bucket, params=Params(max_new_tokens=new)))
     return reqs
 
 
@@ -64,8 +65,8 @@ def drive(engine, reqs: list[GenRequest], on_step=None) -> tuple[float, dict]:
 
 
 def warm(engine) -> None:
-    drive(engine, [GenRequest(id="w0", prompt=[1] + [5] * 40, bucket=64, max_new_tokens=4),
-                   GenRequest(id="w1", prompt=[1] + [6] * 20, bucket=64, max_new_tokens=6)])
+    drive(engine, [GenRequest(id="w0", prompt=[1] + [5] * 40, bucket=64, params=Params(max_new_tokens=4)),
+                   GenRequest(id="w1", prompt=[1] + [6] * 20, bucket=64, params=Params(max_new_tokens=6))])
 
 
 def bench_native(loaded: LoadedModel, reqs, args) -> dict:
@@ -116,8 +117,8 @@ def bench_plain_generate(loaded: LoadedModel, reqs, args) -> dict:
         mask[i, width - len(r.prompt):] = 1
     with torch.inference_mode():
         out = loaded.model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=PAD_ID,
-                                    max_new_tokens=max(r.max_new_tokens for r in reqs))
-    done = {r.id: _Toks(_trim(out[i, width:].tolist(), r.max_new_tokens)) for i, r in enumerate(reqs)}
+                                    max_new_tokens=max(r.params.max_new_tokens for r in reqs))
+    done = {r.id: _Toks(_trim(out[i, width:].tolist(), r.params.max_new_tokens)) for i, r in enumerate(reqs)}
     return dict(engine="hf(generate)", wall_s=time.perf_counter() - t0, done=done)
 
 
@@ -134,14 +135,14 @@ def _trim(toks: list[int], n: int) -> list[int]:
 def bench_generate_batch(loaded: LoadedModel, reqs, args) -> dict:
     from transformers import GenerationConfig
 
-    gc = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_new_tokens for r in reqs),
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max(r.params.max_new_tokens for r in reqs),
                           eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     model = loaded.model
     t0 = time.perf_counter()
     done = {}
     with model.continuous_batching_context_manager(generation_config=gc, block=True, timeout=5) as mgr:
         for r in reqs:  # per-request max_new_tokens through the manager API
-            mgr.add_request(r.prompt, request_id=r.id, max_new_tokens=r.max_new_tokens)
+            mgr.add_request(r.prompt, request_id=r.id, max_new_tokens=r.params.max_new_tokens)
         while len(done) < len(reqs):
             res = mgr.get_result(timeout=1)
             if res is not None and res.is_finished():

@@ -27,6 +27,7 @@ import torch
 
 from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
 from batchfleet.common.guided import Guide, dump_schema
+from batchfleet.common.params import Params
 from batchfleet.worker.benchmark.cli import parse_range
 from batchfleet.worker.benchmark.loadgen import make_workload
 from batchfleet.worker.benchmark.report import machine, write_json
@@ -68,8 +69,8 @@ def fleet_engine(model_dir: Path, prompts: list, max_new: int, free_tokens: int)
 
     def run(constrained: bool) -> tuple[float, list]:
         reqs = [GenRequest(id=f"{constrained}{i}", prompt=list(p), bucket=512,
-                           max_new_tokens=max_new if constrained else free_tokens,
-                           guide=guide if constrained else None) for i, p in enumerate(prompts)]
+                           params=Params(max_new_tokens=max_new if constrained else free_tokens,
+                                         guide=guide if constrained else None)) for i, p in enumerate(prompts)]
         t0 = time.perf_counter()
         engine.add(reqs)
         done = []

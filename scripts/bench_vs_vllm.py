@@ -23,6 +23,7 @@ import click
 import torch
 
 from batchfleet.common.config import DEFAULT_BUCKETS, DTYPE_CHOICES, DynamicBatchingConfig, EngineConfig
+from batchfleet.common.params import Params
 from batchfleet.worker.benchmark.cli import parse_range
 from batchfleet.worker.benchmark.floor import step_vs_floor
 from batchfleet.worker.benchmark.loadgen import make_workload
@@ -44,7 +45,7 @@ def in_process_one_batch(model_dir: Path, workload, max_seq_len: int, dtype: str
     n = len(workload)
     engine = NativeEngine(loaded, DynamicBatchingConfig(max_batch_size=n, max_seq_len=max_seq_len, buckets=(512,)),
                           EngineConfig(max_running=n, kv_cache_gb=kv_gb))
-    reqs = [GenRequest(id=f"r{i}", prompt=list(p), bucket=512, max_new_tokens=m)
+    reqs = [GenRequest(id=f"r{i}", prompt=list(p), bucket=512, params=Params(max_new_tokens=m))
             for i, (p, m) in enumerate(zip(workload.prompts, workload.max_new_tokens))]
     engine.add(reqs[:2])  # warm-up, like the fleet's
     while engine.has_work():

@@ -153,6 +153,26 @@ def test_enqueue_and_cancel_functions_run_as_the_producer(server, producer):
     assert producer.execute_command("TIME")
 
 
+def test_the_gateway_takes_renews_and_releases_a_batch_lease(server):
+    """gateway-a may run the lease functions (GET + PEXPIRE / DEL inside, issue 31) and, while the loaded
+    library lacks them, the same bodies by EVALSHA; the producer may do neither."""
+    from batchfleet.common.functions import LEASE_BODIES, LEASE_FUNCTION_NAMES
+
+    gateway = connect(server, "gateway-a")
+    lease = K.batch_lease("batch_" + "1" * 24)
+    assert gateway.set(lease, "mine", nx=True, px=10_000)
+    assert gateway.fcall(LEASE_FUNCTION_NAMES["lease_renew"], 1, lease, "mine", 60_000) == 1
+    assert 10_000 < redis.Redis(port=server.port).pttl(lease) <= 60_000  # (gateway-a has no PTTL)
+    renew = gateway.register_script(LEASE_BODIES["lease_renew"])
+    assert renew(keys=[lease], args=["mine", 30_000]) == 1
+    assert gateway.fcall(LEASE_FUNCTION_NAMES["lease_release"], 1, lease, "mine") == 1
+    assert [e for e in redis.Redis(port=server.port, decode_responses=True).acl_log()
+            if e["username"] == "gateway-a"] == []
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        connect(server, "producer-a").fcall(LEASE_FUNCTION_NAMES["lease_renew"], 1, lease, "x", 1)
+    gateway.close()
+
+
 def test_what_acls_cannot_refuse(server, producer):
     """docs/SECURITY.md, "What ACLs cannot refuse": XADD's arguments are not checked by ACLs."""
     stream = K.stream(512)

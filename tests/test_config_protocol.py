@@ -16,6 +16,7 @@ from batchfleet.common.config import (
 )
 from batchfleet.common.errors import ConfigError, PromptTooLong, ProtocolError
 from batchfleet.common.keys import Keys
+from batchfleet.common.params import Params
 from batchfleet.common.protocol import SCHEMA_VERSION, Delta, Error, FleetInfo, Request, Result, decode_reply
 
 pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
@@ -85,8 +86,9 @@ def test_bucket_routing():
 
 
 def test_request_roundtrip_and_validation():
-    req = Request(id="j1", prompt=[1, 2, 3], max_new_tokens=5, temperature=0.7, top_p=0.9, top_k=40, seed=3,
-                  stop=("\n",), timeout_ms=1500, reply_key="bf:inbox:abcdefghijklmnop", stream=True)
+    params = Params(max_new_tokens=5, temperature=0.7, top_p=0.9, top_k=40, seed=3, stop=("\n",))
+    req = Request(id="j1", prompt=[1, 2, 3], params=params, timeout_ms=1500, reply_key="bf:inbox:abcdefghijklmnop",
+                  stream=True)
     assert Request.decode(req.encode()) == req
 
     def bad(obj):

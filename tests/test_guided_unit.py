@@ -12,8 +12,9 @@ import torch
 
 from batchfleet.common.errors import InvalidRequest, ProtocolError
 from batchfleet.common.guided import Guide, GuideError, from_options, from_response_format
+from batchfleet.common.params import Params
 from batchfleet.common.protocol import Delta, Request, Result, decode_reply
-from batchfleet.producer.core import Params
+from batchfleet.producer.core import Ask
 
 pytestmark = pytest.mark.unit
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -57,7 +58,7 @@ def test_guides_compile_or_say_why():
 def test_wire_versions_and_roundtrip():
     plain = Request(id="j", prompt=[1], reply_key="k")
     assert msgpack.unpackb(plain.encode())["v"] == 3 and msgpack.unpackb(plain.encode())["guide"] is None
-    rich = Request(id="j", prompt=[1], reply_key="k", guide=Guide("regex", "a+"), logprobs=5)
+    rich = Request(id="j", prompt=[1], reply_key="k", params=Params(guide=Guide("regex", "a+"), logprobs=5))
     assert msgpack.unpackb(rich.encode())["v"] == 3 and Request.decode(rich.encode()) == rich
     base = {"v": 3, "id": "j", "prompt": [1], "max_new_tokens": 1, "reply_key": "k"}
     for bad in ({"guide": {"kind": "sql", "spec": "x"}}, {"guide": {"kind": "regex"}}, {"guide": "a+"},
@@ -75,12 +76,12 @@ def test_wire_versions_and_roundtrip():
 
 
 def test_client_params_refuse_bad_options_before_sending():
-    assert Params.of({"guided_regex": "[0-9]"}).structured == Guide("regex", "[0-9]")
-    assert Params.of({"logprobs": 0}).logprobs == 0
+    assert Ask.of({"guided_regex": "[0-9]"}).params.guide == Guide("regex", "[0-9]")
+    assert Ask.of({"logprobs": 0}).params.logprobs == 0
     for bad in ({"guided_json": {"type": "foo"}}, {"logprobs": 21}, {"logprobs": 1.0}, {"structured": None},
                 {"guide": "a+"}, {"guide": Guide("regex", "a"), "guided_regex": "a"}):
         with pytest.raises(InvalidRequest):
-            Params.of(bad)
+            Ask.of(bad)
 
 
 def test_masks_touch_only_constrained_rows_and_logprobs_are_log_softmax():
@@ -92,7 +93,7 @@ def test_masks_touch_only_constrained_rows_and_logprobs_are_log_softmax():
     compiler = GuideCompiler(byte_level_tokenizer(), 320, frozenset([2]))
     digits = compiler.matcher(Guide("regex", "[0-9]{2}"))
     logits = torch.randn(3, 320, generator=torch.Generator().manual_seed(0))
-    reqs = [GenRequest(id=str(i), prompt=[1], bucket=16, max_new_tokens=4, logprobs=3) for i in range(3)]
+    reqs = [GenRequest(id=str(i), prompt=[1], bucket=16, params=Params(max_new_tokens=4, logprobs=3)) for i in range(3)]
     before = logits.clone()
     constrained = StopChecker(reqs[1], frozenset([2]), byte_level_tokenizer(), digits)
     tokens = sample(logits, reqs, [None] * 3, [None, constrained, None])

@@ -16,6 +16,7 @@ from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.fleetstate import live_workers
 from batchfleet.common.functions import LIVE_WORKER_MS
 from batchfleet.common.keys import Keys, valid_job_id
+from batchfleet.common.params import Params
 from batchfleet.common.protocol import FleetInfo, Request
 from batchfleet.worker import fleet
 from batchfleet.worker.batcher import Batcher
@@ -116,7 +117,7 @@ def test_join_ignores_dead_workers_and_leave_deletes_the_fleet_when_none_is_live
 def _accepted(entry: Entry) -> Accepted:
     job_id = entry.fields[b"id"].decode()
     req = Request(id=job_id, prompt=[1, 2])
-    gen = GenRequest(id=job_id, prompt=[1, 2], bucket=entry.bucket, max_new_tokens=2)
+    gen = GenRequest(id=job_id, prompt=[1, 2], bucket=entry.bucket, params=Params(max_new_tokens=2))
     return Accepted(entry, req, gen, time.time(), None)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from batchfleet.common.params import Params
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.native.engine import contiguous_waste
 from tests.helpers.native import build_model, hf_greedy, make_engine, prompt, request, run_all
@@ -66,7 +67,7 @@ def test_contiguous_waste_helper():
 def test_pool_exhaustion_preempts_and_still_matches(loaded, prefill):
     shapes = [(40, 40), (35, 45), (50, 30), (20, 60), (45, 35), (30, 50)]
     reqs = [request(i, prompt(200 + i, n), m, buckets=(16, 32, 64)) for i, (n, m) in enumerate(shapes)]
-    refs = {r.id: hf_greedy(loaded, r.prompt, r.max_new_tokens) for r in reqs}
+    refs = {r.id: hf_greedy(loaded, r.prompt, r.params.max_new_tokens) for r in reqs}
     # 6 concurrent requests need up to 30 blocks; the pool has 10 (a third)
     # bucket padding: recomputed sequences outgrow every bucket; max_seq_len is not a block multiple
     engine = make_engine(loaded, max_batch_size=6, num_blocks=10, padding="bucket", prefill=prefill,
@@ -114,8 +115,8 @@ def test_stop_string_and_eos_and_length(loaded):
 
 def test_invalid_requests_come_back_as_errors(loaded):
     engine = make_engine(loaded, max_seq_len=256)
-    bad = GenRequest(id="bad", prompt=prompt(1, 100), bucket=128, max_new_tokens=200)
-    empty = GenRequest(id="empty", prompt=[], bucket=16, max_new_tokens=4)
+    bad = GenRequest(id="bad", prompt=prompt(1, 100), bucket=128, params=Params(max_new_tokens=200))
+    empty = GenRequest(id="empty", prompt=[], bucket=16, params=Params(max_new_tokens=4))
     engine.add([bad, empty, request(1, prompt(1, 10), 4)])
     assert engine.num_active() == 3
     done = drain(engine)
@@ -141,7 +142,7 @@ def test_abort_and_reset_free_blocks(loaded):
 
 def test_failing_step_leaves_engine_consistent(loaded, monkeypatch):
     reqs = [request(i, prompt(50 + i, 12 + i), 12) for i in range(3)]  # one bucket: one prefill step
-    refs = {r.id: hf_greedy(loaded, r.prompt, r.max_new_tokens) for r in reqs}
+    refs = {r.id: hf_greedy(loaded, r.prompt, r.params.max_new_tokens) for r in reqs}
     engine = make_engine(loaded)
     real_run = engine.runner.run
     calls = {"n": 0}

@@ -18,7 +18,7 @@ def case(request, tmp_path_factory):
     """(loaded model, requests, reference outputs) for one family."""
     loaded = build_model(request.param, tmp_path_factory.mktemp(request.param))
     reqs = [request_for(i, n, m) for i, (n, m) in enumerate(SHAPES)]
-    refs = {r.id: hf_greedy(loaded, r.prompt, r.max_new_tokens) for r in reqs}
+    refs = {r.id: hf_greedy(loaded, r.prompt, r.params.max_new_tokens) for r in reqs}
     return loaded, reqs, refs
 
 

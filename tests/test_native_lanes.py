@@ -35,4 +35,4 @@ def test_interactive_preempts_batch_and_everything_stays_token_exact(loaded):
     assert order[0] == "r9", order  # the interactive request never waited for a batch sequence to finish
     assert stats["priority_preemptions"] == 1 and done["r3"].extra["preemptions"] == 1
     for req in [*batch, urgent]:
-        assert done[req.id].token_ids == hf_greedy(loaded, req.prompt, req.max_new_tokens), req.id
+        assert done[req.id].token_ids == hf_greedy(loaded, req.prompt, req.params.max_new_tokens), req.id

@@ -80,7 +80,7 @@ def test_prepacked_greedy_matches_transformers(tmp_path, choice):
 
     loaded = build_model("qwen2", tmp_path)  # GQA + qkv bias: every linear kind, with and without bias
     reqs = [request(i, prompt(200 + i, n), m) for i, (n, m) in enumerate([(5, 12), (30, 9), (70, 14), (120, 6)])]
-    refs = {r.id: hf_greedy(loaded, r.prompt, r.max_new_tokens) for r in reqs}
+    refs = {r.id: hf_greedy(loaded, r.prompt, r.params.max_new_tokens) for r in reqs}
     batching = DynamicBatchingConfig(max_batch_size=4, max_seq_len=256, buckets=(16, 32, 64, 128))
     engine = NativeEngine(loaded, batching, EngineConfig(engine="native", kv_cache_gb=0.01, linear=choice),
                           max_running=4)

@@ -288,3 +288,46 @@ def test_an_input_deleted_while_its_batch_waits_fails_it_keeping_what_was_writte
     assert [e.code for e in failed.errors.data] == ["file_not_found"]
     out = lines_of(client, failed.output_file_id)
     assert len(out) == failed.request_counts.completed >= 2  # what was written stays readable
+
+
+def test_a_batch_lease_is_renewed_and_released_only_by_its_holder(any_redis_url):
+    """The lease functions of common/functions.py: FCALL where the library is loaded (Redis 7), the same
+    bodies by EVALSHA on Redis 6.2; another token neither renews nor drops the lease."""
+    import asyncio
+    import uuid
+
+    from batchfleet.common.functions import LEASE_FUNCTION_NAMES, load_library
+    from batchfleet.common.redis_conn import async_client
+    from batchfleet.gateway.batch_store import BatchStore
+
+    sync = redis.Redis.from_url(any_redis_url)
+    has_functions = load_library(sync)
+    keys = Keys(f"t-{uuid.uuid4().hex[:10]}")
+    batch_id = "batch_" + "0" * 24
+    lease = keys.batch_lease(batch_id)
+
+    async def run() -> None:
+        r = async_client(any_redis_url)
+        store = BatchStore(r, keys)
+        try:
+            assert await store.take_lease(batch_id, "mine", 60_000)
+            assert not await store.take_lease(batch_id, "theirs", 60_000)
+            assert not await store.renew_lease(batch_id, "theirs", 120_000)
+            assert 0 < sync.pttl(lease) <= 60_000
+            assert await store.renew_lease(batch_id, "mine", 120_000)
+            assert 60_000 < sync.pttl(lease) <= 120_000
+            await store.release_lease(batch_id, "theirs")
+            assert sync.get(lease) == b"mine"
+            await store.release_lease(batch_id, "mine")
+            assert sync.get(lease) is None
+            assert store.functions._fcall == has_functions  # FCALL on Redis 7; 6.2 fell back to EVALSHA
+        finally:
+            await r.aclose()
+
+    try:
+        asyncio.run(run())
+        if has_functions:  # the library holds them under their documented names
+            assert sync.fcall(LEASE_FUNCTION_NAMES["lease_renew"], 1, lease, "x", 1000) == 0
+    finally:
+        sync.delete(lease)
+        sync.close()

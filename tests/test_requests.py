@@ -3,9 +3,12 @@ Pure: no Redis, no engine."""
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from batchfleet.common.keys import Keys
+from batchfleet.common.lanes import LANES, RANK
+from batchfleet.common.params import Params
 from batchfleet.common.protocol import Error, Request
 from batchfleet.worker.batcher import Batcher
 from batchfleet.worker.requests import RequestTable, Stage
@@ -21,11 +24,23 @@ ROOM = {"interactive": 8, "batch": 8}
 
 
 def acc(job_id: str, bucket: int = 32, entry_id: str | None = None) -> Accepted:
-    req = Request(id=job_id, prompt=[1, 2], reply_key=INBOX, max_new_tokens=2)
+    req = Request(id=job_id, prompt=[1, 2], reply_key=INBOX, params=Params(max_new_tokens=2))
     entry = Entry(bucket, entry_id or f"{job_id}-0", {b"id": job_id.encode(), b"r": INBOX.encode(), b"p": req.encode()})
     out = accept(entry, KEYS, Limits(max_seq_len=64, vocab_size=320), now=2.0)
     assert isinstance(out, Accepted)
     return out
+
+
+def test_the_class_is_the_stream_an_entry_came_from():
+    req = Request(id="j", prompt=[1, 2], reply_key=INBOX, params=Params(max_new_tokens=2))
+    assert "priority" not in msgpack.unpackb(req.encode())  # carried once: by the stream
+    older = msgpack.packb({**msgpack.unpackb(req.encode()), "priority": "interactive"})  # an older producer's
+    for payload in (req.encode(), older):
+        for lane in LANES:
+            entry = Entry(32, "1-0", {b"id": b"j", b"r": INBOX.encode(), b"p": payload}, lane=lane)
+            out = accept(entry, KEYS, Limits(max_seq_len=64, vocab_size=320), now=2.0)
+            assert isinstance(out, Accepted) and out.gen.priority == RANK[lane]
+            assert out.gen.params == req.params  # embedded as decoded, not copied field by field
 
 
 def table() -> RequestTable:

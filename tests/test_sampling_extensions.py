@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from batchfleet.common.errors import ProtocolError
+from batchfleet.common.params import Params
 from batchfleet.common.protocol import Request
 from batchfleet.producer import Client, InvalidRequest
 from batchfleet.worker.engine.base import GenRequest
@@ -22,7 +23,7 @@ EOS = frozenset({EOS_ID})
 
 
 def req(**kw) -> GenRequest:
-    return GenRequest(id="r", prompt=kw.pop("prompt", [5]), bucket=8, max_new_tokens=kw.pop("max_new_tokens", 8), **kw)
+    return GenRequest(id="r", prompt=kw.pop("prompt", [5]), bucket=8, params=Params(**{"max_new_tokens": 8, **kw}))
 
 
 def checker(r: GenRequest, tokens: list[int] = ()) -> StopChecker:
@@ -71,12 +72,13 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
 def test_requests_carry_the_extensions_in_version_3():
     plain = Request(id="j", prompt=[1], reply_key="k")
     assert msgpack.unpackb(plain.encode())["v"] == 3 and Request.decode(plain.encode()) == plain
-    ext = Request(id="j", prompt=[1], reply_key="k", ignore_eos=True, min_tokens=2, repetition_penalty=1.3, min_p=0.1)
+    ext = Request(id="j", prompt=[1], reply_key="k",
+                  params=Params(ignore_eos=True, min_tokens=2, repetition_penalty=1.3, min_p=0.1))
     assert msgpack.unpackb(ext.encode())["v"] == 3 and Request.decode(ext.encode()) == ext
     with pytest.raises(ProtocolError, match="min_tokens"):
-        Request.decode(Request(id="j", prompt=[1], max_new_tokens=2, min_tokens=3).encode())
+        Request.decode(Request(id="j", prompt=[1], params=Params(max_new_tokens=2, min_tokens=3)).encode())
     with pytest.raises(ProtocolError, match="repetition_penalty"):
-        Request.decode(Request(id="j", prompt=[1], repetition_penalty=0.0).encode())
+        Request.decode(Request(id="j", prompt=[1], params=Params(repetition_penalty=0.0)).encode())
 
 
 def make_eos_model(target: Path) -> Path:

@@ -94,26 +94,26 @@ def test_mixed_batch_outputs_validate_free_rows_untouched_logprobs_exact(loaded,
     for r in reqs:
         c = done[r.id]
         assert c.error is None, (r.id, c.error)
-        if r.guide is None:
+        if r.params.guide is None:
             continue
         assert c.finish_reason == "stop", (r.id, c.finish_reason, c.text)  # closed before max_new_tokens
-        if r.guide.kind == "json_schema":
+        if r.params.guide.kind == "json_schema":
             jsonschema.validate(json.loads(c.text), SCHEMA)
             assert " " not in c.text.replace(json.loads(c.text)["name"], "")  # no free whitespace
-        elif r.guide.kind == "regex":
+        elif r.params.guide.kind == "regex":
             assert re.fullmatch(REGEX, c.text), c.text
         else:
             assert c.text in CHOICES, c.text
         assert loaded.tokenizer.decode(c.token_ids, skip_special_tokens=True) == c.text
     # the free requests alone give exactly what they gave next to constrained batchmates
-    alone = run(engine, [r for r in mixed_batch() if r.guide is None])
+    alone = run(engine, [r for r in mixed_batch() if r.params.guide is None])
     for rid, c in alone.items():
         assert c.token_ids == done[rid].token_ids, rid
     assert done["free-greedy"].logprobs is None
     for r in reqs:
-        if r.logprobs is None:
+        if r.params.logprobs is None:
             continue
-        c, k = done[r.id], r.logprobs
+        c, k = done[r.id], r.params.logprobs
         assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids), r.id
         ref = reference_logprobs(loaded, r.prompt, c.token_ids)
         for step, (tok, (lp, ids, lps)) in enumerate(zip(c.token_ids, c.logprobs)):

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from batchfleet.common.keys import INTERACTIVE, LANES
+from batchfleet.common.lanes import INTERACTIVE, LANES
 
 T = TypeVar("T")
 

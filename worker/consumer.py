@@ -23,7 +23,8 @@ import redis
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.fleetstate import live_workers
 from batchfleet.common.functions import load_library
-from batchfleet.common.keys import LANES, Keys
+from batchfleet.common.keys import Keys
+from batchfleet.common.lanes import LANES
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.common.redis_conn import sync_client
 from batchfleet.common.retry import TRANSIENT, Backoff

@@ -99,7 +99,7 @@ class Dispatcher:
         if self.streams is not None:
             for acc in items:
                 if acc.request.stream:
-                    self.streams.track(acc.gen.id, acc.reply_key, acc.gen.stop, time.time())
+                    self.streams.track(acc.gen.id, acc.reply_key, acc.gen.params.stop, time.time())
         self.transport.log_batch({
             "worker": self.transport.name, "kind": kind, "bucket": items[0].entry.bucket,
             "size": self.engine.num_active(), "ids": [acc.gen.id for acc in items], "at": f"{time.time():.6f}",

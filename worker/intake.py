@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from batchfleet.common.config import WorkerConfig
 from batchfleet.common.errors import CANCELLED, DEADLINE_EXCEEDED, WORKER_FAILED
-from batchfleet.common.keys import LANES
+from batchfleet.common.lanes import LANES
 from batchfleet.common.protocol import Error
 from batchfleet.common.retry import TRANSIENT
 from batchfleet.worker.ledger import Ledger

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from batchfleet.common.errors import ENGINE_ERROR
-from batchfleet.common.keys import INTERACTIVE, Keys
+from batchfleet.common.keys import Keys
+from batchfleet.common.lanes import INTERACTIVE
 from batchfleet.common.protocol import Error, FleetInfo, Result
 
 log = logging.getLogger(__name__)

@@ -77,7 +77,8 @@ def entry_time(entry_id: str) -> float | None:
 
 
 def accept(entry: Entry, keys: Keys, limits: Limits, now: float, clock_offset: float = 0.0) -> Accepted | Rejected:
-    """Validate one entry against the wire schema, its stream's bucket and the model's limits.
+    """Validate one entry against the wire schema, its stream's bucket and the model's limits; its class is
+    its stream's (``entry.lane``).
 
     ``clock_offset``: Redis time minus this host's time (s); the entry id's timestamp minus it is when the
     request was enqueued on this host's clock, so no producer clock is ever trusted.
@@ -105,27 +106,21 @@ def accept(entry: Entry, keys: Keys, limits: Limits, now: float, clock_offset: f
         return reject(INVALID_REQUEST, "payload id does not match the entry id")
     if req.reply_key != reply_key:
         return reject(INVALID_REQUEST, "payload reply_key does not match the entry's 'r' field")
-    if req.priority != entry.lane:
-        return reject(INVALID_REQUEST, f"priority {req.priority!r} does not match the {entry.lane} stream it was "
-                                       "enqueued in")
     if len(req.prompt) > entry.bucket:
         return reject(PROMPT_TOO_LONG, f"prompt of {len(req.prompt)} tokens is longer than bucket {entry.bucket}")
-    if len(req.prompt) + req.max_new_tokens > limits.max_seq_len:
+    if len(req.prompt) + req.params.max_new_tokens > limits.max_seq_len:
         return reject(PROMPT_TOO_LONG, f"prompt + max_new_tokens exceeds max_seq_len {limits.max_seq_len}")
     if max(req.prompt) >= limits.vocab_size:
         return reject(INVALID_REQUEST, f"token id {max(req.prompt)} is outside the vocabulary ({limits.vocab_size})")
-    if req.guide is not None:
+    if req.params.guide is not None:
         try:  # compiled here too (without the tokenizer): a bad schema is the client's error, not the engine's
-            req.guide.check()
+            req.params.guide.check()
         except GuideError as exc:
             return reject(INVALID_REQUEST, str(exc))
     stamped = entry_time(entry.entry_id)
     enqueued = now if stamped is None else min(stamped - clock_offset, now)
     deadline = None if req.timeout_ms is None else enqueued + req.timeout_ms / 1000
-    gen = GenRequest(
-        id=req.id, prompt=list(req.prompt), bucket=entry.bucket, max_new_tokens=req.max_new_tokens,
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop,
-        ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, repetition_penalty=req.repetition_penalty,
-        min_p=req.min_p, enqueued_at=enqueued, priority=RANK[entry.lane], guide=req.guide, logprobs=req.logprobs,
-    )
+    # the class is the stream's: the one place it travels (an older producer's payload 'priority' is ignored)
+    gen = GenRequest(id=req.id, prompt=list(req.prompt), bucket=entry.bucket, params=req.params,
+                     enqueued_at=enqueued, priority=RANK[entry.lane])
     return Accepted(entry, req, gen, enqueued, deadline)

@@ -14,6 +14,7 @@ import redis
 
 from batchfleet.common.config import WorkerConfig
 from batchfleet.common.keys import Keys
+from batchfleet.common.params import Params
 from batchfleet.common.protocol import Delta, Error, Request, Result, decode_reply
 from batchfleet.worker.engine.base import Completion, GenRequest
 from batchfleet.worker.loop import WorkerLoop
@@ -107,8 +108,9 @@ def raw_inbox(keys: Keys) -> str:
 
 def request_fields(keys: Keys, job_id: str, prompt: list[int], **kw) -> dict[str, bytes]:
     """The stream entry the enqueue function would XADD for this request (answered on ``test_inbox``)."""
-    req = Request(id=job_id, prompt=prompt, reply_key=raw_inbox(keys), max_new_tokens=kw.pop("max_new_tokens", 2),
-                  **kw)
+    envelope = {k: kw.pop(k) for k in ("timeout_ms", "stream") if k in kw}
+    req = Request(id=job_id, prompt=prompt, reply_key=raw_inbox(keys), **envelope,
+                  params=Params(**{"max_new_tokens": 2, **kw}))
     return {"id": job_id.encode(), "r": raw_inbox(keys).encode(), "p": req.encode()}
 
 

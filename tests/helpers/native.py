@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
+from batchfleet.common.params import Params
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.models import BOS_ID, EOS_ID, PAD_ID, LoadedModel, byte_level_tokenizer, load_model
 from batchfleet.worker.engine.native.engine import NativeEngine
@@ -55,9 +56,14 @@ def prompt(seed: int, n: int) -> list[int]:
     return [BOS_ID] + torch.randint(4, 260, (n - 1,), generator=g).tolist()
 
 
+def gen_request(id: str, prompt: list[int], bucket: int, priority: int = 0, **params) -> GenRequest:
+    """An engine request; ``params`` are common/params.py's fields."""
+    return GenRequest(id=id, prompt=prompt, bucket=bucket, params=Params(**params), priority=priority)
+
+
 def request(i: int, toks: list[int], max_new: int, buckets=(16, 32, 64, 128), **kw) -> GenRequest:
     bucket = next(b for b in buckets if b >= len(toks))
-    return GenRequest(id=f"r{i}", prompt=toks, bucket=bucket, max_new_tokens=max_new, **kw)
+    return gen_request(f"r{i}", toks, bucket, max_new_tokens=max_new, **kw)
 
 
 def run_all(engine: NativeEngine, groups: list[list[GenRequest]], join_every: int = 0) -> dict:

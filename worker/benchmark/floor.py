@@ -23,6 +23,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from batchfleet.common.params import Params
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.native.engine import NativeEngine
 from batchfleet.worker.engine.native.linear import best_times
@@ -179,7 +180,7 @@ def fill_decode(engine: NativeEngine, batch: int, context: int, max_new_tokens: 
     g = torch.Generator().manual_seed(seed)
     vocab = engine.runner.model.vocab_size
     engine.add([GenRequest(id=f"f{i}", prompt=torch.randint(4, vocab, (context,), generator=g).tolist(),
-                           bucket=max(engine.batching.buckets), max_new_tokens=max_new_tokens)
+                           bucket=max(engine.batching.buckets), params=Params(max_new_tokens=max_new_tokens))
                 for i in range(batch)])
     while engine.scheduler.waiting or engine.scheduler.prefilling:
         engine.step()

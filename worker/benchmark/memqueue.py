@@ -13,7 +13,9 @@ import uuid
 from collections import deque
 
 from batchfleet.common.config import bucket_for
-from batchfleet.common.keys import INTERACTIVE, Keys
+from batchfleet.common.keys import Keys
+from batchfleet.common.lanes import INTERACTIVE
+from batchfleet.common.params import Params
 from batchfleet.common.protocol import FleetInfo, Request, Result
 from batchfleet.producer.core import parse_reply
 from batchfleet.worker.transport import Cancel, Entry, FlushWatch, Reply, Transport
@@ -162,7 +164,7 @@ class MemClient:
         assert info is not None, "start the in-process worker first"
         bucket = bucket_for(info.buckets, info.max_seq_len, len(prompt), max_new_tokens)
         job_id = uuid.uuid4().hex
-        req = Request(id=job_id, prompt=list(prompt), max_new_tokens=max_new_tokens,
+        req = Request(id=job_id, prompt=list(prompt), params=Params(max_new_tokens=max_new_tokens),
                       reply_key=self.q.keys.inbox(INBOX))
         self.q.put(bucket, job_id, req.encode())
         return job_id

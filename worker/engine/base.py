@@ -12,30 +12,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from batchfleet.common.guided import Guide
+from batchfleet.common.params import DEFAULT, Params
 
 
 @dataclass
 class GenRequest:
-    """One validated request as the engine sees it."""
+    """One validated request as the engine sees it: the wire's parameters as they came (common/params.py:
+    the sampler reads ``params``), the bucket and class of the stream it came from."""
 
     id: str
     prompt: list[int]
     bucket: int
-    max_new_tokens: int
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False  # sampling extensions: see common/protocol.py Request
-    min_tokens: int = 0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
+    params: Params = DEFAULT
     enqueued_at: float = 0.0  # unix time, for bookkeeping only
-    priority: int = 0  # 0 = interactive, 1 = batch (common/lanes.py RANK): lower is more urgent
-    guide: Guide | None = None  # structured output: each step samples only tokens the grammar allows
-    logprobs: int | None = None  # None = off; k: record each token's logprob and its k best alternatives
+    priority: int = 0  # 0 = interactive, 1 = batch (common/lanes.py RANK of its stream): lower is more urgent
 
 
 @dataclass

@@ -115,7 +115,7 @@ class HFEngine:
         matchers, refused = {}, []
         for r in reqs:  # a guide the worker cannot compile fails its own request only
             try:
-                matchers[r.id] = self.guides.matcher(r.guide) if r.guide is not None else None
+                matchers[r.id] = self.guides.matcher(r.params.guide) if r.params.guide is not None else None
             except GuideError as exc:
                 refused.append(Completion(id=r.id, token_ids=[], text="", finish_reason="", started_at=started,
                                           first_token_at=started, batch_size=len(reqs), error=str(exc)))
@@ -138,7 +138,7 @@ class HFEngine:
         with torch.inference_mode():
             self.model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                max_new_tokens=max(r.max_new_tokens for r in reqs), min_new_tokens=0,
+                max_new_tokens=max(r.params.max_new_tokens for r in reqs), min_new_tokens=0,
                 logits_processor=LogitsProcessorList([sampler]),
                 stopping_criteria=StoppingCriteriaList([_RowsDone(sampler)]),
                 pad_token_id=self.pad_id, eos_token_id=None, num_beams=1,

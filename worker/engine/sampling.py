@@ -18,16 +18,16 @@ from batchfleet.worker.engine.guided import apply_masks
 
 def make_generator(req: GenRequest, device: torch.device) -> torch.Generator | None:
     """A private RNG for sampled requests; None for greedy ones. Sampling runs on CPU for determinism."""
-    if req.temperature == 0.0:
+    if req.params.temperature == 0.0:
         return None
     gen = torch.Generator(device="cpu")
-    gen.manual_seed(req.seed if req.seed is not None else torch.seed() & (2**63 - 1))
+    gen.manual_seed(req.params.seed if req.params.seed is not None else torch.seed() & (2**63 - 1))
     return gen
 
 
 def _adjusted(req: GenRequest, checker: StopChecker | None) -> bool:
     """Whether a row's logits change before picking (penalty, or EOS still forbidden by min_tokens)."""
-    return req.repetition_penalty != 1.0 or (checker is not None and len(checker.tokens) < req.min_tokens)
+    return req.params.repetition_penalty != 1.0 or (checker is not None and len(checker.tokens) < req.params.min_tokens)
 
 
 def adjust(row: torch.Tensor, req: GenRequest, checker: StopChecker | None) -> torch.Tensor:
@@ -35,13 +35,13 @@ def adjust(row: torch.Tensor, req: GenRequest, checker: StopChecker | None) -> t
     seen in the prompt or the output has its logit divided by the penalty when positive, multiplied when
     negative) and min_tokens (EOS ids masked until that many tokens are out). row: [V] float, CPU."""
     output = checker.tokens if checker is not None else []
-    if req.repetition_penalty != 1.0:
+    if req.params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(req.prompt) | set(output)), dtype=torch.long)
         seen = seen[seen < row.numel()]
         vals = row[seen]
         row = row.clone()
-        row[seen] = torch.where(vals > 0, vals / req.repetition_penalty, vals * req.repetition_penalty)
-    if checker is not None and len(output) < req.min_tokens and checker.eos_ids:
+        row[seen] = torch.where(vals > 0, vals / req.params.repetition_penalty, vals * req.params.repetition_penalty)
+    if checker is not None and len(output) < req.params.min_tokens and checker.eos_ids:
         eos = torch.tensor(sorted(checker.eos_ids), dtype=torch.long)
         row = row.index_fill(0, eos[eos < row.numel()], float("-inf"))
     return row
@@ -60,28 +60,28 @@ def sample(logits: torch.Tensor, reqs: Sequence[GenRequest], gens: Sequence[torc
         apply_masks(logits, masked)
     out = argmax(logits) if argmax is not None else logits.argmax(dim=-1)
     picked = [i for i, r in enumerate(reqs)
-              if r.temperature > 0.0 or _adjusted(r, checkers[i] if checkers is not None else None)]
+              if r.params.temperature > 0.0 or _adjusted(r, checkers[i] if checkers is not None else None)]
     if not picked:
         return out
     rows = logits[picked].float().cpu()  # [S, V]
     for j, i in enumerate(picked):
         r = reqs[i]
         row = adjust(rows[j], r, checkers[i] if checkers is not None else None)
-        if r.temperature == 0.0:
+        if r.params.temperature == 0.0:
             out[i] = int(row.argmax())
             continue
-        row = row / max(r.temperature, 1e-5)  # validated >= 1e-3 on the wire; never overflow here
-        if 0 < r.top_k < row.numel():
-            kth = torch.topk(row, r.top_k).values[-1]
+        row = row / max(r.params.temperature, 1e-5)  # validated >= 1e-3 on the wire; never overflow here
+        if 0 < r.params.top_k < row.numel():
+            kth = torch.topk(row, r.params.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
-        if r.min_p > 0.0:  # relative to the most likely token, after temperature (as vLLM)
+        if r.params.min_p > 0.0:  # relative to the most likely token, after temperature (as vLLM)
             probs = row.softmax(-1)
-            row = row.masked_fill(probs < r.min_p * probs.max(), float("-inf"))
-        if r.top_p < 1.0:
+            row = row.masked_fill(probs < r.params.min_p * probs.max(), float("-inf"))
+        if r.params.top_p < 1.0:
             sorted_logits, order = torch.sort(row, descending=True)
             probs = sorted_logits.softmax(-1)
             # drop a token when the mass before it already reaches top_p (the first is always kept)
-            drop = probs.cumsum(-1) - probs >= r.top_p
+            drop = probs.cumsum(-1) - probs >= r.params.top_p
             row = row.scatter(0, order[drop], float("-inf"))
         probs = row.softmax(-1)
         out[i] = torch.multinomial(probs, 1, generator=gens[i]).to(out.device)[0]
@@ -90,17 +90,17 @@ def sample(logits: torch.Tensor, reqs: Sequence[GenRequest], gens: Sequence[torc
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, reqs: Sequence[GenRequest]) -> list:
     """Per row, None, or (logprob of its token, top-k ids, their logprobs) for rows whose request asked
-    (k = ``req.logprobs``): the log-softmax of the raw logits [B, V] of this step, in float32."""
-    want = [i for i, r in enumerate(reqs) if r.logprobs is not None]
+    (k = ``req.params.logprobs``): the log-softmax of the raw logits [B, V] of this step, in float32."""
+    want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
     out: list = [None] * len(reqs)
     if not want:
         return out
     lp = torch.log_softmax(logits[want].float(), dim=-1).cpu()  # [W, V]
     chosen = lp.gather(1, tokens[want].cpu().view(-1, 1)).view(-1).tolist()
-    k = max(reqs[i].logprobs for i in want)
+    k = max(reqs[i].params.logprobs for i in want)
     top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
     for j, i in enumerate(want):
-        n = reqs[i].logprobs
+        n = reqs[i].params.logprobs
         out[i] = (chosen[j], tuple(top_ids[j, :n].tolist()), tuple(top_lp[j, :n].tolist()))
     return out
 
@@ -126,7 +126,7 @@ class StopChecker:
         self.tokenizer = tokenizer
         self.matcher = matcher  # llguidance.LLMatcher of a constrained request
         self.tokens = Generated()
-        if req.logprobs is not None:
+        if req.params.logprobs is not None:
             self.tokens.logprobs = []
         self.reason = ""
         self.stop_at: int | None = None  # char index where a stop string begins
@@ -147,27 +147,27 @@ class StopChecker:
             self.tokens.logprobs.append(logprob)
         if self.matcher is not None and token not in self.eos_ids:
             self.matcher.consume_token(token)
-        early = len(self.tokens) < self.req.min_tokens  # min_tokens: neither EOS nor a stop string ends it
-        if token in self.eos_ids and not self.req.ignore_eos and not early:
+        early = len(self.tokens) < self.req.params.min_tokens  # min_tokens: neither EOS nor a stop string ends it
+        if token in self.eos_ids and not self.req.params.ignore_eos and not early:
             self.reason = "eos"
-        elif self.req.stop and not early and self._match_stop():
+        elif self.req.params.stop and not early and self._match_stop():
             self.reason = "stop"
         elif self.matcher is not None and self.matcher.is_stopped():
             self.reason = "stop"  # the structured output is complete (or, never expected, the matcher failed)
-        elif len(self.tokens) >= self.req.max_new_tokens:
+        elif len(self.tokens) >= self.req.params.max_new_tokens:
             self.reason = "length"
         return bool(self.reason)
 
     def _match_stop(self) -> bool:
         """A new match can only end in the newest token's text: decode a bounded tail each step (a
         stop string of L chars spans at most 4 L byte-level tokens), the whole output only on a hit."""
-        longest = max(len(s) for s in self.req.stop)
+        longest = max(len(s) for s in self.req.params.stop)
         tail = self.tokenizer.decode(self.tokens[-(4 * longest + 4):], skip_special_tokens=True)
-        if not any(s in tail for s in self.req.stop):
+        if not any(s in tail for s in self.req.params.stop):
             return False
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         start = max(0, len(text) - len(tail) - longest)
-        hits = [i for s in self.req.stop if (i := text.find(s, start)) >= 0]
+        hits = [i for s in self.req.params.stop if (i := text.find(s, start)) >= 0]
         if hits:
             self.stop_at = min(hits)
             return True

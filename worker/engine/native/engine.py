@@ -99,10 +99,10 @@ class NativeEngine:
         for req in requests:
             try:
                 self._validate(req)
-                matcher = self.guides.matcher(req.guide) if req.guide is not None else None
+                matcher = self.guides.matcher(req.params.guide) if req.params.guide is not None else None
                 state = ReqState(req=req, gen=make_generator(req, self.runner.device),
                                  checker=StopChecker(req, self.eos_ids, self.tokenizer, matcher))
-                seq = Seq(id=req.id, token_ids=list(req.prompt), max_new_tokens=req.max_new_tokens,
+                seq = Seq(id=req.id, token_ids=list(req.prompt), max_new_tokens=req.params.max_new_tokens,
                           stopper=state.checker.push, payload=state, bucket=req.bucket, priority=req.priority)
                 self.scheduler.add(seq)
             except ValueError as exc:
@@ -205,9 +205,9 @@ class NativeEngine:
     def _validate(self, req: GenRequest) -> None:
         if not req.prompt:
             raise ValueError("empty prompt")
-        if req.max_new_tokens < 1:
+        if req.params.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
-        if len(req.prompt) + req.max_new_tokens > self.batching.max_seq_len:
+        if len(req.prompt) + req.params.max_new_tokens > self.batching.max_seq_len:
             raise ValueError(f"prompt + max_new_tokens exceeds max_seq_len {self.batching.max_seq_len}")
 
     def _rollback(self, batch: ScheduledBatch) -> None:

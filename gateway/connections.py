@@ -1,0 +1,53 @@
+"""The gateway's Redis, all of it: this module builds every Redis connection a gateway process holds and
+hands them out; no other gateway module makes a client (each is built by common/redis_conn.py).
+
+* The AsyncClient (producer/aclient.py): jobs, the fleet description, health, and, on the same bounded
+  pool, the files and batches stores and the batch leases (gateway/batch_store.py; the leases through
+  the function library of common/functions.py, shared with the client's enqueue and cancel).
+* One AsyncClient per batch turn (``producer_client(config, inbox)``): each batch keeps its own inbox
+  across turns and processes, so a runner that takes a batch over finds the answers still on their way.
+* The dashboard's small sync pool, made at the first ``/dashboard/data``: its reads are the ones
+  ``batchfleet dashboard`` and ``batchfleet status`` make (sync redis-py, common/fleetstate.py and
+  producer/status.py), so the gateway runs them in a worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from batchfleet.gateway.batch_store import BatchStore, FileStore
+from batchfleet.gateway.config import GatewayConfig
+from batchfleet.producer import AsyncClient
+from batchfleet.producer.dashboard import dashboard_client
+
+ClientFactory = Callable[[GatewayConfig], AsyncClient]
+
+
+def producer_client(config: GatewayConfig, inbox: str | None = None) -> AsyncClient:
+    """An AsyncClient on the gateway's fleet (``inbox``: a batch's own; default: a fresh one)."""
+    return AsyncClient(config.connection.redis_url, config.connection.namespace, inbox=inbox)
+
+
+class GatewayRedis:
+    """The connections of one gateway (or ``batchfleet batches``) process: open at startup, ``aclose`` at
+    shutdown."""
+
+    def __init__(self, config: GatewayConfig, client_factory: ClientFactory = producer_client) -> None:
+        self.config = config
+        self.client = client_factory(config)
+        self.files = FileStore(self.client.r, self.client.keys, config.files_dir, config.max_file_mb << 20)
+        self.batches = BatchStore(self.client.r, self.client.keys, self.client.functions)
+        self._dashboard: Any = None  # a sync redis-py client (this package imports no sync redis: Any)
+
+    def dashboard(self) -> Any:
+        """The dashboard's sync pool (producer/dashboard.py ``dashboard_client``), made on first use."""
+        if self._dashboard is None:
+            self._dashboard = dashboard_client(self.config.connection)
+        return self._dashboard
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+        if self._dashboard is not None:
+            self._dashboard.close()  # sync, but only drops its sockets
+            self._dashboard = None

@@ -1,0 +1,42 @@
+"""The app's exception handlers: whatever a route (or a dependency, such as the API-key check) raises is
+answered with an OpenAI error body (gateway/errors.py maps exceptions to statuses)."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from batchfleet.common.errors import BatchfleetError
+from batchfleet.gateway.errors import APIError, api_error
+from batchfleet.gateway.service import CLIENT_CLOSED
+
+log = logging.getLogger("batchfleet.gateway.app")  # the name these logs always had
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    for exc_type in (APIError, BatchfleetError, ValueError, Exception):
+        app.add_exception_handler(exc_type, error_response)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, error_response)
+
+
+async def error_response(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, ClientDisconnect):  # gone before its body was read: nobody to answer, nothing wrong
+        log.debug("%s %s: client disconnected before sending its body", request.method, request.url.path)
+        return Response(status_code=CLIENT_CLOSED)
+    err = api_error(exc)
+    if err.status == 500:
+        log.error("%s %s failed: %r", request.method, request.url.path, exc, exc_info=exc)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Routing errors (404 unknown path, 405 wrong method) with an OpenAI error body."""
+    assert isinstance(exc, HTTPException)
+    err = APIError(exc.status_code, str(exc.detail), "invalid_request_error", None)
+    return JSONResponse(err.body(), status_code=err.status, headers=dict(exc.headers or {}))
