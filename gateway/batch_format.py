@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchfleet.common.errors import PromptTooLong
-from batchfleet.common.keys import BATCH
+from batchfleet.common.lanes import BATCH
 from batchfleet.common.protocol import Result
 from batchfleet.gateway.batch_lines import (
     BatchLine,

@@ -19,7 +19,7 @@ import click
 
 from batchfleet.common.cli import connection_options
 from batchfleet.common.config import ConnectionConfig
-from batchfleet.common.keys import BATCH
+from batchfleet.common.lanes import BATCH
 from batchfleet.producer.bulk_lines import PromptFormat, looks_like_batch, numbered
 from batchfleet.producer.cli import _params, check_reachable, generation_options, one_line_errors, priority_option
 

@@ -26,7 +26,8 @@ from batchfleet.common.errors import (
     RedisUnavailable,
     Timeout,
 )
-from batchfleet.common.keys import BATCH, valid_job_id
+from batchfleet.common.keys import valid_job_id
+from batchfleet.common.lanes import BATCH
 from batchfleet.common.protocol import Result
 from batchfleet.producer.bulk_types import Work
 from batchfleet.producer.prefix_order import prefix_key
