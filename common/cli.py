@@ -15,7 +15,7 @@ _COMMANDS = {
     "demo": "batchfleet.worker.demo:demo",
     "bench": "batchfleet.worker.benchmark.cli:bench",
     "submit": "batchfleet.producer.cli:submit",
-    "bulk": "batchfleet.producer.bulk_cli:bulk",
+    "bulk": "batchfleet.gateway.bulk_cli:bulk",
     "status": "batchfleet.producer.cli:status",
     "serve": "batchfleet.gateway.cli:serve",
     "batches": "batchfleet.gateway.cli:batches",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from batchfleet.common.lanes import BATCH, INTERACTIVE, LANES  # noqa: F401 - BATCH: importable from here too
+from batchfleet.common.lanes import INTERACTIVE, LANES
 
 DEFAULT_NAMESPACE = "bf"
 # fullmatch everywhere: "$" would accept a trailing newline ("abc\n")

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from batchfleet.common.errors import InvalidRequest, ProtocolError
+from batchfleet.common.errors import PROMPT_TOO_LONG, InvalidRequest, PromptTooLong, ProtocolError
 from batchfleet.common.guided import Guide, GuideError
 from batchfleet.common.wire import MAX_TOKENS
 
@@ -34,6 +34,16 @@ class ParamError(InvalidRequest, ProtocolError):
     def __init__(self, field: str, message: str) -> None:
         ProtocolError.__init__(self, message[:300])
         self.field = field
+
+
+class TooLong(ParamError, PromptTooLong):
+    """``max_new_tokens`` past the longest sequence the wire carries: what a request too long for the fleet
+    always was (a PromptTooLong to a client's caller, ``context_length_exceeded`` at the gateway,
+    ``prompt_too_long`` on the wire)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        ParamError.__init__(self, field, message)
+        self.code = PROMPT_TOO_LONG
 
 
 @dataclass(frozen=True)
@@ -78,7 +88,8 @@ class Bound:
             ok = typed and ((self.zero and value == 0) or (
                 (self.lo < value if self.lo_open else self.lo <= value) and value <= self.hi))
         if not ok:
-            raise ParamError(name, f"{name} must be {self.accepts()}, got {value!r}"[:300])
+            error = TooLong if name == "max_new_tokens" and type(value) is int and value > self.hi else ParamError
+            raise error(name, f"{name} must be {self.accepts()}, got {value!r}"[:300])
 
 
 # the one table: field -> kind, default, meaning and bounds (docs/PROTOCOL.md's rows are written from it)

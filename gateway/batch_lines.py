@@ -1,7 +1,7 @@
 """OpenAI Batch API lines: an input line -> what to run (or why not), an answer -> an output or error line.
 
-Pure (no I/O), shared by the gateway's batch runner and ``batchfleet bulk --format openai``. An input line is
-``{"custom_id", "method": "POST", "url", "body"}``; its body goes through the gateway's own validation
+Pure (no I/O), shared by the gateway's batches and ``batchfleet bulk --format openai`` (gateway/batch_format.py).
+An input line is ``{"custom_id", "method": "POST", "url", "body"}``; its body goes through the gateway's own validation
 (gateway/schemas.py ``request_job``), so a body the gateway would refuse becomes an error line carrying the
 same status and message. A line that is not a batch request at all (not JSON, no custom_id, another url, a
 repeated custom_id) is a ``LineError``: OpenAI fails the whole batch for it, bulk writes an error line.
@@ -15,20 +15,18 @@ which lines are written.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 from batchfleet.gateway.errors import APIError, invalid
 from batchfleet.gateway.schemas import Job, request_job
 from batchfleet.gateway.strict import strict_json
+from batchfleet.producer.bulk_lines import MAX_LINE_BYTES, TOO_LONG
 
 ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}  # url -> chat
 LINE_KEYS = frozenset({"custom_id", "method", "url", "body"})
 MAX_CUSTOM_ID_CHARS = 512
 MAX_LINE_ERRORS = 100  # a malformed file's errors listed in the batch object (OpenAI lists some, not all)
-MAX_LINE_BYTES = (4 << 20) + 4096  # a body the gateway takes (4 MiB) and the line around it
-TOO_LONG = b"<line too long>"  # what a reader yields in place of a longer line (gateway/batch_run.py numbered)
 
 
 class LineError(ValueError):
@@ -131,20 +129,6 @@ def failure_line(prefix: str, index: int, custom_id: str | None, code: str, mess
     """An error-file line for a request that never got a response (expired, cancelled, malformed in bulk)."""
     return {"id": request_name(prefix, index), "custom_id": custom_id, "response": None,
             "error": {"code": code, "message": message}}
-
-
-def numbered(f: IO[bytes]) -> Iterator[tuple[int, bytes]]:
-    """(line number, raw line) of every non-blank line of a binary file, read one line at a time; a line
-    over MAX_LINE_BYTES is skipped unread and comes as TOO_LONG (memory stays bounded by one line)."""
-    index = 0
-    while raw := f.readline(MAX_LINE_BYTES + 1):
-        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
-            while (rest := f.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
-                pass
-            raw = TOO_LONG
-        if raw.strip():
-            yield index, raw
-        index += 1
 
 
 def custom_id_of(raw: bytes) -> str | None:

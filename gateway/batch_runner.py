@@ -1,9 +1,9 @@
 """Runs OpenAI batches. Any gateway (``--batch-runner``, the default) or a dedicated ``batchfleet batches``
 process may run any batch; a lease in Redis (a random token under ``keys.batch_lease``, renewed every third
 of ``--batch-lease``) makes exactly one run each at a time. A runner that dies (kill -9) stops renewing; once
-its lease expires another process takes the batch over and resumes it from its output files
-(gateway/batch_run.py says why every request then appears exactly once and nothing written is computed
-again).
+its lease expires another process takes the batch over and resumes it from its output files (the
+producer's bulk runner, producer/bulk_jobs.py, runs the lines and says why every request then appears
+exactly once and nothing written is computed again).
 
 A batch's life, as OpenAI's: ``validating`` (the whole input is read once, streamed: a line that is not a
 batch request for the batch's endpoint, or a repeated custom_id, fails the batch with the lines' errors) ->
@@ -26,12 +26,15 @@ import redis.asyncio
 
 from batchfleet.common.errors import FleetUnavailable
 from batchfleet.common.keys import Keys
-from batchfleet.gateway.batch_files import FileSink, input_lines, written
-from batchfleet.gateway.batch_lines import MAX_LINE_ERRORS, Limits, LineError, numbered, parse_line
-from batchfleet.gateway.batch_run import Spec, run_lines
+from batchfleet.gateway.batch_format import OpenAIFormat
+from batchfleet.gateway.batch_lines import MAX_LINE_ERRORS, Limits, LineError, parse_line
 from batchfleet.gateway.batch_store import BatchStore, FileStore
 from batchfleet.gateway.config import GatewayConfig
 from batchfleet.gateway.connections import producer_client
+from batchfleet.producer.bulk_files import FileSink, read_back
+from batchfleet.producer.bulk_jobs import run_lines
+from batchfleet.producer.bulk_lines import numbered
+from batchfleet.producer.bulk_types import Spec, Summary
 
 log = logging.getLogger(__name__)
 POLL_S = 1.0
@@ -181,39 +184,39 @@ class BatchJob:
 
     async def execute(self, doc: dict[str, Any], run: dict[str, Any], cancelled: bool) -> bool:
         files = self.runner.files
-        prefix = run["prefix"]
         out_path, err_path = files.path(run["output"]), files.path(run["errors"])
-        done_ok, n_ok = written(out_path, prefix)
-        done_err, n_err = written(err_path, prefix)
+        # a job's deadline: past the window by a grace, so expiry ends the batch (batch_expired lines), not the
+        # fleet's deadline (a 504 per line)
+        fmt = OpenAIFormat(run["prefix"], Limits(max(1.0, doc["expires_at"] - time.time()) + EXPIRY_GRACE_S,
+                                                 self.config.chat_max_tokens), endpoint=doc["endpoint"], strict=True)
+        kept = read_back(err_path, fmt, read_back(out_path, fmt))
         counts = doc["request_counts"]
-        counts.update(completed=n_ok, failed=n_err)
+        counts.update(completed=kept.lines - kept.failed, failed=kept.failed)
         if not os.path.exists(files.path(doc["input_file_id"])):  # deleted since: what was written is kept
             doc["errors"] = {"object": "list", "data": [FILE_GONE]}
             return await self.finish(doc, "failed", run)
         client = producer_client(self.config, inbox=run["inbox"])
-        # a job's deadline: past the window by a grace, so expiry ends the batch (batch_expired lines), not the
-        # fleet's deadline (a 504 per line)
-        spec = Spec(prefix=prefix, limits=Limits(max(1.0, doc["expires_at"] - time.time()) + EXPIRY_GRACE_S,
-                                                 self.config.chat_max_tokens),
-                    model_names=(), window=self.config.batch_window, endpoint=doc["endpoint"])
+        spec = Spec(self.config.batch_window, kept.done)
         if cancelled or time.time() >= doc["expires_at"]:  # stopped before this turn began: only finish it
             spec.abandon = CANCELLED if cancelled else EXPIRED
             self.stop.set()
         watcher = asyncio.ensure_future(self.watch(doc, spec))
         try:
-            fleet = await client.fleet()
-            spec.model_names = self.config.served_model_names or (fleet.info.model,)
-            with open(out_path, "a", encoding="utf-8") as out, open(err_path, "a", encoding="utf-8") as err:
-                def count(ok: bool) -> None:  # the batch's request_counts, published by watch()
-                    counts["completed" if ok else "failed"] += 1
-                outcome = await run_lines(client, input_lines(files.path(doc["input_file_id"])), done_ok | done_err,
-                                          FileSink(out, err, count), spec, self.stop, strict=True)
+            fmt.fleet = await client.fleet()
+            fmt.model_names = self.config.served_model_names or (fmt.fleet.info.model,)
+
+            def count(s: Summary) -> None:  # the batch's request_counts, published by watch()
+                counts.update(completed=kept.lines - kept.failed + s.written - s.failed, failed=kept.failed + s.failed)
+            with (open(out_path, "a", encoding="utf-8") as out, open(err_path, "a", encoding="utf-8") as err,
+                  open(files.path(doc["input_file_id"]), "rb") as lines):
+                outcome = await run_lines(client, numbered(lines), fmt, FileSink(out, err), spec, self.stop,
+                                          progress=count)
         except FleetUnavailable:
             return True
         finally:
             watcher.cancel()
             await client.aclose()
-        if self.lost.is_set() or (outcome.stopped and spec.abandon is None):
+        if self.lost.is_set() or (outcome.interrupted and spec.abandon is None):
             return outcome.error is not None  # shut down, or taken over: the next holder resumes it
         if spec.abandon == CANCELLED:
             return await self.finish(doc, "cancelled", run)

@@ -10,9 +10,8 @@ vLLM's structured-output extensions (``guided_json``, ``guided_regex``, ``guided
 
 Extensions, all optional: ``timeout`` (seconds; at most the gateway's --request-timeout, HTTP 504 past
 it), and vLLM's ``top_k`` (0 or -1 = off), ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos`` and ``priority`` (an integer: lower is more urgent). OpenAI's ``service_tier`` picks the
-priority class: ``flex`` -> batch, ``auto`` / ``default`` -> interactive (common/lanes.py); ``priority``
-> 0 -> batch.
+``ignore_eos`` and ``priority`` (an integer: lower is more urgent; > 0 -> batch). OpenAI's ``service_tier``
+picks the class: ``flex`` -> batch, ``auto`` / ``default`` -> interactive (common/lanes.py).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from batchfleet.common.errors import PromptTooLong
 from batchfleet.common.guided import Guide, GuideError, from_options
 from batchfleet.common.lanes import lane_of
 from batchfleet.common.params import FIELDS, MIN_TEMPERATURE, ParamError, Params
@@ -170,7 +170,8 @@ class _Common(BaseModel):
             message = str(exc)
             for ours, theirs in names.items():
                 message = message.replace(ours, theirs)
-            raise invalid(message, names.get(exc.field, exc.field)) from None
+            code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else "invalid_request"
+            raise invalid(message, names.get(exc.field, exc.field), code) from None
 
     def job(self, prompt: Any, max_tokens: int, timeout_cap: float, logprobs: int | None = None,
             names: dict[str, str] | None = None) -> Job:

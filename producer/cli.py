@@ -41,8 +41,10 @@ def error_line(exc: BaseException, redis_url: str) -> str | None:
     elif isinstance(exc, redis.RedisError):
         text = f"{where} answered with an error: {exc}"
     elif isinstance(exc, BatchfleetError):
-        # NoWorkers, FleetUnavailable, Timeout, PromptTooLong, InvalidRequest, QueueFull, JobFailed, ConfigError
-        text = f"{type(exc).__name__}: {exc}"
+        # NoWorkers, FleetUnavailable, Timeout, PromptTooLong, InvalidRequest, QueueFull, JobFailed, ConfigError:
+        # the public name (common/errors.py), not a module's own subclass (common/params.py ParamError)
+        name = next(c.__name__ for c in type(exc).__mro__ if c.__module__ == BatchfleetError.__module__)
+        text = f"{name}: {exc}"
     else:
         return None
     return " ".join(text.split())  # one line, whatever the message held

@@ -1,15 +1,12 @@
-"""The order ``batchfleet bulk`` submits lines in: lines whose prompts start alike go one after another
-(within each window of lines), so one worker's batch shares its prefix and the workers' prefix cache keeps
-what the next lines need. Pure: no I/O, no tokenizer."""
+"""The order the bulk runner (``batchfleet bulk``, the gateway's batches) submits lines in: lines whose
+prompts start alike go one after another (within each window of lines), so one worker's batch shares its
+prefix and the workers' prefix cache keeps what the next lines need. Pure: no I/O, no tokenizer."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
-
-if TYPE_CHECKING:
-    from batchfleet.producer.bulk_input import Line
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 PREFIX_KEY_CHARS = 64  # about one KV block (16 tokens) of English text
@@ -29,14 +26,14 @@ def prefix_key(prompt: object) -> str | None:
         return None
 
 
-def submission_order(lines: list[Line], window: int) -> list[Line]:
-    """The order to submit ``lines`` in: each run of ``window`` consecutive lines grouped by
-    ``prefix_key`` (groups in order of first appearance, lines in input order within a group). Grouping
-    never reaches past ``window`` lines, so the line written next is always among those submitted."""
-    out: list[Line] = []
-    for start in range(0, len(lines), window):
-        out += grouped(lines[start:start + window],
-                       lambda line: prefix_key(line.obj.get("prompt")) if line.error is None else None)
+def submission_order(items: list[Any], window: int) -> list[Any]:
+    """The order to submit ``items`` (each with its ``key``, a ``prefix_key`` or None) in: each run of
+    ``window`` consecutive items grouped by key (groups in order of first appearance, items in input order
+    within a group). Grouping never reaches past ``window`` items, so the line written next is always among
+    those submitted."""
+    out: list[Any] = []
+    for start in range(0, len(items), window):
+        out += grouped(items[start:start + window], lambda item: item.key)
     return out
 
 

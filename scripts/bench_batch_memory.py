@@ -1,6 +1,6 @@
 """Bounded memory on a large OpenAI batch file (issue 18): one worker (user defaults, tiny preset) answers a
 ``--mb`` MB / ``--lines``-line batch input through ``batchfleet bulk --format openai`` (the same streamed
-runner, gateway/batch_run.py, as the gateway's /v1/batches) and the batch validation the gateway runs
+runner, producer/bulk_jobs.py, as the gateway's /v1/batches) and the batch validation the gateway runs
 first (gateway/batch_runner.py ``validate``); reports each one's peak RSS against the file's size.
 
     python scripts/bench_batch_memory.py --json docs/bench/batch_memory.json

@@ -9,17 +9,16 @@ import json
 import pytest
 
 from batchfleet.gateway.batch_lines import (
-    MAX_LINE_BYTES,
     Limits,
     LineError,
     failure_line,
-    numbered,
     parse_line,
     request_name,
     written_index,
 )
 from batchfleet.gateway.errors import APIError
 from batchfleet.gateway.schemas import request_job
+from batchfleet.producer.bulk_lines import MAX_LINE_BYTES, numbered
 
 pytestmark = pytest.mark.unit
 LIMITS = Limits(600.0, 256)

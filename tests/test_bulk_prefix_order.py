@@ -9,7 +9,8 @@ import json
 import pytest
 
 from batchfleet.producer.aclient import AsyncClient
-from batchfleet.producer.bulk import Line, bulk_file
+from batchfleet.producer.bulk import bulk_file
+from batchfleet.producer.bulk_lines import Line
 from batchfleet.producer.prefix_order import prefix_key, submission_order
 
 SYSTEM_A = "You are a terse assistant that answers every question in one single word. Question: "

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from batchfleet.common.keys import BATCH, Keys
-from batchfleet.producer.bulk_input import RunNames, parse_lines, run_names
+from batchfleet.common.keys import Keys
+from batchfleet.common.lanes import BATCH
+from batchfleet.producer.bulk_files import RunNames, run_names
+from batchfleet.producer.bulk_lines import parse_lines
 from tests.conftest import TEST_BUCKETS, worker_config
 from tests.helpers.loops import LoopThread
 

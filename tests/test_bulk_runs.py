@@ -17,7 +17,8 @@ from pathlib import Path
 import redis
 
 from batchfleet.common.config import ConnectionConfig
-from batchfleet.common.keys import BATCH, Keys
+from batchfleet.common.keys import Keys
+from batchfleet.common.lanes import BATCH
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.producer.bulk import bulk_file
 from batchfleet.worker.consumer import StreamConsumer

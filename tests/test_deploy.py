@@ -212,7 +212,7 @@ def test_manifests_parse_with_the_expected_objects():
 
 
 @pytest.mark.unit
-def test_keda_triggers_match_streams_and_group():
+def test_keda_triggers_match_streams_and_count_every_unanswered_request():
     keys = Keys(configmap_env()["BATCHFLEET_NAMESPACE"])
     so = of_kind("ScaledObject")["batchfleet-worker"]
     assert so["spec"]["scaleTargetRef"]["name"] in of_kind("Deployment")
@@ -221,11 +221,13 @@ def test_keda_triggers_match_streams_and_group():
     assert all(t["type"] == "redis-streams" for t in triggers)
     assert sorted(t["metadata"]["stream"] for t in triggers) == sorted(s for s, _, _ in keys.streams(DEFAULT_BUCKETS))
     redis_url = urlsplit(configmap_env()["BATCHFLEET_REDIS_URL"])
+    capacity = int(configmap_env()["BATCHFLEET_MAX_RUNNING"])
     for t in triggers:
         md = t["metadata"]
-        assert md["consumerGroup"] == keys.group
-        assert int(md["lagCount"]) >= 1 and int(md["activationLagCount"]) >= 0
-        assert "pendingEntriesCount" not in md  # lag (undelivered) is the queue depth, pending is in flight
+        # no consumerGroup: KEDA reads XLEN (queued + held + running: entries are deleted when answered), not
+        # the group's lag (undelivered only) nor its pending list (delivered only)
+        assert "consumerGroup" not in md and "lagCount" not in md and "pendingEntriesCount" not in md
+        assert int(md["streamLength"]) == capacity and int(md["activationLagCount"]) == 0
         host, port = md["address"].rsplit(":", 1)
         assert host == redis_url.hostname and int(port) == redis_url.port
         assert int(md.get("databaseIndex", 0)) == int(redis_url.path.strip("/") or 0)

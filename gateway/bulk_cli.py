@@ -1,5 +1,10 @@
-"""``batchfleet bulk``: a JSONL file of prompts, or of OpenAI Batch API requests, answered line by line
-(producer/bulk.py, gateway/batch_files.py); resumable, stopped cleanly by Ctrl-C."""
+"""``batchfleet bulk``: a JSONL file of prompts, or of OpenAI Batch API requests, answered line by line by the
+producer's bulk runner (producer/bulk.py ``run_file``); resumable, stopped cleanly by Ctrl-C.
+
+It lives in the gateway because the OpenAI format validates lines as the gateway does (pydantic,
+gateway/batch_format.py); that is imported only for that format, so a client-only install
+(``pip install batchfleet``) runs the prompt format.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +19,11 @@ import click
 
 from batchfleet.common.cli import connection_options
 from batchfleet.common.config import ConnectionConfig
-from batchfleet.common.keys import BATCH
-from batchfleet.producer.bulk_input import looks_like_batch
+from batchfleet.common.lanes import BATCH
+from batchfleet.producer.bulk_lines import PromptFormat, looks_like_batch, numbered
 from batchfleet.producer.cli import _params, check_reachable, generation_options, one_line_errors, priority_option
 
-FIRST_LINE_MAX = 8 << 20
+ERRORS_SUFFIX = ".errors.jsonl"
 
 
 @click.command()
@@ -55,23 +60,35 @@ def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int,
     rerun to resume); 130 interrupted (rerun to resume); 2 a usage error."""
     if window < 1:
         raise click.UsageError("--window must be >= 1")
+    out_path = None if output == "-" else output
     with _input_file(prompts) as path:
         if fmt == "auto":
             fmt = "openai" if looks_like_batch(_first_line(path)) else "prompts"
         check_reachable(ConnectionConfig(redis_url, namespace))
         if fmt == "openai":
-            _bulk_openai(redis_url, namespace, path, output, errors_path, window, resume, timeout,
-                         tuple(n.strip() for n in model_names.split(",") if n.strip()))
-            return
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    _bulk_prompts(redis_url, namespace, prompts, text, output, window, resume, timeout, gen)
+            make = _openai_format(timeout, tuple(n.strip() for n in model_names.split(",") if n.strip()))
+            if errors_path is None and out_path is not None:
+                errors_path = out_path + ERRORS_SUFFIX
+        else:
+            defaults = _params(**gen)
+            make, errors_path = (lambda prefix, _fleet: PromptFormat(prefix, defaults, timeout)), None
+        s = _run(path, out_path, errors_path, make, "requests" if fmt == "openai" else "prompts", redis_url,
+                 namespace, window, resume)
+    if fmt == "openai":
+        click.echo(f"done: {s.done} requests ({s.kept} kept from an earlier run), {s.failed_lines} in the error "
+                   "file", err=True)
+    else:
+        earlier = f" ({s.kept_failed} of them kept from an earlier run)" if s.kept_failed else ""
+        click.echo(f"done: {s.total} prompts ({s.kept} kept from an earlier run, {s.collected} collected, "
+                   f"{s.submitted} submitted), {s.failed_lines} failed{earlier}", err=True)
+    if s.failed_lines:
+        sys.exit(3)
 
 
 @contextmanager
 def _input_file(prompts: str) -> Iterator[str]:
     """The input as a file path: standard input ("-") is copied to a temporary file in chunks first, so
-    either format reads it like any file (an OpenAI batch file one line at a time)."""
+    it is read like any file, one line at a time (and counted first, for the progress bar)."""
     if prompts != "-":
         yield prompts
         return
@@ -82,73 +99,42 @@ def _input_file(prompts: str) -> Iterator[str]:
 
 
 def _first_line(path: str) -> bytes:
-    """The first non-blank line, at most FIRST_LINE_MAX bytes of it (enough to tell the format)."""
+    """The first non-blank line (enough to tell the format), read with bounded memory."""
     with open(path, "rb") as f:
-        while raw := f.readline(FIRST_LINE_MAX):
-            if raw.strip():
-                return raw
-    return b""
+        return next(numbered(f), (0, b""))[1]
 
 
-def _bulk_openai(redis_url: str, namespace: str, path: str, output: str, errors_path: str | None, window: int,
-                 resume: bool | None, timeout: float | None, model_names: tuple[str, ...]) -> None:
-    import asyncio
-
+def _openai_format(timeout: float | None, model_names: tuple[str, ...]) -> Any:
     try:
-        from batchfleet.gateway.batch_files import bulk_openai
+        from batchfleet.gateway.batch_format import bulk_format
     except ImportError as exc:  # pydantic: the gateway's validation, installed with the serve extra
         raise click.ClickException(f"--format openai validates lines as the gateway does: pip install "
                                    f"'batchfleet[serve]' ({exc})") from None
-    stop = asyncio.Event()
-    bar = click.progressbar(length=_requests_in(path), label="requests", show_pos=True, file=sys.stderr)
-    ctrl_c = _CtrlC(stop)
-    with bar:
-        r = asyncio.run(ctrl_c.run(bulk_openai(
-            path, None if output == "-" else output, errors_path, redis_url=redis_url, namespace=namespace,
-            window=window, timeout=timeout, resume=resume, stop=stop, model_names=model_names,
-            progress=lambda n: bar.update(n - bar.pos))))
-    o = r.outcome
-    kept = r.kept_ok + r.kept_failed
-    if o.stopped:
-        why = "interrupted" if o.error is None else f"stopped ({' '.join(str(o.error).split())})"
-        click.echo(f"{why}: {kept + o.ok + o.failed} lines written; run the same command again to resume", err=True)
-        sys.exit(130 if o.error is None else 1)
-    ctrl_c.restore()
-    click.echo(f"done: {kept + o.ok + o.failed} requests ({kept} kept from an earlier run), {r.failed} in the "
-               "error file", err=True)
-    if r.failed:
-        sys.exit(3)
+    return bulk_format(timeout, model_names)
 
 
-def _requests_in(path: str) -> int:
-    """Non-blank lines of a file (the progress bar's length), one bounded line at a time."""
-    from batchfleet.gateway.batch_lines import numbered
-
-    with open(path, "rb") as f:
-        return sum(1 for _ in numbered(f))
-
-
-def _bulk_prompts(redis_url: str, namespace: str, prompts: str, text: str, output: str, window: int,
-                  resume: bool | None, timeout: float | None, gen: dict) -> None:
+def _run(path: str, out_path: str | None, errors_path: str | None, make_format: Any, noun: str, redis_url: str,
+         namespace: str, window: int, resume: bool | None) -> Any:
+    """Run the file with a progress bar (from the first answer on: an error before it stays the only line) and
+    Ctrl-C as a clean stop; an interrupted run exits here (130, or 1 when the fleet stopped it)."""
     import asyncio
 
-    from batchfleet.producer.bulk import Summary, bulk_file
+    from batchfleet.producer.bulk import Summary, run_file
 
     stop = asyncio.Event()
-    bars: list = []  # shown from the first answer on: an error before it stays the only line
+    bars: list = []
 
     def progress(s: Summary) -> None:
         if not bars:
-            bars.append(click.progressbar(length=s.total, label="prompts", show_pos=True, file=sys.stderr))
+            bars.append(click.progressbar(length=s.total, label=noun, show_pos=True, file=sys.stderr))
             bars[0].__enter__()
         bars[0].update(s.done - bars[0].pos)
 
     ctrl_c = _CtrlC(stop)
     try:
-        s = asyncio.run(ctrl_c.run(bulk_file(
-            None if prompts == "-" else prompts, None if output == "-" else output, redis_url=redis_url,
-            namespace=namespace, window=window, defaults=_params(**gen), timeout=timeout, resume=resume, stop=stop,
-            progress=progress, text=text, out=sys.stdout)))
+        s = asyncio.run(ctrl_c.run(run_file(path, out_path, errors_path, make_format, redis_url=redis_url,
+                                            namespace=namespace, window=window, resume=resume, stop=stop,
+                                            progress=progress, out=sys.stdout)))
     finally:
         if bars:
             bars[0].__exit__(None, None, None)
@@ -158,11 +144,7 @@ def _bulk_prompts(redis_url: str, namespace: str, prompts: str, text: str, outpu
                    "same command again to resume", err=True)
         sys.exit(130 if s.error is None else 1)
     ctrl_c.restore()
-    earlier = f" ({s.kept_failed} of them kept from an earlier run)" if s.kept_failed else ""
-    click.echo(f"done: {s.total} prompts ({s.kept} kept from an earlier run, {s.collected} collected, "
-               f"{s.submitted} submitted), {s.failed_lines} failed{earlier}", err=True)
-    if s.failed_lines:
-        sys.exit(3)
+    return s
 
 
 class _CtrlC:

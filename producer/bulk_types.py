@@ -1,0 +1,79 @@
+"""What a bulk run is made of: a line's ``Work``, the ``LineFormat`` that parses and answers lines, the
+``Sink`` answers go to, the ``Spec`` of a run and its ``Summary``. The runner (producer/bulk_jobs.py) works
+on these alone; a format is passed in from above (producer/bulk_lines.py, gateway/batch_format.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from batchfleet.common.protocol import Result
+
+
+@dataclass
+class Work:
+    """One parsed input line: its jobs, or ``error``, the answer line it gets without running."""
+
+    index: int  # 0-based line number in the input
+    line: Any  # the format's own parsed line
+    job_ids: list[str] = field(default_factory=list)
+    prompt: Any = None
+    key: str | None = None  # prefix key (producer/prefix_order.py): lines alike are submitted together
+    timeout: float | None = None
+    error: dict | None = None
+
+
+class LineFormat(Protocol):
+    """One kind of input line: what it asks, how its answer and its errors read, how written lines read back."""
+
+    ordered: bool  # answers in submission order (else as they come)
+    # ask whether a line's jobs were answered already when their replies are gone (EXISTS on the ``done`` markers,
+    # which the producer's ACL user lacks, docs/SECURITY.md): the prompt format needs not (a new output, a new key)
+    check_answered: bool
+    refused: tuple[type[BaseException], ...]  # submission errors that are the line's own (an error line)
+
+    def parse(self, index: int, raw: bytes) -> Work: ...
+    async def params(self, work: Work) -> list[dict[str, Any]]: ...  # per job; ``refused`` errors: an error line
+    def answer(self, work: Work, results: list[Result]) -> dict: ...
+    def failure(self, work: Work, exc: BaseException) -> dict: ...
+    def abandoned(self, index: int, line: Any, code: str, message: str) -> dict: ...  # line: raw or parsed
+    def index_of(self, obj: Any) -> int | None: ...  # a written line's input line number
+    def failed(self, obj: dict) -> bool: ...  # a written line is an error line
+
+
+class Sink(Protocol):
+    def write(self, line: dict, ok: bool) -> None: ...  # on disk before it returns
+
+
+@dataclass
+class Spec:
+    """How to run: at most ``window`` lines in flight, skipping ``done``; ``abandon``: see the module doc."""
+
+    window: int = 256
+    done: set[int] = field(default_factory=set)
+    abandon: tuple[str, str] | None = None
+
+
+@dataclass
+class Summary:
+    """What a run did; ``interrupted`` runs leave ``in_flight`` jobs for the next run to collect."""
+
+    total: int = 0  # answer lines the input asks for
+    kept: int = 0  # already in the output when the run started
+    kept_failed: int = 0  # error lines among them
+    written: int = 0  # written by this run
+    failed: int = 0  # error lines written by this run
+    submitted: int = 0  # jobs this run enqueued
+    collected: int = 0  # lines answered by jobs an earlier run enqueued
+    in_flight: int = 0
+    interrupted: bool = False  # stopped (Ctrl-C) or ended by ``error`` before every line was answered
+    error: BaseException | None = None  # NoWorkers / RedisUnavailable mid-run: what ended it
+
+    @property
+    def done(self) -> int:
+        return self.kept + self.written
+
+    @property
+    def failed_lines(self) -> int:
+        """Error lines in the whole output (this run's and the kept ones)."""
+        return self.failed + self.kept_failed
