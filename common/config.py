@@ -1,60 +1,27 @@
 """Frozen, validated configuration dataclasses, one per role. Built once by the CLI and passed down.
 
 The single source of defaults and choices: a field that is also a command-line option says so in its
-metadata (``option(help, ...)``); common/options.py derives the click options (flag, env var, default,
-type, help) from these fields, so nothing here is restated elsewhere.
+metadata (``option(help, ...)``, common/optionspec.py); common/options.py derives the click options (flag,
+env var, default, type, help) from these fields, so nothing here is restated elsewhere. The engine's own
+settings are in common/engine_config.py.
 """
 
 from __future__ import annotations
 
 import bisect
-import re
-from collections.abc import Callable, Mapping
-from dataclasses import Field, dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
+from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.errors import ConfigError, PromptTooLong
 from batchfleet.common.keys import DEFAULT_NAMESPACE, Keys
 from batchfleet.common.logs import LOG_FORMATS
+from batchfleet.common.optionspec import is_option, option, option_env
 from batchfleet.common.redis_url import check_redis_url
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_BUCKETS = (128, 256, 512, 1024, 4096)
 PADDING_CHOICES = ("bucket", "longest")
-ENGINE_CHOICES = ("native", "hf")
-MODE_CHOICES = ("dynamic", "continuous")
-DTYPE_CHOICES = ("float32", "bfloat16", "float16")
-LINEAR_CHOICES = ("auto", "default", "onednn")  # worker/engine/native/linear.py
-PRESETS = ("tiny", "bench")  # built-in models; worker/engine/models.py defines one shape per name
-ENV_PREFIX = "BATCHFLEET_"
-_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|npu(:\d+)?)$")
-
-
-def option(help: str, *, flag: str | None = None, choices: tuple[str, ...] | None = None,
-           parse: Callable[[str], Any] | None = None, aliases: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Field metadata that makes a config field a CLI option (read by common/options.py).
-
-    ``flag`` overrides ``--<field-name>`` (without the dashes); the environment variable is always
-    ``BATCHFLEET_<FLAG>`` (one rule, no exceptions: README and --help say so). ``choices`` restricts the
-    value, ``parse`` turns the command-line text into the field's value, ``aliases`` are older flag names
-    still accepted.
-    """
-    return {"help": help, "flag": flag, "choices": choices, "parse": parse, "aliases": aliases}
-
-
-def option_flag(f: Field) -> str:
-    """The option's name without dashes: ``reply-ttl`` for ``reply_ttl_s``."""
-    return f.metadata["flag"] or f.name.replace("_", "-")
-
-
-def option_env(f: Field) -> str:
-    """The option's environment variable: ``BATCHFLEET_REPLY_TTL`` for ``reply_ttl_s``."""
-    return ENV_PREFIX + option_flag(f).upper().replace("-", "_")
-
-
-def is_option(f: Field) -> bool:
-    """Whether a config field is also a command-line option."""
-    return "help" in f.metadata
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -171,82 +138,6 @@ class ConnectionConfig:
     @property
     def keys(self) -> Keys:
         return Keys(self.namespace)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """What runs the model and where."""
-
-    model: str | None = field(default=None, metadata=option(
-        "Local HF checkpoint dir (Llama/Mistral/Qwen2); never downloads. Default: the built-in --preset."))
-    preset: str = field(default="tiny", metadata=option(
-        "Built-in model made locally when --model is not given.", choices=PRESETS))
-    engine: str = field(default="native", metadata=option(
-        "native: own forward over a paged KV cache; hf: transformers generate (the baseline).",
-        choices=ENGINE_CHOICES))
-    mode: str | None = field(default=None, metadata=option(
-        "continuous: closed batches of every bucket start while others decode, all buckets decode together "
-        "(native only); dynamic: one bucket's batch runs to completion (the reference). "
-        "Default: continuous for native, dynamic for hf.", choices=MODE_CHOICES))
-    max_running: int = field(default=64, metadata=option(
-        "Continuous mode: most sequences decoding at once, all buckets together (--max-batch-size stays the "
-        "per-bucket prefill batch). 64 measured best on a 2-core CPU: 1311 tok/s per decode step vs 944 at 32."))
-    batch_min_share: float = field(default=0.1, metadata=option(
-        "Continuous mode: share of --max-running decode slots the batch class keeps while interactive work "
-        "runs (at least one slot when > 0): interactive work preempts batch sequences down to it, never below, "
-        "so a flood of interactive requests never starves batch jobs."))
-    max_prefill_tokens: int = field(default=2048, metadata=option(
-        "Continuous mode: prompt tokens per prefill step; longer prefills are chunked, with decode steps "
-        "between chunks, so a long prompt never stalls running requests for its whole prefill."))
-    device: str = field(default="cpu", metadata=option("cpu | cuda[:i] | npu[:i]"))
-    dtype: str | None = field(default=None, metadata=option(
-        "Default: measured per device (bf16 on AMX/AVX512-BF16 CPUs, GPU, NPU; else float32).", choices=DTYPE_CHOICES))
-    block_size: int = field(default=16, metadata=option("KV cache block size (native engine)."))
-    kv_cache_gb: float | None = field(default=None, metadata=option(
-        "KV pool size (native engine). Default: a fraction of free memory."))
-    threads: int | None = field(default=None, metadata=option(
-        "CPU threads per worker (torch + kernels). Default: all cores. With N workers on one host give each "
-        "cores/N: OpenMP threads fighting over cores slow everything down."))
-    cache_dir: str = field(default="~/.cache/batchfleet", metadata=option(
-        "Where built-in presets (models/) are created and the CPU kernel (kernels/) is compiled."))
-    native_kernel: bool = field(default=True, metadata=option(
-        "Use the C decode kernels on CPU: paged attention and the step's small ops (off: gather + SDPA, torch ops)."))
-    linear: str = field(default="auto", metadata=option(
-        "Native engine weight matmuls: auto = per weight shape and row count, the faster of torch's default "
-        "and oneDNN with the weight prepacked, measured at load (CPU; elsewhere default); default = F.linear; "
-        "onednn = prepacked wherever oneDNN can.", choices=LINEAR_CHOICES))
-    prefix_cache: bool = field(default=True, metadata=option(
-        "Native engine: keep the KV of full prompt blocks and reuse it for every later prompt starting with the "
-        "same tokens (a shared system prompt is computed once); cached blocks are evicted least recently used."))
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.engine not in ENGINE_CHOICES:
-            raise ConfigError(f"engine must be one of {ENGINE_CHOICES}, got {self.engine!r}")
-        if self.mode is None:  # the best the engine can do
-            object.__setattr__(self, "mode", "continuous" if self.engine == "native" else "dynamic")
-        if self.mode not in MODE_CHOICES:
-            raise ConfigError(f"mode must be one of {MODE_CHOICES}, got {self.mode!r}")
-        if self.engine == "hf" and self.mode != "dynamic":
-            raise ConfigError("the hf engine runs each batch to completion: add --mode dynamic")
-        if self.max_running < 1 or self.max_prefill_tokens < 1:
-            raise ConfigError("max_running and max_prefill_tokens must be >= 1")
-        if not 0 <= self.batch_min_share <= 1:
-            raise ConfigError(f"batch_min_share must be in [0, 1], got {self.batch_min_share}")
-        if not _DEVICE_RE.match(self.device):
-            raise ConfigError(f"device must be cpu, cuda[:i] or npu[:i], got {self.device!r}")
-        if self.linear not in LINEAR_CHOICES:
-            raise ConfigError(f"linear must be one of {LINEAR_CHOICES}, got {self.linear!r}")
-        if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
-            raise ConfigError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
-        if self.preset not in PRESETS:
-            raise ConfigError(f"preset must be one of {PRESETS}, got {self.preset!r}")
-        if self.block_size < 1:
-            raise ConfigError("block_size must be >= 1")
-        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
-            raise ConfigError("kv_cache_gb must be > 0")
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError("threads must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Click options derived from the config dataclasses, and the two ways back from parsed values.
 
-Each field of common/config.py that carries ``option(...)`` metadata becomes ``--<flag>`` with
+Each config field that carries ``option(...)`` metadata (common/optionspec.py) becomes ``--<flag>`` with
 ``envvar=BATCHFLEET_<FLAG>``, the field's default, a type from its annotation (or its choices / parse
 function) and its help text. The click parameter's name is the field's name (``--reply-ttl`` fills
 ``reply_ttl_s``), so parsed values map onto the dataclasses without a translation table:
@@ -21,17 +21,10 @@ import click
 from click.core import ParameterSource
 
 from batchfleet.common import logs
-from batchfleet.common.config import (
-    ConnectionConfig,
-    DynamicBatchingConfig,
-    EngineConfig,
-    LogConfig,
-    WorkerConfig,
-    is_option,
-    option_env,
-    option_flag,
-)
+from batchfleet.common.config import ConnectionConfig, DynamicBatchingConfig, LogConfig, WorkerConfig
+from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.errors import ConfigError
+from batchfleet.common.optionspec import is_option, option_env, option_flag
 
 F = TypeVar("F", bound=Callable[..., Any])
 

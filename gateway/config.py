@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from batchfleet.common.config import MIN_KEY_CHARS, ConnectionConfig, check_api_keys, option, parse_api_keys
+from batchfleet.common.config import MIN_KEY_CHARS, ConnectionConfig, check_api_keys, parse_api_keys
 from batchfleet.common.errors import ConfigError
+from batchfleet.common.optionspec import option
 
 __all__ = ["MIN_KEY_CHARS", "GatewayConfig", "parse_api_keys"]
 

@@ -12,20 +12,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import redis
 
 from batchfleet.common.config import connection_from_env
-from batchfleet.common.errors import InvalidRequest, RedisUnavailable, Timeout
+from batchfleet.common.errors import InvalidRequest, Timeout
 from batchfleet.common.fleetstate import live_workers_async
-from batchfleet.common.functions import CANCELS_MAXLEN, LIVE_WORKER_MS, Functions
+from batchfleet.common.functions import CANCELS_MAXLEN, LIVE_WORKER_MS
 from batchfleet.common.keys import valid_inbox
 from batchfleet.common.protocol import Result
-from batchfleet.common.redis_conn import async_client, write_acked
-from batchfleet.common.retry import TRANSIENT, Backoff
+from batchfleet.common.redis_conn import async_client
 from batchfleet.producer.core import (
     INLINE_PROMPT_CHARS,
     RETRY_S,
@@ -37,10 +35,10 @@ from batchfleet.producer.core import (
     prompt_size,
 )
 from batchfleet.producer.inbox import Inbox, WaitExpired
+from batchfleet.producer.redis_calls import RedisCalls
 from batchfleet.producer.stream import AsyncTokenStream
 
 log = logging.getLogger("producer")
-T = TypeVar("T")
 
 CANCEL_TTL_S = 3600  # a cancel marker outlives any queue wait worth having
 LIVENESS_CHECK_S = 0.3  # budget of the "how many workers are alive" question a Timeout message asks
@@ -73,7 +71,6 @@ class AsyncClient:
             raise InvalidRequest("inbox must be 16-64 chars of [A-Za-z0-9_-]")
         if max_connections < 1:
             raise InvalidRequest("max_connections must be >= 1")
-        self.retry_s = retry_s
         self.require_workers = require_workers
         # named connections: an operator sees in CLIENT LIST which process holds which (never the inbox token)
         self.client_name = f"batchfleet-producer-{secrets.token_hex(4)}"
@@ -82,60 +79,29 @@ class AsyncClient:
                                   "client_name": self.client_name}
         self.r = async_client(self.conn.redis_url, max_connections=max_connections, **kwargs)
         reader = async_client(self.conn.redis_url, max_connections=1, **kwargs)
-        self._backoff = Backoff(log, "redis", min_s=0.05, max_s=2.0)
+        self.calls = RedisCalls(self.r, self.conn, retry_s)
+        self.functions = self.calls.functions  # shared with the gateway's batch store (gateway/connections.py)
         # the reader blocks at most half the socket timeout, so a healthy idle wait never times out
         self.inbox = Inbox(reader, self.r, self.keys.inbox(token), int(self.conn.socket_timeout_s * 500),
-                           self._backoff)
+                           self.calls.backoff)
         self.inbox.unavailable_after_s = retry_s
         self._fleet = FleetView()
         self._fleet_lock = asyncio.Lock()
-        self.functions = Functions(self.r)
         self._background: set[asyncio.Task] = set()  # cancels of given-up jobs (a reference keeps them alive)
+
+    @property
+    def retry_s(self) -> float:
+        """How long a call without a timeout retries through a Redis outage (``RedisUnavailable`` after)."""
+        return self.calls.retry_s
+
+    @retry_s.setter
+    def retry_s(self, value: float) -> None:
+        self.calls.retry_s = value
 
     @property
     def reply_key(self) -> str:
         """This client's inbox stream: workers write every answer to its jobs there."""
         return self.inbox.key
-
-    # ---- Redis calls, bounded ----------------------------------------------------------------------
-    async def _io(self, call: Callable[[], Awaitable[T]], deadline: Deadline, what: str) -> T:
-        """``call()`` within the deadline, retrying connection errors with backoff (see the class doc)."""
-        give_up = None if deadline.timeout is not None else time.monotonic() + self.retry_s
-        fresh = True  # a pooled connection Redis closed (a restart) fails once: retried at once, not an outage
-        while True:
-            left = deadline.left()
-            if left == 0:
-                raise Timeout(f"{what}: Redis did not answer within {deadline.timeout:g} s")
-            if give_up is not None:  # no timeout: a frozen Redis must not hold one try past retry_s
-                left = max(0.05, give_up - time.monotonic())
-            try:
-                async with asyncio.timeout(left):  # not wait_for: it can swallow a cancellation (stream.py)
-                    out = await call()
-            except TimeoutError:
-                if give_up is None:
-                    raise Timeout(f"{what}: Redis did not answer within {deadline.timeout:g} s") from None
-                raise RedisUnavailable(f"{what}: Redis at {self.conn.redis_url.split('@')[-1]} did not answer "
-                                       f"for {self.retry_s:g} s") from None
-            except TRANSIENT as exc:
-                if fresh:
-                    fresh = False
-                    continue
-                delay = self._backoff.failed(exc)
-                if give_up is not None:
-                    if time.monotonic() >= give_up:
-                        raise RedisUnavailable(f"{what}: Redis at {self.conn.redis_url.split('@')[-1]} unreachable "
-                                               f"for {self.retry_s:g} s ({type(exc).__name__}: {exc})") from None
-                    delay = min(delay, give_up - time.monotonic())
-                await asyncio.sleep(deadline.sooner(max(0.0, delay)))
-                continue
-            self._backoff.ok()
-            return out
-
-    async def _function(self, name: str, keys: list[str], args: list) -> Any:
-        """FCALL of a library function; EVALSHA of the same body where Redis has no functions (6.2) or the
-        library is not loaded yet."""
-        n = self.conn.wait_replicas  # > 0: the write counts once n replicas have it (WAIT, same connection)
-        return await self.functions.call(name, keys, args, send=lambda command: write_acked(self.r, n, command))
 
     # ---- the API -----------------------------------------------------------------------------------
     async def fleet(self, timeout: float | None = None) -> FleetView:
@@ -146,7 +112,7 @@ class AsyncClient:
         if self._fleet.stale():
             async with self._fleet_lock:
                 if self._fleet.stale():
-                    raw = await self._io(lambda: self.r.get(self.keys.fleet), deadline, "fleet description")
+                    raw = await self.calls.io(lambda: self.r.get(self.keys.fleet), deadline, "fleet description")
                     if raw is not None or self.require_workers:
                         self._fleet.update(raw)
         return self._fleet.require(self.keys)
@@ -164,8 +130,8 @@ class AsyncClient:
         job = await self._build(fleet, prompt, ask, deadline.left(), job_id, stream)
         self.inbox.expect(job.id, stream)
         try:
-            code = await self._io(
-                lambda: self._function("enqueue", [job.stream, self.keys.workers],
+            code = await self.calls.io(
+                lambda: self.calls.function("enqueue", [job.stream, self.keys.workers],
                                        job.args(self.require_workers and not fleet.scales_to_zero,
                                                 LIVE_WORKER_MS)),
                 deadline, f"enqueue of job {job.id}")
@@ -281,7 +247,7 @@ class AsyncClient:
     async def cancel(self, job_id: str, timeout: float | None = 5.0) -> None:
         """Ask the fleet to stop a job this client submitted: a queued job is skipped, a running one leaves
         its batch at the next step (its KV blocks are freed); it is answered once with ``cancelled``."""
-        await self._io(lambda: self._function("cancel", [self.keys.cancel(job_id), self.keys.cancels],
+        await self.calls.io(lambda: self.calls.function("cancel", [self.keys.cancel(job_id), self.keys.cancels],
                                               [job_id, self.inbox.key, CANCEL_TTL_S, CANCELS_MAXLEN]),
                        Deadline(timeout), f"cancel of job {job_id}")
 
@@ -289,7 +255,7 @@ class AsyncClient:
         """Workers with a fresh heartbeat (Redis' clock)."""
         async def count() -> int:
             return len(await live_workers_async(self.r, self.keys))
-        return await self._io(count, Deadline(timeout), "live workers")
+        return await self.calls.io(count, Deadline(timeout), "live workers")
 
     async def _liveness(self) -> str:
         try:

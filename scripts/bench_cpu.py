@@ -4,7 +4,7 @@ after the per-CPU kernels, in one run.
     python scripts/bench_cpu.py --json docs/bench/cpu_<kind>.json
 
 Loads the ``bench`` preset in the worker's default dtype for this CPU and builds the native engine
-twice, each measured by ``worker/benchmark/floor.py`` at ``--batch`` sequences of ``--context`` tokens:
+twice, each measured by ``scripts/benchlib/floor.py`` at ``--batch`` sequences of ``--context`` tokens:
 
 * ``before``: weight matmuls on torch's default ``F.linear`` (``--linear default``), C decode kernel
   capped to its portable loop, the step's small ops (RMSNorm, RoPE + KV write, SiLU * up, argmax) as
@@ -26,12 +26,13 @@ from pathlib import Path
 import click
 import torch
 
-from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
-from batchfleet.worker.benchmark.floor import step_vs_floor
+from batchfleet.common.config import DynamicBatchingConfig
+from batchfleet.common.engine_config import EngineConfig
 from batchfleet.worker.benchmark.report import git_commit, machine, write_json
 from batchfleet.worker.engine.models import load_model, make_preset
 from batchfleet.worker.engine.native import cpu_kernel
 from batchfleet.worker.engine.native.engine import NativeEngine
+from benchlib.floor import step_vs_floor
 
 
 def measure(loaded, batch: int, context: int, linear: str, isa: str, kv_gb: float, c_ops: bool) -> dict:

@@ -24,12 +24,14 @@ from types import SimpleNamespace
 import click
 import torch
 
-from batchfleet.common.config import DTYPE_CHOICES, DynamicBatchingConfig, EngineConfig, parse_buckets
+from batchfleet.common.config import DynamicBatchingConfig, parse_buckets
+from batchfleet.common.engine_config import DTYPE_CHOICES, EngineConfig
 from batchfleet.common.params import Params
-from batchfleet.worker.benchmark.floor import matmul_ms, time_ms
 from batchfleet.worker.engine.base import GenRequest
-from batchfleet.worker.engine.models import EOS_ID, PAD_ID, LoadedModel, load_model, make_preset
+from batchfleet.worker.engine.models import LoadedModel, load_model, make_preset
 from batchfleet.worker.engine.native.engine import NativeEngine
+from batchfleet.worker.engine.tokenizer import EOS_ID, PAD_ID
+from benchlib.floor import matmul_ms, time_ms
 
 
 def make_requests(args) -> list[GenRequest]:

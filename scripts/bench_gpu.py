@@ -21,11 +21,13 @@ import click
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from batchfleet.common.config import ENGINE_CHOICES, DynamicBatchingConfig, EngineConfig, WorkerConfig
+from batchfleet.common.config import DynamicBatchingConfig, WorkerConfig
+from batchfleet.common.engine_config import ENGINE_CHOICES, EngineConfig
 from batchfleet.worker.benchmark.loadgen import closed_loop, make_workload, summarize
 from batchfleet.worker.benchmark.memqueue import MemClient, MemQueue
 from batchfleet.worker.compose import build_worker
-from batchfleet.worker.engine.models import EOS_ID, LoadedModel, byte_level_tokenizer
+from batchfleet.worker.engine.models import LoadedModel
+from batchfleet.worker.engine.tokenizer import EOS_ID, byte_level_tokenizer
 
 SHAPES = {
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,

@@ -28,12 +28,12 @@ from batchfleet.worker.benchmark.loadgen import Workload, closed_loop, make_work
 from batchfleet.worker.benchmark.report import machine, write_json
 from batchfleet.worker.benchmark.runner import serving_redis
 from batchfleet.worker.benchmark.strategies import parse_strategy
-from batchfleet.worker.benchmark.vllm_peer import run_offline
 from batchfleet.worker.devtools import ensure_redis
 from batchfleet.worker.engine.models import make_preset
 from batchfleet.worker.engine.native.block_manager import BlockManager
 from batchfleet.worker.engine.native.scheduler import Scheduler
 from batchfleet.worker.engine.native.sequence import Sequence
+from benchlib.vllm_peer import run_offline
 
 HERE = Path(__file__).resolve().parent
 MAX_SEQ_LEN = 4096

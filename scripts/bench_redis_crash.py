@@ -2,7 +2,7 @@
 
 A private Redis 7 (AOF, appendfsync always, fsync slowed by strace) is killed and restarted on its AOF
 ``--cycles`` times while sync and async clients send ``--requests`` greedy requests through a worker
-subprocess (worker/benchmark/redis_crash.py). ``--target``: where each kill lands: ``reply`` (inside the
+subprocess (scripts/benchlib/redis_crash.py). ``--target``: where each kill lands: ``reply`` (inside the
 fsync of a write holding a final reply), ``any`` (any delayed fsync) or ``mixed`` (alternating). Prints a
 markdown table (one row per cycle, then the totals) and writes JSON.
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import click
 
-from batchfleet.worker.benchmark.redis_crash import CrashPlan, run_crash
 from batchfleet.worker.engine.models import make_preset
+from benchlib.redis_crash import CrashPlan, run_crash
 
 
 @click.command(help=__doc__)

@@ -19,11 +19,12 @@ from pathlib import Path
 import click
 import torch
 
-from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
-from batchfleet.worker.benchmark.floor import fill_decode
+from batchfleet.common.config import DynamicBatchingConfig
+from batchfleet.common.engine_config import EngineConfig
 from batchfleet.worker.benchmark.report import git_commit, machine, write_json
 from batchfleet.worker.engine.models import load_model, make_preset
 from batchfleet.worker.engine.native.engine import NativeEngine
+from benchlib.floor import fill_decode
 
 
 def ab(model_dir: Path, dtype: str, batch: int, context: int, steps: int) -> dict:

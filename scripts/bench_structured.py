@@ -25,16 +25,17 @@ import click
 import jsonschema
 import torch
 
-from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
+from batchfleet.common.config import DynamicBatchingConfig
+from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.guided import Guide, dump_schema
 from batchfleet.common.params import Params
 from batchfleet.worker.benchmark.cli import parse_range
 from batchfleet.worker.benchmark.loadgen import make_workload
 from batchfleet.worker.benchmark.report import machine, write_json
-from batchfleet.worker.benchmark.vllm_peer import run_offline
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.models import load_model, make_preset
 from batchfleet.worker.engine.native.engine import NativeEngine
+from benchlib.vllm_peer import run_offline
 
 HERE = Path(__file__).resolve().parent
 SCHEMA = {

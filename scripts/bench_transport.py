@@ -21,7 +21,7 @@ from batchfleet.producer import Client
 from batchfleet.worker.benchmark.loadgen import percentile
 from batchfleet.worker.consumer import StreamConsumer
 from batchfleet.worker.devtools import delete_namespace, ensure_redis
-from batchfleet.worker.engine.models import byte_level_tokenizer
+from batchfleet.worker.engine.tokenizer import byte_level_tokenizer
 from batchfleet.worker.transport import Reply
 
 

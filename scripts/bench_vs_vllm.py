@@ -9,7 +9,7 @@ gets the same token ids, greedy, ``ignore_eos``, in the same dtype as the fleet 
 worker's default for this CPU, bf16 only with AVX512-BF16/AMX) and the same KV cache size
 (``--kv-cache-gb``, vLLM's ``VLLM_CPU_KVCACHE_SPACE``). The fleet and the in-process run count the tokens they
 produced (a random-weight model seldom samples EOS). Also reports a decode step against its floor
-(worker/benchmark/floor.py). Run on an otherwise idle machine: each part runs alone, one after another.
+(scripts/benchlib/floor.py). Run on an otherwise idle machine: each part runs alone, one after another.
 """
 
 from __future__ import annotations
@@ -22,19 +22,20 @@ from pathlib import Path
 import click
 import torch
 
-from batchfleet.common.config import DEFAULT_BUCKETS, DTYPE_CHOICES, DynamicBatchingConfig, EngineConfig
+from batchfleet.common.config import DEFAULT_BUCKETS, DynamicBatchingConfig
+from batchfleet.common.engine_config import DTYPE_CHOICES, EngineConfig
 from batchfleet.common.params import Params
 from batchfleet.worker.benchmark.cli import parse_range
-from batchfleet.worker.benchmark.floor import step_vs_floor
 from batchfleet.worker.benchmark.loadgen import make_workload
 from batchfleet.worker.benchmark.report import git_commit, machine, write_json
 from batchfleet.worker.benchmark.runner import LoadSpec, run_load, serving_redis
 from batchfleet.worker.benchmark.strategies import parse_strategy
-from batchfleet.worker.benchmark.vllm_peer import run_offline
 from batchfleet.worker.devtools import ensure_redis
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.models import default_dtype, load_model, make_preset
 from batchfleet.worker.engine.native.engine import NativeEngine
+from benchlib.floor import step_vs_floor
+from benchlib.vllm_peer import run_offline
 
 HERE = Path(__file__).resolve().parent
 

@@ -3,7 +3,9 @@ namespace per test (deleted afterwards), the tiny built-in model, and in-process
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,9 +22,20 @@ TEST_BUCKETS = (32, 64, 128, 256)
 HEAVY_FIXTURES = {"redis_url", "any_redis_url", "namespace", "tiny_model_dir", "start_worker", "cache_dir"}
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """``-m unit`` skips importing a test module that marks no test unit: its imports (torch, transformers,
+    fastapi) would cost seconds of collection for tests the run deselects anyway."""
+    if (config.option.markexpr or "").strip() != "unit" or not collection_path.name.startswith("test_"):
+        return None
+    if collection_path.suffix == ".py" and "mark.unit" not in collection_path.read_text():
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test not marked ``unit`` is ``integration``; a ``unit`` test that asks for Redis, a model or a
-    worker is a collection error (the marker must stay true)."""
+    worker is a collection error (the marker must stay true; one that starts a process fails when it runs:
+    ``_unit_tests_start_no_process``)."""
     for item in items:
         if item.get_closest_marker("unit") is None:
             item.add_marker(pytest.mark.integration)
@@ -30,6 +43,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         heavy = HEAVY_FIXTURES & set(getattr(item, "fixturenames", ()))
         if heavy:
             raise pytest.UsageError(f"{item.nodeid} is marked unit but uses {sorted(heavy)}")
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``unit`` test that starts a process (subprocess, multiprocessing, fork, os.system) fails, as one
+    that asks for Redis does: pytest.fail is no Exception, so code under test cannot swallow it."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse(*_args, **_kwargs):
+        pytest.fail(f"{request.node.nodeid} is marked unit but starts a process (make it integration)")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)  # run, call, check_output, asyncio's too
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    for name in ("system", "fork", "forkpty", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, refuse)
 
 
 @pytest.fixture(scope="session")

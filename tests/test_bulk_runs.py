@@ -22,7 +22,7 @@ from batchfleet.common.lanes import BATCH
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.producer.bulk import bulk_file
 from batchfleet.worker.consumer import StreamConsumer
-from batchfleet.worker.engine.models import byte_level_tokenizer
+from batchfleet.worker.engine.tokenizer import byte_level_tokenizer
 from tests.conftest import TEST_BUCKETS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,8 @@ import yaml
 from click.testing import CliRunner
 
 from batchfleet.common.cli import main
-from batchfleet.common.config import DynamicBatchingConfig, EngineConfig, WorkerConfig
+from batchfleet.common.config import DynamicBatchingConfig, WorkerConfig
+from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.options import build_worker_config, option_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -175,7 +176,7 @@ def test_flags_and_env_vars_reach_the_config(clean_env, monkeypatch):
 
 
 def test_preset_names_are_one_tuple():
-    from batchfleet.common.config import PRESETS
+    from batchfleet.common.engine_config import PRESETS
     from batchfleet.worker.engine.models import PRESETS as MODEL_SHAPES
 
     assert set(MODEL_SHAPES) == set(PRESETS)

@@ -13,7 +13,7 @@ from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.producer import Client, FleetUnavailable, InvalidRequest, NoWorkers, PromptTooLong, Timeout
 from batchfleet.producer.chat import render
-from batchfleet.worker.engine.models import PRESET_CHAT_TEMPLATE
+from batchfleet.worker.engine.tokenizer import PRESET_CHAT_TEMPLATE
 
 
 def _publish_stale_fleet(redis_url: str, keys: Keys, tiny_model_dir) -> None:

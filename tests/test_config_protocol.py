@@ -6,14 +6,13 @@ import msgpack
 import pytest
 
 from batchfleet.common.config import (
-    PRESETS,
     ConnectionConfig,
     DynamicBatchingConfig,
-    EngineConfig,
     bucket_for,
     connection_from_env,
     parse_buckets,
 )
+from batchfleet.common.engine_config import PRESETS, EngineConfig
 from batchfleet.common.errors import ConfigError, PromptTooLong, ProtocolError
 from batchfleet.common.keys import Keys
 from batchfleet.common.params import Params

@@ -20,7 +20,6 @@ from batchfleet.producer import Client
 from batchfleet.producer.dashboard import DashboardServer, dashboard_data
 from batchfleet.producer.status import prefix_cache_hit_rate
 from tests.conftest import TEST_BUCKETS
-from tests.helpers.gateway import gateways
 from tests.helpers.loops import wait_until
 
 KEY = "sk-dash-0123456789"
@@ -116,6 +115,8 @@ def test_data_and_key_on_the_gateway_and_the_standalone_server(start_worker, red
     (dead,) = data["dead_letter_entries"]
     assert dead["id"] == "dead-1" and dead["bucket"] == str(TEST_BUCKETS[0]) and "p" not in dead
     assert data["dead_letters"] == 1 and data["batch_jobs"] is None
+    from tests.helpers.gateway import gateways  # fastapi: imported only where a gateway runs
+
     with gateways(redis_url, namespace) as start_gateway:
         gw = start_gateway(api_keys=KEY)
         with httpx.Client(base_url=gw.url, timeout=30) as http:
@@ -143,6 +144,8 @@ def test_chromium_shows_the_running_fleet(start_worker, redis_url: str, namespac
     w = start_worker(max_wait_ms=10)
     make_traffic(redis_url, namespace)
     name = w.loop.transport.name
+    from tests.helpers.gateway import gateways  # fastapi: imported only where a gateway runs
+
     with gateways(redis_url, namespace) as start_gateway:
         gw = start_gateway(api_keys=KEY)
         dom = Dom(chromium(f"{gw.url}/dashboard#key={KEY}"))

@@ -13,9 +13,10 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from batchfleet.common.config import DEFAULT_BUCKETS, is_option, option_env, option_flag
+from batchfleet.common.config import DEFAULT_BUCKETS
 from batchfleet.common.keys import Keys
 from batchfleet.common.options import CONFIG_CLASSES
+from batchfleet.common.optionspec import is_option, option_env, option_flag
 from batchfleet.gateway.config import GatewayConfig
 from batchfleet.worker.engine.native import memlimit
 

@@ -8,7 +8,6 @@ import json
 
 import msgpack
 import pytest
-import torch
 
 from batchfleet.common.errors import InvalidRequest, ProtocolError
 from batchfleet.common.guided import Guide, GuideError, from_options, from_response_format
@@ -85,10 +84,12 @@ def test_client_params_refuse_bad_options_before_sending():
 
 
 def test_masks_touch_only_constrained_rows_and_logprobs_are_log_softmax():
+    import torch
+
     from batchfleet.worker.engine.base import GenRequest
     from batchfleet.worker.engine.guided import GuideCompiler
-    from batchfleet.worker.engine.models import byte_level_tokenizer
     from batchfleet.worker.engine.sampling import StopChecker, sample, token_logprobs
+    from batchfleet.worker.engine.tokenizer import byte_level_tokenizer
 
     compiler = GuideCompiler(byte_level_tokenizer(), 320, frozenset([2]))
     digits = compiler.matcher(Guide("regex", "[0-9]{2}"))

@@ -4,25 +4,39 @@ and keeps greedy output token-identical to transformers' generate (fp32)."""
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import pytest
-import torch
-import torch.nn.functional as F
 
-from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
-from batchfleet.worker.engine.native import linear as L
-from batchfleet.worker.engine.native.engine import NativeEngine
+from batchfleet.common.config import DynamicBatchingConfig
+from batchfleet.common.engine_config import EngineConfig
+
+CHOICES = ("auto", "default", "onednn")  # linear.CHOICES, spelled out: collecting imports no torch (checked below)
 
 
-def _weights(n_out=48, n_in=40, dtype=torch.float32, bias=True):
+@pytest.fixture(scope="module")
+def L() -> ModuleType:
+    from batchfleet.worker.engine.native import linear
+
+    return linear
+
+
+def _weights(n_out=48, n_in=40, dtype=None, bias=True):
+    import torch
+
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(n_out, n_in, generator=g).to(dtype)
-    return w, (torch.randn(n_out, generator=g).to(dtype) if bias else None)
+    w = torch.randn(n_out, n_in, generator=g).to(dtype or torch.float32)
+    return w, (torch.randn(n_out, generator=g).to(dtype or torch.float32) if bias else None)
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("choice", L.CHOICES)
+@pytest.mark.parametrize("choice", CHOICES)
 @pytest.mark.parametrize("bias", [True, False])
-def test_every_choice_computes_f_linear_at_every_row_count(choice, bias):
+def test_every_choice_computes_f_linear_at_every_row_count(L, choice, bias):
+    import torch
+    import torch.nn.functional as F
+
+    assert set(CHOICES) == set(L.CHOICES)
     w, b = _weights(bias=bias)
     lin = L.LinearFactory(choice)(w, b)
     with torch.inference_mode():
@@ -36,7 +50,7 @@ def test_every_choice_computes_f_linear_at_every_row_count(choice, bias):
 
 
 @pytest.mark.unit
-def test_auto_measures_each_shape_once_and_describes_it():
+def test_auto_measures_each_shape_once_and_describes_it(L):
     make = L.LinearFactory("auto")
     w, b = _weights()
     a, c = make(w, b), make(w.clone(), None)
@@ -53,7 +67,10 @@ def test_auto_measures_each_shape_once_and_describes_it():
 
 
 @pytest.mark.unit
-def test_default_never_packs_and_bf16_falls_back_where_onednn_cannot():
+def test_default_never_packs_and_bf16_falls_back_where_onednn_cannot(L):
+    import torch
+    import torch.nn.functional as F
+
     w, b = _weights()
     assert L.LinearFactory("default")(w, b).packed is None
     # bf16 prepacking needs AVX512 (bw/vl/dq) or AVX-NE-CONVERT: where it fails the layer stays on F.linear
@@ -67,7 +84,7 @@ def test_default_never_packs_and_bf16_falls_back_where_onednn_cannot():
 
 
 @pytest.mark.unit
-def test_plan_table_picks_the_nearest_probe_in_log_scale():
+def test_plan_table_picks_the_nearest_probe_in_log_scale(L):
     plan = L.Plan({1: "default", 4: "onednn", 16: "onednn", 64: "default"})
     table = plan.table()
     assert [table[r.bit_length()] for r in (1, 2, 3, 5, 12, 20, 40, 100, 5000)] == [
@@ -75,7 +92,8 @@ def test_plan_table_picks_the_nearest_probe_in_log_scale():
 
 
 @pytest.mark.parametrize("choice", ["onednn", "auto"])
-def test_prepacked_greedy_matches_transformers(tmp_path, choice):
+def test_prepacked_greedy_matches_transformers(L, tmp_path, choice):
+    from batchfleet.worker.engine.native.engine import NativeEngine
     from tests.helpers.native import build_model, hf_greedy, prompt, request, run_all
 
     loaded = build_model("qwen2", tmp_path)  # GQA + qkv bias: every linear kind, with and without bias

@@ -36,7 +36,7 @@ def bpe_tokenizer() -> Tokenizer:
 
 def byte_tokenizer() -> Tokenizer:
     """The built-in presets' tokenizer (one token per byte, BOS prepended)."""
-    from batchfleet.worker.engine.models import byte_level_tokenizer
+    from batchfleet.worker.engine.tokenizer import byte_level_tokenizer
 
     return byte_level_tokenizer().backend_tokenizer
 
@@ -58,7 +58,7 @@ def common_prefix(seqs: list[list[int]]) -> int:
 
 @pytest.mark.parametrize("kind", ["byte", "bpe"])
 def test_same_system_prompt_gives_the_same_leading_tokens(kind):
-    from batchfleet.worker.engine.models import PRESET_CHAT_TEMPLATE
+    from batchfleet.worker.engine.tokenizer import PRESET_CHAT_TEMPLATE
 
     tok, template = (byte_tokenizer(), PRESET_CHAT_TEMPLATE) if kind == "byte" else (bpe_tokenizer(), CHATML)
     v = view(tok, template)

@@ -5,7 +5,7 @@ the fsync of a write that holds a worker's final reply (durable, not yet sent to
 
 0 lost (every call returns its Result, with the text the same prompt got before the crashes), 0 answered
 twice (no job id received twice, at most one final reply per job in the AOF), and the AOF shows no job
-answered but never received. The harness is worker/benchmark/redis_crash.py; scripts/bench_redis_crash.py
+answered but never received. The harness is scripts/benchlib/redis_crash.py; scripts/bench_redis_crash.py
 runs 20 cycles.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from batchfleet.worker.benchmark.redis_crash import CrashPlan, run_crash
+from scripts.benchlib.redis_crash import CrashPlan, run_crash
 
 SYSTEM_REDIS = "/usr/bin/redis-server"
 
@@ -50,7 +50,7 @@ def test_aof_reading_and_reply_audit_helpers(tmp_path: Path) -> None:
     deltas and requests not, a torn last command ignored (as Redis does on load)."""
     import msgpack
 
-    from batchfleet.worker.faults import aof_commands, audit_aof, xadd_fields
+    from scripts.benchlib.faults import aof_commands, audit_aof, xadd_fields
 
     def resp(*args: bytes) -> bytes:
         return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)

@@ -5,35 +5,47 @@ checkpoint whose greedy answer is always EOS."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 import msgpack
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from batchfleet.common.errors import ProtocolError
 from batchfleet.common.params import Params
 from batchfleet.common.protocol import Request
 from batchfleet.producer import Client, InvalidRequest
 from batchfleet.worker.engine.base import GenRequest
-from batchfleet.worker.engine.models import BOS_ID, EOS_ID, PAD_ID, byte_level_tokenizer
-from batchfleet.worker.engine.sampling import StopChecker, sample
+from batchfleet.worker.engine.tokenizer import EOS_ID
 
-EOS = frozenset({EOS_ID})
+
+@pytest.fixture(scope="module")
+def torch() -> ModuleType:
+    import torch
+
+    return torch
 
 
 def req(**kw) -> GenRequest:
     return GenRequest(id="r", prompt=kw.pop("prompt", [5]), bucket=8, params=Params(**{"max_new_tokens": 8, **kw}))
 
 
-def checker(r: GenRequest, tokens: list[int] = ()) -> StopChecker:
-    c = StopChecker(r, EOS, byte_level_tokenizer())
+def checker(r: GenRequest, tokens: list[int] = ()):
+    from batchfleet.worker.engine.sampling import StopChecker
+    from batchfleet.worker.engine.tokenizer import byte_level_tokenizer
+
+    c = StopChecker(r, frozenset({EOS_ID}), byte_level_tokenizer())
     c.tokens.extend(tokens)
     return c
 
 
+def sample(*args):
+    from batchfleet.worker.engine.sampling import sample
+
+    return sample(*args)
+
+
 @pytest.mark.unit
-def test_min_tokens_masks_eos_until_reached_and_ignore_eos_never_stops():
+def test_min_tokens_masks_eos_until_reached_and_ignore_eos_never_stops(torch):
     logits = torch.zeros(1, 10)
     logits[0, EOS_ID] = 5.0
     logits[0, 7] = 1.0
@@ -47,7 +59,7 @@ def test_min_tokens_masks_eos_until_reached_and_ignore_eos_never_stops():
 
 
 @pytest.mark.unit
-def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens(torch):
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 3.0, 2.0, -1.0, -1.5]])
     r = req(prompt=[5], repetition_penalty=2.0)
     assert sample(logits, [r], [None], [checker(r)]).tolist() == [6]  # 3 / 2 < 2
@@ -60,7 +72,7 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
 
 
 @pytest.mark.unit
-def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
+def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability(torch):
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     r = req(temperature=1.0, min_p=0.25)  # keeps p >= 0.125: tokens 0, 1, 2
     gen = torch.Generator().manual_seed(0)
@@ -84,6 +96,11 @@ def test_requests_carry_the_extensions_in_version_3():
 def make_eos_model(target: Path) -> Path:
     """A checkpoint whose greedy next token is always EOS (every layer's output zero, each embedding a ones
     vector, the LM head's EOS row ones): the case ignore_eos and min_tokens change."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from batchfleet.worker.engine.tokenizer import BOS_ID, PAD_ID, byte_level_tokenizer
+
     if (target / "config.json").exists():
         return target
     config = LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

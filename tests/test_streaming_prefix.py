@@ -5,20 +5,29 @@ progress arriving in random chunks."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchfleet.common.protocol import decode_reply
-from batchfleet.worker.engine.models import BYTE_OFFSET, byte_level_tokenizer
+from batchfleet.worker.engine.tokenizer import BYTE_OFFSET
 from batchfleet.worker.streaming import StreamPublisher
 
 pytestmark = pytest.mark.unit
-TOK = byte_level_tokenizer()
+
+
+@functools.cache
+def tokenizer():
+    """The byte-level tokenizer (transformers), built at first use: collecting imports neither torch nor it."""
+    from batchfleet.worker.engine.tokenizer import byte_level_tokenizer
+
+    return byte_level_tokenizer()
 
 
 def decode(ids: list[int]) -> str:
-    return TOK.decode(ids, skip_special_tokens=True)
+    return tokenizer().decode(ids, skip_special_tokens=True)
 
 
 # bytes that make UTF-8 hard: ASCII, continuation bytes, 2/3/4-byte leads, never-valid bytes

@@ -3,21 +3,26 @@ token, so multi-byte characters always arrive split across tokens."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 
 from batchfleet.common.protocol import decode_reply
-from batchfleet.worker.engine.models import byte_level_tokenizer
 from batchfleet.worker.streaming import StreamPublisher
 
 pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
 
-TOK = byte_level_tokenizer()
+@functools.cache
+def tokenizer():
+    """The byte-level tokenizer (transformers), built at first use: collecting imports neither torch nor it."""
+    from batchfleet.worker.engine.tokenizer import byte_level_tokenizer
+
+    return byte_level_tokenizer()
 
 
 def decode(ids: list[int]) -> str:
-    return TOK.decode(ids, skip_special_tokens=True)
+    return tokenizer().decode(ids, skip_special_tokens=True)
 
 
 def stream(tokens: list[int], stop: tuple[str, ...] = ()) -> list[str]:

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from batchfleet.common import logs
-from batchfleet.common.config import DynamicBatchingConfig, EngineConfig, WorkerConfig
+from batchfleet.common.config import DynamicBatchingConfig, WorkerConfig
+from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.metrics import MetricsServer, reserve_metrics
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.worker.consumer import StreamConsumer, default_consumer_name
@@ -24,7 +25,7 @@ from batchfleet.worker.engine.base import Engine
 from batchfleet.worker.engine.models import LoadedModel, load_model, make_preset
 from batchfleet.worker.fleet import with_fingerprint
 from batchfleet.worker.loop import WorkerLoop
-from batchfleet.worker.metrics import WorkerMetrics
+from batchfleet.worker.metrics import LoopStats, WorkerMetrics
 from batchfleet.worker.transport import Transport
 from batchfleet.worker.validate import Limits
 
@@ -86,19 +87,18 @@ def build_worker(cfg: WorkerConfig, transport: Transport | None = None, loaded: 
     server = metrics_server
     if server is None and cfg.metrics_port:
         server = reserve_metrics(cfg.metrics_port, cfg.metrics_host)  # served empty until the loop's metrics join
+    observe = None if server is None else (lambda loop: WorkerMetrics(loop, server.registry, server))
     try:
-        loop = _build(cfg, transport, loaded, wrap_engine)
+        return _build(cfg, transport, loaded, wrap_engine, observe)
     except BaseException:
         if server is not None:
             server.close()
         raise
-    if server is not None:
-        loop.observer = WorkerMetrics(loop, server.registry, server)
-    return loop
 
 
 def _build(cfg: WorkerConfig, transport: Transport | None, loaded: LoadedModel | None,
-           wrap_engine: Callable[[Engine], Engine] | None) -> WorkerLoop:
+           wrap_engine: Callable[[Engine], Engine] | None,
+           observe: Callable[[WorkerLoop], LoopStats] | None) -> WorkerLoop:
     if loaded is None:
         loaded = load_model(resolve_model_path(cfg), cfg.engine.device, cfg.engine.dtype)
     engine = build_engine(cfg.engine, cfg.batching, loaded)
@@ -117,7 +117,7 @@ def _build(cfg: WorkerConfig, transport: Transport | None, loaded: LoadedModel |
         limits = Limits(max_seq_len=cfg.batching.max_seq_len, vocab_size=int(loaded.model.config.vocab_size))
         tokenizer = loaded.tokenizer
         return WorkerLoop(cfg, engine, transport, limits,
-                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), observe=observe)
     except BaseException:
         transport.close()  # joined: leave the live set now, not LIVE_WORKER_MS later
         raise

@@ -18,7 +18,8 @@ from pathlib import Path
 import click
 
 from batchfleet.common.cli import connection_options
-from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
+from batchfleet.common.config import DynamicBatchingConfig
+from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.keys import Keys
 from batchfleet.common.options import build_worker_config, config_options, option_args

@@ -38,7 +38,7 @@ class Dispatcher:
 
     def __init__(self, cfg: WorkerConfig, engine: Engine, transport: Transport, requests: RequestTable,
                  intake: Intake, ledger: Ledger, streams: StreamPublisher | None,
-                 send: Callable[[list[Reply]], None], observer: Callable[[], LoopStats]) -> None:
+                 send: Callable[[list[Reply]], None], observer: LoopStats) -> None:
         self.cfg = cfg
         self.engine = engine
         self.transport = transport
@@ -47,7 +47,7 @@ class Dispatcher:
         self.ledger = ledger
         self.streams = streams
         self.send = send
-        self.observer = observer  # the loop's current observer (replaced by WorkerMetrics with --metrics-port)
+        self.observer = observer  # the loop's observer (WorkerMetrics with --metrics-port)
         self.alone = False  # a request that must run alone is in the engine: nothing may join it
         self.progress = time.monotonic()  # last time an engine step returned
 
@@ -95,7 +95,7 @@ class Dispatcher:
             return False
         self.ledger.note("batches")
         self.ledger.note("batched_requests", len(items))
-        self.observer().started(items[0].entry.bucket, len(items))
+        self.observer.started(items[0].entry.bucket, len(items))
         if self.streams is not None:
             for acc in items:
                 if acc.request.stream:
@@ -116,7 +116,7 @@ class Dispatcher:
             self._failed(exc, suspects=self.engine.failed_ids())
             return
         self.progress = time.monotonic()
-        self.observer().stepped(self.progress - began)
+        self.observer.stepped(self.progress - began)
         self._answer(completions)
 
     def _failed(self, exc: Exception, suspects: list[str]) -> None:

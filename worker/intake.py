@@ -36,7 +36,8 @@ class Intake:
     """Feeds the request table and the batcher from the transport; answers what cannot run."""
 
     def __init__(self, cfg: WorkerConfig, transport: Transport, limits: Limits, requests: RequestTable,
-                 ledger: Ledger, send: Callable[[list[Reply]], None]) -> None:
+                 ledger: Ledger, send: Callable[[list[Reply]], None],
+                 engine_full: Callable[[str], bool] = lambda lane: False) -> None:
         self.cfg = cfg
         self.transport = transport
         self.limits = limits
@@ -45,8 +46,8 @@ class Intake:
         self.send = send  # replies go to the outbox and are written when the transport takes them
         self.next_reclaim = 0.0  # time.time() of the next reclaim (tests set 0 to force one)
         self.next_prune = 0.0
-        # the loop sets it (the dispatcher's): whether the engine can start nothing more of a lane now
-        self.engine_full: Callable[[str], bool] = lambda lane: False
+        # the dispatcher's: whether the engine can start nothing more of a lane now (default: never full)
+        self.engine_full = engine_full
 
     def room(self, lane: str) -> int:
         """Hold at most two batches of a lane locally (queued or waiting to run alone), one while the engine

@@ -41,26 +41,34 @@ HEARTBEAT_S = 2.0
 SHUTDOWN_OUTAGE_GRACE_S = 10.0  # on shutdown, how long to keep retrying replies Redis will not take
 
 
+def _loop_stats(loop: WorkerLoop) -> LoopStats:
+    return LoopStats(loop.ledger)
+
+
 class WorkerLoop:
     """Drives one engine from the transport's bucket streams until stopped."""
 
     def __init__(self, cfg: WorkerConfig, engine: Engine, transport: Transport, limits: Limits,
-                 decode: Callable[[list[int]], str] | None = None) -> None:
+                 decode: Callable[[list[int]], str] | None = None,
+                 observe: Callable[[WorkerLoop], LoopStats] | None = None) -> None:
         """``decode``: token ids -> text as the engine's final text decodes them; None: no streamed deltas
-        (streamed requests then get their whole text with the final reply)."""
+        (streamed requests then get their whole text with the final reply). ``observe``: makes the loop's
+        observer from the loop (its ledger, engine, request table are set by then); default ``LoopStats``,
+        ``WorkerMetrics`` with --metrics-port (worker/compose.py)."""
         self.cfg = cfg
         self.engine = engine
         self.transport = transport
         b = cfg.batching
         self.requests = RequestTable(Batcher(b.buckets, b.max_batch_size, b.max_wait_ms))
         self.ledger = Ledger()
-        self.observer = LoopStats(self.ledger)  # WorkerMetrics with --metrics-port (worker/compose.py)
+        self.observer = (observe or _loop_stats)(self)
         self.stopping = threading.Event()
         streams = StreamPublisher(decode, cfg.stream_interval_ms / 1000) if decode else None
-        self.intake = Intake(cfg, transport, limits, self.requests, self.ledger, self._send)
+        # the intake asks the dispatcher (made next: it answers through the intake) whether the engine is full
+        self.intake = Intake(cfg, transport, limits, self.requests, self.ledger, self._send,
+                             lambda lane: self.dispatch.engine_full(lane))
         self.dispatch = Dispatcher(cfg, engine, transport, self.requests, self.intake, self.ledger, streams,
-                                   self._send, lambda: self.observer)
-        self.intake.engine_full = self.dispatch.engine_full
+                                   self._send, self.observer)
         self.outage = Backoff(log, "redis")
         self.faults = Backoff(log, "worker loop (after an internal error)")
         self._progress = time.monotonic()  # last time a tick completed or an engine step returned

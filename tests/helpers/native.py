@@ -7,11 +7,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
+from batchfleet.common.config import DynamicBatchingConfig
+from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.params import Params
 from batchfleet.worker.engine.base import GenRequest
-from batchfleet.worker.engine.models import BOS_ID, EOS_ID, PAD_ID, LoadedModel, byte_level_tokenizer, load_model
+from batchfleet.worker.engine.models import LoadedModel, load_model
 from batchfleet.worker.engine.native.engine import NativeEngine
+from batchfleet.worker.engine.tokenizer import BOS_ID, EOS_ID, PAD_ID, byte_level_tokenizer
 
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=320,
                max_position_embeddings=512, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from batchfleet.worker.engine.models import BOS_ID, BYTE_OFFSET, EOS_ID, PAD_ID, byte_level_tokenizer
+from batchfleet.worker.engine.tokenizer import BOS_ID, BYTE_OFFSET, EOS_ID, PAD_ID, byte_level_tokenizer
 
 CYCLE_TEXT = " é日ж€"  # 11 bytes, all distinct, so each byte has one successor
 

@@ -9,7 +9,8 @@ import tempfile
 import click
 
 from batchfleet.common.cli import connection_options
-from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
+from batchfleet.common.config import DynamicBatchingConfig
+from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.options import config_options
 from batchfleet.common.redis_url import redact_url
 from batchfleet.worker.benchmark.loadgen import make_workload

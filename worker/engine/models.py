@@ -16,13 +16,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
+from batchfleet.worker.engine.tokenizer import BOS_ID, EOS_ID, PAD_ID, byte_level_tokenizer
+
 log = logging.getLogger(__name__)
 
 PRESET_VERSION = 2  # 2: the tokenizer carries a chat template
-# Byte-level vocabulary: 4 specials, then one id per byte value (id = 4 + byte).
-PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
-BYTE_OFFSET = 4
-
 PRESETS: dict[str, dict] = {
     # Small enough for tests on 2 cores; still a real Llama (RoPE, RMSNorm, SwiGLU, GQA off).
     "tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
@@ -31,43 +29,6 @@ PRESETS: dict[str, dict] = {
     "bench": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=12, vocab_size=32000),
 }
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode map, as used by the ByteLevel pre-tokenizer."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
-
-
-# The presets' chat template (HF Jinja2 semantics, rendered producer-side): one header line per turn.
-PRESET_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
-
-def byte_level_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per UTF-8 byte, BOS prepended: any text round-trips exactly."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
-    vocab = {"<pad>": PAD_ID, "<s>": BOS_ID, "</s>": EOS_ID, "<unk>": UNK_ID}
-    for byte, char in _bytes_to_unicode().items():
-        vocab[char] = BYTE_OFFSET + byte
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS_ID)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", pad_token="<pad>")
-    fast.chat_template = PRESET_CHAT_TEMPLATE
-    return fast
 
 
 def make_preset(preset: str, cache_dir: str | Path, seed: int = 0, max_seq_len: int = 4096) -> Path:

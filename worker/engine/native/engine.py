@@ -16,15 +16,17 @@ from typing import Any
 
 import torch
 
-from batchfleet.common.config import DynamicBatchingConfig, EngineConfig
+from batchfleet.common.config import DynamicBatchingConfig
+from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.lanes import batch_reserve
 from batchfleet.worker.engine.base import Completion, GenRequest
 from batchfleet.worker.engine.guided import GuideCompiler
 from batchfleet.worker.engine.models import LoadedModel
 from batchfleet.worker.engine.native.block_manager import BlockManager
 from batchfleet.worker.engine.native.runner import ModelRunner
-from batchfleet.worker.engine.native.scheduler import ScheduledBatch, Scheduler
+from batchfleet.worker.engine.native.scheduler import Scheduler
 from batchfleet.worker.engine.native.sequence import Sequence as Seq
+from batchfleet.worker.engine.native.step import ScheduledBatch
 from batchfleet.worker.engine.sampling import StopChecker, make_generator
 
 STEP_LOG_LEN = 4096

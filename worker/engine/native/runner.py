@@ -13,7 +13,7 @@ from batchfleet.worker.engine.native import attention as A
 from batchfleet.worker.engine.native import cpu_kernel, memlimit
 from batchfleet.worker.engine.native.block_manager import blocks_for
 from batchfleet.worker.engine.native.model import NativeModel
-from batchfleet.worker.engine.native.scheduler import ScheduledBatch
+from batchfleet.worker.engine.native.step import ScheduledBatch
 from batchfleet.worker.engine.sampling import sample, token_logprobs
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ was lost or answered twice.
 
 One run: a private redis-server (same dir and port across restarts), a worker subprocess, sync clients
 (``Client``, several threads each) and one ``AsyncClient`` (many tasks) sharing one pool of requests.
-strace slows Redis' fsync (worker/faults.py) and each kill waits until Redis sits inside such a delayed
+strace slows Redis' fsync (scripts/benchlib/faults.py) and each kill waits until Redis sits inside such a delayed
 fsync (by default: of a write holding a worker's final reply), so it lands after a write is durable and
 before anyone was told. Half the calls are ``generate``,
 half ``submit(job_id=...)`` + ``result``. What counts:
@@ -30,7 +30,8 @@ from pathlib import Path
 from batchfleet.common.options import option_args
 from batchfleet.producer import AsyncClient, Client
 from batchfleet.worker.devtools import PrivateRedis, free_port, spawn_worker
-from batchfleet.worker.faults import SlowFsync, audit_aof, final_replies, wait_for_durable, wait_in_fsync
+
+from .faults import SlowFsync, audit_aof, final_replies, wait_for_durable, wait_in_fsync
 
 AOF_ARGS = ("--appendonly", "yes", "--appendfsync", "always", "--auto-aof-rewrite-percentage", "0")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-OFFLINE = Path(__file__).resolve().parents[2] / "scripts" / "vllm_offline.py"
+OFFLINE = Path(__file__).resolve().parents[1] / "vllm_offline.py"
 
 
 def run_offline(python: str, spec: dict, kv_gb: float = 4) -> dict:

@@ -1,0 +1,72 @@
+"""Every Redis call of one client, bounded: within the call's deadline (or ``retry_s`` without one),
+connection errors retried with capped backoff, a Redis function called by FCALL where Redis has it and by
+EVALSHA of the same body where it has not (6.2). The ``AsyncClient`` makes every call through one of these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import redis
+
+from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.errors import RedisUnavailable, Timeout
+from batchfleet.common.functions import Functions
+from batchfleet.common.redis_conn import write_acked
+from batchfleet.common.retry import TRANSIENT, Backoff
+from batchfleet.producer.core import Deadline
+
+log = logging.getLogger("producer")
+T = TypeVar("T")
+
+
+class RedisCalls:
+    """The bounded calls of one client over its pool ``r`` (see the module doc)."""
+
+    def __init__(self, r: redis.asyncio.Redis, conn: ConnectionConfig, retry_s: float) -> None:
+        self.r, self.conn, self.retry_s = r, conn, retry_s
+        self.backoff = Backoff(log, "redis", min_s=0.05, max_s=2.0)  # shared with the inbox reader
+        self.functions = Functions(r)
+
+    async def io(self, call: Callable[[], Awaitable[T]], deadline: Deadline, what: str) -> T:
+        """``call()`` within the deadline, retrying connection errors with backoff (see the module doc)."""
+        give_up = None if deadline.timeout is not None else time.monotonic() + self.retry_s
+        fresh = True  # a pooled connection Redis closed (a restart) fails once: retried at once, not an outage
+        while True:
+            left = deadline.left()
+            if left == 0:
+                raise Timeout(f"{what}: Redis did not answer within {deadline.timeout:g} s")
+            if give_up is not None:  # no timeout: a frozen Redis must not hold one try past retry_s
+                left = max(0.05, give_up - time.monotonic())
+            try:
+                async with asyncio.timeout(left):  # not wait_for: it can swallow a cancellation (stream.py)
+                    out = await call()
+            except TimeoutError:
+                if give_up is None:
+                    raise Timeout(f"{what}: Redis did not answer within {deadline.timeout:g} s") from None
+                raise RedisUnavailable(f"{what}: Redis at {self.conn.redis_url.split('@')[-1]} did not answer "
+                                       f"for {self.retry_s:g} s") from None
+            except TRANSIENT as exc:
+                if fresh:
+                    fresh = False
+                    continue
+                delay = self.backoff.failed(exc)
+                if give_up is not None:
+                    if time.monotonic() >= give_up:
+                        raise RedisUnavailable(f"{what}: Redis at {self.conn.redis_url.split('@')[-1]} unreachable "
+                                               f"for {self.retry_s:g} s ({type(exc).__name__}: {exc})") from None
+                    delay = min(delay, give_up - time.monotonic())
+                await asyncio.sleep(deadline.sooner(max(0.0, delay)))
+                continue
+            self.backoff.ok()
+            return out
+
+    async def function(self, name: str, keys: list[str], args: list) -> Any:
+        """FCALL of a library function; EVALSHA of the same body where Redis has no functions (6.2) or the
+        library is not loaded yet."""
+        n = self.conn.wait_replicas  # > 0: the write counts once n replicas have it (WAIT, same connection)
+        return await self.functions.call(name, keys, args, send=lambda command: write_acked(self.r, n, command))
