@@ -16,7 +16,7 @@ import yaml
 
 from batchfleet.common.config import DEFAULT_BUCKETS
 from batchfleet.common.keys import Keys
-from tests.test_deploy import (
+from tests.helpers.deploy import (
     GATEWAY_PORT,
     K8S,
     METRICS_PORT,

@@ -23,9 +23,9 @@ from batchfleet.common.keys import Keys
 from batchfleet.producer import Client
 from batchfleet.worker.devtools import spawn_worker
 from tests.conftest import TEST_BUCKETS
+from tests.helpers.deploy import configmap_env, of_kind
 from tests.helpers.keda import desired_replicas, for_fleet
 from tests.helpers.loops import wait_until
-from tests.test_deploy import configmap_env, of_kind
 
 CAPACITY = int(configmap_env()["BATCHFLEET_MAX_RUNNING"])  # the shipped streamLength target per worker
 

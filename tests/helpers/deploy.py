@@ -1,0 +1,93 @@
+"""The deployment files as tools read them (tests only): docker-compose.yml and every deploy/k8s manifest
+parsed with pyyaml, kustomize's ``replacements`` applied as kustomization.yaml uses them, and the names the
+code derives (env variables, ports). tests/test_deploy*.py and tests/test_keda_signal.py read them here."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+import yaml
+
+from batchfleet.common.optionspec import is_option, option_env
+from batchfleet.common.options import CONFIG_CLASSES
+from batchfleet.gateway.config import GatewayConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+METRICS_PORT = 9400  # the manifests' choice (the option's default is 0 = off)
+GATEWAY_PORT = next(f.default for f in fields(GatewayConfig) if f.name == "port")
+
+
+def known_env() -> set[str]:
+    """Every environment variable a batchfleet process reads: the config fields' option_env (worker and
+    gateway)."""
+    return {option_env(f) for cls in (*CONFIG_CLASSES, GatewayConfig) for f in fields(cls) if is_option(f)}
+
+
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def kustomization() -> dict:
+    return yaml.safe_load((K8S / "kustomization.yaml").read_text())
+
+
+def _split(value: str, options: dict | None) -> tuple[list[str], int | None]:
+    if not options:
+        return [value], None
+    return value.split(options["delimiter"]), int(options.get("index", 0))
+
+
+def _replace(docs: list[dict], rep: dict) -> None:
+    """kustomize's `replacements` for what kustomization.yaml uses: a source field (optionally one
+    delimited part of it) written into target fields (``*`` over a list; optionally one part of them)."""
+    src = rep["source"]
+    (doc,) = [d for d in docs if d["kind"] == src["kind"] and d["metadata"]["name"] == src["name"]]
+    value = doc
+    for part in src["fieldPath"].split("."):
+        value = value[part]
+    parts, index = _split(value, src.get("options"))
+    value = parts[index] if index is not None else value
+    for target in rep["targets"]:
+        sel = target["select"]
+        for d in (d for d in docs if d["kind"] == sel["kind"] and d["metadata"]["name"] == sel["name"]):
+            for path in target["fieldPaths"]:
+                *head, leaf = path.split(".")
+                nodes = [d]
+                for part in head:
+                    nodes = [x for n in nodes for x in (n if part == "*" else [n[part]])]
+                for n in nodes:
+                    parts, index = _split(str(n[leaf]), target.get("options"))
+                    if index is None:
+                        n[leaf] = value
+                    else:
+                        parts[index] = value
+                        n[leaf] = target["options"]["delimiter"].join(parts)
+
+
+def manifests() -> list[dict]:
+    """Every object of deploy/k8s as `kubectl apply -k` applies it: its replacements applied."""
+    docs = []
+    for path in sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml"):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for rep in kustomization().get("replacements", []):
+        _replace(docs, rep)
+    return docs
+
+
+def of_kind(kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in manifests() if d.get("kind") == kind}
+
+
+def configmap_env() -> dict[str, str]:
+    return of_kind("ConfigMap")["batchfleet-env"]["data"]
+
+
+def container(deployment: dict) -> dict:
+    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def env_of(c: dict) -> dict[str, str | None]:
+    return {e["name"]: e.get("value") for e in c.get("env", [])}
