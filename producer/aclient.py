@@ -83,8 +83,7 @@ class AsyncClient:
         self.functions = self.calls.functions  # shared with the gateway's batch store (gateway/connections.py)
         # the reader blocks at most half the socket timeout, so a healthy idle wait never times out
         self.inbox = Inbox(reader, self.r, self.keys.inbox(token), int(self.conn.socket_timeout_s * 500),
-                           self.calls.backoff)
-        self.inbox.unavailable_after_s = retry_s
+                           self.calls)
         self._fleet = FleetView()
         self._fleet_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()  # cancels of given-up jobs (a reference keeps them alive)

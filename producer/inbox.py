@@ -19,8 +19,9 @@ import redis
 
 from batchfleet.common.errors import RedisUnavailable, Timeout
 from batchfleet.common.protocol import Delta, Result
-from batchfleet.common.retry import TRANSIENT, Backoff
+from batchfleet.common.retry import TRANSIENT
 from batchfleet.producer.core import Deadline, parse_reply
+from batchfleet.producer.redis_calls import RedisCalls
 
 log = logging.getLogger("producer")
 
@@ -49,13 +50,12 @@ class Inbox:
     """Reads one inbox stream and routes its entries to the jobs waiting for them."""
 
     def __init__(self, reader: redis.asyncio.Redis, writer: redis.asyncio.Redis, key: str, block_ms: int,
-                 backoff: Backoff) -> None:
+                 calls: RedisCalls) -> None:
         self.reader = reader  # a connection of its own: its XREAD blocks
         self.writer = writer  # the client's pool: XDEL of consumed entries
         self.key = key
         self.block_ms = block_ms
-        self.backoff = backoff
-        self.unavailable_after_s: float | None = None  # the client's retry_s: see _wait
+        self.calls = calls  # the client's: its backoff, and its retry_s (see _wait)
         self.last_read = time.monotonic()  # the last XREAD that returned (every block_ms at most, if healthy)
         self._jobs: dict[str, _Waiter] = {}
         # cancelled or given up by the caller: answers are dropped (and deleted) when they come;
@@ -135,10 +135,10 @@ class Inbox:
     async def _wait(self, job_id: str, waiter: _Waiter, deadline: Deadline) -> Final:
         """The waiter's final reply. With a deadline: WaitExpired when it passes. Without one: it waits as
         long as the reader reaches Redis, and raises RedisUnavailable once Redis has been unreachable for
-        ``unavailable_after_s`` (the client's retry_s)."""
+        the client's ``retry_s``."""
         started = time.monotonic()
         while True:
-            step = deadline.sooner(1.0) if self.unavailable_after_s is not None else deadline.left()
+            step = deadline.sooner(1.0)
             try:  # not wait_for: before 3.12 it can swallow a cancellation (producer/stream.py)
                 async with asyncio.timeout(step):
                     return await asyncio.shield(waiter.final)
@@ -148,8 +148,7 @@ class Inbox:
                 # a healthy XREAD returns at least every block_ms: longer without one is an outage (refused,
                 # or frozen: a blocked read that never returns)
                 silent = time.monotonic() - max(self.last_read, started)
-                if (deadline.timeout is None and self.unavailable_after_s is not None
-                        and silent > self.block_ms / 1000 + self.unavailable_after_s):
+                if deadline.timeout is None and silent > self.block_ms / 1000 + self.calls.retry_s:
                     raise RedisUnavailable(f"no result for job {job_id}: Redis unreachable for "
                                            f"{silent:.0f} s") from None
 
@@ -198,11 +197,11 @@ class Inbox:
                 if healthy:
                     healthy = False
                     continue
-                await asyncio.sleep(self.backoff.failed(exc))
+                await asyncio.sleep(self.calls.backoff.failed(exc))
                 continue
             except redis.ResponseError as exc:  # NOPERM and the like: an operator must act; keep trying
                 log.error("cannot read inbox %s: %s", self.key, exc)
-                await asyncio.sleep(self.backoff.failed(exc))
+                await asyncio.sleep(self.calls.backoff.failed(exc))
                 continue
             except (asyncio.CancelledError, KeyboardInterrupt):
                 raise
@@ -210,9 +209,9 @@ class Inbox:
                 if self._closing:
                     return
                 log.debug("inbox read failed: %r", exc)
-                await asyncio.sleep(self.backoff.failed(exc))
+                await asyncio.sleep(self.calls.backoff.failed(exc))
                 continue
-            self.backoff.ok()
+            self.calls.backoff.ok()
             self.last_read = time.monotonic()
             healthy = True
             for _stream, entries in resp or []:
