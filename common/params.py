@@ -5,7 +5,8 @@ nowhere: the clients' keyword arguments become a Params (producer/core.py), the 
 convert to one (gateway/schemas.py), the wire Request and the engine's GenRequest embed one
 (common/protocol.py, worker/engine/base.py). docs/PROTOCOL.md's parameter table is the rows ``doc_rows``
 writes (tests/test_params.py checks it). A new option: a row in FIELDS, a field of Params, its use in the
-sampler (worker/engine/sampling.py), its row in the docs. Pure: no I/O.
+sampler (worker/engine/sampling.py), its row in the docs; the clients' keywords, the wire and the gateway (a
+request field of the same name: gateway/schemas.py FROM_TABLE) take it from the table. Pure: no I/O.
 """
 
 from __future__ import annotations

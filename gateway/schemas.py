@@ -8,9 +8,9 @@ chat: ``logprobs: true`` + ``top_logprobs: k``), ``response_format`` (json_objec
 vLLM's structured-output extensions (``guided_json``, ``guided_regex``, ``guided_choice``,
 ``guided_grammar``, or ``structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object"}``).
 
-Extensions, all optional: ``timeout`` (seconds; at most the gateway's --request-timeout, HTTP 504 past
-it), and vLLM's ``top_k`` (0 or -1 = off), ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos`` and ``priority`` (an integer: lower is more urgent; > 0 -> batch). OpenAI's ``service_tier``
+Extensions: ``timeout`` (s; at most --request-timeout, HTTP 504 past it), vLLM's ``top_k`` (0 or -1 = off),
+``priority`` (an integer: > 0 -> batch) and every other parameter of the fleet's table by its name (``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ...: ``FROM_TABLE``). OpenAI's ``service_tier``
 picks the class: ``flex`` -> batch, ``auto`` / ``default`` -> interactive (common/lanes.py).
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, create_model
 
 from batchfleet.common.errors import PromptTooLong
 from batchfleet.common.guided import Guide, GuideError, from_options
@@ -84,8 +84,15 @@ class StructuredOutputs(BaseModel):
         return {k: v for k, v in out.items() if v is not None}
 
 
-class _Common(BaseModel):
-    """Fields both endpoints share (honoured, or neutral-only: see gateway/strict.py)."""
+# each scalar parameter of the fleet's table not spelled here is a field of its own name: a new row of
+# common/params.py FIELDS is accepted here, and bounded there (``params``), with no line of this file
+_KINDS = {"int": StrictInt, "number": Number, "bool": StrictBool}
+FROM_TABLE = {name: (_KINDS[b.kind] | None, None) for name, b in FIELDS.items()
+              if b.kind in _KINDS and name not in SPELLED_HERE}
+
+
+class _Declared(BaseModel):
+    """Fields both endpoints share (honoured, or neutral-only: see gateway/strict.py), beside FROM_TABLE's."""
 
     model_config = STRICT
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {}
@@ -93,13 +100,7 @@ class _Common(BaseModel):
     model: StrictStr | None = None
     # bounds: the fleet's one table (common/params.py, checked in ``params``); here only OpenAI's own rules
     temperature: Number | None = Field(default=None, ge=0.0, le=OPENAI_MAX_TEMPERATURE)
-    top_p: Number | None = None
     top_k: StrictInt | None = Field(default=None, ge=-1)
-    min_p: Number | None = None
-    repetition_penalty: Number | None = None
-    min_tokens: StrictInt | None = None
-    ignore_eos: StrictBool | None = None
-    seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = Field(default=None)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
@@ -124,8 +125,7 @@ class _Common(BaseModel):
     include_stop_str_in_output: StrictBool | None = None
 
     def lane(self) -> str:
-        """The priority class: ``priority`` (vLLM's integer) when given, else ``service_tier``, else
-        interactive; both given and disagreeing is a 400."""
+        """The class: ``priority`` (vLLM's) if given, else ``service_tier``, else interactive; a clash is a 400."""
         tier = lane_of(self.service_tier or "auto")
         if self.priority is None:
             return tier
@@ -137,10 +137,8 @@ class _Common(BaseModel):
 
     def guide(self) -> tuple[Guide | None, str | None]:
         """The structured output asked for (shape-checked, not compiled) and the field it came from."""
-        options = {"response_format": self.response_format, "guided_json": self.guided_json,
-                   "guided_regex": self.guided_regex, "guided_choice": self.guided_choice,
-                   "guided_grammar": self.guided_grammar}
-        options = {k: v for k, v in options.items() if v is not None}
+        names = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        options = {k: v for k in names if (v := getattr(self, k)) is not None}
         if self.structured_outputs is not None:
             if options:
                 raise invalid(f"give structured_outputs or {', '.join(sorted(options))}, not both",
@@ -161,8 +159,7 @@ class _Common(BaseModel):
         temperature = 1.0 if self.temperature is None else self.temperature  # OpenAI's default
         if temperature < MIN_TEMPERATURE:  # OpenAI accepts any t >= 0; the fleet's sampler, t = 0 or >= 1e-3
             temperature = 0.0  # which is what such a t means: the most likely token
-        given = {k: v for k in FIELDS if k not in SPELLED_HERE and k in type(self).model_fields
-                 and (v := getattr(self, k)) is not None}
+        given = {k: v for k in FROM_TABLE if (v := getattr(self, k)) is not None}
         try:  # vLLM's top_k -1 = off = the fleet's 0
             return Params(max_new_tokens=max_tokens, temperature=temperature, logprobs=logprobs,
                           top_k=max(self.top_k or 0, 0), stop=self.stop or (), **given)
@@ -170,8 +167,8 @@ class _Common(BaseModel):
             message = str(exc)
             for ours, theirs in names.items():
                 message = message.replace(ours, theirs)
-            code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else "invalid_request"
-            raise invalid(message, names.get(exc.field, exc.field), code) from None
+            raise invalid(message, names.get(exc.field, exc.field),
+                          "context_length_exceeded" if isinstance(exc, PromptTooLong) else "invalid_request") from None
 
     def job(self, prompt: Any, max_tokens: int, timeout_cap: float, logprobs: int | None = None,
             names: dict[str, str] | None = None) -> Job:
@@ -186,7 +183,10 @@ class _Common(BaseModel):
                    guide=guide, guide_param=guide_param, logprobs=logprobs)
 
 
-class CompletionRequest(_Common):
+_Common = create_model("_Common", __base__=_Declared, **FROM_TABLE)  # type: ignore[call-overload]
+
+
+class CompletionRequest(_Common):  # type: ignore[misc,valid-type]
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = NEUTRAL_COMPLETIONS
 
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
@@ -236,7 +236,7 @@ class Message(BaseModel):
         return {"role": ROLES[self.role], "content": content}
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(_Common):  # type: ignore[misc,valid-type]
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = NEUTRAL_CHAT
 
     messages: list[Message] = Field(min_length=1)
