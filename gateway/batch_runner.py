@@ -204,6 +204,7 @@ class BatchJob:
         try:
             fmt.fleet = await client.fleet()
             fmt.model_names = self.config.served_model_names or (fmt.fleet.info.model,)
+            fmt.alias_any = self.config.model_alias_any
 
             def count(s: Summary) -> None:  # the batch's request_counts, published by watch()
                 counts.update(completed=kept.lines - kept.failed + s.written - s.failed, failed=kept.failed + s.failed)
