@@ -24,6 +24,7 @@ from batchfleet.gateway.batch_lines import (
     LineError,
     custom_id_of,
     failure_line,
+    line_code,
     parse_line,
     response_line,
     written_index,
@@ -117,9 +118,7 @@ class OpenAIFormat:
         return obj.get("error") is not None or (obj.get("response") or {}).get("status_code") != 200
 
     def code_of(self, obj: dict) -> str:
-        """The error's code (``model_not_found``, ...), else the HTTP status as a string."""
-        error = obj.get("error") or ((obj.get("response") or {}).get("body") or {}).get("error") or {}
-        return str(error.get("code") or (obj.get("response") or {}).get("status_code"))
+        return line_code(obj)
 
 
 def bulk_format(timeout: float | None, model_names: tuple[str, ...], alias_any: bool = False,

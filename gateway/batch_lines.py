@@ -157,3 +157,10 @@ def custom_id_of(raw: bytes) -> str | None:
     except ValueError:
         return None
     return obj.get("custom_id") if isinstance(obj, dict) and isinstance(obj.get("custom_id"), str) else None
+
+
+def line_code(obj: dict[str, Any]) -> str:
+    """An error line's code (``model_not_found``, ``batch_expired``, ...), else its HTTP status as a string."""
+    response = obj.get("response") or {}
+    error = obj.get("error") or (response.get("body") or {}).get("error") or {}
+    return str(error.get("code") or response.get("status_code"))
