@@ -96,9 +96,15 @@ def _is_key(text: object) -> bool:
 
 
 def changes(old: dict[str, Any], new: dict[str, Any]) -> str:
-    """``name: old -> new`` for each parameter that differs."""
-    return ", ".join(f"{k}: {json.dumps(old.get(k))} -> {json.dumps(new.get(k))}"
-                     for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
+    """``name: old -> new`` for each parameter that differs (a nested map's, by their own names)."""
+    parts = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            parts.append(changes(a, b))
+        elif a != b:
+            parts.append(f"{k}: {json.dumps(a)} -> {json.dumps(b)}")
+    return ", ".join(p for p in parts if p)
 
 
 def run_record(output_path: str | None, resume: bool, params: dict[str, Any] | None = None) -> tuple[RunRecord, bool]:
