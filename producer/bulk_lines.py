@@ -167,7 +167,7 @@ def _check(obj: dict, index: int, seen: dict[str, int]) -> tuple[dict | None, st
         return {"code": INVALID_REQUEST, "message": '"id" must be a string or an integer'}, ""
     if str(user_id) in seen:
         return {"code": INVALID_REQUEST,
-                "message": f"duplicate id {user_id!r} (line {seen[str(user_id)]} has it)"}, ""
+                "message": f"duplicate id {user_id!r} (line {seen[str(user_id)]} has it): each id must be unique"}, ""
     seen[str(user_id)] = index
     return None, str(user_id)
 
