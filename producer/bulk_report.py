@@ -20,6 +20,7 @@ HINTS = {
     "context_length_exceeded": "shorten the prompt or lower max_tokens",
     "invalid_request": "fix the line as its message says",
     "invalid_request_error": "fix the line as its message says",
+    "400": "fix the request as its message says",
     "invalid_json_line": "each line must be one JSON object",
     "queue_full": "the fleet's queue was full: lower --window or add workers",
     "batch_expired": "ask a longer completion_window or add workers",

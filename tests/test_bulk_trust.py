@@ -103,6 +103,20 @@ def test_a_plain_text_file_is_one_prompt_per_line_with_a_note_and_progress_lines
     assert flagged.returncode == 0 and "note:" not in flagged.stderr
 
 
+def test_a_prompt_line_takes_every_api_parameter(start_worker, redis_url, namespace, tmp_path):
+    start_worker(max_wait_ms=5)
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{"prompt": "pick", "guided_choice": ["yes", "no"], "max_new_tokens": 8},
+             {"prompt": "sample", "temperature": 0.8, "min_p": 0.1, "repetition_penalty": 1.2, "seed": 7,
+              "logprobs": 2, "min_tokens": 2, "max_new_tokens": 3, "ignore_eos": True}]
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run = bulk_cli(src, dst, redis_url, namespace)
+    assert run.returncode == 0, run.stderr[-2000:]
+    picked, sampled = read(dst)
+    assert picked["result"]["text"] in ("yes", "no"), picked
+    assert sampled["result"]["completion_tokens"] == 3 and len(sampled["result"]["logprobs"]) == 3, sampled
+
+
 def test_sigterm_stops_like_ctrl_c_with_a_resume_hint(redis_url, namespace, tmp_path):
     # a live "worker" that never reads: the run waits on its answers until stopped
     conn = ConnectionConfig(redis_url=redis_url, namespace=namespace)
