@@ -141,5 +141,11 @@ class Keys:
         return f"{self.namespace}:obatch-lease:{batch_id}"
 
     @property
+    def expiring(self) -> str:
+        """Sorted set of the files and batches that expire (``file:<id>`` / ``batch:<id>``, score: when), swept
+        by the batch runners (gateway/batch_expiry.py)."""
+        return f"{self.namespace}:expiring"
+
+    @property
     def pattern(self) -> str:
         return f"{self.namespace}:*"

@@ -22,8 +22,9 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import FileResponse
 
+from batchfleet.gateway.batch_expiry import expiry_seconds, form_expiry
 from batchfleet.gateway.batch_lines import ENDPOINTS
-from batchfleet.gateway.batch_store import LIST_MAX, public
+from batchfleet.gateway.batch_store import LIST_MAX, public, safe_name
 from batchfleet.gateway.deps import KEY_CHECKED, Owner, Redis
 from batchfleet.gateway.errors import APIError, invalid
 from batchfleet.gateway.schemas import STRICT, parse
@@ -41,6 +42,7 @@ class CreateBatch(BaseModel):
     endpoint: StrictStr
     completion_window: StrictStr = "24h"
     metadata: dict[StrictStr, StrictStr] | None = Field(default=None, max_length=16)
+    output_expires_after: dict[StrictStr, Any] | None = None  # gateway/batch_expiry.py
 
 
 def window_seconds(window: str) -> int:
@@ -81,7 +83,8 @@ async def upload_file(request: Request, owner: Owner, redis: Redis) -> Any:
             raise invalid("missing 'file' (multipart/form-data)", "file")
         if not isinstance(purpose, str):
             raise invalid("missing 'purpose' (use 'batch')", "purpose")
-        return public(await files.upload(owner, upload.filename or "upload.jsonl", purpose, upload.file))
+        expires_s = form_expiry({k: v for k, v in form.items() if isinstance(v, str)})
+        return public(await files.upload(owner, upload.filename or "upload.jsonl", purpose, upload.file, expires_s))
     finally:
         await form.close()
 
@@ -105,7 +108,7 @@ async def file_content(file_id: str, owner: Owner, redis: Redis) -> Any:
     if not os.path.exists(path):  # recorded in Redis, but not in this gateway's directory
         raise APIError(500, f"file {file_id} is not in this gateway's --files-dir: every gateway of a fleet "
                        "must mount the same files volume", "server_error", "file_unavailable")
-    return FileResponse(path, media_type="application/jsonl", filename=meta["filename"])
+    return FileResponse(path, media_type="application/jsonl", filename=safe_name(meta["filename"]))
 
 
 @router.delete("/v1/files/{file_id}")
@@ -122,6 +125,7 @@ async def create_batch(request: Request, owner: Owner, redis: Redis) -> Any:
     if body.metadata and any(len(k) > 64 or len(v) > 512 for k, v in body.metadata.items()):
         raise invalid("metadata keys are at most 64 characters, values at most 512", "metadata")
     seconds = window_seconds(body.completion_window)
+    output_expires_s = expiry_seconds(body.output_expires_after, "output_expires_after")
     try:
         source = await files.get(owner, body.input_file_id)
     except APIError:
@@ -135,9 +139,10 @@ async def create_batch(request: Request, owner: Owner, redis: Redis) -> Any:
            "status": "validating", "output_file_id": None, "error_file_id": None, "created_at": now,
            "in_progress_at": None, "expires_at": now + seconds, "finalizing_at": None, "completed_at": None,
            "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-           "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.metadata}
+           "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.metadata,
+           "model": None, "usage": None}
     run = {"output": files.new_id(), "errors": files.new_id(), "prefix": "q" + secrets.token_hex(8),
-           "inbox": secrets.token_urlsafe(24)}
+           "inbox": secrets.token_urlsafe(24), "output_expires_s": output_expires_s}
     await batches.create(owner, doc, run)
     return public(doc)
 

@@ -2,10 +2,10 @@
 for the gateway's batches (gateway/batch_runner.py) and for ``batchfleet bulk --format openai``.
 
 A line is parsed with the gateway's own validation (gateway/batch_lines.py); its jobs are named
-``<prefix>.<line number>`` (``-<choice>`` when ``n`` > 1), submitted in the batch class whatever the body
-says, and its answer is the response the gateway's route would give, in an OpenAI batch output line (status
-200) or error line. Answers are written as they come: OpenAI's output order is not the input's. Written
-lines read back by their ``id``, which ends with the input line number.
+``<prefix>.<line number>.<line fingerprint>`` (``-<choice>`` when ``n`` > 1), submitted in the batch class
+whatever the body says, and its answer is the response the gateway's route would give, in an OpenAI batch
+output line (status 200) or error line. Answers are written as they come: OpenAI's output order is not the
+input's. Written lines read back by their ``id``, which ends with the input line number and fingerprint.
 """
 
 from __future__ import annotations
@@ -24,13 +24,16 @@ from batchfleet.gateway.batch_lines import (
     LineError,
     custom_id_of,
     failure_line,
+    line_code,
     parse_line,
     response_line,
     written_index,
+    written_sha,
 )
 from batchfleet.gateway.errors import api_error
 from batchfleet.gateway.formats import Shape
 from batchfleet.gateway.service import choice_params, job_params, token_texts, too_long, unknown_model
+from batchfleet.producer.bulk_lines import line_sha
 from batchfleet.producer.bulk_types import Work
 from batchfleet.producer.prefix_order import prefix_key
 
@@ -49,14 +52,15 @@ class OpenAIFormat:
     fleet: Any = None
     endpoint: str | None = None  # the batch's url (None: each line names its own)
     strict: bool = False
+    alias_any: bool = False  # answer whatever model a line names, with the served one (--model-alias-any)
     seen: set[str] = field(default_factory=set)  # custom_ids met so far
     texts: Callable[[int], str] | None = None
     ordered = False
     check_answered = True  # an output cut short by hand: its lines run again under fresh ids
     refused: tuple[type[BaseException], ...] = (Exception,)  # the client's checks (InvalidRequest, ...)
 
-    def stem(self, index: int) -> str:
-        return f"{self.prefix}.{index}"
+    def stem(self, line: BatchLine) -> str:
+        return f"{self.prefix}.{line.index}.{line.sha}"
 
     def parse(self, index: int, raw: bytes) -> Work:
         try:
@@ -64,31 +68,32 @@ class OpenAIFormat:
         except LineError as exc:
             if self.strict:
                 raise
-            return Work(index, raw, error=failure_line(self.prefix, index, custom_id_of(raw), exc.code, exc.message))
+            return Work(index, raw, error=failure_line(self.prefix, index, custom_id_of(raw), exc.code, exc.message,
+                                                       line_sha(raw)))
         if line.job is None:
             assert line.error is not None
             return Work(index, line, error=self.refusal(line, line.error.status, line.error.body()))
-        stem = self.stem(index)
+        stem = self.stem(line)
         ids = [stem] if line.job.n == 1 else [f"{stem}-{i}" for i in range(line.job.n)]
         return Work(index, line, ids, line.job.prompt, prefix_key(line.job.prompt), line.job.timeout)
 
     async def params(self, work: Work) -> list[dict[str, Any]]:
         job = work.line.job
-        error = unknown_model(job.model, self.model_names)
+        error = unknown_model(job.model, self.model_names, any_name=self.alias_any)
         if error is not None:
             raise error
         params = {**await job_params(job), "priority": BATCH}  # the batch class, whatever the body says
         return [choice_params(params, i) for i in range(job.n)]
 
     def refusal(self, line: BatchLine, status: int, body: dict) -> dict:
-        return response_line(self.prefix, line, self.stem(line.index), status, body)
+        return response_line(self.prefix, line, self.stem(line), status, body)
 
     def answer(self, work: Work, results: list[Result]) -> dict:
         line: BatchLine = work.line
         assert line.job is not None and self.fleet is not None
         if self.texts is None:
             self.texts = token_texts(self.fleet.tokenizer)
-        shape = Shape(chat=line.chat, job_id=self.stem(line.index), model=self.model_names[0],
+        shape = Shape(chat=line.chat, job_id=self.stem(line), model=self.model_names[0],
                       created=int(time.time()), fingerprint=self.fleet.info.fingerprint or None,
                       token_text=None if line.job.logprobs is None else self.texts)
         return self.refusal(line, 200, shape.response(results))
@@ -99,21 +104,29 @@ class OpenAIFormat:
         return self.refusal(line, error.status, error.body())
 
     def abandoned(self, index: int, line: Any, code: str, message: str) -> dict:
-        custom_id = line.custom_id if isinstance(line, BatchLine) else custom_id_of(line)
-        return failure_line(self.prefix, index, custom_id, code, message)
+        if isinstance(line, BatchLine):
+            return failure_line(self.prefix, index, line.custom_id, code, message, line.sha)
+        return failure_line(self.prefix, index, custom_id_of(line), code, message, line_sha(line))
 
     def index_of(self, obj: Any) -> int | None:
         return written_index(obj, self.prefix)
 
+    def sha_of(self, obj: dict) -> str | None:
+        return written_sha(obj, self.prefix)
+
     def failed(self, obj: dict) -> bool:
         return obj.get("error") is not None or (obj.get("response") or {}).get("status_code") != 200
 
+    def code_of(self, obj: dict) -> str:
+        return line_code(obj)
 
-def bulk_format(timeout: float | None, model_names: tuple[str, ...],
+
+def bulk_format(timeout: float | None, model_names: tuple[str, ...], alias_any: bool = False,
                 chat_max_tokens: int = 256) -> Callable[[str, Any], OpenAIFormat]:
     """``batchfleet bulk --format openai``'s format, for producer/bulk.py ``run_file``: each line's deadline
-    ``timeout`` (default: OpenAI's completion window), the models lines may name (default: the fleet's)."""
+    ``timeout`` (default: OpenAI's completion window), the models lines may name (default: the fleet's;
+    ``alias_any``: any)."""
     def make(prefix: str, fleet: Any) -> OpenAIFormat:
         return OpenAIFormat(prefix, Limits(timeout or BULK_TIMEOUT_S, chat_max_tokens),
-                            model_names or (fleet.info.model,), fleet)
+                            model_names or (fleet.info.model,), fleet, alias_any=alias_any)
     return make

@@ -8,8 +8,9 @@ repeated custom_id) is a ``LineError``: OpenAI fails the whole batch for it, bul
 
 Output lines, as OpenAI writes them: ``{"id": "batch_req_...", "custom_id", "response": {"status_code",
 "request_id", "body"}, "error": null}``; a request that never ran has ``"response": null`` and
-``"error": {"code", "message"}``. The id ends with the input line number, so a resumed run reads back
-which lines are written.
+``"error": {"code", "message"}``. The id ends with the input line number and the line's fingerprint
+(``batch_req_<prefix>_<line>_<sha>``), so a resumed run reads back which lines are written, and for which
+content.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 from batchfleet.gateway.errors import APIError, invalid
 from batchfleet.gateway.schemas import Job, request_job
 from batchfleet.gateway.strict import strict_json
-from batchfleet.producer.bulk_lines import MAX_LINE_BYTES, TOO_LONG
+from batchfleet.producer.bulk_lines import MAX_LINE_BYTES, TOO_LONG, line_sha
 
 ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}  # url -> chat
 LINE_KEYS = frozenset({"custom_id", "method", "url", "body"})
@@ -49,6 +50,7 @@ class BatchLine:
     chat: bool
     job: Job | None
     error: APIError | None
+    sha: str | None = None  # the raw line's fingerprint (producer/bulk_lines.py ``line_sha``)
 
 
 @dataclass(frozen=True)
@@ -101,33 +103,50 @@ def parse_line(raw: bytes | str, index: int, limits: Limits, endpoint: str | Non
         if job.stream:
             raise invalid("stream is not supported in a batch request", "stream")
     except APIError as exc:
-        return BatchLine(index, custom_id, chat, None, exc)
-    return BatchLine(index, custom_id, chat, job, None)
+        return BatchLine(index, custom_id, chat, None, exc, line_sha(_bytes(raw)))
+    return BatchLine(index, custom_id, chat, job, None, line_sha(_bytes(raw)))
 
 
-def request_name(prefix: str, index: int) -> str:
-    """The output line's ``id`` (and the job id stem) of input line ``index``."""
-    return f"batch_req_{prefix}_{index}"
+def _bytes(raw: bytes | str) -> bytes:
+    return raw.encode() if isinstance(raw, str) else raw
+
+
+def request_name(prefix: str, index: int, sha: str | None = None) -> str:
+    """The output line's ``id`` of input line ``index`` (whose fingerprint is ``sha``)."""
+    return f"batch_req_{prefix}_{index}" + ("" if sha is None else f"_{sha}")
+
+
+def _written(obj: Any, prefix: str) -> tuple[int, str | None] | None:
+    head = f"batch_req_{prefix}_"
+    name = obj.get("id") if isinstance(obj, dict) else None
+    if not isinstance(name, str) or not name.startswith(head):
+        return None
+    index, _, sha = name[len(head):].partition("_")
+    return (int(index), sha or None) if index.isdigit() else None
 
 
 def written_index(obj: Any, prefix: str) -> int | None:
     """The input line number an output or error line answers (None: not a line of this run)."""
-    head = f"batch_req_{prefix}_"
-    name = obj.get("id") if isinstance(obj, dict) else None
-    if isinstance(name, str) and name.startswith(head) and name[len(head):].isdigit():
-        return int(name[len(head):])
-    return None
+    found = _written(obj, prefix)
+    return None if found is None else found[0]
+
+
+def written_sha(obj: Any, prefix: str) -> str | None:
+    """The fingerprint of the input line an output or error line answers."""
+    found = _written(obj, prefix)
+    return None if found is None else found[1]
 
 
 def response_line(prefix: str, line: BatchLine, request_id: str, status: int, body: dict) -> dict[str, Any]:
     """A line of the output file (status 200) or of the error file (any other status)."""
-    return {"id": request_name(prefix, line.index), "custom_id": line.custom_id,
+    return {"id": request_name(prefix, line.index, line.sha), "custom_id": line.custom_id,
             "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
 
 
-def failure_line(prefix: str, index: int, custom_id: str | None, code: str, message: str) -> dict[str, Any]:
+def failure_line(prefix: str, index: int, custom_id: str | None, code: str, message: str,
+                 sha: str | None = None) -> dict[str, Any]:
     """An error-file line for a request that never got a response (expired, cancelled, malformed in bulk)."""
-    return {"id": request_name(prefix, index), "custom_id": custom_id, "response": None,
+    return {"id": request_name(prefix, index, sha), "custom_id": custom_id, "response": None,
             "error": {"code": code, "message": message}}
 
 
@@ -138,3 +157,10 @@ def custom_id_of(raw: bytes) -> str | None:
     except ValueError:
         return None
     return obj.get("custom_id") if isinstance(obj, dict) and isinstance(obj.get("custom_id"), str) else None
+
+
+def line_code(obj: dict[str, Any]) -> str:
+    """An error line's code (``model_not_found``, ``batch_expired``, ...), else its HTTP status as a string."""
+    response = obj.get("response") or {}
+    error = obj.get("error") or (response.get("body") or {}).get("error") or {}
+    return str(error.get("code") or response.get("status_code"))

@@ -26,8 +26,10 @@ import redis.asyncio
 
 from batchfleet.common.errors import FleetUnavailable
 from batchfleet.common.keys import Keys
+from batchfleet.gateway.batch_expiry import SWEEP_S, sweep
 from batchfleet.gateway.batch_format import OpenAIFormat
 from batchfleet.gateway.batch_lines import MAX_LINE_ERRORS, Limits, LineError, parse_line
+from batchfleet.gateway.batch_report import summarize
 from batchfleet.gateway.batch_store import BatchStore, FileStore
 from batchfleet.gateway.config import GatewayConfig
 from batchfleet.gateway.connections import producer_client
@@ -73,10 +75,14 @@ class BatchRunner:
         self.retry_at: dict[str, float] = {}
 
     async def serve(self) -> None:
-        """Poll for due batches until cancelled."""
+        """Poll for due batches until cancelled; sweep what expired every SWEEP_S."""
+        swept = 0.0
         while True:
             try:
                 await self.poll()
+                if time.monotonic() - swept >= SWEEP_S:
+                    swept = time.monotonic()
+                    await sweep(self.files, self.batches)
             except Exception as exc:  # noqa: BLE001 - Redis away: try again next poll
                 log.warning("batch runner: %r", exc)
             await asyncio.sleep(POLL_S)
@@ -180,6 +186,9 @@ class BatchJob:
             doc.update(status="in_progress", in_progress_at=int(time.time()),
                        request_counts={"total": total, "completed": 0, "failed": 0})
             await self.save(doc)
+            log.info("batch %s started: %d requests to %s", self.id, total, doc["endpoint"])
+        else:
+            log.info("batch %s taken over (%s): resumed from its output files", self.id, doc["status"])
         return await self.execute(doc, run, cancel_at is not None)
 
     async def execute(self, doc: dict[str, Any], run: dict[str, Any], cancelled: bool) -> bool:
@@ -204,6 +213,8 @@ class BatchJob:
         try:
             fmt.fleet = await client.fleet()
             fmt.model_names = self.config.served_model_names or (fmt.fleet.info.model,)
+            fmt.alias_any = self.config.model_alias_any
+            doc["model"] = fmt.model_names[0]
 
             def count(s: Summary) -> None:  # the batch's request_counts, published by watch()
                 counts.update(completed=kept.lines - kept.failed + s.written - s.failed, failed=kept.failed + s.failed)
@@ -236,8 +247,10 @@ class BatchJob:
                 if loaded is not None and loaded[2] is not None:
                     spec.abandon = CANCELLED
                     doc["cancelling_at"] = loaded[2]
+                    log.info("batch %s: cancel asked; cancelling what is in flight", self.id)
                 elif time.time() >= doc["expires_at"]:
                     spec.abandon = EXPIRED
+                    log.info("batch %s: past its completion window; expiring what is not answered", self.id)
                 if spec.abandon is not None:
                     self.stop.set()
                 elif shown != doc["request_counts"]:
@@ -248,16 +261,26 @@ class BatchJob:
 
     async def finish(self, doc: dict[str, Any], status: str, run: dict[str, Any]) -> bool:
         """Register the output and error files (those holding lines) and end the batch as ``status``."""
-        owner = doc["_owner"]
+        owner, files = doc["_owner"], self.runner.files
         counts = doc.get("request_counts") or {"total": 0, "completed": 0, "failed": 0}
+        if status != "failed" or doc.get("in_progress_at"):  # it ran: what it used, why requests failed
+            used, errors = await asyncio.to_thread(summarize, files.path(run["output"]), files.path(run["errors"]))
+            doc["usage"] = used
+            doc["errors"] = doc.get("errors") or errors
+        expires_s = run.get("output_expires_s")
         for key, field, kind in (("output", "output_file_id", "output"), ("errors", "error_file_id", "error")):
-            path = self.runner.files.path(run[key])
+            path = files.path(run[key])
             has_lines = counts["completed" if key == "output" else "failed"] > 0
             if has_lines and not self.lost.is_set():
-                await self.runner.files.register(owner, run[key], f"{self.id}_{kind}.jsonl", "batch_output")
+                await files.register(owner, run[key], f"{self.id}_{kind}.jsonl", "batch_output", None, expires_s)
                 doc[field] = run[key]
             elif not has_lines and os.path.exists(path):
                 os.unlink(path)
         doc.update(status=status, **{f"{status}_at": int(time.time())})
+        if expires_s is not None:  # the record goes with its output files
+            doc["_expires_at"] = int(time.time()) + expires_s
         await self.save(doc)
+        log.info("batch %s %s: %d of %d requests completed, %d failed%s", self.id, status, counts["completed"],
+                 counts["total"], counts["failed"], "".join(f"; {e['message']}" for e in
+                                                           (doc.get("errors") or {}).get("data", [])[:3]))
         return False

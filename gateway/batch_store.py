@@ -35,6 +35,15 @@ LIST_MAX = 100
 FILE_PURPOSES = ("batch", "batch_output")  # what a client may upload: batch (batch_output is ours)
 
 
+def safe_name(name: str) -> str:
+    """An uploaded file's name as stored and sent back (``Content-Disposition``): its last path component,
+    characters other than letters, digits, ``._-`` and spaces as ``_``, at most 255 (``../../etc/x``:
+    ``x``; nothing left: ``upload.jsonl``)."""
+    base = re.split(r"[/\\]", name)[-1]
+    cleaned = re.sub(r"[^A-Za-z0-9._\- ]", "_", base).strip(" .")[:255]
+    return cleaned or "upload.jsonl"
+
+
 def not_found(what: str, ident: str) -> APIError:
     return APIError(404, f"no {what} with id {ident[:100]!r}", "invalid_request_error", "not_found", "id")
 
@@ -66,14 +75,15 @@ class FileStore:
     def new_id() -> str:
         return "file-" + secrets.token_hex(12)
 
-    async def upload(self, owner: str, filename: str, purpose: str, src: IO[bytes]) -> dict[str, Any]:
+    async def upload(self, owner: str, filename: str, purpose: str, src: IO[bytes],
+                     expires_s: int | None = None) -> dict[str, Any]:
         """Copy an upload into the directory (413 past max_bytes) and record it."""
         if purpose != "batch":
             raise invalid(f"purpose must be 'batch' (this gateway's files serve batches), got {purpose[:50]!r}",
                           "purpose")
         file_id = self.new_id()
         size = await asyncio.to_thread(self._copy, src, self.path(file_id))
-        return await self.register(owner, file_id, filename, purpose, size)
+        return await self.register(owner, file_id, filename, purpose, size, expires_s)
 
     def _copy(self, src: IO[bytes], path: str) -> int:
         os.makedirs(self.dir, exist_ok=True)  # made by the first upload, not by every gateway start
@@ -95,18 +105,22 @@ class FileStore:
                 os.unlink(tmp)
         return size
 
-    async def register(self, owner: str, file_id: str, filename: str, purpose: str,
-                       size: int | None = None) -> dict[str, Any]:
-        """Record a file whose bytes are at ``path(file_id)``."""
+    async def register(self, owner: str, file_id: str, filename: str, purpose: str, size: int | None = None,
+                       expires_s: int | None = None) -> dict[str, Any]:
+        """Record a file whose bytes are at ``path(file_id)``; ``expires_s`` after now it is swept
+        (gateway/batch_expiry.py)."""
         if size is None:
             size = os.path.getsize(self.path(file_id))
         now = int(time.time())
-        meta = {"id": file_id, "object": "file", "bytes": size, "created_at": now, "expires_at": None,
-                "filename": filename[:255], "purpose": purpose, "status": "processed", "status_details": None,
+        expires_at = None if expires_s is None else now + expires_s
+        meta = {"id": file_id, "object": "file", "bytes": size, "created_at": now, "expires_at": expires_at,
+                "filename": safe_name(filename), "purpose": purpose, "status": "processed", "status_details": None,
                 "_owner": owner}
         async with self.r.pipeline(transaction=True) as p:
             p.set(self.keys.file(file_id), json.dumps(meta))
             p.zadd(self.keys.files(owner), {file_id: now})
+            if expires_at is not None:
+                p.zadd(self.keys.expiring, {f"file:{file_id}": expires_at})
             await p.execute()
         return meta
 
@@ -194,11 +208,14 @@ class BatchStore:
         return await self.get(owner, batch_id)
 
     async def save(self, doc: dict[str, Any]) -> None:
-        """The runner's write (only while it holds the lease); a finished batch leaves the due set."""
+        """The runner's write (only while it holds the lease); a finished batch leaves the due set, and
+        expires with its output files when they do (``_expires_at``)."""
         async with self.r.pipeline(transaction=True) as p:
             p.hset(self.keys.openai_batch(doc["id"]), "doc", json.dumps(doc))
             if doc["status"] in TERMINAL:
                 p.zrem(self.keys.openai_batches_due, doc["id"])
+                if doc.get("_expires_at"):
+                    p.zadd(self.keys.expiring, {f"batch:{doc['id']}": doc["_expires_at"]})
             await p.execute()
 
     async def due(self) -> list[str]:

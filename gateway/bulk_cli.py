@@ -1,5 +1,6 @@
-"""``batchfleet bulk``: a JSONL file of prompts, or of OpenAI Batch API requests, answered line by line by the
-producer's bulk runner (producer/bulk.py ``run_file``); resumable, stopped cleanly by Ctrl-C.
+"""``batchfleet bulk``: a file of prompts (JSON lines or plain text), or of OpenAI Batch API requests, answered
+line by line by the producer's bulk runner (producer/bulk.py ``run_file``); resumable, checked against its
+input on resume, stopped cleanly by Ctrl-C or SIGTERM (gateway/bulk_progress.py).
 
 It lives in the gateway because the OpenAI format validates lines as the gateway does (pydantic,
 gateway/batch_format.py); that is imported only for that format, so a client-only install
@@ -20,60 +21,91 @@ import click
 from batchfleet.common.cli import connection_options
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.lanes import BATCH
-from batchfleet.producer.bulk_lines import PromptFormat, looks_like_batch, numbered
+from batchfleet.gateway.bulk_progress import run_stoppable
+from batchfleet.producer.bulk_lines import PromptFormat, looks_like_batch, numbered, prompt_params
+from batchfleet.producer.bulk_report import why_failed
 from batchfleet.producer.cli import _params, check_reachable, generation_options, one_line_errors, priority_option
 
 ERRORS_SUFFIX = ".errors.jsonl"
+NOUNS = {"openai": "requests", "prompts": "prompts", "text": "prompts"}
 
 
 @click.command()
 @connection_options
 @click.argument("prompts", type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("-o", "--output", default="-", show_default=True,
-              help="JSONL: one line per prompt: {index, id?, result} or {index, id?, error: {code, message}}.")
+              help="JSONL: one line per prompt: {index, id?, input_sha256, result} or {index, id?, input_sha256, "
+                   "error: {code, message}}.")
 @click.option("--window", type=int, default=256, show_default=True, help="Max jobs in flight.")
 @click.option("--resume/--no-resume", default=None,
-              help="Keep the lines already in OUTPUT and collect the answers of jobs an interrupted run left in "
-                   "flight (the default when OUTPUT and its run key OUTPUT.run exist); --no-resume starts OUTPUT "
-                   "over under a new run key.")
-@click.option("--format", "fmt", type=click.Choice(["auto", "prompts", "openai"]), default="auto",
-              show_default=True, help="prompts: {prompt, id?, params?} lines; openai: OpenAI Batch API lines "
-              "({custom_id, method, url, body}), answered with OpenAI batch output lines; auto: from the "
-              "file's first line.")
+              help="Keep the answers already in OUTPUT whose input line is unchanged and collect the answers of "
+                   "jobs an interrupted run left in flight (the default when OUTPUT and its run record "
+                   "OUTPUT.run exist); --no-resume starts OUTPUT over under a new run key.")
+@click.option("--retry-errors", is_flag=True, help="On resume, run the error lines of OUTPUT (and of --errors) "
+              "again.")
+@click.option("--format", "fmt", type=click.Choice(["auto", "prompts", "text", "openai"]), default="auto",
+              show_default=True, help="prompts: {prompt, id?, params?} JSON lines; text: plain text, one prompt "
+              "per line; openai: OpenAI Batch API lines ({custom_id, method, url, body}), answered with OpenAI "
+              "batch output lines; auto: from the file's first line (not JSON: text, with a note).")
 @click.option("--errors", "errors_path", default=None,
               help="--format openai: where error lines go (default: OUTPUT.errors.jsonl; with OUTPUT '-', "
                    "standard output).")
 @click.option("--served-model-name", "model_names", default="",
               help="--format openai: model names the lines may ask for, comma-separated, as the gateway's option "
                    "(default: the fleet's model name); a line asking for another gets a 404 error line.")
+@click.option("--model-alias-any", is_flag=True, help="--format openai: answer a line whatever model it names, "
+              "with the served model (scripts written for OpenAI's models).")
+@click.option("--progress-every", type=float, default=10.0, show_default=True,
+              help="Seconds between progress lines when standard error is not a terminal (a terminal gets a bar).")
 @generation_options
 @priority_option(BATCH)
 @one_line_errors
 def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int, resume: bool | None,
-         timeout: float | None, fmt: str, errors_path: str | None, model_names: str, **gen) -> None:
-    """Answer every line of a JSONL file ({"prompt": ..., "id"?: ..., params?}, or OpenAI Batch API request
-    lines); never aborts on a bad line.
+         retry_errors: bool, timeout: float | None, fmt: str, errors_path: str | None, model_names: str,
+         model_alias_any: bool, progress_every: float, **gen) -> None:
+    """Answer every line of a prompts file (JSON lines {"prompt": ..., "id"?: ..., params?}, plain text, or
+    OpenAI Batch API request lines); never aborts on a bad line.
 
-    Ctrl-C stops submitting, writes what has arrived and leaves the jobs in flight to the next run of the
-    same command, which resumes. Exit status: 0 every line answered with a result; 3 every line answered,
-    some with an error line; 1 the run could not start or stopped (no live worker, Redis unreachable;
-    rerun to resume); 130 interrupted (rerun to resume); 2 a usage error."""
+    A rerun on the same OUTPUT resumes: answers whose input line is unchanged are kept, changed lines are
+    answered again; other run parameters are refused (--no-resume starts over). Ctrl-C or SIGTERM stops
+    submitting, writes what has arrived and leaves the jobs in flight to the next run of the same command.
+    Exit status: 0 every line answered with a result; 3 every line answered, some with an error line; 1 the
+    run could not start or stopped (no live worker, Redis unreachable; rerun to resume); 130 interrupted by
+    Ctrl-C, 143 by SIGTERM (rerun to resume); 2 a usage error (also: the run's parameters changed)."""
+    from batchfleet.producer.bulk_files import RunChanged
+
     if window < 1:
         raise click.UsageError("--window must be >= 1")
     out_path = None if output == "-" else output
     with _input_file(prompts) as path:
         if fmt == "auto":
-            fmt = "openai" if looks_like_batch(_first_line(path)) else "prompts"
+            fmt = detect(_first_line(path))
+            if fmt == "text":
+                click.echo(f"note: {prompts}: the first line is not JSON, so each line is read as one prompt "
+                           "(plain text; --format text says so, --format prompts refuses non-JSON lines)", err=True)
         check_reachable(ConnectionConfig(redis_url, namespace))
         if fmt == "openai":
-            make = _openai_format(timeout, tuple(n.strip() for n in model_names.split(",") if n.strip()))
+            names = tuple(n.strip() for n in model_names.split(",") if n.strip())
+            make = _openai_format(timeout, names, model_alias_any)
+            params = {"format": fmt, "timeout": timeout, "served_model_names": list(names),
+                      "model_alias_any": model_alias_any}
             if errors_path is None and out_path is not None:
                 errors_path = out_path + ERRORS_SUFFIX
         else:
-            defaults = _params(**gen)
-            make, errors_path = (lambda prefix, _fleet: PromptFormat(prefix, defaults, timeout)), None
-        s = _run(path, out_path, errors_path, make, "requests" if fmt == "openai" else "prompts", redis_url,
-                 namespace, window, resume)
+            defaults, text = _params(**gen), fmt == "text"
+            make, errors_path = (lambda prefix, _fleet: PromptFormat(prefix, defaults, timeout, text)), None
+            params = prompt_params(defaults, timeout, text)
+        try:
+            s = _run(path, out_path, errors_path, make, NOUNS[fmt], redis_url, namespace, window, resume, params,
+                     retry_errors, progress_every)
+        except RunChanged as exc:
+            raise click.UsageError(str(exc)) from None
+    if s.changed or s.retried:
+        click.echo(f"resumed: {s.kept} answers kept, {s.changed} dropped (their input line changed) and "
+                   f"{s.retried} error lines retried", err=True)
+    why = why_failed(s.codes)
+    if why is not None:
+        click.echo(why, err=True)
     if fmt == "openai":
         click.echo(f"done: {s.done} requests ({s.kept} kept from an earlier run), {s.failed_lines} in the error "
                    "file", err=True)
@@ -83,6 +115,14 @@ def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int,
                    f"{s.submitted} submitted), {s.failed_lines} failed{earlier}", err=True)
     if s.failed_lines:
         sys.exit(3)
+
+
+def detect(first_line: bytes) -> str:
+    """``auto``'s format: openai (a batch request), prompts (a line meant as JSON: an object or a string,
+    broken ones too, which then get error lines), else text (plain prompts)."""
+    if looks_like_batch(first_line):
+        return "openai"
+    return "prompts" if first_line.lstrip()[:1] in (b"{", b'"') else "text"
 
 
 @contextmanager
@@ -104,77 +144,22 @@ def _first_line(path: str) -> bytes:
         return next(numbered(f), (0, b""))[1]
 
 
-def _openai_format(timeout: float | None, model_names: tuple[str, ...]) -> Any:
+def _openai_format(timeout: float | None, model_names: tuple[str, ...], alias_any: bool) -> Any:
     try:
         from batchfleet.gateway.batch_format import bulk_format
     except ImportError as exc:  # pydantic: the gateway's validation, installed with the serve extra
         raise click.ClickException(f"--format openai validates lines as the gateway does: pip install "
                                    f"'batchfleet[serve]' ({exc})") from None
-    return bulk_format(timeout, model_names)
+    return bulk_format(timeout, model_names, alias_any)
 
 
 def _run(path: str, out_path: str | None, errors_path: str | None, make_format: Any, noun: str, redis_url: str,
-         namespace: str, window: int, resume: bool | None) -> Any:
-    """Run the file with a progress bar (from the first answer on: an error before it stays the only line) and
-    Ctrl-C as a clean stop; an interrupted run exits here (130, or 1 when the fleet stopped it)."""
-    import asyncio
+         namespace: str, window: int, resume: bool | None, params: dict, retry_errors: bool,
+         progress_every: float) -> Any:
+    """Run the file, shown and stoppable (gateway/bulk_progress.py: an interrupted run exits there)."""
+    from batchfleet.producer.bulk import run_file
 
-    from batchfleet.producer.bulk import Summary, run_file
-
-    stop = asyncio.Event()
-    bars: list = []
-
-    def progress(s: Summary) -> None:
-        if not bars:
-            bars.append(click.progressbar(length=s.total, label=noun, show_pos=True, file=sys.stderr))
-            bars[0].__enter__()
-        bars[0].update(s.done - bars[0].pos)
-
-    ctrl_c = _CtrlC(stop)
-    try:
-        s = asyncio.run(ctrl_c.run(run_file(path, out_path, errors_path, make_format, redis_url=redis_url,
-                                            namespace=namespace, window=window, resume=resume, stop=stop,
-                                            progress=progress, out=sys.stdout)))
-    finally:
-        if bars:
-            bars[0].__exit__(None, None, None)
-    if s.interrupted:  # our handler stays: a Ctrl-C racing this exit must not turn it into a traceback
-        why = "interrupted" if s.error is None else f"stopped ({' '.join(str(s.error).split())})"
-        click.echo(f"{why}: {s.done} of {s.total} lines written, {s.in_flight} jobs left in flight; run the "
-                   "same command again to resume", err=True)
-        sys.exit(130 if s.error is None else 1)
-    ctrl_c.restore()
-    return s
-
-
-class _CtrlC:
-    """While a bulk run runs: the first Ctrl-C sets ``stop`` (a clean stop, also right after the run ended:
-    then it changes nothing); a second one ends the process at once. The handler stays installed until
-    ``restore()``, so a Ctrl-C racing an interrupted run's exit never becomes a traceback."""
-
-    def __init__(self, stop: Any) -> None:
-        import signal
-        import threading
-
-        self.stop, self.loop, self.presses = stop, None, 0
-        self.main = threading.current_thread() is threading.main_thread()  # signal handlers: main thread only
-        self.previous = signal.signal(signal.SIGINT, self._pressed) if self.main else None
-
-    def _pressed(self, signum: int, frame: object) -> None:
-        self.presses += 1
-        if self.presses > 1:
-            raise KeyboardInterrupt
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.stop.set)
-
-    async def run(self, coro: Any) -> Any:
-        import asyncio
-
-        self.loop = asyncio.get_running_loop()
-        return await coro
-
-    def restore(self) -> None:
-        import signal
-
-        if self.main:
-            signal.signal(signal.SIGINT, self.previous)
+    return run_stoppable(lambda stop, progress: run_file(
+        path, out_path, errors_path, make_format, redis_url=redis_url, namespace=namespace, window=window,
+        resume=resume, stop=stop, progress=progress, out=sys.stdout, params=params, retry_errors=retry_errors),
+        noun, progress_every)

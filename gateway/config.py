@@ -29,6 +29,9 @@ class GatewayConfig:
     served_model_names: tuple[str, ...] = field(default=(), metadata=option(
         "Model ids the API lists and accepts, comma-separated (as vLLM's); answers report the first. "
         "Default: the fleet's model name.", flag="served-model-name", parse=parse_api_keys))
+    model_alias_any: bool = field(default=False, metadata=option(
+        "Accept any model name a request asks for and answer it with the served model (scripts written for "
+        "OpenAI's models: 'gpt-4o-mini' and the like); off: an unknown name is a 404 model_not_found."))
     request_timeout_s: float = field(default=600.0, metadata=option(
         "Longest a request may take (queue + generation), also its deadline in the fleet; a request may ask "
         "for less with the 'timeout' field (seconds). Past it: HTTP 504.", flag="request-timeout"))

@@ -59,7 +59,7 @@ class Gateway:
     async def check_model(self, model: str | None, param: str | None = "model") -> str:
         """The name answers report; 404 when ``model`` is given and is none of the served names."""
         names = await self.model_names()
-        error = unknown_model(model, names, param)
+        error = unknown_model(model, names, param, self.config.model_alias_any)
         if error is not None:
             raise error
         return names[0]
@@ -179,12 +179,16 @@ def too_long(exc: PromptTooLong, job: Job) -> APIError:
     return invalid(str(exc).replace("max_new_tokens", param), param, "context_length_exceeded")
 
 
-def unknown_model(model: str | None, names: tuple[str, ...], param: str | None = "model") -> APIError | None:
-    """The 404 for a request naming a model this gateway does not serve (None: ``model`` unset or served)."""
-    if model is None or model in names:
+def unknown_model(model: str | None, names: tuple[str, ...], param: str | None = "model",
+                  any_name: bool = False) -> APIError | None:
+    """The 404 for a request naming a model this gateway does not serve (None: ``model`` unset or served,
+    or ``any_name``: every name maps to the served model, --model-alias-any). The message says how to serve
+    the name."""
+    if model is None or model in names or any_name:
         return None
     served = ", ".join(repr(n) for n in names)
-    return APIError(404, f"the model {model[:200]!r} does not exist here; this gateway serves {served}",
+    return APIError(404, f"the model {model[:200]!r} does not exist here; this gateway serves {served} (serve "
+                    "this name with --served-model-name, or answer any name with --model-alias-any)",
                     "invalid_request_error", "model_not_found", param)
 
 

@@ -55,6 +55,13 @@ async def inbox_replies(client: AsyncClient) -> dict[str, str]:
     return found
 
 
+def retagged(job_ids: list[str], tag: str | None = None) -> list[str]:
+    """Fresh ids for a line's jobs (one tag for all, random by default): a line that runs again after an
+    answer."""
+    tag = tag or secrets.token_hex(4)
+    return [f"{j[:118]}.r{tag}" for j in job_ids]
+
+
 class _Run:
     def __init__(self, client: AsyncClient, fmt: LineFormat, sink: Sink, spec: Spec, stop: asyncio.Event,
                  summary: Summary, progress: Callable[[Summary], None] | None) -> None:
@@ -70,6 +77,8 @@ class _Run:
         self.sink.write(line, ok)
         self.summary.written += 1
         self.summary.failed += not ok
+        if not ok:
+            self.summary.codes[self.fmt.code_of(line)] += 1
         if self.progress is not None:
             self.progress(self.summary)
 
@@ -87,6 +96,8 @@ class _Run:
     async def job_ids(self, work: Work) -> list[str]:
         """The work's own ids, unless one was answered and its reply is neither in the inbox nor written (an
         output cut short by hand): the line then runs under fresh ones."""
+        if work.index in self.spec.fresh:  # its earlier answer was dropped: the fleet answered these ids
+            return retagged(work.job_ids, self.spec.fresh[work.index])
         lost = [j for j in work.job_ids if j not in self.present] if self.fmt.check_answered else []
         done_keys = [self.client.keys.done(j) for j in lost]
         if not lost or not await self.client._io(lambda: self.client.r.exists(*done_keys), Deadline(None),
@@ -95,8 +106,7 @@ class _Run:
         self.present.update(await inbox_replies(self.client))  # answered since the run began: collected
         if not any(j not in self.present for j in lost):
             return work.job_ids
-        tag = secrets.token_hex(4)
-        return [f"{j[:118]}.r{tag}" for j in work.job_ids]
+        return retagged(work.job_ids)
 
     async def submit(self, work: Work) -> bool:
         """Submit the work's jobs (or queue its error line); False: stopped before it was submitted."""

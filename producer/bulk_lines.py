@@ -28,14 +28,19 @@ from batchfleet.common.errors import (
 )
 from batchfleet.common.keys import valid_job_id
 from batchfleet.common.lanes import BATCH
+from batchfleet.common.params import FIELDS
 from batchfleet.common.protocol import Result
 from batchfleet.producer.bulk_types import Work
+from batchfleet.producer.core import STRUCTURED
 from batchfleet.producer.prefix_order import prefix_key
 
 MAX_LINE_BYTES = (4 << 20) + 4096  # a body the gateway takes (4 MiB) and the line around it
 TOO_LONG = b"<line too long>"  # what ``numbered`` yields in place of a longer line
-PARAM_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+# every parameter the API takes: the one table's (common/params.py; ``guide`` is an object, its JSON forms are
+# the structured-output options) and the priority class
+PARAM_KEYS = (*(k for k in FIELDS if k != "guide"), *STRUCTURED, "priority")
 LINE_KEYS = frozenset({"prompt", "id", *PARAM_KEYS})
+SHA_KEY = "input_sha256"  # an answer line's fingerprint of its input line (``line_sha``)
 # client-side failures have codes of their own next to the wire codes of common/errors.py
 CLIENT_CODES: tuple[tuple[type[BaseException], str], ...] = (
     (PromptTooLong, PROMPT_TOO_LONG), (InvalidRequest, INVALID_REQUEST), (QueueFull, "queue_full"),
@@ -80,6 +85,12 @@ def digest(*parts: str, n: int = 32) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:n]
 
 
+def line_sha(raw: bytes) -> str:
+    """An input line's fingerprint (16 hex digits of its SHA-256, surrounding whitespace aside): an answer
+    carries it, so a rerun keeps an answer only while its line is unchanged (producer/bulk.py)."""
+    return hashlib.sha256(raw.strip()).hexdigest()[:16]
+
+
 @dataclass
 class Line:
     """One non-empty prompt line: what to ask (``obj``) or why it cannot be asked (``error``)."""
@@ -88,6 +99,7 @@ class Line:
     obj: dict = field(default_factory=dict)
     error: dict | None = None
     job_id: str | None = None
+    sha: str | None = None
 
     @property
     def key(self) -> str | None:
@@ -98,21 +110,30 @@ class Line:
         out: dict = {"index": self.index}
         if "id" in self.obj:
             out["id"] = self.obj["id"]
+        if self.sha is not None:
+            out[SHA_KEY] = self.sha
         out.update(body)
         return out
 
 
-def parse_line(raw: bytes | str, index: int, prefix: str, seen: dict[str, int]) -> Line:
+def parse_line(raw: bytes | str, index: int, prefix: str, seen: dict[str, int], text: bool = False) -> Line:
     """Parse and name line ``index``: ``<prefix>.<line id>`` (hashed when not a valid job id), else
-    ``<prefix>.l<line number>``; ``seen``: user ids met so far -> line number, extended here."""
-    line = Line(index)
+    ``<prefix>.l<line number>``; ``seen``: user ids met so far -> line number, extended here. ``text``: the
+    line is the prompt itself (a plain-text prompts file), not JSON."""
+    raw_bytes = raw.encode() if isinstance(raw, str) else raw
+    line = Line(index, sha=line_sha(raw_bytes))
     if raw is TOO_LONG:
-        line.error = {"code": INVALID_REQUEST, "message": f"line over {MAX_LINE_BYTES} bytes"}
+        line.error = {"code": INVALID_REQUEST, "message": f"line over {MAX_LINE_BYTES} bytes: split the prompt "
+                      "or shorten it"}
         return line
     try:
-        obj = json.loads(raw)
+        obj = raw_bytes.rstrip(b"\r\n").decode() if text else json.loads(raw)
+    except UnicodeDecodeError:
+        line.error = {"code": INVALID_REQUEST, "message": "not UTF-8 text: save the file as UTF-8"}
+        return line
     except ValueError as exc:
-        line.error = {"code": INVALID_REQUEST, "message": f"not JSON: {exc}"}
+        line.error = {"code": INVALID_REQUEST, "message": f"not JSON: {exc}; a line is a JSON object "
+                      '{"prompt": ...} or a JSON string (a plain-text file, one prompt per line: --format text)'}
         return line
     if isinstance(obj, str):
         obj = {"prompt": obj}
@@ -146,9 +167,14 @@ def _check(obj: dict, index: int, seen: dict[str, int]) -> tuple[dict | None, st
         return {"code": INVALID_REQUEST, "message": '"id" must be a string or an integer'}, ""
     if str(user_id) in seen:
         return {"code": INVALID_REQUEST,
-                "message": f"duplicate id {user_id!r} (line {seen[str(user_id)]} has it)"}, ""
+                "message": f"duplicate id {user_id!r} (line {seen[str(user_id)]} has it): each id must be unique"}, ""
     seen[str(user_id)] = index
     return None, str(user_id)
+
+
+def prompt_params(defaults: dict | None, timeout: float | None, plain: bool) -> dict[str, Any]:
+    """A prompt run's parameters, as its run record keeps them (producer/bulk_files.py)."""
+    return {"format": "text" if plain else "prompts", "defaults": dict(defaults or {}), "timeout": timeout}
 
 
 @dataclass
@@ -159,16 +185,23 @@ class PromptFormat:
     prefix: str
     defaults: dict = field(default_factory=dict)
     timeout: float | None = None
+    text: bool = False  # a plain-text file: each line is a prompt
     seen: dict[str, int] = field(default_factory=dict)
     ordered = True
     check_answered = False  # an output started over gets a new run key, so new job ids
     refused: tuple[type[BaseException], ...] = (InvalidRequest, ValueError, TypeError)
 
     def parse(self, index: int, raw: bytes) -> Work:
-        line = parse_line(raw, index, self.prefix, self.seen)
+        line = parse_line(raw, index, self.prefix, self.seen, self.text)
         if line.error is not None:
             return Work(index, line, error=line.answer(error=line.error))
-        return Work(index, line, [line.job_id] if line.job_id else [], line.obj["prompt"], line.key, self.timeout)
+        assert line.job_id is not None and line.sha is not None
+        # the job is named after the line's content too: a line changed since an interrupted run never
+        # collects the answer its old content left in the inbox
+        job_id = f"{line.job_id}.{line.sha}"
+        if not valid_job_id(job_id):
+            job_id = f"{self.prefix}.h{digest(line.job_id, line.sha)}"
+        return Work(index, line, [job_id], line.obj["prompt"], line.key, self.timeout)
 
     async def params(self, work: Work) -> list[dict[str, Any]]:
         obj = work.line.obj
@@ -181,11 +214,17 @@ class PromptFormat:
         return work.line.answer(error={"code": error_code(exc), "message": str(exc)})
 
     def abandoned(self, index: int, line: Any, code: str, message: str) -> dict:
-        answer = line.answer if isinstance(line, Line) else Line(index).answer
+        answer = line.answer if isinstance(line, Line) else Line(index, sha=line_sha(line)).answer
         return answer(error={"code": code, "message": message})
 
     def index_of(self, obj: Any) -> int | None:
         return int(obj["index"])  # KeyError, ValueError, TypeError: not one of ours
 
+    def sha_of(self, obj: dict) -> str | None:
+        return obj.get(SHA_KEY)
+
     def failed(self, obj: dict) -> bool:
         return "error" in obj
+
+    def code_of(self, obj: dict) -> str:
+        return str((obj.get("error") or {}).get("code"))

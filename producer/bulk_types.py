@@ -4,6 +4,7 @@ on these alone; a format is passed in from above (producer/bulk_lines.py, gatewa
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,7 +39,9 @@ class LineFormat(Protocol):
     def failure(self, work: Work, exc: BaseException) -> dict: ...
     def abandoned(self, index: int, line: Any, code: str, message: str) -> dict: ...  # line: raw or parsed
     def index_of(self, obj: Any) -> int | None: ...  # a written line's input line number
+    def sha_of(self, obj: dict) -> str | None: ...  # a written line's fingerprint of its input line
     def failed(self, obj: dict) -> bool: ...  # a written line is an error line
+    def code_of(self, obj: dict) -> str: ...  # an error line's error code
 
 
 class Sink(Protocol):
@@ -47,11 +50,15 @@ class Sink(Protocol):
 
 @dataclass
 class Spec:
-    """How to run: at most ``window`` lines in flight, skipping ``done``; ``abandon``: see the module doc."""
+    """How to run: at most ``window`` lines in flight, skipping ``done``; ``abandon``: see the module doc.
+    ``fresh``: line -> tag of the lines whose earlier answer was dropped (changed since, or an error
+    retried): their jobs run under ids with that tag, as the fleet answers one id once (the tags are kept in
+    the run record, so a run interrupted again collects them)."""
 
     window: int = 256
     done: set[int] = field(default_factory=set)
     abandon: tuple[str, str] | None = None
+    fresh: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -66,6 +73,9 @@ class Summary:
     submitted: int = 0  # jobs this run enqueued
     collected: int = 0  # lines answered by jobs an earlier run enqueued
     in_flight: int = 0
+    changed: int = 0  # answers of an earlier run dropped: their line changed since (recomputed)
+    retried: int = 0  # error lines of an earlier run dropped to run again (--retry-errors)
+    codes: Counter = field(default_factory=Counter)  # error code -> error lines in the whole output
     interrupted: bool = False  # stopped (Ctrl-C) or ended by ``error`` before every line was answered
     error: BaseException | None = None  # NoWorkers / RedisUnavailable mid-run: what ended it
 

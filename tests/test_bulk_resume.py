@@ -47,7 +47,7 @@ def test_lines_are_named_from_the_run_key_and_checked():
 def test_run_key_is_random_kept_beside_the_output_and_read_back_on_resume(tmp_path):
     out = tmp_path / "out.jsonl"
     first, resumed = run_names(str(out), resume=True)  # no output yet: a new key, written (0600)
-    assert not resumed and (tmp_path / "out.jsonl.run").read_text().strip() == first.key
+    assert not resumed and json.loads((tmp_path / "out.jsonl.run").read_text())["key"] == first.key
     assert (tmp_path / "out.jsonl.run").stat().st_mode & 0o777 == 0o600
     out.write_text("")
     again, resumed = run_names(str(out), resume=True)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -167,11 +168,11 @@ def test_killed_runner_is_taken_over_and_every_request_appears_once(start_worker
     text = "".join(batch_line(f"r{i}", chat(f"q {i}", max_tokens=24, ignore_eos=True)) for i in range(n))
     f = client.files.create(file=("in.jsonl", io.BytesIO(text.encode())), purpose="batch")
 
-    def runner() -> subprocess.Popen:
+    def runner(log: Any = subprocess.DEVNULL) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "batchfleet.common.cli", "batches", "--redis-url", redis_url,
                                  "--namespace", namespace, "--files-dir", str(files_dir), "--served-model-name",
                                  "tiny", "--batch-window", str(window), "--batch-lease", "2"],
-                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log)
 
     first = runner()
     try:
@@ -190,12 +191,16 @@ def test_killed_runner_is_taken_over_and_every_request_appears_once(start_worker
     before = before[:before.rfind(b"\n") + 1]
     assert 20 <= before.count(b"\n") < n
     assert client.batches.retrieve(batch.id).status == "in_progress"
-    second = runner()
-    try:
-        done = wait_until(client, batch.id, ("completed",), timeout=120)
-    finally:
-        second.kill()
-        second.wait()
+    log = tmp_path / "second.log"
+    with open(log, "wb") as log_file:
+        second = runner(log_file)
+        try:
+            done = wait_until(client, batch.id, ("completed",), timeout=120)
+        finally:
+            second.kill()
+            second.wait()
+    logged = log.read_text()  # the runner says what it did (issue 31)
+    assert f"batch {batch.id} taken over (in_progress)" in logged and f"batch {batch.id} completed: " in logged
     out = client.files.content(done.output_file_id).content
     assert out.startswith(before)  # what was written stays, untouched
     assert done.error_file_id is None and done.request_counts.completed == n
