@@ -9,8 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from batchfleet.common.optionspec import is_option, option_env
 from batchfleet.common.options import CONFIG_CLASSES
+from batchfleet.common.optionspec import is_option, option_env
 from batchfleet.gateway.config import GatewayConfig
 
 ROOT = Path(__file__).resolve().parents[2]
