@@ -4,6 +4,8 @@ code derives (env variables, ports). tests/test_deploy*.py and tests/test_keda_s
 
 from __future__ import annotations
 
+import copy
+import functools
 from dataclasses import fields
 from pathlib import Path
 
@@ -67,7 +69,13 @@ def _replace(docs: list[dict], rep: dict) -> None:
 
 
 def manifests() -> list[dict]:
-    """Every object of deploy/k8s as `kubectl apply -k` applies it: its replacements applied."""
+    """Every object of deploy/k8s as `kubectl apply -k` applies it: its replacements applied (a fresh copy:
+    callers may change it)."""
+    return copy.deepcopy(_rendered())
+
+
+@functools.cache
+def _rendered() -> list[dict]:  # parsed once per test process: pyyaml is slow
     docs = []
     for path in sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml"):
         docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
