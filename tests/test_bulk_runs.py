@@ -11,19 +11,15 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import redis
 
-from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.keys import Keys
 from batchfleet.common.lanes import BATCH
-from batchfleet.common.protocol import FleetInfo
 from batchfleet.producer.bulk import bulk_file
-from batchfleet.worker.consumer import StreamConsumer
-from batchfleet.worker.engine.tokenizer import byte_level_tokenizer
 from tests.conftest import TEST_BUCKETS
+from tests.helpers.loops import silent_fleet
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,20 +71,12 @@ def test_exit_codes_and_counts_are_honest_on_resume(start_worker, redis_url, nam
 
 def test_missing_answers_expire_together_not_one_after_another(redis_url, namespace, tmp_path):
     # a live "worker" that publishes the fleet and never reads: no answer ever comes
-    conn = ConnectionConfig(redis_url=redis_url, namespace=namespace)
-    probe = StreamConsumer(conn, TEST_BUCKETS, f"probe-{uuid.uuid4().hex[:6]}", reply_ttl_s=60)
-    probe.setup()
-    probe.publish_fleet(FleetInfo(model="none", tokenizer_json=byte_level_tokenizer().backend_tokenizer.to_str(),
-                                  buckets=TEST_BUCKETS, max_seq_len=512, max_batch_size=8, vocab_size=320,
-                                  eos_token_ids=(2,)))
-    try:
+    with silent_fleet(redis_url, namespace):
         src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
         src.write_text("".join(json.dumps({"prompt": f"p{i}", "max_new_tokens": 2}) + "\n" for i in range(20)))
         t0 = time.monotonic()
         summary = asyncio.run(bulk_file(str(src), str(dst), redis_url=redis_url, namespace=namespace, timeout=1.0))
         took = time.monotonic() - t0
-    finally:
-        probe.close()
     out = [json.loads(x) for x in dst.read_text().splitlines()]
     assert summary.failed == 20 and all(o["error"]["code"] == "deadline_exceeded" for o in out)
     assert took < 8, f"20 missing answers took {took:.1f} s: they waited one after another"

@@ -12,15 +12,10 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
-from batchfleet.common.config import ConnectionConfig
-from batchfleet.common.protocol import FleetInfo
 from batchfleet.producer.bulk_lines import SHA_KEY, line_sha
-from batchfleet.worker.consumer import StreamConsumer
-from batchfleet.worker.engine.models import byte_level_tokenizer
-from tests.conftest import TEST_BUCKETS
+from tests.helpers.loops import silent_fleet
 from tests.test_bulk_runs import bulk_cli, last_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,13 +114,7 @@ def test_a_prompt_line_takes_every_api_parameter(start_worker, redis_url, namesp
 
 def test_sigterm_stops_like_ctrl_c_with_a_resume_hint(redis_url, namespace, tmp_path):
     # a live "worker" that never reads: the run waits on its answers until stopped
-    conn = ConnectionConfig(redis_url=redis_url, namespace=namespace)
-    probe = StreamConsumer(conn, TEST_BUCKETS, f"probe-{uuid.uuid4().hex[:6]}", reply_ttl_s=60)
-    probe.setup()
-    probe.publish_fleet(FleetInfo(model="none", tokenizer_json=byte_level_tokenizer().backend_tokenizer.to_str(),
-                                  buckets=TEST_BUCKETS, max_seq_len=512, max_batch_size=8, vocab_size=320,
-                                  eos_token_ids=(2,)))
-    try:
+    with silent_fleet(redis_url, namespace):
         src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
         src.write_text(prompts(*(f"p{i}" for i in range(20))))
         proc = subprocess.Popen([sys.executable, "-m", "batchfleet.common.cli", "bulk", str(src), "-o", str(dst),
@@ -138,8 +127,6 @@ def test_sigterm_stops_like_ctrl_c_with_a_resume_hint(redis_url, namespace, tmp_
         time.sleep(1.5)  # submitted by now
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
-    finally:
-        probe.close()
     assert proc.returncode == 143, err[-2000:]
     assert err.strip().splitlines()[-1].startswith("stopped by SIGTERM: 0 of 20 lines written"), err
     assert "run the same command again to resume" in err

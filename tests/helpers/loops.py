@@ -6,9 +6,11 @@ token is in the running batch. It is never built by the worker itself.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 
 import redis
 
@@ -143,3 +145,25 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, every_s: f
 
 def dead_letters(r: redis.Redis, keys: Keys) -> list[dict[bytes, bytes]]:
     return [fields for _, fields in r.xrange(keys.dead)]
+
+
+@contextlib.contextmanager
+def silent_fleet(redis_url: str, namespace: str) -> Iterator[None]:
+    """A live "worker" that publishes the fleet (the tiny preset's tokenizer) and never reads: enqueues are
+    accepted and no answer ever comes."""
+    from batchfleet.common.config import ConnectionConfig
+    from batchfleet.common.protocol import FleetInfo
+    from batchfleet.worker.consumer import StreamConsumer
+    from batchfleet.worker.engine.tokenizer import byte_level_tokenizer
+    from tests.conftest import TEST_BUCKETS
+
+    probe = StreamConsumer(ConnectionConfig(redis_url=redis_url, namespace=namespace), TEST_BUCKETS,
+                           f"probe-{uuid.uuid4().hex[:6]}", reply_ttl_s=60)
+    probe.setup()
+    probe.publish_fleet(FleetInfo(model="none", tokenizer_json=byte_level_tokenizer().backend_tokenizer.to_str(),
+                                  buckets=TEST_BUCKETS, max_seq_len=512, max_batch_size=8, vocab_size=320,
+                                  eos_token_ids=(2,)))
+    try:
+        yield
+    finally:
+        probe.close()
