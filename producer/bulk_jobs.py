@@ -100,8 +100,8 @@ class _Run:
             return retagged(work.job_ids, self.spec.fresh[work.index])
         lost = [j for j in work.job_ids if j not in self.present] if self.fmt.check_answered else []
         done_keys = [self.client.keys.done(j) for j in lost]
-        if not lost or not await self.client._io(lambda: self.client.r.exists(*done_keys), Deadline(None),
-                                                 "bulk: job ids"):
+        if not lost or not await self.client.calls.io(lambda: self.client.r.exists(*done_keys), Deadline(None),
+                                                      "bulk: job ids"):
             return work.job_ids
         self.present.update(await inbox_replies(self.client))  # answered since the run began: collected
         if not any(j not in self.present for j in lost):

@@ -11,21 +11,16 @@ import io
 import json
 import logging
 import time
-import uuid
 
 import httpx
 import openai
 import pytest
 import redis.asyncio
 
-from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import FleetInfo
 from batchfleet.gateway.batch_expiry import sweep
 from batchfleet.gateway.batch_store import BatchStore, FileStore
-from batchfleet.worker.consumer import StreamConsumer
-from batchfleet.worker.engine.models import byte_level_tokenizer
-from tests.conftest import TEST_BUCKETS
+from tests.helpers.loops import silent_fleet
 from tests.test_openai_batches import batch_line, chat, lines_of, wait_until
 
 pytestmark = pytest.mark.integration
@@ -87,13 +82,7 @@ def test_a_batch_naming_openai_models_reports_why_usage_model_and_expires(start_
 def test_cancel_and_expiry_are_logged(start_gateway, redis_url, namespace, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="batchfleet.gateway")
     # a live "worker" that never reads: the batches run until cancelled or expired
-    probe = StreamConsumer(ConnectionConfig(redis_url=redis_url, namespace=namespace), TEST_BUCKETS,
-                           f"probe-{uuid.uuid4().hex[:6]}", reply_ttl_s=60)
-    probe.setup()
-    probe.publish_fleet(FleetInfo(model="none", tokenizer_json=byte_level_tokenizer().backend_tokenizer.to_str(),
-                                  buckets=TEST_BUCKETS, max_seq_len=512, max_batch_size=8, vocab_size=320,
-                                  eos_token_ids=(2,)))
-    try:
+    with silent_fleet(redis_url, namespace):
         gw = start_gateway(served_model_names=("tiny",), files_dir=str(tmp_path / "files"))
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=60)
         line = batch_line("a", {"model": "tiny", "prompt": "x", "max_tokens": 2}, "/v1/completions")
@@ -104,8 +93,6 @@ def test_cancel_and_expiry_are_logged(start_gateway, redis_url, namespace, tmp_p
         client.batches.cancel(cancelled.id)
         assert wait_until(client, cancelled.id, ("cancelled",)).status == "cancelled"
         assert wait_until(client, expiring.id, ("expired",)).status == "expired"
-    finally:
-        probe.close()
     messages = "\n".join(r.getMessage() for r in caplog.records)
     assert f"batch {cancelled.id}: cancel asked" in messages and f"batch {cancelled.id} cancelled: " in messages
     assert f"batch {expiring.id}: past its completion window" in messages and f"batch {expiring.id} expired: " \
