@@ -40,6 +40,7 @@ import redis
 from batchfleet.producer import AsyncClient
 
 HERE = Path(__file__).resolve().parent
+DEFAULT_SERVER = "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else "redis-server"
 
 
 def _free_port() -> int:
@@ -51,10 +52,12 @@ def _free_port() -> int:
 class Server:
     """A private redis-server without persistence, for one measurement."""
 
+    binary = shutil.which("redis-server") or "redis-server"  # --redis-server sets it
+
     def __init__(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="bf-scale-")
         self.port = _free_port()
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--save", "", "--appendonly", "no",
+        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--save", "", "--appendonly", "no",
                                       "--dir", self.dir, "--maxclients", "20000"], stdout=subprocess.DEVNULL)
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.r = redis.Redis.from_url(self.url)
@@ -257,8 +260,14 @@ def request_cost(n_requests: int, concurrency: int, worker_args: list[str]) -> d
 @click.option("--cost-requests", type=int, default=1500, help="Requests of the per-request Redis cost run.")
 @click.option("--load", type=float, default=0.7, help="Open-loop Poisson rate, x the one-worker closed-loop rate x N.")
 @click.option("--json", "json_path", default=None)
+@click.option("--redis-server", "redis_server", default=DEFAULT_SERVER, show_default=True,
+              help="The redis-server binary of the private servers (/usr/bin/redis-server when it exists).")
 def main(workers: str, seconds: float, idle_seconds: float, per_worker: float, new_tokens: int, prompt_len: int,
-         max_running: int, cost: str, cost_requests: int, load: float, json_path: str | None) -> None:
+         max_running: int, cost: str, cost_requests: int, load: float, json_path: str | None,
+         redis_server: str) -> None:
+    Server.binary = redis_server
+    version = subprocess.run([redis_server, "--version"], capture_output=True, text=True).stdout.strip()
+    print(version, file=sys.stderr, flush=True)
     worker_args = ["--max-running", str(max_running), "--cost", cost]
     cost_run = request_cost(cost_requests, 64, worker_args)
     rows = []
@@ -275,11 +284,12 @@ def main(workers: str, seconds: float, idle_seconds: float, per_worker: float, n
     for row in rows:
         row["efficiency"] = row["rps"] / (base * row["workers"])
     saturation = 1e6 / cost_run["redis_cpu_us_per_req"] if cost_run["redis_cpu_us_per_req"] else None
-    out = {"host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+    out = {"host": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "redis": version},
            "settings": {"seconds": seconds, "per_worker": per_worker, "new_tokens": new_tokens,
                         "prompt_len": prompt_len, "max_running": max_running, "cost_ms": cost},
            "request_cost": cost_run, "rows": rows, "redis_saturation_rps": saturation,
            "idle_workers_per_redis": (1 / max(r["idle_redis_cpu_share"] / r["workers"] for r in rows))}
+    print("by command (calls, usec per request):", json.dumps(cost_run["by_command"]))
     print(f"\nper request (1 worker, 1 token, 64 clients): {cost_run['calls_per_req']:.1f} Redis calls, "
           f"{cost_run['usec_per_req']:.0f} us command time, {cost_run['redis_cpu_us_per_req']:.0f} us Redis CPU")
     print(f"one Redis core saturates near {saturation:,.0f} requests/s (1 / Redis CPU per request)\n")
