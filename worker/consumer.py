@@ -38,11 +38,13 @@ from batchfleet.worker.transport import Cancel, Entry, FlushWatch, Reply, Transp
 log = logging.getLogger(__name__)
 
 BATCH_LOG_MAXLEN = 10_000
-MAX_BLOCK_MS = 1_000  # also bounds how long SIGTERM waits for an idle blocking read
+MAX_BLOCK_MS = 2_000  # also bounds how long SIGTERM waits for an idle blocking read
 BLOCK_SLACK_MS = 110  # Redis may end a BLOCK up to one cron tick (100 ms at hz 10) late
 POLL_S = 0.002
 STARTUP_WAIT_S = 60.0  # setup() waits this long for Redis to come up
 CANCELS_PER_TICK = 1000
+ALIVE_WITHIN_S = 4.0  # the lease keeper's alive() beats only when no heartbeat went out for this long
+MARKS_PER_CALL = 1000  # jobs per MARKS call: 2 keys each, far below Lua's unpack() limit
 MARKER_BYTES = 256  # longest job id or reply key a cancel entry or marker may hold (longer ones are cut)
 
 
@@ -142,25 +144,28 @@ class StreamConsumer(Transport):
 
     @_refused
     def alive(self) -> None:
-        """Mark this worker live in the live-worker set (from any thread)."""
-        self.presence.beat(b"")
+        """Mark this worker live in the live-worker set (from any thread), unless a heartbeat just did."""
+        self.presence.keep_alive(ALIVE_WITHIN_S)
 
     def clock_offset(self) -> float:
         """Redis time minus this host's time (s), as measured by the last heartbeat."""
         return self.presence.offset
 
     @_refused
-    def read(self, count: int | dict[str, int], block_ms: int | None) -> list[Entry]:
+    def read(self, count: int | dict[str, int], block_ms: int | None, exact: bool = True) -> list[Entry]:
         """New entries of every bucket, interactive streams first: up to ``count`` per stream (a dict: per
         stream of each lane, 0 = that lane is not read); blocks at most ``block_ms``.
 
         Redis only expires a BLOCK at its cron tick (1000/hz ms: 100 ms by default), so a 50 ms block
         would really last ~100 ms and every batch deadline would slip. Short waits therefore poll
         (non-blocking read, then a 2 ms sleep) and long ones block until ~BLOCK_SLACK_MS before the end.
+        Without a deadline to keep (``exact=False``: an idle worker) one blocking read is the whole wait.
         """
         counts = dict.fromkeys(LANES, count) if isinstance(count, int) else count
         if block_ms is None:
             return self._xread(counts, None)
+        if not exact:
+            return self._xread(counts, max(1, min(int(block_ms), self.max_block_ms)))
         end = time.monotonic() + max(1, min(int(block_ms), self.max_block_ms)) / 1000
         while True:
             left_ms = (end - time.monotonic()) * 1000
@@ -220,12 +225,17 @@ class StreamConsumer(Transport):
     def marks(self, job_ids: list[str]) -> list[tuple[str | None, bool]]:
         """Each job's cancel marker (the reply key of whoever cancelled it) and whether its ``done`` marker
         exists, in one size-checking ``MARKS`` script call (a marker longer than MARKER_BYTES is no reply key)."""
-        if not job_ids:
-            return []
-        n = len(job_ids)
-        raw = self._scripts.marks(keys=[self.keys.cancel(j) for j in job_ids] + [self.keys.done(j) for j in job_ids],
-                                  args=[n, MARKER_BYTES])
-        return [(c.decode(errors="replace") if c else None, bool(d)) for c, d in zip(raw[:n], raw[n:])]
+        out: list[tuple[str | None, bool]] = []
+        for i in range(0, len(job_ids), MARKS_PER_CALL):
+            part = job_ids[i:i + MARKS_PER_CALL]
+            n = len(part)
+            raw = self._scripts.marks(keys=[self.keys.cancel(j) for j in part] + [self.keys.done(j) for j in part],
+                                      args=[n, MARKER_BYTES])
+            if not raw:  # the usual case: no marker of any of them exists (one EXISTS said so)
+                out += [(None, False)] * n
+                continue
+            out += [(c.decode(errors="replace") if c else None, bool(d)) for c, d in zip(raw[:n], raw[n:])]
+        return out
 
     def log_batch(self, record: dict) -> None:
         """Append a batch record (worker, bucket, ids, size) to the capped audit stream; best effort: the

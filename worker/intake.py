@@ -79,7 +79,9 @@ class Intake:
         # COUNT applies per stream: split each lane's room so all its buckets together stay within it
         n = len(self.cfg.batching.buckets)
         per_stream = {lane: -(-room // n) for lane, room in rooms.items()}
-        self._take_all(self.transport.read(count=per_stream, block_ms=block_ms), alone=lambda e: False)
+        # no batch deadline to keep: one long blocking read, however late Redis ends it (worker/consumer.py)
+        exact = not busy and deadline is not None
+        self._take_all(self.transport.read(count=per_stream, block_ms=block_ms, exact=exact), alone=lambda e: False)
 
     def reclaim(self, now: float) -> None:
         """Take over entries whose worker went silent for claim_idle_ms (policy: worker/reclaim.py)."""

@@ -37,7 +37,7 @@ from batchfleet.worker.validate import Limits
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 2.0
+HEARTBEAT_S = 5.0  # live window 30 s (common/functions.py LIVE_WORKER_MS), status TTL 15 s, ready within 10 s
 SHUTDOWN_OUTAGE_GRACE_S = 10.0  # on shutdown, how long to keep retrying replies Redis will not take
 
 
@@ -97,7 +97,8 @@ class WorkerLoop:
         if taking:
             self.intake.reclaim(time.time())
             self.intake.read(time.time(), engine_busy=self.engine.has_work())
-        self.dispatch.cancel(self.transport.cancels())
+        if self.requests.snapshot:  # holding nothing, no cancel can matter here: a read checks cancel markers
+            self.dispatch.cancel(self.transport.cancels())
         self.intake.expire(time.time())
         if taking:
             self.dispatch.admit(time.time())

@@ -40,23 +40,25 @@ class PendingList:
         cursor is kept, so the next call resumes there. Entries deleted while pending are dropped from
         the PEL by Redis itself (reported in the third reply element; we only count them).
         """
+        if budget <= 0:
+            return []
+        # one script call over every stream (1 + streams commands), through the bounded reads: too-large
+        # entries come back cut short (worker/bounded.py)
+        keys = [stream for stream, _, _ in self.streams]
+        per_stream = self._autoclaim(keys=keys, args=[*autoclaim_args(self.keys.group, self.name, min_idle_ms, budget),
+                                                      *(self._cursors.get(k, "0-0") for k in keys)])
         out: list[Entry] = []
-        for stream, b, lane in self.streams:
-            cursor = self._cursors.pop(stream, "0-0")
-            while len(out) < budget:
-                # through the bounded script: too-large entries come back cut short (worker/bounded.py)
-                nxt, claimed, deleted = self._autoclaim(keys=[stream], args=autoclaim_args(
-                    self.keys.group, self.name, min_idle_ms, cursor, budget - len(out)))
-                claimed = [(as_str(raw[0]), entry_of(b, lane, raw)) for raw in claimed]
-                if any(e is None for _, e in claimed):  # Redis 6.2 reports deleted ones as nil
-                    deleted += self._ack_deleted(stream, {eid for eid, e in claimed if e is not None})
-                if deleted:
-                    log.info("%d pending entries of %s were deleted before they could be reclaimed", deleted, stream)
-                out += [e for _, e in claimed if e is not None]
-                cursor = as_str(nxt)
-                if cursor == "0-0":
-                    break
-            if cursor != "0-0":
+        for (stream, b, lane), (nxt, claimed, deleted) in zip(self.streams, per_stream):
+            claimed = [(as_str(raw[0]), entry_of(b, lane, raw)) for raw in claimed]
+            if any(e is None for _, e in claimed):  # Redis 6.2 reports deleted ones as nil
+                deleted += self._ack_deleted(stream, {eid for eid, e in claimed if e is not None})
+            if deleted:
+                log.info("%d pending entries of %s were deleted before they could be reclaimed", deleted, stream)
+            out += [e for _, e in claimed if e is not None]
+            cursor = as_str(nxt)
+            if cursor == "0-0":
+                self._cursors.pop(stream, None)
+            else:
                 self._cursors[stream] = cursor
         return self._with_delivery_counts(out)
 

@@ -28,13 +28,15 @@ log = logging.getLogger(__name__)
 
 SOLO_FROM_DELIVERY = 3
 MIN_RECLAIM_PERIOD_S = 0.2
-MAX_RECLAIM_PERIOD_S = 1.0  # entries released by a busy peer (worker/readahead.py) wait at most this long
+# entries released by a busy peer (worker/readahead.py) wait at most this long; a pass costs 1 + streams
+# Redis commands (one script over every stream), so this also bounds what an idle worker spends on it
+MAX_RECLAIM_PERIOD_S = 5.0
 
 
 def reclaim_period_s(claim_idle_ms: int) -> float:
     """How often a worker with room looks for abandoned or released entries: twice per idle window, at
-    least once a second (so recovery takes at most claim_idle_ms + 1 s after a crash, and a released
-    entry waits at most 1 s), never more than 5 times a second."""
+    least every 5 s (so recovery takes at most claim_idle_ms + 5 s after a crash, and a released entry
+    waits at most 5 s), never more than 5 times a second."""
     return max(MIN_RECLAIM_PERIOD_S, min(claim_idle_ms / 2000, MAX_RECLAIM_PERIOD_S))
 
 
