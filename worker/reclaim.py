@@ -28,16 +28,22 @@ log = logging.getLogger(__name__)
 
 SOLO_FROM_DELIVERY = 3
 MIN_RECLAIM_PERIOD_S = 0.2
-# entries released by a busy peer (worker/readahead.py) wait at most this long; a pass costs 1 + streams
-# Redis commands (one script over every stream), so this also bounds what an idle worker spends on it
-MAX_RECLAIM_PERIOD_S = 5.0
+MAX_RECLAIM_PERIOD_S = 1.0  # entries released by a busy peer (worker/readahead.py) wait at most this long
 
 
 def reclaim_period_s(claim_idle_ms: int) -> float:
     """How often a worker with room looks for abandoned or released entries: twice per idle window, at
-    least every 5 s (so recovery takes at most claim_idle_ms + 5 s after a crash, and a released entry
-    waits at most 5 s), never more than 5 times a second."""
+    least once a second (a released entry waits at most 1 s), never more than 5 times a second. A look
+    is one GET of the release counter; the pending lists are scanned only when it moved, or every
+    ``scan_period_s`` (worker/pending.py)."""
     return max(MIN_RECLAIM_PERIOD_S, min(claim_idle_ms / 2000, MAX_RECLAIM_PERIOD_S))
+
+
+def scan_period_s(claim_idle_ms: int) -> float:
+    """How often a worker with room scans every pending list for entries of dead workers (1 + streams
+    commands) when no release was signalled: twice per idle window, so recovery after a crash takes at
+    most 1.5 x claim_idle_ms."""
+    return max(MIN_RECLAIM_PERIOD_S, claim_idle_ms / 2000)
 
 
 def split_exhausted(entries: Sequence[Entry], max_deliveries: int) -> tuple[list[Entry], list[Entry]]:
