@@ -43,7 +43,11 @@ BLOCK_SLACK_MS = 110  # Redis may end a BLOCK up to one cron tick (100 ms at hz 
 POLL_S = 0.002
 STARTUP_WAIT_S = 60.0  # setup() waits this long for Redis to come up
 CANCELS_PER_TICK = 1000
-ALIVE_WITHIN_S = 4.0  # the lease keeper's alive() beats only when no heartbeat went out for this long
+CANCELS_EVERY_S = 0.05  # the cancels stream is read at most this often (a running job stops within a step + this)
+# the lease keeper's alive() (every 2.5 s) beats only when no heartbeat went out for this long: the loop's
+# own (every 5 s, a tick late at most) makes it a no-op unless a long engine step holds the loop; a beat is
+# then never older than 9.5 s (worker/health.py reads 10 s as not ready)
+ALIVE_WITHIN_S = 7.0
 MARKS_PER_CALL = 1000  # jobs per MARKS call: 2 keys each, far below Lua's unpack() limit
 MARKER_BYTES = 256  # longest job id or reply key a cancel entry or marker may hold (longer ones are cut)
 
@@ -76,6 +80,7 @@ class StreamConsumer(Transport):
         self.settler = Settler(self.r, scripts, conn, name, reply_ttl_s)
         self._scripts = scripts
         self._cancels_from = "$"  # last cancels entry seen ($: none yet; set by setup)
+        self._next_cancels = 0.0  # time.monotonic() of the next read of the cancels stream
         self.pel = PendingList(self.r, scripts, self.keys, name, buckets)
         self._flush = FlushWatch(self._flush_counter)  # baseline taken by setup()
         # every read goes through a size-checking script: memory never follows hostile entry sizes
@@ -208,7 +213,12 @@ class StreamConsumer(Transport):
     @_refused
     def cancels(self) -> list[Cancel]:
         """New entries of the cancels stream since the last call (the size-checking ``CANCELS`` script: at most
-        CANCELS_PER_TICK entries, each field cut to MARKER_BYTES)."""
+        CANCELS_PER_TICK entries, each field cut to MARKER_BYTES), at most every CANCELS_EVERY_S: a
+        busy loop ticks far more often than that."""
+        now = time.monotonic()
+        if now < self._next_cancels:
+            return []
+        self._next_cancels = now + CANCELS_EVERY_S
         last, entries = self._scripts.cancels(keys=[self.keys.cancels],
                                               args=[self._cancels_from, CANCELS_PER_TICK, MARKER_BYTES])
         self._cancels_from = last.decode() if isinstance(last, bytes) else last

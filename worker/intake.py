@@ -27,7 +27,7 @@ from batchfleet.worker.validate import Accepted, Limits, Rejected, accept, job_i
 
 log = logging.getLogger("batchfleet.worker.loop")
 
-PRUNE_PERIOD_S = 60.0
+PRUNE_PERIOD_S = 600.0  # a pass is one XINFO CONSUMERS per stream; names are pruned after an hour anyway
 PRUNE_IDLE_MS = 3_600_000  # a consumer name silent for an hour with nothing pending is a dead worker's
 FULL_SLEEP_MAX_S = 0.5  # with no room to read and nothing running, sleep at most this long per tick
 

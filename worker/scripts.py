@@ -128,34 +128,58 @@ end
 # KEYS: bucket streams, most urgent first. ARGV: group, consumer, count per stream, max_entry, max_fields,
 # keep_fields, keep_bytes, read budget, scan budget, then optionally one count per key (overrides ARGV[3]).
 # Returns {{stream, {{id, fields, oversize}, ...}}, ...} like XREADGROUP, plus each entry's oversize.
+# One XREADGROUP COUNT 1 over every stream with room first (streams with nothing cost nothing more), then
+# the rest of each stream that had an entry, one at a time.
 READ = _SHRINK + """
-local out = {}
-local returned, scanned = 0, 0
 local budget, scan_budget = tonumber(ARGV[8]), tonumber(ARGV[9])
-for i = 1, #KEYS do
-  local got = {}
-  for _ = 1, tonumber(ARGV[9 + i] or ARGV[3]) do
-    if returned >= budget or scanned >= scan_budget then break end
-    local ok, r = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[i], '>')
-    if not ok then
-      -- what was read so far stays pending on us: hand it over; the error shows on the next call
-      if #got > 0 then out[#out + 1] = {KEYS[i], got} end
-      if #out > 0 then return out end
-      return redis.error_reply(r.err or tostring(r))
-    end
-    if not r then break end
-    local e = r[1][2][1]
-    local fields, oversize, size = shrink(e[2], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]),
-                                          tonumber(ARGV[7]))
-    scanned = scanned + math.max(size, oversize)
-    returned = returned + size
-    got[#got + 1] = {e[1], fields, oversize}
-    r, e = nil, nil
-    if oversize > 0 then collectgarbage() end
-  end
-  if #got > 0 then out[#out + 1] = {KEYS[i], got} end
+local returned, scanned = 0, 0
+local got, pos, probe = {}, {}, {'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS'}
+local function want(i) return tonumber(ARGV[9 + i] or ARGV[3]) end
+local function take(i, e)
+  local fields, oversize, size = shrink(e[2], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]),
+                                        tonumber(ARGV[7]))
+  scanned = scanned + math.max(size, oversize)
+  returned = returned + size
+  got[i][#got[i] + 1] = {e[1], fields, oversize}
+  return oversize
 end
-return out
+local function result()
+  local out = {}
+  for i = 1, #KEYS do if #got[i] > 0 then out[#out + 1] = {KEYS[i], got[i]} end end
+  return out
+end
+local n = 0
+for i = 1, #KEYS do
+  got[i] = {}
+  if want(i) > 0 then pos[KEYS[i]] = i; probe[#probe + 1] = KEYS[i]; n = n + 1 end
+end
+if n == 0 then return {} end
+for _ = 1, n do probe[#probe + 1] = '>' end
+-- one command finds the streams that have anything: at most one raw entry per stream (as the blocking read)
+local ok, r = pcall(redis.call, unpack(probe))
+if not ok then return redis.error_reply(r.err or tostring(r)) end
+local big = 0
+for _, s in ipairs(r or {}) do big = big + take(pos[s[1]], s[2][1]) end
+r = nil
+if big > 0 then collectgarbage() end
+-- then the rest of each stream that had one, an entry at a time (the Lua heap holds one raw entry)
+for i = 1, #KEYS do
+  if #got[i] > 0 then
+    for _ = 2, want(i) do
+      if returned >= budget or scanned >= scan_budget then break end
+      local ok2, r2 = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[i], '>')
+      if not ok2 then
+        -- what was read so far stays pending on us: hand it over; the error shows on the next call
+        return result()
+      end
+      if not r2 then break end
+      local oversize = take(i, r2[1][2][1])
+      r2 = nil
+      if oversize > 0 then collectgarbage() end
+    end
+  end
+end
+return result()
 """
 
 # KEYS: the bucket streams. ARGV: group, consumer, min idle ms, count, max_entry, max_fields, keep_fields,
