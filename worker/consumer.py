@@ -45,7 +45,7 @@ STARTUP_WAIT_S = 60.0  # setup() waits this long for Redis to come up
 CANCELS_PER_TICK = 1000
 CANCELS_EVERY_S = 0.05  # the cancels stream is read at most this often (a running job stops within a step + this)
 # the lease keeper's alive() (every 2.5 s) beats only when no heartbeat went out for this long: the loop's
-# own (every 5 s, a tick late at most) makes it a no-op unless a long engine step holds the loop; a beat is
+# own (every 2-5 s, a tick late at most) makes it a no-op unless a long engine step holds the loop; a beat is
 # then never older than 9.5 s (worker/health.py reads 10 s as not ready)
 ALIVE_WITHIN_S = 7.0
 MARKS_PER_CALL = 1000  # jobs per MARKS call: 2 keys each, far below Lua's unpack() limit

@@ -37,7 +37,8 @@ from batchfleet.worker.validate import Limits
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 5.0  # live window 30 s (common/functions.py LIVE_WORKER_MS), status TTL 15 s, ready within 10 s
+HEARTBEAT_S = 2.0  # while anything changed (requests answered or held): statuses stay fresh
+IDLE_HEARTBEAT_S = 5.0  # nothing changed: live window 30 s (common/functions.py LIVE_WORKER_MS), status TTL 15 s
 SHUTDOWN_OUTAGE_GRACE_S = 10.0  # on shutdown, how long to keep retrying replies Redis will not take
 
 
@@ -71,6 +72,7 @@ class WorkerLoop:
                                  lock=self.readahead.lock)
         self._stop_at: float | None = None
         self._last_heartbeat = 0.0
+        self._last_marks: tuple = ()  # what the last heartbeat saw change (ledger, requests held)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -197,7 +199,11 @@ class WorkerLoop:
 
     def _heartbeat(self) -> None:
         now = time.time()
-        if now - self._last_heartbeat < HEARTBEAT_S:
+        since = now - self._last_heartbeat
+        if since < HEARTBEAT_S:
             return
-        self._last_heartbeat = now
+        marks = (dict(self.ledger), len(self.requests.snapshot))
+        if since < IDLE_HEARTBEAT_S and marks == self._last_marks:
+            return  # an idle worker beats less often: its status says nothing new
+        self._last_heartbeat, self._last_marks = now, marks
         self.transport.heartbeat(self.status())

@@ -20,7 +20,7 @@ from batchfleet.worker.scripts import WorkerScripts
 log = logging.getLogger("batchfleet.worker.consumer")
 
 FLEET_TTL_S = fleet.FLEET_TTL_MS // 1000  # the fleet description outlives its last heartbeat by this much
-STATUS_TTL_S = 15  # three heartbeats (worker/loop.py HEARTBEAT_S)
+STATUS_TTL_S = 15  # three idle heartbeats (worker/loop.py IDLE_HEARTBEAT_S)
 PRUNE_EVERY = 30  # beats between two prunes of day-old names from the live-worker set (it grows by restarts only)
 
 class Presence:
