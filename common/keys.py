@@ -101,6 +101,13 @@ class Keys:
         return f"{self.namespace}:batches"
 
     @property
+    def released(self) -> str:
+        """Counter a worker bumps when it releases leases (worker/pending.py ``release``): a peer with room
+        reads it about once a second and scans the pending lists at once when it moved, instead of
+        scanning every stream every second (worker/pending.py ``reclaim``)."""
+        return f"{self.namespace}:released"
+
+    @property
     def flush(self) -> str:
         """Counter a load generator bumps to close partial static batches ("static N" ends its load).
 

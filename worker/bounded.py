@@ -8,8 +8,9 @@ script that takes entries one at a time inside Redis and returns a too-large ent
 (``invalid_request``) or dead-letter it without ever holding it. One call also stops after
 ``READ_BUDGET_BYTES`` returned or ``SCAN_BUDGET_BYTES`` looked at (what the script's own Lua heap
 holds). The one read that is not size-checked is the idle worker's blocking read, made only after the
-script found nothing: it takes at most one entry per stream (``COUNT 1``), the one that arrived during
-the wait, cut down (``shrink``) as soon as it is read.
+script found nothing (or right after a blocking read that found nothing: only entries added since can be
+there): it takes at most one entry per stream (``COUNT 1``), the one that arrived during the wait (or
+since the last one), cut down (``shrink``) as soon as it is read.
 
 So a worker holds at most: one raw entry (while it is cut down) + ``READ_BUDGET_BYTES`` + one
 ``MAX_ENTRY_BYTES`` entry per read, on top of the requests it keeps (each <= ``MAX_ENTRY_BYTES``).
@@ -71,14 +72,19 @@ class BoundedReader:
         self.where = {s.encode(): (b, lane) for s, b, lane in streams}
         self.streams = streams
         self._script = scripts.read
+        # the last read was a blocking one that found nothing: whatever is there now arrived since, and a
+        # blocking XREADGROUP returns it at once, so the next read goes straight to the blocking read
+        self._quiet = False
 
     def read(self, counts: dict[str, int], block_ms: int | None) -> list[Entry]:
         """Up to ``counts[lane]`` new entries per stream of each lane (interactive streams first). When
         there are none and ``block_ms`` is not None, waits for the first with a plain ``XREADGROUP COUNT 1``
         over the streams of lanes with room (a script cannot block), cuts it down at once, then takes the
-        rest through the script."""
-        out = self.read_now(counts)
+        rest through the script. Right after a blocking read that found nothing, goes straight to the
+        blocking read (an idle worker's cycle is one command)."""
         wanted = [s for s, _, lane in self.streams if counts.get(lane, 0) > 0]
+        quiet, self._quiet = self._quiet, False
+        out = [] if quiet and block_ms is not None and wanted else self.read_now(counts)
         if out or block_ms is None or not wanted:
             return out
         # nothing there: wait; only an entry arriving during this wait is read whole (then cut down)
@@ -88,6 +94,7 @@ class BoundedReader:
             bucket, lane = self._where(stream)
             out += [shrink(Entry(bucket, as_str(eid), fields or {}, lane=lane)) for eid, fields in entries]
         del resp  # the raw (maybe huge) entries go now, not at the end of the call
+        self._quiet = not out
         if out:
             left = {lane: n - sum(e.lane == lane for e in out) for lane, n in counts.items()}
             out += self.read_now(left)
@@ -110,5 +117,6 @@ class BoundedReader:
         return self.where[stream if isinstance(stream, bytes) else stream.encode()]
 
 
-def autoclaim_args(group: str, consumer: str, min_idle_ms: int, cursor: str, count: int) -> list:
-    return [group, consumer, min_idle_ms, cursor, count, *LIMIT_ARGS]
+def autoclaim_args(group: str, consumer: str, min_idle_ms: int, count: int) -> list:
+    """The AUTOCLAIM script's args before the per-stream cursors (worker/scripts.py)."""
+    return [group, consumer, min_idle_ms, count, *LIMIT_ARGS]

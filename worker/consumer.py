@@ -39,11 +39,17 @@ from batchfleet.worker.transport import Cancel, Entry, FlushWatch, Reply, Transp
 log = logging.getLogger(__name__)
 
 BATCH_LOG_MAXLEN = 10_000
-MAX_BLOCK_MS = 1_000  # also bounds how long SIGTERM waits for an idle blocking read
+MAX_BLOCK_MS = 2_000  # also bounds how long SIGTERM waits for an idle blocking read
 BLOCK_SLACK_MS = 110  # Redis may end a BLOCK up to one cron tick (100 ms at hz 10) late
 POLL_S = 0.002
 STARTUP_WAIT_S = 60.0  # setup() waits this long for Redis to come up
 CANCELS_PER_TICK = 1000
+CANCELS_EVERY_S = 0.05  # the cancels stream is read at most this often (a running job stops within a step + this)
+# the lease keeper's alive() (every 2.5 s) beats only when no heartbeat went out for this long: the loop's
+# own (every 2-5 s, a tick late at most) makes it a no-op unless a long engine step holds the loop; a beat is
+# then never older than 9.5 s (worker/health.py reads 10 s as not ready)
+ALIVE_WITHIN_S = 7.0
+MARKS_PER_CALL = 1000  # jobs per MARKS call: 2 keys each, far below Lua's unpack() limit
 MARKER_BYTES = 256  # longest job id or reply key a cancel entry or marker may hold (longer ones are cut)
 
 
@@ -75,6 +81,7 @@ class StreamConsumer(Transport):
         self.settler = Settler(self.r, scripts, conn, name, reply_ttl_s)
         self._scripts = scripts
         self._cancels_from = "$"  # last cancels entry seen ($: none yet; set by setup)
+        self._next_cancels = 0.0  # time.monotonic() of the next read of the cancels stream
         self.pel = PendingList(self.r, scripts, self.keys, name, buckets)
         self._flush = FlushWatch(self._flush_counter)  # baseline taken by setup()
         # every read goes through a size-checking script: memory never follows hostile entry sizes
@@ -143,25 +150,28 @@ class StreamConsumer(Transport):
 
     @_refused
     def alive(self) -> None:
-        """Mark this worker live in the live-worker set (from any thread)."""
-        self.presence.beat(b"")
+        """Mark this worker live in the live-worker set (from any thread), unless a heartbeat just did."""
+        self.presence.keep_alive(ALIVE_WITHIN_S)
 
     def clock_offset(self) -> float:
         """Redis time minus this host's time (s), as measured by the last heartbeat."""
         return self.presence.offset
 
     @_refused
-    def read(self, count: int | dict[str, int], block_ms: int | None) -> list[Entry]:
+    def read(self, count: int | dict[str, int], block_ms: int | None, exact: bool = True) -> list[Entry]:
         """New entries of every bucket, interactive streams first: up to ``count`` per stream (a dict: per
         stream of each lane, 0 = that lane is not read); blocks at most ``block_ms``.
 
         Redis only expires a BLOCK at its cron tick (1000/hz ms: 100 ms by default), so a 50 ms block
         would really last ~100 ms and every batch deadline would slip. Short waits therefore poll
         (non-blocking read, then a 2 ms sleep) and long ones block until ~BLOCK_SLACK_MS before the end.
+        Without a deadline to keep (``exact=False``: an idle worker) one blocking read is the whole wait.
         """
         counts = dict.fromkeys(LANES, count) if isinstance(count, int) else count
         if block_ms is None:
             return self._xread(counts, None)
+        if not exact:
+            return self._xread(counts, max(1, min(int(block_ms), self.max_block_ms)))
         end = time.monotonic() + max(1, min(int(block_ms), self.max_block_ms)) / 1000
         while True:
             left_ms = (end - time.monotonic()) * 1000
@@ -204,7 +214,12 @@ class StreamConsumer(Transport):
     @_refused
     def cancels(self) -> list[Cancel]:
         """New entries of the cancels stream since the last call (the size-checking ``CANCELS`` script: at most
-        CANCELS_PER_TICK entries, each field cut to MARKER_BYTES)."""
+        CANCELS_PER_TICK entries, each field cut to MARKER_BYTES), at most every CANCELS_EVERY_S: a
+        busy loop ticks far more often than that."""
+        now = time.monotonic()
+        if now < self._next_cancels:
+            return []
+        self._next_cancels = now + CANCELS_EVERY_S
         last, entries = self._scripts.cancels(keys=[self.keys.cancels],
                                               args=[self._cancels_from, CANCELS_PER_TICK, MARKER_BYTES])
         self._cancels_from = last.decode() if isinstance(last, bytes) else last
@@ -221,12 +236,17 @@ class StreamConsumer(Transport):
     def marks(self, job_ids: list[str]) -> list[tuple[str | None, bool]]:
         """Each job's cancel marker (the reply key of whoever cancelled it) and whether its ``done`` marker
         exists, in one size-checking ``MARKS`` script call (a marker longer than MARKER_BYTES is no reply key)."""
-        if not job_ids:
-            return []
-        n = len(job_ids)
-        raw = self._scripts.marks(keys=[self.keys.cancel(j) for j in job_ids] + [self.keys.done(j) for j in job_ids],
-                                  args=[n, MARKER_BYTES])
-        return [(c.decode(errors="replace") if c else None, bool(d)) for c, d in zip(raw[:n], raw[n:])]
+        out: list[tuple[str | None, bool]] = []
+        for i in range(0, len(job_ids), MARKS_PER_CALL):
+            part = job_ids[i:i + MARKS_PER_CALL]
+            n = len(part)
+            raw = self._scripts.marks(keys=[self.keys.cancel(j) for j in part] + [self.keys.done(j) for j in part],
+                                      args=[n, MARKER_BYTES])
+            if not raw:  # the usual case: no marker of any of them exists (one EXISTS said so)
+                out += [(None, False)] * n
+                continue
+            out += [(c.decode(errors="replace") if c else None, bool(d)) for c, d in zip(raw[:n], raw[n:])]
+        return out
 
     def log_batch(self, record: dict) -> None:
         """Append a batch record (worker, bucket, ids, size) to the capped audit stream; best effort: the

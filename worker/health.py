@@ -19,7 +19,7 @@ from batchfleet.common.fleetstate import live_workers
 from batchfleet.common.keys import Keys
 from batchfleet.common.redis_conn import sync_client
 
-FRESH_MS = 10_000  # heartbeats come every 2 s; 10 s without one is not ready (the live window is 30 s)
+FRESH_MS = 10_000  # heartbeats come every 2-5 s (5 s idle); 10 s without one is not ready (the live window is 30 s)
 
 
 def ready(r: redis.Redis, keys: Keys, name: str | None = None, host: str | None = None,

@@ -27,7 +27,7 @@ from batchfleet.worker.validate import Accepted, Limits, Rejected, accept, job_i
 
 log = logging.getLogger("batchfleet.worker.loop")
 
-PRUNE_PERIOD_S = 60.0
+PRUNE_PERIOD_S = 600.0  # a pass is one XINFO CONSUMERS per stream; names are pruned after an hour anyway
 PRUNE_IDLE_MS = 3_600_000  # a consumer name silent for an hour with nothing pending is a dead worker's
 FULL_SLEEP_MAX_S = 0.5  # with no room to read and nothing running, sleep at most this long per tick
 
@@ -80,7 +80,9 @@ class Intake:
         # COUNT applies per stream: split each lane's room so all its buckets together stay within it
         n = len(self.cfg.batching.buckets)
         per_stream = {lane: -(-room // n) for lane, room in rooms.items()}
-        self._take_all(self.transport.read(count=per_stream, block_ms=block_ms), alone=lambda e: False)
+        # no batch deadline to keep: one long blocking read, however late Redis ends it (worker/consumer.py)
+        exact = not busy and deadline is not None
+        self._take_all(self.transport.read(count=per_stream, block_ms=block_ms, exact=exact), alone=lambda e: False)
 
     def reclaim(self, now: float) -> None:
         """Take over entries whose worker went silent for claim_idle_ms (policy: worker/reclaim.py)."""

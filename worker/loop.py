@@ -37,7 +37,8 @@ from batchfleet.worker.validate import Limits
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 2.0
+HEARTBEAT_S = 2.0  # while anything changed (requests answered or held): statuses stay fresh
+IDLE_HEARTBEAT_S = 5.0  # nothing changed: live window 30 s (common/functions.py LIVE_WORKER_MS), status TTL 15 s
 SHUTDOWN_OUTAGE_GRACE_S = 10.0  # on shutdown, how long to keep retrying replies Redis will not take
 
 
@@ -79,6 +80,7 @@ class WorkerLoop:
                                  lock=self.readahead.lock)
         self._stop_at: float | None = None
         self._last_heartbeat = 0.0
+        self._last_marks: tuple = ()  # what the last heartbeat saw change (ledger, requests held)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -105,7 +107,8 @@ class WorkerLoop:
         if taking:
             self.intake.reclaim(time.time())
             self.intake.read(time.time(), engine_busy=self.engine.has_work())
-        self.dispatch.cancel(self.transport.cancels())
+        if self.requests.snapshot:  # holding nothing, no cancel can matter here: a read checks cancel markers
+            self.dispatch.cancel(self.transport.cancels())
         self.intake.expire(time.time())
         if taking:
             self.dispatch.admit(time.time())
@@ -204,7 +207,11 @@ class WorkerLoop:
 
     def _heartbeat(self) -> None:
         now = time.time()
-        if now - self._last_heartbeat < HEARTBEAT_S:
+        since = now - self._last_heartbeat
+        if since < HEARTBEAT_S:
             return
-        self._last_heartbeat = now
+        marks = (dict(self.ledger), len(self.requests.snapshot))
+        if since < IDLE_HEARTBEAT_S and marks == self._last_marks:
+            return  # an idle worker beats less often: its status says nothing new
+        self._last_heartbeat, self._last_marks = now, marks
         self.transport.heartbeat(self.status())

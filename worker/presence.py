@@ -20,7 +20,8 @@ from batchfleet.worker.scripts import WorkerScripts
 log = logging.getLogger("batchfleet.worker.consumer")
 
 FLEET_TTL_S = fleet.FLEET_TTL_MS // 1000  # the fleet description outlives its last heartbeat by this much
-STATUS_TTL_S = 10
+STATUS_TTL_S = 15  # three idle heartbeats (worker/loop.py IDLE_HEARTBEAT_S)
+PRUNE_EVERY = 30  # beats between two prunes of day-old names from the live-worker set (it grows by restarts only)
 
 class Presence:
     """One worker's fleet membership and heartbeat (thread-safe: the lease keeper calls ``beat`` too)."""
@@ -32,6 +33,8 @@ class Presence:
         self.info: FleetInfo | None = None  # the description joined (published again when it vanishes)
         self.offset = 0.0  # Redis time - time.time(), refreshed by each heartbeat
         self.scripts = scripts
+        self.last_beat = -1e9  # time.monotonic() of the last beat
+        self._beats = 0
 
     def join(self, info: FleetInfo, replace: bool = False) -> None:
         """Publish the fleet description (FleetConflict when live workers serve another fingerprint, unless
@@ -59,13 +62,22 @@ class Presence:
         keep = self.info is not None and self.info.scale_to_zero
         return fleet.leave(self.scripts, self.keys, self.name, keep=keep)
 
+    def keep_alive(self, within_s: float) -> None:
+        """Beat unless a beat (the loop's heartbeat) went out within ``within_s``: the lease keeper's call,
+        which only matters while the loop is inside a long engine step."""
+        if time.monotonic() - self.last_beat >= within_s:
+            self.beat(b"")
+
     def beat(self, status: bytes) -> None:
         """Mark this worker live, renew the fleet description's TTL and (non-empty ``status``) publish the
         status for STATUS_TTL_S; measures the clock offset on the way."""
         before = time.time()
+        prune = self._beats % PRUNE_EVERY == 0
+        self._beats += 1
         t = self.scripts.heartbeat(keys=[self.keys.workers, self.keys.worker(self.name), self.keys.fleet],
-                                   args=[self.name, status, STATUS_TTL_S, self.fleet_ttl_s()])
+                                   args=[self.name, status, STATUS_TTL_S, self.fleet_ttl_s(), int(prune)])
         after = time.time()
+        self.last_beat = time.monotonic()
         self.offset = int(t[0]) + int(t[1]) / 1e6 - (before + after) / 2
         if int(t[2]) == 0 and self.info is not None:  # the description is gone (deleted, or expired)
             log.warning("the fleet description was missing: publishing it again")

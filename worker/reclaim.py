@@ -28,14 +28,23 @@ log = logging.getLogger(__name__)
 
 SOLO_FROM_DELIVERY = 3
 MIN_RECLAIM_PERIOD_S = 0.2
-MAX_RECLAIM_PERIOD_S = 1.0  # entries released by a busy peer (worker/readahead.py) wait at most this long
+MAX_RECLAIM_PERIOD_S = 2.0  # entries released by a busy peer (worker/readahead.py) wait at most this long
 
 
 def reclaim_period_s(claim_idle_ms: int) -> float:
     """How often a worker with room looks for abandoned or released entries: twice per idle window, at
-    least once a second (so recovery takes at most claim_idle_ms + 1 s after a crash, and a released
-    entry waits at most 1 s), never more than 5 times a second."""
+    least every 2 s (a released entry waits at most 2 s; it also bounds an idle worker's blocking read,
+    so an idle worker makes about one read and one look per 2 s), never more than 5 times a second. A look
+    is one GET of the release counter; the pending lists are scanned only when it moved, or every
+    ``scan_period_s`` (worker/pending.py)."""
     return max(MIN_RECLAIM_PERIOD_S, min(claim_idle_ms / 2000, MAX_RECLAIM_PERIOD_S))
+
+
+def scan_period_s(claim_idle_ms: int) -> float:
+    """How often a worker with room scans every pending list for entries of dead workers (1 + streams
+    commands) when no release was signalled: twice per idle window, so recovery after a crash takes at
+    most 1.5 x claim_idle_ms."""
+    return max(MIN_RECLAIM_PERIOD_S, claim_idle_ms / 2000)
 
 
 def split_exhausted(entries: Sequence[Entry], max_deliveries: int) -> tuple[list[Entry], list[Entry]]:
@@ -79,7 +88,7 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         # wake often enough to keep the worker in the live-worker set (producers' NoWorkers check)
-        wake_s = min(self.interval_s, LIVE_WORKER_MS / 6000)
+        wake_s = min(self.interval_s, LIVE_WORKER_MS / 12000)
         last_renewal = time.monotonic()
         while not self._stop.wait(wake_s):
             stalled = time.monotonic() - self.progress() > self.stall_timeout_s

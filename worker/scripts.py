@@ -1,7 +1,7 @@
 """Every Lua script a worker runs inside Redis, in one module, registered once per connection.
 
-Producers' server-side code (enqueue, cancel) is common/functions.py. Here: the reply write (first writer
-wins, then ack + delete), the heartbeat, joining and leaving the fleet, and the size-checking reads of
+Producers' server-side code (enqueue, cancel) is common/functions.py. Here: the reply writes of a batch
+(first writer wins, then ack + delete), the heartbeat, joining and leaving the fleet, and the size-checking reads of
 request entries, cancel entries and job markers (worker/bounded.py says why). ``WorkerScripts(r)``
 registers each body once on client ``r`` (redis-py then sends EVALSHA, loading the body again by itself
 after a SCRIPT FLUSH or a restart); the stream consumer builds one and hands it to its parts.
@@ -9,34 +9,54 @@ after a SCRIPT FLUSH or a restart); the stream consumer builds one and hands it 
 
 from __future__ import annotations
 
-# KEYS: done, inbox, stream. ARGV: group, entry id ('' = none), payload, ttl seconds, job id.
-# Returns 1 when this call wrote the reply, 0 when an earlier writer already had. The inbox is a stream the
-# client reads without consuming (it deletes what it has handled), so a crash at any instant loses nothing.
-REPLY = """
--- pcall: a stream or group lost with Redis' data must not fail the reply that was just written.
-local first = redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[4])
-if first then
-  redis.call('XADD', KEYS[2], '*', 'id', ARGV[5], 'p', ARGV[3])
-  redis.call('EXPIRE', KEYS[2], ARGV[4])
+# KEYS: n x (done marker, inbox), then the m streams the entries are in. ARGV: group, ttl seconds, n, then
+# per reply: entry id ('' = none), payload, job id, index of its stream in the stream keys (1..m).
+# Returns one 1/0 per reply: 1 when this call wrote it, 0 when an earlier writer had (its ``done`` marker).
+# The inbox is a stream the client reads without consuming (it deletes what it has handled), so a crash at
+# any instant loses nothing. A whole batch of replies is one call: per reply only SET NX + XADD; one EXPIRE
+# per distinct inbox, one XACK and one XDEL per stream with all its entry ids (Redis' work per reply stays
+# ~2 commands). The caller keeps n small enough for unpack (``REPLIES_PER_CALL``).
+REPLIES = """
+local ttl, n, m = ARGV[2], tonumber(ARGV[3]), #KEYS - 2 * tonumber(ARGV[3])
+local out, inboxes, ids = {}, {}, {}
+for i = 1, n do
+  local a = 3 + (i - 1) * 4
+  if redis.call('SET', KEYS[2 * i - 1], '1', 'NX', 'EX', ttl) then
+    redis.call('XADD', KEYS[2 * i], '*', 'id', ARGV[a + 3], 'p', ARGV[a + 2])
+    inboxes[KEYS[2 * i]] = true
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+  if ARGV[a + 1] ~= '' then
+    local s = tonumber(ARGV[a + 4])
+    ids[s] = ids[s] or {}
+    ids[s][#ids[s] + 1] = ARGV[a + 1]
+  end
 end
-if ARGV[2] ~= '' then
-  redis.pcall('XACK', KEYS[3], ARGV[1], ARGV[2])
-  redis.pcall('XDEL', KEYS[3], ARGV[2])
+for inbox in pairs(inboxes) do redis.call('EXPIRE', inbox, ttl) end
+-- pcall: a stream or group lost with Redis' data must not fail the replies just written
+for s = 1, m do
+  if ids[s] then
+    redis.pcall('XACK', KEYS[2 * n + s], ARGV[1], unpack(ids[s]))
+    redis.pcall('XDEL', KEYS[2 * n + s], unpack(ids[s]))
+  end
 end
-if first then return 1 end
-return 0
+return out
 """
+REPLIES_PER_CALL = 500  # replies per script call: keeps unpack() far below Lua's stack limit
 
 
 # KEYS: workers (zset), status key, fleet key. ARGV: name, status blob ('' = keep), status ttl, fleet ttl (0:
-# none: a fleet that scales to zero).
+# none: a fleet that scales to zero), prune ('1': drop names silent for a day; only every few beats, since the
+# set only grows by a restart).
 # Redis' own clock scores liveness, so no host clock matters. Returns TIME (for this host's clock offset)
 # and whether the fleet description still existed (0: the worker publishes it again).
 HEARTBEAT = """
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZADD', KEYS[1], now_ms, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms - 86400000)
+if ARGV[5] == '1' then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms - 86400000) end
 if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'EX', tonumber(ARGV[3])) end
 local kept
 if tonumber(ARGV[4]) > 0 then kept = redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
@@ -108,65 +128,94 @@ end
 # KEYS: bucket streams, most urgent first. ARGV: group, consumer, count per stream, max_entry, max_fields,
 # keep_fields, keep_bytes, read budget, scan budget, then optionally one count per key (overrides ARGV[3]).
 # Returns {{stream, {{id, fields, oversize}, ...}}, ...} like XREADGROUP, plus each entry's oversize.
+# One XREADGROUP COUNT 1 over every stream with room first (streams with nothing cost nothing more), then
+# the rest of each stream that had an entry, one at a time.
 READ = _SHRINK + """
-local out = {}
-local returned, scanned = 0, 0
 local budget, scan_budget = tonumber(ARGV[8]), tonumber(ARGV[9])
-for i = 1, #KEYS do
-  local got = {}
-  for _ = 1, tonumber(ARGV[9 + i] or ARGV[3]) do
-    if returned >= budget or scanned >= scan_budget then break end
-    local ok, r = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[i], '>')
-    if not ok then
-      -- what was read so far stays pending on us: hand it over; the error shows on the next call
-      if #got > 0 then out[#out + 1] = {KEYS[i], got} end
-      if #out > 0 then return out end
-      return redis.error_reply(r.err or tostring(r))
-    end
-    if not r then break end
-    local e = r[1][2][1]
-    local fields, oversize, size = shrink(e[2], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]),
-                                          tonumber(ARGV[7]))
-    scanned = scanned + math.max(size, oversize)
-    returned = returned + size
-    got[#got + 1] = {e[1], fields, oversize}
-    r, e = nil, nil
-    if oversize > 0 then collectgarbage() end
-  end
-  if #got > 0 then out[#out + 1] = {KEYS[i], got} end
+local returned, scanned = 0, 0
+local got, pos, probe = {}, {}, {'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS'}
+local function want(i) return tonumber(ARGV[9 + i] or ARGV[3]) end
+local function take(i, e)
+  local fields, oversize, size = shrink(e[2], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]),
+                                        tonumber(ARGV[7]))
+  scanned = scanned + math.max(size, oversize)
+  returned = returned + size
+  got[i][#got[i] + 1] = {e[1], fields, oversize}
+  return oversize
 end
-return out
+local function result()
+  local out = {}
+  for i = 1, #KEYS do if #got[i] > 0 then out[#out + 1] = {KEYS[i], got[i]} end end
+  return out
+end
+local n = 0
+for i = 1, #KEYS do
+  got[i] = {}
+  if want(i) > 0 then pos[KEYS[i]] = i; probe[#probe + 1] = KEYS[i]; n = n + 1 end
+end
+if n == 0 then return {} end
+for _ = 1, n do probe[#probe + 1] = '>' end
+-- one command finds the streams that have anything: at most one raw entry per stream (as the blocking read)
+local ok, r = pcall(redis.call, unpack(probe))
+if not ok then return redis.error_reply(r.err or tostring(r)) end
+local big = 0
+for _, s in ipairs(r or {}) do big = big + take(pos[s[1]], s[2][1]) end
+r = nil
+if big > 0 then collectgarbage() end
+-- then the rest of each stream that had one, an entry at a time (the Lua heap holds one raw entry)
+for i = 1, #KEYS do
+  if #got[i] > 0 then
+    for _ = 2, want(i) do
+      if returned >= budget or scanned >= scan_budget then break end
+      local ok2, r2 = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[i], '>')
+      if not ok2 then
+        -- what was read so far stays pending on us: hand it over; the error shows on the next call
+        return result()
+      end
+      if not r2 then break end
+      local oversize = take(i, r2[1][2][1])
+      r2 = nil
+      if oversize > 0 then collectgarbage() end
+    end
+  end
+end
+return result()
 """
 
-# KEYS: stream. ARGV: group, consumer, min idle ms, start cursor, count, max_entry, max_fields, keep_fields,
-# keep_bytes, read budget, scan budget.
-# Returns {next cursor, {{id, fields or false, oversize}, ...}, deleted count}: XAUTOCLAIM one entry at a
-# time (so the Lua heap holds one raw entry), until count, the budgets, or the end of the pending list.
+# KEYS: the bucket streams. ARGV: group, consumer, min idle ms, count, max_entry, max_fields, keep_fields,
+# keep_bytes, read budget, scan budget, then one start cursor per stream.
+# Returns per stream {next cursor, {{id, fields or false, oversize}, ...}, deleted count}: XAUTOCLAIM one
+# entry at a time (so the Lua heap holds one raw entry), stream after stream, until count, the budgets, or
+# the end of each pending list. One call for every stream: a reclaim pass costs 1 + streams commands.
 AUTOCLAIM = _SHRINK + """
-local out, deleted = {}, 0
-local returned, scanned = 0, 0
-local cursor = ARGV[4]
-local count, budget, scan_budget = tonumber(ARGV[5]), tonumber(ARGV[10]), tonumber(ARGV[11])
-while #out < count and returned < budget and scanned < scan_budget do
-  local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], cursor, 'COUNT', 1)
-  cursor = r[1]
-  if r[3] then deleted = deleted + #r[3] end
-  local e = r[2][1]
-  r = nil
-  if e then
-    local fields, oversize, size = shrink(e[2], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]),
-                                          tonumber(ARGV[9]))
-    scanned = scanned + math.max(size, oversize)
-    returned = returned + size
-    out[#out + 1] = {e[1], fields, oversize}
-    e = nil
-    if oversize > 0 then collectgarbage() end
-  elseif e == false then
-    out[#out + 1] = {'', false, 0}  -- Redis 6.2 reports an entry deleted while pending as nil
+local res = {}
+local count, budget, scan_budget = tonumber(ARGV[4]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local n, returned, scanned = 0, 0, 0
+for i = 1, #KEYS do
+  local cursor, out, deleted = ARGV[10 + i], {}, 0
+  while n < count and returned < budget and scanned < scan_budget do
+    local r = redis.call('XAUTOCLAIM', KEYS[i], ARGV[1], ARGV[2], ARGV[3], cursor, 'COUNT', 1)
+    cursor = r[1]
+    if r[3] then deleted = deleted + #r[3] end
+    local e = r[2][1]
+    r = nil
+    if e then
+      local fields, oversize, size = shrink(e[2], tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]),
+                                            tonumber(ARGV[8]))
+      scanned = scanned + math.max(size, oversize)
+      returned = returned + size
+      out[#out + 1] = {e[1], fields, oversize}
+      n = n + 1
+      e = nil
+      if oversize > 0 then collectgarbage() end
+    elseif e == false then
+      out[#out + 1] = {'', false, 0}  -- Redis 6.2 reports an entry deleted while pending as nil (not counted)
+    end
+    if cursor == '0-0' then break end
   end
-  if cursor == '0-0' then break end
+  res[i] = {cursor, out, deleted}
 end
-return {cursor, out, deleted}
+return res
 """
 
 # KEYS: cancels stream. ARGV: last id seen, most entries, bytes kept per field value.
@@ -193,9 +242,12 @@ return {last, out}
 
 # KEYS: n cancel markers, then n done markers. ARGV: n, longest marker value kept.
 # Returns {cancel value or false, ..., done 0/1, ...}: a marker longer than ARGV[2] comes back false (it
-# cannot be a reply key), so a hostile marker value is never read into the worker.
+# cannot be a reply key), so a hostile marker value is never read into the worker. Almost always no marker
+# exists (only a cancel before delivery or a job answered already leaves one): one EXISTS over every key
+# answers that, and {} comes back (no marks).
 MARKS = """
 local n, out = tonumber(ARGV[1]), {}
+if redis.call('EXISTS', unpack(KEYS)) == 0 then return out end
 for i = 1, n do
   if redis.call('STRLEN', KEYS[i]) <= tonumber(ARGV[2]) then out[i] = redis.call('GET', KEYS[i]) else out[i] = false end
   out[n + i] = redis.call('EXISTS', KEYS[n + i])
@@ -208,7 +260,7 @@ class WorkerScripts:
     """The worker's scripts registered on one client (call each with keys=[...], args=[...], client=pipe)."""
 
     def __init__(self, r) -> None:
-        self.reply = r.register_script(REPLY)
+        self.replies = r.register_script(REPLIES)
         self.heartbeat = r.register_script(HEARTBEAT)
         self.join = r.register_script(JOIN)
         self.leave = r.register_script(LEAVE)

@@ -13,7 +13,7 @@ import redis
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.redis_conn import WAIT_TIMEOUT_MS, require_replicas
-from batchfleet.worker.scripts import WorkerScripts
+from batchfleet.worker.scripts import REPLIES_PER_CALL, WorkerScripts
 from batchfleet.worker.transport import Entry, Reply
 
 DEAD_LETTER_MAXLEN = 10_000
@@ -33,33 +33,47 @@ class Settler:
         self.reply_ttl_s = reply_ttl_s
 
     def write_replies(self, replies: list[Reply]) -> list[bool]:
-        """Write replies and ack their entries in one round trip; returns which were first writes."""
+        """Write replies and ack their entries in one round trip (one script call per REPLIES_PER_CALL
+        replies); returns which were first writes."""
         if not replies:
             return []
-        pipe = self.r.pipeline(transaction=False)
-        for rep in replies:
-            self._queue_reply(pipe, rep)
         wanted = self.conn.wait_replicas
+        if not wanted and len(replies) <= REPLIES_PER_CALL:  # one EVALSHA (a pipeline adds a SCRIPT EXISTS)
+            return [bool(x) for x in self.scripts.replies(**self._replies_call(replies))]
+        pipe = self.r.pipeline(transaction=False)
+        for i in range(0, len(replies), REPLIES_PER_CALL):
+            self._queue_replies(pipe, replies[i:i + REPLIES_PER_CALL])
         if wanted:  # WAIT on the same connection: every reply above is on `wanted` replicas, else retried
             pipe.execute_command("WAIT", wanted, WAIT_TIMEOUT_MS)
         out = pipe.execute()
         if wanted:  # too few: NotReplicated (transient) keeps the replies in the outbox; rewrites are idempotent
             require_replicas(out.pop(), wanted, f"{len(replies)} replies")
-        return [bool(x) for x in out]
+        return [bool(x) for chunk in out for x in chunk]
 
-    def _queue_reply(self, pipe, rep: Reply) -> None:
-        """The reply script (first writer wins, then XACK + XDEL of its entry), queued on ``pipe``."""
-        self.scripts.reply(keys=[self.keys.done(rep.job_id), rep.reply_key, self.keys.stream(rep.bucket, rep.lane)],
-                           args=[self.keys.group, rep.entry_id, rep.encode(), self.reply_ttl_s, rep.job_id],
-                           client=pipe)
+    def _queue_replies(self, pipe, replies: list[Reply]) -> None:
+        """The reply script for a batch (per reply: first writer wins; then one XACK + XDEL per stream),
+        queued on ``pipe``."""
+        self.scripts.replies(**self._replies_call(replies), client=pipe)
+
+    def _replies_call(self, replies: list[Reply]) -> dict:
+        """The REPLIES script's keys and args for ``replies`` (worker/scripts.py)."""
+        streams: dict[str, int] = {}
+        keys: list[str] = []
+        args: list = [self.keys.group, self.reply_ttl_s, len(replies)]
+        for rep in replies:
+            keys += [self.keys.done(rep.job_id), rep.reply_key]
+            where = streams.setdefault(self.keys.stream(rep.bucket, rep.lane), len(streams) + 1)
+            args += [rep.entry_id, rep.encode(), rep.job_id, where]
+        return {"keys": keys + list(streams), "args": args}
 
     def write_deltas(self, deltas: list[tuple[str, str, bytes]]) -> None:
-        """XADD each streamed delta to its inbox (+ EXPIRE), in one round trip."""
+        """XADD each streamed delta to its inbox, then one EXPIRE per inbox, in one round trip."""
         if not deltas:
             return
         pipe = self.r.pipeline(transaction=False)
         for job_id, reply_key, payload in deltas:
             pipe.xadd(reply_key, {b"id": job_id.encode(), b"p": payload})
+        for reply_key in dict.fromkeys(key for _, key, _ in deltas):
             pipe.expire(reply_key, self.reply_ttl_s)
         pipe.execute()
 
@@ -74,7 +88,7 @@ class Settler:
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(self.keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=False)  # rare: exact cap
         if reply is not None:
-            self._queue_reply(pipe, reply)  # reply.bucket/entry_id are the entry's
+            self._queue_replies(pipe, [reply])  # reply.bucket/entry_id are the entry's
         else:
             pipe.xack(stream, self.keys.group, entry.entry_id)
             pipe.xdel(stream, entry.entry_id)

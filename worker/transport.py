@@ -112,10 +112,11 @@ class Transport(Protocol):
         """The backend lost our state (Redis restarted empty): re-create groups and re-publish the fleet."""
 
     @abstractmethod
-    def read(self, count: int | dict[str, int], block_ms: int | None) -> list[Entry]:
+    def read(self, count: int | dict[str, int], block_ms: int | None, exact: bool = True) -> list[Entry]:
         """New entries of every bucket, interactive ones first: up to ``count`` per bucket (a dict: per
         bucket of each lane, 0 = not that lane); blocks at most ``block_ms`` (capped by ``max_block_ms``);
-        ``None`` does not block."""
+        ``None`` does not block. ``exact=False``: the wait ends at no deadline (an idle worker), so it may
+        end up to one Redis cron tick early or late, for the fewest round trips."""
 
     @abstractmethod
     def write_replies(self, replies: list[Reply]) -> list[bool]:

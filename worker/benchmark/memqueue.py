@@ -78,7 +78,7 @@ class MemQueue(Transport):
     def heartbeat(self, status: dict) -> None:
         self.last_status = status
 
-    def read(self, count: int | dict[str, int], block_ms: int | None) -> list[Entry]:
+    def read(self, count: int | dict[str, int], block_ms: int | None, exact: bool = True) -> list[Entry]:
         if not isinstance(count, int):  # every entry here is interactive
             count = count.get(INTERACTIVE, 0)
         with self._cv:

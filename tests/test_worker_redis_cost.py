@@ -1,0 +1,100 @@
+"""What a worker costs Redis (issue 29): an idle worker makes a few calls per second and still reads a new
+request at once; at load, replies are written in batches, so a request costs the worker ~3 Redis calls.
+
+Counted with INFO commandstats on a private redis-server (nothing else talks to it), which counts every
+command, those run inside scripts included.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import pytest
+import redis
+
+from batchfleet.common.keys import Keys
+from batchfleet.producer import Client
+from batchfleet.worker.compose import build_worker
+from batchfleet.worker.devtools import PrivateRedis, free_port
+from tests.conftest import worker_config
+from tests.helpers.loops import raw_inbox, request_fields, wait_until
+
+IDLE_CALLS_PER_S = 5.0  # issue 29's bound for an idle worker, every command counted
+PROMPT_QUEUE_MS = 200.0  # a lone request on an idle worker (typically a few ms; generous for a loaded host)
+WORKER_CALLS_PER_REQUEST = 4.5  # at load (typically ~3.5: XREADGROUP, SET NX, XADD, a share of each batch's)
+
+
+def calls(r: redis.Redis) -> int:
+    """Commands Redis ran so far, without the INFO calls that ask."""
+    return sum(v["calls"] for k, v in r.info("commandstats").items() if k != "cmdstat_info")
+
+
+@pytest.fixture
+def private_redis():
+    server = PrivateRedis(port=free_port()).start()
+    yield server
+    server.stop()
+
+
+def run_in_thread(loop) -> threading.Thread:
+    t = threading.Thread(target=loop.run, daemon=True)
+    t.start()
+    return t
+
+
+def stop(loop, thread: threading.Thread) -> None:
+    loop.stopping.set()
+    thread.join(60)
+    loop.transport.close()
+
+
+def test_idle_worker_makes_few_redis_calls_and_reads_a_lone_request_at_once(private_redis, namespace, tiny_model_dir):
+    loop = build_worker(worker_config(private_redis.url, namespace, tiny_model_dir, max_wait_ms=1))
+    r = redis.Redis.from_url(private_redis.url)
+    thread = run_in_thread(loop)
+    try:
+        time.sleep(3.0)  # the first reclaim scan, prune and heartbeat of a new worker are behind us
+        before, t0 = calls(r), time.monotonic()
+        time.sleep(10.0)
+        per_s = (calls(r) - before) / (time.monotonic() - t0)
+        by_cmd = {k.removeprefix("cmdstat_"): v["calls"] for k, v in r.info("commandstats").items()}
+        print(f"\nidle worker: {per_s:.2f} Redis calls/s; totals since start: {by_cmd}")
+        assert per_s <= IDLE_CALLS_PER_S
+        queue_ms = []
+        with Client(private_redis.url, namespace) as client:
+            for i in range(5):
+                time.sleep(1.5)  # idle again: the worker sits in its blocking read
+                queue_ms.append(client.result(client.submit([10 + i, 11, 12], max_new_tokens=1), timeout=60).queue_ms)
+        print(f"lone request on an idle worker: queue_ms {[round(q, 1) for q in queue_ms]}")
+        assert statistics.median(queue_ms) < PROMPT_QUEUE_MS
+    finally:
+        stop(loop, thread)
+
+
+def test_worker_redis_calls_per_request_at_load_stay_small(private_redis, namespace, tiny_model_dir):
+    n = 200
+    loop = build_worker(worker_config(private_redis.url, namespace, tiny_model_dir, max_wait_ms=50,
+                                      max_batch_size=32))
+    keys = Keys(namespace)
+    r = redis.Redis.from_url(private_redis.url)
+    for i in range(n):  # queued before the loop runs: what is counted is the worker reading and answering them
+        r.xadd(keys.stream(32), request_fields(keys, f"load-{i}", [10 + i % 50, 11, 12], max_new_tokens=1))
+    before = calls(r)
+    thread = run_in_thread(loop)
+    polls = 0
+    try:
+        def answered() -> bool:
+            nonlocal polls
+            polls += 1
+            return r.xlen(raw_inbox(keys)) >= n
+
+        wait_until(answered, 120, "every request answered", every_s=0.2)
+        per_request = (calls(r) - before - polls) / n
+        by_cmd = {k.removeprefix("cmdstat_"): v["calls"] for k, v in r.info("commandstats").items()}
+        print(f"\nworker Redis calls per request at load: {per_request:.2f} (start-up included); totals: {by_cmd}")
+        assert per_request <= WORKER_CALLS_PER_REQUEST
+        assert r.xlen(raw_inbox(keys)) == n and r.xlen(keys.stream(32)) == 0
+    finally:
+        stop(loop, thread)
