@@ -25,12 +25,9 @@ import asyncio
 import json
 import os
 import random
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,53 +35,37 @@ import click
 import redis
 
 from batchfleet.producer import AsyncClient
+from batchfleet.worker.devtools import PrivateRedis, free_port
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_SERVER = "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else "redis-server"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
-    """A private redis-server without persistence, for one measurement."""
+    """A private redis-server without persistence (worker/devtools.py PrivateRedis), for one measurement."""
 
-    binary = shutil.which("redis-server") or "redis-server"  # --redis-server sets it
+    binary = DEFAULT_SERVER  # --redis-server sets it
 
     def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="bf-scale-")
-        self.port = _free_port()
-        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--save", "", "--appendonly", "no",
-                                      "--dir", self.dir, "--maxclients", "20000"], stdout=subprocess.DEVNULL)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.private = PrivateRedis(port=free_port(), extra_args=("--appendonly", "no", "--maxclients", "20000"),
+                                    binary=self.binary).start()
+        self.url = self.private.url
         self.r = redis.Redis.from_url(self.url)
-        for _ in range(100):
-            try:
-                self.r.ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
 
     def counters(self) -> dict[str, float]:
         """Redis calls and command microseconds so far (INFO commandstats, less the INFO calls), CPU seconds."""
-        stats = self.r.info("commandstats")
         cpu = self.r.info("cpu")
-        calls = sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info")
-        usec = sum(v["usec"] for k, v in stats.items() if k != "cmdstat_info")
-        return {"calls": calls, "usec": usec, "cpu_s": cpu["used_cpu_user"] + cpu["used_cpu_sys"]}
+        per = self.by_command().values()
+        return {"calls": sum(c for c, _ in per), "usec": sum(u for _, u in per),
+                "cpu_s": cpu["used_cpu_user"] + cpu["used_cpu_sys"]}
 
     def by_command(self) -> dict[str, tuple[int, int]]:
         return {k.removeprefix("cmdstat_"): (v["calls"], v["usec"])
                 for k, v in self.r.info("commandstats").items() if k != "cmdstat_info"}
 
     def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self.r.close()
+        self.private.stop()
 
 
 def start_workers(url: str, ns: str, n: int, worker_args: list[str]) -> list[subprocess.Popen]:

@@ -5,7 +5,8 @@ goes through here or through one of its parts, which share its connection and it
 Reads bucket streams in one consumer group and the cancels stream, publishes the fleet description and a
 heartbeat. Its parts: ``Settler`` (worker/settle.py: replies, dead letters, acks, hand-back),
 ``PendingList`` (worker/pending.py: leases, reclaim), ``Presence`` (worker/presence.py: fleet membership,
-heartbeat), ``BoundedReader`` (worker/bounded.py: size-checked reads). A command Redis refuses raises the
+heartbeat), ``BoundedReader`` (worker/bounded.py: size-checked reads), ``CancelWatch`` (worker/cancels.py:
+the cancels stream and the markers). A command Redis refuses raises the
 transport's own ``StreamsLost`` / ``TransportError`` (``_refused``), never a bare ``redis.ResponseError``.
 """
 
@@ -29,6 +30,7 @@ from batchfleet.common.protocol import FleetInfo
 from batchfleet.common.redis_conn import sync_client
 from batchfleet.common.retry import TRANSIENT, Backoff
 from batchfleet.worker.bounded import BoundedReader
+from batchfleet.worker.cancels import CancelWatch
 from batchfleet.worker.pending import PendingList
 from batchfleet.worker.presence import Presence
 from batchfleet.worker.refused import refused as _refused
@@ -43,14 +45,10 @@ MAX_BLOCK_MS = 2_000  # also bounds how long SIGTERM waits for an idle blocking 
 BLOCK_SLACK_MS = 110  # Redis may end a BLOCK up to one cron tick (100 ms at hz 10) late
 POLL_S = 0.002
 STARTUP_WAIT_S = 60.0  # setup() waits this long for Redis to come up
-CANCELS_PER_TICK = 1000
-CANCELS_EVERY_S = 0.05  # the cancels stream is read at most this often (a running job stops within a step + this)
 # the lease keeper's alive() (every 2.5 s) beats only when no heartbeat went out for this long: the loop's
 # own (every 2-5 s, a tick late at most) makes it a no-op unless a long engine step holds the loop; a beat is
 # then never older than 9.5 s (worker/health.py reads 10 s as not ready)
 ALIVE_WITHIN_S = 7.0
-MARKS_PER_CALL = 1000  # jobs per MARKS call: 2 keys each, far below Lua's unpack() limit
-MARKER_BYTES = 256  # longest job id or reply key a cancel entry or marker may hold (longer ones are cut)
 
 
 def connect(conn: ConnectionConfig) -> redis.Redis:
@@ -80,8 +78,7 @@ class StreamConsumer(Transport):
         self.presence = Presence(self.r, scripts, self.keys, name)
         self.settler = Settler(self.r, scripts, conn, name, reply_ttl_s)
         self._scripts = scripts
-        self._cancels_from = "$"  # last cancels entry seen ($: none yet; set by setup)
-        self._next_cancels = 0.0  # time.monotonic() of the next read of the cancels stream
+        self.cancel_watch = CancelWatch(self.r, scripts, self.keys)
         self.pel = PendingList(self.r, scripts, self.keys, name, buckets)
         self._flush = FlushWatch(self._flush_counter)  # baseline taken by setup()
         # every read goes through a size-checking script: memory never follows hostile entry sizes
@@ -108,9 +105,7 @@ class StreamConsumer(Transport):
                         if "BUSYGROUP" not in str(exc):
                             raise
                 self._load_functions()
-                if self._cancels_from == "$":  # follow cancels published from now on
-                    last = self.r.xrevrange(self.keys.cancels, count=1)
-                    self._cancels_from = last[0][0].decode() if last else "0-0"
+                self.cancel_watch.start()
                 self._flush.start()
                 outage.ok()
                 return
@@ -213,40 +208,13 @@ class StreamConsumer(Transport):
 
     @_refused
     def cancels(self) -> list[Cancel]:
-        """New entries of the cancels stream since the last call (the size-checking ``CANCELS`` script: at most
-        CANCELS_PER_TICK entries, each field cut to MARKER_BYTES), at most every CANCELS_EVERY_S: a
-        busy loop ticks far more often than that."""
-        now = time.monotonic()
-        if now < self._next_cancels:
-            return []
-        self._next_cancels = now + CANCELS_EVERY_S
-        last, entries = self._scripts.cancels(keys=[self.keys.cancels],
-                                              args=[self._cancels_from, CANCELS_PER_TICK, MARKER_BYTES])
-        self._cancels_from = last.decode() if isinstance(last, bytes) else last
-        out: list[Cancel] = []
-        for _id, job_id, reply_key in entries:
-            try:
-                if job_id and reply_key:
-                    out.append(Cancel(job_id.decode(), reply_key.decode()))
-            except UnicodeDecodeError:
-                continue  # malformed: nothing to cancel
-        return out
+        """New cancels since the last call (``CancelWatch.cancels``)."""
+        return self.cancel_watch.cancels()
 
     @_refused
     def marks(self, job_ids: list[str]) -> list[tuple[str | None, bool]]:
-        """Each job's cancel marker (the reply key of whoever cancelled it) and whether its ``done`` marker
-        exists, in one size-checking ``MARKS`` script call (a marker longer than MARKER_BYTES is no reply key)."""
-        out: list[tuple[str | None, bool]] = []
-        for i in range(0, len(job_ids), MARKS_PER_CALL):
-            part = job_ids[i:i + MARKS_PER_CALL]
-            n = len(part)
-            raw = self._scripts.marks(keys=[self.keys.cancel(j) for j in part] + [self.keys.done(j) for j in part],
-                                      args=[n, MARKER_BYTES])
-            if not raw:  # the usual case: no marker of any of them exists (one EXISTS said so)
-                out += [(None, False)] * n
-                continue
-            out += [(c.decode(errors="replace") if c else None, bool(d)) for c, d in zip(raw[:n], raw[n:])]
-        return out
+        """Each job's cancel marker and whether it is done (``CancelWatch.marks``)."""
+        return self.cancel_watch.marks(job_ids)
 
     def log_batch(self, record: dict) -> None:
         """Append a batch record (worker, bucket, ids, size) to the capped audit stream; best effort: the
