@@ -94,8 +94,10 @@ class Guide:
             raise GuideError(f"invalid {self.kind}: {exc}"[:500]) from None
 
     def check(self) -> None:
-        """Compile it without a tokenizer; GuideError with llguidance's reason when it does not compile.
-        The verdicts of the last 256 guides are cached (a service tends to send one schema many times)."""
+        """Compile it without the served tokenizer, then walk its first steps over a byte vocabulary
+        (``_probe``); GuideError with llguidance's reason when it does not compile, when llguidance gives up
+        on it there, or when it only matches the empty output. The verdicts of the last 256 guides are
+        cached (a service tends to send one schema many times)."""
         error = _verdict(self.kind, self.spec)
         if error:
             raise GuideError(error)
@@ -149,7 +151,8 @@ def _probe(kind: str, grammar: str) -> str:
         allowed = [b for b in range(PROBE_EOS) if mask[b >> 3] >> (b & 7) & 1]
         if not allowed:
             if step == 0:
-                return f"invalid {kind}: it only matches the empty output"
+                eos = mask[PROBE_EOS >> 3] >> (PROBE_EOS & 7) & 1
+                return f"invalid {kind}: " + ("it only matches the empty output" if eos else "no output can match it")
             break
         m.consume_token(allowed[0])
     if m.is_error():

@@ -1,14 +1,17 @@
 """Guides that cannot be followed, against a real gateway and worker (issue 30 item 2): the guides
 llguidance gives up on at once are 400s naming the field before anything is queued; one that fails while
 generating is answered ``guide_failed`` (the Python client raises JobFailed, the gateway answers a 400 naming
-the guide, streamed or not), logged by the worker and counted in its outcomes; never a 200."""
+the guide, streamed or not, and so does a Batch API line), logged by the worker and counted in its
+outcomes; never a 200."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 
 import httpx
+import openai
 import pytest
 
 from batchfleet.common.errors import GUIDE_FAILED, JobFailed
@@ -17,6 +20,7 @@ from batchfleet.worker.devtools import free_port
 from tests.helpers.gateway import stream_events
 from tests.test_guide_checks import FAILS_LATER, GIVEN_UP
 from tests.test_metrics import one, scrape
+from tests.test_openai_batches import batch_line, lines_of, wait_until
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "temperature": 0}
 COMPLETION = {"prompt": "Hi", "max_tokens": 40, "temperature": 0}
@@ -74,3 +78,22 @@ def test_a_guide_failing_while_generating_is_an_error_never_a_200(start_worker, 
     assert one(scrape(port), "batchfleet_requests_total", outcome=GUIDE_FAILED) >= 5
     logged = [r for r in caplog.records if "failed its structured output" in r.getMessage()]
     assert len(logged) >= 5 and all(r.levelno == logging.WARNING for r in logged)
+
+
+def test_a_batch_line_whose_guide_fails_is_a_400_naming_it(start_worker, start_gateway, tmp_path):
+    start_worker(max_wait_ms=5)
+    gw = start_gateway(files_dir=str(tmp_path / "files"), served_model_names=("m",))
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    text = (batch_line("late", {**CHAT, "model": "m", "guided_grammar": FAILS_LATER})
+            + batch_line("early", {**CHAT, "model": "m", "guided_regex": "a{500000}"})
+            + batch_line("fine", {**CHAT, "model": "m", "guided_regex": "[ab]{3}"}))
+    uploaded = client.files.create(file=("b.jsonl", io.BytesIO(text.encode())), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_until(client, batch.id, ("completed", "failed"))
+    lines = {ln["custom_id"]: ln for ln in lines_of(client, done.output_file_id) + lines_of(client, done.error_file_id)}
+    assert lines["fine"]["response"]["status_code"] == 200
+    for custom_id, param, code in (("late", "guided_grammar", GUIDE_FAILED), ("early", "guided_regex", None)):
+        response = lines[custom_id]["response"]
+        assert response["status_code"] == 400, response
+        error = response["body"]["error"]
+        assert error["param"] == param and (code is None or error["code"] == code), error
