@@ -4,7 +4,7 @@ A ``Guide`` is library-neutral on the wire (a kind and a spec string), so a clie
 send one; workers compile it with llguidance (the grammar library vLLM also uses) into a per-step token
 mask. Clients and the gateway check it with the same compiler before anything is sent, so an invalid
 schema is the caller's error (InvalidRequest / HTTP 400), never a worker's: ``check`` compiles it, then
-walks its first steps with llguidance's limits (``LIMITS``, the workers' too) over a byte-level
+walks its first steps with llguidance's limits (``limits()``, the workers' too) over a byte-level
 vocabulary, so a guide llguidance gives up on at once (a regex or grammar too large for its lexer or
 parser, a schema or grammar that can never produce a token, one that only matches the empty output) is
 refused before it is queued. A guide that fails later, at run time, fails its request with
