@@ -10,9 +10,11 @@ WORKER_FAILED = "worker_failed"
 DEADLINE_EXCEEDED = "deadline_exceeded"
 UNSUPPORTED_SCHEMA = "unsupported_schema"
 CANCELLED = "cancelled"
+GUIDE_FAILED = "guide_failed"  # the structured-output grammar library gave up on the request's guide at run time
 
 ERROR_CODES = frozenset(
-    {INVALID_REQUEST, PROMPT_TOO_LONG, ENGINE_ERROR, WORKER_FAILED, DEADLINE_EXCEEDED, UNSUPPORTED_SCHEMA, CANCELLED}
+    {INVALID_REQUEST, PROMPT_TOO_LONG, ENGINE_ERROR, WORKER_FAILED, DEADLINE_EXCEEDED, UNSUPPORTED_SCHEMA, CANCELLED,
+     GUIDE_FAILED}
 )
 
 

@@ -3,7 +3,12 @@
 A ``Guide`` is library-neutral on the wire (a kind and a spec string), so a client in any language can
 send one; workers compile it with llguidance (the grammar library vLLM also uses) into a per-step token
 mask. Clients and the gateway check it with the same compiler before anything is sent, so an invalid
-schema is the caller's error (InvalidRequest / HTTP 400), never a worker's.
+schema is the caller's error (InvalidRequest / HTTP 400), never a worker's: ``check`` compiles it, then
+walks its first steps with llguidance's limits (``limits()``, the workers' too) over a byte-level
+vocabulary, so a guide llguidance gives up on at once (a regex or grammar too large for its lexer or
+parser, a schema or grammar that can never produce a token, one that only matches the empty output) is
+refused before it is queued. A guide that fails later, at run time, fails its request with
+``guide_failed`` (worker/engine/sampling.py), never a 200 with output that does not match.
 
 Whitespace is not free: JSON is generated compact (``{"a":1,"b":[2,3]}``), so the schema's bounds
 (``maxLength``, ``minimum``/``maximum``, ``maxItems``, ``enum``, ``additionalProperties: false``) bound
@@ -27,6 +32,8 @@ MAX_GUIDE_CHARS = 1 << 17  # 128 Ki characters: far above OpenAI's own schema si
 MAX_CHOICES = 1024
 # compact JSON: no whitespace between tokens (llguidance's default would allow any amount of it)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+PROBE_STEPS = 8  # tokens of the check's walk: llguidance's failures show at the first mask or soon after
+PROBE_EOS = 256  # the probe vocabulary: the 256 bytes, then an end-of-sequence token
 
 
 class GuideError(ValueError):
@@ -87,8 +94,10 @@ class Guide:
             raise GuideError(f"invalid {self.kind}: {exc}"[:500]) from None
 
     def check(self) -> None:
-        """Compile it without a tokenizer; GuideError with llguidance's reason when it does not compile.
-        The verdicts of the last 256 guides are cached (a service tends to send one schema many times)."""
+        """Compile it without the served tokenizer, then walk its first steps over a byte vocabulary
+        (``_probe``); GuideError with llguidance's reason when it does not compile, when llguidance gives up
+        on it there, or when it only matches the empty output. The verdicts of the last 256 guides are
+        cached (a service tends to send one schema many times)."""
         error = _verdict(self.kind, self.spec)
         if error:
             raise GuideError(error)
@@ -96,15 +105,76 @@ class Guide:
 
 @functools.lru_cache(maxsize=256)
 def _verdict(kind: str, spec: str) -> str:
-    """'' when the guide compiles, else why not."""
+    """'' when the guide compiles and its first steps can be followed, else why not."""
     import llguidance
 
     try:
         grammar = Guide(kind, spec).grammar()
     except GuideError as exc:
         return str(exc)
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    return f"invalid {kind}: {error.strip()}"[:1000] if error else ""
+    error = llguidance.LLMatcher.validate_grammar(grammar, limits=limits())
+    if error:
+        return f"invalid {kind}: {error.strip()}"[:1000]
+    return _probe(kind, grammar)
+
+
+@functools.lru_cache(maxsize=1)
+def limits() -> Any:
+    """llguidance's parser limits (its defaults, named once: the checks here and the workers' matchers use
+    the same), without verbose errors (they would copy the grammar and parser state into messages)."""
+    import llguidance
+
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+def matcher_error(message: str) -> str:
+    """llguidance's error message as a user reads it (its first line, the cryptic reasons explained)."""
+    reason = message.strip().split("\n", 1)[0].strip()
+    if reason.startswith("NoExtension"):
+        return f"no output can match it (llguidance: {reason})"
+    return reason or "llguidance gave up on it"
+
+
+def _probe(kind: str, grammar: str) -> str:
+    """Walk the guide's first PROBE_STEPS tokens over a byte-level vocabulary (always the lowest byte it
+    allows): '' when llguidance follows them, else why not. A guide whose first mask allows only the end
+    of the output matches only the empty string: refused too (nothing to generate)."""
+    import llguidance
+
+    m = llguidance.LLMatcher(_probe_tokenizer(), grammar, log_level=0, limits=limits())
+    for step in range(PROBE_STEPS):
+        if m.is_error() or m.is_stopped():
+            break
+        mask = m.compute_bitmask()
+        if m.is_error():
+            break
+        allowed = [b for b in range(PROBE_EOS) if mask[b >> 3] >> (b & 7) & 1]
+        if not allowed:
+            if step == 0:
+                eos = mask[PROBE_EOS >> 3] >> (PROBE_EOS & 7) & 1
+                return f"invalid {kind}: " + ("it only matches the empty output" if eos else "no output can match it")
+            break
+        m.consume_token(allowed[0])
+    if m.is_error():
+        return f"invalid {kind}: {matcher_error(m.get_error())}"[:1000]
+    return ""
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_tokenizer() -> Any:
+    """The 256 bytes and an EOS: small (a fast check) and able to spell any output."""
+    import llguidance
+
+    class Bytes:
+        eos_token_id = PROBE_EOS
+        bos_token_id = None
+        tokens = [bytes([b]) for b in range(PROBE_EOS)] + [b"</s>"]
+        special_token_ids = [PROBE_EOS]
+
+        def __call__(self, text: bytes | str) -> list[int]:
+            return list(text.encode() if isinstance(text, str) else text)
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()))
 
 
 def _loads(text: str, what: str) -> Any:

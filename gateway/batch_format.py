@@ -100,7 +100,8 @@ class OpenAIFormat:
 
     def failure(self, work: Work, exc: BaseException) -> dict:
         line: BatchLine = work.line
-        error = too_long(exc, line.job) if isinstance(exc, PromptTooLong) and line.job else api_error(exc)
+        error = too_long(exc, line.job) if isinstance(exc, PromptTooLong) and line.job else api_error(
+            exc, line.job.guide_param if line.job else None)  # a guide_failed names the line's guide field
         return self.refusal(line, error.status, error.body())
 
     def abandoned(self, index: int, line: Any, code: str, message: str) -> dict:

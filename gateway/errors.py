@@ -11,6 +11,7 @@ from typing import Any
 from batchfleet.common.errors import (
     CANCELLED,
     DEADLINE_EXCEEDED,
+    GUIDE_FAILED,
     INVALID_REQUEST,
     PROMPT_TOO_LONG,
     BatchfleetError,
@@ -54,8 +55,9 @@ def _retry_later(status: int, message: str, type: str, code: str) -> APIError:
     return APIError(status, message, type, code, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def api_error(exc: BaseException) -> APIError:
-    """The answer for an exception raised while serving a request (order matters: subclasses first)."""
+def api_error(exc: BaseException, guide_param: str | None = None) -> APIError:
+    """The answer for an exception raised while serving a request (order matters: subclasses first);
+    ``guide_param``: the request field its structured-output guide came from (named by a ``guide_failed``)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, Timeout):  # the job was cancelled: a retry would start it again past the timeout asked
@@ -73,20 +75,24 @@ def api_error(exc: BaseException) -> APIError:
     if isinstance(exc, RedisUnavailable):
         return _retry_later(503, str(exc), "service_unavailable_error", "redis_unavailable")
     if isinstance(exc, JobFailed):
-        return _job_failed(exc)
+        return _job_failed(exc, guide_param)
     if isinstance(exc, BatchfleetError):
         return APIError(500, str(exc), "server_error", "internal_error")
     return APIError(500, f"internal error ({type(exc).__name__})", "server_error", "internal_error")
 
 
-def _job_failed(exc: JobFailed) -> APIError:
-    """A worker's Error reply: the fleet's own code is kept as the OpenAI ``code``."""
+def _job_failed(exc: JobFailed, guide_param: str | None = None) -> APIError:
+    """A worker's Error reply: the fleet's own code is kept as the OpenAI ``code``. A guide llguidance gave
+    up on at run time is the request's fault: a 400 naming the guide's field, as a guide refused before
+    it was queued."""
     if exc.code == DEADLINE_EXCEEDED:
         return APIError(504, exc.message, "timeout_error", DEADLINE_EXCEEDED, headers=NO_RETRY)
     if exc.code == PROMPT_TOO_LONG:
         return invalid(exc.message, "prompt", "context_length_exceeded")
     if exc.code == INVALID_REQUEST:
         return invalid(exc.message)
+    if exc.code == GUIDE_FAILED:
+        return invalid(exc.message, guide_param, GUIDE_FAILED)
     if exc.code == CANCELLED:  # someone else cancelled this job (the gateway cancels only for gone clients)
         return APIError(500, exc.message, "server_error", CANCELLED)
     return APIError(500, exc.message, "server_error", exc.code)

@@ -2,10 +2,12 @@
 whole or as stream chunks, with ``n`` choices and logprobs when asked.
 
 Extension: every finished answer (the response object, or the stream chunk carrying ``finish_reason``)
-has a ``batchfleet`` field: ``{"job_id", "worker", "batch_size", "queue_ms", "ttft_ms", "total_ms"}``,
-the fleet's own view of the job (``batch_size``: the sequences in the batch that ran it); with ``n`` > 1
-the response's is the first choice's, plus ``"choices"``: one such view per choice. OpenAI clients keep
-unknown fields (``response.model_extra["batchfleet"]`` in the Python client).
+has a ``batchfleet`` field: ``{"job_id", "worker", "batch_size", "queue_ms", "ttft_ms", "total_ms",
+"preemptions"}``, the fleet's own view of the job (``batch_size``: the sequences in the batch that ran it;
+``preemptions``: how often the engine preempted it, each time recomputed); with ``n`` > 1 the response's
+is the first choice's, plus ``"choices"``: one such view per choice. OpenAI clients keep unknown fields
+(``response.model_extra["batchfleet"]`` in the Python client). ``usage`` carries OpenAI's
+``prompt_tokens_details.cached_tokens``: the prompt tokens the fleet's prefix cache supplied.
 """
 
 from __future__ import annotations
@@ -20,24 +22,32 @@ from batchfleet.common.protocol import Result
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
-def usage(results: Sequence[Result]) -> dict[str, int]:
-    """As OpenAI counts n choices: the prompt once, every choice's completion tokens."""
+def usage(results: Sequence[Result]) -> dict[str, Any]:
+    """As OpenAI counts n choices: the prompt once (and its tokens the prefix cache supplied, OpenAI's
+    ``prompt_tokens_details.cached_tokens``: the first choice's, as its prompt is the one counted), every
+    choice's completion tokens."""
     prompt = results[0].prompt_tokens
     completion = sum(r.completion_tokens for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = results[0].extra.get("cached_tokens")
+    cached = min(cached, prompt) if type(cached) is int and cached > 0 else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def fleet_view(result: Result) -> dict[str, Any]:
     """The ``batchfleet`` extension field."""
+    preemptions = result.extra.get("preemptions")
     return {"job_id": result.id, "worker": result.worker, "batch_size": result.batch_size,
             "queue_ms": round(result.queue_ms, 3), "ttft_ms": round(result.ttft_ms, 3),
-            "total_ms": round(result.total_ms, 3)}
+            "total_ms": round(result.total_ms, 3),
+            "preemptions": preemptions if type(preemptions) is int and preemptions > 0 else 0}
 
 
 @dataclass(frozen=True)
 class Shape:
     """How the answers to one request look: its endpoint (chat or not), id, model and creation time;
-    ``token_text`` (token id -> its text) when logprobs were asked for."""
+    ``token_text`` (token id -> its text) when logprobs were asked for; ``guide_param``: the request field
+    its structured-output guide came from (a stream's ``guide_failed`` error names it)."""
 
     chat: bool
     job_id: str
@@ -46,6 +56,7 @@ class Shape:
     fingerprint: str | None = None
     include_usage: bool = False
     token_text: Callable[[int], str] | None = None
+    guide_param: str | None = None
 
     @property
     def id(self) -> str:

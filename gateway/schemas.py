@@ -3,15 +3,12 @@
 (no coercion: ``"0.5"`` or ``true`` is not a number), unknown fields forbidden, and the fields the fleet
 cannot honour accepted only at their neutral values; every refusal is a 400 naming the field.
 
-Honoured beyond text: ``n`` (n jobs, choice i seeded ``seed + i``), ``logprobs`` (completions: k;
-chat: ``logprobs: true`` + ``top_logprobs: k``), ``response_format`` (json_object, json_schema) and
-vLLM's structured-output extensions (``guided_json``, ``guided_regex``, ``guided_choice``,
-``guided_grammar``, or ``structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object"}``).
-
-Extensions: ``timeout`` (s; at most --request-timeout, HTTP 504 past it), vLLM's ``top_k`` (0 or -1 = off),
-``priority`` (an integer: > 0 -> batch) and every other parameter of the fleet's table by its name (``min_p``,
-``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ...: ``FROM_TABLE``). OpenAI's ``service_tier``
-picks the class: ``flex`` -> batch, ``auto`` / ``default`` -> interactive (common/lanes.py).
+Honoured beyond text: ``n`` (n jobs, choice i seeded ``seed + i``), ``logprobs``, ``response_format`` and
+vLLM's structured outputs (``guided_*`` or ``structured_outputs``). Extensions: ``timeout`` (s; at most
+--request-timeout, 504 past it), vLLM's ``top_k`` (0 or -1 = off), ``priority`` (a 64-bit integer: > 0 ->
+batch) and every other parameter of the fleet's table by its name (``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ...: ``FROM_TABLE``). OpenAI's ``service_tier`` picks the class: ``flex`` ->
+batch, ``auto`` / ``default`` -> interactive (common/lanes.py). A chat message's ``content`` is required.
 """
 
 from __future__ import annotations
@@ -107,7 +104,7 @@ class _Declared(BaseModel):
     timeout: Number | None = Field(default=None, gt=0.0)
     user: StrictStr | None = None
     service_tier: Literal["auto", "default", "flex"] | None = None
-    priority: StrictInt | None = None
+    priority: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # 64 bits, as every integer
     n: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | StrictStr | None = None
@@ -232,7 +229,10 @@ class Message(BaseModel):
                            f"messages.{index}.")
         if self.role not in ROLES:
             raise invalid(f"unsupported message role {self.role!r} (use system, user or assistant)", "messages")
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        if self.content is None or self.content == []:  # OpenAI: null only beside tool_calls (refused here)
+            raise invalid(f"messages.{index}.content is required: a string or a list of at least one text part",
+                          f"messages.{index}.content")
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
         return {"role": ROLES[self.role], "content": content}
 
 

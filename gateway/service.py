@@ -15,11 +15,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from batchfleet.common.errors import FleetUnavailable, PromptTooLong
+from batchfleet.common.errors import GUIDE_FAILED, FleetUnavailable, JobFailed, PromptTooLong
 from batchfleet.common.guided import GuideError
 from batchfleet.common.protocol import Result
 from batchfleet.gateway.config import GatewayConfig
-from batchfleet.gateway.errors import APIError, invalid
+from batchfleet.gateway.errors import APIError, api_error, invalid
 from batchfleet.gateway.formats import Shape
 from batchfleet.gateway.schemas import Job
 from batchfleet.gateway.sse import EventStream, job_events, wait_disconnect
@@ -76,7 +76,8 @@ class Gateway:
         ids = [job_id] if job.n == 1 else [f"{job_id}-{i}" for i in range(job.n)]
         shape = Shape(chat=chat, job_id=job_id, model=model, created=int(time.time()),
                       fingerprint=fleet.info.fingerprint or None, include_usage=job.include_usage,
-                      token_text=None if job.logprobs is None else token_texts(fleet.tokenizer))
+                      token_text=None if job.logprobs is None else token_texts(fleet.tokenizer),
+                      guide_param=job.guide_param)
         headers = {"x-request-id": job_id}
         try:
             if job.stream:
@@ -101,7 +102,12 @@ class Gateway:
                 raise
         except PromptTooLong as exc:
             raise too_long(exc, job) from None
-        results = await self._wait(request, ids, max(0.0, job.timeout - (time.monotonic() - start)))
+        try:
+            results = await self._wait(request, ids, max(0.0, job.timeout - (time.monotonic() - start)))
+        except JobFailed as exc:
+            if exc.code == GUIDE_FAILED:  # the 400 names the request's guide field
+                raise api_error(exc, job.guide_param) from None
+            raise
         return JSONResponse(shape.response(results), headers=headers)
 
     async def _wait(self, request: Request, job_ids: list[str], timeout: float) -> list[Result]:

@@ -112,7 +112,7 @@ async def job_events(streams: Sequence[Any], shape: Shape) -> AsyncIterator[byte
             if shape.include_usage:
                 yield event(shape.usage_chunk([s.result for s in streams]))
         except Exception as exc:  # noqa: BLE001 - every failure becomes the error event OpenAI clients raise
-            err = api_error(exc)
+            err = api_error(exc, shape.guide_param)
             if err.status >= 500 and err.code not in ("timeout", "deadline_exceeded"):
                 log.warning("stream %s failed: %s", shape.id, exc)
             yield event(err.body())

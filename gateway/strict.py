@@ -11,7 +11,9 @@ A request field is one of three kinds:
 
 No coercion anywhere: ``"temperature": "0.5"`` or ``true`` is a 400, as is ``"n": true`` (in Python
 ``True == 1``: the comparison here also requires the same type). Bodies are decoded here too
-(``read_json``, ``strict_json``: strict JSON, bounded in size and depth), for the routes and for batch lines.
+(``read_json``, ``strict_json``: strict JSON, bounded in size and depth), for the routes and for batch lines;
+a route's JSON body must say so (``Content-Type: application/json``, as every OpenAI client sends): any
+other media type, or none, is a 415.
 """
 
 from __future__ import annotations
@@ -101,7 +103,9 @@ def _json(value: Any) -> str:
 
 
 async def read_json(request: Any) -> Any:
-    """A starlette request's body as JSON, refusing a body over MAX_BODY_BYTES before reading all of it."""
+    """A starlette request's body as JSON, refusing a body over MAX_BODY_BYTES before reading all of it,
+    and any body not sent as JSON (415) before reading it."""
+    check_json_type(request.headers.get("content-type"))
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
@@ -109,6 +113,17 @@ async def read_json(request: Any) -> Any:
             raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error",
                            "body_too_large")
     return strict_json(body)
+
+
+def check_json_type(content_type: str | None) -> None:
+    """415 unless the media type is JSON: ``application/json`` or a ``+json`` type, any parameters (a
+    ``charset`` included) allowed."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    got = f"got {content_type[:100]!r}" if content_type else "none was sent"
+    raise APIError(415, f"the request body must be JSON, sent with 'Content-Type: application/json' ({got})",
+                   "invalid_request_error", "unsupported_media_type")
 
 
 def strict_json(data: bytes | str) -> Any:

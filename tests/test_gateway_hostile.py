@@ -1,6 +1,8 @@
 """Hostile requests never get a 5xx: a few hundred malformed, mistyped, oversized, deeply nested and
 invalid-Unicode bodies against a gateway with a live worker, each answered 4xx (or 200 when it happens to be
-valid), and no ERROR logged; a client that disconnects before sending its body is not an error either."""
+valid), and no ERROR logged; among them the cases with one expected answer (``exact``: guides llguidance
+gives up on, at once or while generating; integers past 64 bits; chat messages without content; bodies not
+sent as JSON). A client that disconnects before sending its body is not an error either."""
 
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ import httpx
 import pytest
 
 from batchfleet.producer import Client, InvalidRequest
+from tests.test_guide_checks import FAILS_LATER, GIVEN_UP
 
 FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
           "seed", "stop", "n", "stream", "stream_options", "timeout", "logprobs", "top_logprobs", "logit_bias",
-          "repetition_penalty", "min_tokens", "ignore_eos", "user", "model", "tools", "response_format", "echo"]
+          "repetition_penalty", "min_tokens", "ignore_eos", "user", "model", "tools", "response_format", "echo",
+          "priority", "guided_regex", "guided_grammar", "guided_json"]
 VALUES = [None, True, False, 0, -1, 1, 2**63, 2**64, 10**30, -2**64, 1.5, -0.0, 1e308, 1e-320, "", "x", "\ud800",
           "\udfff\ud800", "0.5", "true", [], {}, [1, 2], [2**64], [-1], ["a", 3], {"a": [1]}, [[1]], [[]],
           {"type": "json_schema"}, {"include_usage": "yes"}, "a" * 5000]
@@ -65,27 +69,53 @@ def hostile_bodies(rng: random.Random) -> list[tuple[str, bytes]]:
     return raw
 
 
+def exact() -> list[tuple[str, bytes, str | None, int, str | None]]:
+    """(path, body, Content-Type, status, param or code) of the cases with one right answer."""
+    base = {"prompt": "Hi", "max_tokens": 2}
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    out: list[tuple[str, bytes, str | None, int, str | None]] = []
+    for option, value, _ in GIVEN_UP:
+        out += [(path, json.dumps({**body, option: value}).encode(), "application/json", 400, option)
+                for path, body in (("/v1/completions", base), ("/v1/chat/completions", chat))]
+    late = json.dumps({**base, "max_tokens": 40, "guided_grammar": FAILS_LATER}).encode()
+    out += [("/v1/completions", late, "application/json", 400, "guide_failed"),
+            ("/v1/completions", json.dumps({**base, "priority": 2**64}).encode(), "application/json", 400, "priority"),
+            ("/v1/chat/completions", json.dumps({**chat, "priority": -(2**63) - 1}).encode(), "application/json", 400,
+             "priority")]
+    for message in ({"role": "user"}, {"role": "system", "content": None}, {"role": "assistant", "tool_calls": []}):
+        out.append(("/v1/chat/completions", json.dumps({**chat, "messages": [message]}).encode(), "application/json",
+                    400, "messages.0.content"))
+    for media in (None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        out.append(("/v1/completions", json.dumps(base).encode(), media, 415, "unsupported_media_type"))
+    return out
+
+
 def test_hostile_requests_never_get_a_5xx(start_worker, start_gateway, caplog):
     start_worker(max_wait_ms=5)
     gw = start_gateway(request_timeout_s=20)
-    bodies = hostile_bodies(random.Random(22))
+    bodies = [(p, b, "application/json") for p, b in hostile_bodies(random.Random(22))]
+    known = exact()
     caplog.set_level(logging.WARNING)
 
-    async def fire() -> list[tuple[int, str, bytes]]:
+    async def fire() -> list[tuple[int, str, bytes, dict]]:
         limit = asyncio.Semaphore(32)
         async with httpx.AsyncClient(base_url=gw.url, timeout=60) as http:
-            async def one(path: str, body: bytes) -> tuple[int, str, bytes]:
+            async def one(path: str, body: bytes, media: str | None) -> tuple[int, str, bytes, dict]:
                 async with limit:
-                    resp = await http.post(path, content=body, headers={"content-type": "application/json"})
+                    resp = await http.post(path, content=body, headers={"content-type": media} if media else {})
+                    error = {}
                     if resp.status_code != 200:  # an error body in OpenAI's shape
-                        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}, resp.text
-                    return resp.status_code, path, body[:200]
-            return await asyncio.gather(*(one(p, b) for p, b in bodies))
+                        error = resp.json()["error"]
+                        assert set(error) == {"message", "type", "param", "code"}, resp.text
+                    return resp.status_code, path, body[:200], error
+            return await asyncio.gather(*(one(p, b, m) for p, b, m in bodies + [k[:3] for k in known]))
 
     answers = asyncio.run(fire())
     bad = [a for a in answers if a[0] >= 500]
     assert not bad, bad[:5]
-    assert len(answers) >= 300 and {s for s, *_ in answers} <= {200, 400, 404, 413}, {s for s, *_ in answers}
+    assert len(answers) >= 300 and {s for s, *_ in answers} <= {200, 400, 404, 413, 415}, {s for s, *_ in answers}
+    for (status, _, body, error), (*_, want, name) in zip(answers[len(bodies):], known):
+        assert status == want and name in (error["param"], error["code"]), (body, status, error)
     assert sum(s == 400 for s, *_ in answers) > 250
     # a client that sends headers announcing a body, then leaves: nothing logged as an error
     for sent in (b"", b'{"prompt": "a'):

@@ -80,7 +80,8 @@ def test_refused_and_neutral_fields_over_raw_http(start_worker, start_gateway):
             assert resp.status_code == 200, (body, resp.text)
         # NaN / Infinity are not JSON; a huge exponent is not a finite number
         for raw in (b'{"prompt": "a", "temperature": NaN}', b'{"prompt": "a", "temperature": 1e999}'):
-            assert http.post("/completions", content=raw).status_code == 400
+            resp = http.post("/completions", content=raw, headers={"content-type": "application/json"})
+            assert resp.status_code == 400, resp.text
 
 
 def test_the_openai_client_extensions_and_refusals(start_worker, start_gateway):

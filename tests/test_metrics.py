@@ -20,7 +20,8 @@ from tests.helpers.loops import raw_inbox, wait_until
 GAUGES = ("batchfleet_queue_depth", "batchfleet_queue_pending", "batchfleet_queue_oldest_age_seconds",
           "batchfleet_requests_running", "batchfleet_requests_waiting", "batchfleet_kv_cache_usage_ratio")
 COUNTERS = ("batchfleet_prompt_tokens", "batchfleet_generation_tokens", "batchfleet_requests",
-            "batchfleet_dead_letters", "batchfleet_preemptions", "batchfleet_reclaimed")
+            "batchfleet_dead_letters", "batchfleet_preemptions", "batchfleet_reclaimed",
+            "batchfleet_prompt_tokens_cached", "batchfleet_request_preemptions")
 HISTOGRAMS = ("batchfleet_time_to_first_token_seconds", "batchfleet_e2e_request_latency_seconds",
               "batchfleet_request_queue_time_seconds", "batchfleet_batch_size", "batchfleet_decode_step_seconds")
 

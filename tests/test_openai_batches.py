@@ -22,6 +22,7 @@ from tests.conftest import TEST_BUCKETS
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 KEY_A, KEY_B = "key-a-" + "x" * 24, "key-b-" + "y" * 24
+JSON = {"content-type": "application/json"}
 
 
 def batch_line(custom_id: str, body: dict, url: str = "/v1/chat/completions") -> str:
@@ -245,7 +246,8 @@ def test_hostile_requests_to_files_and_batches_get_clear_errors(start_gateway, t
             http.post("/v1/batches", json={"input_file_id": "f", "endpoint": "/v1/completions",
                                            "completion_window": "forever"}),
             http.post("/v1/batches", json={"input_file_id": "f", "endpoint": "/v1/completions", "extra": 1}),
-            http.post("/v1/batches", content=b"\xff\xfe"), http.post("/v1/batches", content=b"[" * 5000),
+            http.post("/v1/batches", content=b"\xff\xfe", headers=JSON),
+            http.post("/v1/batches", content=b"[" * 5000, headers=JSON),
             http.get("/v1/batches/batch_nope"), http.post("/v1/batches/batch_" + "0" * 24 + "/cancel"),
         ]
         statuses = [r.status_code for r in cases]

@@ -84,7 +84,8 @@ def test_chunked_prefill_and_preemption_with_cache_match_transformers(case):
     assert {names[int(k[1:])]: c.token_ids for k, c in done.items()} == refs
     stats = engine.stats()
     assert stats["prefix_cache_hits"] > 32 * 3 and stats["preemptions"] > 0
-    assert any(c.extra["preemptions"] and c.extra["cached_tokens"] for c in done.values())  # resumed from cache
+    assert any(c.extra["preemptions"] and c.extra["resumed_cached_tokens"] for c in done.values())  # from cache
+    assert all(c.extra["cached_tokens"] <= len(ps[names[int(k[1:])]]) for k, c in done.items())  # prompt only
 
 
 def test_cache_off_computes_everything_and_agrees(case):

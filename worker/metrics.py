@@ -176,5 +176,15 @@ class _LoopCollector(Collector):
                                   value=stats.get("prefix_cache_queries", 0))
         yield CounterMetricFamily("batchfleet_prefix_cache_hits", "Of those, tokens whose KV came from the prefix "
                                   "cache (prefill not computed).", value=stats.get("prefix_cache_hits", 0))
+        cached = CounterMetricFamily("batchfleet_prompt_tokens_cached", "Of the prompt tokens of answered requests, "
+                                     "those the prefix cache supplied (OpenAI's cached_tokens), by class.",
+                                     labels=["class"])
+        preempted = CounterMetricFamily("batchfleet_request_preemptions", "Preemptions of answered requests "
+                                        "(each one recomputed), by class.", labels=["class"])
+        for lane in sorted(ledger.cached_tokens):
+            cached.add_metric([lane], ledger.cached_tokens[lane])
+            preempted.add_metric([lane], ledger.preemptions[lane])
+        yield cached
+        yield preempted
         yield CounterMetricFamily("batchfleet_reclaimed", "Entries taken over from silent workers.",
                                   value=ledger["reclaimed"])

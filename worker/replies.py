@@ -3,11 +3,17 @@ reply to a completion the engine returned. Replies stay typed; the transport enc
 
 from __future__ import annotations
 
-from batchfleet.common.errors import ENGINE_ERROR
+import logging
+
+from batchfleet.common.errors import GUIDE_FAILED
 from batchfleet.common.protocol import Error, Result
 from batchfleet.worker.engine.base import Completion
 from batchfleet.worker.transport import Reply
 from batchfleet.worker.validate import Accepted
+
+log = logging.getLogger("batchfleet.worker.loop")
+# what the engine did for a request, in every Result.extra (0 where an engine does not do it: hf)
+ENGINE_EXTRA = ("cached_tokens", "preemptions")
 
 
 def error_reply(acc: Accepted, code: str, message: str) -> Reply:
@@ -18,19 +24,24 @@ def error_reply(acc: Accepted, code: str, message: str) -> Reply:
 
 def completion_reply(c: Completion, acc: Accepted, now: float, worker: str) -> Reply:
     """The reply to a completion: its Result (timings relative to the request's enqueue, this host's
-    clock), or an ``engine_error`` Error when the engine could not serve it."""
+    clock), or an Error with the engine's code (``engine_error``, ``guide_failed``) when it could not serve
+    it. ``Result.extra``: the request's ``bucket``, its prompt tokens the prefix cache supplied
+    (``cached_tokens``) and its ``preemptions``, plus whatever else the engine reported."""
     return Reply(c.id, _completion_message(c, acc, now, worker), acc.entry.bucket, acc.entry.entry_id,
                  acc.reply_key, acc.entry.lane)
 
 
 def _completion_message(c: Completion, acc: Accepted, now: float, worker: str) -> Result | Error:
     if c.error is not None:
-        return Error(c.id, ENGINE_ERROR, c.error)
+        if c.error_code == GUIDE_FAILED:  # the client's guide, not the fleet: logged, not an engine fault
+            log.warning("job %s failed its structured output: %s", c.id, c.error)
+        return Error(c.id, c.error_code, c.error)
     t0 = acc.enqueued_at
     return Result(
         id=c.id, token_ids=c.token_ids, text=c.text, finish_reason=c.finish_reason,
         prompt_tokens=len(acc.gen.prompt), completion_tokens=len(c.token_ids),
         queue_ms=(c.started_at - t0) * 1000, ttft_ms=(c.first_token_at - t0) * 1000,
-        total_ms=(now - t0) * 1000, worker=worker, batch_size=c.batch_size, extra={"bucket": acc.entry.bucket},
+        total_ms=(now - t0) * 1000, worker=worker, batch_size=c.batch_size,
+        extra={**dict.fromkeys(ENGINE_EXTRA, 0), **c.extra, "bucket": acc.entry.bucket},
         logprobs=None if acc.gen.params.logprobs is None else list(c.logprobs or []),
     )

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from batchfleet.common.errors import ENGINE_ERROR
 from batchfleet.common.params import DEFAULT, Params
 
 
@@ -30,7 +31,10 @@ class GenRequest:
 
 @dataclass
 class Completion:
-    """A finished (or failed) request. ``error`` set means the engine could not serve it."""
+    """A finished (or failed) request. ``error`` set means the engine could not serve it (``error_code``:
+    the Error reply's code, ``guide_failed`` when llguidance gave up on its guide). ``extra``: what the
+    engine did for it (native: ``cached_tokens``, prompt tokens the prefix cache supplied, and
+    ``preemptions``), into ``Result.extra``."""
 
     id: str
     token_ids: list[int]
@@ -40,6 +44,7 @@ class Completion:
     first_token_at: float  # unix time its first output token was computed
     batch_size: int  # size of the batch it first ran in
     error: str | None = None
+    error_code: str = ENGINE_ERROR
     extra: dict[str, Any] = field(default_factory=dict)
     logprobs: list | None = None  # one (logprob, top ids, top logprobs) per token when the request asked
 

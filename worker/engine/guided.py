@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import llguidance
 import torch
 
-from batchfleet.common.guided import Guide, GuideError
+from batchfleet.common.guided import Guide, GuideError, limits, matcher_error
 
 log = logging.getLogger(__name__)
 _executor: llguidance.LLExecutor | None = None
@@ -42,10 +42,11 @@ class GuideCompiler:
         return self._tokenizer
 
     def matcher(self, guide: Guide) -> llguidance.LLMatcher:
-        """A fresh matcher at the start of the output; GuideError when the guide does not compile."""
-        m = llguidance.LLMatcher(self.tokenizer(), guide.grammar(), log_level=0)
+        """A fresh matcher at the start of the output, under the limits the clients' check uses; GuideError
+        when the guide does not compile."""
+        m = llguidance.LLMatcher(self.tokenizer(), guide.grammar(), log_level=0, limits=limits())
         if m.is_error():
-            raise GuideError(f"invalid {guide.kind}: {m.get_error().strip()}"[:1000])
+            raise GuideError(f"invalid {guide.kind}: {matcher_error(m.get_error())}"[:1000])
         return m
 
 
@@ -72,8 +73,10 @@ def apply_masks(logits: torch.Tensor, rows: Sequence[tuple[int, llguidance.LLMat
     # [R, words] -> [R, words * 32] booleans, bit b of word w = token 32 w + b
     allowed = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(n, -1)[:, :vocab].bool()
     empty = ~allowed.any(dim=-1)
-    if empty.any():  # a matcher with nothing allowed (cannot happen for a live one): leave the row free
-        log.warning("structured output: %d row(s) had no allowed token; left unmasked", int(empty.sum()))
+    if empty.any():  # a matcher that failed computing its mask: the row's request fails at its next token
+        failed = sum(1 for j, (_, m) in enumerate(rows) if empty[j] and m.is_error())
+        if failed < int(empty.sum()):  # never expected of a live matcher
+            log.warning("structured output: %d row(s) had no allowed token; left unmasked", int(empty.sum()) - failed)
         allowed[empty] = True
     idx = torch.tensor([i for i, _ in rows], device=logits.device)
     logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), float("-inf"))

@@ -14,6 +14,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from batchfleet.common.config import DynamicBatchingConfig
+from batchfleet.common.errors import GUIDE_FAILED
 from batchfleet.common.guided import GuideError
 from batchfleet.worker.engine.base import Completion, GenRequest
 from batchfleet.worker.engine.guided import GuideCompiler
@@ -118,7 +119,8 @@ class HFEngine:
                 matchers[r.id] = self.guides.matcher(r.params.guide) if r.params.guide is not None else None
             except GuideError as exc:
                 refused.append(Completion(id=r.id, token_ids=[], text="", finish_reason="", started_at=started,
-                                          first_token_at=started, batch_size=len(reqs), error=str(exc)))
+                                          first_token_at=started, batch_size=len(reqs), error=str(exc),
+                                          error_code=GUIDE_FAILED))
         if refused:
             reqs = [r for r in reqs if r.id in matchers]
             if not reqs:
@@ -146,8 +148,8 @@ class HFEngine:
             )
         self._batches += 1
         return refused + [
-            Completion(id=r.id, token_ids=list(c.tokens), text=c.text(), finish_reason=c.reason or "length",
-                       started_at=started, first_token_at=sampler.first_token_at or time.time(),
+            Completion(id=r.id, token_ids=list(c.tokens), text=c.text(), **c.outcome(), started_at=started,
+                       first_token_at=sampler.first_token_at or time.time(),
                        batch_size=len(reqs), logprobs=c.logprobs)
             for r, c in zip(reqs, checkers)
         ]

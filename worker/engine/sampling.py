@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from batchfleet.common.errors import GUIDE_FAILED
+from batchfleet.common.guided import matcher_error
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.guided import apply_masks
 
@@ -117,7 +119,9 @@ class StopChecker:
 
     EOS ids are kept in token_ids (as transformers and vLLM do) and never appear in text; a matched
     stop string is cut from the text (OpenAI semantics) and the token completing it is the last one.
-    A structured output ends ("stop") as soon as its grammar is complete and allows no further token.
+    A structured output ends ("stop") as soon as its grammar is complete and allows no further token; a
+    matcher that fails (llguidance gave up: a limit hit, no token possible) ends the request with
+    ``error`` set: it is answered ``guide_failed``, never as a normal stop with output that may not match.
     """
 
     def __init__(self, req: GenRequest, eos_ids: frozenset[int], tokenizer, matcher=None) -> None:
@@ -129,6 +133,7 @@ class StopChecker:
         if req.params.logprobs is not None:
             self.tokens.logprobs = []
         self.reason = ""
+        self.error: str | None = None  # why the guide failed (the request is answered guide_failed)
         self.stop_at: int | None = None  # char index where a stop string begins
 
     @property
@@ -138,7 +143,7 @@ class StopChecker:
     def live_matcher(self):
         """The matcher, while it may still constrain a next token (None: free, or finished)."""
         m = self.matcher
-        return m if m is not None and not self.reason and not m.is_stopped() else None
+        return m if m is not None and not self.reason and self.error is None and not m.is_stopped() else None
 
     def push(self, token: int, logprob=None) -> bool:
         """Record one generated token (and its logprob entry, if asked); return True when finished."""
@@ -147,16 +152,27 @@ class StopChecker:
             self.tokens.logprobs.append(logprob)
         if self.matcher is not None and token not in self.eos_ids:
             self.matcher.consume_token(token)
+        if self.matcher is not None and self.matcher.is_error():
+            kind = self.req.params.guide.kind if self.req.params.guide is not None else "guide"
+            self.error = (f"structured output failed after {len(self.tokens)} token(s): llguidance gave up on "
+                          f"the {kind}: {matcher_error(self.matcher.get_error())}")[:1000]
+            return True
         early = len(self.tokens) < self.req.params.min_tokens  # min_tokens: neither EOS nor a stop string ends it
         if token in self.eos_ids and not self.req.params.ignore_eos and not early:
             self.reason = "eos"
         elif self.req.params.stop and not early and self._match_stop():
             self.reason = "stop"
         elif self.matcher is not None and self.matcher.is_stopped():
-            self.reason = "stop"  # the structured output is complete (or, never expected, the matcher failed)
+            self.reason = "stop"  # the structured output is complete
         elif len(self.tokens) >= self.req.params.max_new_tokens:
             self.reason = "length"
         return bool(self.reason)
+
+    def outcome(self) -> dict:
+        """The finished request's Completion fields: its finish reason, or the guide's failure."""
+        if self.error is not None:
+            return {"finish_reason": "", "error": self.error, "error_code": GUIDE_FAILED}
+        return {"finish_reason": self.reason or "length"}
 
     def _match_stop(self) -> bool:
         """A new match can only end in the newest token's text: decode a bounded tail each step (a

@@ -148,6 +148,8 @@ class BlockManager:
         fresh = [self._take() for _ in range(blocks_for(num_tokens, self.block_size) - len(hits))]
         seq.block_table = [*hits, *fresh]
         seq.num_cached = seq.num_cache_hit = len(hits) * self.block_size
+        if seq.num_prompt_cache_hit is None:
+            seq.num_prompt_cache_hit = min(seq.num_cache_hit, seq.num_prompt)
         seq.num_committed = len(hits)
         if self.enable_caching:
             self.queries += num_tokens

@@ -18,6 +18,8 @@ import torch
 
 from batchfleet.common.config import DynamicBatchingConfig
 from batchfleet.common.engine_config import EngineConfig
+from batchfleet.common.errors import ENGINE_ERROR, GUIDE_FAILED
+from batchfleet.common.guided import GuideError
 from batchfleet.common.lanes import batch_reserve
 from batchfleet.worker.engine.base import Completion, GenRequest
 from batchfleet.worker.engine.guided import GuideCompiler
@@ -108,9 +110,10 @@ class NativeEngine:
                           stopper=state.checker.push, payload=state, bucket=req.bucket, priority=req.priority)
                 self.scheduler.add(seq)
             except ValueError as exc:
+                code = GUIDE_FAILED if isinstance(exc, GuideError) else ENGINE_ERROR
                 self._errors.append(Completion(id=req.id, token_ids=[], text="", finish_reason="",
-                                               started_at=0.0, first_token_at=0.0, batch_size=0,
-                                               error=str(exc)))
+                                               started_at=0.0, first_token_at=0.0, batch_size=0, error=str(exc),
+                                               error_code=code))
 
     def step(self) -> list[Completion]:
         """Run one prefill or decode step; return the requests that finished in it."""
@@ -230,8 +233,11 @@ class NativeEngine:
 
     def _completion(self, seq: Seq) -> Completion:
         st: ReqState = seq.payload
+        # cached_tokens: prompt tokens not computed for this request (OpenAI's); resumed_cached_tokens: what
+        # the cache gave back at its last re-admission after a preemption (its own blocks, mostly)
+        extra = {"cached_tokens": seq.num_prompt_cache_hit or 0, "preemptions": seq.num_preemptions,
+                 "resumed_cached_tokens": seq.num_cache_hit if seq.num_preemptions else 0}
         return Completion(id=seq.id, token_ids=list(st.checker.tokens), text=st.checker.text(),
-                          finish_reason=st.checker.reason or "length", started_at=st.started_at,
-                          first_token_at=st.first_token_at, batch_size=st.batch_size,
-                          extra={"preemptions": seq.num_preemptions, "cached_tokens": seq.num_cache_hit},
+                          **st.checker.outcome(), started_at=st.started_at,
+                          first_token_at=st.first_token_at, batch_size=st.batch_size, extra=extra,
                           logprobs=st.checker.logprobs)

@@ -43,6 +43,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # one per full block of token_ids (as needed)
     num_committed: int = 0  # leading blocks of block_table already offered to the prefix cache
     num_cache_hit: int = 0  # prompt tokens the prefix cache supplied at the last admission
+    # of the prompt's tokens, those the prefix cache supplied at the first admission (OpenAI's
+    # cached_tokens: a preempted sequence's re-admission finds its own blocks, which it computed itself)
+    num_prompt_cache_hit: int | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.token_ids)
