@@ -56,8 +56,8 @@ def test_cancel_running_frees_kv_at_once_batchmates_unchanged(start_worker, redi
     freed: list[tuple[int, int, int]] = []  # (steps done, KV blocks before, after) at the abort
     real_cancels, real_abort = w.loop.transport.cancels, engine.abort
 
-    def cancels():
-        out = real_cancels()
+    def cancels(waiting: bool = False):
+        out = real_cancels(waiting)
         if out:
             seen.append(engine.stats()["steps"])
         return out

@@ -18,7 +18,7 @@ from batchfleet.worker.scripts import WorkerScripts
 from batchfleet.worker.transport import Cancel
 
 CANCELS_PER_TICK = 1000
-CANCELS_EVERY_S = 0.05  # the cancels stream is read at most this often (a running job stops within a step + this)
+CANCELS_EVERY_S = 0.05  # while only running jobs are held: a running job stops within a step + this
 MARKS_PER_CALL = 1000  # jobs per MARKS call: 2 keys each, far below Lua's unpack() limit
 MARKER_BYTES = 256  # longest job id or reply key a cancel entry or marker may hold (longer ones are cut)
 
@@ -39,12 +39,14 @@ class CancelWatch:
             last = self.r.xrevrange(self.keys.cancels, count=1)
             self._from = last[0][0].decode() if last else "0-0"
 
-    def cancels(self) -> list[Cancel]:
+    def cancels(self, waiting: bool = False) -> list[Cancel]:
         """New entries of the cancels stream since the last call (the ``CANCELS`` script: at most
-        CANCELS_PER_TICK entries, each field cut to MARKER_BYTES), at most every CANCELS_EVERY_S: a busy
-        loop ticks far more often than that."""
+        CANCELS_PER_TICK entries, each field cut to MARKER_BYTES). While only running requests are held, at
+        most every CANCELS_EVERY_S (a busy loop ticks far more often); while some wait to start
+        (``waiting``), every call: a cancel that arrives between a request's read and its start stops it
+        before it runs (the loop reads cancels just before it admits)."""
         now = time.monotonic()
-        if now < self._next:
+        if not waiting and now < self._next:
             return []
         self._next = now + CANCELS_EVERY_S
         last, entries = self.scripts.cancels(keys=[self.keys.cancels], args=[self._from, CANCELS_PER_TICK,

@@ -207,9 +207,9 @@ class StreamConsumer(Transport):
         self.settler.hand_back(entries)
 
     @_refused
-    def cancels(self) -> list[Cancel]:
+    def cancels(self, waiting: bool = False) -> list[Cancel]:
         """New cancels since the last call (``CancelWatch.cancels``)."""
-        return self.cancel_watch.cancels()
+        return self.cancel_watch.cancels(waiting)
 
     @_refused
     def marks(self, job_ids: list[str]) -> list[tuple[str | None, bool]]:

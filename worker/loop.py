@@ -108,7 +108,8 @@ class WorkerLoop:
             self.intake.reclaim(time.time())
             self.intake.read(time.time(), engine_busy=self.engine.has_work())
         if self.requests.snapshot:  # holding nothing, no cancel can matter here: a read checks cancel markers
-            self.dispatch.cancel(self.transport.cancels())
+            waiting = self.requests.count(Stage.QUEUED) + self.requests.count(Stage.SOLO) > 0
+            self.dispatch.cancel(self.transport.cancels(waiting=waiting))
         self.intake.expire(time.time())
         if taking:
             self.dispatch.admit(time.time())

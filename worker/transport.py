@@ -128,8 +128,9 @@ class Transport(Protocol):
         Best effort: they settle nothing, and the final reply carries the whole text anyway."""
 
     @abstractmethod
-    def cancels(self) -> list[Cancel]:
-        """Cancel requests published since the last call (cheap; called every tick)."""
+    def cancels(self, waiting: bool = False) -> list[Cancel]:
+        """Cancel requests published since the last call; called every tick while the worker holds requests
+        (``waiting``: some have not started yet, so a cancel read now saves a whole job: never throttled)."""
 
     @abstractmethod
     def marks(self, job_ids: list[str]) -> list[tuple[str | None, bool]]:

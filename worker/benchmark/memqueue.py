@@ -103,7 +103,7 @@ class MemQueue(Transport):
     def write_deltas(self, deltas: list[tuple[str, str, bytes]]) -> None:
         pass  # the benchmark client does not stream
 
-    def cancels(self) -> list[Cancel]:
+    def cancels(self, waiting: bool = False) -> list[Cancel]:
         return []
 
     def marks(self, job_ids: list[str]) -> list[tuple[str | None, bool]]:
