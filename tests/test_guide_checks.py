@@ -20,7 +20,6 @@ from batchfleet.gateway.schemas import request_job
 from batchfleet.gateway.service import job_params
 from batchfleet.producer.core import Ask
 from batchfleet.worker.engine.base import Completion, GenRequest
-from batchfleet.worker.engine.sampling import StopChecker
 from batchfleet.worker.ledger import Ledger
 from batchfleet.worker.replies import completion_reply
 from batchfleet.worker.transport import Entry
@@ -90,9 +89,11 @@ def test_the_python_clients_refuse_them_before_sending():
             Ask.of({option: value, "max_new_tokens": 4})
 
 
-def checker_for(guide: Guide) -> StopChecker:
+def checker_for(guide: Guide):
     """A StopChecker over the check's byte vocabulary (the tiny model's is byte-level too)."""
     import llguidance
+
+    from batchfleet.worker.engine.sampling import StopChecker  # imports torch: only when a test runs
 
     class Text:
         def decode(self, tokens, skip_special_tokens=True):
@@ -118,7 +119,7 @@ def test_a_matcher_failing_at_run_time_ends_its_request_with_guide_failed():
     assert outcome["error_code"] == GUIDE_FAILED and outcome["finish_reason"] == ""
     assert "llguidance gave up on the grammar" in outcome["error"] and "Too many items" in outcome["error"]
     assert "<" not in outcome["error"]  # no parser state or grammar dump in a message
-    done = StopChecker(checker.req, frozenset({PROBE_EOS}), checker.tokenizer, None)
+    done = type(checker)(checker.req, frozenset({PROBE_EOS}), checker.tokenizer, None)
     assert done.outcome() == {"finish_reason": "length"}  # a free request: its finish reason, as before
 
 
