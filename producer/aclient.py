@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +28,7 @@ from batchfleet.common.protocol import Result
 from batchfleet.common.redis_conn import async_client
 from batchfleet.producer.core import (
     INLINE_PROMPT_CHARS,
+    LIVENESS_TRUST_S,
     RETRY_S,
     Ask,
     Deadline,
@@ -85,6 +88,7 @@ class AsyncClient:
         self.inbox = Inbox(reader, self.r, self.keys.inbox(token), int(self.conn.socket_timeout_s * 500),
                            self.calls)
         self._fleet = FleetView()
+        self._live_seen = -math.inf  # time.monotonic() of the last enqueue that found a live worker
         self._fleet_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()  # cancels of given-up jobs (a reference keeps them alive)
 
@@ -128,12 +132,14 @@ class AsyncClient:
         fleet = await self._fleet_view(deadline)
         job = await self._build(fleet, prompt, ask, deadline.left(), job_id, stream)
         self.inbox.expect(job.id, stream)
+        # the live-worker check (TIME + ZCOUNT inside the function) is skipped while an enqueue of this
+        # client found a live worker within LIVENESS_TRUST_S: two of a request's Redis calls, saved under load
+        asked_at = time.monotonic()
+        check = self.require_workers and not fleet.scales_to_zero and asked_at - self._live_seen > LIVENESS_TRUST_S
         try:
-            code = await self.calls.io(
-                lambda: self.calls.function("enqueue", [job.stream, self.keys.workers],
-                                       job.args(self.require_workers and not fleet.scales_to_zero,
-                                                LIVE_WORKER_MS)),
-                deadline, f"enqueue of job {job.id}")
+            args = job.args(check, LIVE_WORKER_MS)
+            code = await self.calls.io(lambda: self.calls.function("enqueue", [job.stream, self.keys.workers], args),
+                                       deadline, f"enqueue of job {job.id}")
         except BaseException as exc:  # enqueued or not, nobody can tell: cancel it in case it was
             self._give_up_later(job.id, cancel=isinstance(exc, asyncio.CancelledError))
             raise
@@ -142,6 +148,8 @@ class AsyncClient:
         except BaseException:  # refused (QueueFull, NoWorkers, too large): no answer will ever come
             self.inbox.forget(job.id)
             raise
+        if check:
+            self._live_seen = max(self._live_seen, asked_at)
         return job
 
     async def _build(self, fleet: FleetView, prompt: Prompt, ask: Ask, timeout: float | None,

@@ -44,6 +44,9 @@ from batchfleet.producer.chat import is_messages, render
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]  # text, token ids, or chat messages
 FLEET_REFRESH_S = 30.0
+# an enqueue that found a live worker vouches for the fleet this long: the next enqueues skip the check (a
+# fleet that just lost its last worker is noticed within this long; a request taken meanwhile waits for one)
+LIVENESS_TRUST_S = 1.0
 RETRY_S = 30.0  # default: how long a call without a timeout keeps retrying through a Redis outage
 # prompts up to this size are tokenized on the caller's thread (well under a millisecond); the async
 # client tokenizes longer ones on a worker thread, with the GIL released

@@ -1,5 +1,6 @@
 """What a worker costs Redis (issue 29): an idle worker makes a few calls per second and still reads a new
-request at once; at load, replies are written in batches, so a request costs the worker ~3 Redis calls.
+request at once; at load, replies are written in batches, so a request costs the worker ~3 Redis calls, and
+the whole request (enqueue function, worker, the client's inbox) at most 7.
 
 Counted with INFO commandstats on a private redis-server (nothing else talks to it), which counts every
 command, those run inside scripts included.
@@ -7,6 +8,7 @@ command, those run inside scripts included.
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -33,7 +35,9 @@ def calls(r: redis.Redis) -> int:
 
 @pytest.fixture
 def private_redis():
-    server = PrivateRedis(port=free_port()).start()
+    # Redis 7 where installed (what production runs: the enqueue function by FCALL), else the default one
+    seven = "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None
+    server = PrivateRedis(port=free_port(), binary=seven).start()
     yield server
     server.stop()
 
@@ -96,5 +100,40 @@ def test_worker_redis_calls_per_request_at_load_stay_small(private_redis, namesp
         print(f"\nworker Redis calls per request at load: {per_request:.2f} (start-up included); totals: {by_cmd}")
         assert per_request <= WORKER_CALLS_PER_REQUEST
         assert r.xlen(raw_inbox(keys)) == n and r.xlen(keys.stream(32)) == 0
+    finally:
+        stop(loop, thread)
+
+
+REQUEST_CALLS = 7.0  # issue 29's bound for a whole non-streamed request (client, enqueue function, worker)
+
+
+def test_a_request_costs_at_most_seven_redis_calls_at_load(private_redis, namespace, tiny_model_dir):
+    import asyncio
+
+    from batchfleet.producer import AsyncClient
+
+    n, clients = 640, 64  # as issue 29 measured it: 64 clients, 1-token requests, one worker
+    loop = build_worker(worker_config(private_redis.url, namespace, tiny_model_dir, max_wait_ms=20,
+                                      max_batch_size=32))
+    r = redis.Redis.from_url(private_redis.url)
+    thread = run_in_thread(loop)
+
+    async def drive() -> float:
+        async with AsyncClient(private_redis.url, namespace) as client:
+            await client.generate([5, 6, 7], max_new_tokens=1, timeout=60)  # fleet read, scripts loaded
+            before = calls(r)
+
+            async def one(k: int) -> None:
+                for i in range(n // clients):
+                    await client.generate([10 + (k + i) % 50, 11, 12], max_new_tokens=1, timeout=60)
+
+            await asyncio.gather(*(one(k) for k in range(clients)))
+            return (calls(r) - before) / n
+
+    try:
+        per_request = asyncio.run(drive())
+        by_cmd = {k.removeprefix("cmdstat_"): v["calls"] for k, v in r.info("commandstats").items()}
+        print(f"\nRedis calls per request at load (client + worker): {per_request:.2f}; totals: {by_cmd}")
+        assert per_request <= REQUEST_CALLS
     finally:
         stop(loop, thread)
