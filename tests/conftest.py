@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing.process
 import os
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,12 +46,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"{item.nodeid} is marked unit but uses {sorted(heavy)}")
 
 
+HEAVY_MODULES = ("torch", "transformers")  # seconds to import (and to tear down): never in the unit run
+
+
 @pytest.fixture(autouse=True)
-def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A ``unit`` test that starts a process (subprocess, multiprocessing, fork, os.system) fails, as one
-    that asks for Redis does: pytest.fail is no Exception, so code under test cannot swallow it."""
+    that asks for Redis does: pytest.fail is no Exception, so code under test cannot swallow it. So does one
+    that imports torch or transformers (what keeps ``pytest -m unit`` within seconds)."""
     if request.node.get_closest_marker("unit") is None:
+        yield
         return
+    loaded = {m for m in HEAVY_MODULES if m in sys.modules}
 
     def refuse(*_args, **_kwargs):
         pytest.fail(f"{request.node.nodeid} is marked unit but starts a process (make it integration)")
@@ -60,6 +67,9 @@ def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: py
     for name in ("system", "fork", "forkpty", "posix_spawn", "posix_spawnp"):
         if hasattr(os, name):
             monkeypatch.setattr(os, name, refuse)
+    yield
+    if heavy := {m for m in HEAVY_MODULES if m in sys.modules} - loaded:
+        pytest.fail(f"{request.node.nodeid} is marked unit but imports {sorted(heavy)} (make it integration)")
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,6 @@ from batchfleet.worker.replies import completion_reply
 from batchfleet.worker.transport import Entry
 from batchfleet.worker.validate import Accepted
 
-pytestmark = pytest.mark.unit
 RECURSIVE_REQUIRED = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 # the cases of issue 30: (request option, value, the reason's words); each passed llguidance's own validation
 GIVEN_UP = [
@@ -47,12 +46,14 @@ def guide_of(option: str, value: object) -> Guide:
     return Guide(kind, json.dumps(value) if isinstance(value, dict) else value)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("option", "value", "why"), GIVEN_UP)
 def test_guides_llguidance_gives_up_on_are_refused_by_the_check(option, value, why):
     with pytest.raises(GuideError, match=why):
         guide_of(option, value).check()
 
 
+@pytest.mark.unit
 def test_followable_guides_still_pass_and_a_later_failure_is_not_seen_by_the_check():
     for good in (Guide("json_object"), Guide("regex", "a?"), Guide("regex", "[0-9]{3}-[0-9]{4}"),
                  Guide("choice", '["yes", "no"]'), Guide("grammar", 'root ::= "a" | "b"'),
@@ -62,6 +63,7 @@ def test_followable_guides_still_pass_and_a_later_failure_is_not_seen_by_the_che
         good.check()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("option", "value", "why"), GIVEN_UP)
 def test_the_gateway_answers_a_400_naming_the_guide_field(option, value, why):
     for chat in (False, True):
@@ -83,6 +85,7 @@ def test_the_gateway_answers_a_400_naming_the_guide_field(option, value, why):
         assert exc.value.param == "response_format"
 
 
+@pytest.mark.unit
 def test_the_python_clients_refuse_them_before_sending():
     for option, value, why in GIVEN_UP:
         with pytest.raises(InvalidRequest, match=why):
@@ -123,6 +126,7 @@ def test_a_matcher_failing_at_run_time_ends_its_request_with_guide_failed():
     assert done.outcome() == {"finish_reason": "length"}  # a free request: its finish reason, as before
 
 
+@pytest.mark.unit
 def test_a_guide_failed_completion_is_an_error_reply_logged_and_counted(caplog):
     entry = Entry(bucket=32, entry_id="1-0", fields={b"id": b"j"})
     acc = Accepted(entry, Request(id="j", prompt=[1], reply_key="inbox"), GenRequest(id="j", prompt=[1], bucket=32),
@@ -138,6 +142,7 @@ def test_a_guide_failed_completion_is_an_error_reply_logged_and_counted(caplog):
     assert ledger.outcomes[GUIDE_FAILED] == 1 and ledger["errors"] == 1
 
 
+@pytest.mark.unit
 def test_a_guide_failed_reply_is_a_400_naming_the_guide_at_the_gateway():
     err = api_error(JobFailed("j", GUIDE_FAILED, "structured output failed after 12 token(s)"), "guided_grammar")
     assert (err.status, err.type, err.code, err.param) == (400, "invalid_request_error", GUIDE_FAILED,
@@ -145,6 +150,7 @@ def test_a_guide_failed_reply_is_a_400_naming_the_guide_at_the_gateway():
     assert api_error(JobFailed("j", "engine_error", "boom"), "guided_grammar").status == 500  # not the guide's
 
 
+@pytest.mark.unit
 def test_a_result_reports_what_the_engine_did():
     entry = Entry(bucket=32, entry_id="1-0", fields={b"id": b"j"}, lane="batch")
     acc = Accepted(entry, Request(id="j", prompt=[1] * 40, reply_key="inbox"),

@@ -15,10 +15,10 @@ from batchfleet.common.params import Params
 from batchfleet.common.protocol import Delta, Request, Result, decode_reply
 from batchfleet.producer.core import Ask
 
-pytestmark = pytest.mark.unit
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
+@pytest.mark.unit
 def test_options_become_one_guide():
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}
     assert from_response_format(rf) == Guide("json_schema", json.dumps(SCHEMA, separators=(",", ":")))
@@ -40,6 +40,7 @@ def test_options_become_one_guide():
         assert exc.value.param == param, kwargs
 
 
+@pytest.mark.unit
 def test_guides_compile_or_say_why():
     for good in (Guide("json_object"), Guide("json_schema", json.dumps(SCHEMA)), Guide("regex", "[a-z]{3}"),
                  Guide("choice", '["yes", "no"]'), Guide("grammar", 'start: "a" | "b"'),
@@ -54,6 +55,7 @@ def test_guides_compile_or_say_why():
             bad.check()
 
 
+@pytest.mark.unit
 def test_wire_versions_and_roundtrip():
     plain = Request(id="j", prompt=[1], reply_key="k")
     assert msgpack.unpackb(plain.encode())["v"] == 3 and msgpack.unpackb(plain.encode())["guide"] is None
@@ -74,6 +76,7 @@ def test_wire_versions_and_roundtrip():
     assert decode_reply(delta.encode()) == delta
 
 
+@pytest.mark.unit
 def test_client_params_refuse_bad_options_before_sending():
     assert Ask.of({"guided_regex": "[0-9]"}).params.guide == Guide("regex", "[0-9]")
     assert Ask.of({"logprobs": 0}).params.logprobs == 0

@@ -29,7 +29,6 @@ def _weights(n_out=48, n_in=40, dtype=None, bias=True):
     return w, (torch.randn(n_out, generator=g).to(dtype or torch.float32) if bias else None)
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("choice", CHOICES)
 @pytest.mark.parametrize("bias", [True, False])
 def test_every_choice_computes_f_linear_at_every_row_count(L, choice, bias):
@@ -49,7 +48,6 @@ def test_every_choice_computes_f_linear_at_every_row_count(L, choice, bias):
         torch.testing.assert_close(lin(x3[:, -1]), F.linear(x3[:, -1], w, b), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.unit
 def test_auto_measures_each_shape_once_and_describes_it(L):
     make = L.LinearFactory("auto")
     w, b = _weights()
@@ -66,7 +64,6 @@ def test_auto_measures_each_shape_once_and_describes_it(L):
         assert desc["40->48 float32"] == "default"
 
 
-@pytest.mark.unit
 def test_default_never_packs_and_bf16_falls_back_where_onednn_cannot(L):
     import torch
     import torch.nn.functional as F
@@ -83,7 +80,6 @@ def test_default_never_packs_and_bf16_falls_back_where_onednn_cannot(L):
         L.LinearFactory("fastest")
 
 
-@pytest.mark.unit
 def test_plan_table_picks_the_nearest_probe_in_log_scale(L):
     plan = L.Plan({1: "default", 4: "onednn", 16: "onednn", 64: "default"})
     table = plan.table()

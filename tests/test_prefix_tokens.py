@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.producer.core import FleetView
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration  # the byte-level tokenizer: transformers (not a unit test's import)
 
 SYSTEM = ("You are a careful assistant for an online bookshop. Answer questions about orders, shipping and "
           "returns in two sentences at most. Never invent an order number; ask for it instead.")

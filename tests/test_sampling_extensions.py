@@ -44,7 +44,6 @@ def sample(*args):
     return sample(*args)
 
 
-@pytest.mark.unit
 def test_min_tokens_masks_eos_until_reached_and_ignore_eos_never_stops(torch):
     logits = torch.zeros(1, 10)
     logits[0, EOS_ID] = 5.0
@@ -58,7 +57,6 @@ def test_min_tokens_masks_eos_until_reached_and_ignore_eos_never_stops(torch):
     assert [forever.push(EOS_ID) for _ in range(3)] == [False, False, True] and forever.reason == "length"
 
 
-@pytest.mark.unit
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens(torch):
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 3.0, 2.0, -1.0, -1.5]])
     r = req(prompt=[5], repetition_penalty=2.0)
@@ -71,7 +69,6 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
     assert sample(logits, [r], [None], [checker(r, [5])]).tolist() == [6]
 
 
-@pytest.mark.unit
 def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability(torch):
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     r = req(temperature=1.0, min_p=0.25)  # keeps p >= 0.125: tokens 0, 1, 2

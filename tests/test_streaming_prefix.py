@@ -15,7 +15,7 @@ from batchfleet.common.protocol import decode_reply
 from batchfleet.worker.engine.tokenizer import BYTE_OFFSET
 from batchfleet.worker.streaming import StreamPublisher
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration  # the byte-level tokenizer: transformers (not a unit test's import)
 
 
 @functools.cache

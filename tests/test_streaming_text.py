@@ -11,7 +11,7 @@ import pytest
 from batchfleet.common.protocol import decode_reply
 from batchfleet.worker.streaming import StreamPublisher
 
-pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
+pytestmark = pytest.mark.integration  # the byte-level tokenizer: transformers (not a unit test's import)
 
 @functools.cache
 def tokenizer():
