@@ -229,6 +229,14 @@ def request_cost(n_requests: int, concurrency: int, worker_args: list[str]) -> d
         server.stop()
 
 
+def idle_workers_per_core(rows: list[dict]) -> float | None:
+    """Idle workers one Redis core carries: 1 / the Redis CPU each idle worker adds (the slope between the
+    smallest and the largest fleet, so Redis' own cron is not charged to the workers)."""
+    lo, hi = rows[0], rows[-1]
+    slope = (hi["idle_redis_cpu_share"] - lo["idle_redis_cpu_share"]) / max(hi["workers"] - lo["workers"], 1)
+    return 1 / slope if slope > 0 else None
+
+
 @click.command()
 @click.option("--workers", default="1,2,4,8,16,32,64", help="Fleet sizes, comma separated.")
 @click.option("--seconds", type=float, default=20.0, help="Closed-loop seconds per fleet size.")
@@ -269,7 +277,7 @@ def main(workers: str, seconds: float, idle_seconds: float, per_worker: float, n
            "settings": {"seconds": seconds, "per_worker": per_worker, "new_tokens": new_tokens,
                         "prompt_len": prompt_len, "max_running": max_running, "cost_ms": cost},
            "request_cost": cost_run, "rows": rows, "redis_saturation_rps": saturation,
-           "idle_workers_per_redis": (1 / max(r["idle_redis_cpu_share"] / r["workers"] for r in rows))}
+           "idle_workers_per_redis": idle_workers_per_core(rows)}
     print("by command (calls, usec per request):", json.dumps(cost_run["by_command"]))
     print(f"\nper request (1 worker, 1 token, 64 clients): {cost_run['calls_per_req']:.1f} Redis calls, "
           f"{cost_run['usec_per_req']:.0f} us command time, {cost_run['redis_cpu_us_per_req']:.0f} us Redis CPU")
