@@ -20,6 +20,7 @@ import logging
 import os
 import secrets
 import time
+from dataclasses import replace
 from typing import Any
 
 import redis.asyncio
@@ -211,9 +212,9 @@ class BatchJob:
             self.stop.set()
         watcher = asyncio.ensure_future(self.watch(doc, spec))
         try:
-            fmt.fleet = await client.fleet()
-            fmt.model_names = self.config.served_model_names or (fmt.fleet.info.model,)
-            fmt.alias_any = self.config.model_alias_any
+            fleet = await client.fleet()  # the format that runs lines knows the fleet and the names it serves
+            fmt = replace(fmt, fleet=fleet, model_names=self.config.served_model_names or (fleet.info.model,),
+                          alias_any=self.config.model_alias_any)
             doc["model"] = fmt.model_names[0]
 
             def count(s: Summary) -> None:  # the batch's request_counts, published by watch()
