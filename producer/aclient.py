@@ -89,6 +89,7 @@ class AsyncClient:
                            self.calls)
         self._fleet = FleetView()
         self._live_seen = -math.inf  # time.monotonic() of the last enqueue that found a live worker
+        self._checking = -math.inf  # time.monotonic() the last live-worker check was sent (one at a time)
         self._fleet_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()  # cancels of given-up jobs (a reference keeps them alive)
 
@@ -133,9 +134,14 @@ class AsyncClient:
         job = await self._build(fleet, prompt, ask, deadline.left(), job_id, stream)
         self.inbox.expect(job.id, stream)
         # the live-worker check (TIME + ZCOUNT inside the function) is skipped while an enqueue of this
-        # client found a live worker within LIVENESS_TRUST_S: two of a request's Redis calls, saved under load
+        # client found a live worker within LIVENESS_TRUST_S, or while another enqueue's check is on its way
+        # (one check at a time: on a slow host, every enqueue of a burst would check otherwise): two of a
+        # request's Redis calls, saved under load
         asked_at = time.monotonic()
-        check = self.require_workers and not fleet.scales_to_zero and asked_at - self._live_seen > LIVENESS_TRUST_S
+        check = (self.require_workers and not fleet.scales_to_zero and asked_at - self._live_seen > LIVENESS_TRUST_S
+                 and asked_at - self._checking > LIVENESS_TRUST_S)
+        if check:
+            self._checking = asked_at
         try:
             args = job.args(check, LIVE_WORKER_MS)
             code = await self.calls.io(lambda: self.calls.function("enqueue", [job.stream, self.keys.workers], args),
@@ -143,6 +149,9 @@ class AsyncClient:
         except BaseException as exc:  # enqueued or not, nobody can tell: cancel it in case it was
             self._give_up_later(job.id, cancel=isinstance(exc, asyncio.CancelledError))
             raise
+        finally:
+            if check:  # answered or not: the next enqueue may check again (or trusts what this one found)
+                self._checking = -math.inf
         try:
             job.accepted(code, self.keys.namespace)
         except BaseException:  # refused (QueueFull, NoWorkers, too large): no answer will ever come

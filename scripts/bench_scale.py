@@ -5,7 +5,8 @@ sleeps for a measured step-cost model instead of running a model, so N = 64 fits
 is measured is the fleet's own cost. A private redis-server (no persistence) serves each run. Per N:
 
 - closed loop: ``--per-worker`` x max_running x N clients send back to back (each request ``--new-tokens``
-  tokens): throughput against N x the one-worker throughput (scaling efficiency), the queue wait the
+  tokens), spread over ``--client-procs`` processes (scripts/benchlib/load.py), throughput counted over a
+  steady window past the start-up wave: against N x the one-worker throughput (scaling efficiency), the queue wait the
   fleet adds (enqueue -> the step that started the request, p50/p99), Redis calls and Redis CPU per request;
 - idle: the same N workers with no traffic: Redis calls per second per idle worker.
 
@@ -24,8 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
-import statistics
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ import redis
 
 from batchfleet.producer import AsyncClient
 from batchfleet.worker.devtools import PrivateRedis, free_port
+from benchlib import load  # scripts/ is on sys.path when run as python scripts/bench_scale.py
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_SERVER = "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else "redis-server"
@@ -89,78 +89,8 @@ def stop_workers(procs: list[subprocess.Popen]) -> None:
             p.kill()
 
 
-def pct(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else (xs or [0.0])[0]
-
-
-async def closed_loop(url: str, ns: str, clients: int, seconds: float, new_tokens: int, prompt_len: int) -> dict:
-    """``clients`` tasks send back to back for ``seconds``; what they saw."""
-    rng = random.Random(0)
-    queue_ms: list[float] = []
-    e2e_ms: list[float] = []
-    errors = 0
-    async with AsyncClient(url, ns, max_connections=16) as client:
-        await client.fleet(timeout=30)
-        end = time.monotonic() + seconds
-
-        async def one_client() -> None:
-            nonlocal errors
-            while time.monotonic() < end:
-                prompt = [rng.randrange(1, 500) for _ in range(prompt_len)]
-                t0 = time.monotonic()
-                try:
-                    res = await client.generate(prompt, max_new_tokens=new_tokens, timeout=120)
-                except Exception:
-                    errors += 1
-                    continue
-                queue_ms.append(res.queue_ms)
-                e2e_ms.append((time.monotonic() - t0) * 1000)
-
-        t0 = time.monotonic()
-        await asyncio.gather(*(one_client() for _ in range(clients)))
-        wall = time.monotonic() - t0
-    return {"requests": len(e2e_ms), "errors": errors, "wall_s": wall, "rps": len(e2e_ms) / wall,
-            "tok_s": len(e2e_ms) * new_tokens / wall, "queue_p50_ms": pct(queue_ms, 50),
-            "queue_p99_ms": pct(queue_ms, 99), "e2e_p50_ms": pct(e2e_ms, 50), "e2e_p99_ms": pct(e2e_ms, 99)}
-
-
-async def open_loop(url: str, ns: str, rate: float, seconds: float, new_tokens: int, prompt_len: int) -> dict:
-    """Poisson arrivals at ``rate`` per second for ``seconds``; each request waited for on its own task."""
-    rng = random.Random(1)
-    queue_ms: list[float] = []
-    e2e_ms: list[float] = []
-    errors = 0
-    async with AsyncClient(url, ns, max_connections=16) as client:
-        await client.fleet(timeout=30)
-
-        async def one() -> None:
-            nonlocal errors
-            t0 = time.monotonic()
-            try:
-                res = await client.generate([rng.randrange(1, 500) for _ in range(prompt_len)],
-                                            max_new_tokens=new_tokens, timeout=120)
-            except Exception:
-                errors += 1
-                return
-            queue_ms.append(res.queue_ms)
-            e2e_ms.append((time.monotonic() - t0) * 1000)
-
-        tasks = []
-        t0 = time.monotonic()
-        at = t0
-        while at < t0 + seconds:
-            at += rng.expovariate(rate)
-            await asyncio.sleep(max(0.0, at - time.monotonic()))
-            tasks.append(asyncio.create_task(one()))
-        await asyncio.gather(*tasks)
-        wall = time.monotonic() - t0
-    return {"offered_rps": rate, "requests": len(e2e_ms), "errors": errors, "rps": len(e2e_ms) / wall,
-            "queue_p50_ms": pct(queue_ms, 50), "queue_p99_ms": pct(queue_ms, 99), "e2e_p50_ms": pct(e2e_ms, 50),
-            "e2e_p99_ms": pct(e2e_ms, 99)}
-
-
 def measure_n(n: int, seconds: float, idle_s: float, per_worker: float, new_tokens: int, prompt_len: int,
-              max_running: int, worker_args: list[str], open_rate: float | None) -> dict:
+              max_running: int, worker_args: list[str], open_rate: float | None, client_procs: int) -> dict:
     server = Server()
     procs: list[subprocess.Popen] = []
     try:
@@ -174,16 +104,18 @@ def measure_n(n: int, seconds: float, idle_s: float, per_worker: float, new_toke
         idle_cpu = (after["cpu_s"] - before["cpu_s"]) / idle_s
         clients = max(1, round(per_worker * max_running * n))
         before = server.counters()
-        run = asyncio.run(closed_loop(server.url, ns, clients, seconds, new_tokens, prompt_len))
-        after = server.counters()
+        shape = {"url": server.url, "namespace": ns, "seconds": seconds, "new_tokens": new_tokens,
+                 "prompt_len": prompt_len}
+        t0 = time.monotonic()
+        run = load.run(load.Load(**shape, clients=clients), client_procs)
+        after, wall = server.counters(), time.monotonic() - t0
         done = max(run["requests"], 1)
-        poisson = None if open_rate is None else asyncio.run(
-            open_loop(server.url, ns, open_rate * n, seconds, new_tokens, prompt_len))
+        poisson = None if open_rate is None else load.run(load.Load(**shape, rate=open_rate * n), client_procs)
         return {"workers": n, "clients": clients, **run, "open_loop": poisson,
                 "redis_calls_per_req": (after["calls"] - before["calls"]) / done,
                 "redis_usec_per_req": (after["usec"] - before["usec"]) / done,
                 "redis_cpu_us_per_req": (after["cpu_s"] - before["cpu_s"]) / done * 1e6,
-                "redis_cpu_share": (after["cpu_s"] - before["cpu_s"]) / run["wall_s"],
+                "redis_cpu_share": (after["cpu_s"] - before["cpu_s"]) / wall,
                 "idle_calls_per_worker_s": idle_calls, "idle_redis_cpu_share": idle_cpu}
     finally:
         stop_workers(procs)
@@ -247,13 +179,16 @@ def idle_workers_per_core(rows: list[dict]) -> float | None:
 @click.option("--max-running", type=int, default=32)
 @click.option("--cost", default="8,0.02,30,0.3", help="Simulated step cost: prefill_a,prefill_b,decode_c,decode_d ms.")
 @click.option("--cost-requests", type=int, default=1500, help="Requests of the per-request Redis cost run.")
-@click.option("--load", type=float, default=0.7, help="Open-loop Poisson rate, x the one-worker closed-loop rate x N.")
+@click.option("--client-procs", type=int, default=4, show_default=True,
+              help="Client processes the load is spread over (one process cannot feed 64 workers).")
+@click.option("--load", "load_x", type=float, default=0.7,
+              help="Open-loop Poisson rate, x the one-worker closed-loop rate x N.")
 @click.option("--json", "json_path", default=None)
 @click.option("--redis-server", "redis_server", default=DEFAULT_SERVER, show_default=True,
               help="The redis-server binary of the private servers (/usr/bin/redis-server when it exists).")
 def main(workers: str, seconds: float, idle_seconds: float, per_worker: float, new_tokens: int, prompt_len: int,
-         max_running: int, cost: str, cost_requests: int, load: float, json_path: str | None,
-         redis_server: str) -> None:
+         max_running: int, cost: str, cost_requests: int, client_procs: int, load_x: float,
+         json_path: str | None, redis_server: str) -> None:
     Server.binary = redis_server
     version = subprocess.run([redis_server, "--version"], capture_output=True, text=True).stdout.strip()
     print(version, file=sys.stderr, flush=True)
@@ -263,26 +198,27 @@ def main(workers: str, seconds: float, idle_seconds: float, per_worker: float, n
     per_worker_rps = None  # the open-loop rate per worker: --load x what one worker carried closed-loop
     for n in (int(x) for x in workers.split(",")):
         rows.append(measure_n(n, seconds, idle_seconds, per_worker, new_tokens, prompt_len, max_running, worker_args,
-                              None if per_worker_rps is None else load * per_worker_rps))
+                              None if per_worker_rps is None else load_x * per_worker_rps, client_procs))
         if per_worker_rps is None:
             per_worker_rps = rows[0]["rps"] / n
             rows[0]["open_loop"] = measure_n(n, seconds, 0.1, per_worker, new_tokens, prompt_len, max_running,
-                                             worker_args, load * per_worker_rps)["open_loop"]
+                                             worker_args, load_x * per_worker_rps, client_procs)["open_loop"]
         print(f"N={n}: {rows[-1]['rps']:.1f} req/s", file=sys.stderr, flush=True)
     base = rows[0]["rps"] / rows[0]["workers"]
     for row in rows:
         row["efficiency"] = row["rps"] / (base * row["workers"])
     saturation = 1e6 / cost_run["redis_cpu_us_per_req"] if cost_run["redis_cpu_us_per_req"] else None
     out = {"host": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "redis": version},
-           "settings": {"seconds": seconds, "per_worker": per_worker, "new_tokens": new_tokens,
-                        "prompt_len": prompt_len, "max_running": max_running, "cost_ms": cost},
+           "settings": {"seconds": seconds, "client_procs": client_procs, "per_worker": per_worker,
+                        "new_tokens": new_tokens, "prompt_len": prompt_len, "max_running": max_running,
+                        "cost_ms": cost},
            "request_cost": cost_run, "rows": rows, "redis_saturation_rps": saturation,
            "idle_workers_per_redis": idle_workers_per_core(rows)}
     print("by command (calls, usec per request):", json.dumps(cost_run["by_command"]))
     print(f"\nper request (1 worker, 1 token, 64 clients): {cost_run['calls_per_req']:.1f} Redis calls, "
           f"{cost_run['usec_per_req']:.0f} us command time, {cost_run['redis_cpu_us_per_req']:.0f} us Redis CPU")
     print(f"one Redis core saturates near {saturation:,.0f} requests/s (1 / Redis CPU per request)\n")
-    print(f"closed loop: {per_worker:g} x max_running clients per worker; open loop: Poisson at {load:g} x N x "
+    print(f"closed loop: {per_worker:g} x max_running clients per worker; open loop: Poisson at {load_x:g} x N x "
           "the one-worker closed-loop rate; queue = enqueue -> the step that started the request\n")
     print("| workers | closed req/s | efficiency | open req/s (offered) | open queue p50 / p99 ms | calls/req "
           "| Redis CPU us/req | Redis CPU share | idle calls/s/worker |")

@@ -134,6 +134,9 @@ def test_release_hands_stale_queued_entries_to_a_peer_without_counting_a_deliver
         table.queue(acc)
     ra = ReadAhead(busy, max_wait_ms=50, claim_idle_ms=1000)
     assert ra.after_s == 1.0 and release_after_s(math.inf) == math.inf and cap(8, True) == 8 and cap(8, False) == 16
+    # continuous mode: only the engine's room now (never a batch ahead while full), at most two batches
+    assert cap(8, True, joins=True, room=0) == 0 and cap(8, False, joins=True, room=5) == 5
+    assert cap(8, False, joins=True, room=40) == 16 and cap(8, False, joins=True, room=-1) == 0
     ra.stepping(held, engine_full=True)
     assert ra.check() == 0  # not stale yet
     ra._since = {k: v - 2 for k, v in ra._since.items()}  # they have waited 2 s

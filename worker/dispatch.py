@@ -58,6 +58,10 @@ class Dispatcher:
         return self.engine.has_work() and (self.alone or self.requests.count(Stage.SOLO) > 0
                                            or self.engine.room(RANK[lane]) <= 0)
 
+    def room_now(self, lane: str) -> int:
+        """How many requests of ``lane`` the engine could start at its next admission (0 while full)."""
+        return 0 if self.engine_full(lane) else max(0, self.engine.room(RANK[lane]))
+
     def rooms(self) -> dict[str, int]:
         """The engine's room per lane (interactive work may have room that batch work has not)."""
         return {lane: self.engine.room(RANK[lane]) for lane in LANES}

@@ -37,7 +37,8 @@ class Intake:
 
     def __init__(self, cfg: WorkerConfig, transport: Transport, limits: Limits, requests: RequestTable,
                  ledger: Ledger, send: Callable[[list[Reply]], None],
-                 engine_full: Callable[[str], bool] = lambda lane: False) -> None:
+                 engine_full: Callable[[str], bool] = lambda lane: False,
+                 engine_room: Callable[[str], int] | None = None) -> None:
         self.cfg = cfg
         self.transport = transport
         self.limits = limits
@@ -48,12 +49,16 @@ class Intake:
         self.next_prune = 0.0
         # the dispatcher's: whether the engine can start nothing more of a lane now (default: never full)
         self.engine_full = engine_full
+        # continuous mode: the engine's room per class now (it admits at every step); None: it runs batches
+        self.engine_room = engine_room
 
     def room(self, lane: str) -> int:
-        """Hold at most two batches of a lane locally (queued or waiting to run alone), one while the engine
-        has no room for it: leave the rest to peers (worker/readahead.py). Per lane, so batch work held
-        here never keeps interactive work from being read."""
-        cap = readahead_cap(self.cfg.batching.max_batch_size, self.engine_full(lane))
+        """Hold locally (queued or waiting to run alone) only what can start soon: leave the rest to peers
+        (worker/readahead.py). Per lane, so batch work held here never keeps interactive work from being
+        read."""
+        joins = self.engine_room is not None
+        cap = readahead_cap(self.cfg.batching.max_batch_size, self.engine_full(lane), joins=joins,
+                            room=self.engine_room(lane) if joins else 0)
         return cap - self.requests.waiting(lane)
 
     # ---- new entries -----------------------------------------------------------------------------

@@ -66,14 +66,17 @@ class WorkerLoop:
         self.stopping = threading.Event()
         streams = StreamPublisher(decode, cfg.stream_interval_ms / 1000) if decode else None
         # the intake asks the dispatcher (made next: it answers through the intake) whether the engine is full
+        # and, in continuous mode (it admits at every step), how much it could start now
+        joins = cfg.engine.mode == "continuous"
         self.intake = Intake(cfg, transport, limits, self.requests, self.ledger, self._send,
-                             lambda lane: self.dispatch.engine_full(lane))
+                             lambda lane: self.dispatch.engine_full(lane),
+                             (lambda lane: self.dispatch.room_now(lane)) if joins else None)
         self.dispatch = Dispatcher(cfg, engine, transport, self.requests, self.intake, self.ledger, streams,
                                    self._send, self.observer)
         self.outage = Backoff(log, "redis")
         self.faults = Backoff(log, "worker loop (after an internal error)")
         self._progress = time.monotonic()  # last time a tick completed or an engine step returned
-        # read-ahead bound: hold one batch ahead while the engine is full, release what waits too long
+        # read-ahead bound (worker/readahead.py): hold only what can start soon, release what waits too long
         self.readahead = ReadAhead(transport, b.max_wait_ms, cfg.claim_idle_ms)
         self.lease = LeaseKeeper(transport, cfg.claim_idle_ms, lambda: self.readahead.unreleased(self.requests),
                                  lambda: max(self._progress, self.dispatch.progress), cfg.stall_timeout_s,

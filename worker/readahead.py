@@ -2,9 +2,13 @@
 
 Two rules:
 
-- **Read no more than it can start soon** (``cap``): two batches' worth (``2 x max_batch_size``) while
-  the engine has room, one batch's worth while it has none (a dynamic batch running, continuous mode at
-  ``max_running``): the next batch is ready when the engine frees up, the rest stays in Redis for peers.
+- **Read no more than it can start soon** (``cap``). An engine that runs each batch to completion
+  (dynamic and static modes): two batches' worth (``2 x max_batch_size``) while idle, one while a batch
+  runs, so the next batch is formed while this one runs. An engine that admits at every step (continuous
+  mode): only its room now (``Engine.room``, at most ``2 x max_batch_size``): the loop reads before it
+  admits in every tick, so a slot that frees is filled from Redis one tick later whoever's entry it is,
+  and a full worker holds nothing a peer with room could start (holding a batch ahead there cost a third
+  of the fleet's throughput at 8+ workers: docs/BENCHMARKS.md section 11).
 - **Release what waits too long** (``ReadAhead``): a request queued here for longer than
   ``max(2 x max_wait_ms, RELEASE_FLOOR_MS)`` while the engine has no room for it is released (its lease
   given up, ``Transport.release`` without counting a delivery), so the next reclaim of any worker, an
@@ -39,8 +43,12 @@ CHECK_S = 0.1  # how often the release thread looks
 PEERS_CHECK_S = 1.0  # how often it asks Redis whether a live peer exists
 
 
-def cap(max_batch_size: int, engine_full: bool) -> int:
-    """How many requests a worker may hold queued: one batch ahead while the engine is full, else two."""
+def cap(max_batch_size: int, engine_full: bool, joins: bool = False, room: int = 0) -> int:
+    """How many requests of a class a worker may hold waiting to start. ``joins``: the engine admits at
+    every step, and ``room`` is how many it could take now; otherwise one batch ahead while the engine is
+    full, two while it is idle."""
+    if joins:
+        return min(max(0, room), 2 * max_batch_size)
     return max_batch_size if engine_full else 2 * max_batch_size
 
 
