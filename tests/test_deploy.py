@@ -60,6 +60,16 @@ def test_compose_no_sleep_race_and_healthchecks():
 
 
 @pytest.mark.unit
+def test_metrics_bind_localhost_unless_the_deployment_says_otherwise():
+    from batchfleet.common.config import WorkerConfig
+
+    assert WorkerConfig().metrics_host == GatewayConfig().metrics_host == "127.0.0.1"
+    for name in ("worker", "gateway"):  # Prometheus scrapes them from its own container
+        env = compose()["services"][name]["environment"]
+        assert env["BATCHFLEET_METRICS_HOST"] == "0.0.0.0" and env["BATCHFLEET_METRICS_PORT"]  # noqa: S104
+
+
+@pytest.mark.unit
 def test_compose_redis_fsyncs_every_write():
     cmd = compose()["services"]["redis"]["command"]
     assert cmd[cmd.index("--appendonly") + 1] == "yes"
@@ -192,6 +202,8 @@ def test_env_names_and_metrics_port(name: str):
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ann["prometheus.io/scrape"] == "true"
     assert int(ann["prometheus.io/port"]) == ports["metrics"] == int(env["BATCHFLEET_METRICS_PORT"]) == METRICS_PORT
+    # the default bind is 127.0.0.1 (no key on /metrics): the manifests open it to the pod's network explicitly
+    assert env["BATCHFLEET_METRICS_HOST"] == "0.0.0.0"  # noqa: S104
     assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
 
 

@@ -108,7 +108,7 @@ class WorkerMetrics(LoopStats):
                                      registry=self.registry)
         self.server: MetricsServer | None = server
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> MetricsServer:
+    def serve(self, port: int, addr: str = "127.0.0.1") -> MetricsServer:
         """Serve /metrics on ``port`` from a thread (0: a free port, see ``.server.port``)."""
         self.server = serve_metrics(self.registry, port, addr)
         return self.server
