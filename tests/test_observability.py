@@ -83,6 +83,18 @@ def test_kubernetes_rule_is_the_same_as_the_rule_file():
     assert rule["spec"]["groups"] == yaml.safe_load(ALERTS.read_text())["groups"]
 
 
+def documented(prefix: str) -> dict[str, set[str]]:
+    """metric -> label names, from docs/OPERATIONS.md's metric tables (rows like | `name{a,b}` | type | ...)."""
+    import re
+
+    out: dict[str, set[str]] = {}
+    for name, labels in re.findall(r"^\| `(%s[a-z_]*)(?:\{([a-z_,]*)\})?` \|" % prefix,
+                                   (ROOT / "docs" / "OPERATIONS.md").read_text(), re.M):
+        assert name not in out, f"{name} is documented twice"
+        out[name] = set(filter(None, labels.split(",")))
+    return out
+
+
 def scrape(url: str) -> dict[str, set[str]]:
     """sample name -> label names seen, from a live /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -119,6 +131,14 @@ def test_every_metric_used_is_exported(start_worker, redis_url: str, namespace: 
         exported.setdefault(name, set()).update(labels)
     assert "batchfleet_gateway_requests_total" in gateway and "batchfleet_workers_live" in gateway
     assert {"route", "status"} <= gateway["batchfleet_gateway_requests_total"]
+    # OPERATIONS.md's gateway table names the labels this gateway exports, no more, no fewer (issue 32)
+    docs = documented("batchfleet_gateway_")
+    families = {n.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum") for n in gateway
+                if n.startswith("batchfleet_gateway_") and not n.endswith("_created")}
+    assert set(docs) == families
+    for name, labels in docs.items():
+        sample = next(n for n in (name, name + "_count") if n in gateway)
+        assert gateway[sample] - {"le"} == labels, f"OPERATIONS.md documents {name}{{{','.join(sorted(labels))}}}"
     used = [(where, name, labels) for where, exprs in (("grafana", grafana_exprs()),
                                                        ("alerts", [r["expr"] for r in alert_rules()]))
             for e in exprs for name, labels in selectors(e)]
