@@ -56,7 +56,8 @@ def test_alerts_test_fails_on_the_old_rules(tmp_path: Path):
     groups = yaml.safe_load((PROM / "alerts.yml").read_text())
     for rule in groups["groups"][0]["rules"]:
         if rule["alert"] == "BatchfleetKVCacheSaturated":
-            rule["expr"] = "avg(batchfleet_kv_cache_usage_ratio) > 0.9 or sum(rate(batchfleet_preemptions_total[5m])) > 0.1"
+            rule["expr"] = ("avg(batchfleet_kv_cache_usage_ratio) > 0.9 "
+                            "or sum(rate(batchfleet_preemptions_total[5m])) > 0.1")
     (tmp_path / "alerts.yml").write_text(yaml.safe_dump(groups))
     shutil.copy(PROM / "alerts_test.yml", tmp_path / "alerts_test.yml")
     out = promtool("test", "rules", "alerts_test.yml", cwd=tmp_path)

@@ -78,7 +78,8 @@ def test_worker_metrics_under_load(start_worker, redis_url: str, namespace: str)
         assert one(m, "batchfleet_requests_total", outcome="worker_failed") == 1
         assert one(m, "batchfleet_requests_total", outcome="cancelled") == 0
         assert one(m, "batchfleet_dead_letters_total") == 1
-        assert one(m, "batchfleet_reclaimed_total") == 0 and one(m, "batchfleet_preemptions_total", reason="capacity") == 0
+        assert one(m, "batchfleet_reclaimed_total") == 0
+        assert one(m, "batchfleet_preemptions_total", reason="capacity") == 0
         assert one(m, "batchfleet_preemptions_total", reason="priority") == 0
         assert one(m, "batchfleet_prompt_tokens_total") == sum(x.prompt_tokens for x in results)
         assert one(m, "batchfleet_generation_tokens_total") == sum(x.completion_tokens for x in results) > 0

@@ -88,7 +88,7 @@ def documented(prefix: str) -> dict[str, set[str]]:
     import re
 
     out: dict[str, set[str]] = {}
-    for name, labels in re.findall(r"^\| `(%s[a-z_]*)(?:\{([a-z_,]*)\})?` \|" % prefix,
+    for name, labels in re.findall(rf"^\| `({prefix}[a-z_]*)(?:\{{([a-z_,]*)\}})?` \|",
                                    (ROOT / "docs" / "OPERATIONS.md").read_text(), re.M):
         assert name not in out, f"{name} is documented twice"
         out[name] = set(filter(None, labels.split(",")))
