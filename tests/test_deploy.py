@@ -31,6 +31,7 @@ from tests.helpers.deploy import (
     manifests,
     of_kind,
 )
+from tests.helpers.deploy import redis_url as shipped_redis_url
 
 
 # ---- compose + Dockerfile ---------------------------------------------------------------------------
@@ -163,7 +164,7 @@ def test_keda_triggers_match_streams_and_count_every_unanswered_request():
     triggers = so["spec"]["triggers"]
     assert all(t["type"] == "redis-streams" for t in triggers)
     assert sorted(t["metadata"]["stream"] for t in triggers) == sorted(s for s, _, _ in keys.streams(DEFAULT_BUCKETS))
-    redis_url = urlsplit(configmap_env()["BATCHFLEET_REDIS_URL"])
+    redis_url = urlsplit(shipped_redis_url())
     capacity = int(configmap_env()["BATCHFLEET_MAX_RUNNING"])
     for t in triggers:
         md = t["metadata"]
@@ -178,7 +179,7 @@ def test_keda_triggers_match_streams_and_count_every_unanswered_request():
 
 @pytest.mark.unit
 def test_redis_manifest_aof_always_and_service_port():
-    redis_url = urlsplit(configmap_env()["BATCHFLEET_REDIS_URL"])
+    redis_url = urlsplit(shipped_redis_url())
     name, namespace, *svc_domain = redis_url.hostname.split(".")  # fully qualified: KEDA resolves it too
     assert svc_domain == ["svc", "cluster", "local"] and namespace == "batchfleet"
     svc = of_kind("Service")[name]
@@ -187,6 +188,14 @@ def test_redis_manifest_aof_always_and_service_port():
     args = container(sts)["args"]
     assert args[args.index("--appendonly") + 1] == "yes" and args[args.index("--appendfsync") + 1] == "always"
     assert sts["spec"]["volumeClaimTemplates"]
+    # a full Redis refuses writes (the producer gets a clear error) rather than being OOM-killed or evicting
+    # queued requests: maxmemory leaves the rest of the memory limit to the AOF rewrite's fork and buffers
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    maxmemory = args[args.index("--maxmemory") + 1]
+    units = {"gb": 1 << 30, "mb": 1 << 20}
+    limit = container(sts)["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi") and maxmemory[-2:] in units
+    assert 0.25 <= int(maxmemory[:-2]) * units[maxmemory[-2:]] / (float(limit[:-2]) * (1 << 30)) <= 0.75
 
 
 @pytest.mark.unit
@@ -194,7 +203,7 @@ def test_redis_manifest_aof_always_and_service_port():
 def test_env_names_and_metrics_port(name: str):
     dep = of_kind("Deployment")[name]
     c = container(dep)
-    assert {r["configMapRef"]["name"] for r in c["envFrom"]} == {"batchfleet-env"}
+    assert c["envFrom"] == [{"configMapRef": {"name": "batchfleet-env"}}, {"secretRef": {"name": "batchfleet-redis"}}]
     env = {**configmap_env(), **env_of(c)}
     unknown = {k for k in env if k.startswith("BATCHFLEET_")} - known_env()
     assert not unknown, f"{name}: {unknown} is not a batchfleet setting"
@@ -244,9 +253,15 @@ def test_gateways_share_the_batch_files_volume():
     env = {e["name"]: e.get("value") for e in c["env"]}
     (mount,) = [m for m in c["volumeMounts"] if m["name"] == "files"]
     assert env["BATCHFLEET_FILES_DIR"] == mount["mountPath"]
-    (vol,) = of_kind("Deployment")["batchfleet-gateway"]["spec"]["template"]["spec"]["volumes"]
+    spec = of_kind("Deployment")["batchfleet-gateway"]["spec"]["template"]["spec"]
+    (vol,) = spec["volumes"]
     claim = of_kind("PersistentVolumeClaim")[vol["persistentVolumeClaim"]["claimName"]]
-    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # every replica, on any node
+    # ReadWriteOnce binds on any storage class; every replica mounts it because they share one node
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    (term,) = spec["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] == of_kind("Deployment")["batchfleet-gateway"]["spec"]["selector"][
+        "matchLabels"]
 
 
 def test_health_check_sees_a_fresh_heartbeat(redis_url: str, namespace: str):
@@ -263,3 +278,26 @@ def test_health_check_sees_a_fresh_heartbeat(redis_url: str, namespace: str):
     r.zadd(keys.workers, {"podhost-12-abc": now, "other-1-x": now, "podhost-9-old": now - 60_000})
     assert ready(r, keys, host="podhost") and ready(r, keys, name="other-1-x")
     assert not ready(r, keys, name="podhost-9-old") and not ready(r, keys, host="nohost")
+
+
+def test_liveness_fails_only_on_a_stale_heartbeat_never_on_a_redis_outage(redis_url: str, namespace: str,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    """The worker's liveness probe (`health --live`): a heartbeat a minute old restarts the pod; a Redis that
+    does not answer does not (restarting every worker would only add model loads to the outage)."""
+    import redis
+
+    from batchfleet.worker import health
+    from batchfleet.worker.devtools import free_port
+
+    r, keys = redis.Redis.from_url(redis_url), Keys(namespace)
+    sec, usec = r.time()
+    now = sec * 1000 + usec // 1000
+    r.zadd(keys.workers, {"fresh-1-a": now - 30_000, "stale-1-b": now - 90_000})
+    monkeypatch.setenv("BATCHFLEET_REDIS_URL", redis_url)
+    monkeypatch.setenv("BATCHFLEET_NAMESPACE", namespace)
+    monkeypatch.setenv("BATCHFLEET_WORKER_NAME", "fresh-1-a")
+    assert health.main(["--live"]) == 0 and health.main([]) == 1  # alive, but not ready (30 s > 10 s)
+    monkeypatch.setenv("BATCHFLEET_WORKER_NAME", "stale-1-b")
+    assert health.main(["--live"]) == 1
+    monkeypatch.setenv("BATCHFLEET_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")  # nothing listens
+    assert health.main(["--live"]) == 0 and health.main([]) == 1
