@@ -180,3 +180,26 @@ def test_worker_probes_ready_live_and_startup():
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 300, "a model load"
     gw = container(of_kind("Deployment")["batchfleet-gateway"])
     assert gw["livenessProbe"]["tcpSocket"]["port"] == gw["readinessProbe"]["tcpSocket"]["port"]
+
+
+def test_liveness_fails_only_on_a_stale_heartbeat_never_on_a_redis_outage(redis_url: str, namespace: str,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    """The worker's liveness probe (`health --live`): a heartbeat a minute old restarts the pod; a Redis that
+    does not answer does not (restarting every worker would only add model loads to the outage)."""
+    import redis
+
+    from batchfleet.worker import health
+    from batchfleet.worker.devtools import free_port
+
+    r, keys = redis.Redis.from_url(redis_url), Keys(namespace)
+    sec, usec = r.time()
+    now = sec * 1000 + usec // 1000
+    r.zadd(keys.workers, {"fresh-1-a": now - 30_000, "stale-1-b": now - 90_000})
+    monkeypatch.setenv("BATCHFLEET_REDIS_URL", redis_url)
+    monkeypatch.setenv("BATCHFLEET_NAMESPACE", namespace)
+    monkeypatch.setenv("BATCHFLEET_WORKER_NAME", "fresh-1-a")
+    assert health.main(["--live"]) == 0 and health.main([]) == 1  # alive, but not ready (30 s > 10 s)
+    monkeypatch.setenv("BATCHFLEET_WORKER_NAME", "stale-1-b")
+    assert health.main(["--live"]) == 1
+    monkeypatch.setenv("BATCHFLEET_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")  # nothing listens
+    assert health.main(["--live"]) == 0 and health.main([]) == 1
