@@ -76,6 +76,35 @@ def test_dashboard_and_rules_parse_and_cover_the_issue():
     assert dash["uid"] == "batchfleet" and dash["templating"]["list"][0]["type"] == "datasource"
 
 
+BY_CLASS = ("batchfleet_queue_depth", "batchfleet_queue_pending", "batchfleet_queue_oldest_age_seconds",
+            "batchfleet_time_to_first_token_seconds_bucket", "batchfleet_e2e_request_latency_seconds_bucket",
+            "batchfleet_request_queue_time_seconds_bucket")
+
+
+@pytest.mark.unit
+def test_grafana_splits_queues_and_latency_by_class_and_kv_full_means_capacity():
+    """Issue 32: a batch backlog merged into the interactive queue, or bulk latency into interactive latency,
+    hides what an operator looks for; "preempted (KV full)" counted priority preemptions too."""
+    dash = json.loads(GRAFANA.read_text())
+    targets = [t for p in dash["panels"] for t in p.get("targets", [])]
+    seen = set()
+    for t in targets:
+        for name, labels in selectors(t["expr"]):
+            if name in BY_CLASS:
+                seen.add(name)
+                assert "class" in labels and "{{class}}" in t["legendFormat"], t
+        if "KV full" in t.get("legendFormat", ""):
+            assert selectors(t["expr"]) == [("batchfleet_preemptions_total", {"reason"})]
+            assert 'reason="capacity"' in t["expr"], t
+    assert seen == set(BY_CLASS)
+    for r in alert_rules():  # the alerts too: an age per class, saturation on capacity preemptions only
+        for name, labels in selectors(r["expr"]):
+            if name == "batchfleet_queue_oldest_age_seconds":
+                assert "class" in labels, r["alert"]
+            if name == "batchfleet_preemptions_total":
+                assert 'reason="capacity"' in r["expr"], r["alert"]
+
+
 @pytest.mark.unit
 def test_kubernetes_rule_is_the_same_as_the_rule_file():
     docs = [d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "monitoring.yaml").read_text()) if d]
