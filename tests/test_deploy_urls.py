@@ -67,6 +67,22 @@ def test_a_unix_socket_or_junk_url_is_refused_clearly():
     assert "hunter2" not in str(exc.value)
 
 
+@pytest.mark.unit
+def test_the_shipped_component_is_what_the_script_writes_for_the_shipped_url():
+    """deploy/k8s/redis-target/ is generated, never edited by hand: it is what scripts/k8s_redis.py writes
+    for the in-cluster Redis of redis.yaml (the URL kustomization.yaml's secret command holds)."""
+    from scripts.k8s_redis import component, shipped_triggers
+
+    url = "redis://redis.batchfleet.svc.cluster.local:6379/0"
+    assert f"BATCHFLEET_REDIS_URL={url}" in (K8S / "kustomization.yaml").read_text()
+    files = component(url, shipped_triggers())
+    assert sorted(p.name for p in (K8S / "redis-target").iterdir() if p.name != "secret.env") == sorted(
+        n for n in files if n != "secret.env")
+    for name, text in files.items():
+        if name != "secret.env":
+            assert (K8S / "redis-target" / name).read_text() == text, name
+
+
 def kustomize(folder: Path) -> list[dict]:
     out = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
