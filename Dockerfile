@@ -21,6 +21,12 @@ COPY gateway ./gateway
 # the worker's stack and the gateway's: a plain `pip install .` is the client only (no torch);
 # torch is already satisfied (2.13.0+cpu matches the ==2.13.0 pin), so this never pulls the CUDA wheel
 RUN pip install --no-cache-dir ".[worker,serve]"
+# not root (Kubernetes' restricted Pod Security; deploy/k8s runs it as this uid): a numeric USER, so
+# runAsNonRoot can check it. /cache, /models and /files (the gateway's files API) are this user's: a fresh named
+# volume mounted there takes that owner (compose); on Kubernetes fsGroup does
+RUN useradd --uid 10001 --user-group --create-home --home-dir /home/batchfleet batchfleet \
+    && mkdir -p /cache /models /files && chown 10001:10001 /cache /models /files
+USER 10001
 VOLUME ["/cache", "/models"]
 ENTRYPOINT ["batchfleet"]
 CMD ["worker"]

@@ -177,8 +177,9 @@ class WorkerConfig:
     metrics_port: int = field(default=0, metadata=option(
         "Serve Prometheus metrics on http://METRICS_HOST:PORT/metrics (0 = off). The port is bound before the "
         "model loads: a port in use stops the worker at once."))
-    metrics_host: str = field(default="0.0.0.0", metadata=option(
-        "Address the metrics server binds (127.0.0.1: this host only)."))
+    metrics_host: str = field(default="127.0.0.1", metadata=option(
+        "Address the metrics server binds: 127.0.0.1 (this host only, the default: /metrics has no key); 0.0.0.0 "
+        "or a pod IP for a Prometheus on another host (the compose file and the Kubernetes manifests set it)."))
 
     def __post_init__(self) -> None:
         if self.reply_ttl_s < 1:

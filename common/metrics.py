@@ -110,7 +110,7 @@ class MetricsServer:
         self.thread.join(5)
 
 
-def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> MetricsServer:
+def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1") -> MetricsServer:
     """Serve ``registry`` on http://addr:port/metrics from a thread (port 0: any free port, see .port).
     The port is bound here (MetricsPortInUse when it cannot be): a registry may be filled afterwards."""
     try:
@@ -123,7 +123,7 @@ def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0")
     return MetricsServer(server, thread, registry)
 
 
-def reserve_metrics(port: int, addr: str = "0.0.0.0") -> MetricsServer:
+def reserve_metrics(port: int, addr: str = "127.0.0.1") -> MetricsServer:
     """Bind ``port`` now and serve an empty registry (``.registry``) that is filled later: a process checks
     its metrics port before its slow start (a worker: before importing torch and loading the model)."""
     return serve_metrics(CollectorRegistry(auto_describe=False), port, addr)

@@ -16,6 +16,18 @@ import redis
 TRANSIENT: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError)
 
 
+def transient_reason(exc: BaseException) -> str:
+    """What went wrong with a TRANSIENT error, in words: "connection refused" when the connect was refused
+    (nothing listens on that port: redis-py's message says only "Error 111 connecting" or "Connect call
+    failed"), else the error itself."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError) or "Error 111 " in str(seen):
+            return "connection refused (is Redis listening on that host and port?)"
+        seen = seen.__cause__ or seen.__context__
+    return f"{type(exc).__name__}: {exc}"
+
+
 class Backoff:
     """Tracks one resource's availability; ``failed`` returns how long to wait before the next try."""
 

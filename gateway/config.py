@@ -40,8 +40,9 @@ class GatewayConfig:
     metrics_port: int = field(default=0, metadata=option(
         "Serve Prometheus metrics (the fleet's queue gauges and the gateway's HTTP requests by route and "
         "status, latency histogram) on this port; 0 = off."))
-    metrics_host: str = field(default="0.0.0.0", metadata=option(
-        "Address the metrics server binds (127.0.0.1: this host only)."))
+    metrics_host: str = field(default="127.0.0.1", metadata=option(
+        "Address the metrics server binds: 127.0.0.1 (this host only, the default: /metrics has no key); 0.0.0.0 "
+        "or a pod IP for a Prometheus on another host (the compose file and the Kubernetes manifests set it)."))
     files_dir: str = field(default="batchfleet-files", metadata=option(
         "Directory of the files API (/v1/files: batch inputs, outputs and error files); every gateway and "
         "`batchfleet batches` process of a fleet must see the same one (a shared volume)."))

@@ -76,7 +76,7 @@ class MetricsMiddleware:
 
 
 def serve_gateway_metrics(metrics: HTTPMetrics, conn: ConnectionConfig, port: int,
-                          host: str = "0.0.0.0") -> MetricsServer:
+                          host: str = "127.0.0.1") -> MetricsServer:
     """Serve ``metrics`` and the fleet's queue gauges (and live-worker count) on http://host:port/metrics
     (port 0: any free one). MetricsPortInUse when the port is taken."""
     return serve_metrics(registry_with(queue_collector(conn), registry=metrics.registry), port, host)

@@ -73,6 +73,9 @@ class Deadline:
 
 
 STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# OpenAI's (and the gateway's) names for what the client calls otherwise: an unknown-parameter error names ours
+CLIENT_NAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
+                "service_tier": "priority"}
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,9 @@ class Ask:
         values = dict(kwargs)
         unknown = set(values) - set(FIELDS) - set(STRUCTURED) - {"priority"}
         if unknown:
-            raise InvalidRequest(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
+            named = [f"{k} (the client's name is {CLIENT_NAMES[k]})" if k in CLIENT_NAMES else k
+                     for k in sorted(unknown)]
+            raise InvalidRequest(f"unknown generation parameter(s): {', '.join(named)}")
         options = {k: values.pop(k) for k in STRUCTURED if k in values}
         given = values.pop("guide", None)
         priority = values.pop("priority", INTERACTIVE)

@@ -17,7 +17,8 @@ from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.errors import RedisUnavailable, Timeout
 from batchfleet.common.functions import Functions
 from batchfleet.common.redis_conn import write_acked
-from batchfleet.common.retry import TRANSIENT, Backoff
+from batchfleet.common.redis_url import redact_url
+from batchfleet.common.retry import TRANSIENT, Backoff, transient_reason
 from batchfleet.producer.core import Deadline
 
 log = logging.getLogger("producer")
@@ -36,21 +37,24 @@ class RedisCalls:
         """``call()`` within the deadline, retrying connection errors with backoff (see the module doc)."""
         give_up = None if deadline.timeout is not None else time.monotonic() + self.retry_s
         fresh = True  # a pooled connection Redis closed (a restart) fails once: retried at once, not an outage
+        tried, failed = False, None  # what the message says when the deadline passes: why, not just "late"
         while True:
             left = deadline.left()
             if left == 0:
-                raise Timeout(f"{what}: Redis did not answer within {deadline.timeout:g} s")
+                raise self._late(what, deadline, tried, failed)
             if give_up is not None:  # no timeout: a frozen Redis must not hold one try past retry_s
                 left = max(0.05, give_up - time.monotonic())
             try:
+                tried = True
                 async with asyncio.timeout(left):  # not wait_for: it can swallow a cancellation (stream.py)
                     out = await call()
             except TimeoutError:
                 if give_up is None:
-                    raise Timeout(f"{what}: Redis did not answer within {deadline.timeout:g} s") from None
+                    raise self._late(what, deadline, tried, failed) from None
                 raise RedisUnavailable(f"{what}: Redis at {self.conn.redis_url.split('@')[-1]} did not answer "
                                        f"for {self.retry_s:g} s") from None
             except TRANSIENT as exc:
+                failed = exc
                 if fresh:
                     fresh = False
                     continue
@@ -58,12 +62,24 @@ class RedisCalls:
                 if give_up is not None:
                     if time.monotonic() >= give_up:
                         raise RedisUnavailable(f"{what}: Redis at {self.conn.redis_url.split('@')[-1]} unreachable "
-                                               f"for {self.retry_s:g} s ({type(exc).__name__}: {exc})") from None
+                                               f"for {self.retry_s:g} s ({transient_reason(exc)})") from None
                     delay = min(delay, give_up - time.monotonic())
                 await asyncio.sleep(deadline.sooner(max(0.0, delay)))
                 continue
             self.backoff.ok()
             return out
+
+    def _late(self, what: str, deadline: Deadline, tried: bool, failed: BaseException | None) -> Timeout:
+        """The Timeout of a call whose deadline passed, saying why: Redis refused or dropped the connection
+        until then; the deadline passed before the call was sent (a timeout shorter than the client's own
+        work); or Redis was asked and did not answer in time."""
+        t = deadline.timeout
+        if failed is not None:
+            return Timeout(f"{what}: cannot reach Redis at {redact_url(self.conn.redis_url)}: "
+                           f"{transient_reason(failed)}; retried until the {t:g} s timeout passed")
+        if not tried:
+            return Timeout(f"{what}: the request's deadline passed (timeout {t:g} s) before it was sent to Redis")
+        return Timeout(f"{what}: the request's deadline passed (timeout {t:g} s) before Redis answered")
 
     async def function(self, name: str, keys: list[str], args: list) -> Any:
         """FCALL of a library function; EVALSHA of the same body where Redis has no functions (6.2) or the

@@ -44,6 +44,8 @@ def _worker_row(w: dict[str, Any]) -> dict[str, Any]:
     hit_rate = (w.get("engine_prefix_cache_hits", 0) / queries) if queries else None
     return {"name": w["name"], "alive": w["alive"], "seen_s": round(w["seen_s"], 1),
             "engine": w.get("engine"), "mode": w.get("mode"), "running": w.get("active"),
+            # --max-running, and the batch reserve the engine keeps decoding on top of a full interactive load
+            "running_limit": w.get("engine_running_limit"), "batch_reserve": w.get("engine_batch_reserve"),
             "waiting": w.get("waiting"), "kv_usage": None if kv is None else round(kv, 4),
             "prefix_hit_rate": None if hit_rate is None else round(hit_rate, 4),
             "tokens_per_s": w.get("tokens_per_s"), "last_batch_sizes": w.get("last_batch_sizes"),
@@ -78,6 +80,15 @@ def _dash(value: Any, fmt: str = "{}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _running(w: dict[str, Any]) -> str:
+    """The running count; above --max-running it says that the excess is the batch reserve (batch sequences
+    the engine keeps decoding while interactive work fills the limit), not a limit ignored."""
+    running, limit, reserve = w["running"], w.get("running_limit"), w.get("batch_reserve")
+    if isinstance(running, int) and isinstance(limit, int) and running > limit:
+        return f"{running} (max-running {limit} + batch reserve {reserve if reserve is not None else '?'})"
+    return _dash(running)
+
+
 def render(snap: dict[str, Any]) -> str:
     """The snapshot as readable text: a fleet line, a queue table, a worker table, dead letters."""
     fleet = snap["fleet"]
@@ -96,7 +107,7 @@ def render(snap: dict[str, Any]) -> str:
     rows = []
     for w in snap["workers"]:
         rows.append([w["name"], "alive" if w["alive"] else f"gone ({_age(w['seen_s'])} ago)",
-                     f"{w['engine']}/{w['mode']}" if w["engine"] else "-", _dash(w["running"]), _dash(w["waiting"]),
+                     f"{w['engine']}/{w['mode']}" if w["engine"] else "-", _running(w), _dash(w["waiting"]),
                      _dash(None if w["kv_usage"] is None else w["kv_usage"] * 100, "{:.0f}%"),
                      _dash(None if w.get("prefix_hit_rate") is None else w["prefix_hit_rate"] * 100, "{:.0f}%"),
                      _dash(w["tokens_per_s"], "{:.1f}"),

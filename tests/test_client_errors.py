@@ -75,3 +75,31 @@ def test_chat_messages_use_the_fleets_template(start_worker, redis_url, namespac
         text = client.generate(render(info.chat_template, messages), max_new_tokens=6)
     assert chat.token_ids == text.token_ids and chat.prompt_tokens == text.prompt_tokens
     assert render(PRESET_CHAT_TEMPLATE, messages) == "<|system|>\nBe brief.\n<|user|>\nHi there\n<|assistant|>\n"
+
+
+def test_a_closed_redis_port_is_reported_as_refused():
+    """Nothing listens on the port: the Timeout says the connection was refused, not that Redis was slow."""
+    from batchfleet.worker.devtools import free_port
+
+    with Client(f"redis://127.0.0.1:{free_port()}/0", "bf-closed") as client:
+        with pytest.raises(Timeout) as exc:
+            client.generate("hello", max_new_tokens=2, timeout=1)
+    assert "connection refused" in str(exc.value) and "did not answer" not in str(exc.value), exc.value
+
+
+def test_a_too_short_timeout_is_the_requests_deadline_not_redis(redis_url, namespace):
+    with Client(redis_url, namespace) as client:
+        with pytest.raises(Timeout) as exc:
+            client.generate("hello", max_new_tokens=2, timeout=0.001)
+    message = str(exc.value)
+    assert "deadline passed (timeout 0.001 s)" in message and "did not answer" not in message, message
+
+
+@pytest.mark.unit
+def test_openai_parameter_names_point_to_the_clients():
+    from batchfleet.producer.core import Ask
+
+    with pytest.raises(InvalidRequest, match=r"max_tokens \(the client's name is max_new_tokens\)"):
+        Ask.of({"max_tokens": 5})
+    with pytest.raises(InvalidRequest, match=r"unknown generation parameter\(s\): bogus$"):
+        Ask.of({"bogus": 1})

@@ -31,6 +31,7 @@ from tests.helpers.deploy import (
     manifests,
     of_kind,
 )
+from tests.helpers.deploy import redis_url as shipped_redis_url
 
 
 # ---- compose + Dockerfile ---------------------------------------------------------------------------
@@ -57,6 +58,16 @@ def test_compose_no_sleep_race_and_healthchecks():
     assert "batchfleet.worker.health" in " ".join(health)
     assert services["producer"]["depends_on"]["worker"]["condition"] == "service_healthy"
     assert services["worker"]["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+@pytest.mark.unit
+def test_metrics_bind_localhost_unless_the_deployment_says_otherwise():
+    from batchfleet.common.config import WorkerConfig
+
+    assert WorkerConfig().metrics_host == GatewayConfig().metrics_host == "127.0.0.1"
+    for name in ("worker", "gateway"):  # Prometheus scrapes them from its own container
+        env = compose()["services"][name]["environment"]
+        assert env["BATCHFLEET_METRICS_HOST"] == "0.0.0.0" and env["BATCHFLEET_METRICS_PORT"]  # noqa: S104
 
 
 @pytest.mark.unit
@@ -153,7 +164,7 @@ def test_keda_triggers_match_streams_and_count_every_unanswered_request():
     triggers = so["spec"]["triggers"]
     assert all(t["type"] == "redis-streams" for t in triggers)
     assert sorted(t["metadata"]["stream"] for t in triggers) == sorted(s for s, _, _ in keys.streams(DEFAULT_BUCKETS))
-    redis_url = urlsplit(configmap_env()["BATCHFLEET_REDIS_URL"])
+    redis_url = urlsplit(shipped_redis_url())
     capacity = int(configmap_env()["BATCHFLEET_MAX_RUNNING"])
     for t in triggers:
         md = t["metadata"]
@@ -168,7 +179,7 @@ def test_keda_triggers_match_streams_and_count_every_unanswered_request():
 
 @pytest.mark.unit
 def test_redis_manifest_aof_always_and_service_port():
-    redis_url = urlsplit(configmap_env()["BATCHFLEET_REDIS_URL"])
+    redis_url = urlsplit(shipped_redis_url())
     name, namespace, *svc_domain = redis_url.hostname.split(".")  # fully qualified: KEDA resolves it too
     assert svc_domain == ["svc", "cluster", "local"] and namespace == "batchfleet"
     svc = of_kind("Service")[name]
@@ -177,6 +188,14 @@ def test_redis_manifest_aof_always_and_service_port():
     args = container(sts)["args"]
     assert args[args.index("--appendonly") + 1] == "yes" and args[args.index("--appendfsync") + 1] == "always"
     assert sts["spec"]["volumeClaimTemplates"]
+    # a full Redis refuses writes (the producer gets a clear error) rather than being OOM-killed or evicting
+    # queued requests: maxmemory leaves the rest of the memory limit to the AOF rewrite's fork and buffers
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    maxmemory = args[args.index("--maxmemory") + 1]
+    units = {"gb": 1 << 30, "mb": 1 << 20}
+    limit = container(sts)["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi") and maxmemory[-2:] in units
+    assert 0.25 <= int(maxmemory[:-2]) * units[maxmemory[-2:]] / (float(limit[:-2]) * (1 << 30)) <= 0.75
 
 
 @pytest.mark.unit
@@ -184,7 +203,7 @@ def test_redis_manifest_aof_always_and_service_port():
 def test_env_names_and_metrics_port(name: str):
     dep = of_kind("Deployment")[name]
     c = container(dep)
-    assert {r["configMapRef"]["name"] for r in c["envFrom"]} == {"batchfleet-env"}
+    assert c["envFrom"] == [{"configMapRef": {"name": "batchfleet-env"}}, {"secretRef": {"name": "batchfleet-redis"}}]
     env = {**configmap_env(), **env_of(c)}
     unknown = {k for k in env if k.startswith("BATCHFLEET_")} - known_env()
     assert not unknown, f"{name}: {unknown} is not a batchfleet setting"
@@ -192,6 +211,8 @@ def test_env_names_and_metrics_port(name: str):
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ann["prometheus.io/scrape"] == "true"
     assert int(ann["prometheus.io/port"]) == ports["metrics"] == int(env["BATCHFLEET_METRICS_PORT"]) == METRICS_PORT
+    # the default bind is 127.0.0.1 (no key on /metrics): the manifests open it to the pod's network explicitly
+    assert env["BATCHFLEET_METRICS_HOST"] == "0.0.0.0"  # noqa: S104
     assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
 
 
@@ -232,9 +253,15 @@ def test_gateways_share_the_batch_files_volume():
     env = {e["name"]: e.get("value") for e in c["env"]}
     (mount,) = [m for m in c["volumeMounts"] if m["name"] == "files"]
     assert env["BATCHFLEET_FILES_DIR"] == mount["mountPath"]
-    (vol,) = of_kind("Deployment")["batchfleet-gateway"]["spec"]["template"]["spec"]["volumes"]
+    spec = of_kind("Deployment")["batchfleet-gateway"]["spec"]["template"]["spec"]
+    (vol,) = spec["volumes"]
     claim = of_kind("PersistentVolumeClaim")[vol["persistentVolumeClaim"]["claimName"]]
-    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # every replica, on any node
+    # ReadWriteOnce binds on any storage class; every replica mounts it because they share one node
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    (term,) = spec["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] == of_kind("Deployment")["batchfleet-gateway"]["spec"]["selector"][
+        "matchLabels"]
 
 
 def test_health_check_sees_a_fresh_heartbeat(redis_url: str, namespace: str):
@@ -251,3 +278,4 @@ def test_health_check_sees_a_fresh_heartbeat(redis_url: str, namespace: str):
     r.zadd(keys.workers, {"podhost-12-abc": now, "other-1-x": now, "podhost-9-old": now - 60_000})
     assert ready(r, keys, host="podhost") and ready(r, keys, name="other-1-x")
     assert not ready(r, keys, name="podhost-9-old") and not ready(r, keys, host="nohost")
+

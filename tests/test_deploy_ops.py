@@ -21,6 +21,7 @@ from tests.helpers.deploy import (
     K8S,
     METRICS_PORT,
     ROOT,
+    apply_component,
     compose,
     configmap_env,
     container,
@@ -30,6 +31,7 @@ from tests.helpers.deploy import (
     manifests,
     of_kind,
 )
+from tests.helpers.deploy import redis_url as shipped_redis_url
 
 SMALL_NODE = {"cpu": 4.0, "memory_gi": 16.0}  # one node of a small cluster
 SMALL_CLUSTER = {"cpu": 12.0, "memory_gi": 48.0}  # three of them
@@ -120,14 +122,23 @@ def test_gateway_api_key_from_a_secret():
 
 
 @pytest.mark.unit
-def test_workers_mount_the_models_volume_read_only():
-    dep = of_kind("Deployment")["batchfleet-worker"]
+def test_the_models_volume_only_with_its_component_read_only():
+    """Built-in presets need no volume: the shipped workers mount none (a claim a default storage class cannot
+    bind kept them Pending); the component components/models adds the claim, the read-only mount and the
+    checkpoint's path."""
+    plain = of_kind("Deployment")["batchfleet-worker"]
+    assert "/models" not in [m["mountPath"] for m in container(plain)["volumeMounts"]]
+    assert "batchfleet-models" not in of_kind("PersistentVolumeClaim")
+    docs = manifests()
+    apply_component(docs, K8S / "components" / "models")
+    dep = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "batchfleet-worker")
     c = container(dep)
+    assert env_of(c)["BATCHFLEET_MODEL"].startswith("/models/")
     (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/models"]
     assert mount["readOnly"] is True
     volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
     claim = volumes[mount["name"]]["persistentVolumeClaim"]["claimName"]
-    pvc = of_kind("PersistentVolumeClaim")[claim]
+    (pvc,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == claim]
     assert "ReadWriteMany" in pvc["spec"]["accessModes"] or "ReadOnlyMany" in pvc["spec"]["accessModes"]
 
 
@@ -150,11 +161,13 @@ def test_service_monitor_scrapes_workers_and_gateway():
 
 @pytest.mark.unit
 def test_keda_reads_redis_and_prefix_from_the_workers_configmap():
-    """The raw keda.yaml holds placeholders; kustomize's replacements write the ConfigMap's values in."""
+    """The raw keda.yaml holds placeholders for the prefix and capacity (kustomize's replacements write the
+    ConfigMap's values in) and nothing about Redis: redis-target/ adds that, for the URL it was written from."""
     raw = [d for d in yaml.safe_load_all((K8S / "keda.yaml").read_text()) if d][0]
-    assert all("from-batchfleet-env" in t["metadata"]["address"] for t in raw["spec"]["triggers"])
+    assert all("address" not in t["metadata"] for t in raw["spec"]["triggers"])
+    assert "BATCHFLEET_REDIS_URL" not in configmap_env(), "the URL may hold a password: it is in the Secret"
     env = configmap_env()
-    url, keys = urlsplit(env["BATCHFLEET_REDIS_URL"]), Keys(env["BATCHFLEET_NAMESPACE"])
+    url, keys = urlsplit(shipped_redis_url()), Keys(env["BATCHFLEET_NAMESPACE"])
     so = of_kind("ScaledObject")["batchfleet-worker"]
     assert so["spec"]["minReplicaCount"] == 0
     assert env["BATCHFLEET_SCALE_TO_ZERO"] == "true", "workers keep the fleet description at zero replicas"

@@ -26,8 +26,22 @@ from tests.helpers.loops import wait_until
 NATIVE = dict(engine="native", mode="continuous", max_running=4, max_batch_size=4, max_wait_ms=5)
 
 
+def preemptions_and_latency_counts(registry) -> tuple[dict[str, float], dict[str, float]]:
+    """batchfleet_preemptions_total by reason and TTFT observations by class, from the worker's registry."""
+    by_reason, ttft = {}, {}
+    for fam in registry.collect():
+        for s in fam.samples:
+            if s.name == "batchfleet_preemptions_total":
+                by_reason[s.labels["reason"]] = s.value
+            if s.name == "batchfleet_time_to_first_token_seconds_count":
+                ttft[s.labels["class"]] = s.value
+    return by_reason, ttft
+
+
 def test_interactive_is_answered_while_the_engine_is_full_of_batch_work(start_worker, redis_url, namespace):
-    w = start_worker(**NATIVE)
+    from batchfleet.worker.devtools import free_port
+
+    w = start_worker(**NATIVE, metrics_port=free_port(), metrics_host="127.0.0.1")
     r = redis.Redis.from_url(redis_url)
     keys = Keys(namespace)
     with Client(redis_url, namespace) as client:
@@ -42,6 +56,11 @@ def test_interactive_is_answered_while_the_engine_is_full_of_batch_work(start_wo
     assert done_before < len(bulk), "the interactive request waited for the batch work to finish"
     assert all(x.completion_tokens == 150 for x in results)
     assert w.loop.engine.stats()["priority_preemptions"] >= 1 and took < 30
+    # the lanes' preemptions are exported as such, never as the KV cache being full (issue 32: the
+    # saturation alert reads reason="capacity" only); latency is observed per class
+    by_reason, ttft = preemptions_and_latency_counts(w.loop.observer.registry)
+    assert by_reason["priority"] == w.loop.engine.stats()["priority_preemptions"] and by_reason["capacity"] == 0
+    assert ttft == {"interactive": 1, "batch": 8}
     assert r.xinfo_groups(keys.stream(32, "batch"))[0]["entries-read"] == 8  # batch work took its own stream
 
 

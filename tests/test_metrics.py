@@ -78,15 +78,18 @@ def test_worker_metrics_under_load(start_worker, redis_url: str, namespace: str)
         assert one(m, "batchfleet_requests_total", outcome="worker_failed") == 1
         assert one(m, "batchfleet_requests_total", outcome="cancelled") == 0
         assert one(m, "batchfleet_dead_letters_total") == 1
-        assert one(m, "batchfleet_reclaimed_total") == 0 and one(m, "batchfleet_preemptions_total") == 0
+        assert one(m, "batchfleet_reclaimed_total") == 0
+        assert one(m, "batchfleet_preemptions_total", reason="capacity") == 0
+        assert one(m, "batchfleet_preemptions_total", reason="priority") == 0
         assert one(m, "batchfleet_prompt_tokens_total") == sum(x.prompt_tokens for x in results)
         assert one(m, "batchfleet_generation_tokens_total") == sum(x.completion_tokens for x in results) > 0
         for name in ("batchfleet_time_to_first_token_seconds", "batchfleet_e2e_request_latency_seconds",
                      "batchfleet_request_queue_time_seconds"):
-            assert one(m, name + "_count") == n, name
-        e2e = one(m, "batchfleet_e2e_request_latency_seconds_sum")
+            # every class exported from the start; these requests are all interactive (the default class)
+            assert one(m, name + "_count", **IA) == n and one(m, name + "_count", **{"class": "batch"}) == 0, name
+        e2e = one(m, "batchfleet_e2e_request_latency_seconds_sum", **IA)
         assert e2e == pytest.approx(sum(x.total_ms for x in results) / 1000, rel=1e-3)
-        assert one(m, "batchfleet_time_to_first_token_seconds_sum") <= e2e
+        assert one(m, "batchfleet_time_to_first_token_seconds_sum", **IA) <= e2e
         # every served request entered the engine in exactly one prefill batch
         assert total(m, "batchfleet_batch_size_sum") == n
         assert total(m, "batchfleet_batch_size_count") == w.loop.ledger["batches"]

@@ -29,26 +29,33 @@ def alert_rules() -> list[dict]:
     return [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
 
 
+TARGET_LABELS = {"instance", "job"}  # added by Prometheus to every scraped sample, never exported
+
+
 def selectors(expr: str) -> list[tuple[str, set[str]]]:
-    """(metric name, label names matched) of every vector selector in ``expr`` (raises on a parse error)."""
+    """(metric name, label names matched or grouped by) of every vector selector in ``expr`` (raises on a
+    parse error): a ``sum by (class)`` over a metric without ``class`` silently merges what it should split."""
     found: list[tuple[str, set[str]]] = []
 
-    def walk(node) -> None:
+    def walk(node, grouped: frozenset[str]) -> None:
         if isinstance(node, promql_parser.VectorSelector):
             labels = {m.name for m in node.matchers.matchers} if node.matchers else set()
-            found.append((node.name, labels))
+            found.append((node.name, labels | (grouped - TARGET_LABELS)))
             return
         if isinstance(node, promql_parser.MatrixSelector):
-            walk(node.vector_selector)
+            walk(node.vector_selector, grouped)
             return
+        modifier = getattr(node, "modifier", None) if isinstance(node, promql_parser.AggregateExpr) else None
+        if modifier is not None and str(modifier).startswith("by"):
+            grouped = grouped | set(modifier.labels)
         for attr in ("lhs", "rhs", "expr", "param"):
             child = getattr(node, attr, None)
             if child is not None and not isinstance(child, (str, int, float)):
-                walk(child)
+                walk(child, grouped)
         for arg in getattr(node, "args", None) or []:
-            walk(arg)
+            walk(arg, grouped)
 
-    walk(promql_parser.parse(expr))
+    walk(promql_parser.parse(expr), frozenset())
     return found
 
 
@@ -59,8 +66,9 @@ def test_dashboard_and_rules_parse_and_cover_the_issue():
     for e in exprs:
         assert selectors(e), e
     names = {r["alert"] for r in alert_rules()}
-    assert names == {"BatchfleetNoLiveWorkers", "BatchfleetQueueTooOld", "BatchfleetDeadLettersGrowing",
-                     "BatchfleetKVCacheSaturated", "BatchfleetGateway5xx"}
+    assert names == {"BatchfleetNoLiveWorkers", "BatchfleetInteractiveQueueTooOld", "BatchfleetBatchQueueTooOld",
+                     "BatchfleetWorkerStuck", "BatchfleetDeadLettersGrowing", "BatchfleetKVCacheSaturated",
+                     "BatchfleetGateway5xx"}
     for r in alert_rules():
         assert selectors(r["expr"]) and r["labels"]["severity"] in ("warning", "critical")
         assert r["annotations"]["summary"] and r["annotations"]["description"]
@@ -68,11 +76,52 @@ def test_dashboard_and_rules_parse_and_cover_the_issue():
     assert dash["uid"] == "batchfleet" and dash["templating"]["list"][0]["type"] == "datasource"
 
 
+BY_CLASS = ("batchfleet_queue_depth", "batchfleet_queue_pending", "batchfleet_queue_oldest_age_seconds",
+            "batchfleet_time_to_first_token_seconds_bucket", "batchfleet_e2e_request_latency_seconds_bucket",
+            "batchfleet_request_queue_time_seconds_bucket")
+
+
+@pytest.mark.unit
+def test_grafana_splits_queues_and_latency_by_class_and_kv_full_means_capacity():
+    """Issue 32: a batch backlog merged into the interactive queue, or bulk latency into interactive latency,
+    hides what an operator looks for; "preempted (KV full)" counted priority preemptions too."""
+    dash = json.loads(GRAFANA.read_text())
+    targets = [t for p in dash["panels"] for t in p.get("targets", [])]
+    seen = set()
+    for t in targets:
+        for name, labels in selectors(t["expr"]):
+            if name in BY_CLASS:
+                seen.add(name)
+                assert "class" in labels and "{{class}}" in t["legendFormat"], t
+        if "KV full" in t.get("legendFormat", ""):
+            assert selectors(t["expr"]) == [("batchfleet_preemptions_total", {"reason"})]
+            assert 'reason="capacity"' in t["expr"], t
+    assert seen == set(BY_CLASS)
+    for r in alert_rules():  # the alerts too: an age per class, saturation on capacity preemptions only
+        for name, labels in selectors(r["expr"]):
+            if name == "batchfleet_queue_oldest_age_seconds":
+                assert "class" in labels, r["alert"]
+            if name == "batchfleet_preemptions_total":
+                assert 'reason="capacity"' in r["expr"], r["alert"]
+
+
 @pytest.mark.unit
 def test_kubernetes_rule_is_the_same_as_the_rule_file():
     docs = [d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "monitoring.yaml").read_text()) if d]
     (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
     assert rule["spec"]["groups"] == yaml.safe_load(ALERTS.read_text())["groups"]
+
+
+def documented(prefix: str) -> dict[str, set[str]]:
+    """metric -> label names, from docs/OPERATIONS.md's metric tables (rows like | `name{a,b}` | type | ...)."""
+    import re
+
+    out: dict[str, set[str]] = {}
+    for name, labels in re.findall(rf"^\| `({prefix}[a-z_]*)(?:\{{([a-z_,]*)\}})?` \|",
+                                   (ROOT / "docs" / "OPERATIONS.md").read_text(), re.M):
+        assert name not in out, f"{name} is documented twice"
+        out[name] = set(filter(None, labels.split(",")))
+    return out
 
 
 def scrape(url: str) -> dict[str, set[str]]:
@@ -111,6 +160,14 @@ def test_every_metric_used_is_exported(start_worker, redis_url: str, namespace: 
         exported.setdefault(name, set()).update(labels)
     assert "batchfleet_gateway_requests_total" in gateway and "batchfleet_workers_live" in gateway
     assert {"route", "status"} <= gateway["batchfleet_gateway_requests_total"]
+    # OPERATIONS.md's gateway table names the labels this gateway exports, no more, no fewer (issue 32)
+    docs = documented("batchfleet_gateway_")
+    families = {n.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum") for n in gateway
+                if n.startswith("batchfleet_gateway_") and not n.endswith("_created")}
+    assert set(docs) == families
+    for name, labels in docs.items():
+        sample = next(n for n in (name, name + "_count") if n in gateway)
+        assert gateway[sample] - {"le"} == labels, f"OPERATIONS.md documents {name}{{{','.join(sorted(labels))}}}"
     used = [(where, name, labels) for where, exprs in (("grafana", grafana_exprs()),
                                                        ("alerts", [r["expr"] for r in alert_rules()]))
             for e in exprs for name, labels in selectors(e)]
@@ -119,3 +176,7 @@ def test_every_metric_used_is_exported(start_worker, redis_url: str, namespace: 
         assert labels <= exported[name], f"{where} matches {labels - exported[name]} on {name}"
     histograms = {n for _, n, _ in used if n.endswith(HISTOGRAM_SUFFIXES)}
     assert any(n.startswith("batchfleet_gateway_") for n in histograms)
+    for name in ("batchfleet_time_to_first_token_seconds_bucket", "batchfleet_e2e_request_latency_seconds_bucket",
+                 "batchfleet_request_queue_time_seconds_bucket"):  # bulk vs interactive latency, split in Grafana
+        assert "class" in worker[name], name
+    assert "reason" in worker["batchfleet_preemptions_total"]

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import redis
 
 from batchfleet.common.keys import Keys
@@ -81,3 +82,21 @@ def test_status_watch_until_interrupted(redis_url: str, namespace: str):
         proc.kill()
     proc = run_status(redis_url, namespace)
     assert proc.returncode == 0 and "no fleet published" in proc.stdout
+
+
+@pytest.mark.unit
+def test_running_over_max_running_says_it_is_the_batch_reserve():
+    """Interactive work fills --max-running while the batch class keeps its reserve decoding: 'running' above
+    the limit is explained, not shown bare (issue 32)."""
+    from batchfleet.producer.status import _worker_row, render
+
+    beat = {"name": "w1", "alive": True, "seen_s": 0.5, "engine": "native", "mode": "continuous", "active": 70,
+            "waiting": 3, "engine_running_limit": 64, "engine_batch_reserve": 6}
+    row = _worker_row(beat)
+    assert (row["running"], row["running_limit"], row["batch_reserve"]) == (70, 64, 6)
+    snap = {"namespace": "bf", "fleet": None, "queues": [], "workers": [row], "dead_letters": 0}
+    (line,) = [x for x in render(snap).splitlines() if x.startswith("w1")]
+    assert "70 (max-running 64 + batch reserve 6)" in line, line
+    row = _worker_row({**beat, "active": 64})
+    (line,) = [x for x in render({**snap, "workers": [row]}).splitlines() if x.startswith("w1")]
+    assert " 64 " in line and "reserve" not in line, line

@@ -20,7 +20,7 @@ from batchfleet.worker.devtools import free_port
 
 def _busy_port() -> tuple[socket.socket, int]:
     sock = socket.socket()
-    sock.bind(("0.0.0.0", 0))  # noqa: S104 - the worker's default bind address, where the clash happens
+    sock.bind(("127.0.0.1", 0))  # the worker's default bind address, where the clash happens
     sock.listen()
     return sock, sock.getsockname()[1]
 
@@ -39,7 +39,7 @@ def test_metrics_port_in_use_stops_before_the_model_loads(redis_url: str, namesp
         assert proc.returncode == 1
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-        assert lines[0].startswith(f"Error: cannot serve metrics on 0.0.0.0:{port}:") and "in use" in lines[0]
+        assert lines[0].startswith(f"Error: cannot serve metrics on 127.0.0.1:{port}:") and "in use" in lines[0]
         assert not proc.stdout
         json_mode = _worker(redis_url, namespace, "--metrics-port", str(port), "--model", missing,
                             "--log-format", "json")
@@ -68,10 +68,13 @@ def test_a_stopped_worker_leaves_the_live_set_at_once(start_worker, redis_url: s
     r.close()
 
 
-def test_metrics_bind_host(start_worker):
+def test_metrics_bind_localhost_by_default_elsewhere_when_asked(start_worker):
+    """/metrics has no key: it listens on 127.0.0.1 unless --metrics-host says otherwise (issue 32)."""
     port = free_port()
-    w = start_worker(metrics_port=port, metrics_host="127.0.0.1")
+    w = start_worker(metrics_port=port)
     server = w.loop.observer.server
     assert server.server.server_address[0] == "127.0.0.1" and server.port == port
+    anywhere = start_worker(metrics_port=free_port(), metrics_host="0.0.0.0")  # noqa: S104 - what is tested
+    assert anywhere.loop.observer.server.server.server_address[0] == "0.0.0.0"
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         assert b"batchfleet_workers_live" in resp.read()

@@ -1,9 +1,14 @@
-"""Readiness check for containers: exit 0 when a worker of THIS host sent a heartbeat recently.
+"""Readiness and liveness checks for containers: exit 0 when a worker of THIS host sent a heartbeat recently.
 
 ``python -m batchfleet.worker.health`` is the compose healthcheck and the Kubernetes readiness probe
 of a worker: a worker is ready once its model is loaded and its heartbeat is in ``<ns>:workers``
 (scored with Redis' own clock), so dependants never race the first model build with a sleep. Reads
 BATCHFLEET_REDIS_URL / BATCHFLEET_NAMESPACE / BATCHFLEET_WORKER_NAME like the worker; imports no torch.
+
+``--live`` is the liveness probe: it fails only when Redis answers and this worker's heartbeat is older than
+LIVE_MS (its process is wedged, or its loop stalled past --stall-timeout-s and stopped beating). A Redis that
+does not answer is not this pod's fault: restarting every worker during a Redis outage would only add model
+loads to it, so the check passes (and says why) then.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from batchfleet.common.keys import Keys
 from batchfleet.common.redis_conn import sync_client
 
 FRESH_MS = 10_000  # heartbeats come every 2-5 s (5 s idle); 10 s without one is not ready (the live window is 30 s)
+LIVE_MS = 60_000  # the lease keeper beats every 2.5 s even during a long engine step: a minute without is wedged
 
 
 def ready(r: redis.Redis, keys: Keys, name: str | None = None, host: str | None = None,
@@ -31,16 +37,21 @@ def ready(r: redis.Redis, keys: Keys, name: str | None = None, host: str | None 
     return (name in live) if name else any(w.startswith(prefix) for w in live)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    live = "--live" in (sys.argv[1:] if argv is None else argv)
     conn = connection_from_env()
     try:
         r = sync_client(conn.redis_url, socket_timeout=5, socket_connect_timeout=5)
-        ok = ready(r, conn.keys, os.environ.get("BATCHFLEET_WORKER_NAME") or None)
+        ok = ready(r, conn.keys, os.environ.get("BATCHFLEET_WORKER_NAME") or None,
+                   within_ms=LIVE_MS if live else FRESH_MS)
     except (redis.RedisError, OSError) as exc:
+        if live:
+            print(f"live (not judged: Redis did not answer: {exc})", file=sys.stderr)
+            return 0
         print(f"not ready: {exc}", file=sys.stderr)
         return 1
     if not ok:
-        print("not ready: no fresh heartbeat from this host's worker", file=sys.stderr)
+        print(f"not {'live' if live else 'ready'}: no fresh heartbeat from this host's worker", file=sys.stderr)
     return 0 if ok else 1
 
 

@@ -6,7 +6,7 @@ The loop calls its observer in four places: ``started`` (a prefill batch entered
 typed: every answer, results and errors alike, passes there; the latency histograms read the results)
 and ``status`` (the heartbeat). Counts are the ledger's (worker/ledger.py), the one owner: the observer
 only reads them. Gauges and counters are read at scrape time; per request the loop only observes the
-three latency histograms (with ``--metrics-port``).
+three latency histograms, by class (with ``--metrics-port``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from batchfleet.common.errors import ERROR_CODES
+from batchfleet.common.lanes import LANES
 from batchfleet.common.metrics import MetricsServer, queue_collector, registry_with, serve_metrics
 from batchfleet.common.protocol import Result
 from batchfleet.worker.ledger import Ledger
@@ -55,10 +56,10 @@ class LoopStats:
         """Final replies were queued for writing (results and errors, typed)."""
         for rep in replies:
             if isinstance(rep.message, Result):
-                self.observe(rep.message)
+                self.observe(rep.message, rep.lane)
 
-    def observe(self, result: Result) -> None:
-        """Per-result hook (the Prometheus histograms)."""
+    def observe(self, result: Result, lane: str) -> None:
+        """Per-result hook (the Prometheus histograms); ``lane``: the request's priority class."""
 
     def tokens_per_s(self, now: float) -> float:
         """Generated tokens per second over the last RATE_WINDOW_S (sampled at each heartbeat)."""
@@ -90,12 +91,16 @@ class WorkerMetrics(LoopStats):
         self.loop = loop
         self.queues = queue_collector(loop.cfg.connection, loop.cfg.batching.buckets)
         self.registry: CollectorRegistry = registry_with(self.queues, _LoopCollector(self), registry=registry)
+        # by class: "bulk work does not slow interactive work" is read per class, never from a mix
         self.ttft = Histogram("batchfleet_time_to_first_token_seconds", "From enqueue to the first generated token.",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
+                              ["class"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("batchfleet_e2e_request_latency_seconds", "From enqueue to the final result.",
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
+                             ["class"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.queue_time = Histogram("batchfleet_request_queue_time_seconds", "From enqueue to entering the engine.",
-                                    buckets=LATENCY_BUCKETS, registry=self.registry)
+                                    ["class"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        for lane in LANES:  # every class exported from the start (at 0), so per-class queries never miss one
+            for hist in (self.ttft, self.e2e, self.queue_time):
+                hist.labels(lane)
         self.batch_size = Histogram("batchfleet_batch_size", "Requests per prefill batch.", ["bucket"],
                                     buckets=BATCH_BUCKETS, registry=self.registry)
         self.decode_step = Histogram("batchfleet_decode_step_seconds", "Duration of one engine step (a decode "
@@ -103,7 +108,7 @@ class WorkerMetrics(LoopStats):
                                      registry=self.registry)
         self.server: MetricsServer | None = server
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> MetricsServer:
+    def serve(self, port: int, addr: str = "127.0.0.1") -> MetricsServer:
         """Serve /metrics on ``port`` from a thread (0: a free port, see ``.server.port``)."""
         self.server = serve_metrics(self.registry, port, addr)
         return self.server
@@ -115,10 +120,10 @@ class WorkerMetrics(LoopStats):
     def stepped(self, seconds: float) -> None:
         self.decode_step.observe(seconds)
 
-    def observe(self, result: Result) -> None:
-        self.ttft.observe(max(0.0, result.ttft_ms / 1000))
-        self.e2e.observe(max(0.0, result.total_ms / 1000))
-        self.queue_time.observe(max(0.0, result.queue_ms / 1000))
+    def observe(self, result: Result, lane: str) -> None:
+        self.ttft.labels(lane).observe(max(0.0, result.ttft_ms / 1000))
+        self.e2e.labels(lane).observe(max(0.0, result.total_ms / 1000))
+        self.queue_time.labels(lane).observe(max(0.0, result.queue_ms / 1000))
 
     def close(self) -> None:
         if self.server is not None:
@@ -166,10 +171,15 @@ class _LoopCollector(Collector):
         yield outcomes
         yield CounterMetricFamily("batchfleet_dead_letters", "Entries this worker dead-lettered.",
                                   value=ledger["dead_lettered"])
-        yield CounterMetricFamily("batchfleet_preemptions", "Sequences the engine preempted (KV cache full).",
-                                  value=stats.get("preemptions", 0))
-        yield CounterMetricFamily("batchfleet_priority_preemptions", "Batch-class sequences preempted for "
-                                  "interactive ones.", value=stats.get("priority_preemptions", 0))
+        # two causes, two meanings: "capacity" (the KV cache was full: trouble, the alert's signal) and
+        # "priority" (a batch sequence gave its slot to an interactive one: the lanes working as designed)
+        preemptions = CounterMetricFamily("batchfleet_preemptions", "Sequences the engine preempted, by reason: "
+                                          "capacity (KV cache full) or priority (a batch sequence made room for "
+                                          "an interactive one).", labels=["reason"])
+        priority = stats.get("priority_preemptions", 0)
+        preemptions.add_metric(["capacity"], max(0, stats.get("preemptions", 0) - priority))
+        preemptions.add_metric(["priority"], priority)
+        yield preemptions
         # vLLM's prefix_cache_queries / prefix_cache_hits: hits / queries is the hit rate (in tokens)
         yield CounterMetricFamily("batchfleet_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
                                   "when their sequence was admitted (0 with --no-prefix-cache or the hf engine).",

@@ -1,6 +1,8 @@
 """The deployment files as tools read them (tests only): docker-compose.yml and every deploy/k8s manifest
-parsed with pyyaml, kustomize's ``replacements`` applied as kustomization.yaml uses them, and the names the
-code derives (env variables, ports). tests/test_deploy*.py and tests/test_keda_signal.py read them here."""
+parsed with pyyaml, kustomize's components (their resources and JSON 6902 patches) and ``replacements``
+applied as kustomization.yaml uses them, and the names the code derives (env variables, ports).
+tests/test_deploy*.py and tests/test_keda_signal.py read them here; `kubectl kustomize` renders the real thing
+(tests/test_deploy_urls.py)."""
 
 from __future__ import annotations
 
@@ -68,6 +70,43 @@ def _replace(docs: list[dict], rep: dict) -> None:
                         n[leaf] = target["options"]["delimiter"].join(parts)
 
 
+def _json6902(doc: dict, ops: list[dict]) -> None:
+    """The ``add`` and ``replace`` operations of a JSON patch (RFC 6902), what the components use."""
+    for op in ops:
+        *head, leaf = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        node = doc
+        for part in head:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        value = copy.deepcopy(op["value"])
+        if op["op"] == "add" and isinstance(node, list):
+            node.insert(len(node) if leaf == "-" else int(leaf), value)
+        elif op["op"] in ("add", "replace"):
+            if op["op"] == "replace" and (leaf not in node if isinstance(node, dict) else False):
+                raise KeyError(f"replace of a missing {op['path']}")
+            node[int(leaf) if isinstance(node, list) else leaf] = value
+        else:
+            raise NotImplementedError(op["op"])
+
+
+def apply_component(docs: list[dict], folder: Path) -> None:
+    """A kustomize Component: its resources added, its JSON 6902 patches applied to their targets."""
+    comp = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    for res in comp.get("resources") or []:
+        docs += [d for d in yaml.safe_load_all((folder / res).read_text()) if d]
+    for patch in comp.get("patches") or []:
+        ops = yaml.safe_load((folder / patch["path"]).read_text())
+        target = patch["target"]
+        for d in docs:
+            if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]:
+                _json6902(d, ops)
+
+
+def redis_url() -> str:
+    """The Redis URL (password redacted) redis-target/ was written for (scripts/k8s_redis.py): the one the
+    ScaledObject's triggers point at, and the Secret batchfleet-redis holds."""
+    return of_kind("ScaledObject")["batchfleet-worker"]["metadata"]["annotations"]["batchfleet.io/redis-url"]
+
+
 def manifests() -> list[dict]:
     """Every object of deploy/k8s as `kubectl apply -k` applies it: its replacements applied (a fresh copy:
     callers may change it)."""
@@ -79,6 +118,8 @@ def _rendered() -> list[dict]:  # parsed once per test process: pyyaml is slow
     docs = []
     for path in sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml"):
         docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for folder in kustomization().get("components") or []:
+        apply_component(docs, K8S / folder)
     for rep in kustomization().get("replacements", []):
         _replace(docs, rep)
     return docs

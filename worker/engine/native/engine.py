@@ -173,6 +173,8 @@ class NativeEngine:
             "kv_slots_wasted_contiguous_peak": self._counters["peak_contiguous_waste"],
             "running": len(s.running),
             "running_limit": s.max_running,
+            # batch sequences kept decoding beside a full interactive load: running may exceed the limit by this
+            "batch_reserve": s.batch_reserve,
             "waiting": len(s.waiting),
             "preemptions": s.num_preemptions,
             "priority_preemptions": s.num_priority_preemptions,

@@ -1,0 +1,124 @@
+"""Point the Kubernetes manifests at a Redis: writes deploy/k8s/redis-target/ (a kustomize Component) and the
+Secret's contents from one Redis URL, the one the workers and the gateway use (BATCHFLEET_REDIS_URL).
+
+    python3 scripts/k8s_redis.py 'redis://:secret@redis.example:6380/2'
+    kubectl -n batchfleet create secret generic batchfleet-redis --from-env-file=deploy/k8s/redis-target/secret.env
+    kubectl apply -k deploy/k8s
+
+kustomize cannot parse a URL (its replacements only split on one delimiter: a URL without ``/db`` or with a
+password broke them), so the parse happens here, with the fleet's own URL parser, and KEDA's redis-streams
+trigger fields are written from it as KEDA documents them: ``address`` host:port, ``databaseIndex``,
+``enableTLS`` (rediss://); a ``redis+sentinel://`` URL gives the ``redis-sentinel-streams`` scaler with
+``addresses`` and ``sentinelMaster``. Credentials never enter the ScaledObject: they go to the Secret
+``batchfleet-redis`` (with the URL itself), which KEDA reads through the TriggerAuthentication written here.
+The Secret's file (secret.env, mode 0600) is git-ignored; the Component holds nothing secret.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import yaml
+
+from batchfleet.common.errors import ConfigError
+from batchfleet.common.redis_url import check_redis_url, is_sentinel, parse_sentinel_url, redact_url
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
+SECRET = "batchfleet-redis"  # the Secret (URL + credentials) and the TriggerAuthentication reading it
+NAMESPACE = "batchfleet"
+URL_ANNOTATION = "batchfleet.io/redis-url"  # the URL the triggers were written from, password redacted
+
+
+def trigger_fields(url: str) -> tuple[str, dict[str, str], dict[str, str]]:
+    """(KEDA scaler type, trigger metadata, Secret keys) for ``url``. The Secret keys are the URL itself
+    (BATCHFLEET_REDIS_URL, what the pods read) and each credential under the name of the KEDA authentication
+    parameter it fills (username, password, sentinelPassword). ConfigError for a URL KEDA cannot use."""
+    check_redis_url(url)
+    secret = {"BATCHFLEET_REDIS_URL": url}
+    if is_sentinel(url):
+        s = parse_sentinel_url(url)
+        meta = {"addresses": ", ".join(f"{h}:{p}" for h, p in s.sentinels), "sentinelMaster": s.service,
+                "databaseIndex": str(s.db), "enableTLS": "false"}
+        creds = {"username": s.username, "password": s.password, "sentinelPassword": s.sentinel_password}
+        return "redis-sentinel-streams", meta, {**secret, **{k: v for k, v in creds.items() if v}}
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        raise ConfigError("a unix:// socket is reachable from its own host only: KEDA's operator runs in another "
+                          "pod; give the workers and KEDA a TCP URL (redis:// or rediss://)")
+    host = parts.hostname or "localhost"
+    meta = {"address": f"[{host}]:{parts.port or 6379}" if ":" in host else f"{host}:{parts.port or 6379}",
+            "databaseIndex": parts.path.strip("/") or "0", "enableTLS": str(parts.scheme == "rediss").lower()}
+    creds = {"username": unquote(parts.username or ""), "password": unquote(parts.password or "")}
+    return "redis-streams", meta, {**secret, **{k: v for k, v in creds.items() if v}}
+
+
+def component(url: str, triggers: int) -> dict[str, str]:
+    """The files of deploy/k8s/redis-target/ for ``url`` and a ScaledObject of ``triggers`` triggers:
+    {file name: text}, secret.env included (the only file with a credential)."""
+    kind, meta, secret = trigger_fields(url)
+    auth = sorted(k for k in secret if k != "BATCHFLEET_REDIS_URL")
+    ops: list[dict] = [{"op": "add", "path": "/metadata/annotations", "value": {URL_ANNOTATION: redact_url(url)}}]
+    for i in range(triggers):
+        ops.append({"op": "replace", "path": f"/spec/triggers/{i}/type", "value": kind})
+        ops += [{"op": "add", "path": f"/spec/triggers/{i}/metadata/{k}", "value": v} for k, v in meta.items()]
+        if auth:
+            ops.append({"op": "add", "path": f"/spec/triggers/{i}/authenticationRef", "value": {"name": SECRET}})
+    kustomization = {"apiVersion": "kustomize.config.k8s.io/v1alpha1", "kind": "Component",
+                     "resources": ["trigger-auth.yaml"] if auth else [],
+                     "patches": [{"path": "triggers-patch.yaml",
+                                  "target": {"kind": "ScaledObject", "name": "batchfleet-worker"}}]}
+    head = (f"# Written by scripts/k8s_redis.py from {redact_url(url)} (rerun it to change the Redis; do not edit).\n"
+            "# KEDA's trigger fields for that URL; its credentials are in the Secret batchfleet-redis (secret.env).\n")
+    files = {"kustomization.yaml": head + yaml.safe_dump(kustomization, sort_keys=False),
+             "triggers-patch.yaml": head + yaml.safe_dump(ops, sort_keys=False, width=200),
+             "secret.env": "".join(f"{k}={v}\n" for k, v in secret.items())}
+    if auth:
+        ta = {"apiVersion": "keda.sh/v1alpha1", "kind": "TriggerAuthentication",
+              "metadata": {"name": SECRET, "namespace": NAMESPACE},
+              "spec": {"secretTargetRef": [{"parameter": k, "name": SECRET, "key": k} for k in auth]}}
+        files["trigger-auth.yaml"] = head + yaml.safe_dump(ta, sort_keys=False)
+    return files
+
+
+def shipped_triggers(k8s: Path = K8S) -> int:
+    (so,) = [d for d in yaml.safe_load_all((k8s / "keda.yaml").read_text()) if d and d["kind"] == "ScaledObject"]
+    return len(so["spec"]["triggers"])
+
+
+def write(url: str, k8s: Path = K8S) -> Path:
+    """Write the Component under ``k8s``/redis-target (replacing what was there); returns its folder."""
+    out = k8s / "redis-target"
+    out.mkdir(exist_ok=True)
+    (out / "trigger-auth.yaml").unlink(missing_ok=True)
+    for name, text in component(url, shipped_triggers(k8s)).items():
+        path = out / name
+        if name == "secret.env":  # created 0600 before the credential is written into it
+            path.unlink(missing_ok=True)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+        path.write_text(text)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("url", help="the Redis URL the fleet uses (redis://, rediss://, redis+sentinel://)")
+    parser.add_argument("--k8s", type=Path, default=K8S, help="the manifests' folder (default: deploy/k8s)")
+    args = parser.parse_args(argv)
+    try:
+        out = write(args.url, args.k8s)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}/ for {redact_url(args.url)}; now:\n  kubectl -n {NAMESPACE} create secret generic {SECRET} "
+          f"--from-env-file={out / 'secret.env'} --dry-run=client -o yaml | kubectl apply -f -\n"
+          f"  kubectl apply -k {args.k8s}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The Kubernetes manifests apply anywhere (issue 32): every Redis URL form the fleet accepts (no database, a
+database, a password, user and password, rediss://, Sentinel) gives KEDA triggers as KEDA's redis-streams and
+redis-sentinel-streams scalers document them, with the credentials in the Secret and a TriggerAuthentication,
+never in the ScaledObject; `kubectl kustomize` renders each (skipped, saying why, without kubectl). Also what
+restricted Pod Security asks of every pod, the probes, and the non-root image."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+
+from batchfleet.common.config import DEFAULT_BUCKETS
+from batchfleet.common.errors import ConfigError
+from batchfleet.common.keys import Keys
+from batchfleet.common.redis_url import parse_sentinel_url, redact_url
+from scripts.k8s_redis import SECRET, URL_ANNOTATION, trigger_fields, write
+from tests.helpers.deploy import K8S, ROOT, configmap_env, container, of_kind
+
+# (URL, the credentials it carries, the KEDA metadata it must give)
+FORMS = [
+    ("redis://redis.example:6379", {}, {"address": "redis.example:6379", "databaseIndex": "0", "enableTLS": "false"}),
+    ("redis://redis.example/3", {}, {"address": "redis.example:6379", "databaseIndex": "3", "enableTLS": "false"}),
+    ("redis://:s3cret@redis.example:6380/2", {"password": "s3cret"},
+     {"address": "redis.example:6380", "databaseIndex": "2", "enableTLS": "false"}),
+    ("redis://bf-user:p%40ss@redis.example:6379/1", {"username": "bf-user", "password": "p@ss"},
+     {"address": "redis.example:6379", "databaseIndex": "1", "enableTLS": "false"}),
+    ("rediss://:s3cret@redis.example:6380/0", {"password": "s3cret"},
+     {"address": "redis.example:6380", "databaseIndex": "0", "enableTLS": "true"}),
+    ("redis+sentinel://sentinel-0.sentinel:26379,sentinel-1.sentinel:26379/mymaster/0", {},
+     {"addresses": "sentinel-0.sentinel:26379, sentinel-1.sentinel:26379", "sentinelMaster": "mymaster",
+      "databaseIndex": "0", "enableTLS": "false"}),
+    ("redis+sentinel://:s3cret@s0:26379,s1/mymaster/2?sentinel_password=sentpw",
+     {"password": "s3cret", "sentinelPassword": "sentpw"},
+     {"addresses": "s0:26379, s1:26379", "sentinelMaster": "mymaster", "databaseIndex": "2", "enableTLS": "false"}),
+]
+IDS = ["no-db", "db-no-port", "password", "user-password", "rediss", "sentinel", "sentinel-passwords"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("url,creds,meta", FORMS, ids=IDS)
+def test_each_url_form_gives_keda_fields_as_redis_py_reads_it(url: str, creds: dict, meta: dict):
+    kind, got, secret = trigger_fields(url)
+    assert got == meta and secret == {"BATCHFLEET_REDIS_URL": url, **creds}
+    if kind == "redis-streams":  # the same host, port, db and credentials the workers' redis-py connects with
+        kw = redis.connection.parse_url(url)
+        assert got["address"] == f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}"
+        assert int(got["databaseIndex"]) == kw.get("db", 0)
+        assert {k: kw[k] for k in ("username", "password") if kw.get(k)} == creds
+    else:
+        s = parse_sentinel_url(url)
+        assert kind == "redis-sentinel-streams" and got["addresses"].split(", ") == [f"{h}:{p}" for h, p in s.sentinels]
+
+
+@pytest.mark.unit
+def test_a_unix_socket_or_junk_url_is_refused_clearly():
+    with pytest.raises(ConfigError, match="KEDA's operator runs in another pod"):
+        trigger_fields("unix:///run/redis.sock")
+    with pytest.raises(ConfigError, match="malformed") as exc:
+        trigger_fields("redis://:hunter2@host:notaport/0")
+    assert "hunter2" not in str(exc.value)
+
+
+@pytest.mark.unit
+def test_the_shipped_component_is_what_the_script_writes_for_the_shipped_url():
+    """deploy/k8s/redis-target/ is generated, never edited by hand: it is what scripts/k8s_redis.py writes
+    for the in-cluster Redis of redis.yaml (the URL kustomization.yaml's secret command holds)."""
+    from scripts.k8s_redis import component, shipped_triggers
+
+    url = "redis://redis.batchfleet.svc.cluster.local:6379/0"
+    assert f"BATCHFLEET_REDIS_URL={url}" in (K8S / "kustomization.yaml").read_text()
+    files = component(url, shipped_triggers())
+    assert sorted(p.name for p in (K8S / "redis-target").iterdir() if p.name != "secret.env") == sorted(
+        n for n in files if n != "secret.env")
+    for name, text in files.items():
+        if name != "secret.env":
+            assert (K8S / "redis-target" / name).read_text() == text, name
+
+
+def kustomize(folder: Path) -> list[dict]:
+    out = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def kustomize_version() -> tuple[int, ...]:
+    """kubectl's built-in kustomize version ((0,) when kubectl is missing or does not say): components and
+    replacements need kustomize v4.1+ (kubectl 1.24+); Debian's kubernetes-client 1.20 bundles v2."""
+    if shutil.which("kubectl") is None:
+        return (0,)
+    out = subprocess.run(["kubectl", "version", "--client"], capture_output=True, text=True, timeout=60).stdout
+    found = re.search(r"Kustomize Version: v(\d+)\.(\d+)", out)
+    return tuple(int(x) for x in found.groups()) if found else (0,)
+
+
+needs_kustomize = pytest.mark.skipif(kustomize_version() < (4, 1),
+                                     reason="kubectl with kustomize v4.1+ (components, replacements) is not installed")
+
+
+@pytest.mark.integration
+@needs_kustomize
+@pytest.mark.parametrize("url,creds,meta", FORMS, ids=IDS)
+def test_kubectl_kustomize_renders_valid_triggers_for_each_url(tmp_path: Path, url: str, creds: dict, meta: dict):
+    k8s = tmp_path / "k8s"
+    shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns("secret.env"))
+    out = write(url, k8s)
+    secret_file = out / "secret.env"
+    assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
+    secret = dict(line.split("=", 1) for line in secret_file.read_text().splitlines())
+    assert secret == {"BATCHFLEET_REDIS_URL": url, **creds}
+    rendered = kustomize(k8s)
+    text = yaml.safe_dump_all(rendered)
+    for key, value in creds.items():  # no password anywhere in what is applied: only in the Secret (secret.env)
+        assert key == "username" or value not in text  # (a user name shows in the redacted URL annotation)
+    (so,) = [d for d in rendered if d["kind"] == "ScaledObject"]
+    assert so["metadata"]["annotations"][URL_ANNOTATION] == redact_url(url)
+    env, keys = configmap_env(), Keys(configmap_env()["BATCHFLEET_NAMESPACE"])
+    kind = "redis-sentinel-streams" if url.startswith("redis+sentinel") else "redis-streams"
+    streams = []
+    for t in so["spec"]["triggers"]:
+        md = t["metadata"]
+        assert t["type"] == kind and {k: md[k] for k in meta} == meta, t
+        assert md["streamLength"] == env["BATCHFLEET_MAX_RUNNING"] and "consumerGroup" not in md
+        assert not {"password", "username", "sentinelPassword"} & set(md) and "@" not in str(md)
+        streams.append(md["stream"])
+        if creds:
+            assert t["authenticationRef"] == {"name": SECRET}
+        else:
+            assert "authenticationRef" not in t
+    assert sorted(streams) == sorted(s for s, _, _ in keys.streams(DEFAULT_BUCKETS))
+    auths = [d for d in rendered if d["kind"] == "TriggerAuthentication"]
+    if creds:
+        (ta,) = auths
+        refs = {r["parameter"]: (r["name"], r["key"]) for r in ta["spec"]["secretTargetRef"]}
+        assert refs == {k: (SECRET, k) for k in creds} and ta["metadata"]["name"] == SECRET
+    else:
+        assert not auths
+    for d in rendered:  # every pod reads the URL from the same Secret
+        if d["kind"] in ("Deployment",):
+            assert {"secretRef": {"name": SECRET}} in container(d)["envFrom"]
+
+
+@pytest.mark.integration
+@needs_kustomize
+def test_the_models_component_renders_with_kubectl(tmp_path: Path):
+    k8s = tmp_path / "k8s"
+    shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns("secret.env"))
+    assert "batchfleet-models" not in {d["metadata"]["name"] for d in kustomize(k8s)}
+    kust = yaml.safe_load((k8s / "kustomization.yaml").read_text())
+    kust["components"].append("components/models")
+    (k8s / "kustomization.yaml").write_text(yaml.safe_dump(kust))
+    rendered = kustomize(k8s)
+    (worker,) = [d for d in rendered if d["kind"] == "Deployment" and d["metadata"]["name"] == "batchfleet-worker"]
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in container(worker)["volumeMounts"]
+    assert "batchfleet-models" in {d["metadata"]["name"] for d in rendered if d["kind"] == "PersistentVolumeClaim"}
+
+
+# ---- restricted Pod Security, probes, non-root image ---------------------------------------------------
+@pytest.mark.unit
+@pytest.mark.parametrize("kind,name", [("Deployment", "batchfleet-worker"), ("Deployment", "batchfleet-gateway"),
+                                       ("StatefulSet", "redis")])
+def test_every_pod_meets_restricted_pod_security(kind: str, name: str):
+    spec = of_kind(kind)[name]["spec"]["template"]["spec"]
+    pod = spec["securityContext"]
+    assert pod["runAsNonRoot"] is True and pod["runAsUser"] > 0 and pod["seccompProfile"] == {"type": "RuntimeDefault"}
+    for c in spec["containers"]:
+        sec = c["securityContext"]
+        assert sec["allowPrivilegeEscalation"] is False and sec["capabilities"]["drop"] == ["ALL"]
+        assert not sec.get("privileged") and "add" not in sec["capabilities"]
+    assert not any(v.get("hostPath") for v in spec.get("volumes", []))
+
+
+@pytest.mark.unit
+def test_the_image_runs_as_the_user_the_manifests_name():
+    text = (ROOT / "Dockerfile").read_text()
+    (user,) = re.findall(r"^USER (\S+)$", text, re.M)
+    assert user.isdigit() and int(user) > 0, "numeric: runAsNonRoot can only check a numeric USER"
+    for name in ("batchfleet-worker", "batchfleet-gateway"):
+        assert of_kind("Deployment")[name]["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == int(user)
+    assert re.search(rf"chown {user}:{user} /cache /models /files", text), "its volumes' folders are its own"
+
+
+@pytest.mark.unit
+def test_worker_probes_ready_live_and_startup():
+    c = container(of_kind("Deployment")["batchfleet-worker"])
+    assert c["readinessProbe"]["exec"]["command"][-1] == "batchfleet.worker.health"
+    assert c["livenessProbe"]["exec"]["command"][-2:] == ["batchfleet.worker.health", "--live"]
+    live = c["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= 60, "never faster than the 60 s heartbeat window"
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 300, "a model load"
+    gw = container(of_kind("Deployment")["batchfleet-gateway"])
+    assert gw["livenessProbe"]["tcpSocket"]["port"] == gw["readinessProbe"]["tcpSocket"]["port"]
+
+
+def test_liveness_fails_only_on_a_stale_heartbeat_never_on_a_redis_outage(redis_url: str, namespace: str,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    """The worker's liveness probe (`health --live`): a heartbeat a minute old restarts the pod; a Redis that
+    does not answer does not (restarting every worker would only add model loads to the outage)."""
+    import redis
+
+    from batchfleet.worker import health
+    from batchfleet.worker.devtools import free_port
+
+    r, keys = redis.Redis.from_url(redis_url), Keys(namespace)
+    sec, usec = r.time()
+    now = sec * 1000 + usec // 1000
+    r.zadd(keys.workers, {"fresh-1-a": now - 30_000, "stale-1-b": now - 90_000})
+    monkeypatch.setenv("BATCHFLEET_REDIS_URL", redis_url)
+    monkeypatch.setenv("BATCHFLEET_NAMESPACE", namespace)
+    monkeypatch.setenv("BATCHFLEET_WORKER_NAME", "fresh-1-a")
+    assert health.main(["--live"]) == 0 and health.main([]) == 1  # alive, but not ready (30 s > 10 s)
+    monkeypatch.setenv("BATCHFLEET_WORKER_NAME", "stale-1-b")
+    assert health.main(["--live"]) == 1
+    monkeypatch.setenv("BATCHFLEET_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")  # nothing listens
+    assert health.main(["--live"]) == 0 and health.main([]) == 1
