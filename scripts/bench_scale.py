@@ -79,6 +79,22 @@ def start_workers(url: str, ns: str, n: int, worker_args: list[str]) -> list[sub
     return procs
 
 
+def cpu_seconds(procs: list[subprocess.Popen]) -> float:
+    """User + system CPU seconds the processes used so far (/proc/<pid>/stat, Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in procs:
+        fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15 of the whole line)
+    return total
+
+
+def host_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of every CPU since boot (/proc/stat): busy share = their deltas' ratio."""
+    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(v) - v[3] - v[4], sum(v)  # less idle and iowait
+
+
 def stop_workers(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         p.terminate()
@@ -106,9 +122,10 @@ def measure_n(n: int, seconds: float, idle_s: float, per_worker: float, new_toke
         before = server.counters()
         shape = {"url": server.url, "namespace": ns, "seconds": seconds, "new_tokens": new_tokens,
                  "prompt_len": prompt_len}
-        t0 = time.monotonic()
+        t0, cpu0, host0 = time.monotonic(), cpu_seconds(procs), host_busy()
         run = load.run(load.Load(**shape, clients=clients), client_procs)
-        after, wall = server.counters(), time.monotonic() - t0
+        after, wall, worker_cpu = server.counters(), time.monotonic() - t0, cpu_seconds(procs) - cpu0
+        host = host_busy()
         done = max(run["requests"], 1)
         poisson = None if open_rate is None else load.run(load.Load(**shape, rate=open_rate * n), client_procs)
         return {"workers": n, "clients": clients, **run, "open_loop": poisson,
@@ -116,6 +133,8 @@ def measure_n(n: int, seconds: float, idle_s: float, per_worker: float, new_toke
                 "redis_usec_per_req": (after["usec"] - before["usec"]) / done,
                 "redis_cpu_us_per_req": (after["cpu_s"] - before["cpu_s"]) / done * 1e6,
                 "redis_cpu_share": (after["cpu_s"] - before["cpu_s"]) / wall,
+                "worker_cpu_us_per_req": worker_cpu / done * 1e6, "worker_cpu_share": worker_cpu / wall,
+                "host_cpu_busy": (host[0] - host0[0]) / max(host[1] - host0[1], 1e-9),
                 "idle_calls_per_worker_s": idle_calls, "idle_redis_cpu_share": idle_cpu}
     finally:
         stop_workers(procs)
@@ -221,13 +240,15 @@ def main(workers: str, seconds: float, idle_seconds: float, per_worker: float, n
     print(f"closed loop: {per_worker:g} x max_running clients per worker; open loop: Poisson at {load_x:g} x N x "
           "the one-worker closed-loop rate; queue = enqueue -> the step that started the request\n")
     print("| workers | closed req/s | efficiency | open req/s (offered) | open queue p50 / p99 ms | calls/req "
-          "| Redis CPU us/req | Redis CPU share | idle calls/s/worker |")
+          "| CPU us/req: Redis / workers / clients | host CPU busy | idle calls/s/worker |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         o = r["open_loop"]
         print(f"| {r['workers']} | {r['rps']:.1f} | {r['efficiency']:.2f} | {o['rps']:.1f} ({o['offered_rps']:.1f}) "
               f"| {o['queue_p50_ms']:.1f} / {o['queue_p99_ms']:.1f} | {r['redis_calls_per_req']:.1f} "
-              f"| {r['redis_cpu_us_per_req']:.0f} | {r['redis_cpu_share']:.2f} | {r['idle_calls_per_worker_s']:.0f} |")
+              f"| {r['redis_cpu_us_per_req']:.0f} / {r['worker_cpu_us_per_req']:.0f} / "
+              f"{r['client_cpu_us_per_req']:.0f} "
+              f"| {r['host_cpu_busy']:.2f} | {r['idle_calls_per_worker_s']:.0f} |")
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
 

@@ -46,6 +46,7 @@ async def _send(load: Load, share: int, of: int, start_at: float) -> dict:
     async with AsyncClient(load.url, load.namespace, max_connections=16) as client:
         await client.fleet(timeout=30)
         await asyncio.sleep(max(0.0, start_at - time.time()))
+        cpu0 = time.process_time()  # the sending only: not the interpreter's start nor the imports
 
         async def one() -> None:
             nonlocal errors
@@ -72,7 +73,7 @@ async def _send(load: Load, share: int, of: int, start_at: float) -> dict:
                 await asyncio.sleep(max(0.0, at - time.time()))
                 tasks.append(asyncio.create_task(one()))
             await asyncio.gather(*tasks)
-    return {"samples": samples, "errors": errors}
+    return {"samples": samples, "errors": errors, "cpu_s": time.process_time() - cpu0}
 
 
 def _process(load: Load, share: int, of: int, start_at: float, out: mp.Queue) -> None:
@@ -98,6 +99,7 @@ def run(load: Load, processes: int) -> dict:
     window = hi - lo
     return {"requests": len(samples), "steady_requests": len(steady), "window_s": window,
             "errors": sum(p["errors"] for p in parts), "rps": len(steady) / window,
+            "client_cpu_us_per_req": sum(p["cpu_s"] for p in parts) / max(len(samples), 1) * 1e6,
             "tok_s": len(steady) * load.new_tokens / window, "offered_rps": load.rate or None,
             "queue_p50_ms": pct(queue, 50), "queue_p99_ms": pct(queue, 99),
             "e2e_p50_ms": pct(e2e, 50), "e2e_p99_ms": pct(e2e, 99)}
