@@ -42,7 +42,7 @@ class Settler:
             return [bool(x) for x in self.scripts.replies(**self._replies_call(replies))]
         pipe = self.r.pipeline(transaction=False)
         for i in range(0, len(replies), REPLIES_PER_CALL):
-            self._queue_replies(pipe, replies[i:i + REPLIES_PER_CALL])
+            self.scripts.replies(**self._replies_call(replies[i:i + REPLIES_PER_CALL]), client=pipe)
         if wanted:  # WAIT on the same connection: every reply above is on `wanted` replicas, else retried
             pipe.execute_command("WAIT", wanted, WAIT_TIMEOUT_MS)
         out = pipe.execute()
@@ -50,13 +50,9 @@ class Settler:
             require_replicas(out.pop(), wanted, f"{len(replies)} replies")
         return [bool(x) for chunk in out for x in chunk]
 
-    def _queue_replies(self, pipe, replies: list[Reply]) -> None:
-        """The reply script for a batch (per reply: first writer wins; then one XACK + XDEL per stream),
-        queued on ``pipe``."""
-        self.scripts.replies(**self._replies_call(replies), client=pipe)
-
     def _replies_call(self, replies: list[Reply]) -> dict:
-        """The REPLIES script's keys and args for ``replies`` (worker/scripts.py)."""
+        """The REPLIES script's keys and args for ``replies`` (worker/scripts.py: per reply, first writer
+        wins; then one XACK + XDEL per stream)."""
         streams: dict[str, int] = {}
         keys: list[str] = []
         args: list = [self.keys.group, self.reply_ttl_s, len(replies)]
@@ -88,7 +84,7 @@ class Settler:
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(self.keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=False)  # rare: exact cap
         if reply is not None:
-            self._queue_replies(pipe, [reply])  # reply.bucket/entry_id are the entry's
+            self.scripts.replies(**self._replies_call([reply]), client=pipe)  # reply.bucket/entry_id: the entry's
         else:
             pipe.xack(stream, self.keys.group, entry.entry_id)
             pipe.xdel(stream, entry.entry_id)
