@@ -36,7 +36,19 @@ async def error_response(request: Request, exc: Exception) -> Response:
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
-    """Routing errors (404 unknown path, 405 wrong method) with an OpenAI error body."""
+    """Routing errors (404 unknown path, 405 wrong method) with an OpenAI error body; the message names the
+    request (as OpenAI's ``Invalid URL (POST /v1/x)``) and the endpoints this gateway serves."""
     assert isinstance(exc, HTTPException)
-    err = APIError(exc.status_code, str(exc.detail), "invalid_request_error", None)
+    message = str(exc.detail)
+    if exc.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):
+        what = "Invalid URL" if exc.status_code == 404 else "Method not allowed"
+        message = f"{what} ({request.method} {request.url.path[:200]}); this gateway serves {served(request)}"
+    err = APIError(exc.status_code, message, "invalid_request_error", None)
     return JSONResponse(err.body(), status_code=err.status, headers=dict(exc.headers or {}))
+
+
+def served(request: Request) -> str:
+    """The app's endpoints, ``METHOD /path`` each (HEAD left out: it comes with every GET)."""
+    routes = [(sorted(set(getattr(r, "methods", None) or ()) - {"HEAD"}), getattr(r, "path", ""))
+              for r in request.app.routes]
+    return ", ".join(f"{'|'.join(methods)} {path}" for methods, path in routes if methods and path)
