@@ -167,12 +167,13 @@ class Gateway:
             return False
 
 
-async def job_params(job: Job, family: Family) -> dict[str, Any]:
+async def job_params(job: Job, family: Family | None = None) -> dict[str, Any]:
     """The job's AsyncClient parameters, its structured-output guide compiled (a 400 naming the field when
-    it does not compile); a forced tool call's guide is written in ``family``'s format (gateway/tools.py)."""
+    it does not compile); a forced tool call's guide is written in ``family``'s format (gateway/tools.py;
+    default: Hermes')."""
     params = dict(job.params)
     if job.tools is not None and job.tools.constrained:  # a 400 naming the schema llguidance cannot compile
-        params["guide"] = await asyncio.to_thread(job.tools.guide, family)
+        params["guide"] = await asyncio.to_thread(job.tools.guide, family or pick("auto", ""))
     if job.guide is not None:
         try:  # compiling a large schema takes a while: not on the event loop
             await asyncio.to_thread(job.guide.check)
