@@ -4,9 +4,11 @@ answered with an OpenAI error body (gateway/errors.py maps exceptions to statuse
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -48,7 +50,11 @@ async def http_error(request: Request, exc: Exception) -> Response:
 
 
 def served(request: Request) -> str:
-    """The app's endpoints, ``METHOD /path`` each (HEAD left out: it comes with every GET)."""
-    routes = [(sorted(set(getattr(r, "methods", None) or ()) - {"HEAD"}), getattr(r, "path", ""))
-              for r in request.app.routes]
-    return ", ".join(f"{'|'.join(methods)} {path}" for methods, path in routes if methods and path)
+    """The app's endpoints (``create_app`` lists them from its routers: ``endpoints``)."""
+    return ", ".join(getattr(request.app.state, "endpoints", ()))
+
+
+def endpoints(routers: Iterable[APIRouter]) -> tuple[str, ...]:
+    """``METHOD /path`` of every route of ``routers`` (HEAD left out: it comes with every GET)."""
+    return tuple(f"{'|'.join(sorted(set(r.methods) - {'HEAD'}))} {r.path.replace(':path', '')}" for router in routers
+                 for r in router.routes if isinstance(r, APIRoute))

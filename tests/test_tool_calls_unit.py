@@ -36,7 +36,8 @@ CHAT = {"messages": [{"role": "user", "content": "Weather in Paris?"}]}
     ("llama3_json", '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", '
                     '"parameters": {"city": "Oslo"}}', None,
      [Call("add", '{"a": 1, "b": 2}'), Call("get_weather", '{"city": "Oslo"}')]),
-    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}]', None, [Call("add", '{"a": 1, "b": 2}')]),
+    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}]', None,
+     [Call("add", '{"a": 1, "b": 2}')]),
     ("mistral", ' [{"name": "get_weather", "arguments": {"city": "Rome"}}]', None,  # [TOOL_CALLS] skipped as special
      [Call("get_weather", '{"city": "Rome"}')]),
 ])
@@ -142,8 +143,8 @@ def test_a_tool_schema_llguidance_cannot_compile_is_a_400_naming_it(schema, why)
     with pytest.raises(APIError) as exc:
         job.tools.guide(FAMILIES["hermes"])
     assert exc.value.param == "tools.1.function.parameters" and why in exc.value.message
-    named = request_job(True, {**CHAT, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "add"}}},
-                        60, 16)
+    add = {"type": "function", "function": {"name": "add"}}
+    named = request_job(True, {**CHAT, "tools": tools, "tool_choice": add}, 60, 16)
     assert named.tools.guide(FAMILIES["hermes"]).kind == "grammar"  # only the forced function is compiled
 
 
