@@ -129,3 +129,10 @@ def test_both_engines_honour_ignore_eos_and_min_tokens(engine, start_worker, red
         assert penalized.completion_tokens >= 1  # a version-3 request runs through the engine
         with pytest.raises(InvalidRequest, match="min_tokens"):
             client.generate("hi", max_new_tokens=2, min_tokens=3, timeout=60)
+
+
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(torch):
+    # 1e-320 is a valid top_p (> 0) that rounds to 0 in float32: every token was dropped, the sampler failed
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    r = req(temperature=1.0, top_p=1e-320)
+    assert sample(logits, [r], [torch.Generator().manual_seed(0)], [checker(r)]).tolist() == [1]

@@ -99,6 +99,7 @@ def sample(logits: torch.Tensor, reqs: Sequence[GenRequest], gens: Sequence[torc
             probs = sorted_logits.softmax(-1)
             # drop a token when the mass before it already reaches top_p (the first is always kept)
             drop = probs.cumsum(-1) - probs >= r.params.top_p
+            drop[0] = False  # a top_p below float32's range (1e-320) rounds to 0: the first would go too
             row = row.scatter(0, order[drop], float("-inf"))
         probs = row.softmax(-1)
         out[i] = torch.multinomial(probs, 1, generator=gens[i]).to(out.device)[0]
