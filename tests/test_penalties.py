@@ -46,6 +46,21 @@ def test_the_parameter_type_takes_openais_shapes_and_bounds():
         assert exc.value.field == next(iter(bad))
 
 
+@pytest.mark.unit
+def test_workers_answer_a_bias_past_their_vocabulary_invalid_request():
+    from batchfleet.common.keys import Keys
+    from batchfleet.worker.transport import Entry
+    from batchfleet.worker.validate import Accepted, Limits, Rejected, accept
+
+    keys = Keys("t")
+    inbox = keys.inbox("client0123456789")
+    for bias, ok in (({"319": 5}, True), ({"1": 1, "320": 5}, False)):
+        payload = Request(id="j", prompt=[1], reply_key=inbox, params=Params(max_new_tokens=2, logit_bias=bias))
+        entry = Entry(32, "1-0", {b"id": b"j", b"r": inbox.encode(), b"p": payload.encode()})
+        out = accept(entry, keys, Limits(max_seq_len=64, vocab_size=320), now=2.0)
+        assert isinstance(out, Accepted) if ok else (isinstance(out, Rejected) and "logit_bias" in out.reason)
+
+
 def req(**kw) -> GenRequest:
     return GenRequest(id="r", prompt=kw.pop("prompt", [5]), bucket=8, params=Params(**{"max_new_tokens": 8, **kw}))
 
