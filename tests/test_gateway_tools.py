@@ -7,7 +7,9 @@ it. LangChain's ``bind_tools`` and ``with_structured_output(method="function_cal
 
 from __future__ import annotations
 
+import io
 import json
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -23,11 +25,11 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 
 
 
 @pytest.fixture
-def served(start_worker, start_gateway, tiny_model_dir: Path, cache_dir: Path):
+def served(start_worker, start_gateway, tiny_model_dir: Path, cache_dir: Path, tmp_path: Path):
     """(openai client, gateway) over a worker whose template renders tools."""
     start_worker(model_dir=tool_model(tiny_model_dir, cache_dir / "tiny-tools"), buckets=(256, 2048),
                  max_seq_len=2560, max_wait_ms=5)
-    gw = start_gateway(request_timeout_s=120, model_alias_any=True)
+    gw = start_gateway(request_timeout_s=120, model_alias_any=True, files_dir=str(tmp_path / "files"))
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     yield client, gw
     client.close()
@@ -111,6 +113,28 @@ def test_a_schema_llguidance_cannot_compile_is_a_400_naming_it(served):
         client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER],
                                        tool_choice={"type": "function", "function": {"name": "add"}})
     assert exc.value.body["param"] == "tool_choice"
+
+
+def test_batch_lines_with_tools_answer_with_tool_calls(served):
+    client, _ = served
+    body = {"model": "m", "messages": ASK, "tools": TOOLS, "max_tokens": 300, "parallel_tool_calls": False}
+    lines = [{"custom_id": c, "method": "POST", "url": "/v1/chat/completions", "body": {**body, "tool_choice": choice}}
+             for c, choice in (("required", "required"), ("named", {"type": "function", "function": {"name": "add"}}))]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    uploaded = client.files.create(file=("tools.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    assert batch.status == "completed" and batch.request_counts.completed == 2, batch
+    answers = {a["custom_id"]: a["response"]["body"]["choices"][0]
+               for a in map(json.loads, client.files.content(batch.output_file_id).text.splitlines())}
+    assert answers["required"]["finish_reason"] == "tool_calls" and answers["named"]["finish_reason"] == "stop"
+    for answer in answers.values():
+        (call,) = answer["message"]["tool_calls"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+    assert answers["named"]["message"]["tool_calls"][0]["function"]["name"] == "add"
 
 
 class Weather(BaseModel):
