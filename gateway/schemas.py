@@ -8,7 +8,9 @@ vLLM's structured outputs (``guided_*`` or ``structured_outputs``). Extensions: 
 --request-timeout, 504 past it), vLLM's ``top_k`` (0 or -1 = off), ``priority`` (a 64-bit integer: > 0 ->
 batch) and every other parameter of the fleet's table by its name (``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ...: ``FROM_TABLE``). OpenAI's ``service_tier`` picks the class: ``flex`` ->
-batch, ``auto`` / ``default`` -> interactive (common/lanes.py). A chat message's ``content`` is required.
+batch, ``auto`` / ``default`` -> interactive (common/lanes.py). Chat messages: gateway/messages.py; chat
+``tools``, ``tool_choice``, ``parallel_tool_calls``: gateway/tools.py (a chat job's prompt is then a
+producer ``Chat``: the messages and the tools its template renders).
 """
 
 from __future__ import annotations

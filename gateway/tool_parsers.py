@@ -20,7 +20,7 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,24 +40,26 @@ class Call:
 
 @dataclass(frozen=True)
 class Family:
-    """A model family's tool-call format: ``start``, the text its calls begin with (streams hold text back
-    from it on); ``sep``: between two calls of a constrained answer; ``key``: the arguments' key."""
+    """A model family's tool-call format. ``read``: an answer -> (the text before the calls, the calls; None
+    for one that is no call). ``starts``: what an answer's calls begin with (a stream holds text back from
+    there on); ``anywhere``: calls may follow text (Hermes), else they are the whole answer. A constrained
+    answer is ``open`` + calls joined by ``sep`` + ``close``, each call ``call_open`` + ``{"name": ...,
+    <key>: <arguments>}`` + ``call_close``."""
 
     name: str
-    start: str
-    open: str
-    close: str
-    sep: str
+    read: Callable[[str], tuple[str, list[Call | None]]]
+    starts: tuple[str, ...]
+    anywhere: bool = False
+    open: str = ""
+    close: str = ""
+    sep: str = "\n"
+    call_open: str = ""
+    call_close: str = ""
     key: str = "arguments"
 
     def parse(self, text: str, names: Sequence[str]) -> tuple[str | None, list[Call]]:
-        """(content, calls) of an answer; ([text], []) when it holds no well-formed call of ``names``."""
-        if self.name == "hermes":
-            head, calls = _hermes(text)
-        elif self.name == "llama3_json":
-            head, calls = _llama3(text)
-        else:
-            head, calls = _mistral(text)
+        """(content, calls) of an answer; (text, []) when it holds no well-formed call of ``names``."""
+        head, calls = self.read(text)
         if not calls or any(c is None or c.name not in names for c in calls):
             return text, []
         return (head.strip() or None), calls  # type: ignore[return-value]
@@ -75,26 +77,11 @@ class Family:
             lines.append(f"args{i}: %json {json.dumps({**schema, 'x-guidance': COMPACT})}")
         return "\n".join(lines)
 
-    @property
-    def call_open(self) -> str:
-        return "<tool_call>\n" if self.name == "hermes" else ""
-
-    @property
-    def call_close(self) -> str:
-        return "\n</tool_call>" if self.name == "hermes" else ""
-
     def call_id(self) -> str:
         """A new call id: Mistral's templates require 9 letters or digits; OpenAI's look like call_<24>."""
         if self.name == "mistral":
             return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
         return "call_" + secrets.token_hex(12)
-
-
-FAMILIES = {
-    "hermes": Family("hermes", "<tool_call>", "", "", "\n"),
-    "llama3_json": Family("llama3_json", "{", "", "", "; ", key="parameters"),
-    "mistral": Family("mistral", "[", "[", "]", ","),
-}
 
 
 def pick(option: str, template: str) -> Family:
@@ -182,3 +169,10 @@ def _lit(text: str) -> str:
     """A Lark string literal (JSON's escapes are Lark's)."""
     return json.dumps(text)
 
+
+FAMILIES = {
+    "hermes": Family("hermes", _hermes, ("<tool_call>",), anywhere=True, call_open="<tool_call>\n",
+                     call_close="\n</tool_call>"),
+    "llama3_json": Family("llama3_json", _llama3, ("{", "<|python_tag|>"), sep="; ", key="parameters"),
+    "mistral": Family("mistral", _mistral, ("[", "[TOOL_CALLS]"), open="[", close="]", sep=","),
+}

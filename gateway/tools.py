@@ -156,7 +156,7 @@ def plan(tools: Sequence[Tool] | None, choice: Any, parallel: bool | None) -> To
 class ToolStream:
     """One streamed choice read for tool calls. Text is passed on as content until the family's calls begin
     (Hermes: at ``<tool_call>``, text that may begin it held back; Llama 3 and Mistral: calls are the whole
-    answer, so its first non-blank character decides); from there the rest is held and parsed when the
+    answer, so its first non-blank characters decide); from there the rest is held and parsed when the
     choice ends: its calls as OpenAI's deltas, or (no well-formed call) the held text as content. A
     constrained choice is all calls."""
 
@@ -171,19 +171,18 @@ class ToolStream:
         self.held += text
         if self.state == "calls":
             return ""
-        if self.family.name == "hermes":
-            at = self.held.find(self.family.start)
+        if self.family.anywhere:
+            at = min((i for m in self.family.starts if (i := self.held.find(m)) >= 0), default=-1)
             if at >= 0:
                 self.state = "calls"
-            else:  # keep back the longest tail that may begin the marker
-                at = len(self.held) - next((k for k in range(len(self.family.start) - 1, 0, -1)
-                                            if self.held.endswith(self.family.start[:k])), 0)
+            else:  # keep back the longest tail that may begin a marker
+                at = len(self.held) - max((k for m in self.family.starts for k in range(1, len(m))
+                                          if self.held.endswith(m[:k])), default=0)
         elif self.state == "open":
             head = self.held.lstrip()
-            if not head or "<|python_tag|>".startswith(head) or "[TOOL_CALLS]".startswith(head):
+            if not head or any(m.startswith(head) for m in self.family.starts):
                 return ""  # undecided
-            starts = (self.family.start, "<|python_tag|>", "[TOOL_CALLS]")
-            self.state = "calls" if head.startswith(starts) else "text"
+            self.state = "calls" if head.startswith(self.family.starts) else "text"
             at = 0 if self.state == "calls" else len(self.held)
         else:
             at = len(self.held)
