@@ -209,3 +209,12 @@ def test_streams_pass_text_on_and_turn_held_calls_into_openais_deltas():
     assert llama.feed("  ") == "" and llama.feed("Hi {") == "  Hi {" and llama.feed("x") == "x"
     text, calls = feed_all(ToolStream(auto, FAMILIES["llama3_json"]), ['{"name": "add", ', '"parameters": {"a": 1}}'])
     assert text == "" and calls[0]["function"]["name"] == "add"
+
+
+def test_a_forced_call_cut_by_max_tokens_is_text_with_finish_reason_length():
+    job = request_job(True, {**CHAT, "tools": TOOLS, "tool_choice": "required"}, 60, 16)
+    shape = Shape(chat=True, job_id="x", model="m", created=0, tools=job.tools, family=FAMILIES["hermes"])
+    cut = '<tool_call>\n{"name":"add","arguments":{"a":1'
+    choice = shape.response([result(cut, "length")])["choices"][0]
+    assert choice == {"index": 0, "message": {"role": "assistant", "content": cut}, "logprobs": None,
+                      "finish_reason": "length"}  # never a call whose arguments do not validate
