@@ -74,7 +74,7 @@ class Family:
         for i, (name, schema) in enumerate(functions):
             head = json.dumps({"name": name}, separators=(",", ":"))[:-1] + f',"{self.key}":'
             lines.append(f"fn{i}: {_lit(self.call_open + head)} args{i} {_lit('}' + self.call_close)}")
-            lines.append(f"args{i}: %json {json.dumps({**schema, 'x-guidance': COMPACT})}")
+            lines.append(f"args{i}: %json {json.dumps(constraint(schema))}")
         return "\n".join(lines)
 
     def call_id(self) -> str:
@@ -163,6 +163,13 @@ def _mistral(text: str) -> tuple[str, list[Call | None]]:
     if not isinstance(calls, list):
         return text, [None]
     return head, [_call(c) for c in calls]
+
+
+def constraint(schema: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters schema as its arguments are generated: an object (OpenAI's rule; a schema
+    without a type or a ``$ref`` gets it), compact JSON."""
+    typed = {} if "type" in schema or "$ref" in schema else {"type": "object"}
+    return {**typed, **schema, "x-guidance": COMPACT}
 
 
 def _lit(text: str) -> str:

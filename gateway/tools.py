@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from batchfleet.common.guided import MAX_GUIDE_CHARS, Guide, GuideError, dump_schema
 from batchfleet.gateway.errors import invalid
-from batchfleet.gateway.tool_parsers import COMPACT, Call, Family
+from batchfleet.gateway.tool_parsers import Call, Family, constraint
 
 STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 MAX_TOOLS = 128  # OpenAI's limit
@@ -97,7 +97,7 @@ class ToolPlan:
             if self.forced not in (None, name):
                 continue
             try:
-                Guide("json_schema", dump_schema({**schema, "x-guidance": COMPACT})).check()
+                Guide("json_schema", dump_schema(constraint(schema))).check()
             except GuideError as exc:
                 raise invalid(f"tools.{i}.function.parameters ({name}): {exc}"[:1000],
                               f"tools.{i}.function.parameters") from None
@@ -139,6 +139,10 @@ def plan(tools: Sequence[Tool] | None, choice: Any, parallel: bool | None) -> To
         return None
     if len(tools) > MAX_TOOLS:
         raise invalid(f"at most {MAX_TOOLS} tools", "tools")
+    for i, tool in enumerate(tools):  # OpenAI's rule: the arguments are an object
+        if (tool.function.parameters or {}).get("type", "object") != "object":
+            raise invalid(f"tools.{i}.function.parameters must be the JSON schema of an object (type: object)",
+                          f"tools.{i}.function.parameters")
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise invalid("tools must not repeat a function name", "tools")

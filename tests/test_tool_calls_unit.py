@@ -127,6 +127,8 @@ def test_the_parser_is_the_option_or_read_from_the_template():
      "messages.0.tool_calls.0.function.arguments"),
     ({"messages": [{"role": "assistant", "tool_calls": []}]}, "messages.0.content"),
     ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
+    ({"tools": [ADD, {"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}]},
+     "tools.1.function.parameters"),
 ])
 def test_bad_tool_requests_are_400s_naming_the_field(body, param):
     with pytest.raises(APIError) as exc:
