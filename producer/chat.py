@@ -107,8 +107,15 @@ def _compile(template: str):
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
             sort_keys: bool = False) -> str:
-    """transformers' ``tojson``: plain JSON (Jinja2's own escapes HTML characters and sorts keys)."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    """transformers' ``tojson``: plain JSON (Jinja2's own escapes HTML characters and sorts keys). What JSON
+    cannot hold (an undefined variable) is the template's error, as any other."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise TemplateError(f"tojson: {exc}"[:300]) from None
 
 
 def render(template: str, messages: Sequence[Mapping], bos_token: str = "", eos_token: str = "",

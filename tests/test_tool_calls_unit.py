@@ -12,6 +12,7 @@ import random
 import jsonschema
 import pytest
 
+from batchfleet.common.errors import InvalidRequest
 from batchfleet.common.guided import PROBE_EOS, _probe_tokenizer, limits
 from batchfleet.common.protocol import Result
 from batchfleet.gateway.errors import APIError
@@ -162,6 +163,8 @@ def test_the_template_renders_tools_calls_results_and_names_as_transformers_does
     assert "<tool_response>\n<b>22</b>\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
     named = "{% for m in messages %}{{ m.name or '' }}:{{ m.content }};{% endfor %}"
     assert render(named, job.prompt.messages) == "ann:Weather in Paris?;:;:<b>22</b>;"
+    with pytest.raises(InvalidRequest, match="tojson"):  # the template's error, not the gateway's
+        render("{{ undefined_name | tojson }}", job.prompt.messages)
 
 
 def result(text: str, reason: str = "stop") -> Result:
