@@ -26,6 +26,10 @@ MIN_TEMPERATURE = 1e-3  # below it logits / t overflow; 0 means greedy
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
+MAX_PENALTY = 2.0  # presence / frequency penalties: OpenAI's range, [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # a bias is in [-100, 100] (OpenAI's: -100 bans a token, 100 all but forces it)
+MAX_BIASED = 300  # token ids one logit_bias may name (OpenAI's limit)
+MAX_TOKEN_ID = 2**31 - 1  # the wire's bound on any token id (the worker checks its vocabulary)
 
 
 class ParamError(InvalidRequest, ProtocolError):
@@ -51,7 +55,7 @@ class TooLong(ParamError, PromptTooLong):
 class Bound:
     """One parameter's row: its kind, default, accepted values and meaning."""
 
-    kind: str  # "int", "number", "bool", "stop" (list of strings) or "guide" (a Guide)
+    kind: str  # "int", "number", "bool", "stop" (list of strings), "bias" ((token id, bias) pairs) or "guide"
     default: Any
     doc: str
     lo: float | None = None  # numbers and ints: the accepted range [lo, hi] ...
@@ -69,6 +73,9 @@ class Bound:
             return "a boolean"
         if self.kind == "guide":
             return "a map `{\"kind\": <str>, \"spec\": <str>}` (below) or nil"
+        if self.kind == "bias":
+            return (f"at most {MAX_BIASED} `[token id, bias]` pairs, ids distinct in [0, 2^31 - 1], biases in "
+                    f"[{_num(self.lo)}, {_num(self.hi)}]")
         lo, hi = _num(self.lo), _num(self.hi)
         span = f"{'(' if self.lo_open else '['}{lo}, {hi}]"
         text = ("an integer" if self.kind == "int" else "a number") + f" in {span}"
@@ -84,6 +91,11 @@ class Bound:
                   and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS and has_utf8(s) for s in value))
         elif self.kind == "guide":
             ok = isinstance(value, Guide)
+        elif self.kind == "bias":
+            ok = isinstance(value, tuple) and len(value) <= MAX_BIASED and all(
+                isinstance(p, tuple) and len(p) == 2 and type(p[0]) is int and 0 <= p[0] <= MAX_TOKEN_ID
+                and type(p[1]) in (int, float) and math.isfinite(p[1]) and self.lo <= p[1] <= self.hi  # type: ignore[operator]
+                for p in value) and len({p[0] for p in value}) == len(value)
         else:  # bool is an int subclass: refused on purpose; NaN fails every comparison
             typed = type(value) is int if self.kind == "int" else type(value) in (int, float) and math.isfinite(value)
             ok = typed and ((self.zero and value == 0) or (
@@ -111,10 +123,34 @@ FIELDS: dict[str, Bound] = {
                                                "temperature)", 0.0, MAX_REPETITION_PENALTY, lo_open=True),
     "min_p": Bound("number", 0.0, "after temperature, tokens whose probability is below `min_p` times the top "
                                   "one's are dropped", 0.0, 1.0),
+    "presence_penalty": Bound("number", 0.0, "subtracted from the logit of every token already in the output "
+                                             "(OpenAI's; after repetition_penalty, before temperature)",
+                              -MAX_PENALTY, MAX_PENALTY),
+    "frequency_penalty": Bound("number", 0.0, "subtracted from a token's logit once per time it is already in the "
+                                              "output (OpenAI's; with presence_penalty)", -MAX_PENALTY, MAX_PENALTY),
+    "logit_bias": Bound("bias", (), "added to these tokens' logits before every other adjustment (OpenAI's "
+                                    "`logit_bias`, a JSON map of id strings there)", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS),
     "guide": Bound("guide", None, "structured output: the generated tokens always match it", nullable=True),
     "logprobs": Bound("int", None, "nil = none; k: each generated token's logprob and its k most likely "
                                    "alternatives, in the `Result` (and `Delta`s)", 0, MAX_LOGPROBS, nullable=True),
 }
+
+
+def bias_pairs(value: Any) -> Any:
+    """``logit_bias`` as sorted (token id, bias) pairs: from a map (OpenAI's JSON has the ids as decimal
+    strings) or a sequence of pairs (the wire's lists); None: none. Anything else is returned for ``check``
+    to refuse."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        value = [(int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10 else k, b)
+                 for k, b in value.items()]
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_BIASED:
+        return value
+    pairs = tuple(tuple(p) if isinstance(p, (list, tuple)) else p for p in value)
+    if all(isinstance(p, tuple) and len(p) == 2 and type(p[0]) is int for p in pairs):
+        pairs = tuple(sorted(pairs, key=lambda p: p[0]))
+    return pairs
 
 
 @dataclass(frozen=True)
@@ -133,6 +169,9 @@ class Params:
     min_tokens: int = 0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     guide: Guide | None = None
     logprobs: int | None = None
 
@@ -143,10 +182,12 @@ class Params:
         if isinstance(stop, list):
             stop = tuple(stop)
         object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
         check(self)
         for name, bound in FIELDS.items():  # ints given for numbers: floats, so the wire and == agree
             if bound.kind == "number" and getattr(self, name) is not None:
                 object.__setattr__(self, name, float(getattr(self, name)))
+        object.__setattr__(self, "logit_bias", tuple((i, float(b)) for i, b in self.logit_bias))
 
     def keywords(self) -> dict[str, Any]:
         """The fields as keyword arguments (``Params(**p.keywords()) == p``)."""
@@ -156,6 +197,7 @@ class Params:
         """The Request map's parameter entries (flat, as they always were)."""
         wire = self.keywords()
         wire["stop"] = list(self.stop)
+        wire["logit_bias"] = [list(pair) for pair in self.logit_bias]  # a list: msgpack map keys are strings
         wire["guide"] = None if self.guide is None else self.guide.to_wire()
         return wire
 
@@ -169,9 +211,9 @@ class Params:
                     raise ParamError(name, f"{name} is required")
                 continue
             value = obj[name]
-            if bound.kind == "stop":
+            if bound.kind in ("stop", "bias"):
                 if not isinstance(value, list):
-                    raise ParamError(name, f"stop must be {bound.accepts()}")
+                    raise ParamError(name, f"{name} must be {bound.accepts()}")
                 value = tuple(value)
             elif bound.kind == "guide" and value is not None:
                 try:
@@ -197,11 +239,13 @@ DEFAULT = Params()
 
 def doc_rows() -> list[str]:
     """docs/PROTOCOL.md's parameter table (under "### Request"), row by row."""
-    kinds = {"int": "int", "number": "number", "bool": "bool", "stop": "array of str", "guide": "map"}
+    kinds = {"int": "int", "number": "number", "bool": "bool", "stop": "array of str", "guide": "map",
+             "bias": "array of [int, number]"}
     rows = ["| field | type | default | accepted | meaning |", "|---|---|---|---|---|"]
     for name, b in FIELDS.items():
         kind = kinds[b.kind] + (" or nil" if b.nullable else "")
-        default = "required" if b.required else "nil" if b.default is None else "`[]`" if b.kind == "stop" else (
+        listed = b.kind in ("stop", "bias")
+        default = "required" if b.required else "nil" if b.default is None else "`[]`" if listed else (
             str(b.default).lower() if b.kind == "bool" else str(b.default))
         rows.append(f"| `{name}` | {kind} | {default} | {b.accepts()} | {b.doc} |")
     return rows

@@ -17,7 +17,8 @@ from batchfleet.common.errors import UNSUPPORTED_SCHEMA, ProtocolError
 # 3: priority classes (lanes), vLLM's sampling extensions (ignore_eos, min_tokens, repetition_penalty,
 # min_p), structured outputs (guide) and logprobs (logprobs, Result/Delta.logprobs; common/params.py): a v2
 # worker would ignore them and answer something else than asked, so it refuses v3 (unsupported_schema)
-SCHEMA_VERSION = 3
+# 4: OpenAI's presence_penalty, frequency_penalty and logit_bias (a v3 worker would ignore them)
+SCHEMA_VERSION = 4
 MAX_PAYLOAD_BYTES = 1 << 20  # 1 MiB: far above 4096 token ids + stop strings
 MAX_TOKENS = 1 << 16  # prompt or completion length cap at decode time (the worker checks its own limits)
 MAX_TEXT_CHARS = 1 << 20

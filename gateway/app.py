@@ -23,7 +23,7 @@ from batchfleet.gateway import batch_api, dashboard, inference
 from batchfleet.gateway.batch_runner import BatchRunner
 from batchfleet.gateway.config import GatewayConfig
 from batchfleet.gateway.connections import ClientFactory, GatewayRedis, producer_client
-from batchfleet.gateway.handlers import add_error_handlers
+from batchfleet.gateway.handlers import add_error_handlers, endpoints
 from batchfleet.gateway.metrics import HTTPMetrics, MetricsMiddleware
 from batchfleet.gateway.service import Gateway
 
@@ -40,6 +40,7 @@ def create_app(config: GatewayConfig | None = None, client_factory: ClientFactor
     app.state.metrics = HTTPMetrics(registry)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     add_error_handlers(app)
+    app.state.endpoints = endpoints(ROUTERS)  # an unknown route's 404 names them
     for router in ROUTERS:
         app.include_router(router)
     return app

@@ -33,6 +33,7 @@ from batchfleet.gateway.batch_lines import (
 from batchfleet.gateway.errors import api_error
 from batchfleet.gateway.formats import Shape
 from batchfleet.gateway.service import choice_params, job_params, token_texts, too_long, unknown_model
+from batchfleet.gateway.tool_parsers import Family, pick
 from batchfleet.producer.bulk_lines import line_sha
 from batchfleet.producer.bulk_types import Work
 from batchfleet.producer.prefix_order import prefix_key
@@ -82,8 +83,12 @@ class OpenAIFormat:
         error = unknown_model(job.model, self.model_names, any_name=self.alias_any)
         if error is not None:
             raise error
-        params = {**await job_params(job), "priority": BATCH}  # the batch class, whatever the body says
+        params = {**await job_params(job, self.family()), "priority": BATCH}  # the batch class, whatever the body says
         return [choice_params(params, i) for i in range(job.n)]
+
+    def family(self) -> Family:
+        """The served model's tool-call format, from the fleet's chat template (gateway/tool_parsers.py)."""
+        return pick("auto", self.fleet.info.chat_template if self.fleet is not None else "")
 
     def refusal(self, line: BatchLine, status: int, body: dict) -> dict:
         return response_line(self.prefix, line, self.stem(line), status, body)
@@ -95,7 +100,8 @@ class OpenAIFormat:
             self.texts = token_texts(self.fleet.tokenizer)
         shape = Shape(chat=line.chat, job_id=self.stem(line), model=self.model_names[0],
                       created=int(time.time()), fingerprint=self.fleet.info.fingerprint or None,
-                      token_text=None if line.job.logprobs is None else self.texts)
+                      token_text=None if line.job.logprobs is None else self.texts, tools=line.job.tools,
+                      family=self.family())
         return self.refusal(line, 200, shape.response(results))
 
     def failure(self, work: Work, exc: BaseException) -> dict:

@@ -13,6 +13,8 @@ from batchfleet.common.config import MIN_KEY_CHARS, ConnectionConfig, check_api_
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.optionspec import option
 
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")  # gateway/tool_parsers.py
+
 __all__ = ["MIN_KEY_CHARS", "GatewayConfig", "parse_api_keys"]
 
 
@@ -37,6 +39,10 @@ class GatewayConfig:
         "for less with the 'timeout' field (seconds). Past it: HTTP 504.", flag="request-timeout"))
     chat_max_tokens: int = field(default=256, metadata=option(
         "max_tokens of a chat completion that does not set it (completions default to 16, as OpenAI's)."))
+    tool_call_parser: str = field(default="auto", metadata=option(
+        "How tool calls are written by the served model's family (as vLLM's --tool-call-parser): hermes "
+        "(Qwen, Hermes: <tool_call> JSON), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS] JSON array); auto: "
+        "from the fleet's chat template, hermes when it says nothing.", choices=TOOL_CALL_PARSERS))
     metrics_port: int = field(default=0, metadata=option(
         "Serve Prometheus metrics (the fleet's queue gauges and the gateway's HTTP requests by route and "
         "status, latency histogram) on this port; 0 = off."))
@@ -77,5 +83,7 @@ class GatewayConfig:
             raise ConfigError(f"batch_window must be >= 1, got {self.batch_window}")
         if not (math.isfinite(self.batch_lease_s) and self.batch_lease_s >= 1):
             raise ConfigError(f"batch_lease_s must be >= 1 second, got {self.batch_lease_s}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
         if self.chat_max_tokens < 1:
             raise ConfigError(f"chat_max_tokens must be >= 1, got {self.chat_max_tokens}")

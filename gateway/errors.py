@@ -65,7 +65,8 @@ def api_error(exc: BaseException, guide_param: str | None = None) -> APIError:
     if isinstance(exc, PromptTooLong):
         return invalid(str(exc), "prompt", "context_length_exceeded")
     if isinstance(exc, (InvalidRequest, ValueError)):  # the client's parameter checks (pydantic's too)
-        return invalid(str(exc))
+        field = getattr(exc, "field", None)  # a ParamError names its field (logit_bias past the vocabulary)
+        return invalid(str(exc), field if isinstance(field, str) else None)
     if isinstance(exc, QueueFull):
         return _retry_later(429, str(exc), "rate_limit_error", "queue_full")
     if isinstance(exc, NoWorkers):

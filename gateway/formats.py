@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchfleet.common.protocol import Result
+from batchfleet.gateway.tool_parsers import Family
+from batchfleet.gateway.tools import ToolPlan, ToolStream
 
 # the fleet's finish reasons -> OpenAI's: an end-of-sequence token and a stop string both "stop"
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -57,6 +59,14 @@ class Shape:
     include_usage: bool = False
     token_text: Callable[[int], str] | None = None
     guide_param: str | None = None
+    tools: ToolPlan | None = None  # a chat request's tools: answers are read for tool calls (gateway/tools.py)
+    family: Family | None = None  # the model family whose tool-call format they are read in
+
+    def tool_stream(self) -> ToolStream | None:
+        """A streamed choice's tool-call reader, when answers are read for tool calls."""
+        if self.tools is None or not self.tools.parsed or self.family is None:
+            return None
+        return ToolStream(self.tools, self.family)
 
     @property
     def id(self) -> str:
@@ -97,8 +107,13 @@ class Shape:
             finish = FINISH_REASONS.get(result.finish_reason, result.finish_reason)
             logprobs = self.logprobs(result.token_ids, result.logprobs)
             if self.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": result.text},
-                                "logprobs": logprobs, "finish_reason": finish})
+                message: dict[str, Any] = {"role": "assistant", "content": result.text}
+                if self.tools is not None and self.family is not None:
+                    message["content"], calls = self.tools.calls(self.family, result.text)
+                    if calls:
+                        message["tool_calls"] = calls
+                    finish = self.tools.finish(finish, bool(calls))
+                choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
             else:
                 choices.append({"index": index, "text": result.text, "logprobs": logprobs, "finish_reason": finish})
         view = fleet_view(results[0])
@@ -108,14 +123,17 @@ class Shape:
                 "usage": usage(results), "batchfleet": view}
 
     def chunk(self, text: str, *, index: int = 0, first: bool = False, result: Result | None = None,
-              logprobs: dict | None = None) -> dict[str, Any]:
+              logprobs: dict | None = None, finish: str | None = None,
+              tool_calls: list[dict] | None = None) -> dict[str, Any]:
         """One stream chunk of choice ``index``: ``text`` generated since its previous one; ``first``
-        (chat) announces the assistant's role; ``result`` (its last chunk) carries the finish reason;
-        ``logprobs``: those of the tokens this chunk stands for (``self.logprobs(...)``)."""
-        finish = None if result is None else FINISH_REASONS.get(result.finish_reason, result.finish_reason)
+        (chat) announces the assistant's role; ``result`` (its last chunk) carries the finish reason
+        (``finish``: OpenAI's, when tool calls decide it); ``logprobs``: those of the tokens this chunk
+        stands for (``self.logprobs(...)``); ``tool_calls``: OpenAI's tool-call deltas."""
+        if finish is None and result is not None:
+            finish = FINISH_REASONS.get(result.finish_reason, result.finish_reason)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else (
-                {"content": text} if text or result is None else {})
+                {"tool_calls": tool_calls} if tool_calls else {"content": text} if text or result is None else {})
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}

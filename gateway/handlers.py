@@ -4,9 +4,11 @@ answered with an OpenAI error body (gateway/errors.py maps exceptions to statuse
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -36,7 +38,23 @@ async def error_response(request: Request, exc: Exception) -> Response:
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
-    """Routing errors (404 unknown path, 405 wrong method) with an OpenAI error body."""
+    """Routing errors (404 unknown path, 405 wrong method) with an OpenAI error body; the message names the
+    request (as OpenAI's ``Invalid URL (POST /v1/x)``) and the endpoints this gateway serves."""
     assert isinstance(exc, HTTPException)
-    err = APIError(exc.status_code, str(exc.detail), "invalid_request_error", None)
+    message = str(exc.detail)
+    if exc.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):
+        what = "Invalid URL" if exc.status_code == 404 else "Method not allowed"
+        message = f"{what} ({request.method} {request.url.path[:200]}); this gateway serves {served(request)}"
+    err = APIError(exc.status_code, message, "invalid_request_error", None)
     return JSONResponse(err.body(), status_code=err.status, headers=dict(exc.headers or {}))
+
+
+def served(request: Request) -> str:
+    """The app's endpoints (``create_app`` lists them from its routers: ``endpoints``)."""
+    return ", ".join(getattr(request.app.state, "endpoints", ()))
+
+
+def endpoints(routers: Iterable[APIRouter]) -> tuple[str, ...]:
+    """``METHOD /path`` of every route of ``routers`` (HEAD left out: it comes with every GET)."""
+    return tuple(f"{'|'.join(sorted(set(r.methods) - {'HEAD'}))} {r.path.replace(':path', '')}" for router in routers
+                 for r in router.routes if isinstance(r, APIRoute))

@@ -8,7 +8,9 @@ vLLM's structured outputs (``guided_*`` or ``structured_outputs``). Extensions: 
 --request-timeout, 504 past it), vLLM's ``top_k`` (0 or -1 = off), ``priority`` (a 64-bit integer: > 0 ->
 batch) and every other parameter of the fleet's table by its name (``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ...: ``FROM_TABLE``). OpenAI's ``service_tier`` picks the class: ``flex`` ->
-batch, ``auto`` / ``default`` -> interactive (common/lanes.py). A chat message's ``content`` is required.
+batch, ``auto`` / ``default`` -> interactive (common/lanes.py). Chat messages: gateway/messages.py; chat
+``tools``, ``tool_choice``, ``parallel_tool_calls``: gateway/tools.py (a chat job's prompt is then a
+producer ``Chat``: the messages and the tools its template renders).
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from batchfleet.common.guided import Guide, GuideError, from_options
 from batchfleet.common.lanes import lane_of
 from batchfleet.common.params import FIELDS, MIN_TEMPERATURE, ParamError, Params
 from batchfleet.gateway.errors import invalid
-from batchfleet.gateway.strict import NEUTRAL_CHAT, NEUTRAL_COMPLETIONS, NEUTRAL_MESSAGE, refuse_non_neutral
+from batchfleet.gateway.messages import Message
+from batchfleet.gateway.strict import NEUTRAL_CHAT, NEUTRAL_COMPLETIONS, refuse_non_neutral
+from batchfleet.gateway.tools import Tool, ToolChoice, ToolPlan, plan
+from batchfleet.producer.chat import Chat
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's
 OPENAI_MAX_TEMPERATURE = 2.0  # OpenAI's range (the fleet's own goes to 100: common/params.py)
@@ -31,7 +36,6 @@ OPENAI_MAX_TEMPERATURE = 2.0  # OpenAI's range (the fleet's own goes to 100: com
 SPELLED_HERE = {"max_new_tokens", "temperature", "top_k", "stop", "logprobs", "guide"}
 MAX_N = 32  # choices per request: each is a job of its own
 TokenIds = list[StrictInt]
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class Job:
     guide: Guide | None = None  # structured output (compiled by the caller, off the event loop)
     guide_param: str | None = None  # the request field it came from, for a 400
     logprobs: int | None = None  # k alternatives per token (None: no logprobs)
+    tools: ToolPlan | None = None  # a chat request's tools (gateway/tools.py)
 
 
 STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -112,10 +117,8 @@ class _Declared(BaseModel):
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
     structured_outputs: StructuredOutputs | None = None
+    logit_bias: dict[StrictStr, Number] | None = None  # token id (decimal text) -> bias: common/params.py
     # neutral-only (gateway/strict.py)
-    presence_penalty: Number | None = None
-    frequency_penalty: Number | None = None
-    logit_bias: dict[str, Any] | None = None
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool | None = None
     spaces_between_special_tokens: StrictBool | None = None
@@ -159,7 +162,8 @@ class _Declared(BaseModel):
         given = {k: v for k in FROM_TABLE if (v := getattr(self, k)) is not None}
         try:  # vLLM's top_k -1 = off = the fleet's 0
             return Params(max_new_tokens=max_tokens, temperature=temperature, logprobs=logprobs,
-                          top_k=max(self.top_k or 0, 0), stop=self.stop or (), **given)
+                          top_k=max(self.top_k or 0, 0), stop=self.stop or (), logit_bias=self.logit_bias or (),
+                          **given)
         except ParamError as exc:
             message = str(exc)
             for ours, theirs in names.items():
@@ -205,37 +209,6 @@ class CompletionRequest(_Common):  # type: ignore[misc,valid-type]
         return self.job(prompt, max_tokens, timeout_cap, self.logprobs)
 
 
-class TextPart(BaseModel):
-    model_config = STRICT
-    type: Literal["text"]
-    text: StrictStr
-
-
-class Message(BaseModel):
-    model_config = STRICT
-    role: StrictStr
-    content: StrictStr | list[TextPart] | None = None
-    # neutral-only (gateway/strict.py NEUTRAL_MESSAGE)
-    name: StrictStr | None = None
-    tool_calls: list[Any] | None = None
-    tool_call_id: StrictStr | None = None
-    function_call: Any = None
-    refusal: StrictStr | None = None
-
-    def rendered(self, index: int) -> dict[str, str]:
-        """{"role", "content"} as the chat template expects: text parts joined, OpenAI's
-        ``developer`` role as ``system``."""
-        refuse_non_neutral({k: getattr(self, k) for k in self.model_fields_set}, NEUTRAL_MESSAGE,
-                           f"messages.{index}.")
-        if self.role not in ROLES:
-            raise invalid(f"unsupported message role {self.role!r} (use system, user or assistant)", "messages")
-        if self.content is None or self.content == []:  # OpenAI: null only beside tool_calls (refused here)
-            raise invalid(f"messages.{index}.content is required: a string or a list of at least one text part",
-                          f"messages.{index}.content")
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": ROLES[self.role], "content": content}
-
-
 class ChatCompletionRequest(_Common):  # type: ignore[misc,valid-type]
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = NEUTRAL_CHAT
 
@@ -244,8 +217,8 @@ class ChatCompletionRequest(_Common):  # type: ignore[misc,valid-type]
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
-    tools: list[Any] | None = None
-    tool_choice: StrictStr | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     functions: list[Any] | None = None
     function_call: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
@@ -263,12 +236,21 @@ class ChatCompletionRequest(_Common):  # type: ignore[misc,valid-type]
     def to_job(self, timeout_cap: float, default_max_tokens: int) -> Job:
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise invalid(f"max_completion_tokens ({self.max_completion_tokens}) and max_tokens ({self.max_tokens}) "
+                          "differ: give one of them", "max_completion_tokens")
         max_tokens = next(n for n in (self.max_completion_tokens, self.max_tokens, default_max_tokens) if n is not None)
         # the request's own fields first, then each message's
         job = self.job([], max_tokens, timeout_cap, (self.top_logprobs or 0) if self.logprobs else None,
                        {"max_new_tokens": self.max_tokens_field(), "logprobs": "top_logprobs"})
-        return replace(job, prompt=[m.rendered(i) for i, m in enumerate(self.messages)], prompt_field="messages",
-                       max_tokens_field=self.max_tokens_field())
+        tools = plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if tools is not None and tools.constrained and job.guide is not None:
+            raise invalid(f"tool_choice {tools.choice!r} constrains the answer to tool calls: give it or "
+                          f"{job.guide_param}, not both", "tool_choice")
+        messages = [m.rendered(i) for i, m in enumerate(self.messages)]
+        return replace(job, prompt=messages if tools is None else Chat(messages, tools.tools), prompt_field="messages",
+                       max_tokens_field=self.max_tokens_field(), tools=tools,
+                       guide_param="tools" if tools is not None and tools.constrained else job.guide_param)
 
 
 def parse(model: type[BaseModel], body: Any) -> Any:

@@ -23,6 +23,7 @@ from batchfleet.gateway.errors import APIError, api_error, invalid
 from batchfleet.gateway.formats import Shape
 from batchfleet.gateway.schemas import Job
 from batchfleet.gateway.sse import EventStream, job_events, wait_disconnect
+from batchfleet.gateway.tool_parsers import Family, pick
 from batchfleet.producer import AsyncClient
 
 log = logging.getLogger(__name__)
@@ -71,13 +72,14 @@ class Gateway:
         is sent; the choices already submitted are cancelled."""
         model = await self.check_model(job.model)
         fleet = await self.client.fleet()
-        params = await job_params(job)
+        family = pick(self.config.tool_call_parser, fleet.info.chat_template)
+        params = await job_params(job, family)
         job_id = uuid.uuid4().hex
         ids = [job_id] if job.n == 1 else [f"{job_id}-{i}" for i in range(job.n)]
         shape = Shape(chat=chat, job_id=job_id, model=model, created=int(time.time()),
                       fingerprint=fleet.info.fingerprint or None, include_usage=job.include_usage,
                       token_text=None if job.logprobs is None else token_texts(fleet.tokenizer),
-                      guide_param=job.guide_param)
+                      guide_param=job.guide_param, tools=job.tools, family=family)
         headers = {"x-request-id": job_id}
         try:
             if job.stream:
@@ -165,10 +167,13 @@ class Gateway:
             return False
 
 
-async def job_params(job: Job) -> dict[str, Any]:
+async def job_params(job: Job, family: Family | None = None) -> dict[str, Any]:
     """The job's AsyncClient parameters, its structured-output guide compiled (a 400 naming the field when
-    it does not compile)."""
+    it does not compile); a forced tool call's guide is written in ``family``'s format (gateway/tools.py;
+    default: Hermes')."""
     params = dict(job.params)
+    if job.tools is not None and job.tools.constrained:  # a 400 naming the schema llguidance cannot compile
+        params["guide"] = await asyncio.to_thread(job.tools.guide, family or pick("auto", ""))
     if job.guide is not None:
         try:  # compiling a large schema takes a while: not on the event loop
             await asyncio.to_thread(job.guide.check)

@@ -18,7 +18,8 @@ from typing import Any
 from starlette.responses import Response
 
 from batchfleet.gateway.errors import api_error
-from batchfleet.gateway.formats import Shape
+from batchfleet.gateway.formats import FINISH_REASONS, Shape
+from batchfleet.gateway.tools import ToolStream
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
@@ -96,6 +97,7 @@ async def job_events(streams: Sequence[Any], shape: Shape) -> AsyncIterator[byte
                 for i in range(len(streams)):
                     yield event(shape.chunk("", index=i, first=True))
             sent = [0] * len(streams)  # characters of each choice sent so far
+            readers = [shape.tool_stream() for _ in streams]  # tool calls read from each choice's text
             left = len(streams)
             while left:
                 i, delta, exc = await arrivals.get()
@@ -103,11 +105,13 @@ async def job_events(streams: Sequence[Any], shape: Shape) -> AsyncIterator[byte
                     raise exc
                 if delta is None:
                     left -= 1
-                    yield event(shape.chunk("", index=i, result=streams[i].result))
+                    for chunk in _last_chunks(shape, i, streams[i].result, readers[i]):
+                        yield event(chunk)
                     continue
                 logprobs = shape.logprobs(delta.token_ids, delta.logprobs, sent[i])
-                if delta.text or (logprobs is not None and delta.token_ids):
-                    yield event(shape.chunk(delta.text, index=i, logprobs=logprobs))
+                text = delta.text if readers[i] is None else readers[i].feed(delta.text)
+                if text or (logprobs is not None and delta.token_ids):
+                    yield event(shape.chunk(text, index=i, logprobs=logprobs))
                 sent[i] += len(delta.text)
             if shape.include_usage:
                 yield event(shape.usage_chunk([s.result for s in streams]))
@@ -122,6 +126,18 @@ async def job_events(streams: Sequence[Any], shape: Shape) -> AsyncIterator[byte
             task.cancel()
         # shielded: when the client went away this task is being cancelled, and the cancels must still go out
         await asyncio.shield(_close(pumps, streams))
+
+
+def _last_chunks(shape: Shape, index: int, result: Any, reader: ToolStream | None) -> list[dict[str, Any]]:
+    """A finished choice's last chunks: what its tool-call reader held (content or tool-call deltas), then
+    the chunk with the finish reason."""
+    if reader is None:
+        return [shape.chunk("", index=index, result=result)]
+    text, calls = reader.finish()
+    out = [shape.chunk(text, index=index)] if text else []
+    out += [shape.chunk("", index=index, tool_calls=[call]) for call in calls]
+    finish = shape.tools.finish(FINISH_REASONS.get(result.finish_reason, result.finish_reason), bool(calls))
+    return out + [shape.chunk("", index=index, result=result, finish=finish)]
 
 
 async def _close(pumps: list[asyncio.Future], streams: Sequence[Any]) -> None:

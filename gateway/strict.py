@@ -33,14 +33,12 @@ HONOURED: dict[str, str] = {
     "repetition_penalty": "both", "min_tokens": "both", "ignore_eos": "both", "user": "both",
     "n": "both", "logprobs": "both", "top_logprobs": "chat", "response_format": "both", "guided_json": "both",
     "guided_regex": "both", "guided_choice": "both", "guided_grammar": "both", "structured_outputs": "both",
-    "service_tier": "both", "priority": "both",
+    "service_tier": "both", "priority": "both", "presence_penalty": "both", "frequency_penalty": "both",
+    "logit_bias": "both", "tools": "chat", "tool_choice": "chat", "parallel_tool_calls": "chat",
 }
 
 # neutral-only fields: the values accepted (null always is); each tuple is (value, ...) compared by type too
 NEUTRAL_COMMON: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0.0,),
-    "frequency_penalty": (0.0,),
-    "logit_bias": ({},),
     "stop_token_ids": ([],),  # vLLM
     "skip_special_tokens": (True,),  # vLLM: the fleet's text never holds special tokens
     "spaces_between_special_tokens": (True,),  # vLLM
@@ -54,11 +52,8 @@ NEUTRAL_COMPLETIONS: dict[str, tuple[Any, ...]] = {
 }
 NEUTRAL_CHAT: dict[str, tuple[Any, ...]] = {
     **NEUTRAL_COMMON,
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),  # without tools both mean: answer in text
-    "functions": ([],),
+    "functions": ([],),  # OpenAI's deprecated spelling of tools: use tools
     "function_call": ("none", "auto"),
-    "parallel_tool_calls": (True, False),  # without tools it changes nothing
     "store": (False,),
     "metadata": ({},),
     "modalities": (["text"],),
@@ -68,10 +63,7 @@ NEUTRAL_CHAT: dict[str, tuple[Any, ...]] = {
 }
 # per message of a chat request
 NEUTRAL_MESSAGE: dict[str, tuple[Any, ...]] = {
-    "name": (),  # a participant name: the fleet's templates do not render it
-    "tool_calls": ([],),
-    "tool_call_id": (),
-    "function_call": (),
+    "function_call": (),  # OpenAI's deprecated spelling of tool_calls
     "refusal": (),
 }
 

@@ -18,9 +18,10 @@ from batchfleet.common.errors import (
 )
 from batchfleet.common.protocol import Delta, Result
 from batchfleet.producer.aclient import AsyncClient
+from batchfleet.producer.chat import Chat
 from batchfleet.producer.client import Client, TokenStream
 from batchfleet.producer.stream import AsyncTokenStream
 
-__all__ = ["AsyncClient", "AsyncTokenStream", "Cancelled", "Client", "Delta", "FleetUnavailable", "InvalidRequest",
-           "JobFailed", "NoWorkers", "PromptTooLong", "QueueFull", "RedisUnavailable", "Result", "Timeout",
-           "TokenStream"]
+__all__ = ["AsyncClient", "AsyncTokenStream", "Cancelled", "Chat", "Client", "Delta", "FleetUnavailable",
+           "InvalidRequest", "JobFailed", "NoWorkers", "PromptTooLong", "QueueFull", "RedisUnavailable", "Result",
+           "Timeout", "TokenStream"]

@@ -30,7 +30,7 @@ from batchfleet.common.errors import (
 from batchfleet.common.guided import Guide, GuideError, from_options
 from batchfleet.common.keys import Keys, valid_job_id
 from batchfleet.common.lanes import BATCH, INTERACTIVE, lane_of
-from batchfleet.common.params import FIELDS, Params, has_utf8
+from batchfleet.common.params import FIELDS, ParamError, Params, has_utf8
 from batchfleet.common.protocol import (
     MAX_PAYLOAD_BYTES,
     Delta,
@@ -40,9 +40,9 @@ from batchfleet.common.protocol import (
     Result,
     decode_reply,
 )
-from batchfleet.producer.chat import is_messages, render
+from batchfleet.producer.chat import Chat, is_messages, render
 
-Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]  # text, token ids, or chat messages
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]] | Chat  # text, token ids, chat messages (and tools)
 FLEET_REFRESH_S = 30.0
 # an enqueue that found a live worker vouches for the fleet this long: the next enqueues skip the check (a
 # fleet that just lost its last worker is noticed within this long; a request taken meanwhile waits for one)
@@ -128,6 +128,8 @@ def prompt_size(prompt: Prompt) -> int:
     """Characters (text, chat contents) or ids (token ids) of a prompt: what tokenizing it costs."""
     if isinstance(prompt, str):
         return len(prompt)
+    if isinstance(prompt, Chat):  # the tools' schemas are rendered too
+        return prompt_size(prompt.messages) + sum(len(str(t)) for t in prompt.tools or ())
     if is_messages(prompt):
         # rendering costs per message too (templates loop over them): 1,000 short messages go to a thread
         contents = (m.get("content") for m in prompt)  # type: ignore[union-attr]
@@ -175,9 +177,10 @@ class FleetView:
             if not has_utf8(prompt):  # the tokenizer would raise TypeError
                 raise InvalidRequest("the prompt is not valid Unicode (it holds a lone surrogate)")
             return self._encode(prompt)
-        if is_messages(prompt):
+        if is_messages(prompt) or isinstance(prompt, Chat):
             info = self.info
-            text = render(info.chat_template, prompt, info.bos_token, info.eos_token)  # type: ignore[arg-type]
+            chat = prompt if isinstance(prompt, Chat) else Chat(prompt)  # type: ignore[arg-type]
+            text = render(info.chat_template, chat.messages, info.bos_token, info.eos_token, chat.tools)
             if not has_utf8(text):
                 raise InvalidRequest("a message is not valid Unicode (it holds a lone surrogate)")
             # a template that writes the BOS itself must not get a second one from the tokenizer
@@ -202,6 +205,10 @@ class FleetView:
         the stream (and its queue limit): the one place it travels."""
         assert self.info is not None
         ids = self.tokenize(prompt)
+        biased = ask.params.logit_bias
+        if biased and biased[-1][0] >= self.info.vocab_size:  # pairs sorted by id: the last is the largest
+            raise ParamError("logit_bias", f"logit_bias names token id {biased[-1][0]}, outside the fleet's "
+                                           f"vocabulary [0, {self.info.vocab_size})")
         bucket = bucket_for(self.info.buckets, self.info.max_seq_len, len(ids), ask.params.max_new_tokens)
         job_id = job_id or uuid.uuid4().hex
         if not valid_job_id(job_id):

@@ -8,6 +8,8 @@ import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from batchfleet.producer.chat import Chat
+
 T = TypeVar("T")
 PREFIX_KEY_CHARS = 64  # about one KV block (16 tokens) of English text
 PREFIX_KEY_TOKENS = 16
@@ -20,6 +22,8 @@ def prefix_key(prompt: object) -> str | None:
         return "s" + prompt[:PREFIX_KEY_CHARS]
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return "t" + ",".join(map(str, prompt[:PREFIX_KEY_TOKENS]))
+    if isinstance(prompt, Chat):  # templates render the tools first (a system turn): they lead the key
+        prompt = [list(prompt.tools or ()), list(prompt.messages)]
     try:
         return "m" + json.dumps(prompt, sort_keys=True)[:PREFIX_KEY_CHARS]
     except (TypeError, ValueError):

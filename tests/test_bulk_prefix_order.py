@@ -11,6 +11,7 @@ import pytest
 from batchfleet.producer.aclient import AsyncClient
 from batchfleet.producer.bulk import bulk_file
 from batchfleet.producer.bulk_lines import Line
+from batchfleet.producer.chat import Chat
 from batchfleet.producer.prefix_order import prefix_key, submission_order
 
 SYSTEM_A = "You are a terse assistant that answers every question in one single word. Question: "
@@ -24,6 +25,8 @@ def test_prefix_key_reads_the_leading_block_of_every_prompt_kind():
     assert prefix_key(list(range(20))) == prefix_key(list(range(16)) + [99]) != prefix_key(list(range(1, 21)))
     chat = [{"role": "system", "content": SYSTEM_B}, {"role": "user", "content": "hi"}]
     assert prefix_key(chat) == prefix_key([chat[0], {"role": "user", "content": "bye"}]) != prefix_key(SYSTEM_B)
+    tools = [{"type": "function", "function": {"name": "lookup_the_weather_of_a_city", "parameters": {}}}]
+    assert prefix_key(Chat(chat, tools)) == prefix_key(Chat([chat[1]], tools)) != prefix_key(chat)  # tools lead
 
 
 @pytest.mark.unit

@@ -103,7 +103,8 @@ def test_auth_and_invalid_requests(start_worker, start_gateway):
     for bad, param in cases:
         err = error_of(http.post("/v1/completions", json=bad), 400)
         assert err["type"] == "invalid_request_error" and (param is None or err["param"] == param), (bad, err)
-    for bad, param in [({"messages": []}, "messages"), ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+    for bad, param in [({"messages": []}, "messages"), ({"messages": [{"role": "tool", "content": "x"}]},
+                                                                 "messages.0.tool_call_id"),
                        ({**chat, "tools": [{"type": "function"}]}, "tools"), ({**chat, "n": 0}, "n")]:
         assert error_of(http.post("/v1/chat/completions", json=bad), 400)["param"] == param, bad
     assert error_of(http.post("/v1/completions", content=b"{not json", headers=JSON), 400)
@@ -115,7 +116,8 @@ def test_auth_and_invalid_requests(start_worker, start_gateway):
         assert resp.status_code == 200, resp.text
     assert error_of(http.post("/v1/completions", json=[1, 2]), 400)
     assert error_of(http.post("/v1/completions", json={**body, "model": "gpt-4o"}), 404)["code"] == "model_not_found"
-    error_of(http.get("/v1/nothing-here"), 404)
+    unknown = error_of(http.get("/v1/nothing-here"), 404)["message"]  # names what is served, as OpenAI's 404
+    assert "Invalid URL (GET /v1/nothing-here)" in unknown and "POST /v1/chat/completions" in unknown
     error_of(http.get("/v1/completions"), 405)
 
 

@@ -22,10 +22,18 @@ from tests.test_guide_checks import FAILS_LATER, GIVEN_UP
 FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
           "seed", "stop", "n", "stream", "stream_options", "timeout", "logprobs", "top_logprobs", "logit_bias",
           "repetition_penalty", "min_tokens", "ignore_eos", "user", "model", "tools", "response_format", "echo",
-          "priority", "guided_regex", "guided_grammar", "guided_json"]
+          "priority", "guided_regex", "guided_grammar", "guided_json", "presence_penalty", "frequency_penalty",
+          "tool_choice", "parallel_tool_calls"]
 VALUES = [None, True, False, 0, -1, 1, 2**63, 2**64, 10**30, -2**64, 1.5, -0.0, 1e308, 1e-320, "", "x", "\ud800",
           "\udfff\ud800", "0.5", "true", [], {}, [1, 2], [2**64], [-1], ["a", 3], {"a": [1]}, [[1]], [[]],
-          {"type": "json_schema"}, {"include_usage": "yes"}, "a" * 5000]
+          {"type": "json_schema"}, {"include_usage": "yes"}, "a" * 5000, 2.0, -2.0, 2.5, "required", "none",
+          {"1": 100}, {"1": 101}, {"99999": 1}, {"-1": 1}, {str(i): 1 for i in range(301)},
+          {"type": "function", "function": {"name": "f"}}, [{"type": "function", "function": {"name": "f"}}],
+          [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
+          [{"type": "function", "function": {"name": "f", "parameters": []}}], [{"type": "function"}]]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"], "additionalProperties": False}}}
+LOOP = {"type": "function", "function": {"name": "loop", "parameters": {"$ref": "#"}}}
 
 
 def nested(depth: int, leaf: object = 1) -> str:
@@ -60,6 +68,23 @@ def hostile_bodies(rng: random.Random) -> list[tuple[str, bytes]]:
         ("/v1/completions", b'{"prompt": "a", "temperature": NaN}'), ("/v1/completions", b'{"prompt": "a",}'),
         ("/v1/completions", b'{"prompt": "a", "prompt": 3}'), ("/v1/completions", b"1" * 10_000),
         ("/v1/completions", json.dumps({**base, "model": "m" * 100_000}).encode()),
+        ("/v1/chat/completions", json.dumps({**chat, "tools": [TOOL] * 129}).encode()),
+        ("/v1/chat/completions", json.dumps({**chat, "tools": [TOOL], "tool_choice": "required", "max_tokens": 40,
+                                             "parallel_tool_calls": False}).encode()),
+        ("/v1/chat/completions", json.dumps({**chat, "tools": [TOOL], "tool_choice": "required", "stream": True,
+                                             "max_tokens": 40}).encode()),
+        ("/v1/chat/completions", json.dumps({**chat, "tools": [TOOL], "tool_choice": {"type": "function"}}).encode()),
+        ("/v1/chat/completions", json.dumps({**chat, "tools": [{**TOOL, "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "string", "pattern": "a{99999}"}}, "required": ["a"]}}}],
+            "tool_choice": "required", "max_tokens": 30}).encode()),
+        ("/v1/chat/completions", json.dumps({**chat, "messages": [
+            {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+            {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "1"}]}]}).encode()),
+        ("/v1/chat/completions", json.dumps({**chat, "messages": [{"role": "tool", "tool_call_id": 5, "content": "x"}]
+                                             }).encode()),
+        ("/v1/chat/completions", json.dumps({**chat, "messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": nested(900)}}]}]}).encode()),
     ]
     for _ in range(300):
         body: dict = dict(rng.choice([base, chat]))
@@ -82,6 +107,23 @@ def exact() -> list[tuple[str, bytes, str | None, int, str | None]]:
             ("/v1/completions", json.dumps({**base, "priority": 2**64}).encode(), "application/json", 400, "priority"),
             ("/v1/chat/completions", json.dumps({**chat, "priority": -(2**63) - 1}).encode(), "application/json", 400,
              "priority")]
+    tools = {**chat, "tools": [TOOL, LOOP]}
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[]"}}
+    not_an_object = {"role": "assistant", "content": None, "tool_calls": [call]}
+    out += [("/v1/chat/completions", json.dumps({**tools, "tool_choice": "required"}).encode(), "application/json", 400,
+             "tools.1.function.parameters"),
+            ("/v1/chat/completions", json.dumps({**tools, "tool_choice": {"type": "function", "function": {
+                "name": "g"}}}).encode(), "application/json", 400, "tool_choice"),
+            ("/v1/chat/completions", json.dumps({**chat, "tool_choice": "required"}).encode(), "application/json", 400,
+             "tool_choice"),
+            ("/v1/chat/completions", json.dumps({**chat, "logit_bias": {"320": 1}}).encode(), "application/json", 400,
+             "logit_bias"),
+            ("/v1/completions", json.dumps({**base, "presence_penalty": -2.5}).encode(), "application/json", 400,
+             "presence_penalty"),
+            ("/v1/chat/completions", json.dumps({**chat, "max_completion_tokens": 3}).encode(), "application/json", 400,
+             "max_completion_tokens"),
+            ("/v1/chat/completions", json.dumps({**chat, "messages": [not_an_object]}).encode(), "application/json",
+             400, "messages.0.tool_calls.0.function.arguments")]
     for message in ({"role": "user"}, {"role": "system", "content": None}, {"role": "assistant", "tool_calls": []}):
         out.append(("/v1/chat/completions", json.dumps({**chat, "messages": [message]}).encode(), "application/json",
                     400, "messages.0.content"))

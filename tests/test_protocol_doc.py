@@ -70,7 +70,7 @@ class DocClient:
             assert time.monotonic() < deadline, "no fleet description"
             time.sleep(0.1)
         fleet = msgpack.unpackb(raw, raw=False)
-        assert fleet["v"] == 3
+        assert fleet["v"] == 4
         return fleet
 
     def _call(self, name: str, body: str, keys: list, args: list):
@@ -81,7 +81,7 @@ class DocClient:
     def enqueue(self, fleet: dict, ids: list[int], **fields) -> str:
         bucket = min(b for b in fleet["buckets"] if b >= len(ids))
         job = fields.pop("id", uuid.uuid4().hex)
-        request = {"v": 3, "id": job, "prompt": ids, "reply_key": self.inbox, **fields}
+        request = {"v": 4, "id": job, "prompt": ids, "reply_key": self.inbox, **fields}
         payload = msgpack.packb(request, use_bin_type=True)
         ok = self._call("bf_enqueue_v1", self.enqueue_body, [f"{self.ns}:stream:{bucket}", f"{self.ns}:workers"],
                         [fleet["max_queue_len"], job, self.inbox, payload, 1 << 20, 1, 30_000])
@@ -101,7 +101,7 @@ class DocClient:
                 for entry_id, fields in entries:
                     self.last = entry_id
                     reply = msgpack.unpackb(fields[b"p"], raw=False)
-                    assert reply["v"] == 3 and reply["id"] == fields[b"id"].decode()
+                    assert reply["v"] == 4 and reply["id"] == fields[b"id"].decode()
                     self.seen.setdefault(reply["id"], []).append(reply)
                     self.r.xdel(self.inbox, entry_id)
         return self.seen.pop(job)
@@ -191,7 +191,7 @@ def test_document_matches_the_code():
     def fields(obj) -> set[str]:
         return set(msgpack.unpackb(obj.encode(), raw=False))
 
-    assert SCHEMA_VERSION == 3 and "`v` = 3" in DOC.read_text()
+    assert SCHEMA_VERSION == 4 and "`v` = 4" in DOC.read_text()
     assert lua_blocks() == [ENQUEUE.strip(), CANCEL.strip()]
     assert f"name={LIBRARY_NAME}" in DOC.read_text()
     assert all(f"FCALL {name} 2" in DOC.read_text() for name in FUNCTION_NAMES.values())

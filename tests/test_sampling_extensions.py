@@ -78,12 +78,12 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability(torch):
 
 
 @pytest.mark.unit
-def test_requests_carry_the_extensions_in_version_3():
+def test_requests_carry_the_extensions_in_version_4():
     plain = Request(id="j", prompt=[1], reply_key="k")
-    assert msgpack.unpackb(plain.encode())["v"] == 3 and Request.decode(plain.encode()) == plain
+    assert msgpack.unpackb(plain.encode())["v"] == 4 and Request.decode(plain.encode()) == plain
     ext = Request(id="j", prompt=[1], reply_key="k",
                   params=Params(ignore_eos=True, min_tokens=2, repetition_penalty=1.3, min_p=0.1))
-    assert msgpack.unpackb(ext.encode())["v"] == 3 and Request.decode(ext.encode()) == ext
+    assert msgpack.unpackb(ext.encode())["v"] == 4 and Request.decode(ext.encode()) == ext
     with pytest.raises(ProtocolError, match="min_tokens"):
         Request.decode(Request(id="j", prompt=[1], params=Params(max_new_tokens=2, min_tokens=3)).encode())
     with pytest.raises(ProtocolError, match="repetition_penalty"):
@@ -129,3 +129,10 @@ def test_both_engines_honour_ignore_eos_and_min_tokens(engine, start_worker, red
         assert penalized.completion_tokens >= 1  # a version-3 request runs through the engine
         with pytest.raises(InvalidRequest, match="min_tokens"):
             client.generate("hi", max_new_tokens=2, min_tokens=3, timeout=60)
+
+
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(torch):
+    # 1e-320 is a valid top_p (> 0) that rounds to 0 in float32: every token was dropped, the sampler failed
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    r = req(temperature=1.0, top_p=1e-320)
+    assert sample(logits, [r], [torch.Generator().manual_seed(0)], [checker(r)]).tolist() == [1]

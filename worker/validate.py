@@ -112,6 +112,9 @@ def accept(entry: Entry, keys: Keys, limits: Limits, now: float, clock_offset: f
         return reject(PROMPT_TOO_LONG, f"prompt + max_new_tokens exceeds max_seq_len {limits.max_seq_len}")
     if max(req.prompt) >= limits.vocab_size:
         return reject(INVALID_REQUEST, f"token id {max(req.prompt)} is outside the vocabulary ({limits.vocab_size})")
+    if req.params.logit_bias and req.params.logit_bias[-1][0] >= limits.vocab_size:  # pairs sorted by id
+        return reject(INVALID_REQUEST, f"logit_bias names token id {req.params.logit_bias[-1][0]}, outside the "
+                                       f"vocabulary ({limits.vocab_size})")
     if req.params.guide is not None:
         try:  # compiled here too (without the tokenizer): a bad schema is the client's error, not the engine's
             req.params.guide.check()

@@ -2,8 +2,9 @@
 
 Each sampled request owns a torch.Generator seeded from its seed, and draws exactly one number per
 step from it, so a seeded answer is reproducible whatever it is batched with. A constrained request's
-row is masked by its grammar first (worker/engine/guided.py), then vLLM's logits processors apply
-(repetition_penalty, min_tokens); logprobs are taken from the raw logits.
+row is masked by its grammar first (worker/engine/guided.py), then the logits processors apply (OpenAI's
+logit_bias, vLLM's repetition_penalty, OpenAI's presence and frequency penalties, min_tokens); logprobs are
+taken from the raw logits.
 """
 
 from __future__ import annotations
@@ -28,21 +29,35 @@ def make_generator(req: GenRequest, device: torch.device) -> torch.Generator | N
 
 
 def _adjusted(req: GenRequest, checker: StopChecker | None) -> bool:
-    """Whether a row's logits change before picking (penalty, or EOS still forbidden by min_tokens)."""
-    return req.params.repetition_penalty != 1.0 or (checker is not None and len(checker.tokens) < req.params.min_tokens)
+    """Whether a row's logits change before picking (a bias, a penalty, or EOS still forbidden by min_tokens)."""
+    p = req.params
+    return (p.repetition_penalty != 1.0 or bool(p.logit_bias) or p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0 or (checker is not None and len(checker.tokens) < p.min_tokens))
 
 
 def adjust(row: torch.Tensor, req: GenRequest, checker: StopChecker | None) -> torch.Tensor:
-    """vLLM's logits processors, before temperature: the repetition penalty (HF/vLLM semantics: a token
-    seen in the prompt or the output has its logit divided by the penalty when positive, multiplied when
-    negative) and min_tokens (EOS ids masked until that many tokens are out). row: [V] float, CPU."""
+    """The logits processors, before temperature, in vLLM's order: logit_bias (added to the named ids), the
+    repetition penalty (HF/vLLM semantics: a token seen in the prompt or the output has its logit divided by
+    the penalty when positive, multiplied when negative), the presence and frequency penalties (OpenAI's
+    definition, over the output only: ``logit -= frequency * count + presence * (count > 0)``) and
+    min_tokens (EOS ids masked until that many tokens are out). row: [V] float, CPU."""
     output = checker.tokens if checker is not None else []
+    if req.params.logit_bias:  # ids past the logits' width never exist (the worker checks the vocabulary)
+        ids = torch.tensor([i for i, _ in req.params.logit_bias], dtype=torch.long)
+        bias = torch.tensor([b for _, b in req.params.logit_bias], dtype=row.dtype)
+        keep = ids < row.numel()
+        row = row.index_add(0, ids[keep], bias[keep])
     if req.params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(req.prompt) | set(output)), dtype=torch.long)
         seen = seen[seen < row.numel()]
         vals = row[seen]
         row = row.clone()
         row[seen] = torch.where(vals > 0, vals / req.params.repetition_penalty, vals * req.params.repetition_penalty)
+    if (req.params.presence_penalty or req.params.frequency_penalty) and output:
+        ids, counts = torch.tensor(list(output), dtype=torch.long).unique(return_counts=True)
+        keep = ids < row.numel()
+        ids, counts = ids[keep], counts[keep].to(row.dtype)
+        row = row.index_add(0, ids, -(req.params.frequency_penalty * counts + req.params.presence_penalty))
     if checker is not None and len(output) < req.params.min_tokens and checker.eos_ids:
         eos = torch.tensor(sorted(checker.eos_ids), dtype=torch.long)
         row = row.index_fill(0, eos[eos < row.numel()], float("-inf"))
@@ -84,6 +99,7 @@ def sample(logits: torch.Tensor, reqs: Sequence[GenRequest], gens: Sequence[torc
             probs = sorted_logits.softmax(-1)
             # drop a token when the mass before it already reaches top_p (the first is always kept)
             drop = probs.cumsum(-1) - probs >= r.params.top_p
+            drop[0] = False  # a top_p below float32's range (1e-320) rounds to 0: the first would go too
             row = row.scatter(0, order[drop], float("-inf"))
         probs = row.softmax(-1)
         out[i] = torch.multinomial(probs, 1, generator=gens[i]).to(out.device)[0]
