@@ -32,6 +32,7 @@ from batchfleet.gateway.batch_lines import (
 )
 from batchfleet.gateway.errors import api_error
 from batchfleet.gateway.formats import Shape
+from batchfleet.gateway.responses_format import ResponseShape
 from batchfleet.gateway.service import choice_params, job_params, token_texts, too_long, unknown_model
 from batchfleet.producer.bulk_lines import line_sha
 from batchfleet.producer.bulk_types import Work
@@ -93,6 +94,9 @@ class OpenAIFormat:
         assert line.job is not None and self.fleet is not None
         if self.texts is None:
             self.texts = token_texts(self.fleet.tokenizer)
+        if line.call is not None:  # a /v1/responses line: not stored (a batch's output file is its record)
+            response = ResponseShape(self.stem(line), self.model_names[0], {**line.call.echo(), "store": False})
+            return self.refusal(line, 200, response.response(results[0]))
         shape = Shape(chat=line.chat, job_id=self.stem(line), model=self.model_names[0],
                       created=int(time.time()), fingerprint=self.fleet.info.fingerprint or None,
                       token_text=None if line.job.logprobs is None else self.texts)

@@ -53,6 +53,10 @@ class GatewayConfig:
     batch_lease_s: float = field(default=15.0, metadata=option(
         "A batch's lease, in seconds: when the process running it dies, another takes it over after this long.",
         flag="batch-lease"))
+    response_ttl_s: float = field(default=30 * 86400.0, metadata=option(
+        "How long a stored Responses API response (/v1/responses with store: true, the default) stays "
+        "retrievable and chainable by previous_response_id, in seconds (OpenAI's: 30 days).",
+        flag="response-ttl"))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", parse_api_keys(self.api_keys))
@@ -76,5 +80,7 @@ class GatewayConfig:
             raise ConfigError(f"batch_window must be >= 1, got {self.batch_window}")
         if not (math.isfinite(self.batch_lease_s) and self.batch_lease_s >= 1):
             raise ConfigError(f"batch_lease_s must be >= 1 second, got {self.batch_lease_s}")
+        if not (math.isfinite(self.response_ttl_s) and self.response_ttl_s >= 1):
+            raise ConfigError(f"response_ttl_s must be >= 1 second, got {self.response_ttl_s}")
         if self.chat_max_tokens < 1:
             raise ConfigError(f"chat_max_tokens must be >= 1, got {self.chat_max_tokens}")
