@@ -102,3 +102,14 @@ def test_validating_a_large_input_holds_one_line_at_a_time(tmp_path):
         tracemalloc.stop()
     assert total == 800 and errors == []
     assert peak < 3 << 20, f"peak {peak / 2**20:.1f} MiB for a {path.stat().st_size / 2**20:.0f} MiB file"
+
+
+def test_a_responses_line_is_a_chat_job_and_cannot_chain():
+    body = {"input": "hi", "instructions": "Be brief.", "max_output_tokens": 4}
+    parsed = parse_line(line(url="/v1/responses", body=body), 0, LIMITS, "/v1/responses")
+    assert parsed.error is None and parsed.call is not None and parsed.job.max_tokens_field == "max_output_tokens"
+    assert parsed.job.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    chained = parse_line(line(url="/v1/responses", body={**body, "previous_response_id": "resp_1"}), 1, LIMITS)
+    assert chained.job is None and chained.error.param == "previous_response_id"
+    streamed = parse_line(line(url="/v1/responses", body={**body, "stream": True}), 2, LIMITS)
+    assert streamed.job is None and streamed.error.param == "stream"

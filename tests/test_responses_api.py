@@ -5,6 +5,7 @@ over a real Redis and a real native worker. A response is the chat completion of
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -138,3 +139,32 @@ def test_langchain_use_responses_api(fleet):
     # a conversation holding the model's earlier answer (sent back as an output message item)
     follow = llm.invoke([*messages, answer, ("human", "And then?")])
     assert isinstance(follow.text, str)
+
+
+def test_batch_of_responses_lines(start_worker, start_gateway, tmp_path):
+    start_worker(max_wait_ms=5)
+    gw = start_gateway(api_keys=KEYS, files_dir=str(tmp_path / "files"))
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEYS[0], max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    bodies = {f"r{i}": {"model": model, "input": f"question {i}", "max_output_tokens": 4, "temperature": 0}
+              for i in range(3)}
+    bodies["chained"] = {**bodies["r0"], "previous_response_id": "resp_x"}
+    text = "".join(json.dumps({"custom_id": k, "method": "POST", "url": "/v1/responses", "body": v}) + "\n"
+                   for k, v in bodies.items())
+    uploaded = client.files.create(file=("b.jsonl", text.encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h")
+    for _ in range(600):
+        batch = client.batches.retrieve(batch.id)
+        if batch.status in ("completed", "failed"):
+            break
+        time.sleep(0.2)
+    assert batch.status == "completed" and batch.request_counts.completed == 3, batch
+    out = {o["custom_id"]: o["response"]["body"] for o in map(json.loads, client.files.content(
+        batch.output_file_id).text.splitlines())}
+    (error,) = map(json.loads, client.files.content(batch.error_file_id).text.splitlines())
+    assert error["custom_id"] == "chained" and error["response"]["body"]["error"]["param"] == "previous_response_id"
+    assert batch.usage.output_tokens == sum(b["usage"]["output_tokens"] for b in out.values()) > 0
+    for key, body in out.items():
+        assert body["object"] == "response" and body["store"] is False
+        direct = client.responses.create(**bodies[key], store=False)
+        assert body["output"][0]["content"][0]["text"] == direct.output_text
