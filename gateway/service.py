@@ -100,24 +100,30 @@ class Gateway:
         """Submit the job's ``n`` choices and wait for their results (as ``streams``: a submission error
         raises before anything runs; a guide the fleet failed is a 400 naming the request's guide field)."""
         params = await job_params(job)
-        ids = choice_ids(job, job_id)
-        start = time.monotonic()
-        submitted: list[str] = []
+        jobs = [(jid, job.prompt, choice_params(params, i)) for i, jid in enumerate(choice_ids(job, job_id))]
         try:
-            for i, jid in enumerate(ids):
-                await self.client.submit(job.prompt, timeout=job.timeout, job_id=jid, **choice_params(params, i))
-                submitted.append(jid)
-        except BaseException as exc:
-            await asyncio.shield(asyncio.gather(*(self.cancel(j) for j in submitted)))
-            if isinstance(exc, PromptTooLong):
-                raise too_long(exc, job) from None
-            raise
-        try:
-            return await self._wait(request, ids, max(0.0, job.timeout - (time.monotonic() - start)))
+            return await self.run(request, jobs, job.timeout)
+        except PromptTooLong as exc:
+            raise too_long(exc, job) from None
         except JobFailed as exc:
             if exc.code == GUIDE_FAILED:  # the 400 names the request's guide field
                 raise api_error(exc, job.guide_param) from None
             raise
+
+    async def run(self, request: Request, jobs: list[tuple[str, Any, dict[str, Any]]], timeout: float) -> list[Result]:
+        """Submit ``jobs`` (job id, prompt, AsyncClient parameters) and wait for their results, in order,
+        within ``timeout`` s. A submission error raises before anything runs, the jobs already submitted
+        cancelled; then as ``_wait``."""
+        start = time.monotonic()
+        submitted: list[str] = []
+        try:
+            for jid, prompt, params in jobs:
+                await self.client.submit(prompt, timeout=timeout, job_id=jid, **params)
+                submitted.append(jid)
+        except BaseException:
+            await asyncio.shield(asyncio.gather(*(self.cancel(j) for j in submitted)))
+            raise
+        return await self._wait(request, submitted, max(0.0, timeout - (time.monotonic() - start)))
 
     async def _wait(self, request: Request, job_ids: list[str], timeout: float) -> list[Result]:
         """The jobs' results, unless the client goes away, the request's timeout passes or one job fails

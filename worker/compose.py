@@ -45,7 +45,7 @@ def build_engine(cfg: EngineConfig, batching: DynamicBatchingConfig, loaded: Loa
     if cfg.engine == "hf":
         from batchfleet.worker.engine.hf import HFEngine
 
-        return HFEngine(loaded, batching)
+        return HFEngine(loaded, batching, cfg.pooling)
     from batchfleet.worker.engine.native.engine import NativeEngine
 
     return NativeEngine(loaded, batching, cfg)
