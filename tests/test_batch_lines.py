@@ -36,7 +36,7 @@ def line(**kw) -> str:
     (line(custom_id=""), "invalid_request"),
     (line(custom_id=7), "invalid_request"),
     (line(method="GET"), "invalid_request"),
-    (line(url="/v1/embeddings"), "invalid_url"),
+    (line(url="/v1/moderations"), "invalid_url"),
     (line(url="/v1/completions"), "mismatched_endpoint"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions"}', "invalid_request"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": NaN}', "invalid_json_line"),
@@ -113,3 +113,11 @@ def test_a_responses_line_is_a_chat_job_and_cannot_chain():
     assert chained.job is None and chained.error.param == "previous_response_id"
     streamed = parse_line(line(url="/v1/responses", body={**body, "stream": True}), 2, LIMITS)
     assert streamed.job is None and streamed.error.param == "stream"
+
+
+def test_an_embeddings_line_is_one_job_per_input():
+    body = {"input": ["a", "bc"], "encoding_format": "base64"}
+    parsed = parse_line(line(url="/v1/embeddings", body=body), 0, LIMITS, "/v1/embeddings")
+    assert parsed.error is None and parsed.job.inputs == ["a", "bc"] and parsed.job.encoding_format == "base64"
+    refused = parse_line(line(url="/v1/embeddings", body={"input": "a", "dimensions": 4}), 1, LIMITS)
+    assert refused.job is None and refused.error.param == "dimensions"

@@ -5,6 +5,9 @@ engines and both poolings, each vector compared with transformers' own hidden st
 
 from __future__ import annotations
 
+import json
+import time
+
 import httpx
 import numpy as np
 import openai
@@ -86,3 +89,30 @@ def test_embed_requests_mean_pooling_beside_generation(engine, start_worker, red
         for bad in ({"temperature": 0.5}, {"max_new_tokens": 3}):
             with pytest.raises(Exception, match="no generation parameters"):
                 client.submit(prompts[0], kind="embed", **bad)
+
+
+def test_batch_of_embeddings_lines(start_worker, start_gateway, tmp_path, tiny_model_dir):
+    start_worker(max_wait_ms=5)
+    gw = start_gateway(files_dir=str(tmp_path / "files"))
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    bodies = {"one": {"input": TEXTS[0], "encoding_format": "float"},
+              "many": {"input": TEXTS, "encoding_format": "float"},
+              "bad": {"input": "x", "dimensions": 3}}
+    text = "".join(json.dumps({"custom_id": k, "method": "POST", "url": "/v1/embeddings", "body": v}) + "\n"
+                   for k, v in bodies.items())
+    uploaded = client.files.create(file=("e.jsonl", text.encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    assert batch.status == "completed" and batch.request_counts.completed == 2, batch
+    out = {o["custom_id"]: o["response"]["body"] for o in map(json.loads, client.files.content(
+        batch.output_file_id).text.splitlines())}
+    (error,) = map(json.loads, client.files.content(batch.error_file_id).text.splitlines())
+    assert error["custom_id"] == "bad" and error["response"]["body"]["error"]["param"] == "dimensions"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    want = reference(tiny_model_dir, [tokenizer(t)["input_ids"] for t in TEXTS], "last")
+    assert [d["index"] for d in out["many"]["data"]] == [0, 1, 2]
+    assert all(close(d["embedding"], w) for d, w in zip(out["many"]["data"], want))
+    assert close(out["one"]["data"][0]["embedding"], want[0])
