@@ -71,9 +71,12 @@ def embed_job(body: Any, timeout_cap: float) -> EmbedJob:
 
 def embedding_response(results: list[Result], model: str, encoding_format: str) -> dict[str, Any]:
     """OpenAI's embeddings list, one item per input, in input order."""
+    if any(r.embedding is None for r in results):  # a worker from before embed requests generated instead
+        raise APIError(502, "the worker that answered does not serve embeddings (it predates embed requests): "
+                       "upgrade the fleet's workers", "server_error", "embeddings_unsupported")
     data = []
     for index, result in enumerate(results):
-        vector = result.embedding or []
+        vector = result.embedding
         value: Any = vector if encoding_format == "float" else base64.b64encode(
             struct.pack(f"<{len(vector)}f", *vector)).decode()
         data.append({"object": "embedding", "index": index, "embedding": value})
