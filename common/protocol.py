@@ -226,6 +226,7 @@ class FleetInfo:
     fingerprint: str = ""  # hash of model, tokenizer and buckets: workers that differ refuse to join
     # the fleet may run with zero workers: the description is kept and producers enqueue without live workers
     scale_to_zero: bool = False
+    pooling: str = "last"  # how workers pool embed requests' hidden states (--pooling): all must agree
 
     def encode(self) -> bytes:
         return pack({
@@ -235,7 +236,7 @@ class FleetInfo:
             "max_queue_len": self.max_queue_len, "batch_queue_len": self.batch_queue_len,
             "chat_template": self.chat_template,
             "bos_token": self.bos_token, "eos_token": self.eos_token, "fingerprint": self.fingerprint,
-            "scale_to_zero": self.scale_to_zero,
+            "scale_to_zero": self.scale_to_zero, "pooling": self.pooling,
         })
 
     @classmethod
@@ -249,4 +250,5 @@ class FleetInfo:
             chat_template=obj.get("chat_template") or "",
             bos_token=obj.get("bos_token") or "", eos_token=obj.get("eos_token") or "",
             fingerprint=obj.get("fingerprint") or "", scale_to_zero=obj.get("scale_to_zero") is True,
+            pooling=obj.get("pooling") or "last",
         )
