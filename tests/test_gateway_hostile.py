@@ -85,7 +85,7 @@ NEW_VALUES = [[{"role": "user", "content": [{"type": "input_image"}]}], [{"type"
 
 
 def hostile_new_routes(rng: random.Random) -> list[tuple[str, bytes]]:
-    out = [("/v1/responses", b'{"input": "\ud800"}'), ("/v1/embeddings", b'{"input": ["\udc00"]}'),
+    out = [("/v1/responses", b'{"input": "\\ud800"}'), ("/v1/embeddings", b'{"input": ["\\udc00"]}'),
            ("/v1/responses", nested(3000).encode()), ("/v1/embeddings", ('{"input": ' + nested(3000) + "}").encode())]
     for _ in range(120):
         path = rng.choice(list(NEW_ROUTES))
