@@ -1,19 +1,21 @@
 """Embed requests (``Request.kind == "embed"``): prefill-only jobs whose answer is the prompt's pooled,
-L2-normalised final hidden state, shared by both engines.
+L2-normalised final hidden state, for both engines.
 
 An engine hands its embed requests to an ``EmbedQueue`` at ``add`` and runs ``EmbedQueue.step`` before its
-own work: one batch of up to ``max_batch`` prompts (of the buckets they came from) through the model's
-base transformer (``model.base_model``: every layer and the final norm, no LM head), dense and
-right-padded with an attention mask, no KV cache kept (``use_cache=False``): the batch's activations are
-freed as soon as its vectors are taken. Pooling is the worker's ``--pooling`` option: ``last`` (the last
-prompt token's state, what causal-LM embedders such as e5-mistral and Qwen3-Embedding use, and vLLM's
-default for them) or ``mean`` (over the prompt's tokens).
+own work: one batch of the oldest pending prompts (of the buckets they came from; at most ``max_batch``
+prompts and ``max_tokens`` tokens, the first always taken) through the engine's ``encoder``, a prefill
+that keeps no KV: the native engine packs the prompts into one row of its own forward, each attending
+causally to itself, writing nothing to the paged pool (``ModelRunner.hidden_states``); the hf engine runs
+the model's base transformer, right-padded with an attention mask, ``use_cache=False`` (``dense_encoder``).
+No KV block is taken; the activations are freed as soon as the vectors are taken. Pooling is the worker's
+``--pooling``: ``last`` (the last prompt token's state: what causal-LM embedders such as e5-mistral and
+Qwen3-Embedding use, and vLLM's default for them) or ``mean`` (over the prompt's tokens).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -21,33 +23,46 @@ import torch.nn.functional as F
 from batchfleet.worker.engine.base import Completion, GenRequest
 
 POOLINGS = ("last", "mean")
+# prompts -> each prompt's final-norm hidden states, [len(prompt), hidden] each
+Encoder = Callable[[list[list[int]]], list[torch.Tensor]]
 
 
-def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
-    """[B, T, H] hidden states of right-padded rows, [B, T] mask (1 = a prompt token) -> [B, H] float32,
-    each row L2-normalised."""
-    h = hidden.float()
-    if pooling == "last":
-        last = mask.sum(dim=1) - 1  # [B]: right padding puts each row's last token there
-        vec = h[torch.arange(h.shape[0], device=h.device), last]
-    else:
-        m = mask.to(h.dtype).unsqueeze(-1)  # [B, T, 1]
-        vec = (h * m).sum(dim=1) / m.sum(dim=1)
-    return F.normalize(vec, p=2, dim=-1)
+def pool(hidden: torch.Tensor, pooling: str) -> torch.Tensor:
+    """[T, H] hidden states of one prompt -> [H] float32, L2-normalised."""
+    vec = hidden[-1].float() if pooling == "last" else hidden.float().mean(dim=0)
+    return F.normalize(vec, p=2, dim=0)
+
+
+def dense_encoder(model: torch.nn.Module, device: torch.device, pad_id: int = 0) -> Encoder:
+    """The hf engine's encoder: the model's base transformer (every layer and the final norm, no LM head),
+    the prompts right-padded into one [B, T] batch with an attention mask, no KV cache."""
+    base = model.base_model
+
+    @torch.inference_mode()
+    def encode(prompts: list[list[int]]) -> list[torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, T]
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p)
+            mask[i, : len(p)] = 1
+        out = base(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+        hidden = out.last_hidden_state  # [B, T, H]
+        return [hidden[i, : len(p)] for i, p in enumerate(prompts)]
+
+    return encode
 
 
 class EmbedQueue:
     """An engine's pending embed requests, run a batch per ``step``."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, pooling: str, max_batch: int,
-                 pad_id: int = 0) -> None:
+    def __init__(self, encoder: Encoder, pooling: str, max_batch: int, max_tokens: int) -> None:
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
-        self.base = model.base_model  # the transformer without its LM head
-        self.device = device
+        self.encoder = encoder
         self.pooling = pooling
         self.max_batch = max_batch
-        self.pad_id = pad_id
+        self.max_tokens = max_tokens
         self.pending: list[GenRequest] = []
         self.batches = 0
 
@@ -66,33 +81,31 @@ class EmbedQueue:
     def reset(self) -> None:
         self.pending = []
 
-    def ids(self) -> list[str]:
+    def next_batch(self) -> list[GenRequest]:
         """The requests the next step runs (after a raising step: the ones it ran)."""
-        return [r.id for r in self.pending[: self.max_batch]]
+        batch, tokens = [], 0
+        for r in self.pending[: self.max_batch]:
+            if batch and tokens + len(r.prompt) > self.max_tokens:
+                break
+            batch.append(r)
+            tokens += len(r.prompt)
+        return batch
+
+    def ids(self) -> list[str]:
+        return [r.id for r in self.next_batch()]
 
     def step(self) -> list[Completion]:
-        """Embed the oldest ``max_batch`` pending prompts; they leave the queue only once their vectors
-        exist (a raising forward leaves them queued, for the loop's retry-alone policy)."""
-        reqs = self.pending[: self.max_batch]
+        """Embed the next batch; its requests leave the queue only once their vectors exist (a raising
+        forward leaves them queued, for the loop's retry-alone policy)."""
+        reqs = self.next_batch()
         if not reqs:
             return []
         started = time.time()
-        vectors = self.embed([r.prompt for r in reqs])
+        hidden = self.encoder([r.prompt for r in reqs])
+        vectors = [pool(h, self.pooling).cpu().tolist() for h in hidden]
         self.pending = self.pending[len(reqs):]
         self.batches += 1
         done = time.time()
         return [Completion(id=r.id, token_ids=[], text="", finish_reason="stop", started_at=started,
                            first_token_at=done, batch_size=len(reqs), embedding=v)
                 for r, v in zip(reqs, vectors)]
-
-    def embed(self, prompts: Sequence[list[int]]) -> list[list[float]]:
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, T]
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p)
-            mask[i, : len(p)] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        with torch.inference_mode():
-            hidden = self.base(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # [B, T, H]
-            return pool(hidden, mask, self.pooling).cpu().tolist()

@@ -17,7 +17,7 @@ from batchfleet.common.config import DynamicBatchingConfig
 from batchfleet.common.errors import GUIDE_FAILED
 from batchfleet.common.guided import GuideError
 from batchfleet.worker.engine.base import Completion, GenRequest
-from batchfleet.worker.engine.embed import EmbedQueue
+from batchfleet.worker.engine.embed import EmbedQueue, dense_encoder
 from batchfleet.worker.engine.guided import GuideCompiler
 from batchfleet.worker.engine.models import LoadedModel
 from batchfleet.worker.engine.sampling import StopChecker, make_generator, sample, token_logprobs
@@ -76,7 +76,8 @@ class HFEngine:
         self.guides = GuideCompiler(self.tokenizer, loaded.model.config.vocab_size, self.eos_ids)
         self._pending: list[GenRequest] = []
         self._batches = 0
-        self.embeds = EmbedQueue(self.model, loaded.device, pooling, batching.max_batch_size, self.pad_id)
+        self.embeds = EmbedQueue(dense_encoder(self.model, loaded.device, self.pad_id), pooling,
+                                 batching.max_batch_size, max(batching.buckets[-1], 16384))
 
     def add(self, requests: Sequence[GenRequest]) -> None:
         assert not self.has_work(), "hf engine takes a new batch only when idle"

@@ -93,9 +93,8 @@ class NativeEngine:
         # (prefill?, ((id, bucket), ...)) of recent steps: which requests shared a step (tests, debugging)
         self.step_log: deque[tuple[bool, tuple[tuple[str, int], ...]]] = deque(maxlen=STEP_LOG_LEN)
         self._errors: list[Completion] = []
-        # embed requests: prefill only, dense, no KV block ever allocated (worker/engine/embed.py)
-        pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
-        self.embeds = EmbedQueue(loaded.model, self.runner.device, cfg.pooling, batching.max_batch_size, pad)
+        # embed requests: a packed prefill of their own, no KV block ever taken (worker/engine/embed.py)
+        self.embeds = EmbedQueue(self.runner.hidden_states, cfg.pooling, batching.max_batch_size, budget)
         self.last_step_ids: list[str] = []
         # decode_slots_*: sequences per decode step by class, summed (the batch class's share under load)
         self._counters = dict(steps=0, prefill_steps=0, decode_steps=0, tokens_generated=0,
