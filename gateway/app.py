@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP app: ``create_app(config)`` -> a FastAPI app over one AsyncClient.
 
     POST /v1/completions        POST /v1/chat/completions   GET /v1/models   (gateway/inference.py)
-    POST /v1/responses, GET/DELETE /v1/responses/{id}  the Responses API (gateway/responses.py)
+    POST /v1/responses, GET/DELETE /v1/responses/{id}, GET .../input_items  the Responses API (gateway/responses.py)
     POST /v1/embeddings         embeddings on the same fleet (gateway/embeddings.py)
     /v1/files, /v1/batches      the OpenAI Batch API (gateway/batch_api.py; run by gateway/batch_runner.py)
     GET  /health                GET /dashboard, /dashboard/data               (gateway/dashboard.py)

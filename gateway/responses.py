@@ -2,6 +2,7 @@
 
     POST   /v1/responses                 create (``stream: true``: server-sent events, OpenAI's event types)
     GET    /v1/responses/{response_id}   a stored response
+    GET    /v1/responses/{response_id}/input_items   its input items (``limit``, ``order``, ``after``)
     DELETE /v1/responses/{response_id}
 
 A request is validated into a chat job (gateway/responses_request.py) and runs on the chat route's path
@@ -16,15 +17,15 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from batchfleet.gateway.deps import KEY_CHECKED, Owner, Redis, Service
-from batchfleet.gateway.errors import api_error
-from batchfleet.gateway.responses_format import ResponseShape
+from batchfleet.gateway.errors import api_error, invalid
+from batchfleet.gateway.responses_format import ResponseShape, input_items
 from batchfleet.gateway.responses_request import parse_call
 from batchfleet.gateway.sse import EventStream
 from batchfleet.gateway.strict import read_json
@@ -66,6 +67,26 @@ async def create(request: Request, gateway: Service, redis: Redis, owner: Owner)
 @router.get("/v1/responses/{response_id}")
 async def retrieve(response_id: str, redis: Redis, owner: Owner) -> Any:
     return (await redis.responses.load(owner, response_id))["response"]
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, redis: Redis, owner: Owner, limit: int = 20,
+                           order: Literal["asc", "desc"] = "desc", after: str | None = None) -> Any:
+    """OpenAI's cursor page of a stored response's input items (newest first by default)."""
+    if not 1 <= limit <= 100:
+        raise invalid("limit must be in [1, 100]", "limit")
+    record = await redis.responses.load(owner, response_id)
+    items = input_items(response_id, record["messages"][:-1])  # the last message is the response's answer
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise invalid(f"after: no input item {after[:100]!r} in this response", "after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 @router.delete("/v1/responses/{response_id}")

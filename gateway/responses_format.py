@@ -111,3 +111,16 @@ class ResponseShape:
         return [self.event("error", code=error.get("code"), message=error.get("message"), param=error.get("param")),
                 self.event("response.failed", response=self.response(
                     error={"code": error.get("code") or "server_error", "message": error.get("message")}))]
+
+
+def input_items(response_id: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stored response's input items, oldest first: the conversation it was asked (a chained response's
+    earlier turns too, their answers as output messages), each with a stable id."""
+    items = []
+    for i, m in enumerate(messages):
+        assistant = m["role"] == "assistant"
+        part = {"type": "output_text", "text": m["content"], "annotations": []} if assistant else {
+            "type": "input_text", "text": m["content"]}
+        items.append({"id": f"msg_{response_id.removeprefix('resp_')}_{i}", "type": "message", "role": m["role"],
+                      "status": "completed", "content": [part]})
+    return items

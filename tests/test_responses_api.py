@@ -76,6 +76,14 @@ def test_create_stream_chain_retrieve_delete(fleet):
                {"role": "user", "content": "And then?"}]
     assert second.output_text == chat_text(client, model, history, 8)
     assert second.usage.input_tokens > usage.input_tokens
+    # its input items: the whole conversation it was asked, newest first (instructions are no item)
+    items = client.responses.input_items.list(second.id)
+    assert [(i.role, i.content[0].text) for i in items.data] == [(m["role"], m["content"]) for m in history[::-1]]
+    assert items.data[1].content[0].type == "output_text" and items.data[0].content[0].type == "input_text"
+    page = client.responses.input_items.list(second.id, order="asc", limit=2)
+    assert [i.content[0].text for i in page.data] == ["Hello there", first.output_text] and page.has_more
+    rest = client.responses.input_items.list(second.id, order="asc", after=page.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == ["And then?"] and not rest.has_more
     streamed_chain = list(client.responses.create(model=model, input="And then?", previous_response_id=done.id,
                                                   max_output_tokens=8, temperature=0, stream=True))
     assert streamed_chain[-1].response.output_text == second.output_text  # the streamed one was stored too
