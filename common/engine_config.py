@@ -13,6 +13,7 @@ ENGINE_CHOICES = ("native", "hf")
 MODE_CHOICES = ("dynamic", "continuous")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 LINEAR_CHOICES = ("auto", "default", "onednn")  # worker/engine/native/linear.py
+POOLING_CHOICES = ("last", "mean")  # worker/engine/embed.py
 PRESETS = ("tiny", "bench")  # built-in models; worker/engine/models.py defines one shape per name
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|npu(:\d+)?)$")
 
@@ -62,6 +63,10 @@ class EngineConfig:
     prefix_cache: bool = field(default=True, metadata=option(
         "Native engine: keep the KV of full prompt blocks and reuse it for every later prompt starting with the "
         "same tokens (a shared system prompt is computed once); cached blocks are evicted least recently used."))
+    pooling: str = field(default="last", metadata=option(
+        "Embeddings (/v1/embeddings, embed requests): the final hidden state of the prompt's last token "
+        "(what causal-LM embedders use, vLLM's default for them) or the mean over its tokens; L2-normalised.",
+        choices=POOLING_CHOICES))
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -81,6 +86,8 @@ class EngineConfig:
             raise ConfigError(f"device must be cpu, cuda[:i] or npu[:i], got {self.device!r}")
         if self.linear not in LINEAR_CHOICES:
             raise ConfigError(f"linear must be one of {LINEAR_CHOICES}, got {self.linear!r}")
+        if self.pooling not in POOLING_CHOICES:
+            raise ConfigError(f"pooling must be one of {POOLING_CHOICES}, got {self.pooling!r}")
         if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
             raise ConfigError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.preset not in PRESETS:

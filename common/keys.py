@@ -129,6 +129,11 @@ class Keys:
         """Sorted set of one API key's files (score: creation time)."""
         return f"{self.namespace}:files:{owner}"
 
+    def response(self, response_id: str) -> str:
+        """A stored Responses API response (JSON: the response object, its owner and the conversation it
+        ends, for ``previous_response_id``); expires after the gateway's --response-ttl."""
+        return f"{self.namespace}:response:{response_id}"
+
     def openai_batch(self, batch_id: str) -> str:
         """An OpenAI batch: hash of ``doc`` (the batch object, written by whoever runs it), ``run`` (its
         output names) and ``cancel`` (when a cancel was asked, written by the API)."""

@@ -9,6 +9,7 @@ cannot make a worker allocate without bound. No pickle anywhere.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ from batchfleet.common.errors import ProtocolError
 from batchfleet.common.keys import valid_job_id
 from batchfleet.common.params import DEFAULT, Params
 from batchfleet.common.wire import (  # noqa: F401 - SCHEMA_VERSION and the bounds are the protocol's names too
+    MAX_BIN_BYTES,
     MAX_PAYLOAD_BYTES,
     MAX_TEXT_CHARS,
     MAX_TOKENS,
@@ -28,6 +30,8 @@ from batchfleet.common.wire import (  # noqa: F401 - SCHEMA_VERSION and the boun
 )
 
 FINISH_REASONS = ("stop", "length", "eos")
+REQUEST_KINDS = ("generate", "embed")
+MAX_EMBEDDING_DIMS = MAX_BIN_BYTES // 4
 MAX_TIMEOUT_MS = 10 * 365 * 86400 * 1000
 
 
@@ -55,7 +59,9 @@ class Request:
     counts from the enqueue as Redis stamped it (the stream entry id), so a producer's clock never matters.
     ``reply_key`` is the submitting client's inbox stream (``<ns>:inbox:<token>``); ``stream`` asks for
     Delta entries there while the job runs. The job's priority class is the stream it is enqueued in, and
-    nothing else: a ``priority`` entry (older producers sent one) is ignored.
+    nothing else: a ``priority`` entry (older producers sent one) is ignored. ``kind``: "generate" (the
+    default; absent on the wire means it) or "embed": a prefill-only job whose Result carries the prompt's
+    pooled, normalised hidden state (``Result.embedding``) and no tokens; the worker keeps no KV for it.
     """
 
     id: str
@@ -64,10 +70,16 @@ class Request:
     timeout_ms: int | None = None  # after enqueue + timeout_ms the answer is useless (deadline_exceeded)
     reply_key: str = ""
     stream: bool = False
+    kind: str = "generate"
 
     def encode(self) -> bytes:
-        return pack({"id": self.id, "prompt": list(self.prompt), **self.params.to_wire(),
-                     "timeout_ms": self.timeout_ms, "reply_key": self.reply_key, "stream": self.stream})
+        obj = {"id": self.id, "prompt": list(self.prompt), **self.params.to_wire(),
+               "timeout_ms": self.timeout_ms, "reply_key": self.reply_key, "stream": self.stream}
+        return pack(obj if self.kind == "generate" else {**obj, "kind": self.kind})
+
+    @property
+    def embed(self) -> bool:
+        return self.kind == "embed"
 
     @classmethod
     def decode(cls, data: bytes) -> Request:
@@ -82,8 +94,13 @@ class Request:
         stream = obj.get("stream", False)
         if type(stream) is not bool:
             raise ProtocolError(f"stream must be a boolean, got {stream!r}"[:200])
+        kind = obj.get("kind", "generate")
+        if kind not in REQUEST_KINDS:
+            raise ProtocolError(f"kind must be one of {', '.join(REQUEST_KINDS)}, got {kind!r}"[:200])
+        if kind == "embed" and stream:
+            raise ProtocolError("an embed request cannot stream")
         return cls(id=job_id, prompt=tokens_field(obj, "prompt", 1), params=Params.from_wire(obj),
-                   timeout_ms=timeout_ms, reply_key=str_field(obj, "reply_key"), stream=stream)
+                   timeout_ms=timeout_ms, reply_key=str_field(obj, "reply_key"), stream=stream, kind=kind)
 
 
 @dataclass(frozen=True)
@@ -105,6 +122,9 @@ class Result:
     # when the request asked: per token of ``token_ids``, (its logprob, top ids, their logprobs); the
     # log-softmax of the model's logits at that step (before temperature, top-k/p and structured masks)
     logprobs: list[LogprobEntry] | None = None
+    # an embed request's answer: the pooled, L2-normalised hidden state (on the wire: float32 little-endian
+    # bytes, so a vector costs 4 bytes a dimension and decodes exactly)
+    embedding: list[float] | None = None
 
     def encode(self) -> bytes:
         obj = {
@@ -114,9 +134,20 @@ class Result:
             "total_ms": self.total_ms, "worker": self.worker, "batch_size": self.batch_size,
             "extra": self.extra,
         }
+        if self.embedding is not None:
+            obj["embedding"] = struct.pack(f"<{len(self.embedding)}f", *self.embedding)
         if self.logprobs is None:
             return pack(obj)
         return pack({**obj, "logprobs": _logprobs_wire(self.logprobs)})
+
+
+def _embedding_of(obj: dict) -> list[float] | None:
+    raw = obj.get("embedding")
+    if raw is None:
+        return None
+    if not isinstance(raw, bytes) or len(raw) % 4 or len(raw) > 4 * MAX_EMBEDDING_DIMS:
+        raise ProtocolError("embedding must be float32 bytes")
+    return list(struct.unpack(f"<{len(raw) // 4}f", raw))
 
 
 @dataclass(frozen=True)
@@ -172,6 +203,7 @@ def decode_reply(data: bytes) -> Result | Error | Delta:
         prompt_tokens=obj["prompt_tokens"], completion_tokens=obj["completion_tokens"],
         queue_ms=obj["queue_ms"], ttft_ms=obj["ttft_ms"], total_ms=obj["total_ms"], worker=obj["worker"],
         batch_size=obj["batch_size"], extra=obj.get("extra") or {}, logprobs=_logprobs_of(obj),
+        embedding=_embedding_of(obj),
     )
 
 
@@ -194,6 +226,7 @@ class FleetInfo:
     fingerprint: str = ""  # hash of model, tokenizer and buckets: workers that differ refuse to join
     # the fleet may run with zero workers: the description is kept and producers enqueue without live workers
     scale_to_zero: bool = False
+    pooling: str = "last"  # how workers pool embed requests' hidden states (--pooling): all must agree
 
     def encode(self) -> bytes:
         return pack({
@@ -203,7 +236,7 @@ class FleetInfo:
             "max_queue_len": self.max_queue_len, "batch_queue_len": self.batch_queue_len,
             "chat_template": self.chat_template,
             "bos_token": self.bos_token, "eos_token": self.eos_token, "fingerprint": self.fingerprint,
-            "scale_to_zero": self.scale_to_zero,
+            "scale_to_zero": self.scale_to_zero, "pooling": self.pooling,
         })
 
     @classmethod
@@ -217,4 +250,5 @@ class FleetInfo:
             chat_template=obj.get("chat_template") or "",
             bos_token=obj.get("bos_token") or "", eos_token=obj.get("eos_token") or "",
             fingerprint=obj.get("fingerprint") or "", scale_to_zero=obj.get("scale_to_zero") is True,
+            pooling=obj.get("pooling") or "last",
         )

@@ -22,6 +22,7 @@ SCHEMA_VERSION = 4
 MAX_PAYLOAD_BYTES = 1 << 20  # 1 MiB: far above 4096 token ids + stop strings
 MAX_TOKENS = 1 << 16  # prompt or completion length cap at decode time (the worker checks its own limits)
 MAX_TEXT_CHARS = 1 << 20
+MAX_BIN_BYTES = 1 << 18  # binary fields: an embedding's float32 bytes (65536 dimensions at most)
 
 
 def unpack(data: bytes) -> dict[str, Any]:
@@ -37,7 +38,7 @@ def unpack(data: bytes) -> dict[str, Any]:
             raw=False,
             strict_map_key=True,
             max_str_len=MAX_TEXT_CHARS,
-            max_bin_len=0,
+            max_bin_len=MAX_BIN_BYTES,
             max_array_len=MAX_TOKENS,
             max_map_len=64,
             max_ext_len=0,

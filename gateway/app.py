@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP app: ``create_app(config)`` -> a FastAPI app over one AsyncClient.
 
     POST /v1/completions        POST /v1/chat/completions   GET /v1/models   (gateway/inference.py)
+    POST /v1/responses, GET/DELETE /v1/responses/{id}, GET .../input_items  the Responses API (gateway/responses.py)
+    POST /v1/embeddings         embeddings on the same fleet (gateway/embeddings.py)
     /v1/files, /v1/batches      the OpenAI Batch API (gateway/batch_api.py; run by gateway/batch_runner.py)
     GET  /health                GET /dashboard, /dashboard/data               (gateway/dashboard.py)
 
@@ -19,7 +21,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from batchfleet.gateway import batch_api, dashboard, inference
+from batchfleet.gateway import batch_api, dashboard, embeddings, inference, responses
 from batchfleet.gateway.batch_runner import BatchRunner
 from batchfleet.gateway.config import GatewayConfig
 from batchfleet.gateway.connections import ClientFactory, GatewayRedis, producer_client
@@ -27,7 +29,7 @@ from batchfleet.gateway.handlers import add_error_handlers, endpoints
 from batchfleet.gateway.metrics import HTTPMetrics, MetricsMiddleware
 from batchfleet.gateway.service import Gateway
 
-ROUTERS = (inference.router, batch_api.router, dashboard.router, dashboard.keyed)
+ROUTERS = (inference.router, responses.router, embeddings.router, batch_api.router, dashboard.router, dashboard.keyed)
 
 
 def create_app(config: GatewayConfig | None = None, client_factory: ClientFactory = producer_client,

@@ -30,8 +30,11 @@ from batchfleet.gateway.batch_lines import (
     written_index,
     written_sha,
 )
+from batchfleet.gateway.embeddings_request import EmbedJob, embedding_response
+from batchfleet.gateway.embeddings_request import too_long as input_too_long
 from batchfleet.gateway.errors import api_error
 from batchfleet.gateway.formats import Shape
+from batchfleet.gateway.responses_format import ResponseShape
 from batchfleet.gateway.service import choice_params, job_params, token_texts, too_long, unknown_model
 from batchfleet.gateway.tool_parsers import Family, pick
 from batchfleet.producer.bulk_lines import line_sha
@@ -75,6 +78,10 @@ class OpenAIFormat:
             assert line.error is not None
             return Work(index, line, error=self.refusal(line, line.error.status, line.error.body()))
         stem = self.stem(line)
+        if isinstance(line.job, EmbedJob):  # one job per input
+            inputs = line.job.inputs
+            ids = [stem] if len(inputs) == 1 else [f"{stem}-{i}" for i in range(len(inputs))]
+            return Work(index, line, ids, inputs[0], prefix_key(inputs[0]), line.job.timeout, prompts=inputs)
         ids = [stem] if line.job.n == 1 else [f"{stem}-{i}" for i in range(line.job.n)]
         return Work(index, line, ids, line.job.prompt, prefix_key(line.job.prompt), line.job.timeout)
 
@@ -83,6 +90,8 @@ class OpenAIFormat:
         error = unknown_model(job.model, self.model_names, any_name=self.alias_any)
         if error is not None:
             raise error
+        if isinstance(job, EmbedJob):
+            return [{**job.params(), "priority": BATCH} for _ in job.inputs]
         params = {**await job_params(job, self.family()), "priority": BATCH}  # the batch class, whatever the body says
         return [choice_params(params, i) for i in range(job.n)]
 
@@ -96,8 +105,13 @@ class OpenAIFormat:
     def answer(self, work: Work, results: list[Result]) -> dict:
         line: BatchLine = work.line
         assert line.job is not None and self.fleet is not None
+        if isinstance(line.job, EmbedJob):
+            return self.refusal(line, 200, embedding_response(results, self.model_names[0], line.job.encoding_format))
         if self.texts is None:
             self.texts = token_texts(self.fleet.tokenizer)
+        if line.call is not None:  # a /v1/responses line: not stored (a batch's output file is its record)
+            response = ResponseShape(self.stem(line), self.model_names[0], {**line.call.echo(), "store": False})
+            return self.refusal(line, 200, response.response(results[0]))
         shape = Shape(chat=line.chat, job_id=self.stem(line), model=self.model_names[0],
                       created=int(time.time()), fingerprint=self.fleet.info.fingerprint or None,
                       token_text=None if line.job.logprobs is None else self.texts, tools=line.job.tools,
@@ -106,6 +120,9 @@ class OpenAIFormat:
 
     def failure(self, work: Work, exc: BaseException) -> dict:
         line: BatchLine = work.line
+        if isinstance(line.job, EmbedJob):
+            error = input_too_long(exc) if isinstance(exc, PromptTooLong) else api_error(exc)
+            return self.refusal(line, error.status, error.body())
         error = too_long(exc, line.job) if isinstance(exc, PromptTooLong) and line.job else api_error(
             exc, line.job.guide_param if line.job else None)  # a guide_failed names the line's guide field
         return self.refusal(line, error.status, error.body())

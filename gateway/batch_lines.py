@@ -19,12 +19,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from batchfleet.gateway.embeddings_request import EmbedJob, embed_job
 from batchfleet.gateway.errors import APIError, invalid
+from batchfleet.gateway.responses_request import ResponsesCall, parse_call
 from batchfleet.gateway.schemas import Job, request_job
 from batchfleet.gateway.strict import strict_json
 from batchfleet.producer.bulk_lines import MAX_LINE_BYTES, TOO_LONG, line_sha
 
-ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}  # url -> chat
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 LINE_KEYS = frozenset({"custom_id", "method", "url", "body"})
 MAX_CUSTOM_ID_CHARS = 512
 MAX_LINE_ERRORS = 100  # a malformed file's errors listed in the batch object (OpenAI lists some, not all)
@@ -48,9 +50,10 @@ class BatchLine:
     index: int  # 0-based line number in the input
     custom_id: str
     chat: bool
-    job: Job | None
+    job: Job | EmbedJob | None  # an EmbedJob for a /v1/embeddings line
     error: APIError | None
     sha: str | None = None  # the raw line's fingerprint (producer/bulk_lines.py ``line_sha``)
+    call: ResponsesCall | None = None  # a /v1/responses line's request (its answer repeats some fields)
 
 
 @dataclass(frozen=True)
@@ -97,14 +100,24 @@ def parse_line(raw: bytes | str, index: int, limits: Limits, endpoint: str | Non
             raise LineError("duplicate_custom_id", f"line {line}: custom_id {custom_id[:100]!r} is used by an "
                             "earlier line; each must be unique", line, "custom_id")
         seen.add(custom_id)
-    chat = ENDPOINTS[url]
+    chat = url != "/v1/completions"
+    call = None
     try:
-        job = request_job(chat, obj["body"], limits.timeout_cap, limits.chat_max_tokens)
+        if url == "/v1/embeddings":
+            return BatchLine(index, custom_id, False, embed_job(obj["body"], limits.timeout_cap), None,
+                             line_sha(_bytes(raw)))
+        if url == "/v1/responses":
+            call = parse_call(obj["body"])
+            if call.request.previous_response_id is not None:  # a batch runs its lines at once, unordered
+                raise invalid("previous_response_id is not supported in a batch request", "previous_response_id")
+            job = call.job([], limits.timeout_cap, limits.chat_max_tokens)
+        else:
+            job = request_job(chat, obj["body"], limits.timeout_cap, limits.chat_max_tokens)
         if job.stream:
             raise invalid("stream is not supported in a batch request", "stream")
     except APIError as exc:
         return BatchLine(index, custom_id, chat, None, exc, line_sha(_bytes(raw)))
-    return BatchLine(index, custom_id, chat, job, None, line_sha(_bytes(raw)))
+    return BatchLine(index, custom_id, chat, job, None, line_sha(_bytes(raw)), call)
 
 
 def _bytes(raw: bytes | str) -> bytes:

@@ -33,8 +33,9 @@ def usage(out_path: str) -> dict[str, Any]:
     prompt = completion = 0
     for obj in _lines(out_path):
         used = ((obj.get("response") or {}).get("body") or {}).get("usage") or {}
-        prompt += int(used.get("prompt_tokens") or 0)
-        completion += int(used.get("completion_tokens") or 0)
+        # chat and completions count prompt/completion tokens; /v1/responses, input/output tokens
+        prompt += int(used.get("prompt_tokens") or used.get("input_tokens") or 0)
+        completion += int(used.get("completion_tokens") or used.get("output_tokens") or 0)
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
 

@@ -60,6 +60,10 @@ class GatewayConfig:
     batch_lease_s: float = field(default=15.0, metadata=option(
         "A batch's lease, in seconds: when the process running it dies, another takes it over after this long.",
         flag="batch-lease"))
+    response_ttl_s: float = field(default=30 * 86400.0, metadata=option(
+        "How long a stored Responses API response (/v1/responses with store: true, the default) stays "
+        "retrievable and chainable by previous_response_id, in seconds (OpenAI's: 30 days).",
+        flag="response-ttl"))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", parse_api_keys(self.api_keys))
@@ -85,5 +89,7 @@ class GatewayConfig:
             raise ConfigError(f"batch_lease_s must be >= 1 second, got {self.batch_lease_s}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+        if not (math.isfinite(self.response_ttl_s) and self.response_ttl_s >= 1):
+            raise ConfigError(f"response_ttl_s must be >= 1 second, got {self.response_ttl_s}")
         if self.chat_max_tokens < 1:
             raise ConfigError(f"chat_max_tokens must be >= 1, got {self.chat_max_tokens}")

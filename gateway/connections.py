@@ -3,7 +3,8 @@ hands them out; no other gateway module makes a client (each is built by common/
 
 * The AsyncClient (producer/aclient.py): jobs, the fleet description, health, and, on the same bounded
   pool, the files and batches stores and the batch leases (gateway/batch_store.py; the leases through
-  the function library of common/functions.py, shared with the client's enqueue and cancel).
+  the function library of common/functions.py, shared with the client's enqueue and cancel), and the
+  stored Responses API responses (gateway/responses_store.py).
 * One AsyncClient per batch turn (``producer_client(config, inbox)``): each batch keeps its own inbox
   across turns and processes, so a runner that takes a batch over finds the answers still on their way.
 * The dashboard's small sync pool, made at the first ``/dashboard/data``: its reads are the ones
@@ -18,6 +19,7 @@ from typing import Any
 
 from batchfleet.gateway.batch_store import BatchStore, FileStore
 from batchfleet.gateway.config import GatewayConfig
+from batchfleet.gateway.responses_store import ResponseStore
 from batchfleet.producer import AsyncClient
 from batchfleet.producer.dashboard import dashboard_client
 
@@ -38,6 +40,7 @@ class GatewayRedis:
         self.client = client_factory(config)
         self.files = FileStore(self.client.r, self.client.keys, config.files_dir, config.max_file_mb << 20)
         self.batches = BatchStore(self.client.r, self.client.keys, self.client.functions)
+        self.responses = ResponseStore(self.client.r, self.client.keys, config.response_ttl_s)
         self._dashboard: Any = None  # a sync redis-py client (this package imports no sync redis: Any)
 
     def dashboard(self) -> Any:

@@ -67,50 +67,65 @@ class Gateway:
 
 
     async def complete(self, request: Request, job: Job, chat: bool) -> Response:
-        """Run one request: its ``n`` jobs (choice i seeded ``seed + i``), whole or as an event stream.
-        Submission errors (QueueFull, PromptTooLong, NoWorkers...) raise here, before any byte of the answer
-        is sent; the choices already submitted are cancelled."""
+        """Run one request: its ``n`` jobs (choice i seeded ``seed + i``), whole or as an event stream."""
         model = await self.check_model(job.model)
         fleet = await self.client.fleet()
         family = pick(self.config.tool_call_parser, fleet.info.chat_template)
-        params = await job_params(job, family)
         job_id = uuid.uuid4().hex
-        ids = [job_id] if job.n == 1 else [f"{job_id}-{i}" for i in range(job.n)]
         shape = Shape(chat=chat, job_id=job_id, model=model, created=int(time.time()),
                       fingerprint=fleet.info.fingerprint or None, include_usage=job.include_usage,
                       token_text=None if job.logprobs is None else token_texts(fleet.tokenizer),
                       guide_param=job.guide_param, tools=job.tools, family=family)
         headers = {"x-request-id": job_id}
+        if job.stream:
+            return EventStream(job_events(await self.streams(job, job_id, family), shape), headers=headers)
+        return JSONResponse(shape.response(await self.results(request, job, job_id, family)), headers=headers)
+
+    async def streams(self, job: Job, job_id: str, family: Family | None = None) -> list[Any]:
+        """Submit the job's ``n`` choices as streamed jobs (AsyncTokenStreams, one per choice). Submission
+        errors (QueueFull, PromptTooLong, NoWorkers...) raise here, before any byte of the answer is sent;
+        the choices already submitted are cancelled."""
+        params = await job_params(job, family)
+        streams: list[Any] = []
         try:
-            if job.stream:
-                streams: list[Any] = []
-                try:
-                    for i, jid in enumerate(ids):
-                        streams.append(await self.client.stream(job.prompt, timeout=job.timeout, job_id=jid,
-                                                                **choice_params(params, i)))
-                except BaseException:
-                    await asyncio.shield(asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True))
-                    raise
-                return EventStream(job_events(streams, shape), headers=headers)
-            start = time.monotonic()
-            submitted: list[str] = []
-            try:
-                for i, jid in enumerate(ids):
-                    await self.client.submit(job.prompt, timeout=job.timeout, job_id=jid,
-                                             **choice_params(params, i))
-                    submitted.append(jid)
-            except BaseException:
-                await asyncio.shield(asyncio.gather(*(self.cancel(j) for j in submitted)))
-                raise
+            for i, jid in enumerate(choice_ids(job, job_id)):
+                streams.append(await self.client.stream(job.prompt, timeout=job.timeout, job_id=jid,
+                                                        **choice_params(params, i)))
+        except BaseException as exc:
+            await asyncio.shield(asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True))
+            if isinstance(exc, PromptTooLong):
+                raise too_long(exc, job) from None
+            raise
+        return streams
+
+    async def results(self, request: Request, job: Job, job_id: str, family: Family | None = None) -> list[Result]:
+        """Submit the job's ``n`` choices and wait for their results (as ``streams``: a submission error
+        raises before anything runs; a guide the fleet failed is a 400 naming the request's guide field)."""
+        params = await job_params(job, family)
+        jobs = [(jid, job.prompt, choice_params(params, i)) for i, jid in enumerate(choice_ids(job, job_id))]
+        try:
+            return await self.run(request, jobs, job.timeout)
         except PromptTooLong as exc:
             raise too_long(exc, job) from None
-        try:
-            results = await self._wait(request, ids, max(0.0, job.timeout - (time.monotonic() - start)))
         except JobFailed as exc:
             if exc.code == GUIDE_FAILED:  # the 400 names the request's guide field
                 raise api_error(exc, job.guide_param) from None
             raise
-        return JSONResponse(shape.response(results), headers=headers)
+
+    async def run(self, request: Request, jobs: list[tuple[str, Any, dict[str, Any]]], timeout: float) -> list[Result]:
+        """Submit ``jobs`` (job id, prompt, AsyncClient parameters) and wait for their results, in order,
+        within ``timeout`` s. A submission error raises before anything runs, the jobs already submitted
+        cancelled; then as ``_wait``."""
+        start = time.monotonic()
+        submitted: list[str] = []
+        try:
+            for jid, prompt, params in jobs:
+                await self.client.submit(prompt, timeout=timeout, job_id=jid, **params)
+                submitted.append(jid)
+        except BaseException:
+            await asyncio.shield(asyncio.gather(*(self.cancel(j) for j in submitted)))
+            raise
+        return await self._wait(request, submitted, max(0.0, timeout - (time.monotonic() - start)))
 
     async def _wait(self, request: Request, job_ids: list[str], timeout: float) -> list[Result]:
         """The jobs' results, unless the client goes away, the request's timeout passes or one job fails
@@ -201,6 +216,11 @@ def unknown_model(model: str | None, names: tuple[str, ...], param: str | None =
     return APIError(404, f"the model {model[:200]!r} does not exist here; this gateway serves {served} (serve "
                     "this name with --served-model-name, or answer any name with --model-alias-any)",
                     "invalid_request_error", "model_not_found", param)
+
+
+def choice_ids(job: Job, job_id: str) -> list[str]:
+    """The fleet's job ids of a request's choices: ``job_id``, or ``job_id-i`` for each of ``n`` > 1."""
+    return [job_id] if job.n == 1 else [f"{job_id}-{i}" for i in range(job.n)]
 
 
 def choice_params(params: dict[str, Any], index: int) -> dict[str, Any]:

@@ -121,7 +121,8 @@ class _Run:
             return True
         sent: list[str] = []
         deadlines: list[Deadline] = []
-        for jid, p in zip(work.job_ids, params):
+        prompts = work.prompts or [work.prompt] * len(work.job_ids)
+        for jid, p, prompt in zip(work.job_ids, params, prompts):
             deadlines.append(Deadline(work.timeout))  # from the job's submission: missing answers expire together
             while jid not in self.present:
                 if self.stop.is_set():
@@ -129,7 +130,7 @@ class _Run:
                     return False
                 try:
                     deadlines[-1] = Deadline(work.timeout)
-                    await self.client.submit(work.prompt, timeout=work.timeout, job_id=jid, **p)
+                    await self.client.submit(prompt, timeout=work.timeout, job_id=jid, **p)
                 except QueueFull:  # make room: wait for an answer in flight, else a little, longer each time
                     if self.inflight:
                         await self.drain(once=True, wait=self.wait_s)

@@ -18,10 +18,11 @@ class Work:
     index: int  # 0-based line number in the input
     line: Any  # the format's own parsed line
     job_ids: list[str] = field(default_factory=list)
-    prompt: Any = None
+    prompt: Any = None  # every job's prompt, unless ``prompts`` gives one per job
     key: str | None = None  # prefix key (producer/prefix_order.py): lines alike are submitted together
     timeout: float | None = None
     error: dict | None = None
+    prompts: list | None = None  # one prompt per job (an embeddings line with several inputs)
 
 
 class LineFormat(Protocol):

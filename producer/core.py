@@ -33,6 +33,7 @@ from batchfleet.common.lanes import BATCH, INTERACTIVE, lane_of
 from batchfleet.common.params import FIELDS, ParamError, Params, has_utf8
 from batchfleet.common.protocol import (
     MAX_PAYLOAD_BYTES,
+    REQUEST_KINDS,
     Delta,
     Error,
     FleetInfo,
@@ -89,20 +90,31 @@ class Ask:
     schema), ``guided_regex``, ``guided_choice`` (a list of strings), ``guided_grammar`` (Lark or GBNF), as
     vLLM names them, or ``guide`` (a ``batchfleet.common.guided.Guide``), compiled here. ``logprobs`` = k
     (0-20): each generated token's logprob and its k most likely alternatives, in ``Result.logprobs``.
+    ``kind="embed"``: an embed request (common/protocol.py ``Request.kind``), answered with
+    ``Result.embedding``; it takes no generation parameter.
     """
 
     params: Params
     lane: str = INTERACTIVE
+    kind: str = "generate"
 
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> Ask:
         """From keyword arguments; an unknown name is an InvalidRequest (not a TypeError)."""
         values = dict(kwargs)
-        unknown = set(values) - set(FIELDS) - set(STRUCTURED) - {"priority"}
+        unknown = set(values) - set(FIELDS) - set(STRUCTURED) - {"priority", "kind"}
         if unknown:
             named = [f"{k} (the client's name is {CLIENT_NAMES[k]})" if k in CLIENT_NAMES else k
                      for k in sorted(unknown)]
             raise InvalidRequest(f"unknown generation parameter(s): {', '.join(named)}")
+        kind = values.pop("kind", "generate")
+        if kind not in REQUEST_KINDS:
+            raise InvalidRequest(f"kind must be one of {', '.join(REQUEST_KINDS)}, got {kind!r}"[:200])
+        if kind == "embed":
+            if set(values) - {"priority"}:
+                raise InvalidRequest("an embed request takes no generation parameters, got "
+                                     f"{', '.join(sorted(set(values) - {'priority'}))}")
+            values["max_new_tokens"] = 1  # routing counts the prompt and one position
         options = {k: values.pop(k) for k in STRUCTURED if k in values}
         given = values.pop("guide", None)
         priority = values.pop("priority", INTERACTIVE)
@@ -121,7 +133,7 @@ class Ask:
                 guide.check()
         except GuideError as exc:
             raise InvalidRequest(str(exc)) from None
-        return cls(params if guide is None else replace(params, guide=guide), lane)
+        return cls(params if guide is None else replace(params, guide=guide), lane, kind)
 
 
 def prompt_size(prompt: Prompt) -> int:
@@ -213,8 +225,10 @@ class FleetView:
         job_id = job_id or uuid.uuid4().hex
         if not valid_job_id(job_id):
             raise InvalidRequest("job_id must be 1-128 chars of [A-Za-z0-9_.-]")
+        if stream and ask.kind == "embed":
+            raise InvalidRequest("an embed request cannot stream")
         req = Request(id=job_id, prompt=ids, params=ask.params, reply_key=reply_key, stream=stream,
-                      timeout_ms=None if timeout is None else int(timeout * 1000))
+                      timeout_ms=None if timeout is None else int(timeout * 1000), kind=ask.kind)
         limit = self.info.batch_queue_len if ask.lane == BATCH else self.info.max_queue_len
         return Outgoing(bucket, keys.stream(bucket, ask.lane), req, limit, ask.lane)
 

@@ -102,6 +102,11 @@ def test_batches_run_under_the_documented_gateway_user(tiny_model_dir, tmp_path,
             # ignore_eos: the random tiny model may sample EOS; the point is that gateway-a may serve it
             answer = client.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={"ignore_eos": True})
             assert answer.choices[0].finish_reason == "length"
+            # the Responses API's store (a:response:*) and an embed request
+            stored = client.responses.create(model=model, input="hi", max_output_tokens=2)
+            assert client.responses.retrieve(stored.id).output_text == stored.output_text
+            client.responses.delete(stored.id)
+            assert len(client.embeddings.create(model=model, input="hi").data[0].embedding) > 0
             assert [b.id for b in client.batches.list()] == [batch.id]
             assert f.id in [x.id for x in client.files.list(purpose="batch")] and client.files.delete(f.id).deleted
         finally:

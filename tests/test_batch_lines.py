@@ -36,7 +36,7 @@ def line(**kw) -> str:
     (line(custom_id=""), "invalid_request"),
     (line(custom_id=7), "invalid_request"),
     (line(method="GET"), "invalid_request"),
-    (line(url="/v1/embeddings"), "invalid_url"),
+    (line(url="/v1/moderations"), "invalid_url"),
     (line(url="/v1/completions"), "mismatched_endpoint"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions"}', "invalid_request"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": NaN}', "invalid_json_line"),
@@ -102,3 +102,22 @@ def test_validating_a_large_input_holds_one_line_at_a_time(tmp_path):
         tracemalloc.stop()
     assert total == 800 and errors == []
     assert peak < 3 << 20, f"peak {peak / 2**20:.1f} MiB for a {path.stat().st_size / 2**20:.0f} MiB file"
+
+
+def test_a_responses_line_is_a_chat_job_and_cannot_chain():
+    body = {"input": "hi", "instructions": "Be brief.", "max_output_tokens": 4}
+    parsed = parse_line(line(url="/v1/responses", body=body), 0, LIMITS, "/v1/responses")
+    assert parsed.error is None and parsed.call is not None and parsed.job.max_tokens_field == "max_output_tokens"
+    assert parsed.job.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    chained = parse_line(line(url="/v1/responses", body={**body, "previous_response_id": "resp_1"}), 1, LIMITS)
+    assert chained.job is None and chained.error.param == "previous_response_id"
+    streamed = parse_line(line(url="/v1/responses", body={**body, "stream": True}), 2, LIMITS)
+    assert streamed.job is None and streamed.error.param == "stream"
+
+
+def test_an_embeddings_line_is_one_job_per_input():
+    body = {"input": ["a", "bc"], "encoding_format": "base64"}
+    parsed = parse_line(line(url="/v1/embeddings", body=body), 0, LIMITS, "/v1/embeddings")
+    assert parsed.error is None and parsed.job.inputs == ["a", "bc"] and parsed.job.encoding_format == "base64"
+    refused = parse_line(line(url="/v1/embeddings", body={"input": "a", "dimensions": 4}), 1, LIMITS)
+    assert refused.job is None and refused.error.param == "dimensions"

@@ -242,7 +242,7 @@ def test_hostile_requests_to_files_and_batches_get_clear_errors(start_gateway, t
             http.get("/v1/files", params={"limit": "-1"}), http.get("/v1/batches", params={"limit": "x"}),
             http.post("/v1/batches", json={"input_file_id": "file-x", "endpoint": "/v1/chat/completions"}),
             http.post("/v1/batches", json={"input_file_id": 7, "endpoint": "/v1/chat/completions"}),
-            http.post("/v1/batches", json={"input_file_id": "f", "endpoint": "/v1/embeddings"}),
+            http.post("/v1/batches", json={"input_file_id": "f", "endpoint": "/v1/moderations"}),
             http.post("/v1/batches", json={"input_file_id": "f", "endpoint": "/v1/completions",
                                            "completion_window": "forever"}),
             http.post("/v1/batches", json={"input_file_id": "f", "endpoint": "/v1/completions", "extra": 1}),

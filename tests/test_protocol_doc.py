@@ -195,10 +195,11 @@ def test_document_matches_the_code():
     assert lua_blocks() == [ENQUEUE.strip(), CANCEL.strip()]
     assert f"name={LIBRARY_NAME}" in DOC.read_text()
     assert all(f"FCALL {name} 2" in DOC.read_text() for name in FUNCTION_NAMES.values())
-    full = Request(id="j", prompt=[1], params=Params(guide=Guide("json_object"), logprobs=0))
+    full = Request(id="j", prompt=[1], params=Params(guide=Guide("json_object"), logprobs=0), kind="embed")
     assert table_fields("### Request") | table_fields("### Request", 1) == fields(full)
     assert set(GUIDE_KINDS) == table_fields("### Request", 2)
-    result = Result("j", [1], "a", "eos", 1, 1, 0.0, 0.0, 0.0, "w", 1, logprobs=[(-0.5, (1,), (-0.5,))])
+    result = Result("j", [1], "a", "eos", 1, 1, 0.0, 0.0, 0.0, "w", 1, logprobs=[(-0.5, (1,), (-0.5,))],
+                    embedding=[0.5])
     assert table_fields("### Result (`kind` = `result`)") == fields(result)
     assert table_fields("### Error (`kind` = `error`)") == fields(Error("j", "cancelled", "m"))
     assert table_fields("### Delta (`kind` = `delta`, only when `stream` was true)") == fields(

@@ -45,7 +45,7 @@ def build_engine(cfg: EngineConfig, batching: DynamicBatchingConfig, loaded: Loa
     if cfg.engine == "hf":
         from batchfleet.worker.engine.hf import HFEngine
 
-        return HFEngine(loaded, batching)
+        return HFEngine(loaded, batching, cfg.pooling)
     from batchfleet.worker.engine.native.engine import NativeEngine
 
     return NativeEngine(loaded, batching, cfg)
@@ -59,7 +59,7 @@ def fleet_info(cfg: WorkerConfig, loaded: LoadedModel) -> FleetInfo:
         eos_token_ids=tuple(sorted(loaded.eos_ids)), max_queue_len=cfg.max_queue_len,
         batch_queue_len=cfg.batch_queue_len,
         chat_template=chat_template_of(loaded.tokenizer), bos_token=loaded.tokenizer.bos_token or "",
-        eos_token=loaded.tokenizer.eos_token or "", scale_to_zero=cfg.scale_to_zero,
+        eos_token=loaded.tokenizer.eos_token or "", scale_to_zero=cfg.scale_to_zero, pooling=cfg.engine.pooling,
     )
 
 

@@ -43,5 +43,5 @@ def _completion_message(c: Completion, acc: Accepted, now: float, worker: str) -
         queue_ms=(c.started_at - t0) * 1000, ttft_ms=(c.first_token_at - t0) * 1000,
         total_ms=(now - t0) * 1000, worker=worker, batch_size=c.batch_size,
         extra={**dict.fromkeys(ENGINE_EXTRA, 0), **c.extra, "bucket": acc.entry.bucket},
-        logprobs=None if acc.gen.params.logprobs is None else list(c.logprobs or []),
+        logprobs=None if acc.gen.params.logprobs is None else list(c.logprobs or []), embedding=c.embedding,
     )

@@ -125,5 +125,5 @@ def accept(entry: Entry, keys: Keys, limits: Limits, now: float, clock_offset: f
     deadline = None if req.timeout_ms is None else enqueued + req.timeout_ms / 1000
     # the class is the stream's: the one place it travels (an older producer's payload 'priority' is ignored)
     gen = GenRequest(id=req.id, prompt=list(req.prompt), bucket=entry.bucket, params=req.params,
-                     enqueued_at=enqueued, priority=RANK[entry.lane])
+                     enqueued_at=enqueued, priority=RANK[entry.lane], embed=req.embed)
     return Accepted(entry, req, gen, enqueued, deadline)

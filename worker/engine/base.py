@@ -27,6 +27,7 @@ class GenRequest:
     params: Params = DEFAULT
     enqueued_at: float = 0.0  # unix time, for bookkeeping only
     priority: int = 0  # 0 = interactive, 1 = batch (common/lanes.py RANK of its stream): lower is more urgent
+    embed: bool = False  # an embed request (worker/engine/embed.py): prefill only, answered with a vector
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Completion:
     error_code: str = ENGINE_ERROR
     extra: dict[str, Any] = field(default_factory=dict)
     logprobs: list | None = None  # one (logprob, top ids, top logprobs) per token when the request asked
+    embedding: list[float] | None = None  # an embed request's vector
 
 
 class Engine(Protocol):

@@ -17,6 +17,7 @@ from batchfleet.common.config import DynamicBatchingConfig
 from batchfleet.common.errors import GUIDE_FAILED
 from batchfleet.common.guided import GuideError
 from batchfleet.worker.engine.base import Completion, GenRequest
+from batchfleet.worker.engine.embed import EmbedQueue, dense_encoder
 from batchfleet.worker.engine.guided import GuideCompiler
 from batchfleet.worker.engine.models import LoadedModel
 from batchfleet.worker.engine.sampling import StopChecker, make_generator, sample, token_logprobs
@@ -63,7 +64,7 @@ class _RowsDone(StoppingCriteria):
 class HFEngine:
     """Runs each added batch to completion in one ``step``."""
 
-    def __init__(self, loaded: LoadedModel, batching: DynamicBatchingConfig) -> None:
+    def __init__(self, loaded: LoadedModel, batching: DynamicBatchingConfig, pooling: str = "last") -> None:
         self.loaded = loaded
         self.batching = batching
         self.model = loaded.model
@@ -75,40 +76,48 @@ class HFEngine:
         self.guides = GuideCompiler(self.tokenizer, loaded.model.config.vocab_size, self.eos_ids)
         self._pending: list[GenRequest] = []
         self._batches = 0
+        self.embeds = EmbedQueue(dense_encoder(self.model, loaded.device, self.pad_id), pooling,
+                                 batching.max_batch_size, max(batching.buckets[-1], 16384))
 
     def add(self, requests: Sequence[GenRequest]) -> None:
-        assert not self._pending, "hf engine takes a new batch only when idle"
-        self._pending = list(requests)
+        assert not self.has_work(), "hf engine takes a new batch only when idle"
+        self._pending = [r for r in requests if not r.embed]
+        for r in requests:
+            if r.embed:
+                self.embeds.add(r)
 
     def has_work(self) -> bool:
-        return bool(self._pending)
+        return bool(self._pending) or bool(self.embeds)
 
     def num_active(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self.embeds)
 
     def room(self, priority: int = 0) -> int:
         """A batch runs to completion inside one step: a new one only when idle (no preemption)."""
-        return 0 if self._pending else self.batching.max_batch_size
+        return 0 if self.has_work() else self.batching.max_batch_size
 
     def failed_ids(self) -> list[str]:
-        return [r.id for r in self._pending]
+        return self.embeds.ids() if self.embeds else [r.id for r in self._pending]
 
     def reset(self) -> None:
         self._pending = []
+        self.embeds.reset()
 
     def abort(self, ids: Sequence[str]) -> list[str]:
         """Only requests not started can leave: a batch runs to completion inside one step."""
         found = [r.id for r in self._pending if r.id in set(ids)]
         self._pending = [r for r in self._pending if r.id not in set(ids)]
-        return found
+        return found + self.embeds.abort(ids)
 
     def progress(self, ids: Sequence[str]) -> dict[str, list[int]]:
         return {}  # a batch runs to completion inside one step: nothing to stream mid-way
 
     def stats(self) -> dict[str, float]:
-        return {"batches": self._batches}
+        return {"batches": self._batches, "embed_batches": self.embeds.batches}
 
     def step(self) -> list[Completion]:
+        if self.embeds:  # embed requests of an added batch first, its generate requests at the next step
+            return self.embeds.step()
         reqs, self._pending = self._pending, []
         if not reqs:
             return []

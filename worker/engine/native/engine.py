@@ -22,6 +22,7 @@ from batchfleet.common.errors import ENGINE_ERROR, GUIDE_FAILED
 from batchfleet.common.guided import GuideError
 from batchfleet.common.lanes import batch_reserve
 from batchfleet.worker.engine.base import Completion, GenRequest
+from batchfleet.worker.engine.embed import EmbedQueue
 from batchfleet.worker.engine.guided import GuideCompiler
 from batchfleet.worker.engine.models import LoadedModel
 from batchfleet.worker.engine.native.block_manager import BlockManager
@@ -92,6 +93,8 @@ class NativeEngine:
         # (prefill?, ((id, bucket), ...)) of recent steps: which requests shared a step (tests, debugging)
         self.step_log: deque[tuple[bool, tuple[tuple[str, int], ...]]] = deque(maxlen=STEP_LOG_LEN)
         self._errors: list[Completion] = []
+        # embed requests: a packed prefill of their own, no KV block ever taken (worker/engine/embed.py)
+        self.embeds = EmbedQueue(self.runner.hidden_states, cfg.pooling, batching.max_batch_size, budget)
         self.last_step_ids: list[str] = []
         # decode_slots_*: sequences per decode step by class, summed (the batch class's share under load)
         self._counters = dict(steps=0, prefill_steps=0, decode_steps=0, tokens_generated=0,
@@ -103,6 +106,9 @@ class NativeEngine:
         for req in requests:
             try:
                 self._validate(req)
+                if req.embed:
+                    self.embeds.add(req)
+                    continue
                 matcher = self.guides.matcher(req.params.guide) if req.params.guide is not None else None
                 state = ReqState(req=req, gen=make_generator(req, self.runner.device),
                                  checker=StopChecker(req, self.eos_ids, self.tokenizer, matcher))
@@ -118,6 +124,13 @@ class NativeEngine:
     def step(self) -> list[Completion]:
         """Run one prefill or decode step; return the requests that finished in it."""
         out, self._errors = self._errors, []
+        if self.embeds:  # a batch of embed requests is a step of its own (between two decode steps)
+            self.last_step_ids = self.embeds.ids()
+            try:
+                return out + self.embeds.step()
+            except BaseException:
+                self._errors = out
+                raise
         batch = self.scheduler.schedule()
         if batch is None or not batch.seqs:  # defensive: a scheduled batch is never empty
             self.last_step_ids = []
@@ -144,17 +157,17 @@ class NativeEngine:
         return out + [self._completion(s) for s in finished]
 
     def has_work(self) -> bool:
-        return bool(self._errors) or self.scheduler.has_work()
+        return bool(self._errors) or bool(self.embeds) or self.scheduler.has_work()
 
     def num_active(self) -> int:
-        return len(self._errors) + self.scheduler.num_active()
+        return len(self._errors) + len(self.embeds) + self.scheduler.num_active()
 
     def room(self, priority: int = 0) -> int:
         """Sequences of ``priority`` that may still be added (``Scheduler.room``: interactive work may
         displace batch work beyond its reserve); dynamic mode: one batch, when idle."""
         if not self.joins:
             return 0 if self.has_work() else self.scheduler.max_running
-        return max(0, self.scheduler.room(priority) - len(self._errors))
+        return max(0, self.scheduler.room(priority) - len(self._errors) - len(self.embeds))
 
     def failed_ids(self) -> list[str]:
         return list(self.last_step_ids)
@@ -172,6 +185,7 @@ class NativeEngine:
             "kv_slots_wasted_peak_per_seq": s.peak_wasted_per_seq,
             "kv_slots_wasted_contiguous_peak": self._counters["peak_contiguous_waste"],
             "running": len(s.running),
+            "embed_batches": self.embeds.batches,
             "running_limit": s.max_running,
             # batch sequences kept decoding beside a full interactive load: running may exceed the limit by this
             "batch_reserve": s.batch_reserve,
@@ -193,7 +207,7 @@ class NativeEngine:
         """Forget requests (queued or running) and free their KV blocks; returns the ids found."""
         ids = set(ids)
         self._errors = [c for c in self._errors if c.id not in ids]
-        return [s.id for s in self.scheduler.abort(ids)]
+        return [s.id for s in self.scheduler.abort(ids)] + self.embeds.abort(ids)
 
     def progress(self, ids: Iterable[str]) -> dict[str, list[int]]:
         """Tokens generated so far by each of these requests that is admitted (prefilling or running)."""
@@ -206,12 +220,17 @@ class NativeEngine:
         s = self.scheduler
         self.abort([q.id for q in (*s.running, *s.prefilling, *s.waiting)])
         self._errors = []
+        self.embeds.reset()
         self.blocks.reset_cache()  # a reset follows a failure: trust no cached content
 
     # -- internals --------------------------------------------------------------------------------
     def _validate(self, req: GenRequest) -> None:
         if not req.prompt:
             raise ValueError("empty prompt")
+        if req.embed:
+            if len(req.prompt) > self.batching.max_seq_len:
+                raise ValueError(f"prompt exceeds max_seq_len {self.batching.max_seq_len}")
+            return
         if req.params.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         if len(req.prompt) + req.params.max_new_tokens > self.batching.max_seq_len:

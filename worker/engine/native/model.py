@@ -142,11 +142,12 @@ class NativeModel:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttnFn,
                 last_idx: torch.Tensor | None = None, rope_attn: RopeAttnFn | None = None,
-                norm: NormFn | None = None, act_mul: ActMulFn | None = None) -> torch.Tensor:
+                norm: NormFn | None = None, act_mul: ActMulFn | None = None, hidden: bool = False) -> torch.Tensor:
         """tokens, positions: [B, S] -> logits [R, V] of the rows ``last_idx`` of the flattened [B * S]
         tokens (default: the last position of each row, R = B). Attention: ``rope_attn`` where given (it
         applies RoPE itself), else RoPE here and ``attn``. ``norm``: the RMSNorm to use (default: the
-        torch ops of ``rms_norm``; the runner passes the C one for CPU decode steps), ``act_mul`` likewise."""
+        torch ops of ``rms_norm``; the runner passes the C one for CPU decode steps), ``act_mul`` likewise.
+        ``hidden``: instead, the final-norm hidden state of every token, [B * S, hidden] (embed requests)."""
         B, S = tokens.shape
         norm, act_mul = norm or self.rms_norm, act_mul or self.act_mul
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -165,6 +166,8 @@ class NativeModel:
             h = lw.o_l.add_to(o, h)
             x = norm(h, lw.post_norm)
             h = lw.down_l.add_to(act_mul(lw.gate_up_l(x)), h)
+        if hidden:
+            return norm(h.reshape(B * S, -1), self.final_norm)  # [B * S, hidden]
         h = h[:, -1] if last_idx is None else h.reshape(B * S, -1)[last_idx]  # [R, hidden]
         return self.lm_head_l(norm(h, self.final_norm))  # [R, V]
 

@@ -124,6 +124,22 @@ class ModelRunner:
                 p.checker.logprobs.append(entry)
         return tokens.tolist()
 
+    @torch.inference_mode()
+    def hidden_states(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Embed requests' prefill, with no KV at all: the prompts back to back in one row (as a packed
+        prefill), each attending causally to itself only, nothing written to the pool; the final-norm hidden
+        state of every token of each prompt: [len(prompt), hidden] each."""
+        m, dev = self.model, self.device
+        lens = [len(p) for p in prompts]
+        N = sum(lens)
+        tokens = torch.tensor([t for p in prompts for t in p], device=dev).view(1, N)
+        positions = torch.cat([torch.arange(n) for n in lens]).view(1, N).to(dev)
+
+        def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return A.packed_prefill_attention(q, k, v, lens, m.scale)  # q: [1, N, H, D] -> [1, N, H * D]
+
+        return list(m.forward(tokens, positions, attn, hidden=True).split(lens))  # [N, hidden] split
+
     def padded_len(self, longest: int) -> int:
         """Prefill length: the bucket holding the longest prompt ('bucket') or the longest ('longest')."""
         if self.padding == "bucket":
