@@ -11,7 +11,8 @@ import pytest
 from batchfleet.common.config import DynamicBatchingConfig
 from batchfleet.common.engine_config import EngineConfig
 
-CHOICES = ("auto", "fastest", "default", "onednn")  # linear.CHOICES, spelled out: collecting imports no torch (checked below)
+# linear.CHOICES, spelled out: collecting imports no torch (checked below)
+CHOICES = ("auto", "fastest", "default", "onednn")
 
 
 @pytest.fixture(scope="module")
