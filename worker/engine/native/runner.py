@@ -187,8 +187,8 @@ class ModelRunner:
         neighbours) or in a decode step (a preempted sequence's recompute). positions, slots: [N]."""
         m, trash = self.model, self.trash_block
         width = max(len(s.block_table) for s in seqs)
-        rows = [s.block_table + [trash] * (width - len(s.block_table)) for s in seqs]
-        tables = torch.tensor([rows[j] for j, n in enumerate(lens) for _ in range(n)])  # [N, width]
+        rows = torch.tensor([s.block_table + [trash] * (width - len(s.block_table)) for s in seqs])  # [B, width]
+        tables = rows.repeat_interleave(torch.tensor(lens), dim=0)  # [N, width]: each token its sequence's row
         ctx = (positions + 1).contiguous()  # [N] keys each query sees, itself included
 
         def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
