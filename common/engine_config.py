@@ -12,7 +12,7 @@ from batchfleet.common.optionspec import option
 ENGINE_CHOICES = ("native", "hf")
 MODE_CHOICES = ("dynamic", "continuous")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
-LINEAR_CHOICES = ("auto", "default", "onednn")  # worker/engine/native/linear.py
+LINEAR_CHOICES = ("auto", "fastest", "default", "onednn")  # worker/engine/native/linear.py
 POOLING_CHOICES = ("last", "mean")  # worker/engine/embed.py
 PRESETS = ("tiny", "bench")  # built-in models; worker/engine/models.py defines one shape per name
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|npu(:\d+)?)$")
@@ -57,9 +57,10 @@ class EngineConfig:
     native_kernel: bool = field(default=True, metadata=option(
         "Use the C decode kernels on CPU: paged attention and the step's small ops (off: gather + SDPA, torch ops)."))
     linear: str = field(default="auto", metadata=option(
-        "Native engine weight matmuls: auto = per weight shape and row count, the faster of torch's default "
-        "and oneDNN with the weight prepacked, measured at load (CPU; elsewhere default); default = F.linear; "
-        "onednn = prepacked wherever oneDNN can.", choices=LINEAR_CHOICES))
+        "Native engine weight matmuls: auto = oneDNN with the weight prepacked wherever it can (CPU; elsewhere "
+        "F.linear), the same bits for a row at every row count (batch-invariant output); fastest = per weight "
+        "shape and row count the faster of F.linear and oneDNN, measured at load (not batch-invariant); "
+        "default = F.linear; onednn = as auto.", choices=LINEAR_CHOICES))
     prefix_cache: bool = field(default=True, metadata=option(
         "Native engine: keep the KV of full prompt blocks and reuse it for every later prompt starting with the "
         "same tokens (a shared system prompt is computed once); cached blocks are evicted least recently used."))

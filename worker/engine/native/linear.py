@@ -1,4 +1,14 @@
-"""Linear layers on the fastest kernel this machine has, chosen per weight shape and row count.
+"""Linear layers whose per-row result does not depend on the row count (batch invariance), on the fastest
+kernel that allows it.
+
+**Batch invariance** (the default, ``auto``): a row's output must be the same bits whatever else is in the
+matmul (a decode step's other sequences, a prefill's other prompts), or a request's tokens would depend on
+its neighbours. Measured on this machine (Zen 4, torch 2.13): oneDNN with the weight prepacked gives the
+same bits for a row at every row count >= 2, in fp32 and bf16 (at 1 row it takes another path for large
+inputs, e.g. in 2048+ fp32, 8192 bf16); MKL's fp32 ``F.linear`` gives other bits at 1, 4, 5, 7, ... rows
+than at 2. So ``auto`` runs every row count on prepacked oneDNN, and a single row is computed as two
+(duplicated, the second dropped), which costs nothing measurable at decode sizes (memory-bound).
+``tests/test_batch_invariance.py`` checks every row count of the engine's shapes.
 
 On x86 CPUs torch's default ``F.linear`` (MKL sgemm in fp32) leaves much of the machine unused at the
 small row counts of a decode step: on an AVX2 EPYC it reached 33 GFLOP/s on the lm_head shape at 32
@@ -6,6 +16,10 @@ rows where oneDNN, with the weight reordered once into its blocked layout, reach
 wins depends on the shape and the number of rows (oneDNN's packed weight is slow at 1 row there; MKL
 wins some shapes at 512), so the choice is *measured* once at load, per distinct (out, in, dtype)
 shape and per row-count bucket, and the weight is prepacked only where oneDNN won somewhere.
+
+The other choices: ``fastest`` (measured per weight shape and row count at load, below: not batch-invariant,
+in fp32 MKL and oneDNN differ), ``default`` (``F.linear`` everywhere: batch-invariant only where torch's
+kernel is, e.g. bf16 here, not MKL fp32) and ``onednn`` (the same as ``auto``).
 
 Kernels: ``default`` (``F.linear``: every device, always available) and ``onednn``
 (``torch.ops.mkldnn._linear_pointwise`` over ``torch.ops.mkldnn._reorder_linear_weight``: CPU only,
@@ -31,7 +45,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 KERNELS = ("default", "onednn")
-CHOICES = ("auto", *KERNELS)
+CHOICES = ("auto", "fastest", *KERNELS)
 # row counts measured at load (a decode step has as many rows as sequences, a prefill step as tokens);
 # a row count uses the choice of the nearest measured one (log scale)
 PROBE_ROWS = (1, 4, 16, 64, 256, 1024)
@@ -147,22 +161,30 @@ class Linear:
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._fns[(x.numel() // self.n_in).bit_length()](x)
+        rows = x.numel() // self.n_in
+        if rows == 1:  # as one of two rows: the bits every other row count gives (module docstring)
+            return self._fns[2](x.reshape(1, -1).expand(2, -1).contiguous())[:1].view(*x.shape[:-1], -1)
+        return self._fns[rows.bit_length()](x)
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)``; residual: [..., out], contiguous, same leading shape as x."""
-        return self._add_fns[(x.numel() // self.n_in).bit_length()](x, residual)
+        rows = x.numel() // self.n_in
+        if rows == 1:
+            two = self._add_fns[2](x.reshape(1, -1).expand(2, -1).contiguous(),
+                                   residual.reshape(1, -1).expand(2, -1).contiguous())
+            return two[:1].view(residual.shape)
+        return self._add_fns[rows.bit_length()](x, residual)
 
     def kernel_for(self, rows: int) -> str:
         """Which kernel runs ``rows`` rows."""
-        return "onednn" if self._fns[rows.bit_length()] == self._onednn else "default"
+        return "onednn" if self._fns[max(rows, 2).bit_length()] == self._onednn else "default"
 
 
 class LinearFactory:
     """Builds ``Linear`` layers, measuring each distinct (out, in, dtype) shape once.
 
-    choice: ``auto`` (measure per shape and row count), ``default`` (F.linear everywhere) or ``onednn``
-    (prepacked everywhere it can be; default where it cannot)."""
+    choice: ``auto`` or ``onednn`` (prepacked everywhere it can be, default where it cannot: batch-invariant),
+    ``fastest`` (measure per shape and row count) or ``default`` (F.linear everywhere)."""
 
     def __init__(self, choice: str = "auto") -> None:
         if choice not in CHOICES:
@@ -180,7 +202,7 @@ class LinearFactory:
             self.plans.setdefault(key, None)
             return Linear(weight, bias)
         if key not in self.plans:
-            if self.choice == "onednn":
+            if self.choice in ("auto", "onednn"):
                 self.plans[key] = Plan({r: "onednn" for r in PROBE_ROWS})
             else:
                 cached = (*key, torch.get_num_threads())

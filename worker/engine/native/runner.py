@@ -175,6 +175,9 @@ class ModelRunner:
         slots = torch.cat([u[a:] for u, a in zip(upto, starts)]).to(dev)  # [N]
         ends = torch.tensor(lens).cumsum(0).sub(1)  # flat index of each chunk's last token
         last = ends[[i for i, s in enumerate(seqs) if s in batch.sampled]].to(dev)
+        if self.decode_mode == "kernel":
+            return m.forward(tokens, positions, self._kernel_prefill_attn(seqs, lens, positions[0], slots),
+                             last_idx=last, **self._c_ops())
         prefixes = [u.to(dev) if a else None for u, a in zip(upto, starts)]
 
         def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -183,6 +186,35 @@ class ModelRunner:
             return A.packed_prefill_attention(q, k, v, lens, m.scale, self.kv[i], prefixes)
 
         return m.forward(tokens, positions, attn, last_idx=last)
+
+    def _c_ops(self) -> dict:
+        """The C RMSNorm and SiLU * up for ``NativeModel.forward`` (empty without them: its torch ops)."""
+        if self.ops is None:
+            return {}
+        ops = {"norm": partial(cpu_kernel.rms_norm, self.ops, eps=self.model.eps, num_threads=self.num_threads)}
+        if self.c_silu:
+            ops["act_mul"] = partial(cpu_kernel.silu_mul, self.ops, num_threads=self.num_threads)
+        return ops
+
+    def _kernel_prefill_attn(self, seqs: list, lens: list[int], positions: torch.Tensor, slots: torch.Tensor):
+        """Packed prefill attention as decode computes it (batch invariance): every prompt token is one query
+        of the C paged kernel, reading the K/V of positions [0, its own] from the pool, so a token gets the
+        same bits whether it is computed in a prefill (any chunk boundary, any prefix-cache hit, any
+        neighbours) or in a decode step (a preempted sequence's recompute). positions, slots: [N]."""
+        m, trash = self.model, self.trash_block
+        width = max(len(s.block_table) for s in seqs)
+        rows = torch.tensor([s.block_table + [trash] * (width - len(s.block_table)) for s in seqs])  # [B, width]
+        tables = rows.repeat_interleave(torch.tensor(lens), dim=0)  # [N, width]: each token its sequence's row
+        ctx = (positions + 1).contiguous()  # [N] keys each query sees, itself included
+
+        def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # q: [1, N, H, D]; k, v: [1, N, Hkv, D]: every chunk's K/V written before any query reads the pool
+            pool = self.kv[i]
+            A.write_kv(pool, slots, k[0], v[0])
+            o = cpu_kernel.paged_decode(self.kernel, q[0].contiguous(), pool, tables, ctx, m.scale, self.num_threads)
+            return o.view(1, q.shape[1], -1)
+
+        return attn
 
     def _prefill_padded(self, batch: ScheduledBatch) -> torch.Tensor:
         seqs, bs, dev, m = batch.seqs, self.block_size, self.device, self.model
@@ -244,12 +276,9 @@ class ModelRunner:
                 o = A.decode_attention_gather(q1, pool, tables, mask, m.scale)
             return o.reshape(B, 1, -1)
 
-        rope_attn = norm = act_mul = None
+        rope_attn, c_ops = None, self._c_ops()
         if self.ops is not None:
             ops = self.ops
-            norm = partial(cpu_kernel.rms_norm, ops, eps=m.eps, num_threads=self.num_threads)
-            if self.c_silu:
-                act_mul = partial(cpu_kernel.silu_mul, ops, num_threads=self.num_threads)
             rope_kv = cpu_kernel.RopeKV(ops, m.cos, m.sin_rot, positions.view(B), slots, m.num_heads,
                                         self.kv.shape[1:], self.num_threads)
 
@@ -260,4 +289,4 @@ class ModelRunner:
                 o = cpu_kernel.paged_decode(self.kernel, q1, pool, tables, ctx, m.scale, self.num_threads)
                 return o.reshape(B, 1, -1)
 
-        return m.forward(tokens, positions, attn, rope_attn=rope_attn, norm=norm, act_mul=act_mul)[:n]
+        return m.forward(tokens, positions, attn, rope_attn=rope_attn, **c_ops)[:n]
