@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -46,17 +45,13 @@ class GuideChecks:
 
     def __init__(self, prepare: Callable[[Guide], None] | None = None) -> None:
         self.prepare = prepare  # the engine's compiled-matcher warm-up (worker/engine/guided.py GuideCompiler)
-        self._pool: ThreadPoolExecutor | None = None
-        self._done: queue.SimpleQueue[Verdict] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards the lazily made pool against a concurrent stop
+        self._pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="guide-check")  # its thread starts
+        self._done: queue.SimpleQueue[Verdict] = queue.SimpleQueue()  # at the first submit
 
     def submit(self, acc: Accepted) -> None:
         """Judge ``acc.unchecked`` off this thread; its verdict comes back from ``done``."""
         assert acc.unchecked is not None
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="guide-check")
-            self._pool.submit(self._judge, acc)
+        self._pool.submit(self._judge, acc)
 
     def done(self) -> list[Verdict]:
         """The verdicts that came back since the last call, in the order they were reached."""
@@ -70,10 +65,7 @@ class GuideChecks:
     def stop(self) -> None:
         """Drop the checks not started and do not wait for the running one (its verdict is ignored: the
         loop hands back what is still VALIDATING)."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _judge(self, acc: Accepted) -> None:
         guide = acc.unchecked
