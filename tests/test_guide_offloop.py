@@ -125,6 +125,7 @@ def test_running_requests_keep_decoding_while_a_burst_of_slow_guides_is_checked(
     for job in ("plain", *good):
         assert isinstance(got[job][0], Result), got[job][0]
     assert got["good1"][0].text in (f"yes{n}", f"no{n}")
+    assert all(loop.engine.guides.warmed(g) for g in good.values())  # compiled off the loop's thread too
     assert loop.ledger["internal_errors"] == 0
 
 
@@ -135,7 +136,9 @@ def test_a_request_waiting_for_its_verdict_can_be_cancelled_and_expires(loop, r,
     try:
         enqueue(r, keys, "cancelled", Guide("regex", SLOW_BAD % base))
         enqueue(r, keys, "late", Guide("regex", SLOW_BAD % (base + 1)), timeout_ms=300)
-        enqueue(r, keys, "fine", Guide("regex", f"(x|y){{{base % 50 + 1}}}"))
+        fine = Guide("regex", f"(x|y){{{base % 50 + 1}}}")
+        fine.check()  # its verdict is known (as after the clients' check in this process): not compiled yet
+        enqueue(r, keys, "fine", fine)
         tick_until(loop, lambda: loop.requests.count(Stage.VALIDATING) == 3)
         r.eval(BODIES["cancel"], 2, keys.cancel("cancelled"), keys.cancels, "cancelled", raw_inbox(keys), 60, 100)
         tick_until(loop, lambda: {"cancelled", "late"} <= set(replies(r, keys)))  # late: 300 ms after enqueue
@@ -151,6 +154,11 @@ def test_a_request_waiting_for_its_verdict_can_be_cancelled_and_expires(loop, r,
     # one check thread, verdicts drained in order: cancelled's and late's were acted on before fine's
     assert {j: len(v) for j, v in got.items()} == {"cancelled": 1, "late": 1, "fine": 1}
     assert loop.requests.count(Stage.VALIDATING) == 0 and loop.ledger["internal_errors"] == 0
+    assert loop.engine.guides.warmed(fine)  # compiled on the check thread: the same guide now runs at once
+    enqueue(r, keys, "again", fine)
+    tick_until(loop, lambda: loop.requests.stage("again") is not None or "again" in replies(r, keys))
+    assert loop.requests.stage("again") is not Stage.VALIDATING
+    tick_until(loop, lambda: "again" in replies(r, keys))
 
 
 def test_requests_waiting_for_their_verdict_are_handed_back_on_shutdown(loop, r, namespace):

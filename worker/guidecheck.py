@@ -1,11 +1,12 @@
 """The guide-check thread: judges structured-output guides off the loop's thread.
 
 Checking a guide nobody sent before (``Guide.check``: compile it, walk its first steps) and compiling it
-for the engine (``prepare``: the served tokenizer, its first mask) take up to about a second for a
+for the engine (``Compiler.warm``: the served tokenizer, its first mask) take up to about a second for a
 pathological one, and llguidance releases the GIL meanwhile. On the loop's thread that second would
 stall every running request's decode, so a request whose guide's verdict is not cached waits in the
 request table (stage VALIDATING: leased, cancellable, expirable, handed back on shutdown) while this
-thread judges it; the loop drains the verdicts at the top of each tick (worker/intake.py ``verdicts``).
+thread judges it (so does one whose verdict is cached but which the engine has not compiled); the loop
+drains the verdicts at the top of each tick (worker/intake.py ``verdicts``).
 
 Invariants: this thread only reads the guide it is handed and writes the verdict queue (and the verdict
 and compiled-matcher caches, each behind its own lock); every request submitted gets exactly one verdict
@@ -16,9 +17,8 @@ from __future__ import annotations
 
 import logging
 import queue
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from batchfleet.common.guided import Guide, GuideError
 from batchfleet.worker.validate import Accepted
@@ -28,6 +28,16 @@ log = logging.getLogger("batchfleet.worker.loop")
 # one thread: a burst of expensive guides then costs one core, never the loop's; they queue behind each
 # other (their requests wait VALIDATING), as the read-ahead bound lets through (worker/intake.py room)
 CHECK_THREADS = 1
+
+
+class Compiler(Protocol):
+    """The engine's guide compiler (worker/engine/guided.py ``GuideCompiler``), as the check thread uses it."""
+
+    def warm(self, guide: Guide) -> None:
+        """Compile ``guide`` for the served tokenizer now, so that admission only copies it (any thread)."""
+
+    def warmed(self, guide: Guide) -> bool:
+        """Whether admission would only copy a compiled ``guide`` (cheap)."""
 
 
 class Verdict(NamedTuple):
@@ -43,10 +53,15 @@ class GuideChecks:
     """Runs ``Guide.check`` (and the engine's ``prepare``, for guides that pass) on its own thread; the
     verdicts come back through a queue only the loop's thread drains."""
 
-    def __init__(self, prepare: Callable[[Guide], None] | None = None) -> None:
-        self.prepare = prepare  # the engine's compiled-matcher warm-up (worker/engine/guided.py GuideCompiler)
+    def __init__(self, compiler: Compiler | None = None) -> None:
+        self.compiler = compiler  # None: the engine compiles at admission (an engine without guides)
         self._pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="guide-check")  # its thread starts
         self._done: queue.SimpleQueue[Verdict] = queue.SimpleQueue()  # at the first submit
+
+    def ready(self, guide: Guide) -> bool:
+        """Whether a guide whose verdict is known to be good may run without a trip to the check thread:
+        the engine has it compiled (else compiling it is this thread's job too)."""
+        return self.compiler is None or self.compiler.warmed(guide)
 
     def submit(self, acc: Accepted) -> None:
         """Judge ``acc.unchecked`` off this thread; its verdict comes back from ``done``."""
@@ -79,9 +94,9 @@ class GuideChecks:
             log.exception("guide check failed unexpectedly", extra={"job": acc.gen.id})
             self._done.put(Verdict(acc, "", f"internal error while checking its guide: {exc!r}"[:500]))
             return
-        if not error and self.prepare is not None:
+        if not error and self.compiler is not None:
             try:
-                self.prepare(guide)
+                self.compiler.warm(guide)
             except Exception:  # the engine compiles it again at admission, and answers what fails there
                 log.exception("compiling a guide ahead of admission failed", extra={"job": acc.gen.id})
         self._done.put(Verdict(acc, error))

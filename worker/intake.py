@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from batchfleet.common.config import WorkerConfig
 from batchfleet.common.errors import CANCELLED, DEADLINE_EXCEEDED, INVALID_REQUEST, WORKER_FAILED
@@ -150,7 +151,10 @@ class Intake:
             if self.requests.holds(outcome.gen.id):
                 self.transport.ack(entry)  # same job enqueued twice: the copy we hold answers for both
                 return
-            if outcome.unchecked is not None:  # a guide not seen before: judged off this thread
+            guide = outcome.gen.params.guide
+            if outcome.unchecked is None and guide is not None and not self.guides.ready(guide):
+                outcome = replace(outcome, unchecked=guide)  # known good, not compiled here: that is slow too
+            if outcome.unchecked is not None:  # a guide not seen before: judged (and compiled) off this thread
                 self.requests.validate(outcome, alone=alone)
                 self.guides.submit(outcome)
                 return

@@ -22,12 +22,11 @@ import time
 from collections.abc import Callable
 
 from batchfleet.common.config import WorkerConfig
-from batchfleet.common.guided import Guide
 from batchfleet.common.retry import TRANSIENT, Backoff
 from batchfleet.worker.batcher import Batcher
 from batchfleet.worker.dispatch import Dispatcher
 from batchfleet.worker.engine.base import Engine
-from batchfleet.worker.guidecheck import GuideChecks
+from batchfleet.worker.guidecheck import Compiler, GuideChecks
 from batchfleet.worker.intake import Intake
 from batchfleet.worker.ledger import Ledger
 from batchfleet.worker.metrics import LoopStats
@@ -55,13 +54,13 @@ class WorkerLoop:
     def __init__(self, cfg: WorkerConfig, engine: Engine, transport: Transport, limits: Limits,
                  decode: Callable[[list[int]], str] | None = None,
                  observe: Callable[[WorkerLoop], LoopStats] | None = None,
-                 prepare_guide: Callable[[Guide], None] | None = None) -> None:
+                 guides: Compiler | None = None) -> None:
         """``decode``: token ids -> text as the engine's final text decodes them; None: no streamed deltas
         (streamed requests then get their whole text with the final reply). ``observe``: makes the loop's
         observer from the loop (its ledger, engine, request table are set by then); default ``LoopStats``,
-        ``WorkerMetrics`` with --metrics-port (worker/compose.py). ``prepare_guide``: the engine's guide
-        compiler warm-up, run on the guide-check thread for each new guide that passes (None: the engine
-        compiles at admission)."""
+        ``WorkerMetrics`` with --metrics-port (worker/compose.py). ``guides``: the engine's guide compiler,
+        run on the guide-check thread for each new guide that passes (None: the engine compiles at
+        admission)."""
         self.cfg = cfg
         self.engine = engine
         self.transport = transport
@@ -77,7 +76,7 @@ class WorkerLoop:
         self.intake = Intake(cfg, transport, limits, self.requests, self.ledger, self._send,
                              lambda lane: self.dispatch.engine_full(lane),
                              (lambda lane: self.dispatch.room_now(lane)) if joins else None,
-                             GuideChecks(prepare_guide))
+                             GuideChecks(guides))
         self.dispatch = Dispatcher(cfg, engine, transport, self.requests, self.intake, self.ledger, streams,
                                    self._send, self.observer)
         self.outage = Backoff(log, "redis")

@@ -62,6 +62,11 @@ class GuideCompiler:
                 return warm.deep_copy()
         return self._compile(guide)
 
+    def warmed(self, guide: Guide) -> bool:
+        """Whether ``matcher`` would copy a compiled matcher for ``guide`` now (cheap; any thread)."""
+        with self._lock:
+            return guide in self._compiled
+
     def warm(self, guide: Guide) -> None:
         """Compile ``guide`` and compute its first mask, kept for ``matcher`` (any thread; a guide that does
         not compile is left to ``matcher``, whose GuideError answers its request)."""
