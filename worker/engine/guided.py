@@ -19,7 +19,9 @@ import torch
 from batchfleet.common.guided import Guide, GuideError, limits, matcher_error
 
 log = logging.getLogger(__name__)
-COMPILED_KEPT = 64  # guides whose compiled matcher (lexer states included) a worker keeps
+# guides whose compiled matcher a worker keeps: few, as one holds its lexer states (about 65 MiB for the
+# costliest guides that pass the check, such as a{200000}; far less for ordinary schemas)
+COMPILED_KEPT = 8
 _executor: llguidance.LLExecutor | None = None
 _executor_lock = threading.Lock()
 
@@ -31,7 +33,7 @@ class GuideCompiler:
     Compiling a guide and computing its first mask can take most of a second (llguidance builds its
     lexer's states then), so the worker's guide-check thread does it (``warm``) before the request may run:
     the loop's thread then only copies the compiled matcher (``matcher``: a few ms, the lexer states are
-    shared). A guide evicted from the cache meanwhile is compiled again at admission (rare: it needs
+    shared). A guide evicted from the cache meanwhile is compiled again at admission (it takes
     COMPILED_KEPT other guides warmed between its check and its start)."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: frozenset[int]) -> None:
