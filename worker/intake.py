@@ -170,7 +170,10 @@ class Intake:
     def verdicts(self) -> None:
         """Act on the guide checks that finished: a request whose guide passed is queued, one whose guide
         failed is answered INVALID_REQUEST (once: a request cancelled, expired or handed back meanwhile is
-        no longer VALIDATING and its verdict is ignored)."""
+        no longer VALIDATING and its verdict is ignored). Every verdict changes the table before anything
+        is written, so an outage during the writes loses none (replies wait in the outbox; an entry not
+        given up stays pending and is reclaimed)."""
+        rejected, faults = [], []
         for v in self.guides.done():
             job = v.acc.gen.id
             if self.requests.stage(job) is not Stage.VALIDATING or self.requests.get(job) is not v.acc:
@@ -180,11 +183,15 @@ class Intake:
                 continue
             self.requests.drop(job)
             if v.fault:
-                self.ledger.note("internal_errors")
-                self.give_up(v.acc.entry, v.fault)
+                faults.append(v)
             else:
-                self._reject(Rejected(v.acc.entry, Error(v.acc.gen.id, INVALID_REQUEST, v.error), v.error,
-                                      v.acc.reply_key))
+                rejected.append(Reply(job, Error(job, INVALID_REQUEST, v.error), v.acc.entry.bucket,
+                                      v.acc.entry.entry_id, v.acc.reply_key, v.acc.entry.lane))
+        if rejected:
+            self.send(rejected)
+        for v in faults:
+            self.ledger.note("internal_errors")
+            self.give_up(v.acc.entry, v.fault)
 
     def _reject(self, rej: Rejected) -> None:
         if rej.error is None:  # no usable id: nobody to answer
