@@ -9,9 +9,9 @@ whose deadline passed; admit; run one engine step and write its deltas; write re
 Invariants: an entry is settled only by the write that stores its reply (or dead-letters it), so whatever
 dies, it stays pending until answered; every request held is in exactly one stage of the request table
 (worker/requests.py), the one owner of held requests, whose snapshot the lease keeper renews; other
-threads (read-ahead, lease keeper, guide check) never change the loop's state: they post to it (``ReadAhead.settle``);
-replies that could not be written wait in the outbox and are retried after an outage; one entry's failure
-(bad input, a bug, an engine fault) costs only that entry.
+threads (read-ahead, lease keeper, guide check) never change the loop's state: they post to it
+(``ReadAhead.settle``, ``GuideChecks.done``); replies that could not be written wait in the outbox and are
+retried after an outage; one entry's failure (bad input, a bug, an engine fault) costs only that entry.
 """
 
 from __future__ import annotations
