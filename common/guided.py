@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +36,7 @@ MAX_CHOICES = 1024
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 PROBE_STEPS = 8  # tokens of the check's walk: llguidance's failures show at the first mask or soon after
 PROBE_EOS = 256  # the probe vocabulary: the 256 bytes, then an end-of-sequence token
+VERDICTS_KEPT = 256  # guides whose verdict is remembered per process (a service sends one schema many times)
 
 
 class GuideError(ValueError):
@@ -96,14 +99,33 @@ class Guide:
     def check(self) -> None:
         """Compile it without the served tokenizer, then walk its first steps over a byte vocabulary
         (``_probe``); GuideError with llguidance's reason when it does not compile, when llguidance gives up
-        on it there, or when it only matches the empty output. The verdicts of the last 256 guides are
-        cached (a service tends to send one schema many times)."""
-        error = _verdict(self.kind, self.spec)
+        on it there, or when it only matches the empty output. The verdicts of the last VERDICTS_KEPT guides
+        are cached. Up to about a second for a pathological guide: a worker runs it off its loop thread."""
+        error = self.known_verdict()
+        if error is None:
+            error = _verdict(self.kind, self.spec)
+            with _verdicts_lock:
+                _verdicts[(self.kind, self.spec)] = error
+                while len(_verdicts) > VERDICTS_KEPT:
+                    _verdicts.popitem(last=False)
         if error:
             raise GuideError(error)
 
+    def known_verdict(self) -> str | None:
+        """The cached verdict of ``check()`` ('' passed, else why not), or None when not checked yet
+        (cheap: a worker's loop thread asks this before handing the check to its guide-check thread)."""
+        with _verdicts_lock:  # the cache is shared by every thread that checks (gateway, worker pool)
+            error = _verdicts.get((self.kind, self.spec))
+            if error is not None:
+                _verdicts.move_to_end((self.kind, self.spec))
+            return error
 
-@functools.lru_cache(maxsize=256)
+
+# (kind, spec) -> '' or why not, least recently used first
+_verdicts: OrderedDict[tuple[str, str], str] = OrderedDict()
+_verdicts_lock = threading.Lock()
+
+
 def _verdict(kind: str, spec: str) -> str:
     """'' when the guide compiles and its first steps can be followed, else why not."""
     import llguidance

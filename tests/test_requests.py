@@ -66,7 +66,7 @@ def test_stages_follow_a_request_from_queue_to_answer():
     t.queue(b)
     t.queue(c, alone=True)
     assert [t.stage(j) for j in "abcx"] == [Stage.QUEUED, Stage.QUEUED, Stage.SOLO, None]
-    assert [t.count(s) for s in Stage] == [2, 1, 0, 0]
+    assert [t.count(s) for s in Stage] == [0, 2, 1, 0, 0]  # validating, queued, solo, running, outbox
     assert snap(t) == [(32, "a-0"), (64, "b-0"), (32, "c-0")]
     assert ids(t.take_batch(LATER, ROOM)) == ["a"] and ids(t.take_batch(LATER, ROOM)) == ["b"]  # buckets never mix
     assert t.take_batch(LATER, ROOM) is None
@@ -74,7 +74,7 @@ def test_stages_follow_a_request_from_queue_to_answer():
     assert t.finish("a") is a and t.stage("a") is None
     t.answer([reply("a")])
     assert t.stage("a") is Stage.OUTBOX and t.outbox == (reply("a"),)
-    assert [t.count(s) for s in Stage] == [0, 1, 1, 1]
+    assert [t.count(s) for s in Stage] == [0, 0, 1, 1, 1]
     assert snap(t) == [(32, "c-0"), (64, "b-0"), (32, "a-0")]  # held (queued, solo, running), then outbox
     t.written(1)
     assert t.outbox == () and t.stage("a") is None and snap(t) == [(32, "c-0"), (64, "b-0")]
@@ -107,8 +107,9 @@ def test_failed_batch_members_run_alone_in_start_order():
     assert ids(t.of(Stage.SOLO)) == ["w", "x", "z"]
 
 
-def test_unstarted_entries_are_handed_back_queued_first_then_solo():
+def test_unstarted_entries_are_handed_back_queued_first_then_solo_then_validating():
     t = table()
+    t.validate(acc("v1"))
     t.queue(acc("s1"), alone=True)
     t.queue(acc("q1"))
     t.queue(acc("r1"))
@@ -117,9 +118,11 @@ def test_unstarted_entries_are_handed_back_queued_first_then_solo():
     assert ids(t.take_batch(LATER, {"interactive": 1})) == ["r1"]
     t.queue(acc("q1"))
     t.answer([reply("done")])
-    assert [(e.bucket, e.entry_id) for e in t.unstarted()] == [(64, "q2-0"), (32, "q1-0"), (32, "s1-0")]
+    assert [(e.bucket, e.entry_id) for e in t.unstarted()] == [(64, "q2-0"), (32, "q1-0"), (32, "s1-0"),
+                                                                (32, "v1-0")]
     t.forget_unstarted()
-    assert t.unstarted() == [] and [t.count(s) for s in Stage] == [0, 0, 1, 1]
+    assert t.unstarted() == [] and {s: t.count(s) for s in Stage if t.count(s)} == {Stage.RUNNING: 1,
+                                                                                     Stage.OUTBOX: 1}
     assert snap(t) == [(32, "r1-0"), (32, "done-0")]
 
 
@@ -158,3 +161,22 @@ def test_queued_requests_and_their_batches_change_together():
     t.queue(acc("e"))
     t.forget_unstarted()
     assert t.take_batch(LATER, ROOM) is None and t.next_deadline() is None
+
+
+def test_a_request_whose_guide_is_checked_is_held_leased_and_leaves_once():
+    t = table()
+    v, w, x, y = acc("v"), acc("w"), acc("x"), acc("y")
+    t.validate(v)
+    t.validate(w, alone=True)
+    t.validate(x)
+    t.validate(y)
+    assert [t.stage(j) for j in "vwxy"] == [Stage.VALIDATING] * 4 and t.holds("v")
+    assert snap(t) == [(32, "v-0"), (32, "w-0"), (32, "x-0"), (32, "y-0")]  # leased while checked
+    assert t.waiting("interactive") == 4 and t.take_batch(LATER, ROOM) is None  # held, never in a batch
+    assert t.validated(v) and t.stage("v") is Stage.QUEUED
+    assert t.validated(w) and t.stage("w") is Stage.SOLO  # it came to run alone: it still does
+    assert t.drop("x") is x and not t.validated(x)  # cancelled while checked: its verdict changes nothing
+    assert t.expire(lambda a: a.gen.id == "y") == [y] and not t.validated(y) and t.stage("y") is None
+    t.validate(acc("x"))  # a later copy of the job: the first copy's verdict is not its
+    assert not t.validated(x) and t.stage("x") is Stage.VALIDATING
+    assert ids(t.take_batch(LATER, ROOM)) == ["v"]

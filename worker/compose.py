@@ -102,6 +102,7 @@ def _build(cfg: WorkerConfig, transport: Transport | None, loaded: LoadedModel |
     if loaded is None:
         loaded = load_model(resolve_model_path(cfg), cfg.engine.device, cfg.engine.dtype)
     engine = build_engine(cfg.engine, cfg.batching, loaded)
+    guides = engine.guides  # type: ignore[attr-defined]  # both engines' GuideCompiler (before any wrapper)
     if wrap_engine is not None:
         engine = wrap_engine(engine)
     if transport is None:
@@ -117,7 +118,8 @@ def _build(cfg: WorkerConfig, transport: Transport | None, loaded: LoadedModel |
         limits = Limits(max_seq_len=cfg.batching.max_seq_len, vocab_size=int(loaded.model.config.vocab_size))
         tokenizer = loaded.tokenizer
         return WorkerLoop(cfg, engine, transport, limits,
-                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), observe=observe)
+                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), observe=observe,
+                          guides=guides)
     except BaseException:
         transport.close()  # joined: leave the live set now, not LIVE_WORKER_MS later
         raise

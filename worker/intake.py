@@ -3,7 +3,8 @@ rejecting, expiring, giving up).
 
 Every entry read ends as: held in the request table (queued to run), answered with an error (through the
 ``send`` callable, which puts replies in the outbox and writes them), acked as a duplicate, or
-dead-lettered; never dropped. Validation itself is pure and lives in worker/validate.py.
+dead-lettered; never dropped. Validation itself is pure and lives in worker/validate.py; a guide not seen
+before is checked off the loop's thread (worker/guidecheck.py), its request held VALIDATING meanwhile.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from batchfleet.common.config import WorkerConfig
-from batchfleet.common.errors import CANCELLED, DEADLINE_EXCEEDED, WORKER_FAILED
+from batchfleet.common.errors import CANCELLED, DEADLINE_EXCEEDED, INVALID_REQUEST, WORKER_FAILED
 from batchfleet.common.lanes import LANES
 from batchfleet.common.protocol import Error
 from batchfleet.common.retry import TRANSIENT
+from batchfleet.worker.guidecheck import GuideChecks
 from batchfleet.worker.ledger import Ledger
 from batchfleet.worker.readahead import cap as readahead_cap
 from batchfleet.worker.reclaim import SOLO_FROM_DELIVERY, reclaim_period_s, split_exhausted
@@ -30,6 +33,7 @@ log = logging.getLogger("batchfleet.worker.loop")
 PRUNE_PERIOD_S = 600.0  # a pass is one XINFO CONSUMERS per stream; names are pruned after an hour anyway
 PRUNE_IDLE_MS = 3_600_000  # a consumer name silent for an hour with nothing pending is a dead worker's
 FULL_SLEEP_MAX_S = 0.5  # with no room to read and nothing running, sleep at most this long per tick
+VERDICT_POLL_S = 0.02  # while guides are being checked, an idle loop looks for their verdicts this often
 
 
 class Intake:
@@ -38,7 +42,7 @@ class Intake:
     def __init__(self, cfg: WorkerConfig, transport: Transport, limits: Limits, requests: RequestTable,
                  ledger: Ledger, send: Callable[[list[Reply]], None],
                  engine_full: Callable[[str], bool] = lambda lane: False,
-                 engine_room: Callable[[str], int] | None = None) -> None:
+                 engine_room: Callable[[str], int] | None = None, guides: GuideChecks | None = None) -> None:
         self.cfg = cfg
         self.transport = transport
         self.limits = limits
@@ -51,6 +55,7 @@ class Intake:
         self.engine_full = engine_full
         # continuous mode: the engine's room per class now (it admits at every step); None: it runs batches
         self.engine_room = engine_room
+        self.guides = guides or GuideChecks()  # checks new guides off this thread
 
     def room(self, lane: str) -> int:
         """Hold locally (queued or waiting to run alone) only what can start soon: leave the rest to peers
@@ -67,9 +72,13 @@ class Intake:
         and never past the next batch deadline nor the next reclaim."""
         rooms = {lane: max(0, self.room(lane)) for lane in LANES}
         busy = engine_busy or self.requests.count(Stage.SOLO) > 0
+        # a verdict does not wake a blocked read: wait for one at most VERDICT_POLL_S
+        checking = self.requests.count(Stage.VALIDATING) > 0
         if not any(rooms.values()):
             deadline = self.requests.next_deadline()
-            if not busy and deadline is not None and deadline > now:
+            if checking and not busy:
+                time.sleep(VERDICT_POLL_S if deadline is None else max(0.0, min(deadline - now, VERDICT_POLL_S)))
+            elif not busy and deadline is not None and deadline > now:
                 time.sleep(min(deadline - now, FULL_SLEEP_MAX_S))
             return
         if busy:
@@ -80,6 +89,8 @@ class Intake:
                 deadline = now + 0.05  # poll the flush counter while a partial static batch waits
             block_ms = self.transport.max_block_ms if deadline is None else int((deadline - now) * 1000) + 1
             block_ms = min(block_ms, int(reclaim_period_s(self.cfg.claim_idle_ms) * 1000) + 1)
+            if checking:
+                block_ms = min(block_ms, int(VERDICT_POLL_S * 1000))
             if block_ms <= 0:
                 return
         # COUNT applies per stream: split each lane's room so all its buckets together stay within it
@@ -140,6 +151,13 @@ class Intake:
             if self.requests.holds(outcome.gen.id):
                 self.transport.ack(entry)  # same job enqueued twice: the copy we hold answers for both
                 return
+            guide = outcome.gen.params.guide
+            if outcome.unchecked is None and guide is not None and not self.guides.ready(guide):
+                outcome = replace(outcome, unchecked=guide)  # known good, not compiled here: that is slow too
+            if outcome.unchecked is not None:  # a guide not seen before: judged (and compiled) off this thread
+                self.requests.validate(outcome, alone=alone)
+                self.guides.submit(outcome)
+                return
             self.requests.queue(outcome, alone=alone)
         except TRANSIENT:
             raise  # the entry stays pending; it is read again after the outage (reclaim)
@@ -148,6 +166,32 @@ class Intake:
             log.exception("internal error on entry %s; dead-lettering it", entry.entry_id,
                           extra={"job": job_id_of(entry), "bucket": entry.bucket})
             self.give_up(entry, f"internal error while validating: {exc!r}"[:500])
+
+    def verdicts(self) -> None:
+        """Act on the guide checks that finished: a request whose guide passed is queued, one whose guide
+        failed is answered INVALID_REQUEST (once: a request cancelled, expired or handed back meanwhile is
+        no longer VALIDATING and its verdict is ignored). Every verdict changes the table before anything
+        is written, so an outage during the writes loses none (replies wait in the outbox; an entry not
+        given up stays pending and is reclaimed)."""
+        rejected, faults = [], []
+        for v in self.guides.done():
+            job = v.acc.gen.id
+            if self.requests.stage(job) is not Stage.VALIDATING or self.requests.get(job) is not v.acc:
+                continue  # cancelled, expired or handed back meanwhile: answered (or returned) already
+            if not v.error and not v.fault:
+                self.requests.validated(v.acc)
+                continue
+            self.requests.drop(job)
+            if v.fault:
+                faults.append(v)
+            else:
+                rejected.append(Reply(job, Error(job, INVALID_REQUEST, v.error), v.acc.entry.bucket,
+                                      v.acc.entry.entry_id, v.acc.reply_key, v.acc.entry.lane))
+        if rejected:
+            self.send(rejected)
+        for v in faults:
+            self.ledger.note("internal_errors")
+            self.give_up(v.acc.entry, v.fault)
 
     def _reject(self, rej: Rejected) -> None:
         if rej.error is None:  # no usable id: nobody to answer

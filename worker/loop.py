@@ -1,6 +1,7 @@
 """The worker loop: the only place that wires transport, intake, request table, dispatcher and engine.
 
-One tick, top to bottom, as a list: forget what the read-ahead thread released; write replies still in
+One tick, top to bottom, as a list: forget what the read-ahead thread released; act on the guide checks
+that finished (worker/guidecheck.py: new guides are judged off this thread); write replies still in
 the outbox; take over entries dead workers left pending; read new entries (blocking only while nothing
 can run, and never past the next batch deadline) and validate them; honour cancels; answer requests
 whose deadline passed; admit; run one engine step and write its deltas; write replies; heartbeat.
@@ -8,9 +9,9 @@ whose deadline passed; admit; run one engine step and write its deltas; write re
 Invariants: an entry is settled only by the write that stores its reply (or dead-letters it), so whatever
 dies, it stays pending until answered; every request held is in exactly one stage of the request table
 (worker/requests.py), the one owner of held requests, whose snapshot the lease keeper renews; other
-threads (read-ahead, lease keeper) never change the loop's state: they post to it (``ReadAhead.settle``);
-replies that could not be written wait in the outbox and are retried after an outage; one entry's failure
-(bad input, a bug, an engine fault) costs only that entry.
+threads (read-ahead, lease keeper, guide check) never change the loop's state: they post to it
+(``ReadAhead.settle``, ``GuideChecks.done``); replies that could not be written wait in the outbox and are
+retried after an outage; one entry's failure (bad input, a bug, an engine fault) costs only that entry.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from batchfleet.common.retry import TRANSIENT, Backoff
 from batchfleet.worker.batcher import Batcher
 from batchfleet.worker.dispatch import Dispatcher
 from batchfleet.worker.engine.base import Engine
+from batchfleet.worker.guidecheck import Compiler, GuideChecks
 from batchfleet.worker.intake import Intake
 from batchfleet.worker.ledger import Ledger
 from batchfleet.worker.metrics import LoopStats
@@ -51,11 +53,14 @@ class WorkerLoop:
 
     def __init__(self, cfg: WorkerConfig, engine: Engine, transport: Transport, limits: Limits,
                  decode: Callable[[list[int]], str] | None = None,
-                 observe: Callable[[WorkerLoop], LoopStats] | None = None) -> None:
+                 observe: Callable[[WorkerLoop], LoopStats] | None = None,
+                 guides: Compiler | None = None) -> None:
         """``decode``: token ids -> text as the engine's final text decodes them; None: no streamed deltas
         (streamed requests then get their whole text with the final reply). ``observe``: makes the loop's
         observer from the loop (its ledger, engine, request table are set by then); default ``LoopStats``,
-        ``WorkerMetrics`` with --metrics-port (worker/compose.py)."""
+        ``WorkerMetrics`` with --metrics-port (worker/compose.py). ``guides``: the engine's guide compiler,
+        run on the guide-check thread for each new guide that passes (None: the engine compiles at
+        admission)."""
         self.cfg = cfg
         self.engine = engine
         self.transport = transport
@@ -70,7 +75,8 @@ class WorkerLoop:
         joins = cfg.engine.mode == "continuous"
         self.intake = Intake(cfg, transport, limits, self.requests, self.ledger, self._send,
                              lambda lane: self.dispatch.engine_full(lane),
-                             (lambda lane: self.dispatch.room_now(lane)) if joins else None)
+                             (lambda lane: self.dispatch.room_now(lane)) if joins else None,
+                             GuideChecks(guides))
         self.dispatch = Dispatcher(cfg, engine, transport, self.requests, self.intake, self.ledger, streams,
                                    self._send, self.observer)
         self.outage = Backoff(log, "redis")
@@ -99,19 +105,22 @@ class WorkerLoop:
                 self._guarded(self.tick)
         finally:
             self.readahead.stop()
+            self.intake.guides.stop()  # what is still VALIDATING is handed back below
             self.lease.stop()
             self._guarded(self._hand_back)
 
     def tick(self) -> None:
-        """One round: settle, outbox, reclaim, read, cancels, expire, admit, step, deltas, outbox, heartbeat."""
+        """One round: settle, verdicts, outbox, reclaim, read, cancels, expire, admit, step, deltas, outbox,
+        heartbeat."""
         self._settle_released()
+        self.intake.verdicts()
         self._flush_outbox()
         taking = not self.stopping.is_set()  # shutting down: take nothing new, finish what runs
         if taking:
             self.intake.reclaim(time.time())
             self.intake.read(time.time(), engine_busy=self.engine.has_work())
         if self.requests.snapshot:  # holding nothing, no cancel can matter here: a read checks cancel markers
-            waiting = self.requests.count(Stage.QUEUED) + self.requests.count(Stage.SOLO) > 0
+            waiting = any(self.requests.count(s) for s in (Stage.VALIDATING, Stage.QUEUED, Stage.SOLO))
             self.dispatch.cancel(self.transport.cancels(waiting=waiting))
         self.intake.expire(time.time())
         if taking:

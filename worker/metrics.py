@@ -153,7 +153,7 @@ class _LoopCollector(Collector):
         yield GaugeMetricFamily("batchfleet_requests_running", "Requests in the engine.",
                                 value=reqs.count(Stage.RUNNING))
         yield GaugeMetricFamily("batchfleet_requests_waiting", "Requests held by this worker, not yet started.",
-                                value=reqs.count(Stage.QUEUED) + reqs.count(Stage.SOLO))
+                                value=reqs.count(Stage.VALIDATING) + reqs.count(Stage.QUEUED) + reqs.count(Stage.SOLO))
         total = stats.get("kv_blocks_total") or 0
         used = stats.get("kv_blocks_used", 0) / total if total else 0.0
         yield GaugeMetricFamily("batchfleet_kv_cache_usage_ratio", "KV cache blocks in use / all (0 for engines "

@@ -2,6 +2,7 @@
 
 A request read and validated is held in exactly one stage until it is answered:
 
+    VALIDATING (its guide is being checked off the loop's thread) ──► QUEUED or SOLO, or answered
     QUEUED  (waiting for its batch) ──► RUNNING (in the engine) ──► answered
     SOLO    (waiting to run alone)  ──► RUNNING
     RUNNING ──► SOLO   (its batch failed: each request is retried alone)
@@ -30,13 +31,15 @@ from batchfleet.worker.validate import Accepted
 
 
 class Stage(Enum):
+    VALIDATING = "validating"  # its new guide is being checked (worker/guidecheck.py); not in the batcher
     QUEUED = "queued"  # waiting for its batch (in the batcher)
     SOLO = "solo"  # waiting to run alone: batchmates of a failed batch, redeliveries
     RUNNING = "running"  # in the engine
     OUTBOX = "outbox"  # answered, reply not written yet
 
 
-_HELD = (Stage.QUEUED, Stage.SOLO, Stage.RUNNING)
+_HELD = (Stage.VALIDATING, Stage.QUEUED, Stage.SOLO, Stage.RUNNING)
+_UNSTARTED = (Stage.QUEUED, Stage.SOLO, Stage.VALIDATING)  # read, never started: what shutdown hands back
 
 
 class RequestTable:
@@ -47,6 +50,7 @@ class RequestTable:
         self._batcher = batcher  # holds exactly the QUEUED requests
         self._held: dict[Stage, dict[str, Accepted]] = {stage: {} for stage in _HELD}
         self._outbox: list[Reply] = []
+        self._alone: set[str] = set()  # VALIDATING requests that go to SOLO once their guide passes
         self.snapshot: tuple[Entry, ...] = ()  # replaced, never mutated: read from the lease keeper's thread
 
     # ---- questions -------------------------------------------------------------------------------
@@ -69,7 +73,7 @@ class RequestTable:
         return None
 
     def of(self, stage: Stage) -> list[Accepted]:
-        """Requests held in ``stage`` (QUEUED, SOLO or RUNNING), in the order they entered it."""
+        """Requests held in ``stage`` (any but OUTBOX), in the order they entered it."""
         return list(self._held[stage].values())
 
     def count(self, stage: Stage) -> int:
@@ -77,12 +81,13 @@ class RequestTable:
         return len(self._outbox) if stage is Stage.OUTBOX else len(self._held[stage])
 
     def waiting(self, lane: str) -> int:
-        """How many requests of ``lane`` are held but not started (QUEUED or SOLO)."""
-        return sum(acc.entry.lane == lane for stage in (Stage.QUEUED, Stage.SOLO) for acc in self._held[stage].values())
+        """How many requests of ``lane`` are held but not started (VALIDATING, QUEUED or SOLO)."""
+        return sum(acc.entry.lane == lane for stage in _UNSTARTED for acc in self._held[stage].values())
 
     def unstarted(self) -> list[Entry]:
-        """Entries of requests read but not started (QUEUED, then SOLO): what shutdown hands back."""
-        return [acc.entry for stage in (Stage.QUEUED, Stage.SOLO) for acc in self._held[stage].values()]
+        """Entries of requests read but not started (QUEUED, then SOLO, then VALIDATING): what shutdown hands
+        back."""
+        return [acc.entry for stage in _UNSTARTED for acc in self._held[stage].values()]
 
     @property
     def outbox(self) -> tuple[Reply, ...]:
@@ -130,6 +135,25 @@ class RequestTable:
             self._add(acc)
         self._publish()
 
+    def validate(self, acc: Accepted, alone: bool = False) -> None:
+        """Hold a new request whose guide is being checked: VALIDATING until ``validated`` (or dropped)."""
+        assert not self.holds(acc.gen.id), "duplicates are acked, never held twice"
+        self._held[Stage.VALIDATING][acc.gen.id] = acc
+        if alone:
+            self._alone.add(acc.gen.id)
+        self._publish()
+
+    def validated(self, acc: Accepted) -> bool:
+        """VALIDATING -> QUEUED (or SOLO, when it came to run alone): its guide passed. False, and nothing
+        changes, when this very request is no longer VALIDATING (cancelled, expired, handed back)."""
+        if self._held[Stage.VALIDATING].get(acc.gen.id) is not acc:
+            return False
+        del self._held[Stage.VALIDATING][acc.gen.id]
+        alone = acc.gen.id in self._alone
+        self._alone.discard(acc.gen.id)
+        self.queue(acc, alone=alone)
+        return True
+
     def finish(self, job_id: str) -> Accepted:
         """RUNNING -> answered (the caller puts its reply in the outbox). KeyError when not running."""
         acc = self._held[Stage.RUNNING].pop(job_id)
@@ -156,6 +180,7 @@ class RequestTable:
         for stage, held in self._held.items():
             if job_id in held:
                 acc = held.pop(job_id)
+                self._alone.discard(job_id)
                 if stage is Stage.QUEUED:
                     self._batcher.expire(lambda a: a.gen.id == job_id)
                 self._publish()
@@ -163,20 +188,24 @@ class RequestTable:
         return None
 
     def expire(self, expired: Callable[[Accepted], bool]) -> list[Accepted]:
-        """Stop holding every unstarted (QUEUED or SOLO) request for which ``expired`` is true; returns them."""
-        gone = self._batcher.expire(expired) + [acc for acc in self._held[Stage.SOLO].values() if expired(acc)]
+        """Stop holding every unstarted (QUEUED, SOLO or VALIDATING) request for which ``expired`` is true;
+        returns them."""
+        gone = self._batcher.expire(expired) + [acc for stage in (Stage.SOLO, Stage.VALIDATING)
+                                                for acc in self._held[stage].values() if expired(acc)]
         for acc in gone:
-            self._held[Stage.QUEUED].pop(acc.gen.id, None)
-            self._held[Stage.SOLO].pop(acc.gen.id, None)
+            for stage in _UNSTARTED:
+                self._held[stage].pop(acc.gen.id, None)
+            self._alone.discard(acc.gen.id)
         if gone:
             self._publish()
         return gone
 
     def forget_unstarted(self) -> None:
-        """Drop every QUEUED and SOLO request (handed back on shutdown)."""
+        """Drop every unstarted request (handed back on shutdown)."""
         self._batcher.expire(lambda a: True)
-        self._held[Stage.QUEUED].clear()
-        self._held[Stage.SOLO].clear()
+        for stage in _UNSTARTED:
+            self._held[stage].clear()
+        self._alone.clear()
         self._publish()
 
     def answer(self, replies: Iterable[Reply]) -> None:

@@ -1,7 +1,9 @@
 """Validation: turns raw stream entries into engine requests, or into the error that answers them (pure).
 
 Every entry ends in exactly one of three ways: a GenRequest to run, an Error reply to the id it names,
-or (no usable id, so nobody to answer) the dead-letter stream.
+or (no usable id, so nobody to answer) the dead-letter stream. A structured-output guide is judged here
+only when its verdict is cached: compiling a new one may take up to about a second, so it is left to the
+guide-check thread (``Accepted.unchecked``, worker/guidecheck.py), never to the loop's thread.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchfleet.common.errors import INVALID_REQUEST, PROMPT_TOO_LONG, ProtocolError
-from batchfleet.common.guided import GuideError
+from batchfleet.common.guided import Guide
 from batchfleet.common.keys import Keys, valid_job_id
 from batchfleet.common.lanes import RANK
 from batchfleet.common.protocol import Error, Request
@@ -34,6 +36,8 @@ class Accepted:
     gen: GenRequest
     enqueued_at: float  # this host's clock, from the entry id's Redis timestamp; never in the future
     deadline: float | None  # enqueued_at + timeout (this host's clock); None: no deadline
+    # its guide, while nobody knows whether it compiles: it must pass ``Guide.check()`` before it runs
+    unchecked: Guide | None = None
 
     @property
     def reply_key(self) -> str:
@@ -115,15 +119,15 @@ def accept(entry: Entry, keys: Keys, limits: Limits, now: float, clock_offset: f
     if req.params.logit_bias and req.params.logit_bias[-1][0] >= limits.vocab_size:  # pairs sorted by id
         return reject(INVALID_REQUEST, f"logit_bias names token id {req.params.logit_bias[-1][0]}, outside the "
                                        f"vocabulary ({limits.vocab_size})")
-    if req.params.guide is not None:
-        try:  # compiled here too (without the tokenizer): a bad schema is the client's error, not the engine's
-            req.params.guide.check()
-        except GuideError as exc:
-            return reject(INVALID_REQUEST, str(exc))
+    # a bad guide is the client's error, not the engine's: checked as the clients check it (without the
+    # tokenizer), here when its verdict is known, else off the loop's thread (``unchecked``)
+    verdict = req.params.guide.known_verdict() if req.params.guide is not None else ""
+    if verdict:
+        return reject(INVALID_REQUEST, verdict)
     stamped = entry_time(entry.entry_id)
     enqueued = now if stamped is None else min(stamped - clock_offset, now)
     deadline = None if req.timeout_ms is None else enqueued + req.timeout_ms / 1000
     # the class is the stream's: the one place it travels (an older producer's payload 'priority' is ignored)
     gen = GenRequest(id=req.id, prompt=list(req.prompt), bucket=entry.bucket, params=req.params,
                      enqueued_at=enqueued, priority=RANK[entry.lane], embed=req.embed)
-    return Accepted(entry, req, gen, enqueued, deadline)
+    return Accepted(entry, req, gen, enqueued, deadline, req.params.guide if verdict is None else None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import llguidance
@@ -18,32 +19,75 @@ import torch
 from batchfleet.common.guided import Guide, GuideError, limits, matcher_error
 
 log = logging.getLogger(__name__)
+# guides whose compiled matcher a worker keeps: few, as one holds its lexer states (about 65 MiB for the
+# costliest guides that pass the check, such as a{200000}; far less for ordinary schemas)
+COMPILED_KEPT = 8
 _executor: llguidance.LLExecutor | None = None
 _executor_lock = threading.Lock()
 
 
 class GuideCompiler:
     """Compiles guides against the served tokenizer. The llguidance tokenizer (a token trie over the
-    vocabulary) is built once, at the first constrained request (about 1 s for a 150k vocabulary)."""
+    vocabulary) is built once, at the first constrained request (about 1 s for a 150k vocabulary).
+
+    Compiling a guide and computing its first mask can take most of a second (llguidance builds its
+    lexer's states then), so the worker's guide-check thread does it (``warm``) before the request may run:
+    the loop's thread then only copies the compiled matcher (``matcher``: a few ms, the lexer states are
+    shared). A guide evicted from the cache meanwhile is compiled again at admission (it takes
+    COMPILED_KEPT other guides warmed between its check and its start)."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: frozenset[int]) -> None:
         self.hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size  # the logits' width: ids past the tokenizer's are never allowed
         self.eos_ids = sorted(eos_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()  # the loop's thread and the guide-check thread share the two below
+        self._compiled: OrderedDict[Guide, llguidance.LLMatcher] = OrderedDict()  # least recently used first
 
     def tokenizer(self) -> llguidance.LLTokenizer:
-        if self._tokenizer is None:
-            import llguidance.hf
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
 
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                self.hf_tokenizer, n_vocab=self.vocab_size,
-                eos_token=self.eos_ids or None)
-        return self._tokenizer
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self.hf_tokenizer, n_vocab=self.vocab_size,
+                    eos_token=self.eos_ids or None)
+            return self._tokenizer
 
     def matcher(self, guide: Guide) -> llguidance.LLMatcher:
-        """A fresh matcher at the start of the output, under the limits the clients' check uses; GuideError
-        when the guide does not compile."""
+        """A fresh matcher at the start of the output, under the limits the clients' check uses (a copy of
+        the warmed one when there is one); GuideError when the guide does not compile."""
+        with self._lock:
+            warm = self._compiled.get(guide)
+            if warm is not None:
+                self._compiled.move_to_end(guide)
+                return warm.deep_copy()
+        return self._compile(guide)
+
+    def warmed(self, guide: Guide) -> bool:
+        """Whether ``matcher`` would copy a compiled matcher for ``guide`` now (cheap; any thread)."""
+        with self._lock:
+            return guide in self._compiled
+
+    def warm(self, guide: Guide) -> None:
+        """Compile ``guide`` and compute its first mask, kept for ``matcher`` (any thread; a guide that does
+        not compile is left to ``matcher``, whose GuideError answers its request)."""
+        with self._lock:
+            if guide in self._compiled:
+                return
+        try:
+            m = self._compile(guide)
+        except GuideError:
+            return
+        m.compute_bitmask()  # builds the lexer states every copy shares; the matcher stays at the start
+        if m.is_error():  # llguidance gave up at once: left to a fresh matcher, which fails its request
+            return
+        with self._lock:
+            self._compiled[guide] = m
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+
+    def _compile(self, guide: Guide) -> llguidance.LLMatcher:
         m = llguidance.LLMatcher(self.tokenizer(), guide.grammar(), log_level=0, limits=limits())
         if m.is_error():
             raise GuideError(f"invalid {guide.kind}: {matcher_error(m.get_error())}"[:1000])
