@@ -142,12 +142,19 @@ def submit(redis_url: str, namespace: str, prompt: str, timeout: float | None, a
 @one_line_errors
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (per refresh with --watch).")
 @click.option("--watch", type=float, default=None, metavar="SECONDS", help="Refresh every SECONDS until Ctrl-C.")
-def status(redis_url: str, namespace: str, as_json: bool, watch: float | None) -> None:
-    """Queues per bucket, workers (alive or gone, load, KV use, tok/s) and dead letters of a namespace,
-    read from Redis (no worker needed). The web view of the same: `batchfleet dashboard`."""
+@click.option("--gateway", default=None, metavar="URL", help="Read the status through this gateway (or "
+              "`batchfleet dashboard`) with --operator-key instead of from Redis.")
+@click.option("--operator-key", envvar="BATCHFLEET_OPERATOR_KEY", default=None,
+              help="--gateway: the read-only operator key (or an API key where the gateway sets no operator key).")
+def status(redis_url: str, namespace: str, as_json: bool, watch: float | None, gateway: str | None,
+           operator_key: str | None) -> None:
+    """Queues per bucket and class, workers (alive or gone, load, KV use, tok/s), dead letters, batch jobs
+    (/v1/batches) and bulk runs (`batchfleet bulk`) of a namespace, read from Redis (no worker needed) or
+    through a gateway (--gateway). The web view of the same: `batchfleet dashboard`, or /dashboard."""
     import time
 
-    from batchfleet.producer.status import render, snapshot
+    from batchfleet.producer.status import render, snapshot, work
+    from batchfleet.producer.status_remote import StatusUnavailable, fetch_status
 
     if watch is not None and watch <= 0:
         raise click.UsageError("--watch must be > 0")
@@ -156,7 +163,12 @@ def status(redis_url: str, namespace: str, as_json: bool, watch: float | None) -
         try:
             while True:
                 try:
-                    snap = snapshot(r, conn.keys)
+                    snap = fetch_status(gateway, operator_key) if gateway else {**snapshot(r, conn.keys),
+                                                                                **work(r, conn.keys)}
+                except StatusUnavailable as exc:
+                    if watch is None:
+                        raise click.ClickException(str(exc)) from None
+                    click.echo(f"Error: {exc}", err=True)
                 except redis.RedisError as exc:
                     if watch is None:
                         raise

@@ -1,5 +1,11 @@
-"""``batchfleet status``: the fleet at a glance (queues per bucket, workers, dead letters), as a table
-or as JSON for scripts. Everything comes from Redis (common/fleetstate.py); no torch."""
+"""``batchfleet status``: the fleet at a glance (queues per bucket and class, workers, dead letters) and the
+work it runs (batch jobs: OpenAI ``/v1/batches``; bulk runs: ``batchfleet bulk``), as a table or as JSON for
+scripts. Everything comes from Redis (common/fleetstate.py, producer/batch_jobs.py,
+producer/bulk_registry.py); no torch.
+
+Words, here and on the dashboard: a *class* is a priority class (interactive or batch); a *prefill batch*
+is requests a worker admitted into its engine together; a *batch job* is an OpenAI batch (/v1/batches); a
+*bulk run* is one ``batchfleet bulk`` file run."""
 
 from __future__ import annotations
 
@@ -11,6 +17,8 @@ import redis
 from batchfleet.common.fleetstate import QueueStats, dead_letters, fleet_info, queue_stats, worker_stats
 from batchfleet.common.functions import LIVE_WORKER_MS
 from batchfleet.common.keys import Keys
+from batchfleet.producer.batch_jobs import batch_jobs
+from batchfleet.producer.bulk_registry import bulk_runs
 
 
 def snapshot(r: redis.Redis, keys: Keys) -> dict[str, Any]:
@@ -29,6 +37,12 @@ def snapshot(r: redis.Redis, keys: Keys) -> dict[str, Any]:
             "queues": [_queue_row(q) for q in queue_stats(r, keys, buckets)],
             "workers": [_worker_row(w) for w in sorted(workers, key=lambda w: (not w["alive"], w["name"]))],
             "dead_letters": dead_letters(r, keys)}
+
+
+def work(r: redis.Redis, keys: Keys) -> dict[str, Any]:
+    """The work the fleet runs: ``batch_jobs`` (unfinished, then the last finished) and ``bulk_runs``
+    (heard from within a few minutes)."""
+    return {"batch_jobs": batch_jobs(r, keys), "bulk_runs": bulk_runs(r, keys)}
 
 
 def _queue_row(q: QueueStats) -> dict[str, Any]:
@@ -104,4 +118,26 @@ def render(snap: dict[str, Any]) -> str:
     lines += _table(["worker", "state", "engine/mode", "running", "waiting", "kv", "prefix hit", "tok/s(1m)",
                      "last batches", "done"], rows) if rows else ["no workers"]
     lines += ["", f"dead letters: {snap['dead_letters']}"]
-    return "\n".join(lines)
+    return "\n".join(lines + render_work(snap))
+
+
+def _progress(done: int, total: int, rate: float | None, eta: float | None) -> list[str]:
+    return [f"{done}/{total}" + (f" ({100 * done / total:.0f}%)" if total else ""),
+            _dash(rate, "{:.1f}/s"), "-" if eta is None else _age(eta)]
+
+
+def render_work(snap: dict[str, Any]) -> list[str]:
+    """The batch jobs and bulk runs sections (absent from a snapshot: not shown)."""
+    lines: list[str] = []
+    if "batch_jobs" in snap:
+        rows = [[j["id"], j["status"], *_progress(j["completed"] + j["failed"], j["total"], j["rate"], j["eta_s"]),
+                 str(j["failed"])] for j in snap["batch_jobs"]]
+        lines += ["", "batch jobs (/v1/batches):"]
+        lines += _table(["id", "status", "answered", "rate", "eta", "failed"], rows) if rows else ["none"]
+    if "bulk_runs" in snap:
+        rows = [[b["id"], b["state"], f"{b['input']} -> {b['output']}", *_progress(b["done"], b["total"], b["rate"],
+                 b["eta_s"]), str(b["failed"]), f"{b['host']}:{b['pid']}"] for b in snap["bulk_runs"]]
+        lines += ["", "bulk runs (batchfleet bulk):"]
+        lines += _table(["run", "state", "files", "answered", "rate", "eta", "failed", "where"], rows) if rows \
+            else ["none"]
+    return lines
