@@ -80,11 +80,9 @@ class RunReporter:
             await asyncio.sleep(seconds)
 
     def final_state(self) -> str:
-        """finished (every line answered), stopped (to resume: Ctrl-C, a fleet outage) or failed."""
-        s = self.summary
-        if s.error is not None:
-            return "failed"
-        return "stopped" if s.interrupted else "finished"
+        """finished (every line answered) or stopped (Ctrl-C, or a fleet outage: ``error`` says which; a rerun
+        resumes it)."""
+        return "stopped" if self.summary.interrupted or self.summary.error is not None else "finished"
 
 
 def bulk_runs(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
