@@ -19,8 +19,16 @@ from starlette.responses import HTMLResponse, JSONResponse
 
 from batchfleet.common.errors import RedisUnavailable
 from batchfleet.gateway.deps import Redis, Service
-from batchfleet.gateway.errors import APIError
-from batchfleet.producer.dashboard import ACCESS_ERRORS, DATA_PATH, PAGE, PAGE_PATH, access, dashboard_data
+from batchfleet.gateway.errors import APIError, invalid
+from batchfleet.producer.dashboard import (
+    ACCESS_ERRORS,
+    DATA_PATH,
+    PAGE,
+    PAGE_PATH,
+    access,
+    dashboard_data,
+    history_after,
+)
 
 NO_STORE = {"Cache-Control": "no-store"}
 
@@ -39,15 +47,18 @@ async def dashboard_page() -> Any:
 
 
 @router.get(DATA_PATH)
-async def dashboard_json(request: Request, redis: Redis, history_after: int | None = None) -> Any:
+async def dashboard_json(request: Request, redis: Redis) -> Any:
     status = access(request.headers.get("authorization"), redis.config.api_keys, redis.config.operator_keys)
     if status != 200:
         message, code = ACCESS_ERRORS[status]
         raise APIError(status, message, "invalid_request_error" if status == 401 else "permission_error", code,
                        headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
     try:
-        body = await run_in_threadpool(dashboard_data, redis.dashboard(), redis.config.connection.keys,
-                                       history_after)
+        after = history_after(request.query_params.get("history_after"))
+    except ValueError as exc:
+        raise invalid(str(exc), "history_after") from None
+    try:
+        body = await run_in_threadpool(dashboard_data, redis.dashboard(), redis.config.connection.keys, after)
     except RedisUnavailable as exc:
         raise APIError(503, str(exc), "service_unavailable", "redis_unavailable") from None
     return JSONResponse(body, headers=NO_STORE)

@@ -144,7 +144,7 @@ def submit(redis_url: str, namespace: str, prompt: str, timeout: float | None, a
 @click.option("--watch", type=float, default=None, metavar="SECONDS", help="Refresh every SECONDS until Ctrl-C.")
 @click.option("--gateway", default=None, metavar="URL", help="Read the status through this gateway (or "
               "`batchfleet dashboard`) with --operator-key instead of from Redis.")
-@click.option("--operator-key", envvar="BATCHFLEET_OPERATOR_KEY", default=None,
+@click.option("--operator-key", envvar="BATCHFLEET_OPERATOR_KEY", show_envvar=True, default=None,
               help="--gateway: the read-only operator key (or an API key where the gateway sets no operator key).")
 def status(redis_url: str, namespace: str, as_json: bool, watch: float | None, gateway: str | None,
            operator_key: str | None) -> None:

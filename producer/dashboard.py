@@ -25,6 +25,7 @@ import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs
 
 import redis
 
@@ -74,13 +75,14 @@ def _read(r: redis.Redis, keys: Keys, history_after_ms: int | None) -> dict[str,
     return snap
 
 
-def history_after(query: str | None) -> int | None:
-    """``history_after`` of a query string (what the page already holds), None when absent or not a number."""
-    for part in (query or "").split("&"):
-        name, _, value = part.partition("=")
-        if name == "history_after" and value.isdigit():
-            return int(value)
-    return None
+def history_after(raw: str | None) -> int | None:
+    """The ``history_after`` query parameter (ms: the newest sample the page holds); ValueError unless it is
+    absent or a whole number."""
+    if raw is None:
+        return None
+    if not raw.isdigit() or len(raw) > 16:
+        raise ValueError(f"history_after must be a whole number of milliseconds, got {raw[:40]!r}")
+    return int(raw)
 
 
 def access(header: str | None, api_keys: tuple[str, ...], operator_keys: tuple[str, ...]) -> int:
@@ -128,7 +130,12 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(HTTPStatus(status), {"error": {"message": message, "code": code}})
                 return
             try:
-                self._json(HTTPStatus.OK, dashboard_data(self.server.r, self.server.keys, history_after(query)))
+                after = history_after(next(iter(parse_qs(query).get("history_after", [])), None))
+            except ValueError as exc:
+                self._json(HTTPStatus.BAD_REQUEST, {"error": {"message": str(exc), "code": "invalid_value"}})
+                return
+            try:
+                self._json(HTTPStatus.OK, dashboard_data(self.server.r, self.server.keys, after))
             except RedisUnavailable as exc:
                 self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": {"message": str(exc),
                                                                       "code": "redis_unavailable"}})

@@ -98,7 +98,7 @@ def render(snap: dict[str, Any]) -> str:
     live = sum(w["alive"] for w in snap["workers"])
     alive = f"{live} live worker{'s' * (live != 1)} (heartbeat within {LIVE_WORKER_MS // 1000} s)"
     if fleet is None and not snap["workers"]:
-        return f"no fleet published under namespace {snap['namespace']!r}; {alive}"
+        return "\n".join([f"no fleet published under namespace {snap['namespace']!r}; {alive}", *render_work(snap)])
     lines = [f"namespace {snap['namespace']}  model {fleet['model']}  buckets {fleet['buckets']}  "
              f"max_seq_len {fleet['max_seq_len']}  {alive}" if fleet else
              f"namespace {snap['namespace']}  no fleet published: {alive} (queues of the buckets gone workers "

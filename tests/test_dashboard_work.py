@@ -180,9 +180,9 @@ def test_operator_key_sees_the_dashboard_and_status_and_cannot_call_the_model(re
         refused = get("/v1/models", OPERATOR)
         assert refused.status_code == 403 and refused.json()["error"]["code"] == "operator_key_read_only"
         assert get("/v1/models", None).status_code == 401
-        assert get("/dashboard/data?history_after=x", OPERATOR).status_code in (400, 422)
+        assert get("/dashboard/data?history_after=x", OPERATOR).status_code == 400
     ok = run_status(redis_url, "elsewhere", "--gateway", gw.url, "--operator-key", OPERATOR)
-    assert ok.returncode == 0 and f"namespace {namespace}" in ok.stdout and "bulk runs" in ok.stdout, ok.stderr
+    assert ok.returncode == 0 and namespace in ok.stdout and "bulk runs (batchfleet bulk):\nnone" in ok.stdout, ok
     as_json = json.loads(run_status(redis_url, namespace, "--json", "--gateway", gw.url, "--operator-key",
                                     OPERATOR).stdout)
     assert as_json["namespace"] == namespace and as_json["batch_jobs"] == [] and "history" not in as_json
