@@ -193,7 +193,8 @@ def status(redis_url: str, namespace: str, as_json: bool, watch: float | None, g
 def dashboard(redis_url: str, namespace: str, **values: Any) -> None:
     """Serve the live web dashboard (queues, workers, recent batches, dead letters) on
     http://HOST:PORT/dashboard until Ctrl-C. The gateway (`batchfleet serve`) serves the same page at
-    /dashboard; with --api-key the data needs that key (the page asks for it, or open /dashboard#key=KEY)."""
+    /dashboard. With --operator-key the data needs one of those read-only keys (else, with --api-key, an
+    API key); the page asks for it, or open /dashboard#key=KEY."""
     from batchfleet.producer.dashboard import DashboardServer
 
     try:
@@ -205,7 +206,8 @@ def dashboard(redis_url: str, namespace: str, **values: Any) -> None:
         server = DashboardServer(config, conn)
     except OSError as exc:  # the port is taken: one line
         raise fatal(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
-    auth = f"{len(config.api_keys)} API key(s)" if config.api_keys else "no API key"
+    auth = (f"{len(config.operator_keys)} operator key(s)" if config.operator_keys else
+            f"{len(config.api_keys)} API key(s)" if config.api_keys else "no key")
     logging.getLogger(__name__).info("batchfleet dashboard on http://%s:%d/dashboard for namespace %r, %s",
                                      config.host, server.port, namespace, auth)
     try:
@@ -213,5 +215,4 @@ def dashboard(redis_url: str, namespace: str, **values: Any) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        server.server_close()
-        server.r.close()
+        server.close()

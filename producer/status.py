@@ -93,7 +93,8 @@ def _dash(value: Any, fmt: str = "{}") -> str:
 
 
 def render(snap: dict[str, Any]) -> str:
-    """The snapshot as readable text: a fleet line, a queue table, a worker table, dead letters."""
+    """The snapshot as readable text: a fleet line, a queue table (``queued``: read by no worker yet; ``at
+    workers``: delivered, not answered), a worker table, dead letters, then the work (``render_work``)."""
     fleet = snap["fleet"]
     live = sum(w["alive"] for w in snap["workers"])
     alive = f"{live} live worker{'s' * (live != 1)} (heartbeat within {LIVE_WORKER_MS // 1000} s)"
@@ -103,7 +104,7 @@ def render(snap: dict[str, Any]) -> str:
              f"max_seq_len {fleet['max_seq_len']}  {alive}" if fleet else
              f"namespace {snap['namespace']}  no fleet published: {alive} (queues of the buckets gone workers "
              "served)", ""]
-    lines += _table(["bucket", "class", "depth", "pending", "oldest", "lag"],
+    lines += _table(["bucket", "class", "queued", "at workers", "oldest", "lag"],
                     [[str(q["bucket"]), q["class"], str(q["depth"]), str(q["pending"]),
                       _age(q["oldest_age_s"]) if q["length"] else "-", _dash(q["lag"])] for q in snap["queues"]])
     lines.append("")
@@ -116,7 +117,7 @@ def render(snap: dict[str, Any]) -> str:
                      _dash(w["tokens_per_s"], "{:.1f}"),
                      ",".join(str(b) for b in w["last_batch_sizes"] or []) or "-", _dash(w["completed"])])
     lines += _table(["worker", "state", "engine/mode", "running", "waiting", "kv", "prefix hit", "tok/s(1m)",
-                     "last batches", "done"], rows) if rows else ["no workers"]
+                     "last prefill batches", "done"], rows) if rows else ["no workers"]
     lines += ["", f"dead letters: {snap['dead_letters']}"]
     return "\n".join(lines + render_work(snap))
 

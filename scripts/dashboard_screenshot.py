@@ -1,6 +1,6 @@
 """docs/dashboard.png: the live dashboard of a real fleet at work, rendered by headless Chromium.
 
-    python scripts/dashboard_screenshot.py [--out docs/dashboard.png] [--workers 2] [--history-s 150]
+    python scripts/dashboard_screenshot.py [--out docs/dashboard.png] [--workers 2] [--history-s 150] [--status-out F]
 
 Starts a private namespace on the Redis at $BATCHFLEET_REDIS_URL (else 127.0.0.1:6379, else a private
 redis-server), N workers (tiny model, native engine), a gateway (`batchfleet serve`, with a read-only operator
@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--out", default="docs/dashboard.png")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--history-s", type=float, default=150.0)
+    ap.add_argument("--status-out", default=None, help="also write `batchfleet status` at that moment here")
     args = ap.parse_args()
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if browser is None:
@@ -107,6 +108,9 @@ def main() -> None:
                             f"--screenshot={os.path.abspath(args.out)}",
                             f"{base}/dashboard?tz=utc&span=15#key={OPERATOR}"], check=True, capture_output=True,
                            timeout=120)
+            if args.status_out:
+                with open(args.status_out, "w") as f:
+                    subprocess.run(cli("status", "--redis-url", url, "--namespace", ns), stdout=f, check=True, timeout=60)
         print(f"wrote {args.out} (namespace {ns}, {args.workers} workers, {args.history_s:.0f} s of history)")
     finally:
         for p in procs:
