@@ -110,7 +110,8 @@ def main() -> None:
                            timeout=120)
             if args.status_out:
                 with open(args.status_out, "w") as f:
-                    subprocess.run(cli("status", "--redis-url", url, "--namespace", ns), stdout=f, check=True, timeout=60)
+                    subprocess.run(cli("status", "--redis-url", url, "--namespace", ns), stdout=f, check=True,
+                                   timeout=60)
         print(f"wrote {args.out} (namespace {ns}, {args.workers} workers, {args.history_s:.0f} s of history)")
     finally:
         for p in procs:
