@@ -130,6 +130,7 @@ async def run_file(input_path: str | None, output_path: str | None, errors_path:
                 return await run_lines(client, numbered(f), fmt, FileSink(out, err), spec, stop, summary, progress)
         finally:
             reporting.cancel()
+            await asyncio.wait([reporting])  # its cancellation, not ours: wait raises nothing
             await reporter.report(reporter.final_state())
     finally:
         for opened_file in opened:

@@ -31,6 +31,7 @@ from batchfleet.producer.bulk import bulk_file
 from batchfleet.producer.bulk_registry import RUN_TTL_S, RunReporter, bulk_runs
 from batchfleet.producer.bulk_types import Summary
 from batchfleet.producer.history import history, record_sample, take_sample
+from batchfleet.producer.status import render_work
 from tests.conftest import TEST_BUCKETS
 from tests.helpers.browser import Dom, chromium, needs_chromium
 from tests.helpers.loops import wait_until
@@ -207,3 +208,18 @@ def test_batch_job_row_progress_rate_and_eta():
     done = batch_job_row({**doc, "status": "completed", "completed_at": 1050}, None, now=2000)
     assert done["rate"] == 0.4 and done["eta_s"] is None and done["ended_at"] == 1050
     assert batch_job_row({"id": "batch_2", "status": "validating"}, None, now=1)["rate"] is None
+
+
+@pytest.mark.unit
+def test_status_text_shows_batch_jobs_and_bulk_runs_with_progress_rate_and_eta():
+    snap = {"batch_jobs": [batch_job_row({"id": "batch_1", "status": "in_progress", "in_progress_at": 1000,
+                                          "request_counts": {"total": 2000, "completed": 500, "failed": 0}},
+                                         None, now=1100)],
+            "bulk_runs": [{"id": "b1", "state": "running", "input": "in.txt", "output": "out.jsonl", "done": 30,
+                           "total": 40, "rate": 2.0, "eta_s": 5.0, "failed": 1, "host": "h", "pid": 7}]}
+    text = "\n".join(render_work(snap))
+    assert "batch jobs (/v1/batches):" in text and "bulk runs (batchfleet bulk):" in text
+    assert re.search(r"batch_1\s+in_progress\s+500/2000 \(25%\)\s+5\.0/s\s+5\.0m\s+0", text), text
+    assert re.search(r"b1\s+running\s+in\.txt -> out\.jsonl\s+30/40 \(75%\)\s+2\.0/s\s+5\.0s\s+1\s+h:7", text), text
+    assert render_work({"batch_jobs": [], "bulk_runs": []}) == ["", "batch jobs (/v1/batches):", "none", "",
+                                                                "bulk runs (batchfleet bulk):", "none"]
