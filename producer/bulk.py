@@ -123,14 +123,15 @@ async def run_file(input_path: str | None, output_path: str | None, errors_path:
             err = open(errors_path, mode, encoding="utf-8")
             opened.append(err)
         reporter = RunReporter(client.r, client.keys, names.prefix, input_path, output_path, summary)
-        reporting = asyncio.ensure_future(reporter.every())
+        finished = asyncio.Event()
+        reporting = asyncio.ensure_future(reporter.every(finished))
         try:
             with _input(input_path, text) as f:
                 spec = Spec(window, kept.done, fresh={i: t for i, t in record.fresh.items() if i not in kept.done})
                 return await run_lines(client, numbered(f), fmt, FileSink(out, err), spec, stop, summary, progress)
         finally:
-            reporting.cancel()
-            await asyncio.wait([reporting])  # its cancellation, not ours: wait raises nothing
+            finished.set()
+            await asyncio.wait([reporting])  # its last write ends; wait raises nothing
             await reporter.report(reporter.final_state())
     finally:
         for opened_file in opened:

@@ -12,6 +12,7 @@ per line. The run id is the run key kept beside the output, so a resumed run rep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ SHOWN = 20  # runs read at most, newest report first
 
 
 class RunReporter:
-    """Reports one run (``report``; ``every`` in a task until cancelled) through the run's async client."""
+    """Reports one run (``report``; ``every`` in a task until its event is set) through the run's async client."""
 
     def __init__(self, r: Any, keys: Keys, run_id: str, input_path: str | None, output_path: str | None,
                  summary: Summary) -> None:
@@ -74,10 +75,13 @@ class RunReporter:
         except (redis.RedisError, OSError) as exc:
             log.debug("bulk run %s: report not written: %s", self.id, exc)
 
-    async def every(self, seconds: float = REPORT_EVERY_S) -> None:
-        while True:
+    async def every(self, done: asyncio.Event, seconds: float = REPORT_EVERY_S) -> None:
+        """Report every ``seconds`` until ``done`` is set. Never cancelled mid-write: a redis-py call cancelled
+        inside a bounded pool can keep its connection, and the run's pool is small."""
+        while not done.is_set():
             await self.report()
-            await asyncio.sleep(seconds)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), seconds)
 
     def final_state(self) -> str:
         """finished (every line answered) or stopped (Ctrl-C, or a fleet outage: ``error`` says which; a rerun
