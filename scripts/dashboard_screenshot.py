@@ -1,11 +1,11 @@
 """docs/dashboard.png: the live dashboard of a real fleet at work, rendered by headless Chromium.
 
-    python scripts/dashboard_screenshot.py [--out docs/dashboard.png] [--workers 2] [--history-s 150] [--status-out F]
+    python scripts/dashboard_screenshot.py [--out docs/dashboard.png] [--workers 2] [--history-s 120] [--status-out F]
 
 Starts a private namespace on the Redis at $BATCHFLEET_REDIS_URL (else 127.0.0.1:6379, else a private
 redis-server), N workers (tiny model, native engine), a gateway (`batchfleet serve`, with a read-only operator
-key: the page is opened with it), then the work: an OpenAI batch job of 2,000 requests (/v1/batches), a
-`batchfleet bulk` run of 2,000 prompts, interactive requests in waves, and one dead letter. After
+key: the page is opened with it), then the work: an OpenAI batch job of 8,000 requests (/v1/batches), a
+`batchfleet bulk` run of 8,000 prompts, interactive requests in waves, and one dead letter. After
 --history-s seconds (the charts get a sample every 10 s) it takes the screenshot (times in UTC) and cleans up.
 """
 
@@ -69,7 +69,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="docs/dashboard.png")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--history-s", type=float, default=150.0)
+    ap.add_argument("--history-s", type=float, default=120.0)
+    ap.add_argument("--lines", type=int, default=8000, help="requests of the batch job, prompts of the bulk run")
     ap.add_argument("--status-out", default=None, help="also write `batchfleet status` at that moment here")
     args = ap.parse_args()
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -87,12 +88,12 @@ def main() -> None:
         port = free_port()
         procs.append(start_gateway(url, ns, port, os.path.join(tmp, "files")))
         base = f"http://127.0.0.1:{port}"
-        create_batch_job(base, 2000)
+        create_batch_job(base, args.lines)
         prompts = os.path.join(tmp, "prompts.txt")
         with open(prompts, "w") as f:
-            f.writelines(f"summarize item {i}: " + "text " * (i % 90) + "\n" for i in range(2000))
+            f.writelines(f"summarize item {i}: " + "text " * (i % 90) + "\n" for i in range(args.lines))
         procs.append(subprocess.Popen(cli("bulk", prompts, "-o", os.path.join(tmp, "answers.jsonl"), "--format", "text",
-                                          "--window", "16", "--max-new-tokens", "24", "--redis-url", url,
+                                          "--window", "8", "--max-new-tokens", "24", "--redis-url", url,
                                           "--namespace", ns), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         r = redis.Redis.from_url(url)
         r.xadd(keys.stream(128), {"id": "bad-entry-1", "r": "not-an-inbox", "p": b"\xc1"})  # one dead letter
