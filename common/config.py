@@ -219,6 +219,19 @@ def check_api_keys(keys: tuple[str, ...]) -> None:
         raise ConfigError(f"each API key must be at least {MIN_KEY_CHARS} printable chars without spaces")
 
 
+def check_operator_keys(api_keys: tuple[str, ...], operator_keys: tuple[str, ...]) -> None:
+    """ConfigError unless the operator keys are valid keys and none is also an API key (a key is either
+    read-only or not)."""
+    check_api_keys(operator_keys)
+    if set(api_keys) & set(operator_keys):
+        raise ConfigError("an operator key must not also be an API key: operator keys are read-only")
+
+
+OPERATOR_KEY_HELP = ("Read-only operator keys, comma-separated: they see the dashboard's data (and `batchfleet "
+                     "status --gateway`) and nothing else. Once set, only they do (an API key gets 403 there); "
+                     "none: the API keys do.")
+
+
 @dataclass(frozen=True)
 class DashboardConfig:
     """``batchfleet dashboard``: the live web dashboard on its own (the gateway also serves it at /dashboard)."""
@@ -228,10 +241,14 @@ class DashboardConfig:
     api_keys: tuple[str, ...] = field(default=(), metadata=option(
         "API keys the dashboard's data needs, comma-separated (the gateway's); none: no auth.",
         flag="api-key", parse=parse_api_keys))
+    operator_keys: tuple[str, ...] = field(default=(), metadata=option(
+        OPERATOR_KEY_HELP, flag="operator-key", parse=parse_api_keys))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", parse_api_keys(self.api_keys))
+        object.__setattr__(self, "operator_keys", parse_api_keys(self.operator_keys))
         check_api_keys(self.api_keys)
+        check_operator_keys(self.api_keys, self.operator_keys)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
 

@@ -153,6 +153,28 @@ class Keys:
         return f"{self.namespace}:obatch-lease:{batch_id}"
 
     @property
+    def openai_batches_finished(self) -> str:
+        """Sorted set of the last few finished batches (score: when they finished; capped by the batch store),
+        so the dashboard shows them without knowing the owners."""
+        return f"{self.namespace}:obatches-finished"
+
+    @property
+    def bulk_runs(self) -> str:
+        """Sorted set of the bulk runs (``batchfleet bulk``) heard from lately: member = run id, score = Redis
+        time (ms) of its last report; entries older than a run's TTL are pruned by whoever writes."""
+        return f"{self.namespace}:bulk-runs"
+
+    def bulk_run(self, run_id: str) -> str:
+        """One bulk run's last report (JSON; expires a few minutes after it, so a killed run disappears)."""
+        return f"{self.namespace}:bulk-run:{run_id}"
+
+    @property
+    def history(self) -> str:
+        """Capped stream of fleet samples (queue depth per class, throughput, TTFT) for the dashboard's charts;
+        an entry's id is its sample slot (ms), so of several gateways sampling one slot only the first adds it."""
+        return f"{self.namespace}:history"
+
+    @property
     def expiring(self) -> str:
         """Sorted set of the files and batches that expire (``file:<id>`` / ``batch:<id>``, score: when), swept
         by the batch runners (gateway/batch_expiry.py)."""

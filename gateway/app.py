@@ -28,8 +28,9 @@ from batchfleet.gateway.connections import ClientFactory, GatewayRedis, producer
 from batchfleet.gateway.handlers import add_error_handlers, endpoints
 from batchfleet.gateway.metrics import HTTPMetrics, MetricsMiddleware
 from batchfleet.gateway.service import Gateway
+from batchfleet.producer.history import HistorySampler
 
-ROUTERS = (inference.router, responses.router, embeddings.router, batch_api.router, dashboard.router, dashboard.keyed)
+ROUTERS = (inference.router, responses.router, embeddings.router, batch_api.router, dashboard.router)
 
 
 def create_app(config: GatewayConfig | None = None, client_factory: ClientFactory = producer_client,
@@ -50,15 +51,18 @@ def create_app(config: GatewayConfig | None = None, client_factory: ClientFactor
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Open the connections, start the batch runner (unless ``--no-batch-runner``); undo both at shutdown."""
+    """Open the connections, start the batch runner (unless ``--no-batch-runner``) and the dashboard's history
+    sampler (producer/history.py); undo them at shutdown."""
     config: GatewayConfig = app.state.config
     redis = app.state.redis = GatewayRedis(config, app.state.client_factory)
     app.state.gateway = Gateway(config, redis.client)
     runner = BatchRunner(config, redis.files, redis.batches) if config.batch_runner else None
     serving = asyncio.ensure_future(runner.serve()) if runner is not None else None
+    sampler = HistorySampler(redis.dashboard(), config.connection.keys).start()
     try:
         yield
     finally:
+        await asyncio.to_thread(sampler.close)
         if runner is not None and serving is not None:
             serving.cancel()
             await runner.close()

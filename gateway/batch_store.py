@@ -33,6 +33,7 @@ COPY_CHUNK = 1 << 20
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 LIST_MAX = 100
 FILE_PURPOSES = ("batch", "batch_output")  # what a client may upload: batch (batch_output is ours)
+FINISHED_KEPT = 20  # the dashboard lists the last finished batches from this capped index (any owner)
 
 
 def safe_name(name: str) -> str:
@@ -209,11 +210,14 @@ class BatchStore:
 
     async def save(self, doc: dict[str, Any]) -> None:
         """The runner's write (only while it holds the lease); a finished batch leaves the due set, and
-        expires with its output files when they do (``_expires_at``)."""
+        expires with its output files when they do (``_expires_at``); the last FINISHED_KEPT finished ones stay
+        indexed for the dashboard (producer/batch_jobs.py)."""
         async with self.r.pipeline(transaction=True) as p:
             p.hset(self.keys.openai_batch(doc["id"]), "doc", json.dumps(doc))
             if doc["status"] in TERMINAL:
                 p.zrem(self.keys.openai_batches_due, doc["id"])
+                p.zadd(self.keys.openai_batches_finished, {doc["id"]: time.time()})
+                p.zremrangebyrank(self.keys.openai_batches_finished, 0, -FINISHED_KEPT - 1)
                 if doc.get("_expires_at"):
                     p.zadd(self.keys.expiring, {f"batch:{doc['id']}": doc["_expires_at"]})
             await p.execute()

@@ -47,6 +47,8 @@ def serve(**values) -> None:
         except MetricsPortInUse as exc:
             raise fatal(str(exc)) from None
     auth = f"{len(config.api_keys)} API key(s)" if config.api_keys else "no API key (anyone may call it)"
+    if config.operator_keys:
+        auth += f", {len(config.operator_keys)} read-only operator key(s) for /dashboard"
     logging.getLogger(__name__).info("batchfleet gateway on http://%s:%d/v1 for namespace %r, %s", config.host,
                                      config.port, config.connection.namespace, auth)
     # log_config=None: uvicorn's loggers follow the logging `batchfleet --log-level` set up
@@ -54,8 +56,8 @@ def serve(**values) -> None:
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
 
 
-HTTP_ONLY = ("host", "port", "api_keys", "metrics_port", "metrics_host", "batch_runner", "request_timeout_s",
-             "max_file_mb")
+HTTP_ONLY = ("host", "port", "api_keys", "operator_keys", "metrics_port", "metrics_host", "batch_runner",
+             "request_timeout_s", "max_file_mb")
 
 
 @click.command()

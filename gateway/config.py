@@ -9,7 +9,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from batchfleet.common.config import MIN_KEY_CHARS, ConnectionConfig, check_api_keys, parse_api_keys
+from batchfleet.common.config import (
+    MIN_KEY_CHARS,
+    OPERATOR_KEY_HELP,
+    ConnectionConfig,
+    check_api_keys,
+    check_operator_keys,
+    parse_api_keys,
+)
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.optionspec import option
 
@@ -28,6 +35,8 @@ class GatewayConfig:
     api_keys: tuple[str, ...] = field(default=(), metadata=option(
         "Accepted API keys, comma-separated (clients send 'Authorization: Bearer <key>'); none: no auth.",
         flag="api-key", parse=parse_api_keys))
+    operator_keys: tuple[str, ...] = field(default=(), metadata=option(
+        OPERATOR_KEY_HELP, flag="operator-key", parse=parse_api_keys))
     served_model_names: tuple[str, ...] = field(default=(), metadata=option(
         "Model ids the API lists and accepts, comma-separated (as vLLM's); answers report the first. "
         "Default: the fleet's model name.", flag="served-model-name", parse=parse_api_keys))
@@ -67,12 +76,14 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", parse_api_keys(self.api_keys))
+        object.__setattr__(self, "operator_keys", parse_api_keys(self.operator_keys))
         object.__setattr__(self, "served_model_names", parse_api_keys(self.served_model_names))
         if not self.host:
             raise ConfigError("host must not be empty")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         check_api_keys(self.api_keys)
+        check_operator_keys(self.api_keys, self.operator_keys)
         if len(set(self.served_model_names)) != len(self.served_model_names):
             raise ConfigError("served_model_names must not repeat a name")
         if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s > 0):

@@ -1,6 +1,7 @@
 """The operators' routes: ``GET /health`` and ``GET /dashboard`` (no key needed: the health check of a
-load balancer; the static page, which holds no data) and ``GET /dashboard/data`` (the JSON the page polls;
-needs the API key when keys are set, like /v1/*).
+load balancer; the static page, which holds no data) and ``GET /dashboard/data`` (the JSON the page polls
+and ``batchfleet status --gateway`` reads; needs a read-only operator key when ``--operator-key`` is set,
+else an API key when keys are set: producer/dashboard.py ``access``).
 
 The data is producer/dashboard.py's (the same as ``batchfleet dashboard``): sync status reads, made on
 the dashboard's own small pool (gateway/connections.py) in a worker thread (``run_in_threadpool``),
@@ -13,17 +14,25 @@ from typing import Any
 
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse
 
 from batchfleet.common.errors import RedisUnavailable
-from batchfleet.gateway.deps import KEY_CHECKED, Redis, Service
-from batchfleet.gateway.errors import APIError
-from batchfleet.producer.dashboard import DATA_PATH, PAGE, PAGE_PATH, dashboard_data
+from batchfleet.gateway.deps import Redis, Service
+from batchfleet.gateway.errors import APIError, invalid
+from batchfleet.producer.dashboard import (
+    ACCESS_ERRORS,
+    DATA_PATH,
+    PAGE,
+    PAGE_PATH,
+    access,
+    dashboard_data,
+    history_after,
+)
 
 NO_STORE = {"Cache-Control": "no-store"}
 
-router = APIRouter()  # open to anyone
-keyed = APIRouter(dependencies=KEY_CHECKED)
+router = APIRouter()  # open to anyone: /dashboard/data checks its own keys (operator keys, not the API's)
 
 
 @router.get("/health")
@@ -37,10 +46,19 @@ async def dashboard_page() -> Any:
     return HTMLResponse(PAGE, headers=NO_STORE)
 
 
-@keyed.get(DATA_PATH)
-async def dashboard_json(redis: Redis) -> Any:
+@router.get(DATA_PATH)
+async def dashboard_json(request: Request, redis: Redis) -> Any:
+    status = access(request.headers.get("authorization"), redis.config.api_keys, redis.config.operator_keys)
+    if status != 200:
+        message, code = ACCESS_ERRORS[status]
+        raise APIError(status, message, "invalid_request_error" if status == 401 else "permission_error", code,
+                       headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
     try:
-        body = await run_in_threadpool(dashboard_data, redis.dashboard(), redis.config.connection.keys)
+        after = history_after(request.query_params.get("history_after"))
+    except ValueError as exc:
+        raise invalid(str(exc), "history_after") from None
+    try:
+        body = await run_in_threadpool(dashboard_data, redis.dashboard(), redis.config.connection.keys, after)
     except RedisUnavailable as exc:
         raise APIError(503, str(exc), "service_unavailable", "redis_unavailable") from None
     return JSONResponse(body, headers=NO_STORE)

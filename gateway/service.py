@@ -39,9 +39,11 @@ class Gateway:
         self.config = config
         self.client = client
         self._keys = [k.encode() for k in config.api_keys]
+        self._operator_keys = [k.encode() for k in config.operator_keys]
 
     def authorize(self, request: Request) -> None:
-        """401 unless keys are configured off or the request carries one (``Authorization: Bearer <key>``)."""
+        """401 unless keys are configured off or the request carries one (``Authorization: Bearer <key>``);
+        403 for an operator key (read-only: the dashboard's data only)."""
         if not self._keys:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
@@ -50,6 +52,10 @@ class Gateway:
         given = key.strip().encode()
         # compare with every key, whatever matches, so the time taken says nothing about the keys
         if not sum(hmac.compare_digest(given, k) for k in self._keys):
+            if sum(hmac.compare_digest(given, k) for k in self._operator_keys):
+                raise APIError(403, "this is a read-only operator key: it sees /dashboard and `batchfleet status "
+                               "--gateway`, it cannot call the model (use an API key)", "permission_error",
+                               "operator_key_read_only")
             raise _unauthorized("incorrect API key provided")
 
     async def model_names(self) -> tuple[str, ...]:

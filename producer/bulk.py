@@ -22,6 +22,7 @@ from batchfleet.producer.aclient import AsyncClient
 from batchfleet.producer.bulk_files import KEY_SUFFIX, FileSink, Written, read_back, run_record
 from batchfleet.producer.bulk_jobs import run_lines
 from batchfleet.producer.bulk_lines import PromptFormat, line_sha, numbered, prompt_params
+from batchfleet.producer.bulk_registry import RunReporter
 from batchfleet.producer.bulk_types import LineFormat, Spec, Summary
 
 __all__ = ["Summary", "bulk_file", "run_file", "throttled"]
@@ -78,7 +79,8 @@ async def run_file(input_path: str | None, output_path: str | None, errors_path:
     run key). ``params``: the run's parameters (JSON values), kept in the record: a resumed run with others
     raises RunChanged. A resumed run keeps only the answers whose input line is unchanged (``retry_errors``:
     and drops the error lines), and runs the others again. Raises NoWorkers / RedisUnavailable when the run
-    cannot start; once started it stops instead (``Summary.error``): what is written stays, a rerun resumes."""
+    cannot start; once started it stops instead (``Summary.error``): what is written stays, a rerun resumes.
+    The run reports its progress to the fleet's bulk-run registry (producer/bulk_registry.py) as it goes."""
     if window < 1:
         raise InvalidRequest("window must be >= 1")
     client = AsyncClient(redis_url, namespace, inbox=None)
@@ -120,9 +122,17 @@ async def run_file(input_path: str | None, output_path: str | None, errors_path:
             assert errors_path is not None
             err = open(errors_path, mode, encoding="utf-8")
             opened.append(err)
-        with _input(input_path, text) as f:
-            spec = Spec(window, kept.done, fresh={i: t for i, t in record.fresh.items() if i not in kept.done})
-            return await run_lines(client, numbered(f), fmt, FileSink(out, err), spec, stop, summary, progress)
+        reporter = RunReporter(client.r, client.keys, names.prefix, input_path, output_path, summary)
+        finished = asyncio.Event()
+        reporting = asyncio.ensure_future(reporter.every(finished))
+        try:
+            with _input(input_path, text) as f:
+                spec = Spec(window, kept.done, fresh={i: t for i, t in record.fresh.items() if i not in kept.done})
+                return await run_lines(client, numbered(f), fmt, FileSink(out, err), spec, stop, summary, progress)
+        finally:
+            finished.set()
+            await asyncio.wait([reporting])  # its last write ends; wait raises nothing
+            await reporter.report(reporter.final_state())
     finally:
         for opened_file in opened:
             opened_file.close()

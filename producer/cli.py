@@ -142,12 +142,19 @@ def submit(redis_url: str, namespace: str, prompt: str, timeout: float | None, a
 @one_line_errors
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (per refresh with --watch).")
 @click.option("--watch", type=float, default=None, metavar="SECONDS", help="Refresh every SECONDS until Ctrl-C.")
-def status(redis_url: str, namespace: str, as_json: bool, watch: float | None) -> None:
-    """Queues per bucket, workers (alive or gone, load, KV use, tok/s) and dead letters of a namespace,
-    read from Redis (no worker needed). The web view of the same: `batchfleet dashboard`."""
+@click.option("--gateway", default=None, metavar="URL", help="Read the status through this gateway (or "
+              "`batchfleet dashboard`) with --operator-key instead of from Redis.")
+@click.option("--operator-key", envvar="BATCHFLEET_OPERATOR_KEY", show_envvar=True, default=None,
+              help="--gateway: the read-only operator key (or an API key where the gateway sets no operator key).")
+def status(redis_url: str, namespace: str, as_json: bool, watch: float | None, gateway: str | None,
+           operator_key: str | None) -> None:
+    """Queues per bucket and class, workers (alive or gone, load, KV use, tok/s), dead letters, batch jobs
+    (/v1/batches) and bulk runs (`batchfleet bulk`) of a namespace, read from Redis (no worker needed) or
+    through a gateway (--gateway). The web view of the same: `batchfleet dashboard`, or /dashboard."""
     import time
 
-    from batchfleet.producer.status import render, snapshot
+    from batchfleet.producer.status import render, snapshot, work
+    from batchfleet.producer.status_remote import StatusUnavailable, fetch_status
 
     if watch is not None and watch <= 0:
         raise click.UsageError("--watch must be > 0")
@@ -156,7 +163,12 @@ def status(redis_url: str, namespace: str, as_json: bool, watch: float | None) -
         try:
             while True:
                 try:
-                    snap = snapshot(r, conn.keys)
+                    snap = fetch_status(gateway, operator_key) if gateway else {**snapshot(r, conn.keys),
+                                                                                **work(r, conn.keys)}
+                except StatusUnavailable as exc:
+                    if watch is None:
+                        raise click.ClickException(str(exc)) from None
+                    click.echo(f"Error: {exc}", err=True)
                 except redis.RedisError as exc:
                     if watch is None:
                         raise
@@ -181,7 +193,8 @@ def status(redis_url: str, namespace: str, as_json: bool, watch: float | None) -
 def dashboard(redis_url: str, namespace: str, **values: Any) -> None:
     """Serve the live web dashboard (queues, workers, recent batches, dead letters) on
     http://HOST:PORT/dashboard until Ctrl-C. The gateway (`batchfleet serve`) serves the same page at
-    /dashboard; with --api-key the data needs that key (the page asks for it, or open /dashboard#key=KEY)."""
+    /dashboard. With --operator-key the data needs one of those read-only keys (else, with --api-key, an
+    API key); the page asks for it, or open /dashboard#key=KEY."""
     from batchfleet.producer.dashboard import DashboardServer
 
     try:
@@ -193,7 +206,8 @@ def dashboard(redis_url: str, namespace: str, **values: Any) -> None:
         server = DashboardServer(config, conn)
     except OSError as exc:  # the port is taken: one line
         raise fatal(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
-    auth = f"{len(config.api_keys)} API key(s)" if config.api_keys else "no API key"
+    auth = (f"{len(config.operator_keys)} operator key(s)" if config.operator_keys else
+            f"{len(config.api_keys)} API key(s)" if config.api_keys else "no key")
     logging.getLogger(__name__).info("batchfleet dashboard on http://%s:%d/dashboard for namespace %r, %s",
                                      config.host, server.port, namespace, auth)
     try:
@@ -201,5 +215,4 @@ def dashboard(redis_url: str, namespace: str, **values: Any) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        server.server_close()
-        server.r.close()
+        server.close()

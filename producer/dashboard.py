@@ -5,10 +5,13 @@ stand-alone server of ``batchfleet dashboard``. The gateway serves the same page
 The page (producer/dashboard.html) is one static HTML file with its script inline (no front-end build
 step, no external assets) and no data in it, so it is served to anyone;
 the data needs ``Authorization: Bearer <key>`` when keys are configured (the page asks for the key once,
-or takes it from the URL fragment ``#key=...``, which browsers never send to the server).
+or takes it from the URL fragment ``#key=...``, which browsers never send to the server): an operator key
+(read-only, ``--operator-key``) when any is set, else an API key (``access``).
 
 Everything comes from Redis through common/fleetstate.py and producer/status.py (the same reads as
-``batchfleet status``): no torch, no FastAPI, plain redis-py.
+``batchfleet status``), producer/batch_jobs.py (OpenAI batch jobs), producer/bulk_registry.py (bulk runs)
+and producer/history.py (the charts' samples, which this server's ``HistorySampler`` also takes): no torch,
+no FastAPI, plain redis-py.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs
 
 import redis
 
@@ -30,7 +34,8 @@ from batchfleet.common.errors import RedisUnavailable
 from batchfleet.common.fleetstate import dead_letter_entries, recent_batches
 from batchfleet.common.keys import Keys
 from batchfleet.common.redis_conn import sync_client
-from batchfleet.producer.status import snapshot
+from batchfleet.producer.history import HistorySampler, history
+from batchfleet.producer.status import snapshot, work
 
 log = logging.getLogger(__name__)
 
@@ -49,24 +54,51 @@ def dashboard_client(conn: ConnectionConfig) -> redis.Redis:
                        max_connections=4, client_name=f"{conn.namespace}:dashboard")
 
 
-def dashboard_data(r: redis.Redis, keys: Keys) -> dict[str, Any]:
-    """What the page shows: ``batchfleet status --json``'s snapshot (fleet, queues, workers, dead_letters)
-    plus ``batches`` and ``dead_letter_entries`` (newest first), ``batch_jobs`` (None: this fleet has no
-    batch-job API) and ``time`` (this server's clock, s). Redis errors raise RedisUnavailable (callers
-    need not import redis)."""
+def dashboard_data(r: redis.Redis, keys: Keys, history_after_ms: int | None = None) -> dict[str, Any]:
+    """What the page shows: ``batchfleet status --json``'s snapshot (fleet, queues, workers, dead_letters,
+    batch_jobs, bulk_runs) plus ``batches`` (prefill batches) and ``dead_letter_entries`` (newest first),
+    ``history`` (the samples after ``history_after_ms``, all kept ones when None) and ``time`` (this
+    server's clock, s). Redis errors raise RedisUnavailable (callers need not import redis)."""
     try:
-        return _read(r, keys)
+        return _read(r, keys, history_after_ms)
     except redis.RedisError as exc:
         raise RedisUnavailable(f"Redis: {exc}"[:300]) from None
 
 
-def _read(r: redis.Redis, keys: Keys) -> dict[str, Any]:
+def _read(r: redis.Redis, keys: Keys, history_after_ms: int | None) -> dict[str, Any]:
     snap = snapshot(r, keys)
+    snap.update(work(r, keys))
     snap["batches"] = recent_batches(r, keys, SHOWN)
     snap["dead_letter_entries"] = dead_letter_entries(r, keys, SHOWN)
-    snap["batch_jobs"] = None
+    snap["history"] = history(r, keys, history_after_ms)
     snap["time"] = time.time()
     return snap
+
+
+def history_after(raw: str | None) -> int | None:
+    """The ``history_after`` query parameter (ms: the newest sample the page holds); ValueError unless it is
+    absent or a whole number."""
+    if raw is None:
+        return None
+    if not raw.isdigit() or len(raw) > 16:
+        raise ValueError(f"history_after must be a whole number of milliseconds, got {raw[:40]!r}")
+    return int(raw)
+
+
+def access(header: str | None, api_keys: tuple[str, ...], operator_keys: tuple[str, ...]) -> int:
+    """The HTTP status the dashboard's data answers a request with this ``Authorization`` header: 200, 401
+    (no key, an unknown one) or 403 (an API key where operator keys are set: they alone see the fleet)."""
+    if operator_keys:
+        if authorized(header, operator_keys):
+            return 200
+        return 403 if api_keys and authorized(header, api_keys) else 401
+    return 200 if authorized(header, api_keys) else 401
+
+
+ACCESS_ERRORS = {401: ("missing or wrong key: an operator key (or an API key when no operator key is set)",
+                       "invalid_api_key"),
+                 403: ("an API key cannot see the dashboard where operator keys are set: use an operator key",
+                       "operator_key_required")}
 
 
 def authorized(header: str | None, api_keys: tuple[str, ...]) -> bool:
@@ -85,18 +117,25 @@ class _Handler(BaseHTTPRequestHandler):
     server: DashboardServer
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        path = self.path.split("?", 1)[0]
+        path, _, query = self.path.partition("?")
         if path in ("/", ""):
             self._send(HTTPStatus.FOUND, b"", "text/plain", {"Location": PAGE_PATH})
         elif path == PAGE_PATH:
             self._send(HTTPStatus.OK, PAGE.encode(), "text/html; charset=utf-8")
         elif path == DATA_PATH:
-            if not authorized(self.headers.get("Authorization"), self.server.config.api_keys):
-                self._json(HTTPStatus.UNAUTHORIZED, {"error": {"message": "missing or wrong API key",
-                                                              "code": "invalid_api_key"}})
+            status = access(self.headers.get("Authorization"), self.server.config.api_keys,
+                            self.server.config.operator_keys)
+            if status != 200:
+                message, code = ACCESS_ERRORS[status]
+                self._json(HTTPStatus(status), {"error": {"message": message, "code": code}})
                 return
             try:
-                self._json(HTTPStatus.OK, dashboard_data(self.server.r, self.server.keys))
+                after = history_after(next(iter(parse_qs(query).get("history_after", [])), None))
+            except ValueError as exc:
+                self._json(HTTPStatus.BAD_REQUEST, {"error": {"message": str(exc), "code": "invalid_value"}})
+                return
+            try:
+                self._json(HTTPStatus.OK, dashboard_data(self.server.r, self.server.keys, after))
             except RedisUnavailable as exc:
                 self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": {"message": str(exc),
                                                                       "code": "redis_unavailable"}})
@@ -130,6 +169,7 @@ class DashboardServer(ThreadingHTTPServer):
         self.config = config
         self.keys = conn.keys
         self.r = dashboard_client(conn)
+        self.sampler = HistorySampler(self.r, self.keys).start()
         self.port = int(self.server_address[1])
         self._thread: threading.Thread | None = None
 
@@ -143,4 +183,5 @@ class DashboardServer(ThreadingHTTPServer):
             self.shutdown()
             self._thread.join(5)
         self.server_close()
+        self.sampler.close()
         self.r.close()

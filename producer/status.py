@@ -1,5 +1,11 @@
-"""``batchfleet status``: the fleet at a glance (queues per bucket, workers, dead letters), as a table
-or as JSON for scripts. Everything comes from Redis (common/fleetstate.py); no torch."""
+"""``batchfleet status``: the fleet at a glance (queues per bucket and class, workers, dead letters) and the
+work it runs (batch jobs: OpenAI ``/v1/batches``; bulk runs: ``batchfleet bulk``), as a table or as JSON for
+scripts. Everything comes from Redis (common/fleetstate.py, producer/batch_jobs.py,
+producer/bulk_registry.py); no torch.
+
+Words, here and on the dashboard: a *class* is a priority class (interactive or batch); a *prefill batch*
+is requests a worker admitted into its engine together; a *batch job* is an OpenAI batch (/v1/batches); a
+*bulk run* is one ``batchfleet bulk`` file run."""
 
 from __future__ import annotations
 
@@ -11,6 +17,8 @@ import redis
 from batchfleet.common.fleetstate import QueueStats, dead_letters, fleet_info, queue_stats, worker_stats
 from batchfleet.common.functions import LIVE_WORKER_MS
 from batchfleet.common.keys import Keys
+from batchfleet.producer.batch_jobs import batch_jobs
+from batchfleet.producer.bulk_registry import bulk_runs
 
 
 def snapshot(r: redis.Redis, keys: Keys) -> dict[str, Any]:
@@ -29,6 +37,12 @@ def snapshot(r: redis.Redis, keys: Keys) -> dict[str, Any]:
             "queues": [_queue_row(q) for q in queue_stats(r, keys, buckets)],
             "workers": [_worker_row(w) for w in sorted(workers, key=lambda w: (not w["alive"], w["name"]))],
             "dead_letters": dead_letters(r, keys)}
+
+
+def work(r: redis.Redis, keys: Keys) -> dict[str, Any]:
+    """The work the fleet runs: ``batch_jobs`` (unfinished, then the last finished) and ``bulk_runs``
+    (heard from within a few minutes)."""
+    return {"batch_jobs": batch_jobs(r, keys), "bulk_runs": bulk_runs(r, keys)}
 
 
 def _queue_row(q: QueueStats) -> dict[str, Any]:
@@ -90,17 +104,18 @@ def _running(w: dict[str, Any]) -> str:
 
 
 def render(snap: dict[str, Any]) -> str:
-    """The snapshot as readable text: a fleet line, a queue table, a worker table, dead letters."""
+    """The snapshot as readable text: a fleet line, a queue table (``queued``: read by no worker yet; ``at
+    workers``: delivered, not answered), a worker table, dead letters, then the work (``render_work``)."""
     fleet = snap["fleet"]
     live = sum(w["alive"] for w in snap["workers"])
     alive = f"{live} live worker{'s' * (live != 1)} (heartbeat within {LIVE_WORKER_MS // 1000} s)"
     if fleet is None and not snap["workers"]:
-        return f"no fleet published under namespace {snap['namespace']!r}; {alive}"
+        return "\n".join([f"no fleet published under namespace {snap['namespace']!r}; {alive}", *render_work(snap)])
     lines = [f"namespace {snap['namespace']}  model {fleet['model']}  buckets {fleet['buckets']}  "
              f"max_seq_len {fleet['max_seq_len']}  {alive}" if fleet else
              f"namespace {snap['namespace']}  no fleet published: {alive} (queues of the buckets gone workers "
              "served)", ""]
-    lines += _table(["bucket", "class", "depth", "pending", "oldest", "lag"],
+    lines += _table(["bucket", "class", "queued", "at workers", "oldest", "lag"],
                     [[str(q["bucket"]), q["class"], str(q["depth"]), str(q["pending"]),
                       _age(q["oldest_age_s"]) if q["length"] else "-", _dash(q["lag"])] for q in snap["queues"]])
     lines.append("")
@@ -113,6 +128,28 @@ def render(snap: dict[str, Any]) -> str:
                      _dash(w["tokens_per_s"], "{:.1f}"),
                      ",".join(str(b) for b in w["last_batch_sizes"] or []) or "-", _dash(w["completed"])])
     lines += _table(["worker", "state", "engine/mode", "running", "waiting", "kv", "prefix hit", "tok/s(1m)",
-                     "last batches", "done"], rows) if rows else ["no workers"]
+                     "last prefill batches", "done"], rows) if rows else ["no workers"]
     lines += ["", f"dead letters: {snap['dead_letters']}"]
-    return "\n".join(lines)
+    return "\n".join(lines + render_work(snap))
+
+
+def _progress(done: int, total: int, rate: float | None, eta: float | None) -> list[str]:
+    return [f"{done}/{total}" + (f" ({100 * done / total:.0f}%)" if total else ""),
+            _dash(rate, "{:.1f}/s"), "-" if eta is None else _age(eta)]
+
+
+def render_work(snap: dict[str, Any]) -> list[str]:
+    """The batch jobs and bulk runs sections (absent from a snapshot: not shown)."""
+    lines: list[str] = []
+    if "batch_jobs" in snap:
+        rows = [[j["id"], j["status"], *_progress(j["completed"] + j["failed"], j["total"], j["rate"], j["eta_s"]),
+                 str(j["failed"])] for j in snap["batch_jobs"]]
+        lines += ["", "batch jobs (/v1/batches):"]
+        lines += _table(["id", "status", "answered", "rate", "eta", "failed"], rows) if rows else ["none"]
+    if "bulk_runs" in snap:
+        rows = [[b["id"], b["state"], f"{b['input']} -> {b['output']}", *_progress(b["done"], b["total"], b["rate"],
+                 b["eta_s"]), str(b["failed"]), f"{b['host']}:{b['pid']}"] for b in snap["bulk_runs"]]
+        lines += ["", "bulk runs (batchfleet bulk):"]
+        lines += _table(["run", "state", "files", "answered", "rate", "eta", "failed", "where"], rows) if rows \
+            else ["none"]
+    return lines

@@ -6,6 +6,7 @@ cancel), the gateway with its batches runner as ``gateway-a``, and Redis refused
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 
 import pytest
@@ -13,6 +14,7 @@ import redis
 
 from batchfleet.common.errors import Cancelled, JobFailed
 from batchfleet.producer import AsyncClient, Client
+from batchfleet.producer.bulk import bulk_file
 from tests.conftest import worker_config
 from tests.helpers.acl import BUCKETS, NAMESPACE, install_documented_acl, start_redis7, user_url
 from tests.helpers.loops import POISON_TOKEN, LoopThread, PoisonEngine
@@ -54,6 +56,10 @@ def test_fleet_runs_under_the_documented_users(tiny_model_dir, caplog):
                 with pytest.raises(JobFailed, match="worker_failed"):
                     client.result(poison, timeout=30)
             asyncio.run(_async_part(producer_url))
+            out = io.StringIO()  # a bulk run as producer-a: it reports to the bulk-run registry too
+            asyncio.run(bulk_file(None, None, text="x\ny\n", out=out, redis_url=producer_url, namespace=NAMESPACE,
+                                  plain=True, defaults={"max_new_tokens": 2}))
+            assert len(out.getvalue().splitlines()) == 2
         finally:
             worker.stop()
         assert {res.worker for res in answers} == {worker.loop.transport.name}
@@ -73,6 +79,7 @@ def test_batches_run_under_the_documented_gateway_user(tiny_model_dir, tmp_path,
     import json
     import time
 
+    import httpx
     import openai
 
     from tests.helpers.gateway import GatewayThread
@@ -109,6 +116,9 @@ def test_batches_run_under_the_documented_gateway_user(tiny_model_dir, tmp_path,
             assert len(client.embeddings.create(model=model, input="hi").data[0].embedding) > 0
             assert [b.id for b in client.batches.list()] == [batch.id]
             assert f.id in [x.id for x in client.files.list(purpose="batch")] and client.files.delete(f.id).deleted
+            data = httpx.get(gw.url + "/dashboard/data", timeout=30).json()  # the dashboard's reads and history
+            assert [(j["id"], j["status"], j["completed"]) for j in data["batch_jobs"]] == [(batch.id, "completed", 4)]
+            assert data["workers"] and data["history"] and data["history"][0]["live"] == 1
         finally:
             gw.stop()
             worker.stop()

@@ -5,9 +5,6 @@ headless Chromium (Debian's `chromium`) against that fleet: what it shows is che
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-from html.parser import HTMLParser
 
 import httpx
 import pytest
@@ -20,62 +17,11 @@ from batchfleet.producer import Client
 from batchfleet.producer.dashboard import DashboardServer, dashboard_data
 from batchfleet.producer.status import prefix_cache_hit_rate
 from tests.conftest import TEST_BUCKETS
+from tests.helpers.browser import Dom, chromium, needs_chromium
 from tests.helpers.loops import wait_until
 
 KEY = "sk-dash-0123456789"
 HOSTILE = "<img src=x onerror=alert(1)>"  # a dead letter's fields are whatever a producer sent
-CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed "
-                                    "(apt-get install -y chromium; .ci/run installs it)")
-
-
-def chromium(url: str, *flags: str) -> str:
-    """The DOM after the page ran its script (virtual time lets its first poll finish)."""
-    proc = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                           "--no-first-run", "--virtual-time-budget=5000", *flags, "--dump-dom", url],
-                          capture_output=True, text=True, timeout=90)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout
-
-
-class Dom(HTMLParser):
-    """Rows by their data attributes (and their cells' text, ``cells``) and the text of each element with
-    an id."""
-
-    def __init__(self, html: str) -> None:
-        super().__init__()
-        self.rows: list[dict[str, str]] = []
-        self.text: dict[str, str] = {}
-        self.tags: list[str] = []
-        self._open: list[str] = []
-        self.style: dict[str, str] = {}
-        self._row = False  # inside a row with data attributes
-        self.feed(html)
-
-    def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        self.tags.append(tag)
-        if tag == "tr":
-            self._row = any(k.startswith("data-") for k in a)
-            if self._row:
-                self.rows.append({**a, "cells": []})
-        elif tag == "td" and self._row:
-            self.rows[-1]["cells"].append("")
-        if "id" in a:
-            self.style[a["id"]] = a.get("style") or ""
-        self._open.append(a.get("id", ""))
-        for i in filter(None, self._open):
-            self.text.setdefault(i, "")
-
-    def handle_endtag(self, tag):
-        if self._open:
-            self._open.pop()
-
-    def handle_data(self, data):
-        if self._row and self.rows[-1]["cells"] and self.tags[-1] in ("td", "span"):
-            self.rows[-1]["cells"][-1] += data
-        for i in filter(None, self._open):
-            self.text[i] = self.text.get(i, "") + data
 
 
 def make_traffic(redis_url: str, namespace: str) -> None:
@@ -114,7 +60,7 @@ def test_data_and_key_on_the_gateway_and_the_standalone_server(start_worker, red
                                                                     for b in data["batches"])
     (dead,) = data["dead_letter_entries"]
     assert dead["id"] == "dead-1" and dead["bucket"] == str(TEST_BUCKETS[0]) and "p" not in dead
-    assert data["dead_letters"] == 1 and data["batch_jobs"] is None
+    assert data["dead_letters"] == 1 and data["batch_jobs"] == [] and data["bulk_runs"] == []
     from tests.helpers.gateway import gateways  # fastapi: imported only where a gateway runs
 
     with gateways(redis_url, namespace) as start_gateway:
@@ -157,7 +103,7 @@ def test_chromium_shows_the_running_fleet(start_worker, redis_url: str, namespac
     (row,) = [row for row in dom.rows if "data-worker" in row]
     assert row["data-worker"] == name and row["data-alive"] == "true"
     workers = dom.text["workers"]
-    for header in ("running", "waiting", "KV", "tok/s (1m)", "last batches", "prefix hits"):
+    for header in ("running", "waiting", "KV", "tok/s (1m)", "last prefill batches", "prefix hits"):
         assert header in workers
     assert re.search(r"hf/dynamic", workers)
     cells = [c.strip() for c in row["cells"]]
@@ -166,8 +112,8 @@ def test_chromium_shows_the_running_fleet(start_worker, redis_url: str, namespac
     assert name in dom.text["batches"] and str(TEST_BUCKETS[1]) in dom.text["batches"]
     assert "dead-1" in dom.text["dead"] and "(1 kept)" in dom.text["dead-total"]
     assert "img" not in dom.tags, "a dead letter's text must never become markup"
-    assert "none" in dom.text["jobs"]
-    assert "display: block" in locked.style["auth"] and "needs an API key" in locked.text["error"]
+    assert "none" in dom.text["jobs"] and "none" in dom.text["runs"]
+    assert "display: block" in locked.style["auth"] and "needs an operator key" in locked.text["error"]
     assert name not in "".join(locked.text.values())
 
 
@@ -179,7 +125,7 @@ def test_chromium_on_the_standalone_dashboard_without_workers(redis_url: str, na
     finally:
         server.close()
     assert "no fleet published" in dom.text["fleet"] and dom.text["live"] == "0 live workers"
-    assert "no workers" in dom.text["workers"] and "no batches yet" in dom.text["batches"]
+    assert "no workers" in dom.text["workers"] and "no prefill batches yet" in dom.text["batches"]
 
 
 @pytest.mark.unit

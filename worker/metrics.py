@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 60.0  # tokens/s in status is measured over this window
 LAST_BATCHES = 8  # prefill batch sizes kept for status
+TTFT_KEPT = 4096  # results whose time to first token the heartbeat's one-minute mean covers at most
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -44,6 +45,7 @@ class LoopStats:
         self.ledger = ledger
         self.last_batches: deque[int] = deque(maxlen=LAST_BATCHES)
         self._samples: deque[tuple[float, int]] = deque()  # (monotonic, generation_tokens) per heartbeat
+        self._ttfts: deque[tuple[float, float]] = deque(maxlen=TTFT_KEPT)  # (monotonic, ttft ms) per result
 
     def started(self, bucket: int, size: int) -> None:
         """A prefill batch of ``size`` requests of ``bucket`` entered the engine."""
@@ -54,8 +56,10 @@ class LoopStats:
 
     def replied(self, replies: list[Reply]) -> None:
         """Final replies were queued for writing (results and errors, typed)."""
+        now = time.monotonic()
         for rep in replies:
             if isinstance(rep.message, Result):
+                self._ttfts.append((now, rep.message.ttft_ms))
                 self.observe(rep.message, rep.lane)
 
     def observe(self, result: Result, lane: str) -> None:
@@ -70,11 +74,21 @@ class LoopStats:
         t0, n0 = self._samples[0]
         return (generated - n0) / (now - t0) if now > t0 else 0.0
 
+    def ttft_1m(self, now: float) -> tuple[float | None, int]:
+        """(mean time to first token in ms, results) of the results of the last RATE_WINDOW_S: a mean, so the
+        dashboard's history sums a fleet's workers exactly (weighted by results)."""
+        while self._ttfts and now - self._ttfts[0][0] > RATE_WINDOW_S:
+            self._ttfts.popleft()
+        n = len(self._ttfts)
+        return (round(sum(t for _, t in self._ttfts) / n, 1) if n else None), n
+
     def status(self) -> dict[str, Any]:
         """Fields added to the heartbeat status."""
+        ttft, results = self.ttft_1m(time.monotonic())
         return {"prompt_tokens": self.ledger.prompt_tokens, "generation_tokens": self.ledger.generation_tokens,
                 "tokens_per_s": round(self.tokens_per_s(time.monotonic()), 2),
-                "last_batch_sizes": list(self.last_batches), "outcomes": dict(self.ledger.outcomes)}
+                "last_batch_sizes": list(self.last_batches), "outcomes": dict(self.ledger.outcomes),
+                "ttft_mean_ms_1m": ttft, "results_1m": results}
 
     def close(self) -> None:
         """Stop serving (nothing to stop here)."""
