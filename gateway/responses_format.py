@@ -29,9 +29,11 @@ from batchfleet.gateway.tools import ToolPlan, ToolStream
 
 
 def response_usage(result: Result) -> dict[str, Any]:
-    """Chat's usage (gateway/formats.py) under this API's names."""
+    """Chat's usage (gateway/formats.py) under this API's names. ``cache_write_tokens`` (required by
+    openai.types.responses.ResponseUsage): 0, the fleet's prefix cache costs nothing extra to write."""
     u = usage([result])
-    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
+    return {"input_tokens": u["prompt_tokens"],
+            "input_tokens_details": {**u["prompt_tokens_details"], "cache_write_tokens": 0},
             "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u["total_tokens"]}
 
