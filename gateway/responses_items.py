@@ -125,6 +125,18 @@ def chat_messages(items: list[Item]) -> list[dict[str, Any]]:
     return out
 
 
+def check_outputs(items: list[Item], history: list[dict[str, Any]]) -> None:
+    """A 400 (as OpenAI's) for a ``function_call_output`` item that answers no function call of the
+    conversation: neither an input ``function_call`` item nor a call of the chained response's turns."""
+    known = {c["id"] for m in history for c in m.get("tool_calls") or ()}
+    known |= {item.call_id for item in items if isinstance(item, FunctionCall)}
+    for i, item in enumerate(items):
+        if isinstance(item, FunctionCallOutput) and item.call_id not in known:
+            raise invalid(f"input.{i}.call_id: no function call with call_id {item.call_id[:100]!r} in this "
+                          "conversation (send its function_call item, or chain on the response that made it "
+                          "with previous_response_id)", f"input.{i}.call_id")
+
+
 def answer_message(output: list[dict[str, Any]]) -> dict[str, Any]:
     """A response's output items as the assistant message that continues its conversation."""
     text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])

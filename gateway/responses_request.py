@@ -26,7 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 
 from batchfleet.gateway.errors import APIError, invalid
-from batchfleet.gateway.responses_items import chat_messages, parse_items
+from batchfleet.gateway.responses_items import Item, chat_messages, check_outputs, parse_items
 from batchfleet.gateway.schemas import FROM_TABLE, STRICT, ChatCompletionRequest, Job, parse
 from batchfleet.gateway.strict import refuse_non_neutral
 
@@ -84,11 +84,13 @@ class ResponsesCall:
     shared: dict[str, Any]
     messages: list[dict[str, Any]]
     tooling: dict[str, Any] = field(default_factory=dict)
+    items: list[Item] = field(default_factory=list)  # the input's items (none for a text input)
 
     def job(self, history: list[dict[str, Any]], timeout_cap: float, default_max_tokens: int) -> Job:
         """The job: ``instructions``, then ``history`` (the stored conversation this one continues), then
         the new turn; chat's validation with this API's field names in its refusals."""
         req = self.request
+        check_outputs(self.items, history)
         head = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
         body: dict[str, Any] = {**self.shared, **self.tooling, "messages": head + history + self.messages,
                                 "stream": bool(req.stream)}
@@ -143,10 +145,8 @@ def parse_call(body: Any) -> ResponsesCall:
     refuse_non_neutral({k: getattr(request, k) for k in NEUTRAL if k in request.model_fields_set}, NEUTRAL)
     if request.input == "" or request.input == []:
         raise invalid("input must not be empty", "input")
-    if isinstance(request.input, str):
-        messages = [{"role": "user", "content": request.input}]
-    else:
-        messages = chat_messages(parse_items(request.input))
+    items = [] if isinstance(request.input, str) else parse_items(request.input)
+    messages = chat_messages(items) if items else [{"role": "user", "content": request.input}]
     tooling: dict[str, Any] = {}
     if request.tools is not None:
         tooling["tools"] = chat_tools(request.tools)
@@ -154,7 +154,7 @@ def parse_call(body: Any) -> ResponsesCall:
         tooling["tool_choice"] = chat_tool_choice(request.tool_choice)
     if request.parallel_tool_calls is not None:
         tooling["parallel_tool_calls"] = request.parallel_tool_calls
-    return ResponsesCall(request, shared, messages, tooling)
+    return ResponsesCall(request, shared, messages, tooling, items)
 
 
 def chat_tools(tools: list[Any]) -> list[Any]:

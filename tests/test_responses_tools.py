@@ -20,12 +20,36 @@ import pytest
 from openai.types.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from batchfleet.gateway.errors import APIError
+from batchfleet.gateway.responses_items import answer_message, chat_messages, check_outputs, input_items, parse_items
 from tests.helpers.tools import TOOLS, tool_model
 
 FLAT = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat tools
 SCHEMAS = {t["name"]: t["parameters"] for t in FLAT}
 ASK = "What is the weather in Paris, and what is 2 + 3?"
 NAMED = {"type": "function", "name": "add"}
+
+
+@pytest.mark.unit
+def test_items_fold_into_chat_turns_and_list_back():
+    call = {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a":1,"b":2}'}
+    raw = [{"role": "user", "content": "q"}, {"type": "message", "role": "assistant", "content": "Adding."}, call,
+           {**call, "call_id": "call_2"}, {"type": "function_call_output", "call_id": "call_1", "output": "3"},
+           {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "3"}]}]
+    items = parse_items(raw)
+    messages = chat_messages(items)  # the text and both parallel calls: one assistant turn
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool"]
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["call_1", "call_2"] and messages[3]["content"] == "3"
+    listed = input_items("resp_r", messages)
+    assert [i["type"] for i in listed] == ["message", "message", "function_call", "function_call",
+                                           "function_call_output", "function_call_output"]
+    assert chat_messages(parse_items([{k: v for k, v in i.items() if k != "id"} for i in listed])) == messages
+    assert answer_message([{"type": "function_call", **{k: call[k] for k in ("call_id", "name", "arguments")}}]) == {
+        "role": "assistant", "content": None, "tool_calls": [messages[1]["tool_calls"][0]]}
+    check_outputs(items, [])
+    with pytest.raises(APIError) as info:
+        check_outputs(items[4:], [])
+    assert info.value.param == "input.0.call_id"
 
 
 @pytest.fixture
@@ -140,6 +164,7 @@ def test_tool_refusals_name_this_apis_fields(served):
                ({"input": [{"type": "function_call", "call_id": "c", "name": "add", "arguments": "[1]"}]},
                 "input.0.arguments"),
                ({"input": [{"type": "function_call_output", "output": "1"}]}, "input.0.call_id"),
+               ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input.0.call_id"),
                ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type")]
     with httpx.Client(base_url=gw.url, timeout=60) as http:
         for extra, param in refused:
