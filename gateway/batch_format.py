@@ -110,7 +110,8 @@ class OpenAIFormat:
         if self.texts is None:
             self.texts = token_texts(self.fleet.tokenizer)
         if line.call is not None:  # a /v1/responses line: not stored (a batch's output file is its record)
-            response = ResponseShape(self.stem(line), self.model_names[0], {**line.call.echo(), "store": False})
+            response = ResponseShape(self.stem(line), self.model_names[0], {**line.call.echo(), "store": False},
+                                     line.job.tools, self.family())
             return self.refusal(line, 200, response.response(results[0]))
         shape = Shape(chat=line.chat, job_id=self.stem(line), model=self.model_names[0],
                       created=int(time.time()), fingerprint=self.fleet.info.fingerprint or None,

@@ -8,7 +8,9 @@
 A request is validated into a chat job (gateway/responses_request.py) and runs on the chat route's path
 (gateway/service.py ``results`` / ``streams``); the answer is shaped by gateway/responses_format.py.
 Stored responses (``store``, default true) live in Redis (gateway/responses_store.py), per API key, and a
-request naming one as ``previous_response_id`` continues its conversation.
+request naming one as ``previous_response_id`` continues its conversation: its answer (text and function
+calls, gateway/responses_items.py) is the conversation's last turn, a new turn's ``function_call_output``
+items answer its calls.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from starlette.responses import JSONResponse
 
 from batchfleet.gateway.deps import KEY_CHECKED, Owner, Redis, Service
 from batchfleet.gateway.errors import api_error, invalid
-from batchfleet.gateway.responses_format import ResponseShape, input_items
+from batchfleet.gateway.responses_format import ResponseShape
+from batchfleet.gateway.responses_items import answer_message, input_items
 from batchfleet.gateway.responses_request import parse_call
 from batchfleet.gateway.sse import EventStream
 from batchfleet.gateway.strict import read_json
@@ -45,20 +48,20 @@ async def create(request: Request, gateway: Service, redis: Redis, owner: Owner)
         history = record["messages"]
     job = call.job(history, config.request_timeout_s, config.chat_max_tokens)
     model = await gateway.check_model(job.model)
+    family = await gateway.tool_family()
     job_id = uuid.uuid4().hex
-    shape = ResponseShape(job_id, model, call.echo())
+    shape = ResponseShape(job_id, model, call.echo(), job.tools, family)
     asked = history + call.messages
 
     async def save(done: dict[str, Any]) -> None:
-        if call.request.store is not False:
-            answer = {"role": "assistant", "content": done["output"][0]["content"][0]["text"]}
-            await redis.responses.save(owner, done, [*asked, answer])
+        if call.request.store is not False:  # the answer (text, function calls) continues the conversation
+            await redis.responses.save(owner, done, [*asked, answer_message(done["output"])])
 
     headers = {"x-request-id": job_id}
     if job.stream:
-        (stream,) = await gateway.streams(job, job_id)
+        (stream,) = await gateway.streams(job, job_id, family)
         return EventStream(response_events(stream, shape, save, job.guide_param), headers=headers)
-    (result,) = await gateway.results(request, job, job_id)
+    (result,) = await gateway.results(request, job, job_id, family)
     done = shape.response(result)
     await save(done)
     return JSONResponse(done, headers=headers)
@@ -104,10 +107,14 @@ async def response_events(stream: Any, shape: ResponseShape, save: Save,
         try:
             for event in shape.opening():
                 yield event
+            reader = shape.tool_stream()  # text passes until the answer's tool calls begin; those are held
             async for delta in stream:
-                if delta.text:
-                    yield shape.delta(delta.text)
-            done = shape.response(stream.result)
+                for event in shape.delta(delta.text if reader is None else reader.feed(delta.text)):
+                    yield event
+            held, calls = ("", []) if reader is None else reader.end()
+            for event in shape.delta(held):
+                yield event
+            done = shape.response(stream.result, calls=calls)
             await save(done)
             for event in shape.closing(done):
                 yield event

@@ -1,11 +1,15 @@
 """The JSON objects of the Responses API, in OpenAI's shapes (openai.types.responses): the response object
-(one output message of one ``output_text`` part) and its stream events, numbered by ``sequence_number``.
+(its output: a message of one ``output_text`` part, and the ``function_call`` items of an answer that calls
+tools) and its stream events, numbered by ``sequence_number``.
 
-A streamed response sends, as OpenAI does: ``response.created``, ``response.in_progress``,
+A streamed response sends, as OpenAI does: ``response.created``, ``response.in_progress``; for its text
 ``response.output_item.added``, ``response.content_part.added``, ``response.output_text.delta`` (one per
-text delta), ``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``,
-``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut the answer). A job that fails
-once the stream started sends an ``error`` event, then ``response.failed``.
+text delta), ``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``;
+for each function call ``response.output_item.added`` (arguments ""), ``response.function_call_arguments.delta``,
+``response.function_call_arguments.done``, ``response.output_item.done``; then ``response.completed``
+(``response.incomplete`` when ``max_output_tokens`` cut the answer). A job that fails once the stream
+started sends an ``error`` event, then ``response.failed``. An answer that calls tools has a message only
+for the text before its calls (none when there is none); any other has one message.
 
 Pure: no I/O. Extension, as on the other routes: a finished response has a ``batchfleet`` field, the
 fleet's own view of the job (gateway/formats.py ``fleet_view``).
@@ -20,12 +24,16 @@ from typing import Any
 
 from batchfleet.common.protocol import Result
 from batchfleet.gateway.formats import fleet_view, usage
+from batchfleet.gateway.tool_parsers import Family
+from batchfleet.gateway.tools import ToolPlan, ToolStream
 
 
 def response_usage(result: Result) -> dict[str, Any]:
-    """Chat's usage (gateway/formats.py) under this API's names."""
+    """Chat's usage (gateway/formats.py) under this API's names. ``cache_write_tokens`` (required by
+    openai.types.responses.ResponseUsage): 0, the fleet's prefix cache costs nothing extra to write."""
     u = usage([result])
-    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
+    return {"input_tokens": u["prompt_tokens"],
+            "input_tokens_details": {**u["prompt_tokens_details"], "cache_write_tokens": 0},
             "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u["total_tokens"]}
 
@@ -33,13 +41,18 @@ def response_usage(result: Result) -> dict[str, Any]:
 @dataclass
 class ResponseShape:
     """How one response looks: its ids, model, creation time and the request fields it repeats (``echo``:
-    gateway/responses_request.py ``ResponsesCall.echo``); ``sequence``: the next event's number."""
+    gateway/responses_request.py ``ResponsesCall.echo``); the request's tools and the family whose format
+    answers are read in (gateway/tools.py); ``sequence``: the next event's number; ``sent``: the text a
+    stream sent so far."""
 
     job_id: str
     model: str
     echo: dict[str, Any]
+    tools: ToolPlan | None = None
+    family: Family | None = None
     created: float = field(default_factory=time.time)
     sequence: int = 0
+    sent: str | None = None  # None: no message item opened yet
 
     @property
     def id(self) -> str:
@@ -58,9 +71,28 @@ class ResponseShape:
     def part(text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    def response(self, result: Result | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+    def function_call(self, index: int, call: dict[str, Any]) -> dict[str, Any]:
+        """A ``function_call`` output item of chat's tool call ``call`` (its id is the item's ``call_id``)."""
+        fn = call["function"]
+        return {"id": f"fc_{self.job_id}_{index}", "type": "function_call", "status": "completed",
+                "call_id": call["id"], "name": fn["name"], "arguments": fn["arguments"]}
+
+    def tool_stream(self) -> ToolStream | None:
+        """A stream's tool-call reader, when answers are read for tool calls."""
+        if self.tools is None or not self.tools.parsed or self.family is None:
+            return None
+        return ToolStream(self.tools, self.family)
+
+    def output(self, text: str | None, calls: list[dict[str, Any]], status: str) -> list[dict[str, Any]]:
+        """The output items: the message (unless the answer is calls alone), then the calls."""
+        items = [] if calls and not text else [self.message(text or "", status)]
+        return items + [self.function_call(i, call) for i, call in enumerate(calls)]
+
+    def response(self, result: Result | None = None, error: dict[str, Any] | None = None,
+                 calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The response object: in progress (no ``result``), failed (``error``: {code, message}), else
-        completed, or incomplete when the answer reached ``max_output_tokens``."""
+        completed, or incomplete when the answer reached ``max_output_tokens``. ``calls``: a stream's tool
+        calls (its text: what it sent); else the answer is read for calls here."""
         body: dict[str, Any] = {"id": self.id, "object": "response", "created_at": self.created, "model": self.model,
                                 "status": "in_progress", "error": None, "incomplete_details": None, "output": [],
                                 "usage": None, **self.echo}
@@ -68,11 +100,17 @@ class ResponseShape:
             return {**body, "status": "failed", "error": error}
         if result is None:
             return body
+        if calls is not None:
+            text: str | None = self.sent
+        elif self.tools is not None and self.family is not None:
+            text, calls = self.tools.calls(self.family, result.text)
+        else:
+            text, calls = result.text, []
         cut = result.finish_reason == "length"
         status = "incomplete" if cut else "completed"
         return {**body, "status": status, "completed_at": time.time(),
                 "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-                "output": [self.message(result.text, status)], "usage": response_usage(result),
+                "output": self.output(text, calls, status), "usage": response_usage(result),
                 "batchfleet": fleet_view(result)}
 
     def event(self, kind: str, **fields: Any) -> bytes:
@@ -83,27 +121,46 @@ class ResponseShape:
         return f"event: {kind}\ndata: {data}\n\n".encode()
 
     def opening(self) -> list[bytes]:
-        """The events before the first text delta."""
-        item = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        """The events before the answer's first."""
         return [self.event("response.created", response=self.response()),
-                self.event("response.in_progress", response=self.response()),
-                self.event("response.output_item.added", output_index=0, item=self.message(None, "in_progress")),
-                self.event("response.content_part.added", **item, part=self.part(""))]
+                self.event("response.in_progress", response=self.response())]
 
-    def delta(self, text: str) -> bytes:
-        return self.event("response.output_text.delta", item_id=self.message_id, output_index=0, content_index=0,
-                          delta=text, logprobs=[])
+    def _open_message(self) -> list[bytes]:
+        self.sent = ""
+        return [self.event("response.output_item.added", output_index=0, item=self.message(None, "in_progress")),
+                self.event("response.content_part.added", item_id=self.message_id, output_index=0, content_index=0,
+                           part=self.part(""))]
+
+    def delta(self, text: str) -> list[bytes]:
+        """The events of ``text``, the answer's next text (the message item opened at its first)."""
+        if not text:
+            return []
+        out = self._open_message() if self.sent is None else []
+        self.sent = (self.sent or "") + text
+        return out + [self.event("response.output_text.delta", item_id=self.message_id, output_index=0,
+                                 content_index=0, delta=text, logprobs=[])]
 
     def closing(self, done: dict[str, Any]) -> list[bytes]:
-        """The events after the last text delta; the last carries ``done``, the finished response."""
-        message = done["output"][0]
-        text = message["content"][0]["text"]
-        item = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-        return [self.event("response.output_text.done", **item, text=text, logprobs=[]),
-                self.event("response.content_part.done", **item, part=self.part(text)),
-                self.event("response.output_item.done", output_index=0, item=message),
-                self.event("response.incomplete" if done["status"] == "incomplete" else "response.completed",
-                           response=done)]
+        """The events after the last text delta: the items' ends (a function call whole), then the one that
+        carries ``done``, the finished response."""
+        out: list[bytes] = []
+        for index, item in enumerate(done["output"]):
+            if item["type"] == "message":
+                text = item["content"][0]["text"]
+                where = {"item_id": self.message_id, "output_index": index, "content_index": 0}
+                out += self._open_message() if self.sent is None else []
+                out += [self.event("response.output_text.done", **where, text=text, logprobs=[]),
+                        self.event("response.content_part.done", **where, part=self.part(text)),
+                        self.event("response.output_item.done", output_index=index, item=item)]
+                continue
+            where = {"item_id": item["id"], "output_index": index}
+            out += [self.event("response.output_item.added", output_index=index,
+                               item={**item, "arguments": "", "status": "in_progress"}),
+                    self.event("response.function_call_arguments.delta", **where, delta=item["arguments"]),
+                    self.event("response.function_call_arguments.done", **where, arguments=item["arguments"]),
+                    self.event("response.output_item.done", output_index=index, item=item)]
+        kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
+        return out + [self.event(kind, response=done)]
 
     def failure(self, error: dict[str, Any]) -> list[bytes]:
         """A job that failed mid-stream: the ``error`` event (OpenAI's clients raise it), then
@@ -111,16 +168,3 @@ class ResponseShape:
         return [self.event("error", code=error.get("code"), message=error.get("message"), param=error.get("param")),
                 self.event("response.failed", response=self.response(
                     error={"code": error.get("code") or "server_error", "message": error.get("message")}))]
-
-
-def input_items(response_id: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A stored response's input items, oldest first: the conversation it was asked (a chained response's
-    earlier turns too, their answers as output messages), each with a stable id."""
-    items = []
-    for i, m in enumerate(messages):
-        assistant = m["role"] == "assistant"
-        part = {"type": "output_text", "text": m["content"], "annotations": []} if assistant else {
-            "type": "input_text", "text": m["content"]}
-        items.append({"id": f"msg_{response_id.removeprefix('resp_')}_{i}", "type": "message", "role": m["role"],
-                      "status": "completed", "content": [part]})
-    return items

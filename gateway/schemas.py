@@ -253,10 +253,11 @@ class ChatCompletionRequest(_Common):  # type: ignore[misc,valid-type]
                        guide_param="tools" if tools is not None and tools.constrained else job.guide_param)
 
 
-def parse(model: type[BaseModel], body: Any) -> Any:
-    """Validate a decoded JSON body; a 400 naming the first bad field otherwise."""
+def parse(model: type[BaseModel], body: Any, where: str = "") -> Any:
+    """Validate a decoded JSON body; a 400 naming the first bad field otherwise (``where``: the path of
+    ``body`` in the request, ``input.3.`` for one of its items)."""
     if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
+        raise invalid(f"{where.rstrip('.') or 'the request body'} must be a JSON object", where.rstrip(".") or None)
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -264,14 +265,14 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         first = errors[0]
         loc = [str(part) for part in first["loc"]]
         if first["type"] == "extra_forbidden":  # the whole path of an unknown field: messages.0.foo
-            param = ".".join(loc)
+            param = where + ".".join(loc)
             raise invalid(f"unknown field '{param}': not supported by this gateway", param) from None
         # a union's members each fail: the deepest failure of the same field says most (an image part
         # fails at messages.0.content.list[TextPart].0.type, not at "not a string")
         deepest = max((e for e in errors if e["loc"][:1] == first["loc"][:1]), key=lambda e: len(e["loc"]))
-        param = loc[0] if loc else None  # deeper parts name union members: noise
-        where = ".".join(str(p) for p in deepest["loc"])
-        raise invalid(f"invalid value for '{where}': {deepest['msg']}"[:500], param) from None
+        param = where + loc[0] if loc else where.rstrip(".") or None  # deeper parts name union members: noise
+        path = where + ".".join(str(p) for p in deepest["loc"])
+        raise invalid(f"invalid value for '{path}': {deepest['msg']}"[:500], param) from None
 
 
 def request_job(chat: bool, body: Any, timeout_cap: float, chat_max_tokens: int) -> Job:

@@ -71,6 +71,9 @@ class Gateway:
             raise error
         return names[0]
 
+    async def tool_family(self) -> Family:
+        """The served model's tool-call format: --tool-call-parser, or the fleet's chat template's."""
+        return pick(self.config.tool_call_parser, (await self.client.fleet()).info.chat_template)
 
     async def complete(self, request: Request, job: Job, chat: bool) -> Response:
         """Run one request: its ``n`` jobs (choice i seeded ``seed + i``), whole or as an event stream."""

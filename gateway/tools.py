@@ -69,6 +69,7 @@ class ToolPlan:
     choice: str
     parallel: bool = True
     forced: str | None = None
+    flat: bool = False  # the Responses API's flat tools ({"type", "name", "parameters"}): refusals name its fields
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -99,8 +100,8 @@ class ToolPlan:
             try:
                 Guide("json_schema", dump_schema(constraint(schema))).check()
             except GuideError as exc:
-                raise invalid(f"tools.{i}.function.parameters ({name}): {exc}"[:1000],
-                              f"tools.{i}.function.parameters") from None
+                where = f"tools.{i}.parameters" if self.flat else f"tools.{i}.function.parameters"
+                raise invalid(f"{where} ({name}): {exc}"[:1000], where) from None
         guide = Guide("grammar", family.grammar(self.functions(), self.parallel and self.forced is None))
         if len(guide.spec) > MAX_GUIDE_CHARS:
             raise invalid(f"the tools' schemas are longer than {MAX_GUIDE_CHARS} characters together", "tools")
@@ -193,18 +194,21 @@ class ToolStream:
         out, self.held = self.held[:at], self.held[at:]
         return out
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """(the content still held, the calls' deltas) when the choice ends."""
+    def end(self) -> tuple[str, list[dict[str, Any]]]:
+        """(the content still held, OpenAI's tool calls) when the choice ends."""
         held, self.held = self.held, ""
         if self.state != "calls":
             return held, []
         content, calls = self.tools.calls(self.family, held)
-        if not calls:
-            return held, []
+        return (content or "", calls) if calls else (held, [])
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """(the content still held, the calls' deltas) when the choice ends."""
+        content, calls = self.end()
         deltas: list[dict[str, Any]] = []
         for i, call in enumerate(calls):  # as OpenAI streams them: id and name first, then the arguments
             fn = call["function"]
             deltas.append({"index": i, "id": call["id"], "type": "function",
                            "function": {"name": fn["name"], "arguments": ""}})
             deltas.append({"index": i, "function": {"arguments": fn["arguments"]}})
-        return content or "", deltas
+        return content, deltas

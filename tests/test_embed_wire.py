@@ -101,7 +101,7 @@ def test_responses_bodies_become_chat_jobs_with_their_own_field_names():
     assert job.params["max_new_tokens"] == 3 and call.echo()["metadata"] == {"k": "v"}
     for body, param in [({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
                         ({"input": "x", "text": {"format": {"type": "json_schema", "schema": 1}}}, "text.format"),
-                        ({"input": [{"role": "tool", "content": "x"}]}, "input"), ({"input": "x", "n": 2}, "n")]:
+                        ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role"), ({"input": "x", "n": 2}, "n")]:
         with pytest.raises(APIError) as info:
             parse_call(body).job([], 60, 256)
         assert info.value.param == param, (body, info.value.message)
@@ -109,7 +109,7 @@ def test_responses_bodies_become_chat_jobs_with_their_own_field_names():
 
 def test_response_events_are_numbered_in_order():
     shape = ResponseShape("abc", "m", {})
-    events = shape.opening() + [shape.delta("hi")] + shape.failure({"code": "x", "message": "m"})
+    events = shape.opening() + shape.delta("hi") + shape.delta("") + shape.failure({"code": "x", "message": "m"})
     kinds = [e.split(b"\n")[0].decode() for e in events]
     assert kinds == ["event: response.created", "event: response.in_progress", "event: response.output_item.added",
                      "event: response.content_part.added", "event: response.output_text.delta", "event: error",

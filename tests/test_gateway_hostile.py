@@ -106,7 +106,13 @@ NEW_ROUTES = {
 }
 NEW_VALUES = [[{"role": "user", "content": [{"type": "input_image"}]}], [{"type": "function_call"}], [{"role": "x"}],
               {"format": {"type": "json_schema", "schema": {"type": 3}}}, {"format": {"type": "json_schema"}},
-              "resp_" + "0" * 32, "resp_../../x", [[2**64]], [[1] * 5000], ["a"] * 3000, {"k": "v" * 600}]
+              "resp_" + "0" * 32, "resp_../../x", [[2**64]], [[1] * 5000], ["a"] * 3000, {"k": "v" * 600},
+              # function tools (flat), their choices, calls and results as input items
+              [{"type": "function", "name": "f", "parameters": {"$ref": "#"}}], [{"type": "web_search"}], [[]],
+              {"type": "function", "name": "f"}, {"type": "mcp"}, "required",
+              [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+               {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}],
+              [{"type": "function_call", "call_id": "", "name": 5, "arguments": "{"}]]
 
 
 def hostile_new_routes(rng: random.Random) -> list[tuple[str, bytes]]:
