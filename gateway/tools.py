@@ -17,8 +17,10 @@ OpenAI's), streams ``delta.tool_calls`` (a first delta with the call's id and na
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
@@ -111,13 +113,24 @@ class ToolPlan:
         return guide
 
     def calls(self, family: Family, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, OpenAI tool calls) of an answer; (text, []) when it holds none."""
+        """(content, OpenAI tool calls) of an answer; (text, []) when it holds none, or when a call's
+        arguments fail its function's schema (``auto`` answers are not constrained: a model may write any
+        arguments, and a 200 never carries a call that breaks its schema)."""
         if not self.parsed:
             return text, []
         content, calls = family.parse(text, self.names)
         if not self.parallel:
             calls = calls[:1]
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or NO_PARAMETERS for t in self.tools}
+        if not all(conforms(schemas[c.name], c.arguments) for c in calls):
+            return text, []
         return content, [tool_call(family, c) for c in calls]
+
+    def beside(self, guide: Guide | None) -> ToolPlan:
+        """The plan beside a request's structured output (``response_format`` / ``guided_*``, which a
+        constrained choice refuses): its answer follows that guide, so it is content, never read for calls
+        (``auto`` acts as ``none``: the tools are still rendered)."""
+        return self if guide is None or self.choice != "auto" else replace(self, choice="none")
 
     def finish(self, reason: str, called: bool) -> str:
         """OpenAI's finish_reason: ``tool_calls`` when the answer calls tools (``stop`` for a named
@@ -143,6 +156,11 @@ def plan(tools: Sequence[Tool] | None, choice: Any, parallel: bool | None) -> To
         if (tool.function.parameters or {}).get("type", "object") != "object":
             raise invalid(f"tools.{i}.function.parameters must be the JSON schema of an object (type: object)",
                           f"tools.{i}.function.parameters")
+        if tool.function.parameters is not None:  # as OpenAI: a schema that is no JSON schema is a 400
+            error = schema_error(tool.function.parameters)
+            if error:
+                raise invalid(f"tools.{i}.function.parameters is not a valid JSON schema: {error}"[:1000],
+                              f"tools.{i}.function.parameters")
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise invalid("tools must not repeat a function name", "tools")
@@ -155,6 +173,44 @@ def plan(tools: Sequence[Tool] | None, choice: Any, parallel: bool | None) -> To
     rendered = tuple({"type": "function", "function": t.function.model_dump(exclude_none=True, exclude={"strict"})}
                      for t in tools)
     return ToolPlan(rendered, kind, parallel is not False, forced)
+
+
+@functools.lru_cache(maxsize=256)
+def _validator(schema: str) -> Any:
+    """jsonschema's validator of a schema (its JSON text; the draft its ``$schema`` names, else 2020-12),
+    formats checked; cached: a service sends the same tools again and again."""
+    from jsonschema import Draft202012Validator, validators
+
+    parsed = json.loads(schema)
+    cls = validators.validator_for(parsed, default=Draft202012Validator)
+    return cls(parsed, format_checker=cls.FORMAT_CHECKER)
+
+
+def _key(schema: dict[str, Any]) -> str:
+    return json.dumps(schema, sort_keys=True)
+
+
+def schema_error(schema: dict[str, Any]) -> str:
+    """'' when ``schema`` is a valid JSON schema (checked against its draft's metaschema), else why not."""
+    from jsonschema.exceptions import SchemaError
+
+    try:
+        validator = _validator(_key(schema))
+        validator.check_schema(validator.schema)
+    except SchemaError as exc:
+        return f"{exc.message} (at {'/'.join(map(str, exc.path)) or 'the top'})"
+    except Exception as exc:  # noqa: BLE001 - jsonschema raises what it meets (AttributeError for $schema: 5)
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def conforms(schema: dict[str, Any], arguments: str) -> bool:
+    """Whether a call's arguments (JSON text) validate against its function's schema. One that cannot be
+    checked (a ``$ref`` that does not resolve or loops, ...) is not a valid call."""
+    try:
+        return bool(_validator(_key(schema)).is_valid(json.loads(arguments)))
+    except Exception:  # noqa: BLE001 - jsonschema raises what it meets on hostile schemas: no call then
+        return False
 
 
 class ToolStream:
