@@ -4,7 +4,9 @@ validated into one ``ToolPlan``, the constraint that makes a forced call valid, 
 * ``tools`` are handed to the chat template (producer/chat.py ``Chat``), which renders them as the model
   was trained to read them; ``tool_choice`` defaults to ``auto`` when tools are given, as OpenAI's.
 * ``auto``: the model may answer in text or call tools; its answer is parsed by the model family's parser
-  (gateway/tool_parsers.py, ``--tool-call-parser``), and is plain text when it holds no well-formed call.
+  (gateway/tool_parsers.py, ``--tool-call-parser``), and is plain text when it holds no well-formed call,
+  or a call whose arguments fail its function's schema (jsonschema: a 200 never carries an invalid call).
+  Every ``parameters`` must be a valid JSON schema (its draft's metaschema), whatever the choice.
 * ``required`` / a named function: the output is constrained (llguidance) to the family's call format,
   each call's arguments to its function's ``parameters`` schema, so they always validate. A schema that
   llguidance cannot compile is a 400 naming ``tools.<i>.function.parameters``.
