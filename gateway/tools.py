@@ -123,8 +123,10 @@ class ToolPlan:
         content, calls = family.parse(text, self.names)
         if not self.parallel:
             calls = calls[:1]
+        # a constrained answer was generated under the schemas (jsonschema's float arithmetic would refuse
+        # some of its numbers: 0.3 as a multipleOf 0.1); an ``auto`` one is only read, so it is checked
         schemas = {t["function"]["name"]: t["function"].get("parameters") or NO_PARAMETERS for t in self.tools}
-        if not all(conforms(schemas[c.name], c.arguments) for c in calls):
+        if not self.constrained and not all(conforms(schemas[c.name], c.arguments) for c in calls):
             return text, []
         return content, [tool_call(family, c) for c in calls]
 

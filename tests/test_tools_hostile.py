@@ -63,6 +63,16 @@ def test_a_valid_auto_call_in_any_key_order_is_a_call():
         "finish_reason"] == "tool_calls"
 
 
+def test_a_forced_call_is_not_second_guessed_by_float_arithmetic():
+    # generated under the schema; jsonschema would call 0.3 no multiple of 0.1 (0.3 / 0.1 = 2.9999999999999996)
+    tenths = {"type": "function", "function": {"name": "t", "parameters": {
+        "type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.1}}, "required": ["x"]}}}
+    job = request_job(True, {"messages": ASK, "tools": [tenths], "tool_choice": "required"}, 60, 16)
+    text = '<tool_call>\n{"name":"t","arguments":{"x":0.3}}\n</tool_call>'
+    content, calls = job.tools.calls(FAMILIES["hermes"], text)
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"x": 0.3}
+
+
 @pytest.mark.parametrize("schema", [
     {"$ref": "#"},  # loops
     {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "$defs": {"a": {"$ref": "#/$defs/a"}}},
