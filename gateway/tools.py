@@ -19,8 +19,6 @@ OpenAI's), streams ``delta.tool_calls`` (a first delta with the call's id and na
 
 from __future__ import annotations
 
-import functools
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -30,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from batchfleet.common.guided import MAX_GUIDE_CHARS, Guide, GuideError, dump_schema
 from batchfleet.gateway.errors import invalid
 from batchfleet.gateway.tool_parsers import Call, Family, constraint
+from batchfleet.gateway.tool_schemas import conforms, schema_error
 
 STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 MAX_TOOLS = 128  # OpenAI's limit
@@ -177,44 +176,6 @@ def plan(tools: Sequence[Tool] | None, choice: Any, parallel: bool | None) -> To
     rendered = tuple({"type": "function", "function": t.function.model_dump(exclude_none=True, exclude={"strict"})}
                      for t in tools)
     return ToolPlan(rendered, kind, parallel is not False, forced)
-
-
-@functools.lru_cache(maxsize=256)
-def _validator(schema: str) -> Any:
-    """jsonschema's validator of a schema (its JSON text; the draft its ``$schema`` names, else 2020-12),
-    formats checked; cached: a service sends the same tools again and again."""
-    from jsonschema import Draft202012Validator, validators
-
-    parsed = json.loads(schema)
-    cls = validators.validator_for(parsed, default=Draft202012Validator)
-    return cls(parsed, format_checker=cls.FORMAT_CHECKER)
-
-
-def _key(schema: dict[str, Any]) -> str:
-    return json.dumps(schema, sort_keys=True)
-
-
-def schema_error(schema: dict[str, Any]) -> str:
-    """'' when ``schema`` is a valid JSON schema (checked against its draft's metaschema), else why not."""
-    from jsonschema.exceptions import SchemaError
-
-    try:
-        validator = _validator(_key(schema))
-        validator.check_schema(validator.schema)
-    except SchemaError as exc:
-        return f"{exc.message} (at {'/'.join(map(str, exc.path)) or 'the top'})"
-    except Exception as exc:  # noqa: BLE001 - jsonschema raises what it meets (AttributeError for $schema: 5)
-        return f"{type(exc).__name__}: {exc}"
-    return ""
-
-
-def conforms(schema: dict[str, Any], arguments: str) -> bool:
-    """Whether a call's arguments (JSON text) validate against its function's schema. One that cannot be
-    checked (a ``$ref`` that does not resolve or loops, ...) is not a valid call."""
-    try:
-        return bool(_validator(_key(schema)).is_valid(json.loads(arguments)))
-    except Exception:  # noqa: BLE001 - jsonschema raises what it meets on hostile schemas: no call then
-        return False
 
 
 class ToolStream:

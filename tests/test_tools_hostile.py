@@ -63,6 +63,19 @@ def test_a_valid_auto_call_in_any_key_order_is_a_call():
         "finish_reason"] == "tool_calls"
 
 
+@pytest.mark.timeout(120)  # a backtracking engine would take ages on ^(a+)+$ against 40 a's and a b
+def test_patterns_are_matched_in_linear_time_and_pattern_properties_give_no_call():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "s": {"type": "string", "pattern": "^(a+)+$"}, "t": {"type": "string", "pattern": "[0-9]"}}}}}
+    call = '<tool_call>{"name": "f", "arguments": %s}</tool_call>'
+    assert answer([tool], call % json.dumps({"s": "a" * 40 + "b"}))["finish_reason"] == "stop"
+    assert answer([tool], call % json.dumps({"s": "a" * 40, "t": "x1y"}))["finish_reason"] == "tool_calls"
+    assert answer([tool], call % json.dumps({"t": "xy"}))["finish_reason"] == "stop"
+    keyed = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "patternProperties": {
+        "^(a+)+$": {"type": "integer"}}}}}
+    assert answer([keyed], call % json.dumps({"a" * 40 + "b": 1}))["message"].get("tool_calls") is None
+
+
 def test_a_forced_call_is_not_second_guessed_by_float_arithmetic():
     # generated under the schema; jsonschema would call 0.3 no multiple of 0.1 (0.3 / 0.1 = 2.9999999999999996)
     tenths = {"type": "function", "function": {"name": "t", "parameters": {
