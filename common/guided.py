@@ -79,8 +79,12 @@ class Guide:
             if self.kind == "json_object":
                 return matcher.grammar_from_json_schema('{"type": "object"}', overrides=JSON_OPTIONS)
             if self.kind == "json_schema":
-                if not isinstance(_loads(self.spec, "schema"), dict):
+                schema = _loads(self.spec, "schema")
+                if not isinstance(schema, dict):
                     raise GuideError("a JSON schema must be a JSON object")
+                if (big := _inexact(schema)) is not None:
+                    raise GuideError(f"invalid json_schema: the integer {big} is past +-2^53, which llguidance "
+                                     "holds as a float (it would generate another number)"[:300])
                 return matcher.grammar_from_json_schema(self.spec, overrides=JSON_OPTIONS)
             if self.kind == "regex":
                 return matcher.grammar_from_regex(self.spec)
@@ -197,6 +201,32 @@ def _probe_tokenizer() -> Any:
             return list(text.encode() if isinstance(text, str) else text)
 
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()))
+
+
+EXACT = 2**53  # llguidance reads a schema's numbers as 64-bit floats: integers past this lose their value
+NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "const", "enum")
+
+
+def _inexact(schema: Any) -> int | None:
+    """An integer of a schema's numeric keywords (bounds, ``const``, ``enum``, at any depth) that a float
+    cannot hold exactly, or None. Walked without recursion (schemas may nest deeply)."""
+    todo, values = [schema], []
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                (values if key in NUMERIC else todo).append(value)
+        elif isinstance(node, list):
+            todo.extend(node)
+    while values:  # everything inside a numeric keyword's value: const and enum may hold objects and lists
+        value = values.pop()
+        if isinstance(value, dict):
+            values.extend(value.values())
+        elif isinstance(value, list):
+            values.extend(value)
+        elif type(value) is int and abs(value) > EXACT:
+            return value
+    return None
 
 
 def _loads(text: str, what: str) -> Any:

@@ -9,13 +9,13 @@ call: its ``tool_call_id`` is required. Every refusal is a 400 naming the field 
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictStr
 
 from batchfleet.gateway.errors import invalid
 from batchfleet.gateway.strict import NEUTRAL_MESSAGE, refuse_non_neutral
+from batchfleet.producer.chat import loads_object
 
 STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -87,10 +87,21 @@ class Message(BaseModel):
 
 
 def _call(call: ToolCall, where: str) -> dict[str, Any]:
-    try:
-        args = json.loads(call.function.arguments)
-    except (ValueError, RecursionError):
-        args = None
-    if not isinstance(args, dict):
+    args = loads_object(call.function.arguments)
+    if args is None:
         raise invalid(f"{where}function.arguments must be the JSON text of an object", f"{where}function.arguments")
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}
+
+
+def conversation(messages: list[Message]) -> list[dict[str, Any]]:
+    """The messages as the template reads them; as OpenAI's, a ``tool`` message answers a call an earlier
+    assistant message made (its ``tool_call_id`` is one of their ids): a 400 naming it otherwise."""
+    out, called = [], set()
+    for i, message in enumerate(messages):
+        rendered = message.rendered(i)
+        called.update(call["id"] for call in rendered.get("tool_calls", ()))
+        if rendered["role"] == "tool" and rendered["tool_call_id"] not in called:
+            raise invalid(f"messages.{i}.tool_call_id {rendered['tool_call_id'][:100]!r} answers no tool call of an "
+                          "earlier assistant message", f"messages.{i}.tool_call_id")
+        out.append(rendered)
+    return out

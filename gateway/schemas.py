@@ -25,7 +25,7 @@ from batchfleet.common.guided import Guide, GuideError, from_options
 from batchfleet.common.lanes import lane_of
 from batchfleet.common.params import FIELDS, MIN_TEMPERATURE, ParamError, Params
 from batchfleet.gateway.errors import invalid
-from batchfleet.gateway.messages import Message
+from batchfleet.gateway.messages import Message, conversation
 from batchfleet.gateway.strict import NEUTRAL_CHAT, NEUTRAL_COMPLETIONS, refuse_non_neutral
 from batchfleet.gateway.tools import Tool, ToolChoice, ToolPlan, plan
 from batchfleet.producer.chat import Chat
@@ -247,7 +247,11 @@ class ChatCompletionRequest(_Common):  # type: ignore[misc,valid-type]
         if tools is not None and tools.constrained and job.guide is not None:
             raise invalid(f"tool_choice {tools.choice!r} constrains the answer to tool calls: give it or "
                           f"{job.guide_param}, not both", "tool_choice")
-        messages = [m.rendered(i) for i, m in enumerate(self.messages)]
+        if tools is not None and tools.constrained and self.stop:  # a stop string would cut the forced call
+            raise invalid(f"stop cannot be used with tool_choice {tools.choice!r} (the answer is tool calls, "
+                          "which end by themselves)", "stop")
+        tools = tools.beside(job.guide) if tools is not None else None
+        messages = conversation(self.messages)
         return replace(job, prompt=messages if tools is None else Chat(messages, tools.tools), prompt_field="messages",
                        max_tokens_field=self.max_tokens_field(), tools=tools,
                        guide_param="tools" if tools is not None and tools.constrained else job.guide_param)

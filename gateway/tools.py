@@ -4,7 +4,9 @@ validated into one ``ToolPlan``, the constraint that makes a forced call valid, 
 * ``tools`` are handed to the chat template (producer/chat.py ``Chat``), which renders them as the model
   was trained to read them; ``tool_choice`` defaults to ``auto`` when tools are given, as OpenAI's.
 * ``auto``: the model may answer in text or call tools; its answer is parsed by the model family's parser
-  (gateway/tool_parsers.py, ``--tool-call-parser``), and is plain text when it holds no well-formed call.
+  (gateway/tool_parsers.py, ``--tool-call-parser``), and is plain text when it holds no well-formed call,
+  or a call whose arguments fail its function's schema (jsonschema: a 200 never carries an invalid call).
+  Every ``parameters`` must be a valid JSON schema (its draft's metaschema), whatever the choice.
 * ``required`` / a named function: the output is constrained (llguidance) to the family's call format,
   each call's arguments to its function's ``parameters`` schema, so they always validate. A schema that
   llguidance cannot compile is a 400 naming ``tools.<i>.function.parameters``.
@@ -18,7 +20,7 @@ OpenAI's), streams ``delta.tool_calls`` (a first delta with the call's id and na
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
@@ -26,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from batchfleet.common.guided import MAX_GUIDE_CHARS, Guide, GuideError, dump_schema
 from batchfleet.gateway.errors import invalid
 from batchfleet.gateway.tool_parsers import Call, Family, constraint
+from batchfleet.gateway.tool_schemas import conforms, schema_error
 
 STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 MAX_TOOLS = 128  # OpenAI's limit
@@ -112,13 +115,26 @@ class ToolPlan:
         return guide
 
     def calls(self, family: Family, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, OpenAI tool calls) of an answer; (text, []) when it holds none."""
+        """(content, OpenAI tool calls) of an answer; (text, []) when it holds none, or when a call's
+        arguments fail its function's schema (``auto`` answers are not constrained: a model may write any
+        arguments, and a 200 never carries a call that breaks its schema)."""
         if not self.parsed:
             return text, []
         content, calls = family.parse(text, self.names)
         if not self.parallel:
             calls = calls[:1]
+        # a constrained answer was generated under the schemas (jsonschema's float arithmetic would refuse
+        # some of its numbers: 0.3 as a multipleOf 0.1); an ``auto`` one is only read, so it is checked
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or NO_PARAMETERS for t in self.tools}
+        if not self.constrained and not all(conforms(schemas[c.name], c.arguments) for c in calls):
+            return text, []
         return content, [tool_call(family, c) for c in calls]
+
+    def beside(self, guide: Guide | None) -> ToolPlan:
+        """The plan beside a request's structured output (``response_format`` / ``guided_*``, which a
+        constrained choice refuses): its answer follows that guide, so it is content, never read for calls
+        (``auto`` acts as ``none``: the tools are still rendered)."""
+        return self if guide is None or self.choice != "auto" else replace(self, choice="none")
 
     def finish(self, reason: str, called: bool) -> str:
         """OpenAI's finish_reason: ``tool_calls`` when the answer calls tools (``stop`` for a named
@@ -144,6 +160,11 @@ def plan(tools: Sequence[Tool] | None, choice: Any, parallel: bool | None) -> To
         if (tool.function.parameters or {}).get("type", "object") != "object":
             raise invalid(f"tools.{i}.function.parameters must be the JSON schema of an object (type: object)",
                           f"tools.{i}.function.parameters")
+        if tool.function.parameters is not None:  # as OpenAI: a schema that is no JSON schema is a 400
+            error = schema_error(tool.function.parameters)
+            if error:
+                raise invalid(f"tools.{i}.function.parameters is not a valid JSON schema: {error}"[:1000],
+                              f"tools.{i}.function.parameters")
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise invalid("tools must not repeat a function name", "tools")

@@ -12,6 +12,7 @@ and, where given, ``name``, ``tool_calls`` (``[{"id", "type": "function", "funct
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -76,15 +77,34 @@ def check_calls(calls: Any, index: int) -> list[dict[str, Any]]:
         fn = call.get("function") if isinstance(call, Mapping) else None
         name, args = (fn.get("name"), fn.get("arguments")) if isinstance(fn, Mapping) else (None, None)
         if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except (ValueError, RecursionError):
-                args = None
+            args = loads_object(args)
         if not isinstance(name, str) or not isinstance(args, Mapping) or not isinstance(call.get("id", ""), str):
             raise InvalidRequest(f"messages[{index}].tool_calls[{j}] must have an id, and a function with a name "
                                  "and arguments (a JSON object, or its text)")
         out.append({"id": call.get("id", ""), "type": "function", "function": {"name": name, "arguments": args}})
     return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} does not fit a float")
+    return value
+
+
+def loads_object(text: str) -> dict[str, Any] | None:
+    """The JSON object ``text`` holds (a tool call's arguments), or None: not JSON (Python's own NaN and
+    Infinity, and numbers past a float's range, included: the template's ``tojson`` would write them as no
+    JSON), not an object, or nested too deeply."""
+    try:
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 @lru_cache(maxsize=8)

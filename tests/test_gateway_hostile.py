@@ -157,7 +157,19 @@ def exact() -> list[tuple[str, bytes, str | None, int, str | None]]:
             ("/v1/chat/completions", json.dumps({**chat, "max_completion_tokens": 3}).encode(), "application/json", 400,
              "max_completion_tokens"),
             ("/v1/chat/completions", json.dumps({**chat, "messages": [not_an_object]}).encode(), "application/json",
-             400, "messages.0.tool_calls.0.function.arguments")]
+             400, "messages.0.tool_calls.0.function.arguments"),
+            ("/v1/chat/completions", json.dumps({**chat, "tools": [TOOL], "tool_choice": "required", "stop": "}"}
+                                                ).encode(), "application/json", 400, "stop"),
+            ("/v1/chat/completions", json.dumps({**chat, "messages": [{**not_an_object, "tool_calls": [
+                {**call, "function": {"name": "f", "arguments": '{"a": NaN}'}}]}, {"role": "tool", "tool_call_id": "d",
+                                                                                    "content": "1"}]}).encode(),
+             "application/json", 400, "messages.0.tool_calls.0.function.arguments"),
+            ("/v1/chat/completions", json.dumps({**chat, "messages": [
+                {"role": "tool", "tool_call_id": "c", "content": "1"}]}).encode(), "application/json", 400,
+             "messages.0.tool_call_id"),
+            ("/v1/chat/completions", json.dumps({**chat, "tools": [{"type": "function", "function": {"name": "g",
+             "parameters": {"type": "object", "properties": {"a": {"type": "bogus"}}}}}]}).encode(), "application/json",
+             400, "tools.0.function.parameters")]
     for message in ({"role": "user"}, {"role": "system", "content": None}, {"role": "assistant", "tool_calls": []}):
         out.append(("/v1/chat/completions", json.dumps({**chat, "messages": [message]}).encode(), "application/json",
                     400, "messages.0.content"))

@@ -36,9 +36,20 @@ GIVEN_UP = [
     ("guided_grammar", "root ::= ", "only matches the empty output"),  # an empty GBNF grammar
     ("guided_grammar", "start: ", "only matches the empty output"),  # an empty Lark one
     ("guided_regex", "()", "only matches the empty output"),
+    # integers a float cannot hold: llguidance would generate a neighbour that breaks the schema
+    ("guided_json", {"type": "object", "properties": {"x": {"const": 2**53 + 1}}, "required": ["x"]}, "past"),
+    ("guided_json", {"type": "integer", "minimum": 2**60 + 1, "maximum": 2**60 + 3}, "past"),
+    ("guided_json", {"type": "integer", "minimum": 2**70}, "past"),
+    ("guided_json", {"enum": [1, [{"a": -(2**64)}]]}, "past"),
 ]
 # passes the check (its first PROBE_STEPS tokens are fine), fails at run time on the byte-level tiny model
 FAILS_LATER = f'start: /[ab]{{{PROBE_STEPS + 4}}}/ "c"~1000000'
+
+
+@pytest.mark.unit
+def test_integers_a_float_holds_exactly_pass_the_check():
+    Guide("json_schema", json.dumps({"type": "object", "properties": {"x": {
+        "type": "integer", "minimum": -(2**53), "maximum": 2**53}, "y": {"const": 2**53}}})).check()
 
 
 def guide_of(option: str, value: object) -> Guide:
