@@ -26,6 +26,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from batchfleet.common.schema_numbers import inexact_integer
+
 # json_object: any JSON object; json_schema: ``spec`` is the schema as JSON text; regex: a regular
 # expression (Rust regex syntax) the whole output matches; choice: ``spec`` is a JSON list of strings,
 # the output is exactly one of them; grammar: a Lark (or GBNF) grammar, as vLLM's guided_grammar
@@ -82,7 +84,7 @@ class Guide:
                 schema = _loads(self.spec, "schema")
                 if not isinstance(schema, dict):
                     raise GuideError("a JSON schema must be a JSON object")
-                if (big := _inexact(schema)) is not None:
+                if (big := inexact_integer(schema)) is not None:
                     raise GuideError(f"invalid json_schema: the integer {big} is past +-2^53, which llguidance "
                                      "holds as a float (it would generate another number)"[:300])
                 return matcher.grammar_from_json_schema(self.spec, overrides=JSON_OPTIONS)
@@ -201,32 +203,6 @@ def _probe_tokenizer() -> Any:
             return list(text.encode() if isinstance(text, str) else text)
 
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()))
-
-
-EXACT = 2**53  # llguidance reads a schema's numbers as 64-bit floats: integers past this lose their value
-NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "const", "enum")
-
-
-def _inexact(schema: Any) -> int | None:
-    """An integer of a schema's numeric keywords (bounds, ``const``, ``enum``, at any depth) that a float
-    cannot hold exactly, or None. Walked without recursion (schemas may nest deeply)."""
-    todo, values = [schema], []
-    while todo:
-        node = todo.pop()
-        if isinstance(node, dict):
-            for key, value in node.items():
-                (values if key in NUMERIC else todo).append(value)
-        elif isinstance(node, list):
-            todo.extend(node)
-    while values:  # everything inside a numeric keyword's value: const and enum may hold objects and lists
-        value = values.pop()
-        if isinstance(value, dict):
-            values.extend(value.values())
-        elif isinstance(value, list):
-            values.extend(value)
-        elif type(value) is int and abs(value) > EXACT:
-            return value
-    return None
 
 
 def _loads(text: str, what: str) -> Any:
