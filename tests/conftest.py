@@ -150,3 +150,18 @@ def start_gateway(redis_url: str, namespace: str):
 
     with gateways(redis_url, namespace) as start:
         yield start
+
+
+@pytest.fixture
+def tool_served(start_worker, start_gateway, tiny_model_dir: Path, cache_dir: Path, tmp_path: Path):
+    """(openai client, gateway) over a worker whose chat template renders tools (tests/helpers/tools.py)."""
+    import openai
+
+    from tests.helpers.tools import tool_model
+
+    start_worker(model_dir=tool_model(tiny_model_dir, cache_dir / "tiny-tools"), buckets=(256, 2048),
+                 max_seq_len=2560, max_wait_ms=5)
+    gw = start_gateway(request_timeout_s=120, model_alias_any=True, files_dir=str(tmp_path / "files"))
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    yield client, gw
+    client.close()

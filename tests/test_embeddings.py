@@ -5,9 +5,6 @@ engines and both poolings, each vector compared with transformers' own hidden st
 
 from __future__ import annotations
 
-import json
-import time
-
 import httpx
 import numpy as np
 import openai
@@ -16,6 +13,7 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from batchfleet.producer import Client
+from tests.helpers.batches import bodies_of, run_batch
 from tests.helpers.gateway import engine_stats, gateways
 
 pytestmark = pytest.mark.integration
@@ -98,19 +96,11 @@ def test_batch_of_embeddings_lines(start_worker, start_gateway, tmp_path, tiny_m
     bodies = {"one": {"input": TEXTS[0], "encoding_format": "float"},
               "many": {"input": TEXTS, "encoding_format": "float"},
               "bad": {"input": "x", "dimensions": 3}}
-    text = "".join(json.dumps({"custom_id": k, "method": "POST", "url": "/v1/embeddings", "body": v}) + "\n"
-                   for k, v in bodies.items())
-    uploaded = client.files.create(file=("e.jsonl", text.encode()), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
-    deadline = time.monotonic() + 120
-    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.2)
+    batch = run_batch(client, "/v1/embeddings", bodies)
     assert batch.status == "completed" and batch.request_counts.completed == 2, batch
-    out = {o["custom_id"]: o["response"]["body"] for o in map(json.loads, client.files.content(
-        batch.output_file_id).text.splitlines())}
-    (error,) = map(json.loads, client.files.content(batch.error_file_id).text.splitlines())
-    assert error["custom_id"] == "bad" and error["response"]["body"]["error"]["param"] == "dimensions"
+    out = bodies_of(client, batch.output_file_id)
+    (error,) = bodies_of(client, batch.error_file_id).items()
+    assert error[0] == "bad" and error[1]["error"]["param"] == "dimensions"
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     want = reference(tiny_model_dir, [tokenizer(t)["input_ids"] for t in TEXTS], "last")
     assert [d["index"] for d in out["many"]["data"]] == [0, 1, 2]

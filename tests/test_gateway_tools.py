@@ -7,10 +7,7 @@ it. LangChain's ``bind_tools`` and ``with_structured_output(method="function_cal
 
 from __future__ import annotations
 
-import io
 import json
-import time
-from pathlib import Path
 from typing import Literal
 
 import jsonschema
@@ -18,21 +15,11 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from tests.helpers.tools import ADD, TOOLS, WEATHER, tool_model
+from tests.helpers.batches import bodies_of, run_batch
+from tests.helpers.tools import ADD, TOOLS, WEATHER
 
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
-
-
-@pytest.fixture
-def served(start_worker, start_gateway, tiny_model_dir: Path, cache_dir: Path, tmp_path: Path):
-    """(openai client, gateway) over a worker whose template renders tools."""
-    start_worker(model_dir=tool_model(tiny_model_dir, cache_dir / "tiny-tools"), buckets=(256, 2048),
-                 max_seq_len=2560, max_wait_ms=5)
-    gw = start_gateway(request_timeout_s=120, model_alias_any=True, files_dir=str(tmp_path / "files"))
-    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    yield client, gw
-    client.close()
 
 
 def valid(call) -> dict:
@@ -42,8 +29,8 @@ def valid(call) -> dict:
     return args
 
 
-def test_required_and_named_choices_always_give_valid_calls(served):
-    client, _ = served
+def test_required_and_named_choices_always_give_valid_calls(tool_served):
+    client, _ = tool_served
     for seed in range(3):
         answer = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required",
                                                 parallel_tool_calls=False, max_tokens=300, temperature=1.0,
@@ -60,8 +47,8 @@ def test_required_and_named_choices_always_give_valid_calls(served):
     assert set(valid(choice.message.tool_calls[0])) == {"a", "b"}
 
 
-def test_streamed_tool_calls_arrive_as_openais_deltas(served):
-    client, _ = served
+def test_streamed_tool_calls_arrive_as_openais_deltas(tool_served):
+    client, _ = tool_served
     stream = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, max_tokens=300, stream=True,
                                             tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                             stream_options={"include_usage": True})
@@ -83,8 +70,8 @@ def test_streamed_tool_calls_arrive_as_openais_deltas(served):
     jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS["get_weather"])
 
 
-def test_auto_answers_text_or_calls_and_tool_results_go_back(served):
-    client, _ = served
+def test_auto_answers_text_or_calls_and_tool_results_go_back(tool_served):
+    client, _ = tool_served
     for choice in ("auto", "none"):
         answer = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice=choice,
                                                 max_tokens=24)
@@ -103,8 +90,8 @@ def test_auto_answers_text_or_calls_and_tool_results_go_back(served):
     assert again.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result were rendered
 
 
-def test_a_schema_llguidance_cannot_compile_is_a_400_naming_it(served):
-    client, _ = served
+def test_a_schema_llguidance_cannot_compile_is_a_400_naming_it(tool_served):
+    client, _ = tool_served
     bad = {"type": "function", "function": {"name": "loop", "parameters": {"$ref": "#"}}}
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model="m", messages=ASK, tools=[ADD, bad], tool_choice="required")
@@ -115,21 +102,13 @@ def test_a_schema_llguidance_cannot_compile_is_a_400_naming_it(served):
     assert exc.value.body["param"] == "tool_choice"
 
 
-def test_batch_lines_with_tools_answer_with_tool_calls(served):
-    client, _ = served
+def test_batch_lines_with_tools_answer_with_tool_calls(tool_served):
+    client, _ = tool_served
     body = {"model": "m", "messages": ASK, "tools": TOOLS, "max_tokens": 300, "parallel_tool_calls": False}
-    lines = [{"custom_id": c, "method": "POST", "url": "/v1/chat/completions", "body": {**body, "tool_choice": choice}}
-             for c, choice in (("required", "required"), ("named", {"type": "function", "function": {"name": "add"}}))]
-    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
-    uploaded = client.files.create(file=("tools.jsonl", io.BytesIO(data)), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
-    deadline = time.monotonic() + 120
-    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.2)
+    choices = {"required": "required", "named": {"type": "function", "function": {"name": "add"}}}
+    batch = run_batch(client, "/v1/chat/completions", {c: {**body, "tool_choice": t} for c, t in choices.items()})
     assert batch.status == "completed" and batch.request_counts.completed == 2, batch
-    answers = {a["custom_id"]: a["response"]["body"]["choices"][0]
-               for a in map(json.loads, client.files.content(batch.output_file_id).text.splitlines())}
+    answers = {c: b["choices"][0] for c, b in bodies_of(client, batch.output_file_id).items()}
     assert answers["required"]["finish_reason"] == "tool_calls" and answers["named"]["finish_reason"] == "stop"
     for answer in answers.values():
         (call,) = answer["message"]["tool_calls"]
@@ -153,10 +132,10 @@ class Sum(BaseModel):
     b: int = Field(ge=0, le=99)
 
 
-def test_langchain_bind_tools_and_structured_output(served):
+def test_langchain_bind_tools_and_structured_output(tool_served):
     from langchain_openai import ChatOpenAI
 
-    _, gw = served
+    _, gw = tool_served
     llm = ChatOpenAI(base_url=gw.url + "/v1", api_key="unused", model="m", max_tokens=300, max_retries=0,
                      timeout=120)
     message = llm.bind_tools([Weather, Sum], tool_choice="any", parallel_tool_calls=False).invoke(

@@ -5,13 +5,13 @@ over a real Redis and a real native worker. A response is the chat completion of
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
+from tests.helpers.batches import bodies_of, run_batch
 from tests.helpers.gateway import gateways
 
 KEYS = ("sk-resp-key-one-0001", "sk-resp-key-two-0002")
@@ -157,20 +157,11 @@ def test_batch_of_responses_lines(start_worker, start_gateway, tmp_path):
     bodies = {f"r{i}": {"model": model, "input": f"question {i}", "max_output_tokens": 4, "temperature": 0}
               for i in range(3)}
     bodies["chained"] = {**bodies["r0"], "previous_response_id": "resp_x"}
-    text = "".join(json.dumps({"custom_id": k, "method": "POST", "url": "/v1/responses", "body": v}) + "\n"
-                   for k, v in bodies.items())
-    uploaded = client.files.create(file=("b.jsonl", text.encode()), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h")
-    for _ in range(600):
-        batch = client.batches.retrieve(batch.id)
-        if batch.status in ("completed", "failed"):
-            break
-        time.sleep(0.2)
+    batch = run_batch(client, "/v1/responses", bodies)
     assert batch.status == "completed" and batch.request_counts.completed == 3, batch
-    out = {o["custom_id"]: o["response"]["body"] for o in map(json.loads, client.files.content(
-        batch.output_file_id).text.splitlines())}
-    (error,) = map(json.loads, client.files.content(batch.error_file_id).text.splitlines())
-    assert error["custom_id"] == "chained" and error["response"]["body"]["error"]["param"] == "previous_response_id"
+    out = bodies_of(client, batch.output_file_id)
+    (error,) = bodies_of(client, batch.error_file_id).items()
+    assert error[0] == "chained" and error[1]["error"]["param"] == "previous_response_id"
     assert batch.usage.output_tokens == sum(b["usage"]["output_tokens"] for b in out.values()) > 0
     for key, body in out.items():
         assert body["object"] == "response" and body["store"] is False

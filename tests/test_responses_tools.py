@@ -8,21 +8,18 @@ API's /v1/responses lines with tools answer the same way; LangChain's ``use_resp
 
 from __future__ import annotations
 
-import io
 import json
-import time
-from pathlib import Path
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from openai.types.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from batchfleet.gateway.errors import APIError
 from batchfleet.gateway.responses_items import answer_message, chat_messages, check_outputs, input_items, parse_items
-from tests.helpers.tools import TOOLS, tool_model
+from tests.helpers.batches import bodies_of, run_batch
+from tests.helpers.tools import TOOLS
 
 FLAT = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat tools
 SCHEMAS = {t["name"]: t["parameters"] for t in FLAT}
@@ -52,17 +49,6 @@ def test_items_fold_into_chat_turns_and_list_back():
     assert info.value.param == "input.0.call_id"
 
 
-@pytest.fixture
-def served(start_worker, start_gateway, tiny_model_dir: Path, cache_dir: Path, tmp_path: Path):
-    """(openai client, gateway) over a worker whose template renders tools."""
-    start_worker(model_dir=tool_model(tiny_model_dir, cache_dir / "tiny-tools"), buckets=(256, 2048),
-                 max_seq_len=2560, max_wait_ms=5)
-    gw = start_gateway(request_timeout_s=120, model_alias_any=True, files_dir=str(tmp_path / "files"))
-    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    yield client, gw
-    client.close()
-
-
 def calls_of(response) -> list:
     """The response's function_call items, each checked: ids, status, arguments valid for its schema."""
     calls = [item for item in response.output if item.type == "function_call"]
@@ -72,8 +58,8 @@ def calls_of(response) -> list:
     return calls
 
 
-def test_required_and_named_choices_give_valid_function_calls(served):
-    client, gw = served
+def test_required_and_named_choices_give_valid_function_calls(tool_served):
+    client, gw = tool_served
     for seed in range(2):
         out = client.responses.create(model="m", input=ASK, tools=FLAT, tool_choice="required", temperature=1.0,
                                       parallel_tool_calls=False, max_output_tokens=300, extra_body={"seed": seed})
@@ -91,8 +77,8 @@ def test_required_and_named_choices_give_valid_function_calls(served):
             assert [i.type for i in out.output] == ["message"]
 
 
-def test_streamed_function_calls_follow_openais_events(served):
-    client, _ = served
+def test_streamed_function_calls_follow_openais_events(tool_served):
+    client, _ = tool_served
     for choice in (NAMED, "required", "auto"):
         events = list(client.responses.create(model="m", input=ASK, tools=FLAT, tool_choice=choice, stream=True,
                                               max_output_tokens=300 if choice != "auto" else 24))
@@ -122,8 +108,8 @@ def test_streamed_function_calls_follow_openais_events(served):
         assert client.responses.retrieve(done.id).output == done.output  # stored as it was streamed
 
 
-def test_function_call_outputs_and_chaining_continue_the_conversation(served):
-    client, _ = served
+def test_function_call_outputs_and_chaining_continue_the_conversation(tool_served):
+    client, _ = tool_served
     first = client.responses.create(model="m", input=ASK, tools=FLAT, tool_choice="required",
                                     parallel_tool_calls=False, max_output_tokens=300)
     (call,) = calls_of(first)
@@ -149,8 +135,8 @@ def test_function_call_outputs_and_chaining_continue_the_conversation(served):
     assert streamed[-1].response.usage.input_tokens == explicit.usage.input_tokens
 
 
-def test_tool_refusals_name_this_apis_fields(served):
-    client, gw = served
+def test_tool_refusals_name_this_apis_fields(tool_served):
+    client, gw = tool_served
     loop = {"type": "function", "name": "loop", "parameters": {"$ref": "#"}}
     refused = [({"tools": [{"type": "web_search"}]}, "tools.0.type"),
                ({"tools": [FLAT[0], {"type": "file_search", "vector_store_ids": ["v"]}]}, "tools.1.type"),
@@ -173,21 +159,13 @@ def test_tool_refusals_name_this_apis_fields(served):
             assert resp.json()["error"]["param"] == param, (extra, resp.json())
 
 
-def test_batch_lines_with_tools_answer_with_function_calls(served):
-    client, _ = served
+def test_batch_lines_with_tools_answer_with_function_calls(tool_served):
+    client, _ = tool_served
     body = {"model": "m", "input": ASK, "tools": FLAT, "max_output_tokens": 300, "parallel_tool_calls": False}
-    lines = [{"custom_id": c, "method": "POST", "url": "/v1/responses", "body": {**body, "tool_choice": choice}}
-             for c, choice in (("required", "required"), ("named", NAMED))]
-    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
-    uploaded = client.files.create(file=("tools.jsonl", io.BytesIO(data)), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h")
-    deadline = time.monotonic() + 120
-    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.2)
+    batch = run_batch(client, "/v1/responses", {c: {**body, "tool_choice": t} for c, t in
+                                                  (("required", "required"), ("named", NAMED))})
     assert batch.status == "completed" and batch.request_counts.completed == 2, batch
-    answers = {a["custom_id"]: Response.model_validate(a["response"]["body"])
-               for a in map(json.loads, client.files.content(batch.output_file_id).text.splitlines())}
+    answers = {c: Response.model_validate(b) for c, b in bodies_of(client, batch.output_file_id).items()}
     assert [len(calls_of(a)) for a in answers.values()] == [1, 1]
     assert calls_of(answers["named"])[0].name == "add" and answers["named"].store is False
 
@@ -207,11 +185,11 @@ class Weather(BaseModel):
     city: str = Field(max_length=8)
 
 
-def test_langchain_responses_api_bind_tools(served):
+def test_langchain_responses_api_bind_tools(tool_served):
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_openai import ChatOpenAI
 
-    _, gw = served
+    _, gw = tool_served
     llm = ChatOpenAI(base_url=gw.url + "/v1", api_key="unused", model="m", max_tokens=300, max_retries=0,
                      timeout=120, use_responses_api=True)
     message = llm.bind_tools([Weather, Sum], tool_choice="any", parallel_tool_calls=False).invoke("Weather?")
