@@ -14,17 +14,28 @@ Paths (measured numbers in docs/NATIVE_ENGINE.md):
   chunk's K/V is written before any attention of the layer, so sequences of one step may share blocks.
 - decode, ``kernel`` (CPU default): the C kernel of cpu_kernel.py reads K/V in place through the
   block table (no copy), one pass over K and one over V.
-- decode, ``gather``: index_select the sequence's blocks into a dense [B, Hkv, T, D] view and run SDPA
-  with a length mask; query heads of one KV group ride along the query-length axis, so GQA needs
-  no K/V expansion.
+- ``paged_attention`` (the torch path: ``--no-native-kernel``, CUDA; decode and, for batch invariance,
+  every prompt token of a prefill too): tiles of TILE consecutive positions of one sequence, K/V gathered
+  from the pool in fixed splits of SPLIT tokens; every matmul has a fixed per-item shape (below).
+- ``decode_attention_gather``: index_select the sequence's blocks into a dense [B, Hkv, T, D] view and run
+  SDPA with a length mask (the reference the C kernel is tested against; no longer an engine path).
 - decode on NPU: torch_npu's paged attention (``npu_incre_flash_attention`` with a block table),
   chosen at runtime; untested (no NPU available here).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+# Positions per query tile, and keys per split of the torch paged attention. Fixed (not per batch) so that
+# every bmm item has one shape whatever the step holds: [TILE * G, D] x [D, SPLIT] and [TILE * G, SPLIT] x
+# [SPLIT, D] (G query heads per KV head). torch's CPU matmul gives a row other bits when the number of rows
+# changes (MKL fp32 at 1, 4, 5, 7, ... rows), but a bmm item the same bits at any item count (measured).
+TILE = 8
+SPLIT = 64
 
 
 def write_kv(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -112,3 +123,74 @@ def decode_attention_npu(q: torch.Tensor, pool: torch.Tensor, block_tables: torc
         actual_seq_lengths=ctx_lens,
     )
     return o.view(B, H * D)
+
+
+@dataclass
+class TileLayout:
+    """Where the queries of one step sit in tiles of TILE consecutive positions of one sequence.
+
+    idx: [N] flat row (tile * TILE + position % TILE) of each query; tables: [R, M] the block table of each
+    tile's sequence (trash-padded); ctx: [R, TILE] keys each row sees (its position + 1; 1 for an empty row)."""
+
+    idx: torch.Tensor
+    tables: torch.Tensor
+    ctx: torch.Tensor
+
+    def to(self, device: torch.device) -> TileLayout:
+        return TileLayout(self.idx.to(device), self.tables.to(device), self.ctx.to(device))
+
+
+def tile_layout(block_tables: list[list[int]], starts: list[int], lens: list[int], trash: int,
+                width: int | None = None) -> TileLayout:
+    """Queries at positions [starts[b], starts[b] + lens[b]) of sequence b (block table ``block_tables[b]``),
+    in that order; ``width``: the tables' width (default: the longest table)."""
+    width = width or max(len(t) for t in block_tables)
+    first = torch.tensor([a // TILE for a in starts])
+    counts = torch.tensor([(a + n - 1) // TILE - a // TILE + 1 for a, n in zip(starts, lens)])
+    base = counts.cumsum(0) - counts  # first tile of each sequence
+    rows = torch.tensor([t + [trash] * (width - len(t)) for t in block_tables])  # [B, width]
+    pos = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lens)])  # [N]
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))  # [N]
+    idx = (base[seq] + pos // TILE - first[seq]) * TILE + pos % TILE
+    R = int(counts.sum())
+    ctx = torch.ones(R * TILE, dtype=torch.long)
+    ctx[idx] = pos + 1
+    return TileLayout(idx, rows.repeat_interleave(counts, dim=0), ctx.view(R, TILE))
+
+
+def paged_attention(q: torch.Tensor, pool: torch.Tensor, layout: TileLayout, scale: float) -> torch.Tensor:
+    """Batch-invariant attention over the paged pool, in torch. q: [N, H, D] (queries placed by ``layout``);
+    pool: [2, NB + 1, bs, Hkv, D] -> [N, H * D] in q's dtype.
+
+    A query's bits depend only on its q and the cached K/V of its positions 0..p, never on the step: the
+    same function for a prefill's tokens and a decode step's; K/V read from the pool (the stored dtype) and
+    computed in fp32; scores per split of SPLIT keys at absolute positions (bmm items of one shape); one
+    softmax over the row, where keys past the row's context are -inf (exp 0: a wider table adds exact zeros
+    to the row's lanes); P @ V split by split, summed in split order (a split past the context adds 0)."""
+    N, H, D = q.shape
+    bs, Hkv, G = pool.shape[2], pool.shape[3], H // pool.shape[3]
+    R, M = layout.tables.shape
+    per = max(1, SPLIT // bs)  # blocks per split
+    splits = -(-M // per)
+    S = per * bs
+    trash = pool.shape[1] - 1
+    tables = F.pad(layout.tables, (0, splits * per - M), value=trash)  # [R, splits * per]
+    qt = q.new_zeros(R * TILE, H, D)
+    qt[layout.idx] = q
+    # [R * Hkv, TILE * G, D]: one item per (tile, KV head), rows (position in tile, query head of the group)
+    qe = (qt.float() * scale).view(R, TILE, Hkv, G, D).transpose(1, 2).reshape(R * Hkv, TILE * G, D)
+
+    def kv(which: int, c: int) -> torch.Tensor:  # split c of every tile: [R * Hkv, S, D] fp32
+        blocks = pool[which].index_select(0, tables[:, c * per:(c + 1) * per].reshape(-1))
+        return blocks.view(R, S, Hkv, D).transpose(1, 2).float().reshape(R * Hkv, S, D)
+
+    scores = torch.cat([torch.bmm(qe, kv(0, c).transpose(1, 2)) for c in range(splits)], dim=2)  # [R*Hkv, TG, T]
+    keys = torch.arange(splits * S, device=q.device)
+    hidden = keys >= layout.ctx[:, :, None]  # [R, TILE, T]
+    hidden = hidden[:, None, :, None].expand(R, Hkv, TILE, G, splits * S).reshape(R * Hkv, TILE * G, -1)
+    p = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+    out = torch.bmm(p[:, :, :S].contiguous(), kv(1, 0))
+    for c in range(1, splits):
+        out += torch.bmm(p[:, :, c * S:(c + 1) * S].contiguous(), kv(1, c))
+    out = out.view(R, Hkv, TILE, G, D).transpose(1, 2).reshape(R * TILE, H * D)
+    return out[layout.idx].to(q.dtype)
