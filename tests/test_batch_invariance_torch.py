@@ -51,9 +51,10 @@ def test_torch_path_batch_requests_under_a_flood_match_them_alone(model_dir, dty
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_paged_attention_gives_a_query_the_same_bits_whatever_shares_the_call(dtype):
+def test_paged_attention_gives_a_query_the_same_bits_whatever_shares_the_call(dtype, monkeypatch):
     """One sequence's queries (positions 40..69 of a 70-token context) computed together as a prefill chunk,
-    one by one as decode steps, and beside other sequences with wider tables: the same bits."""
+    one by one as decode steps, beside other sequences with wider tables, and one tile per pass: the same
+    bits; and the attention itself (SDPA over the same cache as reference)."""
     g = torch.Generator().manual_seed(0)
     bs, Hkv, D, H = 16, 2, 64, 4
     pool = torch.randn(2, 21, bs, Hkv, D, generator=g).to(dtype)  # 20 blocks + the trash block
@@ -61,6 +62,10 @@ def test_paged_attention_gives_a_query_the_same_bits_whatever_shares_the_call(dt
     table = [3, 7, 1, 12, 5]  # 5 blocks: 80 slots, 70 used
     q = torch.randn(70, H, D, generator=g).to(dtype)
     chunk = A.paged_attention(q[40:], pool, A.tile_layout([table], [40], [30], trash), D**-0.5)
+    ref = torch.cat([A.decode_attention_gather(q[p:p + 1].float(), pool.float(), torch.tensor([table]),
+                                               A.decode_mask(torch.tensor([p + 1]), 80), D**-0.5)
+                     for p in range(40, 70)])
+    torch.testing.assert_close(chunk.float(), ref, **({} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
     others = [[2, 4, 6, 8, 9, 10, 11, 13], [14]]
     for p in range(40, 70):
         alone = A.paged_attention(q[p:p + 1], pool, A.tile_layout([table], [p], [1], trash), D**-0.5)
@@ -69,3 +74,5 @@ def test_paged_attention_gives_a_query_the_same_bits_whatever_shares_the_call(dt
         mixed = A.paged_attention(qs, pool, A.tile_layout([others[0], table, others[1]], [100, p, 0], [1, 1, 3],
                                                           trash, width=8), D**-0.5)
         assert torch.equal(mixed[1:2], chunk[p - 40:p - 39]), p
+    monkeypatch.setattr(A, "GROUP", 1)
+    assert torch.equal(A.paged_attention(q[40:], pool, A.tile_layout([table], [40], [30], trash), D**-0.5), chunk)

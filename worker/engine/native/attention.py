@@ -36,6 +36,7 @@ import torch.nn.functional as F
 # changes (MKL fp32 at 1, 4, 5, 7, ... rows), but a bmm item the same bits at any item count (measured).
 TILE = 8
 SPLIT = 64
+GROUP = 64  # tiles per pass (memory: scores [GROUP * Hkv, TILE * G, context] fp32)
 
 
 def write_kv(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -166,17 +167,29 @@ def paged_attention(q: torch.Tensor, pool: torch.Tensor, layout: TileLayout, sca
     same function for a prefill's tokens and a decode step's; K/V read from the pool (the stored dtype) and
     computed in fp32; scores per split of SPLIT keys at absolute positions (bmm items of one shape); one
     softmax over the row, where keys past the row's context are -inf (exp 0: a wider table adds exact zeros
-    to the row's lanes); P @ V split by split, summed in split order (a split past the context adds 0)."""
+    to the row's lanes); P @ V split by split, summed in split order (a split past the context adds 0).
+    At most GROUP tiles per pass bound the memory (an item's bits do not depend on the item count)."""
     N, H, D = q.shape
+    R = layout.tables.shape[0]
+    qt = q.new_zeros(R * TILE, H, D)
+    qt[layout.idx] = q
+    out = torch.empty(R * TILE, H * D, dtype=torch.float32, device=q.device)
+    for a in range(0, R, GROUP):
+        b = min(a + GROUP, R)
+        out[a * TILE:b * TILE] = _tiles(qt[a * TILE:b * TILE], pool, layout.tables[a:b], layout.ctx[a:b], scale)
+    return out[layout.idx].to(q.dtype)
+
+
+def _tiles(qt: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """qt: [R * TILE, H, D]; tables: [R, M]; ctx: [R, TILE] -> [R * TILE, H * D] fp32."""
+    H, D = qt.shape[1:]
     bs, Hkv, G = pool.shape[2], pool.shape[3], H // pool.shape[3]
-    R, M = layout.tables.shape
+    R, M = tables.shape
     per = max(1, SPLIT // bs)  # blocks per split
     splits = -(-M // per)
     S = per * bs
-    trash = pool.shape[1] - 1
-    tables = F.pad(layout.tables, (0, splits * per - M), value=trash)  # [R, splits * per]
-    qt = q.new_zeros(R * TILE, H, D)
-    qt[layout.idx] = q
+    tables = F.pad(tables, (0, splits * per - M), value=pool.shape[1] - 1)  # trash-padded: [R, splits * per]
     # [R * Hkv, TILE * G, D]: one item per (tile, KV head), rows (position in tile, query head of the group)
     qe = (qt.float() * scale).view(R, TILE, Hkv, G, D).transpose(1, 2).reshape(R * Hkv, TILE * G, D)
 
@@ -185,12 +198,11 @@ def paged_attention(q: torch.Tensor, pool: torch.Tensor, layout: TileLayout, sca
         return blocks.view(R, S, Hkv, D).transpose(1, 2).float().reshape(R * Hkv, S, D)
 
     scores = torch.cat([torch.bmm(qe, kv(0, c).transpose(1, 2)) for c in range(splits)], dim=2)  # [R*Hkv, TG, T]
-    keys = torch.arange(splits * S, device=q.device)
-    hidden = keys >= layout.ctx[:, :, None]  # [R, TILE, T]
+    keys = torch.arange(splits * S, device=qt.device)
+    hidden = keys >= ctx[:, :, None]  # [R, TILE, T]
     hidden = hidden[:, None, :, None].expand(R, Hkv, TILE, G, splits * S).reshape(R * Hkv, TILE * G, -1)
     p = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
     out = torch.bmm(p[:, :, :S].contiguous(), kv(1, 0))
     for c in range(1, splits):
         out += torch.bmm(p[:, :, c * S:(c + 1) * S].contiguous(), kv(1, c))
-    out = out.view(R, Hkv, TILE, G, D).transpose(1, 2).reshape(R * TILE, H * D)
-    return out[layout.idx].to(q.dtype)
+    return out.view(R, Hkv, TILE, G, D).transpose(1, 2).reshape(R * TILE, H * D)
