@@ -34,8 +34,12 @@ import torch.nn.functional as F
 # every bmm item has one shape whatever the step holds: [TILE * G, D] x [D, SPLIT] and [TILE * G, SPLIT] x
 # [SPLIT, D] (G query heads per KV head). torch's CPU matmul gives a row other bits when the number of rows
 # changes (MKL fp32 at 1, 4, 5, 7, ... rows), but a bmm item the same bits at any item count (measured).
+# Sizes measured on CPU (bench shapes, 8 x 400-token prefill and 32 x 300 decode): tile 8 with splits of 16-32
+# fastest (4: more K/V copies; 16: 2x the decode waste; splits of 64+: slower bmm items). On other devices a
+# split of 256 keys: every split is a few kernel launches per layer.
 TILE = 8
-SPLIT = 64
+SPLIT = 32
+SPLIT_DEVICE = 256
 GROUP = 64  # tiles per pass (memory: scores [GROUP * Hkv, TILE * G, context] fp32)
 
 
@@ -130,15 +134,20 @@ def decode_attention_npu(q: torch.Tensor, pool: torch.Tensor, block_tables: torc
 class TileLayout:
     """Where the queries of one step sit in tiles of TILE consecutive positions of one sequence.
 
-    idx: [N] flat row (tile * TILE + position % TILE) of each query; tables: [R, M] the block table of each
-    tile's sequence (trash-padded); ctx: [R, TILE] keys each row sees (its position + 1; 1 for an empty row)."""
+    idx: [N] flat row (tile * TILE + position % TILE) of each query; tables: [B, M] the sequences' block
+    tables (trash-padded); seq: [R] each tile's sequence; ctx: [R, TILE] keys each row sees (its position + 1;
+    1 for an empty row); reach: the largest ctx of each tile, tiles ordered by it, longest first (so the tiles
+    that reach a split are a prefix: later splits run on fewer items)."""
 
     idx: torch.Tensor
     tables: torch.Tensor
+    seq: torch.Tensor
     ctx: torch.Tensor
+    reach: list[int]
 
     def to(self, device: torch.device) -> TileLayout:
-        return TileLayout(self.idx.to(device), self.tables.to(device), self.ctx.to(device))
+        return TileLayout(self.idx.to(device), self.tables.to(device), self.seq.to(device), self.ctx.to(device),
+                          self.reach)
 
 
 def tile_layout(block_tables: list[list[int]], starts: list[int], lens: list[int], trash: int,
@@ -149,14 +158,18 @@ def tile_layout(block_tables: list[list[int]], starts: list[int], lens: list[int
     first = torch.tensor([a // TILE for a in starts])
     counts = torch.tensor([(a + n - 1) // TILE - a // TILE + 1 for a, n in zip(starts, lens)])
     base = counts.cumsum(0) - counts  # first tile of each sequence
-    rows = torch.tensor([t + [trash] * (width - len(t)) for t in block_tables])  # [B, width]
     pos = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lens)])  # [N]
     seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))  # [N]
-    idx = (base[seq] + pos // TILE - first[seq]) * TILE + pos % TILE
+    tile = base[seq] + pos // TILE - first[seq]  # [N]
     R = int(counts.sum())
-    ctx = torch.ones(R * TILE, dtype=torch.long)
-    ctx[idx] = pos + 1
-    return TileLayout(idx, rows.repeat_interleave(counts, dim=0), ctx.view(R, TILE))
+    ctx = torch.ones(R, TILE, dtype=torch.long)
+    ctx[tile, pos % TILE] = pos + 1
+    reach, order = ctx.amax(1).sort(descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(R)
+    tables = torch.tensor([t + [trash] * (width - len(t)) for t in block_tables])  # [B, width]
+    tile_seq = torch.repeat_interleave(torch.arange(len(lens)), counts)  # [R] before the sort
+    return TileLayout(rank[tile] * TILE + pos % TILE, tables, tile_seq[order], ctx[order], reach.tolist())
 
 
 def paged_attention(q: torch.Tensor, pool: torch.Tensor, layout: TileLayout, scale: float) -> torch.Tensor:
@@ -166,43 +179,52 @@ def paged_attention(q: torch.Tensor, pool: torch.Tensor, layout: TileLayout, sca
     A query's bits depend only on its q and the cached K/V of its positions 0..p, never on the step: the
     same function for a prefill's tokens and a decode step's; K/V read from the pool (the stored dtype) and
     computed in fp32; scores per split of SPLIT keys at absolute positions (bmm items of one shape); one
-    softmax over the row, where keys past the row's context are -inf (exp 0: a wider table adds exact zeros
-    to the row's lanes); P @ V split by split, summed in split order (a split past the context adds 0).
-    At most GROUP tiles per pass bound the memory (an item's bits do not depend on the item count)."""
+    softmax over the row, where keys past the row's context are -inf (exp 0: a wider table, or a split
+    another row of the tile reaches, adds exact zeros to the row's lanes); P @ V split by split, summed in
+    split order (a split past the row's context adds 0, so skipping it for a tile that does not reach it
+    changes nothing). At most GROUP tiles per pass bound the memory (an item's bits do not depend on the
+    item count)."""
     N, H, D = q.shape
-    R = layout.tables.shape[0]
+    R = layout.ctx.shape[0]
     qt = q.new_zeros(R * TILE, H, D)
     qt[layout.idx] = q
     out = torch.empty(R * TILE, H * D, dtype=torch.float32, device=q.device)
     for a in range(0, R, GROUP):
         b = min(a + GROUP, R)
-        out[a * TILE:b * TILE] = _tiles(qt[a * TILE:b * TILE], pool, layout.tables[a:b], layout.ctx[a:b], scale)
+        out[a * TILE:b * TILE] = _tiles(qt[a * TILE:b * TILE], pool, layout.tables, layout.seq[a:b],
+                                        layout.ctx[a:b], layout.reach[a:b], scale)
     return out[layout.idx].to(q.dtype)
 
 
-def _tiles(qt: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor,
-           scale: float) -> torch.Tensor:
-    """qt: [R * TILE, H, D]; tables: [R, M]; ctx: [R, TILE] -> [R * TILE, H * D] fp32."""
+def _tiles(qt: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, seq: torch.Tensor, ctx: torch.Tensor,
+           reach: list[int], scale: float) -> torch.Tensor:
+    """qt: [R * TILE, H, D]; tables: [B, M]; seq: [R]; ctx: [R, TILE]; reach: [R] descending
+    -> [R * TILE, H * D] fp32."""
     H, D = qt.shape[1:]
     bs, Hkv, G = pool.shape[2], pool.shape[3], H // pool.shape[3]
-    R, M = tables.shape
-    per = max(1, SPLIT // bs)  # blocks per split
-    splits = -(-M // per)
+    R, B = seq.shape[0], tables.shape[0]
+    per = max(1, (SPLIT if qt.device.type == "cpu" else SPLIT_DEVICE) // bs)  # blocks per split
     S = per * bs
-    tables = F.pad(tables, (0, splits * per - M), value=pool.shape[1] - 1)  # trash-padded: [R, splits * per]
+    splits = -(-reach[0] // S)  # the splits the longest tile reaches
+    tables = F.pad(tables, (0, max(0, splits * per - tables.shape[1])), value=pool.shape[1] - 1)
     # [R * Hkv, TILE * G, D]: one item per (tile, KV head), rows (position in tile, query head of the group)
     qe = (qt.float() * scale).view(R, TILE, Hkv, G, D).transpose(1, 2).reshape(R * Hkv, TILE * G, D)
+    items = (seq[:, None] * Hkv + torch.arange(Hkv, device=qt.device)).view(-1)  # [R * Hkv] rows of [B * Hkv]
+    n = [sum(r > c * S for r in reach) * Hkv for c in range(splits)]  # items reaching split c: a prefix
 
-    def kv(which: int, c: int) -> torch.Tensor:  # split c of every tile: [R * Hkv, S, D] fp32
-        blocks = pool[which].index_select(0, tables[:, c * per:(c + 1) * per].reshape(-1))
-        return blocks.view(R, S, Hkv, D).transpose(1, 2).float().reshape(R * Hkv, S, D)
+    def kv(which: int, c: int) -> torch.Tensor:  # split c of the first n[c] items: [n[c], S, D] fp32
+        blocks = pool[which].index_select(0, tables[:, c * per:(c + 1) * per].reshape(-1))  # [B * per, bs, Hkv, D]
+        per_seq = blocks.view(B, S, Hkv, D).transpose(1, 2).float().reshape(B * Hkv, S, D)
+        return per_seq.index_select(0, items[:n[c]])
 
-    scores = torch.cat([torch.bmm(qe, kv(0, c).transpose(1, 2)) for c in range(splits)], dim=2)  # [R*Hkv, TG, T]
-    keys = torch.arange(splits * S, device=qt.device)
-    hidden = keys >= ctx[:, :, None]  # [R, TILE, T]
-    hidden = hidden[:, None, :, None].expand(R, Hkv, TILE, G, splits * S).reshape(R * Hkv, TILE * G, -1)
-    p = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
-    out = torch.bmm(p[:, :, :S].contiguous(), kv(1, 0))
+    scores = qe.new_full((R * Hkv, TILE * G, splits * S), float("-inf"))
+    for c in range(splits):
+        scores[:n[c], :, c * S:(c + 1) * S] = torch.bmm(qe[:n[c]], kv(0, c).transpose(1, 2))
+    hidden = torch.arange(splits * S, device=qt.device) >= ctx[:, :, None]  # [R, TILE, T]
+    scores.view(R, Hkv, TILE, G, -1).masked_fill_(hidden[:, None, :, None], float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    out = torch.bmm(p[:, :, :S], kv(1, 0)) if n[0] == R * Hkv else None
+    assert out is not None  # every tile reaches split 0 (ctx >= 1)
     for c in range(1, splits):
-        out += torch.bmm(p[:, :, c * S:(c + 1) * S].contiguous(), kv(1, c))
+        out[:n[c]] += torch.bmm(p[:n[c], :, c * S:(c + 1) * S], kv(1, c))
     return out.view(R, Hkv, TILE, G, D).transpose(1, 2).reshape(R * TILE, H * D)
