@@ -13,6 +13,7 @@ through the native engine with the device's defaults, each batch-class request c
 (tokens and logprobs), in bf16 and fp32 on the ``small`` shape; prints how many differ.
 
     python scripts/bench_gpu.py --device cuda --shape small --invariance
+    python scripts/bench_gpu.py --device cpu --shape tiny --invariance --no-native-kernel  # the torch path here
 """
 
 from __future__ import annotations
@@ -118,12 +119,14 @@ def run(loaded: LoadedModel, mode: str, args: Load) -> dict:
 @click.option("--kv-cache-gb", type=float, default=None)
 @click.option("--json", "json_path", default=None)
 @click.option("--invariance", is_flag=True, help="Only check batch invariance (bf16 and fp32); no throughput.")
-def main(shape: str, modes: str, json_path: str | None, invariance: bool, **load) -> None:
+@click.option("--native-kernel/--no-native-kernel", default=True, show_default=True,
+              help="With --invariance on CPU: the C kernels or the torch path (what CUDA/NPU run).")
+def main(shape: str, modes: str, json_path: str | None, invariance: bool, native_kernel: bool, **load) -> None:
     args = Load(**load)
     dtype = torch.bfloat16
     t0 = time.perf_counter()
     if invariance:
-        return check_invariance(shape, args.device, json_path, t0)
+        return check_invariance(shape, args.device, json_path, t0, native_kernel)
     loaded = build_model(shape, args.device, dtype)
     print(f"model {shape} built on {args.device} in {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
@@ -142,11 +145,11 @@ def main(shape: str, modes: str, json_path: str | None, invariance: bool, **load
         Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
 
 
-def check_invariance(shape: str, device: str, json_path: str | None, t0: float) -> None:
+def check_invariance(shape: str, device: str, json_path: str | None, t0: float, native_kernel: bool) -> None:
     """Print, per dtype, how many of the flood's batch-class requests differ from themselves alone."""
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
-        row = flood_vs_alone(build_model(shape, device, dtype), device)
+        row = flood_vs_alone(build_model(shape, device, dtype), device, native_kernel)
         rows.append(row)
         print(f"batch invariance on {device} ({shape}, {row['dtype']}, prefill {row['prefill']}, attention "
               f"{row['attention']}): {row['differ']}/{row['targets']} requests differ from themselves alone "

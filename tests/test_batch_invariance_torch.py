@@ -76,3 +76,14 @@ def test_paged_attention_gives_a_query_the_same_bits_whatever_shares_the_call(dt
         assert torch.equal(mixed[1:2], chunk[p - 40:p - 39]), p
     monkeypatch.setattr(A, "GROUP", 1)
     assert torch.equal(A.paged_attention(q[40:], pool, A.tile_layout([table], [40], [30], trash), D**-0.5), chunk)
+
+
+def test_fp32_silu_is_the_same_bits_in_the_vector_body_and_the_scalar_tail(model_dir):
+    """torch's elementwise kernels run a contiguous range's body on vectors and its tail (where a thread's range
+    ends mid-vector, which depends on the row count) on scalars; the torch path's SiLU * up must agree in both.
+    A strided view takes the scalar loop everywhere."""
+    model = _engine(_loaded(model_dir, "float32"), "packed").runner.model
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(300, 2 * 1024, generator=g) * 4  # gate_up of 1024 = 2 x 512, every other column taken
+    with torch.inference_mode():
+        assert torch.equal(model.act_mul(wide[:, ::2]), model.act_mul(wide[:, ::2].contiguous()))

@@ -47,9 +47,10 @@ def _requests(vocab: int) -> tuple[list[GenRequest], list[GenRequest]]:
     return [req(*t) for t in targets], [req(*f) for f in flood]
 
 
-def _engine(loaded: LoadedModel, device: str, **kw) -> NativeEngine:
+def _engine(loaded: LoadedModel, device: str, native_kernel: bool, **kw) -> NativeEngine:
     batching = DynamicBatchingConfig(max_batch_size=8, max_seq_len=256, buckets=BUCKETS)
-    cfg = EngineConfig(engine="native", mode="continuous", device=device, block_size=16, kv_cache_gb=0.05)
+    cfg = EngineConfig(engine="native", mode="continuous", device=device, block_size=16, kv_cache_gb=0.05,
+                       native_kernel=native_kernel)
     return NativeEngine(loaded, batching, cfg, **kw)
 
 
@@ -66,14 +67,15 @@ def _drain(engine: NativeEngine, waves: list[list[GenRequest]]) -> dict:
     return done
 
 
-def flood_vs_alone(loaded: LoadedModel, device: str) -> dict:
-    """Run the flood and each target alone on ``loaded``; the count of targets whose tokens or logprobs differ."""
+def flood_vs_alone(loaded: LoadedModel, device: str, native_kernel: bool = True) -> dict:
+    """Run the flood and each target alone on ``loaded``; the count of targets whose tokens or logprobs differ.
+    ``native_kernel``: False runs the torch path on CPU too (on CUDA/NPU it is the only one)."""
     vocab = loaded.model.config.vocab_size
     tg, fl = _requests(vocab)
     alone = {}
     for r in tg:
-        alone.update(_drain(_engine(loaded, device), [[r]]))
-    engine = _engine(loaded, device, max_prefill_tokens=24, max_running=6, num_blocks=16)
+        alone.update(_drain(_engine(loaded, device, native_kernel), [[r]]))
+    engine = _engine(loaded, device, native_kernel, max_prefill_tokens=24, max_running=6, num_blocks=16)
     mixed = _drain(engine, [tg[:3] + fl[:4], fl[4:8], tg[3:6] + fl[8:11], fl[11:14], tg[6:] + fl[14:]])
     stats = engine.stats()
     differ = [r.id for r in tg if mixed[r.id] != alone[r.id]]
