@@ -25,6 +25,7 @@ Paths (measured numbers in docs/NATIVE_ENGINE.md):
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import torch
@@ -210,12 +211,20 @@ def _tiles(qt: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, seq: torc
     # [R * Hkv, TILE * G, D]: one item per (tile, KV head), rows (position in tile, query head of the group)
     qe = (qt.float() * scale).view(R, TILE, Hkv, G, D).transpose(1, 2).reshape(R * Hkv, TILE * G, D)
     items = (seq[:, None] * Hkv + torch.arange(Hkv, device=qt.device)).view(-1)  # [R * Hkv] rows of [B * Hkv]
-    n = [sum(r > c * S for r in reach) * Hkv for c in range(splits)]  # items reaching split c: a prefix
+    neg = [-r for r in reach]
+    n = [bisect_left(neg, -c * S) * Hkv for c in range(splits)]  # items reaching split c (reach > c S): a prefix
+    direct = tables[seq] if R <= B else None  # one tile per sequence (decode): gather in tile order
+
+    def f32(blocks: torch.Tensor) -> torch.Tensor:  # [r * per, bs, Hkv, D] -> [r * Hkv, S, D] fp32, one copy
+        r = blocks.shape[0] // per
+        out = torch.empty(r, Hkv, S, D, dtype=torch.float32, device=blocks.device)
+        return out.copy_(blocks.view(r, S, Hkv, D).transpose(1, 2)).view(r * Hkv, S, D)
 
     def kv(which: int, c: int) -> torch.Tensor:  # split c of the first n[c] items: [n[c], S, D] fp32
-        blocks = pool[which].index_select(0, tables[:, c * per:(c + 1) * per].reshape(-1))  # [B * per, bs, Hkv, D]
-        per_seq = blocks.view(B, S, Hkv, D).transpose(1, 2).float().reshape(B * Hkv, S, D)
-        return per_seq.index_select(0, items[:n[c]])
+        if direct is not None:
+            return f32(pool[which].index_select(0, direct[:n[c] // Hkv, c * per:(c + 1) * per].reshape(-1)))
+        return f32(pool[which].index_select(0, tables[:, c * per:(c + 1) * per].reshape(-1))).index_select(
+            0, items[:n[c]])
 
     scores = qe.new_full((R * Hkv, TILE * G, splits * S), float("-inf"))
     for c in range(splits):
