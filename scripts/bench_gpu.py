@@ -7,6 +7,13 @@ and the share of the HBM roofline (bytes per decode step = weights + KV read, at
 
     python scripts/bench_gpu.py --device cuda --shape 7b           # the H200 run (scripts/bench_gpu.sh)
     python scripts/bench_gpu.py --device cpu --shape tiny --requests 8   # CPU smoke run (tests)
+
+``--invariance``: instead, batch invariance on the device (scripts/benchlib/invariance.py): a small flood
+through the native engine with the device's defaults, each batch-class request compared with itself alone
+(tokens and logprobs), in bf16 and fp32 on the ``small`` shape; prints how many differ.
+
+    python scripts/bench_gpu.py --device cuda --shape small --invariance
+    python scripts/bench_gpu.py --device cpu --shape tiny --invariance --no-native-kernel  # the torch path here
 """
 
 from __future__ import annotations
@@ -28,10 +35,13 @@ from batchfleet.worker.benchmark.memqueue import MemClient, MemQueue
 from batchfleet.worker.compose import build_worker
 from batchfleet.worker.engine.models import LoadedModel
 from batchfleet.worker.engine.tokenizer import EOS_ID, byte_level_tokenizer
+from benchlib.invariance import flood_vs_alone
 
 SHAPES = {
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=32, vocab_size=32000),
+    "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                  num_key_value_heads=8, vocab_size=32000),
     "tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=4, vocab_size=320),
 }
@@ -108,10 +118,15 @@ def run(loaded: LoadedModel, mode: str, args: Load) -> dict:
               help="HBM bandwidth for the roofline, TB/s (H200: 4.8).")
 @click.option("--kv-cache-gb", type=float, default=None)
 @click.option("--json", "json_path", default=None)
-def main(shape: str, modes: str, json_path: str | None, **load) -> None:
+@click.option("--invariance", is_flag=True, help="Only check batch invariance (bf16 and fp32); no throughput.")
+@click.option("--native-kernel/--no-native-kernel", default=True, show_default=True,
+              help="With --invariance on CPU: the C kernels or the torch path (what CUDA/NPU run).")
+def main(shape: str, modes: str, json_path: str | None, invariance: bool, native_kernel: bool, **load) -> None:
     args = Load(**load)
     dtype = torch.bfloat16
     t0 = time.perf_counter()
+    if invariance:
+        return check_invariance(shape, args.device, json_path, t0, native_kernel)
     loaded = build_model(shape, args.device, dtype)
     print(f"model {shape} built on {args.device} in {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
@@ -125,6 +140,23 @@ def main(shape: str, modes: str, json_path: str | None, **load) -> None:
               f"-> {100 * r['roofline_share']:.1f}% of HBM roofline", flush=True)
     doc = {"device": args.device, "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "",
            "shape": shape, "engine": args.engine, "rows": rows, "total_s": round(time.perf_counter() - t0, 1)}
+    print(json.dumps(doc, indent=2))
+    if json_path:
+        Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def check_invariance(shape: str, device: str, json_path: str | None, t0: float, native_kernel: bool) -> None:
+    """Print, per dtype, how many of the flood's batch-class requests differ from themselves alone."""
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        row = flood_vs_alone(build_model(shape, device, dtype), device, native_kernel)
+        rows.append(row)
+        print(f"batch invariance on {device} ({shape}, {row['dtype']}, prefill {row['prefill']}, attention "
+              f"{row['attention']}): {row['differ']}/{row['targets']} requests differ from themselves alone "
+              f"({row['tokens_differ']} in tokens; {row['preemptions']} preemptions, {row['prefix_cache_hits']} "
+              f"prefix-hit tokens, {row['steps']} steps)", flush=True)
+    doc = {"device": device, "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "",
+           "shape": shape, "invariance": rows, "total_s": round(time.perf_counter() - t0, 1)}
     print(json.dumps(doc, indent=2))
     if json_path:
         Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")

@@ -66,3 +66,18 @@ def test_gpu_bench_script_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["rows"][0]["throughput_tok_s"] > 0 and "roofline_share" in doc["rows"][0]
+
+
+def test_gpu_bench_invariance_check_runs_on_cpu(tmp_path):
+    """bench_gpu.py --invariance (the GPU session's batch-invariance check) on this CPU, on the path a GPU runs
+    (--no-native-kernel; the tiny shape: head dim 32, MHA, gate/up 352 wide), bf16 and fp32: 0 of the flood's
+    batch requests differ from themselves alone."""
+    out = tmp_path / "inv.json"
+    proc = subprocess.run([sys.executable, "scripts/bench_gpu.py", "--device", "cpu", "--shape", "tiny",
+                           "--invariance", "--no-native-kernel", "--json", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["invariance"]
+    assert [r["dtype"] for r in rows] == ["bfloat16", "float32"]
+    assert all(r["targets"] == 9 and r["differ"] == 0 and r["preemptions"] > 0 and r["attention"] == "gather"
+               for r in rows), rows

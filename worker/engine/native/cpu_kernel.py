@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from batchfleet.worker.engine.native.attention import write_kv
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
@@ -161,6 +163,26 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor, tables: 
     if failed:
         raise MemoryError(f"paged decode kernel: {failed} work items could not allocate scratch memory")
     return out
+
+
+def prefill_attention(lib: ctypes.CDLL, kv: torch.Tensor, block_tables: list[list[int]], lens: list[int],
+                      positions: torch.Tensor, slots: torch.Tensor, trash: int, scale: float, num_threads: int):
+    """Packed prefill attention as decode computes it (batch invariance): every prompt token is one query
+    of the paged kernel, reading the K/V of positions [0, its own] from the pool, so a token gets the same
+    bits whether it is computed in a prefill (any chunk boundary, any prefix-cache hit, any neighbours) or
+    in a decode step (a preempted sequence's recompute). kv: [L, 2, NB + 1, bs, Hkv, D]; chunk b has
+    ``lens[b]`` tokens of the sequence with ``block_tables[b]``; positions, slots: [N] -> the ``AttnFn``."""
+    width = max(len(t) for t in block_tables)
+    rows = torch.tensor([t + [trash] * (width - len(t)) for t in block_tables])  # [B, width]
+    tables = rows.repeat_interleave(torch.tensor(lens), dim=0)  # [N, width]: each token its sequence's row
+    ctx = (positions + 1).contiguous()  # [N] keys each query sees, itself included
+
+    def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [1, N, H, D]; k, v: [1, N, Hkv, D]: every chunk's K/V written before any query reads the pool
+        write_kv(kv[i], slots, k[0], v[0])
+        return paged_decode(lib, q[0].contiguous(), kv[i], tables, ctx, scale, num_threads).view(1, q.shape[1], -1)
+
+    return attn
 
 
 def _threads(num_threads: int | None) -> int:

@@ -131,6 +131,11 @@ class NativeModel:
     def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The MLP's act(gate) * up of the fused gate/up projection [..., 2 * inter] -> [..., inter]."""
         gate, up = gate_up.chunk(2, dim=-1)
+        if self.hidden_act == "silu" and gate.dtype == torch.float32:
+            # torch's fp32 SiLU computes the tail of each thread's range with another exp than its vector body
+            # (4% of values an ulp apart, measured), so a row cut by a thread boundary would change with the
+            # row count; torch's exp is the same bits in both (10M values), so SiLU composed of it is not
+            return gate / (1 + torch.exp(-gate)) * up
         return self.act(gate) * up
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> torch.Tensor:

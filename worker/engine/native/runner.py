@@ -61,15 +61,16 @@ class ModelRunner:
         use_kernel = cpu and kernel_dir is not None and cpu_kernel.supports(self.dtype)
         self.kernel = cpu_kernel.load(Path(kernel_dir)) if use_kernel else None
         self.prefill_mode = ("packed" if cpu else "padded") if prefill == "auto" else prefill
-        if decode == "auto":
-            decode = "npu" if self.device.type == "npu" else "gather"
-            if self.kernel is not None:
-                decode = "kernel"
+        if decode == "auto":  # the torch paged attention on CUDA/NPU too: batch-invariant (npu: opt-in, untested)
+            decode = "kernel" if self.kernel is not None else "gather"
         if decode == "kernel" and self.kernel is None:
             raise ValueError(f"the C decode kernel needs a CPU and float32/bfloat16, not {self.device}/{self.dtype}")
         if self.prefill_mode not in ("padded", "packed") or decode not in ("kernel", "gather", "npu"):
             raise ValueError(f"unknown prefill {prefill!r} or decode {decode!r} path")
         self.decode_mode = decode
+        # without the C kernel: "paged" (A.paged_attention for prefill and decode: batch-invariant) or "sdpa"
+        # (SDPA prefill, gather + SDPA decode: not batch-invariant; the earlier path, kept for benchmarks)
+        self.attention = "paged"
         # RMSNorm, RoPE + KV write and SiLU * up of a decode step in C, beside the C attention kernel
         # (else the torch ops). They are the Llama block's ops: SUPPORTED_MODEL_TYPES keeps out models whose
         # block differs (qk-norm, other norms); another activation than SiLU keeps its torch op
@@ -176,16 +177,28 @@ class ModelRunner:
         ends = torch.tensor(lens).cumsum(0).sub(1)  # flat index of each chunk's last token
         last = ends[[i for i, s in enumerate(seqs) if s in batch.sampled]].to(dev)
         if self.decode_mode == "kernel":
-            return m.forward(tokens, positions, self._kernel_prefill_attn(seqs, lens, positions[0], slots),
-                             last_idx=last, **self._c_ops())
+            attn = cpu_kernel.prefill_attention(self.kernel, self.kv, [s.block_table for s in seqs], lens,
+                                                positions[0], slots, self.trash_block, m.scale, self.num_threads)
+            return m.forward(tokens, positions, attn, last_idx=last, **self._c_ops())
         prefixes = [u.to(dev) if a else None for u, a in zip(upto, starts)]
+        layout = self._layout(seqs, starts, lens)
 
         def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # q: [1, N, H, D]; k, v: [1, N, Hkv, D]
+            # q: [1, N, H, D]; k, v: [1, N, Hkv, D]: every chunk's K/V written before any query reads the pool
             A.write_kv(self.kv[i], slots, k[0], v[0])
+            if layout is not None:
+                return A.paged_attention(q[0], self.kv[i], layout, m.scale).view(1, N, -1)
             return A.packed_prefill_attention(q, k, v, lens, m.scale, self.kv[i], prefixes)
 
         return m.forward(tokens, positions, attn, last_idx=last)
+
+    def _layout(self, seqs: list, starts: list[int], lens: list[int], width: int | None = None):
+        """The tiles of A.paged_attention for tokens [start, start + n) of each sequence (None: the kernel or
+        SDPA runs the step's attention)."""
+        if self.decode_mode == "kernel" or self.attention != "paged":
+            return None
+        tables = [s.block_table if s is not None else [self.trash_block] for s in seqs]  # None: a padding row
+        return A.tile_layout(tables, starts, lens, self.trash_block, width).to(self.device)
 
     def _c_ops(self) -> dict:
         """The C RMSNorm and SiLU * up for ``NativeModel.forward`` (empty without them: its torch ops)."""
@@ -195,26 +208,6 @@ class ModelRunner:
         if self.c_silu:
             ops["act_mul"] = partial(cpu_kernel.silu_mul, self.ops, num_threads=self.num_threads)
         return ops
-
-    def _kernel_prefill_attn(self, seqs: list, lens: list[int], positions: torch.Tensor, slots: torch.Tensor):
-        """Packed prefill attention as decode computes it (batch invariance): every prompt token is one query
-        of the C paged kernel, reading the K/V of positions [0, its own] from the pool, so a token gets the
-        same bits whether it is computed in a prefill (any chunk boundary, any prefix-cache hit, any
-        neighbours) or in a decode step (a preempted sequence's recompute). positions, slots: [N]."""
-        m, trash = self.model, self.trash_block
-        width = max(len(s.block_table) for s in seqs)
-        rows = torch.tensor([s.block_table + [trash] * (width - len(s.block_table)) for s in seqs])  # [B, width]
-        tables = rows.repeat_interleave(torch.tensor(lens), dim=0)  # [N, width]: each token its sequence's row
-        ctx = (positions + 1).contiguous()  # [N] keys each query sees, itself included
-
-        def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # q: [1, N, H, D]; k, v: [1, N, Hkv, D]: every chunk's K/V written before any query reads the pool
-            pool = self.kv[i]
-            A.write_kv(pool, slots, k[0], v[0])
-            o = cpu_kernel.paged_decode(self.kernel, q[0].contiguous(), pool, tables, ctx, m.scale, self.num_threads)
-            return o.view(1, q.shape[1], -1)
-
-        return attn
 
     def _prefill_padded(self, batch: ScheduledBatch) -> torch.Tensor:
         seqs, bs, dev, m = batch.seqs, self.block_size, self.device, self.model
@@ -229,12 +222,18 @@ class ModelRunner:
         tokens, slots = tokens.to(dev), slots.view(-1).to(dev)
         positions = torch.arange(S, device=dev).expand(B, S)
         last = torch.tensor([b * S + len(s) - 1 for b, s in enumerate(seqs)], device=dev)
+        layout = self._layout(seqs, [0] * B, [len(s) for s in seqs])
+        real = torch.cat([torch.arange(b * S, b * S + len(s)) for b, s in enumerate(seqs)]).to(dev)  # [N]
 
         def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # q: [B, S, H, D]; k, v: [B, S, Hkv, D]; right padding + causal: real queries see real keys only
             A.write_kv(self.kv[i], slots, k.reshape(B * S, m.num_kv_heads, m.head_dim),
                        v.reshape(B * S, m.num_kv_heads, m.head_dim))
-            return A.prefill_attention(q, k, v, m.scale)
+            if layout is None:
+                return A.prefill_attention(q, k, v, m.scale)
+            o = q.new_zeros(B * S, q.shape[2] * q.shape[3])  # pad rows: zeros, never read
+            o[real] = A.paged_attention(q.reshape(B * S, *q.shape[2:])[real], self.kv[i], layout, m.scale)
+            return o.view(B, S, -1)
 
         return m.forward(tokens, positions, attn, last_idx=last)
 
@@ -260,7 +259,8 @@ class ModelRunner:
         slots = torch.tensor(slot_list, device=dev)
         ctx = positions.view(B) + 1  # [B] tokens to attend, incl. the current one
         mode = self.decode_mode
-        mask = A.decode_mask(ctx, M * bs) if mode == "gather" else None
+        layout = self._layout(seqs + [None] * (B - n), pos_list, [1] * B, M) if mode == "gather" else None
+        mask = A.decode_mask(ctx, M * bs) if mode == "gather" and layout is None else None
         ctx_list = [p + 1 for p in pos_list]
 
         def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -272,6 +272,8 @@ class ModelRunner:
                 o = cpu_kernel.paged_decode(self.kernel, q1, pool, tables, ctx, m.scale, self.num_threads)
             elif mode == "npu":
                 o = A.decode_attention_npu(q1, pool, tables, ctx_list, m.scale)
+            elif layout is not None:
+                o = A.paged_attention(q1, pool, layout, m.scale)
             else:
                 o = A.decode_attention_gather(q1, pool, tables, mask, m.scale)
             return o.reshape(B, 1, -1)
