@@ -24,10 +24,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from batchfleet.common.guided import JSON_OPTIONS
+
 PARSERS = ("hermes", "llama3_json", "mistral")
 MAX_CALLS = 8  # calls one constrained answer may hold (parallel_tool_calls): a random model stops in time
-# compact JSON in generated arguments (common/guided.py's JSON_OPTIONS, per embedded schema)
-COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def constraint(schema: dict[str, Any]) -> dict[str, Any]:
     """A function's parameters schema as its arguments are generated: an object (OpenAI's rule; a schema
     without a type or a ``$ref`` gets it), compact JSON."""
     typed = {} if "type" in schema or "$ref" in schema else {"type": "object"}
-    return {**typed, **schema, "x-guidance": COMPACT}
+    return {**typed, **schema, "x-guidance": JSON_OPTIONS}  # compact JSON, as every JSON guide
 
 
 def _lit(text: str) -> str:
