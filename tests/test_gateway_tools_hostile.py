@@ -16,7 +16,6 @@ import jsonschema
 import openai
 import pytest
 
-from tests.test_gateway_tools import served  # noqa: F401 - the fixture: a gateway over a tool-template worker
 
 pytestmark = pytest.mark.integration
 
@@ -68,8 +67,8 @@ def tool(name: str, schema: dict) -> dict:
     return {"type": "function", "function": {"name": name, "parameters": schema}}
 
 
-def test_forced_calls_validate_over_many_schemas_and_unsupported_ones_are_400s(served):  # noqa: F811
-    client, _ = served
+def test_forced_calls_validate_over_many_schemas_and_unsupported_ones_are_400s(tool_served):
+    client, _ = tool_served
 
     def ask(i: int) -> str:
         schema = SCHEMAS[i]
@@ -89,8 +88,8 @@ def test_forced_calls_validate_over_many_schemas_and_unsupported_ones_are_400s(s
         assert exc.value.body["param"] == "tools.0.function.parameters"
 
 
-def test_hostile_tool_requests_answer_once_and_the_worker_serves_on(served):  # noqa: F811
-    client, gw = served
+def test_hostile_tool_requests_answer_once_and_the_worker_serves_on(tool_served):
+    client, gw = tool_served
     add = tool("add", obj({"a": DIGIT, "b": DIGIT}))
     with httpx.Client(base_url=gw.url, timeout=120) as http:
         # the model "writes" a call that breaks its schema (a guide makes it): text, never a tool call
