@@ -16,7 +16,6 @@ import jsonschema
 import openai
 import pytest
 
-
 pytestmark = pytest.mark.integration
 
 
