@@ -82,7 +82,7 @@ def test_silu_mul_matches_the_torch_ops(dtype):
     g = torch.Generator().manual_seed(1)
     gate_up = (torch.randn(32, 1, 2 * 2048, generator=g) * 6).to(dtype)
     gate_up[0, 0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.0, -90.0])  # range ends and zeros
-    model = types.SimpleNamespace(act=torch.nn.functional.silu)
+    model = types.SimpleNamespace(act=torch.nn.functional.silu, hidden_act="silu")
     ref = NativeModel.act_mul(model, gate_up)
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=2**-7)
     torch.testing.assert_close(cpu_kernel.silu_mul(ops, gate_up), ref, **tol)
