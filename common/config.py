@@ -22,6 +22,7 @@ from batchfleet.common.redis_url import check_redis_url
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_BUCKETS = (128, 256, 512, 1024, 4096)
 PADDING_CHOICES = ("bucket", "longest")
+WINDOW_CHOICES = ("adaptive", "fixed")  # worker/window.py
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -57,8 +58,15 @@ class DynamicBatchingConfig:
     """
 
     max_wait_ms: float = field(default=50.0, metadata=option(
-        "A batch closes this long after its oldest entry was enqueued; inf = static batching (only full "
-        "batches, a load generator bumps the flush key for the last one)."))
+        "A batch closes at the latest this long after its oldest entry was enqueued; inf = static batching "
+        "(only full batches, a load generator bumps the flush key for the last one)."))
+    window: str = field(default="adaptive", metadata=option(
+        "adaptive: close a batch earlier when waiting no longer pays (an idle engine starts a lone request at "
+        "once; docs/NATIVE_ENGINE.md, \"The batching window\"); fixed: always wait max_wait_ms.",
+        choices=WINDOW_CHOICES))
+    ttft_slo_ms: float | None = field(default=None, metadata=option(
+        "Adaptive window: close a batch early enough that its requests' time to first token stays within "
+        "this target (one engine step is left for the prefill). Default: max_wait_ms bounds the wait alone."))
     max_batch_size: int = field(default=32, metadata=option("Most entries in one batch, per bucket."))
     max_seq_len: int = field(default=4096, metadata=option("Prompt + max_new_tokens limit."))
     buckets: tuple[int, ...] = field(default=DEFAULT_BUCKETS, metadata=option(
@@ -70,6 +78,10 @@ class DynamicBatchingConfig:
         object.__setattr__(self, "buckets", tuple(int(b) for b in self.buckets))
         if not self.max_wait_ms >= 0:  # also rejects NaN
             raise ConfigError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if self.window not in WINDOW_CHOICES:
+            raise ConfigError(f"window must be one of {WINDOW_CHOICES}, got {self.window!r}")
+        if self.ttft_slo_ms is not None and not self.ttft_slo_ms > 0:
+            raise ConfigError(f"ttft_slo_ms must be > 0, got {self.ttft_slo_ms}")
         if self.max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_seq_len < 2:

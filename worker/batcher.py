@@ -7,7 +7,8 @@ whichever is first. Buckets never share a batch, nor do classes. Classes are ser
 closed (or the interactive class has no room). Within a class the next batch is the queue whose head
 has the earliest deadline, then the earliest arrival; within a queue, entries are taken in the same
 order (earliest deadline first, then arrival). ``max_wait_ms=None`` (or infinity) means "static": a
-batch closes only when full (or on ``flush``).
+batch closes only when full (or on ``flush``). When a partly filled batch closes by time is the window's
+decision (worker/window.py): fixed (``max_wait_ms`` after the oldest entry, the default here) or adaptive.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from batchfleet.common.lanes import INTERACTIVE, LANES
+from batchfleet.worker.window import Window
 
 T = TypeVar("T")
 
@@ -29,16 +31,18 @@ class Pending(Generic[T]):
     enqueued_at: float  # seconds, same clock as `now`: then arrival order
     item: T = field(compare=False)
     bucket: int = field(compare=False)
+    received_at: float = field(compare=False, default=0.0)  # when this worker read it (same clock)
 
 
 class Batcher(Generic[T]):
     """Holds requests per (class, bucket) and decides which batch runs next."""
 
     def __init__(self, buckets: Iterable[int], max_batch_size: int, max_wait_ms: float | None,
-                 lanes: tuple[str, ...] = LANES) -> None:
+                 lanes: tuple[str, ...] = LANES, window: Window | None = None) -> None:
         self.max_batch_size = max_batch_size
         static = max_wait_ms is None or math.isinf(max_wait_ms)
         self.max_wait_s = None if static else max_wait_ms / 1000.0
+        self.window = window if window is not None else Window(math.inf if static else max_wait_ms)
         self.lanes = lanes
         # each queue sorted by (deadline, enqueued_at): Redis delivery order is near-sorted, so the
         # insertion point is almost always the end
@@ -46,10 +50,13 @@ class Batcher(Generic[T]):
         self._flush = False
 
     def add(self, item: T, bucket: int, enqueued_at: float, lane: str = INTERACTIVE,
-            deadline: float | None = None) -> None:
-        entry = Pending(math.inf if deadline is None else deadline, enqueued_at, item, bucket)
+            deadline: float | None = None, received_at: float | None = None) -> None:
+        """Queue ``item``; ``received_at`` (default: ``enqueued_at``) is when this worker read it."""
+        entry = Pending(math.inf if deadline is None else deadline, enqueued_at, item, bucket,
+                        enqueued_at if received_at is None else received_at)
         q = self._queues[(lane, bucket)]
         q.insert(bisect.bisect(q, entry), entry)
+        self.window.arrived((lane, bucket), enqueued_at)
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
@@ -65,23 +72,22 @@ class Batcher(Generic[T]):
         """Close every non-empty batch now (end of load, shutdown)."""
         self._flush = True
 
-    def _closes_at(self, q: list[Pending[T]]) -> float:
-        assert self.max_wait_s is not None
-        return min(p.enqueued_at for p in q) + self.max_wait_s
+    def _closes_at(self, key: tuple[str, int], q: list[Pending[T]]) -> float:
+        return self.window.closes_at(key, min(p.enqueued_at for p in q), len(q), max(p.received_at for p in q))
 
-    def _ready(self, q: list[Pending[T]], now: float) -> bool:
+    def _ready(self, key: tuple[str, int], q: list[Pending[T]], now: float) -> bool:
         if not q:
             return False
         if self._flush or len(q) >= self.max_batch_size:
             return True
         # same expression as next_deadline(), so "now == deadline" is ready despite float rounding
-        return self.max_wait_s is not None and now >= self._closes_at(q)
+        return self.max_wait_s is not None and now >= self._closes_at(key, q)
 
     def next_deadline(self) -> float | None:
-        """Earliest time a not-yet-full batch closes by age; None if nothing waits on a timer."""
+        """Earliest time a not-yet-full batch closes by time; None if nothing waits on a timer."""
         if self.max_wait_s is None:
             return None
-        closing = [self._closes_at(q) for q in self._queues.values() if q]
+        closing = [self._closes_at(key, q) for key, q in self._queues.items() if q]
         return min(closing) if closing else None
 
     def pop_batch(self, now: float, limit: int | None = None,
@@ -94,7 +100,7 @@ class Batcher(Generic[T]):
             room = limit if rooms is None else rooms.get(lane, 0)
             if room is not None and room <= 0:
                 continue
-            ready = [(q[0], b) for (ln, b), q in self._queues.items() if ln == lane and self._ready(q, now)]
+            ready = [(q[0], key[1]) for key, q in self._queues.items() if key[0] == lane and self._ready(key, q, now)]
             if ready:
                 _, bucket = min(ready)
                 n = self.max_batch_size if room is None else min(room, self.max_batch_size)

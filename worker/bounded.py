@@ -80,7 +80,7 @@ class BoundedReader:
         """Up to ``counts[lane]`` new entries per stream of each lane (interactive streams first). When
         there are none and ``block_ms`` is not None, waits for the first with a plain ``XREADGROUP COUNT 1``
         over the streams of lanes with room (a script cannot block), cuts it down at once, then takes the
-        rest through the script. Right after a blocking read that found nothing, goes straight to the
+        rest at the next call, through the script. Right after a blocking read that found nothing, goes straight to the
         blocking read (an idle worker's cycle is one command)."""
         wanted = [s for s, _, lane in self.streams if counts.get(lane, 0) > 0]
         quiet, self._quiet = self._quiet, False
@@ -94,10 +94,9 @@ class BoundedReader:
             bucket, lane = self._where(stream)
             out += [shrink(Entry(bucket, as_str(eid), fields or {}, lane=lane)) for eid, fields in entries]
         del resp  # the raw (maybe huge) entries go now, not at the end of the call
+        # what else arrived meanwhile is the next read's (through the script): a lone request starts one round
+        # trip sooner, and the next read is not blocking (the engine is busy then) or finds them at once
         self._quiet = not out
-        if out:
-            left = {lane: n - sum(e.lane == lane for e in out) for lane, n in counts.items()}
-            out += self.read_now(left)
         return out
 
     def read_now(self, counts: dict[str, int]) -> list[Entry]:

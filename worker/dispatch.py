@@ -29,6 +29,7 @@ from batchfleet.worker.requests import RequestTable, Stage
 from batchfleet.worker.streaming import StreamPublisher
 from batchfleet.worker.transport import Cancel, Reply, Transport
 from batchfleet.worker.validate import Accepted
+from batchfleet.worker.window import Window
 
 log = logging.getLogger("batchfleet.worker.loop")
 
@@ -38,7 +39,7 @@ class Dispatcher:
 
     def __init__(self, cfg: WorkerConfig, engine: Engine, transport: Transport, requests: RequestTable,
                  intake: Intake, ledger: Ledger, streams: StreamPublisher | None,
-                 send: Callable[[list[Reply]], None], observer: LoopStats) -> None:
+                 send: Callable[[list[Reply]], None], observer: LoopStats, window: Window | None = None) -> None:
         self.cfg = cfg
         self.engine = engine
         self.transport = transport
@@ -50,6 +51,9 @@ class Dispatcher:
         self.observer = observer  # the loop's observer (WorkerMetrics with --metrics-port)
         self.alone = False  # a request that must run alone is in the engine: nothing may join it
         self.progress = time.monotonic()  # last time an engine step returned
+        self.window = window if window is not None else Window(cfg.batching.max_wait_ms)  # fed step and run times
+        self._run_began: float | None = None  # when the engine last started from idle
+        self._logs: list[dict] = []  # batch records not written yet (written after the next step)
 
     # ---- admission -------------------------------------------------------------------------------
     def engine_full(self, lane: str = INTERACTIVE) -> bool:
@@ -77,6 +81,7 @@ class Dispatcher:
                 return  # solo requests wait for an idle engine; nothing joins one running alone
         else:
             self.alone = False
+            self._run_began = None
             # static batching waits for full batches; a bumped flush counter closes partial ones
             if self.requests.static and self.requests.count(Stage.QUEUED) and self.transport.flush_requested():
                 self.requests.flush()
@@ -97,6 +102,8 @@ class Dispatcher:
         except Exception as exc:  # refused at admission: same isolation as a failed step
             self._failed(exc, suspects=[acc.gen.id for acc in items])
             return False
+        if self._run_began is None:
+            self._run_began = time.monotonic()
         self.ledger.note("batches")
         self.ledger.note("batched_requests", len(items))
         self.observer.started(items[0].entry.bucket, len(items))
@@ -104,7 +111,8 @@ class Dispatcher:
             for acc in items:
                 if acc.request.stream:
                     self.streams.track(acc.gen.id, acc.reply_key, acc.gen.params.stop, time.time())
-        self.transport.log_batch({
+        # written once the step that runs it has returned: a lone request does not wait for the round trip
+        self._logs.append({
             "worker": self.transport.name, "kind": kind, "bucket": items[0].entry.bucket,
             "size": self.engine.num_active(), "ids": [acc.gen.id for acc in items], "at": f"{time.time():.6f}",
         })
@@ -117,11 +125,22 @@ class Dispatcher:
         try:
             completions = self.engine.step()
         except Exception as exc:  # an engine fault must cost at most the requests that were in the step
+            self._write_logs()
             self._failed(exc, suspects=self.engine.failed_ids())
             return
+        self._write_logs()
         self.progress = time.monotonic()
         self.observer.stepped(self.progress - began)
+        self.window.step_took(self.progress - began)
+        if self._run_began is not None and not self.engine.has_work():
+            self.window.run_took(self.progress - self._run_began)
+            self._run_began = None
         self._answer(completions)
+
+    def _write_logs(self) -> None:
+        logs, self._logs = self._logs, []
+        for record in logs:  # best effort (Transport.log_batch)
+            self.transport.log_batch(record)
 
     def _failed(self, exc: Exception, suspects: list[str]) -> None:
         """The engine is reset. Requests of the failed step (``suspects``; empty: all) are retried one at a

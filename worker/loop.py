@@ -36,6 +36,7 @@ from batchfleet.worker.requests import RequestTable, Stage
 from batchfleet.worker.streaming import StreamPublisher
 from batchfleet.worker.transport import Reply, StreamsLost, Transport, TransportError
 from batchfleet.worker.validate import Limits
+from batchfleet.worker.window import Window
 
 log = logging.getLogger(__name__)
 
@@ -65,20 +66,22 @@ class WorkerLoop:
         self.engine = engine
         self.transport = transport
         b = cfg.batching
-        self.requests = RequestTable(Batcher(b.buckets, b.max_batch_size, b.max_wait_ms))
+        joins = cfg.engine.mode == "continuous"
+        # when partly filled batches close (worker/window.py): the dispatcher tells it what steps and runs cost
+        self.window = Window(b.max_wait_ms, adaptive=b.window == "adaptive", joins=joins, ttft_slo_ms=b.ttft_slo_ms)
+        self.requests = RequestTable(Batcher(b.buckets, b.max_batch_size, b.max_wait_ms, window=self.window))
         self.ledger = Ledger()
         self.observer = (observe or _loop_stats)(self)
         self.stopping = threading.Event()
         streams = StreamPublisher(decode, cfg.stream_interval_ms / 1000) if decode else None
         # the intake asks the dispatcher (made next: it answers through the intake) whether the engine is full
         # and, in continuous mode (it admits at every step), how much it could start now
-        joins = cfg.engine.mode == "continuous"
         self.intake = Intake(cfg, transport, limits, self.requests, self.ledger, self._send,
                              lambda lane: self.dispatch.engine_full(lane),
                              (lambda lane: self.dispatch.room_now(lane)) if joins else None,
                              GuideChecks(guides))
         self.dispatch = Dispatcher(cfg, engine, transport, self.requests, self.intake, self.ledger, streams,
-                                   self._send, self.observer)
+                                   self._send, self.observer, self.window)
         self.outage = Backoff(log, "redis")
         self.faults = Backoff(log, "worker loop (after an internal error)")
         self._progress = time.monotonic()  # last time a tick completed or an engine step returned
@@ -144,7 +147,7 @@ class WorkerLoop:
             "buckets": list(self.cfg.batching.buckets), "waiting": self.requests.count(Stage.QUEUED),
             "active": self.requests.count(Stage.RUNNING), "outbox": self.requests.count(Stage.OUTBOX),
             "at": time.time(), **self.ledger, **{f"engine_{k}": v for k, v in self.engine.stats().items()},
-            **self.observer.status(),
+            **self.observer.status(), **self.window.describe(),
         }
 
     def _keep_running(self) -> bool:

@@ -33,9 +33,10 @@ def parse_range(text: str) -> tuple[int, int]:
 @connection_options
 # the worker options the benchmarked workers get; --strategies sets max_wait_ms and mode (and max_batch_size for
 # staticN), so the command takes neither
-@config_options(EngineConfig, DynamicBatchingConfig, exclude=("max_wait_ms", "mode"), defaults={"preset": "bench"})
+@config_options(EngineConfig, DynamicBatchingConfig, exclude=("max_wait_ms", "mode", "window"), defaults={"preset": "bench"})
 @click.option("--strategies", default=DEFAULT_STRATEGIES, show_default=True,
-              help="staticN (wait for N, no timeout), dynamicX (max_wait X ms), continuous (native).")
+              help="staticN (wait for N, no timeout), dynamicX (max_wait X ms), fixedX (continuous mode, fixed X ms "
+                   "window), continuous (the default: continuous mode, adaptive window).")
 @click.option("--clients", type=int, default=32, show_default=True, help="Closed loop: concurrent clients.")
 @click.option("--rate", type=float, default=None, help="Open loop: Poisson arrivals, requests/s (overrides clients).")
 @click.option("--requests", "n_requests", type=int, default=32, show_default=True)

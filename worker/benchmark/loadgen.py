@@ -44,6 +44,7 @@ class Sample:
     e2e_ms: float  # client-measured: submit call -> result in hand
     batch_size: int
     worker_total_ms: float
+    queue_ms: float = 0.0  # enqueue -> its prefill started (the batching window and any backlog)
 
 
 @dataclass
@@ -54,7 +55,8 @@ class Run:
 
 
 def _sample(res: Result, t_submit: float) -> Sample:
-    return Sample(res.completion_tokens, res.ttft_ms, (time.time() - t_submit) * 1000, res.batch_size, res.total_ms)
+    return Sample(res.completion_tokens, res.ttft_ms, (time.time() - t_submit) * 1000, res.batch_size, res.total_ms,
+                  res.queue_ms)
 
 
 class _Flusher:
@@ -185,5 +187,7 @@ def summarize(name: str, run: Run) -> dict:
         "ttft_p99_ms": round(percentile([x.ttft_ms for x in s], 99), 1),
         "e2e_p50_ms": round(percentile([x.e2e_ms for x in s], 50), 1),
         "e2e_p99_ms": round(percentile([x.e2e_ms for x in s], 99), 1),
+        "queue_p50_ms": round(percentile([x.queue_ms for x in s], 50), 2),
+        "queue_p99_ms": round(percentile([x.queue_ms for x in s], 99), 2),
         "mean_batch_size": round(sum(x.batch_size for x in s) / len(s), 2) if s else 0.0,
     }

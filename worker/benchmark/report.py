@@ -13,6 +13,7 @@ COLUMNS = [
     ("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"),
     ("e2e_p50_ms", "e2e p50 ms", "{:.0f}"),
     ("e2e_p99_ms", "e2e p99 ms", "{:.0f}"),
+    ("queue_p50_ms", "queue p50 ms", "{:.1f}"),
     ("mean_batch_size", "mean batch", "{:.1f}"),
     ("kv_waste_peak_slots", "KV waste peak (slots)", "{}"),
     ("kv_waste_contiguous_peak_slots", "contiguous waste (slots)", "{}"),
