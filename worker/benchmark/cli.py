@@ -31,9 +31,10 @@ def parse_range(text: str) -> tuple[int, int]:
 
 @click.command()
 @connection_options
-# the worker options the benchmarked workers get; --strategies sets max_wait_ms and mode (and max_batch_size for
-# staticN), so the command takes neither
-@config_options(EngineConfig, DynamicBatchingConfig, exclude=("max_wait_ms", "mode", "window"), defaults={"preset": "bench"})
+# the worker options the benchmarked workers get; --strategies sets max_wait_ms, mode and window (and
+# max_batch_size for staticN), so the command takes none of them
+@config_options(EngineConfig, DynamicBatchingConfig, exclude=("max_wait_ms", "mode", "window"),
+                defaults={"preset": "bench"})
 @click.option("--strategies", default=DEFAULT_STRATEGIES, show_default=True,
               help="staticN (wait for N, no timeout), dynamicX (max_wait X ms), fixedX (continuous mode, fixed X ms "
                    "window), continuous (the default: continuous mode, adaptive window).")
