@@ -14,7 +14,7 @@ MODE_CHOICES = ("dynamic", "continuous")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 LINEAR_CHOICES = ("auto", "fastest", "default", "onednn")  # worker/engine/native/linear.py
 POOLING_CHOICES = ("last", "mean")  # worker/engine/embed.py
-PRESETS = ("tiny", "bench")  # built-in models; worker/engine/models.py defines one shape per name
+PRESETS = ("tiny", "bench", "llama1b")  # built-in models; worker/engine/models.py defines one shape per name
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|npu(:\d+)?)$")
 
 

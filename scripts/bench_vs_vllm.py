@@ -23,7 +23,7 @@ import click
 import torch
 
 from batchfleet.common.config import DEFAULT_BUCKETS, DynamicBatchingConfig
-from batchfleet.common.engine_config import DTYPE_CHOICES, EngineConfig
+from batchfleet.common.engine_config import DTYPE_CHOICES, PRESETS, EngineConfig
 from batchfleet.common.params import Params
 from batchfleet.worker.benchmark.cli import parse_range
 from batchfleet.worker.benchmark.loadgen import make_workload
@@ -81,19 +81,21 @@ def run_vllm(python: str, model_dir: Path, workload, max_seq_len: int, dtype: st
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=None,
               help="Both sides' dtype. Default: the worker's default for this CPU.")
 @click.option("--kv-cache-gb", type=int, default=4, show_default=True, help="KV cache of every side.")
+@click.option("--preset", type=click.Choice(PRESETS), default="bench", show_default=True,
+              help="The model's shape (random weights): bench ~130M, llama1b TinyLlama-1.1B's shape (GQA 32/4).")
 @click.option("--json", "json_path", default=None, help="Write the results here.")
 def main(redis_url: str, vllm_python: str, n: int, clients: int, prompt_len: str, new_tokens: str, seed: int,
-         cache_dir: str, dtype: str | None, kv_cache_gb: int, json_path: str | None) -> None:
+         cache_dir: str, dtype: str | None, kv_cache_gb: int, preset: str, json_path: str | None) -> None:
     torch.set_grad_enabled(False)
     dtype = dtype or str(default_dtype("cpu")).removeprefix("torch.")
     max_seq_len = 4096
-    model_dir = make_preset("bench", Path(cache_dir).expanduser() / "models", max_seq_len=max_seq_len)
+    model_dir = make_preset(preset, Path(cache_dir).expanduser() / "models", max_seq_len=max_seq_len)
     workload = make_workload(n, parse_range(prompt_len), parse_range(new_tokens), seed=seed)
     url, private = ensure_redis(redis_url)
     try:
         click.echo("fleet: one worker, default buckets and mode, through Redis ...", err=True)
         strategy = parse_strategy("continuous")  # the default mode, with the default max_wait_ms (50)
-        worker = {"preset": "bench", "cache_dir": cache_dir, "dtype": dtype, "kv_cache_gb": kv_cache_gb}
+        worker = {"preset": preset, "cache_dir": cache_dir, "dtype": dtype, "kv_cache_gb": kv_cache_gb}
         fleet = run_load(serving_redis(url, strategy, worker), strategy,
                          LoadSpec(workload, clients=clients, seed=seed), "redis")
     finally:
@@ -108,11 +110,12 @@ def main(redis_url: str, vllm_python: str, n: int, clients: int, prompt_len: str
         "command": " ".join(["python", "scripts/bench_vs_vllm.py", *sys.argv[1:]]), "commit": git_commit(),
         "machine": machine(),
         "workload": {"requests": n, "clients": clients, "prompt_len": prompt_len, "max_new_tokens": new_tokens,
-                     "seed": seed, "buckets": list(DEFAULT_BUCKETS), "model": f"bench preset ({dtype})",
+                     "seed": seed, "buckets": list(DEFAULT_BUCKETS), "model": f"{preset} preset ({dtype})",
                      "kv_cache_gb": kv_cache_gb},
         "fleet_redis": fleet, "in_process_one_batch": inproc, "vllm": vllm,
         "fleet_vs_vllm": round(fleet["throughput_tok_s"] / vllm["throughput_tok_s"], 3),
         "fleet_vs_in_process": round(fleet["throughput_tok_s"] / inproc["throughput_tok_s"], 3),
+        "step_vs_serial_bound": round(inproc["floor"]["step_ms"] / inproc["floor"]["serial_step_ms"], 3),
     }
     f = inproc["floor"]
     click.echo("\n| run | tok/s | ratio |\n|---|---:|---:|")
@@ -125,7 +128,7 @@ def main(redis_url: str, vllm_python: str, n: int, clients: int, prompt_len: str
                f"{f['copy_gb_s']} GB/s (copy); step / floor = {f['step_vs_floor_read']} (the bytes read at the "
                f"read bw; {f['step_vs_floor_copy']} against the copy bw, which counts each byte once though a copy "
                f"moves it twice); serial bound (matmuls, then the K/V read) {f['serial_step_ms']} ms = "
-               f"{f['serial_vs_floor_read']} x floor")
+               f"{f['serial_vs_floor_read']} x floor; step / serial bound = {doc['step_vs_serial_bound']}")
     if json_path:
         write_json(json_path, doc)
 

@@ -18,11 +18,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_strategies_parse():
-    s = {x.name: x for x in parse_strategies("static1,static8,dynamic10,dynamic50,dynamic200,continuous")}
+    s = {x.name: x for x in parse_strategies("static1,static8,dynamic10,dynamic50,dynamic200,fixed10,continuous")}
     assert s["static8"].static and s["static8"].max_batch_size == 8
     assert s["dynamic200"].max_wait_ms == 200 and s["dynamic200"].max_batch_size == 32
-    assert s["continuous"].mode == "continuous"
-    assert s["static8"].worker_values() == {"max_wait_ms": float("inf"), "max_batch_size": 8, "mode": "dynamic"}
+    assert (s["continuous"].mode, s["continuous"].window, s["continuous"].max_wait_ms) == ("continuous", "adaptive", 50)
+    assert (s["fixed10"].mode, s["fixed10"].window, s["fixed10"].max_wait_ms) == ("continuous", "fixed", 10)
+    assert s["static8"].worker_values() == {"max_wait_ms": float("inf"), "max_batch_size": 8, "mode": "dynamic",
+                                            "window": "fixed"}
 
 
 def test_workload_is_deterministic_and_in_range():

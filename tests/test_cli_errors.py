@@ -103,7 +103,7 @@ def test_request_errors_are_one_line(start_worker, redis_url, namespace):
 
 def test_timeout_is_one_line_and_says_how_long(start_worker, redis_url, namespace):
     # a dynamic batch that waits a minute to fill: the job is still queued when the caller gives up
-    start_worker(max_wait_ms=60_000, max_batch_size=64)
+    start_worker(max_wait_ms=60_000, max_batch_size=64, window="fixed")
     line = one_line(cli("submit", "hello", "--timeout", "1.5", "--redis-url", redis_url, "--namespace", namespace))
     # how long was waited is the caller's timeout, not what was left of it after submitting (issue #10
     # quotes "within 4.995498890999897 s"); whether a worker is alive is said too

@@ -37,7 +37,8 @@ def test_busy_worker_releases_queued_short_requests_to_its_idle_peer(redis_url, 
             time.sleep(0.1)  # both batches closed by age: the older (long) one starts first
             threads.append(threading.Thread(target=a.run, daemon=True))
             threads[-1].start()
-            wait_until(lambda: any(f[b"worker"] == b"busy-a" for _, f in r.xrange(keys.batches)), 30, "A's batch")
+            # A's batch record is written once its first step returns (hf: the whole batch): watch A's table
+            wait_until(lambda: a.requests.count(Stage.RUNNING) > 0, 30, "A's batch")
             t_batch = time.monotonic()
             assert a.requests.count(Stage.QUEUED) == 16  # A read them all: the shorts wait behind the long batch
             threads.append(threading.Thread(target=b.run, daemon=True))

@@ -54,8 +54,9 @@ def loops(redis_url, namespace, tiny_model_dir, cache_dir):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_poison_request_dead_lettered_batchmates_answered(loops, redis_url, namespace, engine):
-    t = loops(wrap=PoisonEngine, engine=engine, max_wait_ms=300, max_batch_size=8, claim_idle_ms=1000,
-              max_deliveries=2)
+    # a fixed window, so the five submitted one after another surely run as one batch
+    t = loops(wrap=PoisonEngine, engine=engine, max_wait_ms=300, window="fixed", max_batch_size=8,
+              claim_idle_ms=1000, max_deliveries=2)
     r = redis.Redis.from_url(redis_url)
     keys = Keys(namespace)
     with Client(redis_url, namespace) as client:
@@ -80,7 +81,7 @@ def test_poison_request_dead_lettered_batchmates_answered(loops, redis_url, name
 
 
 def test_deadline_exceeded_answered_without_computing(loops, redis_url, namespace):
-    loops(max_wait_ms=1500, max_batch_size=8)
+    loops(max_wait_ms=1500, window="fixed", max_batch_size=8)  # the job waits its batch past its deadline
     r = redis.Redis.from_url(redis_url)
     with Client(redis_url, namespace) as client:
         client.generate([20, 21], max_new_tokens=1)  # warm

@@ -25,30 +25,37 @@ def test_fixed_window_closes_at_max_wait_whatever_was_measured():
         w = Window(50.0, joins=joins)
         w.step_took(0.02)
         w.run_took(0.5)
-        assert w.closes_at(KEY, oldest=10.0, waiting=1, last_received=10.0) == pytest.approx(10.05)
+        assert w.closes_at(KEY, oldest=10.0, waiting=1, newest=10.0) == pytest.approx(10.05)
 
 
 def test_continuous_mode_starts_a_lone_request_at_once():
     w, b = adaptive()
     w.step_took(0.03)
-    b.add("lone", 128, enqueued_at=10.0, received_at=10.0005)
+    b.add("lone", 128, enqueued_at=10.0)
     assert b.next_deadline() == 10.0
     assert b.pop_batch(now=10.0005) == (128, ["lone"])
 
 
 def test_dynamic_mode_starts_a_lone_request_once_arrivals_pause():
     w, b = adaptive(joins=False)
-    b.add("lone", 128, enqueued_at=10.0, received_at=10.0005)
-    assert b.next_deadline() == pytest.approx(10.0005 + QUIET_S)
-    assert b.pop_batch(now=10.0010) is None  # a burst's next entry may still be on its way
-    assert b.pop_batch(now=10.0005 + QUIET_S) == (128, ["lone"])
+    b.add("lone", 128, enqueued_at=10.0)
+    assert b.next_deadline() == pytest.approx(10.0 + QUIET_S)
+    assert b.pop_batch(now=10.0005) is None  # a burst's next entry may still be on its way
+    assert b.pop_batch(now=10.0 + QUIET_S) == (128, ["lone"])
+
+
+def test_dynamic_mode_starts_a_backlog_read_late_at_once():
+    w, b = adaptive(max_wait_ms=500.0, joins=False)
+    for i in range(3):
+        b.add(f"r{i}", 128, enqueued_at=10.0 + i * 0.01)
+    assert b.pop_batch(now=10.3) == (128, ["r0", "r1", "r2"])  # enqueued long before: nothing is arriving
 
 
 def test_dynamic_mode_gathers_a_burst_read_in_pieces_into_one_batch():
     w, b = adaptive(joins=False)
     for i in range(20):  # each arrives within QUIET_S of the one before: the batch stays open
         t = 10.0 + i * 0.0004
-        b.add(f"r{i}", 128, enqueued_at=t, received_at=t)
+        b.add(f"r{i}", 128, enqueued_at=t)
         assert b.pop_batch(now=t) is None
     assert b.pop_batch(now=10.0076 + QUIET_S) == (128, [f"r{i}" for i in range(20)])
 
@@ -59,13 +66,13 @@ def test_continuous_mode_holds_while_expected_arrivals_outnumber_the_waiting():
     for i in range(50):  # 50 arrivals within a second: 50/s x 0.1 s = 5 expected per missed step
         w.arrived(("batch", 256), 9.0 + i * 0.02)
     for i in range(4):
-        b.add(f"r{i}", 256, enqueued_at=10.0, lane="batch", received_at=10.0)
+        b.add(f"r{i}", 256, enqueued_at=10.0, lane="batch")
     # 4 queued arrivals join the window's history: rate 54/s (inside the horizon), 5.4 > 4 waiting: hold
     assert w.holds(("batch", 256), 4)
     assert b.pop_batch(now=10.01) is None
     assert b.next_deadline() == pytest.approx(10.2)  # bounded by max_wait_ms
-    b.add("r4", 256, enqueued_at=10.01, lane="batch", received_at=10.01)
-    b.add("r5", 256, enqueued_at=10.01, lane="batch", received_at=10.01)
+    b.add("r4", 256, enqueued_at=10.01, lane="batch")
+    b.add("r5", 256, enqueued_at=10.01, lane="batch")
     assert not w.holds(("batch", 256), 6)
     assert b.pop_batch(now=10.01) == (256, [f"r{i}" for i in range(6)])
 
@@ -78,7 +85,7 @@ def test_dynamic_mode_weighs_a_whole_run_not_a_step():
         w.arrived(KEY, 10.0 + i * 0.05)  # 10/s x 0.5 s run = 5 expected arrivals while a missed one waits
     assert w.miss_s() == 0.5
     assert w.holds(KEY, 4) and not w.holds(KEY, 5)
-    assert w.closes_at(KEY, oldest=10.45, waiting=4, last_received=10.45) == pytest.approx(10.65)
+    assert w.closes_at(KEY, oldest=10.45, waiting=4, newest=10.45) == pytest.approx(10.65)
 
 
 def test_max_wait_bounds_the_adaptive_window():
@@ -86,7 +93,7 @@ def test_max_wait_bounds_the_adaptive_window():
     w.step_took(1.0)
     for i in range(100):
         w.arrived(KEY, 9.5 + i * 0.005)  # 100/s x 1 s step: holds for ever but for the bound
-    b.add("r", 128, enqueued_at=10.0, received_at=10.0)
+    b.add("r", 128, enqueued_at=10.0)
     assert b.next_deadline() == pytest.approx(10.02)
     assert b.pop_batch(now=10.0199) is None
     assert b.pop_batch(now=10.02) == (128, ["r"])
@@ -97,7 +104,7 @@ def test_ttft_target_leaves_one_step_for_the_prefill():
     w.step_took(0.03)
     for i in range(100):
         w.arrived(KEY, 9.5 + i * 0.005)
-    assert w.closes_at(KEY, oldest=10.0, waiting=1, last_received=10.0) == pytest.approx(10.07)
+    assert w.closes_at(KEY, oldest=10.0, waiting=1, newest=10.0) == pytest.approx(10.07)
 
 
 def test_rate_counts_the_last_horizon_of_arrivals():
@@ -122,6 +129,6 @@ def test_no_measurement_yet_starts_at_once_and_bad_samples_are_ignored():
 def test_static_batching_ignores_the_adaptive_window():
     w = Window(math.inf, adaptive=True)
     b = Batcher((128,), 4, None, window=w)
-    b.add("r", 128, enqueued_at=10.0, received_at=10.0)
+    b.add("r", 128, enqueued_at=10.0)
     assert b.next_deadline() is None
     assert b.pop_batch(now=99.0) is None

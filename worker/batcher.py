@@ -31,7 +31,6 @@ class Pending(Generic[T]):
     enqueued_at: float  # seconds, same clock as `now`: then arrival order
     item: T = field(compare=False)
     bucket: int = field(compare=False)
-    received_at: float = field(compare=False, default=0.0)  # when this worker read it (same clock)
 
 
 class Batcher(Generic[T]):
@@ -50,10 +49,8 @@ class Batcher(Generic[T]):
         self._flush = False
 
     def add(self, item: T, bucket: int, enqueued_at: float, lane: str = INTERACTIVE,
-            deadline: float | None = None, received_at: float | None = None) -> None:
-        """Queue ``item``; ``received_at`` (default: ``enqueued_at``) is when this worker read it."""
-        entry = Pending(math.inf if deadline is None else deadline, enqueued_at, item, bucket,
-                        enqueued_at if received_at is None else received_at)
+            deadline: float | None = None) -> None:
+        entry = Pending(math.inf if deadline is None else deadline, enqueued_at, item, bucket)
         q = self._queues[(lane, bucket)]
         q.insert(bisect.bisect(q, entry), entry)
         self.window.arrived((lane, bucket), enqueued_at)
@@ -73,7 +70,8 @@ class Batcher(Generic[T]):
         self._flush = True
 
     def _closes_at(self, key: tuple[str, int], q: list[Pending[T]]) -> float:
-        return self.window.closes_at(key, min(p.enqueued_at for p in q), len(q), max(p.received_at for p in q))
+        times = [p.enqueued_at for p in q]
+        return self.window.closes_at(key, min(times), len(q), max(times))
 
     def _ready(self, key: tuple[str, int], q: list[Pending[T]], now: float) -> bool:
         if not q:

@@ -119,11 +119,16 @@ class WorkerLoop:
         self.intake.verdicts()
         self._flush_outbox()
         taking = not self.stopping.is_set()  # shutting down: take nothing new, finish what runs
+        # requests read from now on had their cancel markers checked by the read itself (Intake._take_all)
+        unstarted = (Stage.VALIDATING, Stage.QUEUED, Stage.SOLO)
+        held, waited = bool(self.requests.snapshot), any(self.requests.count(s) for s in unstarted)
         if taking:
             self.intake.reclaim(time.time())
             self.intake.read(time.time(), engine_busy=self.engine.has_work())
-        if self.requests.snapshot:  # holding nothing, no cancel can matter here: a read checks cancel markers
-            waiting = any(self.requests.count(s) for s in (Stage.VALIDATING, Stage.QUEUED, Stage.SOLO))
+        # the cancels stream matters only for requests held since an earlier tick (holding nothing before this
+        # read, nothing runs and every request was just checked): a lone request starts without that round trip
+        if held and self.requests.snapshot:
+            waiting = waited and any(self.requests.count(s) for s in unstarted)
             self.dispatch.cancel(self.transport.cancels(waiting=waiting))
         self.intake.expire(time.time())
         if taking:

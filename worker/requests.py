@@ -22,7 +22,6 @@ without a lock and never sees the table's own containers. Only the loop's thread
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Mapping
 from enum import Enum
 
@@ -220,7 +219,7 @@ class RequestTable:
         self._publish()
 
     def _add(self, acc: Accepted) -> None:
-        self._batcher.add(acc, acc.entry.bucket, acc.enqueued_at, acc.entry.lane, acc.deadline, time.time())
+        self._batcher.add(acc, acc.entry.bucket, acc.enqueued_at, acc.entry.lane, acc.deadline)
 
     def _run(self, accs: Iterable[Accepted]) -> None:
         """QUEUED or SOLO -> RUNNING (already out of the batcher)."""

@@ -125,7 +125,9 @@ def accept(entry: Entry, keys: Keys, limits: Limits, now: float, clock_offset: f
     if verdict:
         return reject(INVALID_REQUEST, verdict)
     stamped = entry_time(entry.entry_id)
-    enqueued = now if stamped is None else min(stamped - clock_offset, now)
+    # the id holds whole milliseconds: the enqueue happened somewhere in that millisecond, whose middle is the
+    # unbiased estimate (its start would add 0.5 ms on average to every queue time measured from it)
+    enqueued = now if stamped is None else min(stamped + 0.0005 - clock_offset, now)
     deadline = None if req.timeout_ms is None else enqueued + req.timeout_ms / 1000
     # the class is the stream's: the one place it travels (an older producer's payload 'priority' is ignored)
     gen = GenRequest(id=req.id, prompt=list(req.prompt), bucket=entry.bucket, params=req.params,

@@ -15,8 +15,8 @@ step, when given); within it a batch closes as soon as waiting longer no longer 
 - continuous mode starts at once, idle or busy: a request that misses this batch joins at the next step,
   so a burst's first entry may start alone and the rest join one step later (a busy engine's reads are a
   step apart anyway);
-- dynamic mode, idle engine: starts once arrivals pause (no new entry for ``QUIET_S``): a lone request
-  waits about a millisecond, a burst read in pieces still lands in one batch.
+- dynamic mode: starts once arrivals pause (no entry enqueued for ``QUIET_S``): a lone request waits about
+  a millisecond, a burst read in pieces still lands in one batch, a backlog read late starts at once.
 
 With no measurements yet (``miss`` 0) the adaptive window starts everything at once.
 """
@@ -74,9 +74,9 @@ class Window:
         """Whether waiting for more arrivals pays for a queue with ``waiting`` requests (adaptive rule)."""
         return waiting < self.rate(key) * self.miss_s()
 
-    def closes_at(self, key: Hashable, oldest: float, waiting: int, last_received: float) -> float:
-        """When the queue ``key`` closes its batch: ``oldest`` is its head's enqueue time, ``waiting`` its
-        size, ``last_received`` when this worker read its newest entry. May be inf (static batching)."""
+    def closes_at(self, key: Hashable, oldest: float, waiting: int, newest: float) -> float:
+        """When the queue ``key`` closes its batch: ``oldest`` and ``newest`` are its entries' first and last
+        enqueue times, ``waiting`` its size. May be inf (static batching)."""
         bound = oldest + self.max_wait_s
         if self.slo_s is not None:  # leave one step for the prefill itself
             bound = min(bound, oldest + max(0.0, self.slo_s - self.step_s))
@@ -84,7 +84,7 @@ class Window:
             return bound
         if self.joins:
             return min(bound, oldest)  # latecomers join at the next step
-        return min(bound, last_received + QUIET_S)  # a dynamic batch runs to its end without them
+        return min(bound, newest + QUIET_S)  # a dynamic batch runs to its end without latecomers
 
     def describe(self) -> dict[str, float | str]:
         """What the window has measured (worker status)."""

@@ -28,6 +28,9 @@ PRESETS: dict[str, dict] = {
     # ~130M parameters, Llama-shaped: the benchmark model.
     "bench": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=12, vocab_size=32000),
+    # ~1.1B parameters, TinyLlama-1.1B's shape (GQA 32/4, 22 layers): a model of real size for the tables.
+    "llama1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                    num_key_value_heads=4, vocab_size=32000),
 }
 
 
