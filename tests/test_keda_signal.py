@@ -102,14 +102,15 @@ def test_an_interactive_backlog_worth_two_workers_and_zero_only_when_all_is_answ
 def test_a_worker_killed_holding_read_ahead_is_neither_lost_nor_double_counted(start_worker, redis_url, namespace,
                                                                               tmp_path):
     args = ["--buckets", ",".join(map(str, TEST_BUCKETS)), "--max-seq-len", "512", "--dtype", "float32",
-            "--engine", "hf", "--mode", "dynamic", "--max-batch-size", "64", "--max-wait-ms", "10000", "--threads", "1"]
+            "--engine", "hf", "--mode", "dynamic", "--max-batch-size", "64", "--max-wait-ms", "10000",
+            "--window", "fixed", "--threads", "1"]
     w = spawn_worker(redis_url, namespace, args, log_path=str(tmp_path / "w.log"))
     r, keys, so = redis.Redis.from_url(redis_url), Keys(namespace), scaled_object(namespace)
     stream = keys.stream(TEST_BUCKETS[0])
     try:
         with Client(redis_url, namespace) as client:
             jobs = [client.submit([20 + i, 21, 22], max_new_tokens=16) for i in range(24)]
-            # w reads them all and holds them, none running: its batcher waits 10 s for a batch of 64
+            # w reads them all and holds them, none running: its fixed window waits 10 s for a batch of 64
             wait_until(lambda: r.xpending(stream, keys.group)["pending"] == len(jobs), 60, "w holding every entry")
             w.kill()
             held = unanswered(r, keys, jobs)
