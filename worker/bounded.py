@@ -79,9 +79,9 @@ class BoundedReader:
     def read(self, counts: dict[str, int], block_ms: int | None) -> list[Entry]:
         """Up to ``counts[lane]`` new entries per stream of each lane (interactive streams first). When
         there are none and ``block_ms`` is not None, waits for the first with a plain ``XREADGROUP COUNT 1``
-        over the streams of lanes with room (a script cannot block), cuts it down at once, then takes the
-        rest at the next call, through the script. Right after a blocking read that found nothing, goes straight to the
-        blocking read (an idle worker's cycle is one command)."""
+        over the streams of lanes with room (a script cannot block), cuts it down at once and returns it:
+        the rest come with the next call, through the script. Right after a blocking read that found nothing,
+        goes straight to the blocking read (an idle worker's cycle is one command)."""
         wanted = [s for s, _, lane in self.streams if counts.get(lane, 0) > 0]
         quiet, self._quiet = self._quiet, False
         out = [] if quiet and block_ms is not None and wanted else self.read_now(counts)

@@ -39,7 +39,7 @@ class Dispatcher:
 
     def __init__(self, cfg: WorkerConfig, engine: Engine, transport: Transport, requests: RequestTable,
                  intake: Intake, ledger: Ledger, streams: StreamPublisher | None,
-                 send: Callable[[list[Reply]], None], observer: LoopStats, window: Window | None = None) -> None:
+                 send: Callable[[list[Reply]], None], observer: LoopStats, window: Window) -> None:
         self.cfg = cfg
         self.engine = engine
         self.transport = transport
@@ -51,7 +51,7 @@ class Dispatcher:
         self.observer = observer  # the loop's observer (WorkerMetrics with --metrics-port)
         self.alone = False  # a request that must run alone is in the engine: nothing may join it
         self.progress = time.monotonic()  # last time an engine step returned
-        self.window = window if window is not None else Window(cfg.batching.max_wait_ms)  # fed step and run times
+        self.window = window  # the batcher's window (worker/window.py): fed step and run times
         self._run_began: float | None = None  # when the engine last started from idle
         self._logs: list[dict] = []  # batch records not written yet (written after the next step)
 
