@@ -63,16 +63,18 @@ class CancelWatch:
 
     def marks(self, job_ids: list[str]) -> list[tuple[str | None, bool]]:
         """Each job's cancel marker (the reply key of whoever cancelled it) and whether its ``done`` marker
-        exists, in one ``MARKS`` script call per MARKS_PER_CALL jobs (a marker longer than MARKER_BYTES is
-        no reply key)."""
+        exists: one ``EXISTS`` per MARKS_PER_CALL jobs, and only where some marker exists the ``MARKS`` script
+        (a marker longer than MARKER_BYTES is no reply key)."""
         out: list[tuple[str | None, bool]] = []
         for i in range(0, len(job_ids), MARKS_PER_CALL):
             part = job_ids[i:i + MARKS_PER_CALL]
             n = len(part)
-            raw = self.scripts.marks(keys=[self.keys.cancel(j) for j in part] + [self.keys.done(j) for j in part],
-                                     args=[n, MARKER_BYTES])
-            if not raw:  # the usual case: no marker of any of them exists (one EXISTS said so)
+            keys = [self.keys.cancel(j) for j in part] + [self.keys.done(j) for j in part]
+            # the usual case, no marker of any of them exists, is one plain EXISTS: no script call, whose
+            # Lua overhead cost Redis more than the check itself (issue 29)
+            if not self.r.exists(*keys):
                 out += [(None, False)] * n
                 continue
+            raw = self.scripts.marks(keys=keys, args=[n, MARKER_BYTES])
             out += [(c.decode(errors="replace") if c else None, bool(d)) for c, d in zip(raw[:n], raw[n:])]
         return out

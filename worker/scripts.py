@@ -242,12 +242,10 @@ return {last, out}
 
 # KEYS: n cancel markers, then n done markers. ARGV: n, longest marker value kept.
 # Returns {cancel value or false, ..., done 0/1, ...}: a marker longer than ARGV[2] comes back false (it
-# cannot be a reply key), so a hostile marker value is never read into the worker. Almost always no marker
-# exists (only a cancel before delivery or a job answered already leaves one): one EXISTS over every key
-# answers that, and {} comes back (no marks).
+# cannot be a reply key), so a hostile marker value is never read into the worker. Called only when a plain
+# EXISTS found some marker (only a cancel before delivery or a job answered already leaves one).
 MARKS = """
 local n, out = tonumber(ARGV[1]), {}
-if redis.call('EXISTS', unpack(KEYS)) == 0 then return out end
 for i = 1, n do
   if redis.call('STRLEN', KEYS[i]) <= tonumber(ARGV[2]) then out[i] = redis.call('GET', KEYS[i]) else out[i] = false end
   out[n + i] = redis.call('EXISTS', KEYS[n + i])
