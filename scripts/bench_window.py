@@ -18,13 +18,12 @@ import argparse
 import datetime
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from batchfleet.common.options import build_worker_config
-from batchfleet.worker.benchmark.loadgen import make_workload, percentile
+from batchfleet.worker.benchmark.loadgen import make_workload
 from batchfleet.worker.benchmark.report import machine, write_json
-from batchfleet.worker.benchmark.runner import LoadSpec, run_load, serving_redis
+from batchfleet.worker.benchmark.runner import LoadSpec, latency_probe, run_load, serving_redis
 from batchfleet.worker.benchmark.strategies import parse_strategy
 from batchfleet.worker.compose import resolve_model_path
 from batchfleet.worker.devtools import ensure_redis
@@ -56,14 +55,9 @@ def verdict(by_strategy: dict[str, dict]) -> dict:
 
 def lone_probe(url: str, worker_kw: dict, name: str, n: int = 30) -> dict:
     """Queue time (enqueue -> prefill start, the worker's own figure) of sequential lone requests."""
-    q = []
-    with serving_redis(url, parse_strategy(name), worker_kw) as (client, _flush, _status):
-        for i in range(n + 3):
-            res = client.result(client.submit("a lone request " * 4, max_new_tokens=2), timeout=120)
-            if i >= 3:
-                q.append(res.queue_ms)
-            time.sleep(0.2)
-    return {"strategy": name, "queue_p50_ms": round(percentile(q, 50), 2), "queue_max_ms": round(max(q), 2)}
+    probe = latency_probe(serving_redis(url, parse_strategy(name), worker_kw), ["a lone request " * 4], n,
+                          new_tokens=2, gap_s=0.2)
+    return {"strategy": name, "queue_p50_ms": probe.queue_p50_ms, "queue_max_ms": probe.queue_max_ms}
 
 
 def main() -> None:

@@ -90,8 +90,9 @@ def bench(redis_url: str, namespace: str, strategies: str, clients: int, rate: f
             via_redis = run_load(serving_redis(url, over, worker_kw, None, log_dir), over, spec, "redis")
             inproc = run_load(serving_inproc(over, worker_kw), over, spec, "in-process")
             idle = parse_strategy("dynamic0")
-            probe_redis = latency_probe(serving_redis(url, idle, worker_kw, None, log_dir), workload)
-            probe_inproc = latency_probe(serving_inproc(idle, worker_kw), workload)
+            short = [p[:8] for p in workload.prompts]
+            probe_redis = latency_probe(serving_redis(url, idle, worker_kw, None, log_dir), short).e2e_p50_ms
+            probe_inproc = latency_probe(serving_inproc(idle, worker_kw), short).e2e_p50_ms
             overhead_doc = {
                 "strategy": over.name, "redis": via_redis, "in_process": inproc,
                 "throughput_ratio": round(via_redis["throughput_tok_s"] / inproc["throughput_tok_s"], 3),

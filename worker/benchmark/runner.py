@@ -74,12 +74,18 @@ def serving_redis(url: str, strategy: Strategy, worker_kw: dict, namespace: str 
     r = redis.Redis.from_url(url)
 
     def status() -> dict:
-        time.sleep(2.2)  # one more heartbeat, so the engine's peak KV figures are current
-        for key in r.scan_iter(match=keys.worker("*")):
-            raw = r.get(key)
-            if raw:
-                return msgpack.unpackb(raw, raw=False)
-        return {}
+        """The worker's status from a heartbeat after this call, so the engine's peak KV figures are current
+        (while anything changed, heartbeats are at most 2 s apart: worker/loop.py HEARTBEAT_S; after 2.2 s
+        nothing changed since the last one, which is returned)."""
+        since, last = time.time(), {}
+        while True:
+            for key in r.scan_iter(match=keys.worker("*")):
+                raw = r.get(key)
+                if raw:
+                    last = msgpack.unpackb(raw, raw=False)
+            if last.get("at", 0) > since or time.time() - since > 2.2:
+                return last
+            time.sleep(0.05)
 
     try:
         with Client(url, ns) as client:
@@ -127,18 +133,31 @@ def run_load(serving, strategy: Strategy, spec: LoadSpec, path: str) -> dict:
         return {**summarize(strategy.name, run), **kv_fields(status()), "path": path}
 
 
-def latency_probe(serving, workload: Workload, n: int = 30) -> float:
-    """p50 end-to-end ms of sequential single requests (short prompt, 1 new token) on an idle worker.
+@dataclass(frozen=True)
+class Probe:
+    """Sequential lone requests on an idle worker: end-to-end p50, and the queue time (enqueue -> the step
+    that started it, the worker's own figure) p50 and max."""
 
-    Run against a max_wait_ms=0 worker, this is transport + one tiny forward; the difference between
-    the Redis and the in-process transport is what the queue adds to each request.
+    e2e_p50_ms: float
+    queue_p50_ms: float
+    queue_max_ms: float
+
+
+def latency_probe(serving, prompts: list, n: int = 30, new_tokens: int = 1, gap_s: float = 0.0) -> Probe:
+    """``n`` sequential single requests (after 3 warm-up ones), ``gap_s`` apart, cycling over ``prompts``.
+
+    Run against a max_wait_ms=0 worker with short prompts and 1 new token, the end-to-end figure is transport
+    + one tiny forward; the difference between the Redis and the in-process transport is what the queue adds
+    to each request. With the adaptive window, the queue time is how long a lone request waits to start.
     """
-    out = []
+    e2e, queue = [], []
     with serving as (client, _flush, _status):
         for i in range(n + 3):
-            prompt = workload.prompts[i % len(workload)][:8]
             t0 = time.perf_counter()
-            client.result(client.submit(prompt, max_new_tokens=1), timeout=120)
+            res = client.result(client.submit(prompts[i % len(prompts)], max_new_tokens=new_tokens), timeout=120)
             if i >= 3:  # the first ones warm up
-                out.append((time.perf_counter() - t0) * 1000)
-    return round(percentile(out, 50), 3)
+                e2e.append((time.perf_counter() - t0) * 1000)
+                queue.append(res.queue_ms)
+            if gap_s:
+                time.sleep(gap_s)
+    return Probe(round(percentile(e2e, 50), 3), round(percentile(queue, 50), 2), round(max(queue), 2))
