@@ -103,6 +103,9 @@ class WorkerLoop:
         """
         self.lease.start()
         self.readahead.start()
+        # a status at once: the first tick's read of an idle worker blocks up to MAX_BLOCK_MS (worker/consumer.py)
+        # before the tick's own heartbeat, and status, the dashboard and those waiting for a worker read this key
+        self._guarded(self._heartbeat)
         try:
             while self._keep_running():
                 self._guarded(self.tick)
