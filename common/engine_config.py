@@ -45,7 +45,8 @@ class EngineConfig:
         "between chunks, so a long prompt never stalls running requests for its whole prefill."))
     device: str = field(default="cpu", metadata=option("cpu | cuda[:i] | npu[:i]"))
     dtype: str | None = field(default=None, metadata=option(
-        "Default: measured per device (bf16 on AMX/AVX512-BF16 CPUs, GPU, NPU; else float32).", choices=DTYPE_CHOICES))
+        "Default: measured per device (bf16 on GPU, NPU, AMX CPUs and AMD CPUs with AVX512-BF16; else float32).",
+        choices=DTYPE_CHOICES))
     block_size: int = field(default=16, metadata=option("KV cache block size (native engine)."))
     kv_cache_gb: float | None = field(default=None, metadata=option(
         "KV pool size (native engine). Default: a fraction of free memory."))

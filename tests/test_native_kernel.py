@@ -75,3 +75,16 @@ def test_bf16_engine_runs_both_decode_paths(tmp_path):
         outs.append({k: v.token_ids for k, v in done.items()})
     same = sum(outs[0][k] == outs[1][k] for k in outs[0])
     assert same >= 2  # bf16 rounding may flip a near-tie, but not everywhere
+
+
+@pytest.mark.parametrize(("cpuinfo", "bf16"), [
+    ("vendor_id : GenuineIntel\nflags : avx512_bf16 amx_bf16 amx_tile", True),  # Sapphire Rapids and later
+    ("vendor_id : GenuineIntel\nflags : avx512f avx512_bf16", False),  # no AMX: fp32 measured faster (issue 34)
+    ("vendor_id : AuthenticAMD\nflags : avx512f avx512_bf16", True),  # Zen 4/5 (BENCHMARKS 7, 13c)
+    ("vendor_id : AuthenticAMD\nflags : avx2 fma", False),  # Zen 3: bf16 emulated
+    ("", False),  # /proc/cpuinfo unreadable
+])
+def test_default_cpu_dtype_follows_what_was_measured_per_cpu_kind(cpuinfo, bf16):
+    from batchfleet.worker.engine.models import cpu_prefers_bf16
+
+    assert cpu_prefers_bf16(cpuinfo) is bf16

@@ -63,18 +63,27 @@ def make_preset(preset: str, cache_dir: str | Path, seed: int = 0, max_seq_len: 
 
 
 def default_dtype(device: str) -> torch.dtype:
-    """bf16 where we measured it to win: CPUs with AMX or AVX512-BF16 (2.5-6x fp32 at batch 32), CUDA, NPU."""
+    """bf16 where we measured it to win: CUDA, NPU, and CPUs where bf16 matmuls run at full width (AMX, or
+    AVX512-BF16 on AMD Zen 4/5: bf16 1.7-1.9x fp32 for both engines, docs/BENCHMARKS.md 7 and 13c). Intel CPUs
+    with AVX512-BF16 but no AMX get fp32: there fp32 was faster for the fleet and for vLLM alike (issue 34:
+    129 vs 120 and 90 vs 78 tok/s). Everything else (AVX2 only: bf16 emulated, ~10x slower) gets fp32."""
     if device == "cpu":
-        return torch.bfloat16 if _cpu_has_amx_or_avx512bf16() else torch.float32
+        return torch.bfloat16 if cpu_prefers_bf16(_cpuinfo()) else torch.float32
     return torch.bfloat16
 
 
-def _cpu_has_amx_or_avx512bf16() -> bool:
+def cpu_prefers_bf16(cpuinfo: str) -> bool:
+    """From /proc/cpuinfo's text: AMX, or AVX512-BF16 on an AMD CPU (see ``default_dtype``)."""
+    if "amx_bf16" in cpuinfo:
+        return True
+    return "avx512_bf16" in cpuinfo and "AuthenticAMD" in cpuinfo
+
+
+def _cpuinfo() -> str:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+        return ""
 
 
 def resolve_dtype(name: str | None, device: str) -> torch.dtype:
