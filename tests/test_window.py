@@ -115,6 +115,13 @@ def test_rate_counts_the_last_horizon_of_arrivals():
     assert w.rate(("batch", 128)) == 0.0
 
 
+def test_a_request_queued_again_is_not_counted_as_an_arrival():
+    w, b = adaptive()
+    b.add("a", 128, 1.0)
+    b.add("b", 128, 1.1, arrival=False)  # a bystander of a failed step, back in the queue
+    assert w.rate(KEY) == 1 / RATE_HORIZON_S and len(b) == 2
+
+
 def test_no_measurement_yet_starts_at_once_and_bad_samples_are_ignored():
     w = Window(50.0, adaptive=True)
     assert w.miss_s() == 0.0 and not w.holds(KEY, 1)

@@ -49,11 +49,14 @@ class Batcher(Generic[T]):
         self._flush = False
 
     def add(self, item: T, bucket: int, enqueued_at: float, lane: str = INTERACTIVE,
-            deadline: float | None = None) -> None:
+            deadline: float | None = None, arrival: bool = True) -> None:
+        """Queue ``item``; ``arrival=False`` for one queued again (it ran, and a failed step dropped it): not
+        an arrival, so the window's arrival rate does not count it twice."""
         entry = Pending(math.inf if deadline is None else deadline, enqueued_at, item, bucket)
         q = self._queues[(lane, bucket)]
         q.insert(bisect.bisect(q, entry), entry)
-        self.window.arrived((lane, bucket), enqueued_at)
+        if arrival:
+            self.window.arrived((lane, bucket), enqueued_at)
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())

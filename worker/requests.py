@@ -172,7 +172,7 @@ class RequestTable:
         for acc in accs:
             self._held[Stage.RUNNING].pop(acc.gen.id, None)
             self._held[Stage.QUEUED][acc.gen.id] = acc
-            self._add(acc)
+            self._add(acc, arrival=False)
         self._publish()
 
     def drop(self, job_id: str) -> Accepted | None:
@@ -218,8 +218,8 @@ class RequestTable:
         del self._outbox[:n]
         self._publish()
 
-    def _add(self, acc: Accepted) -> None:
-        self._batcher.add(acc, acc.entry.bucket, acc.enqueued_at, acc.entry.lane, acc.deadline)
+    def _add(self, acc: Accepted, arrival: bool = True) -> None:
+        self._batcher.add(acc, acc.entry.bucket, acc.enqueued_at, acc.entry.lane, acc.deadline, arrival)
 
     def _run(self, accs: Iterable[Accepted]) -> None:
         """QUEUED or SOLO -> RUNNING (already out of the batcher)."""
