@@ -93,9 +93,12 @@ def test_fixed_window_single_request_waits_about_max_wait(start_worker, redis_ur
 
 
 def test_prompt_too_long_raised_client_side_nothing_enqueued(start_worker, redis_url, namespace):
-    start_worker(max_seq_len=300)
+    w = start_worker(max_seq_len=300)
     r = redis.Redis.from_url(redis_url)
     keys = Keys(namespace)
+    # the worker's status key comes with its first heartbeat (its thread's first act): wait for it, so the
+    # snapshot holds every key of an idle fleet and only what a request would add can differ
+    wait_until(lambda: r.exists(keys.worker(w.loop.transport.name)), 30, "the worker's first heartbeat")
     before = sorted(r.scan_iter(match=keys.pattern))
     with Client(redis_url, namespace) as client:
         with pytest.raises(PromptTooLong):
