@@ -17,7 +17,7 @@ from batchfleet.common.errors import ConfigError, PromptTooLong
 from batchfleet.common.keys import DEFAULT_NAMESPACE, Keys
 from batchfleet.common.logs import LOG_FORMATS
 from batchfleet.common.optionspec import is_option, option, option_env
-from batchfleet.common.redis_url import check_redis_url
+from batchfleet.common.redis_url import check_redis_url, is_cluster
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_BUCKETS = (128, 256, 512, 1024, 4096)
@@ -149,7 +149,7 @@ class ConnectionConfig:
 
     @property
     def keys(self) -> Keys:
-        return Keys(self.namespace)
+        return Keys(self.namespace, hashtag=is_cluster(self.redis_url))
 
 
 @dataclass(frozen=True)

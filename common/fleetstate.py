@@ -15,6 +15,7 @@ import redis
 from batchfleet.common.functions import LIVE_WORKER_MS
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import FleetInfo
+from batchfleet.common.redis_conn import same_node
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int]
     pipeline round trip)."""
     streams = keys.streams(buckets)
     pipe = r.pipeline(transaction=False)
-    pipe.time()
+    pipe.execute_command("TIME", **same_node(r, keys.workers))  # the clock that stamps the entry ids
     for stream, _, _ in streams:
         pipe.xlen(stream)
         pipe.xinfo_groups(stream)

@@ -1,6 +1,10 @@
 """Every Redis key batchfleet uses, derived from one namespace (default ``bf``).
 
 Keeping names in one place lets ACL rules (``~bf:*``) and tenant isolation follow from the namespace.
+
+On a Redis Cluster (``hashtag``) the namespace is written as a hash tag, ``{bf}:stream:128``: every key of
+a fleet then hashes to one slot, so each Lua script, function and transaction touches one node, as Redis
+Cluster requires.
 """
 
 from __future__ import annotations
@@ -30,10 +34,16 @@ class Keys:
     """Key names under one namespace."""
 
     namespace: str = DEFAULT_NAMESPACE
+    hashtag: bool = False  # a Redis Cluster fleet: every key under the tag {namespace}
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not _NAMESPACE_RE.fullmatch(self.namespace):
             raise ValueError(f"invalid namespace {self.namespace!r}: use 1-64 chars of [A-Za-z0-9_.-]")
+
+    @property
+    def prefix(self) -> str:
+        """What every key starts with (then ``:``): the namespace, as a hash tag on a cluster."""
+        return f"{{{self.namespace}}}" if self.hashtag else self.namespace
 
     @property
     def group(self) -> str:
@@ -45,10 +55,10 @@ class Keys:
         interactive work, ``<ns>:stream:<bucket>:batch`` for batch work, so a worker finds interactive work
         without reading past a batch backlog."""
         if lane == INTERACTIVE:
-            return f"{self.namespace}:stream:{bucket}"
+            return f"{self.prefix}:stream:{bucket}"
         if lane not in LANES:
             raise ValueError(f"unknown priority class {lane!r}")
-        return f"{self.namespace}:stream:{bucket}:{lane}"
+        return f"{self.prefix}:stream:{bucket}:{lane}"
 
     def streams(self, buckets: tuple[int, ...] | list[int]) -> list[tuple[str, int, str]]:
         """(stream, bucket, lane) of every request stream, interactive ones first."""
@@ -57,11 +67,11 @@ class Keys:
     def inbox(self, token: str) -> str:
         """One client's reply stream: workers XADD every reply (and stream delta) of the client's jobs here;
         the client reads it with one connection and deletes what it consumed (expires after the reply TTL)."""
-        return f"{self.namespace}:inbox:{token}"
+        return f"{self.prefix}:inbox:{token}"
 
     def inbox_token(self, reply_key: object) -> str | None:
         """The token of a reply key of this namespace (``<ns>:inbox:<token>``), else None."""
-        prefix = f"{self.namespace}:inbox:"
+        prefix = f"{self.prefix}:inbox:"
         if isinstance(reply_key, str) and reply_key.startswith(prefix) and valid_inbox(reply_key[len(prefix):]):
             return reply_key[len(prefix):]
         return None
@@ -69,43 +79,43 @@ class Keys:
     def cancel(self, job_id: str) -> str:
         """Cancel marker of a job (value: its reply key; expires after the reply TTL): a worker that reads the
         job later skips it."""
-        return f"{self.namespace}:cancel:{job_id}"
+        return f"{self.prefix}:cancel:{job_id}"
 
     @property
     def cancels(self) -> str:
         """Capped stream of cancel requests (id, reply key) every worker follows, for jobs it already holds."""
-        return f"{self.namespace}:cancels"
+        return f"{self.prefix}:cancels"
 
     @property
     def workers(self) -> str:
         """Sorted set of live workers: member = worker name, score = Redis time (ms) of its last heartbeat."""
-        return f"{self.namespace}:workers"
+        return f"{self.prefix}:workers"
 
     def done(self, job_id: str) -> str:
         """First-writer-wins marker: set once a reply was written, so a re-run cannot answer twice."""
-        return f"{self.namespace}:done:{job_id}"
+        return f"{self.prefix}:done:{job_id}"
 
     @property
     def fleet(self) -> str:
         """Fleet description published by workers: tokenizer, buckets, limits (expires unless a live worker
         refreshes it with its heartbeat)."""
-        return f"{self.namespace}:fleet"
+        return f"{self.prefix}:fleet"
 
     def worker(self, name: str) -> str:
         """Heartbeat/status of one worker (expires when the worker stops refreshing it)."""
-        return f"{self.namespace}:worker:{name}"
+        return f"{self.prefix}:worker:{name}"
 
     @property
     def batches(self) -> str:
         """Capped stream of batch records (bucket, ids, size) written by workers, for audit and tests."""
-        return f"{self.namespace}:batches"
+        return f"{self.prefix}:batches"
 
     @property
     def released(self) -> str:
         """Counter a worker bumps when it releases leases (worker/pending.py ``release``): a peer with room
         reads it about once a second and scans the pending lists at once when it moved, instead of
         scanning every stream every second (worker/pending.py ``reclaim``)."""
-        return f"{self.namespace}:released"
+        return f"{self.prefix}:released"
 
     @property
     def flush(self) -> str:
@@ -114,72 +124,72 @@ class Keys:
         Only static-batching workers act on it: their transport polls it (``Transport.flush_requested``
         in worker/transport.py, at most every 50 ms while a partial batch waits) and a change since the
         last value seen closes the partial batches."""
-        return f"{self.namespace}:flush"
+        return f"{self.prefix}:flush"
 
     @property
     def dead(self) -> str:
         """Capped dead-letter stream."""
-        return f"{self.namespace}:dead"
+        return f"{self.prefix}:dead"
 
     def file(self, file_id: str) -> str:
         """An uploaded or produced file's metadata (JSON; the bytes live in the gateway's files directory)."""
-        return f"{self.namespace}:file:{file_id}"
+        return f"{self.prefix}:file:{file_id}"
 
     def files(self, owner: str) -> str:
         """Sorted set of one API key's files (score: creation time)."""
-        return f"{self.namespace}:files:{owner}"
+        return f"{self.prefix}:files:{owner}"
 
     def response(self, response_id: str) -> str:
         """A stored Responses API response (JSON: the response object, its owner and the conversation it
         ends, for ``previous_response_id``); expires after the gateway's --response-ttl."""
-        return f"{self.namespace}:response:{response_id}"
+        return f"{self.prefix}:response:{response_id}"
 
     def openai_batch(self, batch_id: str) -> str:
         """An OpenAI batch: hash of ``doc`` (the batch object, written by whoever runs it), ``run`` (its
         output names) and ``cancel`` (when a cancel was asked, written by the API)."""
-        return f"{self.namespace}:obatch:{batch_id}"
+        return f"{self.prefix}:obatch:{batch_id}"
 
     def openai_batches(self, owner: str) -> str:
         """Sorted set of one API key's batches (score: creation time)."""
-        return f"{self.namespace}:obatches:{owner}"
+        return f"{self.prefix}:obatches:{owner}"
 
     @property
     def openai_batches_due(self) -> str:
         """Sorted set of the batches not yet finished: any batch runner may take one (under its lease)."""
-        return f"{self.namespace}:obatches-due"
+        return f"{self.prefix}:obatches-due"
 
     def batch_lease(self, batch_id: str) -> str:
         """Who runs a batch now (a random token; expires unless renewed)."""
-        return f"{self.namespace}:obatch-lease:{batch_id}"
+        return f"{self.prefix}:obatch-lease:{batch_id}"
 
     @property
     def openai_batches_finished(self) -> str:
         """Sorted set of the last few finished batches (score: when they finished; capped by the batch store),
         so the dashboard shows them without knowing the owners."""
-        return f"{self.namespace}:obatches-finished"
+        return f"{self.prefix}:obatches-finished"
 
     @property
     def bulk_runs(self) -> str:
         """Sorted set of the bulk runs (``batchfleet bulk``) heard from lately: member = run id, score = Redis
         time (ms) of its last report; entries older than a run's TTL are pruned by whoever writes."""
-        return f"{self.namespace}:bulk-runs"
+        return f"{self.prefix}:bulk-runs"
 
     def bulk_run(self, run_id: str) -> str:
         """One bulk run's last report (JSON; expires a few minutes after it, so a killed run disappears)."""
-        return f"{self.namespace}:bulk-run:{run_id}"
+        return f"{self.prefix}:bulk-run:{run_id}"
 
     @property
     def history(self) -> str:
         """Capped stream of fleet samples (queue depth per class, throughput, TTFT) for the dashboard's charts;
         an entry's id is its sample slot (ms), so of several gateways sampling one slot only the first adds it."""
-        return f"{self.namespace}:history"
+        return f"{self.prefix}:history"
 
     @property
     def expiring(self) -> str:
         """Sorted set of the files and batches that expire (``file:<id>`` / ``batch:<id>``, score: when), swept
         by the batch runners (gateway/batch_expiry.py)."""
-        return f"{self.namespace}:expiring"
+        return f"{self.prefix}:expiring"
 
     @property
     def pattern(self) -> str:
-        return f"{self.namespace}:*"
+        return f"{self.prefix}:*"

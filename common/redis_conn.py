@@ -1,23 +1,31 @@
-"""Redis client factories: every batchfleet process builds its clients here, from a plain URL or from a
-Sentinel URL, so a fleet behind Redis Sentinel follows a failover to the new primary.
+"""Redis client factories: every batchfleet process builds its clients here, from a plain URL, a Sentinel
+URL (a fleet behind Redis Sentinel follows a failover to the new primary) or a Redis Cluster URL.
 
 Sentinel URL: ``redis+sentinel://[user:password@]host:26379[,host2:26379...]/<master name>[/<db>]``.
 The credentials are those of the Redis data nodes (Sentinels themselves are reached without a
 password; add ``?sentinel_password=...`` when they have one). Every connection is asked of the
 Sentinels for the current primary; a connection broken by a failover (or one that finds the old
 primary demoted: READONLY) raises a ConnectionError, which callers already retry (common/retry.py).
+
+Cluster URL: ``redis+cluster://[user:password@]host:port[,host2:port...]``: a few seed nodes; redis-py's
+cluster clients learn the slot map from them and follow MOVED/ASK and failovers. A cluster fleet's keys
+carry the namespace as a hash tag (common/keys.py), so every script and pipeline touches one slot.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import redis
 import redis.asyncio as aredis
+import redis.asyncio.cluster as acluster
 import redis.asyncio.sentinel as asentinel
+import redis.cluster as scluster
 import redis.sentinel as ssentinel
+from redis.crc import key_slot
 
-from batchfleet.common.redis_url import SentinelURL, is_sentinel, parse_sentinel_url
+from batchfleet.common.redis_url import SentinelURL, is_cluster, is_sentinel, parse_cluster_url, parse_sentinel_url
 
 WAIT_TIMEOUT_MS = 2_000  # how long one WAIT (--wait-replicas) may block for replica acknowledgements
 
@@ -39,8 +47,51 @@ def _node_kwargs(s: SentinelURL, kw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _cluster_kwargs(url: str, kw: dict[str, Any]) -> dict[str, Any]:
+    c = parse_cluster_url(url)
+    out = dict(kw)
+    if c.username:
+        out["username"] = c.username
+    if c.password:
+        out["password"] = c.password
+    return out
+
+
+def fleet_slot(args: tuple[Any, ...]) -> int | None:
+    """The slot of a command whose keys redis-py would otherwise learn by asking the server (``COMMAND
+    GETKEYS``: one more round trip per call, and racy in its asyncio client): FCALL and XREAD(GROUP). A fleet's
+    keys share one hash tag, so the first key decides. None: let redis-py decide."""
+    name = str(args[0]).upper() if args else ""
+    if name in ("FCALL", "FCALL_RO") and len(args) > 3 and int(args[2]) > 0:
+        return key_slot(_encoded(args[3]))
+    if name in ("XREAD", "XREADGROUP"):
+        words = [str(a).upper() if isinstance(a, str) else a for a in args]
+        if "STREAMS" in words and words.index("STREAMS") + 1 < len(args):
+            return key_slot(_encoded(args[words.index("STREAMS") + 1]))
+    return None
+
+
+def _encoded(key: Any) -> bytes:
+    return key if isinstance(key, bytes) else str(key).encode()
+
+
+class _FleetCluster(scluster.RedisCluster):
+    def determine_slot(self, *args: Any) -> int | None:
+        slot = fleet_slot(args)
+        return super().determine_slot(*args) if slot is None else slot
+
+
+class _AsyncFleetCluster(acluster.RedisCluster):
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        slot = fleet_slot((command, *args))
+        return await super()._determine_slot(command, *args) if slot is None else slot
+
+
 def sync_client(url: str, **kw: Any) -> redis.Redis:
-    """A redis-py client for ``url`` (plain or Sentinel); ``kw`` go to every connection."""
+    """A redis-py client for ``url`` (plain, Sentinel or Cluster); ``kw`` go to every connection."""
+    if is_cluster(url):
+        nodes = [scluster.ClusterNode(h, p) for h, p in parse_cluster_url(url).nodes]
+        return _FleetCluster(startup_nodes=nodes, **_cluster_kwargs(url, kw))  # type: ignore[return-value]
     if not is_sentinel(url):
         return redis.Redis.from_url(url, **kw)
     s = parse_sentinel_url(url)
@@ -54,7 +105,11 @@ class _BlockingSentinelPool(asentinel.SentinelConnectionPool, aredis.BlockingCon
 
 def async_client(url: str, *, max_connections: int | None = None, **kw: Any) -> aredis.Redis:
     """An asyncio client for ``url`` (plain or Sentinel). With ``max_connections`` the pool is bounded and
-    blocking (a caller waits for a free connection, without a pool timeout)."""
+    blocking (a caller waits for a free connection, without a pool timeout); a cluster client's pools are not
+    bounded (redis-py's async cluster client raises at its limit instead of waiting)."""
+    if is_cluster(url):
+        nodes = [acluster.ClusterNode(h, p) for h, p in parse_cluster_url(url).nodes]
+        return _AsyncFleetCluster(startup_nodes=nodes, **_cluster_kwargs(url, kw))  # type: ignore[return-value]
     if not is_sentinel(url):
         if max_connections is None:
             return aredis.Redis.from_url(url, **kw)
@@ -77,21 +132,32 @@ class NotReplicated(redis.ConnectionError):
     keeps its job id (the worker answers once), a reply its first-writer-wins marker."""
 
 
+def same_node(r: Any, key: str) -> dict[str, Any]:
+    """Options that send a keyless command (``WAIT`` after writes to ``key``, ``TIME`` to read the clock that
+    stamps ``key``'s entries) to the master of ``key``'s slot on a cluster; redis-py would pick any node.
+    Empty for one Redis."""
+    node_of = getattr(r, "get_node_from_key", None)
+    return {"target_nodes": node_of(key)} if node_of is not None else {}
+
+
 def require_replicas(acked: Any, wanted: int, what: str) -> None:
     """Raise NotReplicated when WAIT answered fewer than ``wanted`` replicas."""
     if int(acked) < wanted:
         raise NotReplicated(f"{what}: {int(acked)} of {wanted} replicas acknowledged within {WAIT_TIMEOUT_MS} ms")
 
 
-async def write_acked(r: aredis.Redis, replicas: int, command: Any, what: str = "write") -> Any:
+async def write_acked(r: aredis.Redis, replicas: int, command: Any, what: str = "write", key: str = "") -> Any:
     """``await command(client)``, then, with ``replicas`` > 0, Redis ``WAIT replicas`` on the SAME connection
-    (one pipeline: WAIT counts the replicas that have every earlier write of its connection). Returns the
-    command's answer; raises NotReplicated when too few replicas acknowledged."""
+    (one pipeline: WAIT counts the replicas that have every earlier write of its connection; ``key``: one the
+    command writes, which places the WAIT on a cluster). Returns the command's answer; raises NotReplicated
+    when too few replicas acknowledged."""
     if replicas <= 0:
         return await command(r)
     async with r.pipeline(transaction=False) as pipe:  # gives its connection back however it ends
-        await command(pipe)  # a pipeline's command only queues (awaiting the pipeline returns it)
-        pipe.execute_command("WAIT", replicas, WAIT_TIMEOUT_MS)
+        queued = command(pipe)  # a pipeline's command only queues; awaiting a cluster pipeline would run it
+        if queued is not pipe and inspect.isawaitable(queued):  # a Script call: a coroutine that queues
+            await queued
+        pipe.execute_command("WAIT", replicas, WAIT_TIMEOUT_MS, **same_node(r, key))
         answer, acked = await pipe.execute()
     require_replicas(acked, replicas, what)
     return answer

@@ -13,8 +13,10 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from batchfleet.common.errors import ConfigError
 
 SENTINEL_SCHEME = "redis+sentinel"
+CLUSTER_SCHEME = "redis+cluster"
 DEFAULT_SENTINEL_PORT = 26379
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://")
+DEFAULT_REDIS_PORT = 6379
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://", "redis+cluster://")
 
 
 def redact_url(url: str) -> str:
@@ -33,10 +35,13 @@ def redact_url(url: str) -> str:
 def check_redis_url(url: str) -> str:
     """``url`` when redis-py can parse it; ConfigError otherwise, whose message never shows the password."""
     if not isinstance(url, str) or not url.startswith(REDIS_SCHEMES):
-        raise ConfigError("redis_url must start with redis://, rediss://, unix:// or redis+sentinel://, "
-                          f"got {redact_url(str(url))!r}")
+        raise ConfigError("redis_url must start with redis://, rediss://, unix://, redis+sentinel:// or "
+                          f"redis+cluster://, got {redact_url(str(url))!r}")
     if is_sentinel(url):
         parse_sentinel_url(url)  # ConfigError with the URL redacted
+        return url
+    if is_cluster(url):
+        parse_cluster_url(url)
         return url
     try:
         parts = urlsplit(url)
@@ -67,6 +72,20 @@ def is_sentinel(url: str) -> bool:
     return url.startswith(SENTINEL_SCHEME + "://")
 
 
+def _hosts(hostlist: str, default_port: int, shown: str) -> tuple[tuple[str, int], ...]:
+    """``h1:p1[,h2:p2...]`` as (host, port) pairs; ConfigError (URL redacted) on junk."""
+    out = []
+    for item in hostlist.split(","):
+        host, _, port = item.strip().rpartition(":") if ":" in item else (item.strip(), "", "")
+        try:
+            out.append((host, int(port) if port else default_port))
+        except ValueError:
+            raise ConfigError(f"bad address {item!r} in {shown!r}") from None
+    if not out or any(not h for h, _ in out):
+        raise ConfigError(f"the URL needs at least one host: {shown!r}")
+    return tuple(out)
+
+
 def parse_sentinel_url(url: str) -> SentinelURL:
     """Parse ``redis+sentinel://[user:pass@]h1:p1[,h2:p2]/service[/db]``; raises ConfigError on junk."""
     parts = urlsplit(url)
@@ -75,15 +94,7 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         raise ConfigError(f"not a {SENTINEL_SCHEME}:// URL: {shown!r}")
     userinfo, _, hostlist = parts.netloc.rpartition("@")
     user, _, password = userinfo.partition(":")
-    sentinels = []
-    for item in hostlist.split(","):
-        host, _, port = item.strip().rpartition(":") if ":" in item else (item.strip(), "", "")
-        try:
-            sentinels.append((host, int(port) if port else DEFAULT_SENTINEL_PORT))
-        except ValueError:
-            raise ConfigError(f"bad sentinel address {item!r} in {shown!r}") from None
-    if not sentinels or any(not h for h, _ in sentinels):
-        raise ConfigError(f"a sentinel URL needs at least one host: {shown!r}")
+    sentinels = _hosts(hostlist, DEFAULT_SENTINEL_PORT, shown)
     path = [p for p in parts.path.split("/") if p]
     if not path or len(path) > 2:
         raise ConfigError(f"a sentinel URL needs /<master name>[/<db>]: {shown!r}")
@@ -92,5 +103,33 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     except ValueError:
         raise ConfigError(f"bad db {path[1]!r} in {shown!r}") from None
     query = parse_qs(parts.query)
-    return SentinelURL(tuple(sentinels), unquote(path[0]), db, unquote(user) or None, unquote(password) or None,
+    return SentinelURL(sentinels, unquote(path[0]), db, unquote(user) or None, unquote(password) or None,
                        query.get("sentinel_password", [None])[0])
+
+
+@dataclass(frozen=True)
+class ClusterURL:
+    """A parsed ``redis+cluster://`` URL: seed nodes (any few of the cluster's; the client learns the rest)."""
+
+    nodes: tuple[tuple[str, int], ...]
+    username: str | None = None
+    password: str | None = None
+
+
+def is_cluster(url: str) -> bool:
+    return url.startswith(CLUSTER_SCHEME + "://")
+
+
+def parse_cluster_url(url: str) -> ClusterURL:
+    """Parse ``redis+cluster://[user:pass@]h1:p1[,h2:p2...][/0]``; raises ConfigError on junk. A cluster has
+    only database 0."""
+    parts = urlsplit(url)
+    shown = redact_url(url)
+    if parts.scheme != CLUSTER_SCHEME:
+        raise ConfigError(f"not a {CLUSTER_SCHEME}:// URL: {shown!r}")
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    nodes = _hosts(hostlist, DEFAULT_REDIS_PORT, shown)
+    if parts.path.strip("/") not in ("", "0"):
+        raise ConfigError(f"a Redis Cluster has only database 0: {shown!r}")
+    return ClusterURL(nodes, unquote(user) or None, unquote(password) or None)

@@ -286,9 +286,9 @@ class AsyncClient:
             await asyncio.wait(set(self._background), timeout=GIVE_UP_CANCEL_TIMEOUT_S)
         await self.inbox.close()
         for r in (self.inbox.reader, self.r):
-            try:  # a client made on a given pool leaves the pool open: disconnect it too
+            try:  # a client made on a given pool leaves the pool open: disconnect it too (not a cluster's)
                 await asyncio.wait_for(r.aclose(), 2.0)
-                await asyncio.wait_for(r.connection_pool.disconnect(), 2.0)
+                await asyncio.wait_for(r.connection_pool.disconnect(), 2.0) if hasattr(r, "connection_pool") else None
             except (asyncio.TimeoutError, redis.RedisError, OSError):
                 pass
 

@@ -76,7 +76,10 @@ def check_reachable(conn: ConnectionConfig) -> None:
     """Open one connection (the same handshake the client makes: AUTH, SELECT, ...) and close it, so an
     unreachable Redis or wrong credentials fail at once with one line instead of after the client's
     ``retry_s`` of backoff; the client keeps its retries for outages in the middle of a run."""
-    r = _redis(conn)
+    r = _redis(conn)  # a cluster client connects here already: it asks a seed node for the slot map
+    if getattr(r, "connection_pool", None) is None:
+        r.close()
+        return
     connection = r.connection_pool.make_connection()
     try:
         connection.connect()

@@ -9,6 +9,11 @@ after a SCRIPT FLUSH or a restart); the stream consumer builds one and hands it 
 
 from __future__ import annotations
 
+from typing import Any
+
+import redis
+from redis.cluster import ClusterPipeline
+
 # KEYS: n x (done marker, inbox), then the m streams the entries are in. ARGV: group, ttl seconds, n, then
 # per reply: entry id ('' = none), payload, job id, index of its stream in the stream keys (1..m).
 # Returns one 1/0 per reply: 1 when this call wrote it, 0 when an earlier writer had (its ``done`` marker).
@@ -266,3 +271,26 @@ class WorkerScripts:
         self.autoclaim = r.register_script(AUTOCLAIM)
         self.cancels = r.register_script(CANCELS)
         self.marks = r.register_script(MARKS)
+
+    @staticmethod
+    def queue(pipe: Any, script: Any, keys: list, args: list) -> None:
+        """Queue ``script`` on ``pipe``. redis-py's cluster pipeline refuses the ``evalsha`` method (a Script
+        call), so it gets the raw command; the script is then expected loaded (``run_pipeline`` reloads it)."""
+        if isinstance(pipe, ClusterPipeline):
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        else:
+            script(keys=keys, args=args, client=pipe)
+
+    @staticmethod
+    def run_pipeline(pipe: Any, *scripts: Any) -> list:
+        """``pipe.execute()``. On a cluster a NOSCRIPT (a promoted replica has an empty script cache) loads
+        ``scripts`` on every master and raises a ConnectionError, a transient error: the caller's retry
+        rebuilds the pipeline, and what it writes is idempotent."""
+        try:
+            return pipe.execute()
+        except redis.exceptions.NoScriptError:
+            if not isinstance(pipe, ClusterPipeline):
+                raise
+            for script in scripts:
+                script.registered_client.script_load(script.script)
+            raise redis.ConnectionError("NOSCRIPT on a cluster master (after a failover): scripts reloaded") from None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import redis
 
 from batchfleet.common.config import ConnectionConfig
-from batchfleet.common.redis_conn import WAIT_TIMEOUT_MS, require_replicas
+from batchfleet.common.redis_conn import WAIT_TIMEOUT_MS, require_replicas, same_node
 from batchfleet.worker.scripts import REPLIES_PER_CALL, WorkerScripts
 from batchfleet.worker.transport import Entry, Reply
 
@@ -42,10 +42,10 @@ class Settler:
             return [bool(x) for x in self.scripts.replies(**self._replies_call(replies))]
         pipe = self.r.pipeline(transaction=False)
         for i in range(0, len(replies), REPLIES_PER_CALL):
-            self.scripts.replies(**self._replies_call(replies[i:i + REPLIES_PER_CALL]), client=pipe)
+            self.scripts.queue(pipe, self.scripts.replies, **self._replies_call(replies[i:i + REPLIES_PER_CALL]))
         if wanted:  # WAIT on the same connection: every reply above is on `wanted` replicas, else retried
-            pipe.execute_command("WAIT", wanted, WAIT_TIMEOUT_MS)
-        out = pipe.execute()
+            pipe.execute_command("WAIT", wanted, WAIT_TIMEOUT_MS, **same_node(self.r, self.keys.workers))
+        out = self.scripts.run_pipeline(pipe, self.scripts.replies)
         if wanted:  # too few: NotReplicated (transient) keeps the replies in the outbox; rewrites are idempotent
             require_replicas(out.pop(), wanted, f"{len(replies)} replies")
         return [bool(x) for chunk in out for x in chunk]
@@ -84,11 +84,11 @@ class Settler:
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(self.keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=False)  # rare: exact cap
         if reply is not None:
-            self.scripts.replies(**self._replies_call([reply]), client=pipe)  # reply.bucket/entry_id: the entry's
+            self.scripts.queue(pipe, self.scripts.replies, **self._replies_call([reply]))  # the entry's bucket, id
         else:
             pipe.xack(stream, self.keys.group, entry.entry_id)
             pipe.xdel(stream, entry.entry_id)
-        pipe.execute()
+        self.scripts.run_pipeline(pipe, self.scripts.replies)
 
     def ack(self, entry: Entry) -> None:
         """Acknowledge and delete an entry that needs no reply of its own (a duplicate delivery)."""

@@ -1,0 +1,187 @@
+"""The fleet on a real local Redis Cluster (tests/helpers/cluster.py: 3 masters, ``redis-cli --cluster
+create``), through ``redis+cluster://`` URLs: every key of a namespace under its hash tag on one slot, the
+core paths (answers, streaming, cancel, the OpenAI API), a worker killed -9, and a master killed -9 under
+load with ``--wait-replicas 1`` (its replica promoted, nothing acknowledged lost, no restart of anyone)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.errors import ConfigError
+from batchfleet.common.keys import Keys
+from batchfleet.common.redis_conn import sync_client
+from batchfleet.common.redis_url import parse_cluster_url
+from batchfleet.producer import Cancelled, Client, Timeout
+from batchfleet.worker.devtools import spawn_worker
+from tests.conftest import worker_config
+from tests.helpers.loops import LoopThread, wait_until
+
+
+def test_cluster_url_parsing_and_hash_tagged_keys():
+    c = parse_cluster_url("redis+cluster://u:p%40ss@h1:7001,h2")
+    assert c.nodes == (("h1", 7001), ("h2", 6379)) and (c.username, c.password) == ("u", "p@ss")
+    conn = ConnectionConfig("redis+cluster://h1:7001/0", "ns")
+    assert conn.keys.stream(128) == "{ns}:stream:128" and conn.keys.inbox("x" * 16) == "{ns}:inbox:" + "x" * 16
+    assert conn.keys.inbox_token("{ns}:inbox:" + "x" * 16) == "x" * 16 and conn.keys.inbox_token("ns:inbox:x") is None
+    assert ConnectionConfig("redis://h:1/0", "ns").keys.stream(128) == "ns:stream:128"  # one Redis: unchanged
+    for bad in ("redis+cluster://", "redis+cluster://h:x", "redis+cluster://:secret@h:1/3"):
+        with pytest.raises(ConfigError) as err:
+            ConnectionConfig(bad)
+        assert "secret" not in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    """This module's fleets run on a private 3-master cluster (it overrides the suite's Redis)."""
+    from tests.helpers.cluster import PrivateCluster
+
+    cluster = PrivateCluster(masters=3).start()
+    yield cluster.url
+    cluster.stop()
+
+
+def _keys_by_node(url: str, pattern: str) -> dict[str, list[str]]:
+    r = sync_client(url, decode_responses=True)
+    try:
+        return {n.name: keys for n in r.get_primaries()
+                if (keys := list(r.scan_iter(match=pattern, count=1000, target_nodes=n)))}
+    finally:
+        r.close()
+
+
+def test_a_fleet_on_a_cluster_answers_streams_and_cancels_with_every_key_in_one_slot(redis_url, namespace,
+                                                                                     start_worker):
+    start_worker(max_wait_ms=10, max_batch_size=8)
+    with Client(redis_url, namespace) as client:
+        results = client.generate_many([[10 + i, 11, 12] for i in range(16)], max_new_tokens=6, timeout=60)
+        assert [len(r.token_ids) for r in results] == [6] * 16
+        assert "".join(d.text for d in client.stream([5, 6, 7], max_new_tokens=5, timeout=60)) == \
+            client.generate([5, 6, 7], max_new_tokens=5, timeout=60).text
+        # cancelled before it is enqueued (the hf engine runs a started batch to its end): the marker stops it
+        job = f"cancelled-{namespace}"
+        client.cancel(job)
+        client.submit([9, 9, 9], max_new_tokens=400, timeout=60, job_id=job)
+        with pytest.raises(Cancelled):
+            client.result(job, timeout=60)
+    keys = ConnectionConfig(redis_url, namespace).keys
+    by_node = _keys_by_node(redis_url, keys.pattern)
+    assert len(by_node) == 1, f"a namespace's keys span masters: {by_node}"
+    names = next(iter(by_node.values()))
+    assert keys.workers in names and keys.stream(32) in names and all(k.startswith(f"{{{namespace}}}:") for k in names)
+    assert not _keys_by_node(redis_url, f"{namespace}:*"), "a key escaped the hash tag"
+
+
+def test_the_gateway_on_a_cluster_serves_the_openai_client(redis_url, namespace, start_worker, start_gateway):
+    import openai
+
+    start_worker(max_wait_ms=10)
+    gw = start_gateway()
+    api = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    model = api.models.list().data[0].id
+    out = api.completions.create(model=model, prompt="hello", max_tokens=5, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5
+    chunks = list(api.completions.create(model=model, prompt="hello", max_tokens=5, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
+
+
+def test_a_worker_killed_on_a_cluster_loses_nothing(redis_url, namespace, tmp_path):
+    args = ["--buckets", "32,64", "--max-seq-len", "256", "--dtype", "float32", "--max-batch-size", "8",
+            "--max-wait-ms", "50", "--claim-idle-ms", "1000", "--threads", "1"]
+    a = spawn_worker(redis_url, namespace, args, name=f"a-{namespace}", log_path=str(tmp_path / "a.log"))
+    b = spawn_worker(redis_url, namespace, args, name=f"b-{namespace}", log_path=str(tmp_path / "b.log"))
+    keys = ConnectionConfig(redis_url, namespace).keys
+    r = sync_client(redis_url)
+    try:
+        with Client(redis_url, namespace) as client, ThreadPoolExecutor(8) as pool:
+            jobs = [client.submit([10 + i % 50, 11, 12], max_new_tokens=48, timeout=120) for i in range(32)]
+            futures = [pool.submit(client.result, j, 120) for j in jobs]
+            wait_until(lambda: any(f[b"worker"] == a.name.encode() for _, f in r.xrange(keys.batches)), 60,
+                       "a batch on worker a")
+            a.kill()
+            results = [f.result() for f in futures]
+        assert [len(x.token_ids) for x in results] == [48] * 32
+        assert all(r.exists(keys.done(j)) for j in jobs)
+    finally:
+        a.kill()
+        b.kill()
+        r.close()
+
+
+@pytest.mark.parametrize("wait_replicas", [1])
+def test_a_master_killed_under_load_fails_over_and_loses_nothing_acknowledged(tiny_model_dir, wait_replicas,
+                                                                              monkeypatch):
+    """3 masters with a replica each; the master of the fleet's slot is killed -9 under load: its replica is
+    promoted, the worker and the client go on without a restart, and with --wait-replicas 1 every enqueue
+    that returned gets its answer, once."""
+    from tests.helpers.cluster import PrivateCluster
+
+    cluster = PrivateCluster(masters=3, replicas=1).start()
+    monkeypatch.setenv("BATCHFLEET_WAIT_REPLICAS", str(wait_replicas))  # the client reads it, like the CLI
+    ns = f"fo-{uuid.uuid4().hex[:6]}"
+    keys = ConnectionConfig(cluster.url, ns).keys
+    worker = LoopThread(worker_config(cluster.url, ns, tiny_model_dir, max_wait_ms=10, max_batch_size=16,
+                                      claim_idle_ms=2000, wait_replicas=wait_replicas))
+    acked: list[tuple[float, str]] = []
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    client = Client(cluster.url, ns, retry_s=60)
+
+    def load(p: int) -> None:
+        i = 0
+        try:
+            while not stop.is_set():
+                job = f"p{p}-{i}"
+                client.submit([10 + p, 11 + i % 50, 12], job_id=job, max_new_tokens=4)
+                acked.append((time.monotonic(), job))
+                i += 1
+                stop.wait(0.05)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load, args=(p,), daemon=True) for p in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: len(acked) > 20 or errors, 60, "load before the kill")
+        assert not errors, errors
+        master = cluster.node_of(keys.workers)
+        killed_at = time.monotonic()
+        master.kill()
+        wait_until(lambda: cluster.node_of(keys.workers) is not master, 60, "a replica promoted", every_s=0.1)
+        promoted_s = time.monotonic() - killed_at
+        master.start()  # the crashed node comes back (its nodes.conf): a replica of the promoted one
+        wait_until(lambda: any(t > killed_at + promoted_s for t, _ in acked), 60, "enqueues after the failover")
+        time.sleep(2)
+        stop.set()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        lost, answered = [], 0
+        deadline = time.monotonic() + 30
+        for _, job in acked:
+            try:
+                answered += len(client.result(job, timeout=max(0.001, deadline - time.monotonic())).token_ids) == 4
+            except Timeout:
+                lost.append(job)
+        print(f"\ncluster failover: {len(acked)} acknowledged, promoted in {promoted_s:.1f} s, lost {lost[:5]}")
+        assert lost == [] and answered == len(acked)
+    finally:
+        stop.set()
+        client.close()
+        worker.stop()
+        cluster.stop()
+
+
+def test_keys_of_one_redis_keep_their_names():
+    """A single Redis (the default) keeps the key names it always had: upgrading moves nothing."""
+    assert Keys("bf").stream(128) == "bf:stream:128" and Keys("bf").pattern == "bf:*"
+    assert Keys("bf", hashtag=True).pattern == "{bf}:*"
+    with pytest.raises(ValueError):  # braces are not namespace characters: a tag cannot be split
+        Keys("b{f}", hashtag=True)
