@@ -130,7 +130,8 @@ class ConnectionConfig:
 
     redis_url: str = field(default=DEFAULT_REDIS_URL, metadata=option(
         "redis://[user:pass@]host:port/db, rediss:// for TLS, or "
-        "redis+sentinel://host:26379[,host2:26379]/<master>/<db> to follow Sentinel failovers.", parse=check_redis_url))
+        "redis+sentinel://host:26379[,host2:26379]/<master>/<db> to follow Sentinel failovers, or "
+        "redis+cluster://host:port[,host2:port] for a Redis Cluster.", parse=check_redis_url))
     namespace: str = field(default=DEFAULT_NAMESPACE, metadata=option(
         "Key namespace: isolates fleets (tenants) on one Redis.", parse=check_namespace))
     wait_replicas: int = field(default=0, metadata=option(

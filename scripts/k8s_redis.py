@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlsplit
 import yaml
 
 from batchfleet.common.errors import ConfigError
-from batchfleet.common.redis_url import check_redis_url, is_sentinel, parse_sentinel_url, redact_url
+from batchfleet.common.redis_url import check_redis_url, is_cluster, is_sentinel, parse_sentinel_url, redact_url
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -39,6 +39,10 @@ def trigger_fields(url: str) -> tuple[str, dict[str, str], dict[str, str]]:
     (BATCHFLEET_REDIS_URL, what the pods read) and each credential under the name of the KEDA authentication
     parameter it fills (username, password, sentinelPassword). ConfigError for a URL KEDA cannot use."""
     check_redis_url(url)
+    if is_cluster(url):
+        raise ConfigError("a redis+cluster:// fleet's streams are named {NAMESPACE}:stream:<bucket> (a hash tag), "
+                          "which the shipped kustomize replacement cannot write yet: point KEDA's "
+                          "redis-cluster-streams triggers at them by hand (docs/OPERATIONS.md \"Redis Cluster\")")
     secret = {"BATCHFLEET_REDIS_URL": url}
     if is_sentinel(url):
         s = parse_sentinel_url(url)

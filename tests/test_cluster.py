@@ -14,27 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from batchfleet.common.config import ConnectionConfig
-from batchfleet.common.errors import ConfigError
-from batchfleet.common.keys import Keys
 from batchfleet.common.redis_conn import sync_client
-from batchfleet.common.redis_url import parse_cluster_url
 from batchfleet.producer import Cancelled, Client, Timeout
 from batchfleet.worker.devtools import spawn_worker
 from tests.conftest import worker_config
 from tests.helpers.loops import LoopThread, wait_until
-
-
-def test_cluster_url_parsing_and_hash_tagged_keys():
-    c = parse_cluster_url("redis+cluster://u:p%40ss@h1:7001,h2")
-    assert c.nodes == (("h1", 7001), ("h2", 6379)) and (c.username, c.password) == ("u", "p@ss")
-    conn = ConnectionConfig("redis+cluster://h1:7001/0", "ns")
-    assert conn.keys.stream(128) == "{ns}:stream:128" and conn.keys.inbox("x" * 16) == "{ns}:inbox:" + "x" * 16
-    assert conn.keys.inbox_token("{ns}:inbox:" + "x" * 16) == "x" * 16 and conn.keys.inbox_token("ns:inbox:x") is None
-    assert ConnectionConfig("redis://h:1/0", "ns").keys.stream(128) == "ns:stream:128"  # one Redis: unchanged
-    for bad in ("redis+cluster://", "redis+cluster://h:x", "redis+cluster://:secret@h:1/3"):
-        with pytest.raises(ConfigError) as err:
-            ConnectionConfig(bad)
-        assert "secret" not in str(err.value)
 
 
 @pytest.fixture(scope="module")
@@ -177,11 +161,3 @@ def test_a_master_killed_under_load_fails_over_and_loses_nothing_acknowledged(ti
         client.close()
         worker.stop()
         cluster.stop()
-
-
-def test_keys_of_one_redis_keep_their_names():
-    """A single Redis (the default) keeps the key names it always had: upgrading moves nothing."""
-    assert Keys("bf").stream(128) == "bf:stream:128" and Keys("bf").pattern == "bf:*"
-    assert Keys("bf", hashtag=True).pattern == "{bf}:*"
-    with pytest.raises(ValueError):  # braces are not namespace characters: a tag cannot be split
-        Keys("b{f}", hashtag=True)

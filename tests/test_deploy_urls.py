@@ -62,6 +62,8 @@ def test_each_url_form_gives_keda_fields_as_redis_py_reads_it(url: str, creds: d
 def test_a_unix_socket_or_junk_url_is_refused_clearly():
     with pytest.raises(ConfigError, match="KEDA's operator runs in another pod"):
         trigger_fields("unix:///run/redis.sock")
+    with pytest.raises(ConfigError, match="hash tag"):
+        trigger_fields("redis+cluster://:secret@r1:6379,r2:6379")
     with pytest.raises(ConfigError, match="malformed") as exc:
         trigger_fields("redis://:hunter2@host:notaport/0")
     assert "hunter2" not in str(exc.value)

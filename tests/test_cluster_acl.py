@@ -1,0 +1,91 @@
+"""docs/SECURITY.md's users on a Redis Cluster, as docs/OPERATIONS.md "Redis Cluster" says to set them: the
+documented block with the namespace as a hash tag in every key pattern, plus the cluster line, on every node;
+the function library on every master. A worker as ``worker-a``, ``Client`` as ``producer-a`` and the gateway
+(OpenAI batches included) as ``gateway-a`` run end to end, and no node refused anything (``ACL LOG``)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+import time
+
+import pytest
+import redis
+
+from batchfleet.common.errors import Cancelled
+from batchfleet.producer import Client
+from tests.conftest import worker_config
+from tests.helpers.acl import BUCKETS, NAMESPACE, PASSWORDS, acl_block, paste, run_load_command
+from tests.helpers.cluster import PrivateCluster
+from tests.helpers.loops import LoopThread
+
+
+def cluster_acl_lines() -> str:
+    """The documented block as OPERATIONS.md says to adapt it: ``~a:`` -> ``~{a}:``, then its cluster line."""
+    block = re.sub(r"~a:", "~{a}:", acl_block())
+    found = re.search(r"```redis\n(ACL SETUSER.*?)```", _ops_cluster_section(), re.S)
+    assert found, 'docs/OPERATIONS.md "Redis Cluster" has no ```redis block with the cluster line(s)'
+    return block + found.group(1)
+
+
+def _ops_cluster_section() -> str:
+    from tests.helpers.acl import SECURITY_MD
+
+    text = (SECURITY_MD.parent / "OPERATIONS.md").read_text()
+    return text.split("## Redis Cluster", 1)[1].split("\n## ", 1)[0]
+
+
+def _url(cluster: PrivateCluster, user: str) -> str:
+    return f"redis+cluster://{user}:{PASSWORDS[user]}@" + ",".join(f"127.0.0.1:{n.port}" for n in cluster.nodes)
+
+
+def test_the_documented_users_run_a_fleet_on_a_cluster(tiny_model_dir, tmp_path, caplog):
+    import openai
+
+    from tests.helpers.gateway import GatewayThread
+
+    caplog.set_level(logging.WARNING)
+    cluster = PrivateCluster(masters=3).start()
+    try:
+        text = cluster_acl_lines()
+        for node in cluster.nodes:
+            replies = paste(node, text)
+            assert replies == ["OK"] * len(text.strip().splitlines()), replies
+            done = run_load_command(node)
+            assert done.returncode == 0, done.stderr
+        worker = LoopThread(worker_config(_url(cluster, "worker-a"), NAMESPACE, tiny_model_dir, buckets=BUCKETS,
+                                          max_seq_len=BUCKETS[-1], max_wait_ms=10))
+        gw = GatewayThread(_url(cluster, "gateway-a"), NAMESPACE, files_dir=str(tmp_path / "files"),
+                           batch_lease_s=2.0)
+        try:
+            with Client(_url(cluster, "producer-a"), NAMESPACE) as client:
+                assert len(client.generate([10, 11], max_new_tokens=2, timeout=30).token_ids) == 2
+                assert "".join(d.text for d in client.stream([12, 13], max_new_tokens=4, timeout=30)) is not None
+                client.cancel("acl-cancelled-job")
+                client.submit([5, 6], max_new_tokens=8, job_id="acl-cancelled-job")
+                with pytest.raises(Cancelled):
+                    client.result("acl-cancelled-job", timeout=30)
+            api = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=30)
+            lines = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                                        "body": {"prompt": f"item {i}", "max_tokens": 2}}) + "\n" for i in range(3))
+            f = api.files.create(file=("in.jsonl", io.BytesIO(lines.encode())), purpose="batch")
+            batch = api.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+            deadline = time.monotonic() + 60
+            while (batch := api.batches.retrieve(batch.id)).status != "completed":
+                assert time.monotonic() < deadline and batch.status in ("validating", "in_progress", "finalizing")
+                time.sleep(0.2)
+            out = api.files.content(batch.output_file_id).text.splitlines()
+            assert sorted(json.loads(x)["custom_id"] for x in out) == [f"r{i}" for i in range(3)]
+        finally:
+            gw.stop()
+            worker.stop()
+        assert worker.loop.ledger["internal_errors"] == 0
+        denied = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING
+                  and ("unavailable" in rec.getMessage() or "NOPERM" in rec.getMessage())]
+        assert denied == []
+        logs = {n.port: redis.Redis(port=n.port).acl_log() for n in cluster.nodes}
+        assert all(not entries for entries in logs.values()), logs
+    finally:
+        cluster.stop()
