@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 from batchfleet.common.errors import ConfigError
 
@@ -72,6 +72,19 @@ def is_sentinel(url: str) -> bool:
     return url.startswith(SENTINEL_SCHEME + "://")
 
 
+def _split_multi_host(url: str, scheme: str, default_port: int) \
+        -> tuple[SplitResult, str, tuple[tuple[str, int], ...], str | None, str | None]:
+    """A ``scheme://[user:pass@]h1:p1[,h2:p2...]/...`` URL (Sentinel, Cluster): (urlsplit parts, redacted URL,
+    (host, port) pairs, user, password); ConfigError (URL redacted) on junk."""
+    parts = urlsplit(url)
+    shown = redact_url(url)
+    if parts.scheme != scheme:
+        raise ConfigError(f"not a {scheme}:// URL: {shown!r}")
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    return parts, shown, _hosts(hostlist, default_port, shown), unquote(user) or None, unquote(password) or None
+
+
 def _hosts(hostlist: str, default_port: int, shown: str) -> tuple[tuple[str, int], ...]:
     """``h1:p1[,h2:p2...]`` as (host, port) pairs; ConfigError (URL redacted) on junk."""
     out = []
@@ -88,13 +101,7 @@ def _hosts(hostlist: str, default_port: int, shown: str) -> tuple[tuple[str, int
 
 def parse_sentinel_url(url: str) -> SentinelURL:
     """Parse ``redis+sentinel://[user:pass@]h1:p1[,h2:p2]/service[/db]``; raises ConfigError on junk."""
-    parts = urlsplit(url)
-    shown = redact_url(url)
-    if parts.scheme != SENTINEL_SCHEME:
-        raise ConfigError(f"not a {SENTINEL_SCHEME}:// URL: {shown!r}")
-    userinfo, _, hostlist = parts.netloc.rpartition("@")
-    user, _, password = userinfo.partition(":")
-    sentinels = _hosts(hostlist, DEFAULT_SENTINEL_PORT, shown)
+    parts, shown, sentinels, user, password = _split_multi_host(url, SENTINEL_SCHEME, DEFAULT_SENTINEL_PORT)
     path = [p for p in parts.path.split("/") if p]
     if not path or len(path) > 2:
         raise ConfigError(f"a sentinel URL needs /<master name>[/<db>]: {shown!r}")
@@ -103,8 +110,7 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     except ValueError:
         raise ConfigError(f"bad db {path[1]!r} in {shown!r}") from None
     query = parse_qs(parts.query)
-    return SentinelURL(sentinels, unquote(path[0]), db, unquote(user) or None, unquote(password) or None,
-                       query.get("sentinel_password", [None])[0])
+    return SentinelURL(sentinels, unquote(path[0]), db, user, password, query.get("sentinel_password", [None])[0])
 
 
 @dataclass(frozen=True)
@@ -123,13 +129,7 @@ def is_cluster(url: str) -> bool:
 def parse_cluster_url(url: str) -> ClusterURL:
     """Parse ``redis+cluster://[user:pass@]h1:p1[,h2:p2...][/0]``; raises ConfigError on junk. A cluster has
     only database 0."""
-    parts = urlsplit(url)
-    shown = redact_url(url)
-    if parts.scheme != CLUSTER_SCHEME:
-        raise ConfigError(f"not a {CLUSTER_SCHEME}:// URL: {shown!r}")
-    userinfo, _, hostlist = parts.netloc.rpartition("@")
-    user, _, password = userinfo.partition(":")
-    nodes = _hosts(hostlist, DEFAULT_REDIS_PORT, shown)
+    parts, shown, nodes, user, password = _split_multi_host(url, CLUSTER_SCHEME, DEFAULT_REDIS_PORT)
     if parts.path.strip("/") not in ("", "0"):
         raise ConfigError(f"a Redis Cluster has only database 0: {shown!r}")
-    return ClusterURL(nodes, unquote(user) or None, unquote(password) or None)
+    return ClusterURL(nodes, user, password)

@@ -5,11 +5,8 @@ the function library on every master. A worker as ``worker-a``, ``Client`` as ``
 
 from __future__ import annotations
 
-import io
-import json
 import logging
 import re
-import time
 
 import pytest
 import redis
@@ -17,7 +14,8 @@ import redis
 from batchfleet.common.errors import Cancelled
 from batchfleet.producer import Client
 from tests.conftest import worker_config
-from tests.helpers.acl import BUCKETS, NAMESPACE, PASSWORDS, acl_block, paste, run_load_command
+from tests.helpers.acl import BUCKETS, NAMESPACE, PASSWORDS, SECURITY_MD, acl_block, paste, run_load_command
+from tests.helpers.batches import bodies_of, run_batch
 from tests.helpers.cluster import PrivateCluster
 from tests.helpers.loops import LoopThread
 
@@ -31,8 +29,6 @@ def cluster_acl_lines() -> str:
 
 
 def _ops_cluster_section() -> str:
-    from tests.helpers.acl import SECURITY_MD
-
     text = (SECURITY_MD.parent / "OPERATIONS.md").read_text()
     return text.split("## Redis Cluster", 1)[1].split("\n## ", 1)[0]
 
@@ -68,16 +64,9 @@ def test_the_documented_users_run_a_fleet_on_a_cluster(tiny_model_dir, tmp_path,
                 with pytest.raises(Cancelled):
                     client.result("acl-cancelled-job", timeout=30)
             api = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=30)
-            lines = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                                        "body": {"prompt": f"item {i}", "max_tokens": 2}}) + "\n" for i in range(3))
-            f = api.files.create(file=("in.jsonl", io.BytesIO(lines.encode())), purpose="batch")
-            batch = api.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
-            deadline = time.monotonic() + 60
-            while (batch := api.batches.retrieve(batch.id)).status != "completed":
-                assert time.monotonic() < deadline and batch.status in ("validating", "in_progress", "finalizing")
-                time.sleep(0.2)
-            out = api.files.content(batch.output_file_id).text.splitlines()
-            assert sorted(json.loads(x)["custom_id"] for x in out) == [f"r{i}" for i in range(3)]
+            batch = run_batch(api, "/v1/completions", {f"r{i}": {"prompt": f"item {i}", "max_tokens": 2}
+                                                        for i in range(3)}, timeout_s=60)
+            assert batch.status == "completed" and sorted(bodies_of(api, batch.output_file_id)) == ["r0", "r1", "r2"]
         finally:
             gw.stop()
             worker.stop()
