@@ -76,29 +76,20 @@ class PrivateCluster:
             time.sleep(0.1)
 
     def node_of(self, key: str) -> PrivateRedis:
-        """The master serving ``key``'s slot now."""
+        """The master serving ``key``'s slot now, as the first live master's slot map says."""
         for n in self.nodes:
             if n.proc is None or n.proc.poll() is not None:
                 continue
             r = redis.Redis(port=n.port, socket_timeout=1)
-            if r.info("replication")["role"] == "master":
-                slot = r.cluster("keyslot", key)
-                for lo, hi, *_ in _slot_ranges(r):
-                    if lo <= slot <= hi:
-                        return next(m for m in self.nodes if m.port == _ranges_owner(r, slot))
+            if r.info("replication")["role"] != "master":
+                continue
+            slot = r.cluster("keyslot", key)
+            for lo, hi, master, *_ in r.execute_command("CLUSTER", "SLOTS"):
+                if int(lo) <= slot <= int(hi):
+                    return next(m for m in self.nodes if m.port == int(master[1]))
         raise LookupError(key)
 
     def stop(self) -> None:
         for n in self.nodes:
             n.stop()
 
-
-def _slot_ranges(r: redis.Redis) -> list[tuple[int, int]]:
-    return [(int(lo), int(hi)) for lo, hi, *_ in r.execute_command("CLUSTER", "SLOTS")]
-
-
-def _ranges_owner(r: redis.Redis, slot: int) -> int:
-    for lo, hi, master, *_ in r.execute_command("CLUSTER", "SLOTS"):
-        if int(lo) <= slot <= int(hi):
-            return int(master[1])
-    raise LookupError(slot)
