@@ -38,23 +38,25 @@ def _sentinel_kwargs(s: SentinelURL, kw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _with_credentials(kw: dict[str, Any], username: str | None, password: str | None, **more: Any) -> dict[str, Any]:
+    """``kw`` and ``more``, plus the URL's user and password where it has them (data-node connections)."""
+    out = dict(kw, **more)
+    if username:
+        out["username"] = username
+    if password:
+        out["password"] = password
+    return out
+
+
 def _node_kwargs(s: SentinelURL, kw: dict[str, Any]) -> dict[str, Any]:
-    out = dict(kw, db=s.db)
-    if s.username:
-        out["username"] = s.username
-    if s.password:
-        out["password"] = s.password
-    return out
+    return _with_credentials(kw, s.username, s.password, db=s.db)
 
 
-def _cluster_kwargs(url: str, kw: dict[str, Any]) -> dict[str, Any]:
+def _cluster_kwargs(url: str, kw: dict[str, Any], node: type) -> dict[str, Any]:
+    """A cluster client's arguments: the URL's seed nodes as ``node`` objects (sync or asyncio), its
+    credentials, and ``kw``."""
     c = parse_cluster_url(url)
-    out = dict(kw)
-    if c.username:
-        out["username"] = c.username
-    if c.password:
-        out["password"] = c.password
-    return out
+    return _with_credentials(kw, c.username, c.password, startup_nodes=[node(h, p) for h, p in c.nodes])
 
 
 def fleet_slot(args: tuple[Any, ...]) -> int | None:
@@ -65,9 +67,9 @@ def fleet_slot(args: tuple[Any, ...]) -> int | None:
     if name in ("FCALL", "FCALL_RO") and len(args) > 3 and int(args[2]) > 0:
         return key_slot(_encoded(args[3]))
     if name in ("XREAD", "XREADGROUP"):
-        words = [str(a).upper() if isinstance(a, str) else a for a in args]
-        if "STREAMS" in words and words.index("STREAMS") + 1 < len(args):
-            return key_slot(_encoded(args[words.index("STREAMS") + 1]))
+        first = next((i + 1 for i, a in enumerate(args) if isinstance(a, str) and a.upper() == "STREAMS"), len(args))
+        if first < len(args):
+            return key_slot(_encoded(args[first]))
     return None
 
 
@@ -90,8 +92,7 @@ class _AsyncFleetCluster(acluster.RedisCluster):
 def sync_client(url: str, **kw: Any) -> redis.Redis:
     """A redis-py client for ``url`` (plain, Sentinel or Cluster); ``kw`` go to every connection."""
     if is_cluster(url):
-        nodes = [scluster.ClusterNode(h, p) for h, p in parse_cluster_url(url).nodes]
-        return _FleetCluster(startup_nodes=nodes, **_cluster_kwargs(url, kw))  # type: ignore[return-value]
+        return _FleetCluster(**_cluster_kwargs(url, kw, scluster.ClusterNode))  # type: ignore[return-value]
     if not is_sentinel(url):
         return redis.Redis.from_url(url, **kw)
     s = parse_sentinel_url(url)
@@ -108,8 +109,7 @@ def async_client(url: str, *, max_connections: int | None = None, **kw: Any) -> 
     blocking (a caller waits for a free connection, without a pool timeout); a cluster client's pools are not
     bounded (redis-py's async cluster client raises at its limit instead of waiting)."""
     if is_cluster(url):
-        nodes = [acluster.ClusterNode(h, p) for h, p in parse_cluster_url(url).nodes]
-        return _AsyncFleetCluster(startup_nodes=nodes, **_cluster_kwargs(url, kw))  # type: ignore[return-value]
+        return _AsyncFleetCluster(**_cluster_kwargs(url, kw, acluster.ClusterNode))  # type: ignore[return-value]
     if not is_sentinel(url):
         if max_connections is None:
             return aredis.Redis.from_url(url, **kw)
@@ -124,6 +124,15 @@ def async_client(url: str, *, max_connections: int | None = None, **kw: Any) -> 
                               max_connections=max_connections, timeout=None, **node)
 
 
+
+
+async def close_async(r: aredis.Redis) -> None:
+    """Close a client from ``async_client`` with its connections: a client made on a given pool (the bounded
+    and the Sentinel ones) leaves that pool open, so it is disconnected too; a cluster client has no single
+    pool (its ``aclose`` closes every node's)."""
+    await r.aclose()
+    if (pool := getattr(r, "connection_pool", None)) is not None:
+        await pool.disconnect()
 
 
 class NotReplicated(redis.ConnectionError):
@@ -146,7 +155,7 @@ def require_replicas(acked: Any, wanted: int, what: str) -> None:
         raise NotReplicated(f"{what}: {int(acked)} of {wanted} replicas acknowledged within {WAIT_TIMEOUT_MS} ms")
 
 
-async def write_acked(r: aredis.Redis, replicas: int, command: Any, what: str = "write", key: str = "") -> Any:
+async def write_acked(r: aredis.Redis, replicas: int, command: Any, key: str, what: str = "write") -> Any:
     """``await command(client)``, then, with ``replicas`` > 0, Redis ``WAIT replicas`` on the SAME connection
     (one pipeline: WAIT counts the replicas that have every earlier write of its connection; ``key``: one the
     command writes, which places the WAIT on a cluster). Returns the command's answer; raises NotReplicated

@@ -25,7 +25,7 @@ from batchfleet.common.fleetstate import live_workers_async
 from batchfleet.common.functions import CANCELS_MAXLEN, LIVE_WORKER_MS
 from batchfleet.common.keys import valid_inbox
 from batchfleet.common.protocol import Result
-from batchfleet.common.redis_conn import async_client
+from batchfleet.common.redis_conn import async_client, close_async
 from batchfleet.producer.core import (
     INLINE_PROMPT_CHARS,
     LIVENESS_TRUST_S,
@@ -286,9 +286,8 @@ class AsyncClient:
             await asyncio.wait(set(self._background), timeout=GIVE_UP_CANCEL_TIMEOUT_S)
         await self.inbox.close()
         for r in (self.inbox.reader, self.r):
-            try:  # a client made on a given pool leaves the pool open: disconnect it too (not a cluster's)
-                await asyncio.wait_for(r.aclose(), 2.0)
-                await asyncio.wait_for(r.connection_pool.disconnect(), 2.0) if hasattr(r, "connection_pool") else None
+            try:
+                await asyncio.wait_for(close_async(r), 4.0)
             except (asyncio.TimeoutError, redis.RedisError, OSError):
                 pass
 

@@ -85,5 +85,5 @@ class RedisCalls:
         """FCALL of a library function; EVALSHA of the same body where Redis has no functions (6.2) or the
         library is not loaded yet."""
         n = self.conn.wait_replicas  # > 0: the write counts once n replicas have it (WAIT, same connection)
-        return await self.functions.call(name, keys, args, send=lambda command: write_acked(self.r, n, command,
-                                                                                   key=keys[0] if keys else ""))
+        # keys[0]: every library function has keys; a cluster sends the WAIT to the master of their slot
+        return await self.functions.call(name, keys, args, send=lambda cmd: write_acked(self.r, n, cmd, keys[0]))

@@ -23,7 +23,6 @@ from pathlib import Path
 import click
 
 from batchfleet.common.config import DEFAULT_REDIS_URL
-from batchfleet.common.keys import Keys
 from batchfleet.worker.devtools import delete_namespace, ensure_redis, spawn_worker
 
 VALIDATE = """
@@ -80,7 +79,7 @@ def main(redis_url: str, mb: int, lines: int, json_path: str | None) -> None:
             "peak_rss_mb": round(max_rss_mb(b.stderr), 1)}}
     finally:
         worker.stop()
-        delete_namespace(url, Keys(ns))
+        delete_namespace(url, ns)
         if private is not None:
             private.stop()
     print("| step | input | peak RSS | time | result |\n|---|---:|---:|---:|---|")

@@ -163,7 +163,7 @@ def main(redis_url: str, prompts: int, interactive: int, flood_x: float, flood_s
         })
     finally:
         worker.stop()
-        delete_namespace(url, Keys(ns))
+        delete_namespace(url, ns)
         if private is not None:
             private.stop()
     print("| measure | value | target |\n|---|---:|---|")

@@ -53,7 +53,7 @@ def main(redis_url: str, n: int, json_path: str | None) -> None:
             if i >= 20:
                 samples.append((time.perf_counter() - t0) * 1000)
     finally:
-        delete_namespace(url, conn.keys)
+        delete_namespace(url, conn.namespace)
         if private is not None:
             private.stop()
     doc = {"n": len(samples), "p50_ms": round(percentile(samples, 50), 3),

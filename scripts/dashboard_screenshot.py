@@ -123,7 +123,7 @@ def main() -> None:
                 p.kill()
         for w in workers:
             w.kill()
-        delete_namespace(url, keys)
+        delete_namespace(url, keys.namespace)
         shutil.rmtree(tmp, ignore_errors=True)
         if private is not None:
             private.stop()

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from batchfleet.common.config import DEFAULT_REDIS_URL, WorkerConfig
-from batchfleet.common.keys import Keys
 from batchfleet.common.options import build_worker_config
 from batchfleet.worker.devtools import delete_namespace, ensure_redis
 
@@ -99,7 +98,7 @@ def any_redis_url(request, redis_url: str) -> Iterator[str]:
 def namespace(redis_url: str) -> Iterator[str]:
     ns = f"t-{uuid.uuid4().hex[:10]}"
     yield ns
-    delete_namespace(redis_url, Keys(ns))
+    delete_namespace(redis_url, ns)
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ def consumers(any_redis_url):
         return c
 
     yield make, Keys(ns), redis.Redis.from_url(any_redis_url)
-    delete_namespace(any_redis_url, Keys(ns))
+    delete_namespace(any_redis_url, ns)
 
 
 def _fields(job: str, size: int = 10, extra: int = 0) -> dict:

@@ -5,7 +5,6 @@ load with ``--wait-replicas 1`` (its replica promoted, nothing acknowledged lost
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,9 +14,10 @@ import pytest
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.redis_conn import sync_client
-from batchfleet.producer import Cancelled, Client, Timeout
+from batchfleet.producer import Cancelled, Client
 from batchfleet.worker.devtools import spawn_worker
 from tests.conftest import worker_config
+from tests.helpers.load import SteadyLoad
 from tests.helpers.loops import LoopThread, wait_until
 
 
@@ -111,52 +111,28 @@ def test_a_master_killed_under_load_fails_over_and_loses_nothing_acknowledged(ti
     keys = ConnectionConfig(cluster.url, ns).keys
     worker = LoopThread(worker_config(cluster.url, ns, tiny_model_dir, max_wait_ms=10, max_batch_size=16,
                                       claim_idle_ms=2000, wait_replicas=wait_replicas))
-    acked: list[tuple[float, str]] = []
-    stop = threading.Event()
-    errors: list[BaseException] = []
     client = Client(cluster.url, ns, retry_s=60)
-
-    def load(p: int) -> None:
-        i = 0
-        try:
-            while not stop.is_set():
-                job = f"p{p}-{i}"
-                client.submit([10 + p, 11 + i % 50, 12], job_id=job, max_new_tokens=4)
-                acked.append((time.monotonic(), job))
-                i += 1
-                stop.wait(0.05)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=load, args=(p,), daemon=True) for p in range(4)]
+    load = SteadyLoad(client)
     try:
-        for t in threads:
-            t.start()
-        wait_until(lambda: len(acked) > 20 or errors, 60, "load before the kill")
-        assert not errors, errors
+        load.start()
+        wait_until(lambda: len(load.acked) > 20 or load.errors, 60, "load before the kill")
+        assert not load.errors, load.errors
         master = cluster.node_of(keys.workers)
         killed_at = time.monotonic()
         master.kill()
         wait_until(lambda: cluster.node_of(keys.workers) is not master, 60, "a replica promoted", every_s=0.1)
         promoted_s = time.monotonic() - killed_at
         master.start()  # the crashed node comes back (its nodes.conf): a replica of the promoted one
-        wait_until(lambda: any(t > killed_at + promoted_s for t, _ in acked), 60, "enqueues after the failover")
+        wait_until(lambda: any(t > killed_at + promoted_s for t, _ in load.acked), 60, "enqueues after the failover")
         time.sleep(2)
-        stop.set()
-        for t in threads:
-            t.join(30)
-        assert not errors, errors
-        lost, answered = [], 0
-        deadline = time.monotonic() + 30
-        for _, job in acked:
-            try:
-                answered += len(client.result(job, timeout=max(0.001, deadline - time.monotonic())).token_ids) == 4
-            except Timeout:
-                lost.append(job)
-        print(f"\ncluster failover: {len(acked)} acknowledged, promoted in {promoted_s:.1f} s, lost {lost[:5]}")
-        assert lost == [] and answered == len(acked)
+        load.stop()
+        assert not load.errors, load.errors
+        answered, lost = load.results(within_s=30)
+        print(f"\ncluster failover: {len(load.acked)} acknowledged, promoted in {promoted_s:.1f} s, lost {lost[:5]}")
+        assert lost == [] and len(answered) == len(load.acked)
+        assert all(len(a.token_ids) == 4 for a in answered.values())
     finally:
-        stop.set()
+        load.stop()
         client.close()
         worker.stop()
         cluster.stop()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-import threading
 import time
 import uuid
 from collections import defaultdict
@@ -30,9 +29,10 @@ import redis
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.redis_conn import sync_client
 from batchfleet.common.redis_url import parse_sentinel_url
-from batchfleet.producer import Client, Timeout
+from batchfleet.producer import Client
 from batchfleet.worker.devtools import PrivateRedis, free_port
 from tests.conftest import worker_config
+from tests.helpers.load import SteadyLoad
 from tests.helpers.loops import LoopThread, wait_until
 
 MASTER = "mymaster"
@@ -115,11 +115,7 @@ def run_failover(cluster, tiny_model_dir: Path, monkeypatch, wait_replicas: int)
     ns = f"fo-{uuid.uuid4().hex[:6]}"
     worker = LoopThread(worker_config(url, ns, tiny_model_dir, max_wait_ms=10, max_batch_size=16,
                                       claim_idle_ms=2000, wait_replicas=wait_replicas))
-    acked: list[tuple[float, str]] = []  # (monotonic time, job id) of every enqueue that returned
     finals: dict[str, list[str]] = defaultdict(list)  # job id -> text of every final reply its inbox got
-    stop = threading.Event()
-    burst = threading.Event()
-    errors: list[BaseException] = []
     client = Client(url, ns, retry_s=60)
     dispatch = client._async.inbox._dispatch  # observe every reply the reader routes (the client is real)
 
@@ -134,35 +130,22 @@ def run_failover(cluster, tiny_model_dir: Path, monkeypatch, wait_replicas: int)
 
     client._async.inbox._dispatch = counting
 
-    def load(p: int) -> None:
-        i = 0
-        try:
-            while not stop.is_set():
-                job = f"p{p}-{i}"
-                client.submit([10 + p, 11 + i % 50, 12], job_id=job, max_new_tokens=4)
-                acked.append((time.monotonic(), job))
-                i += 1
-                # a steady load the worker keeps up with; a burst (a backlog in Redis) while the replica lags
-                stop.wait(0 if burst.is_set() else SUBMIT_EVERY_S)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=load, args=(p,), daemon=True) for p in range(4)]
+    load = SteadyLoad(client, every_s=SUBMIT_EVERY_S)
+    acked = load.acked  # (monotonic time, job id) of every enqueue that returned
     try:
-        for t in threads:
-            t.start()
+        load.start()
         time.sleep(3)
         # replication lags under load: the replica stalls for LAG_S (SIGSTOP), then the primary dies. Writes
         # the primary acknowledged in that window exist nowhere else: the window --wait-replicas closes.
         replica.proc.send_signal(signal.SIGSTOP)
         redis.Redis(port=primary.port).client_kill_filter(_type="replica")  # unsent replication data is dropped
-        burst.set()
+        load.burst.set()
         time.sleep(LAG_S)
         before = len(acked)
         killed_at = time.monotonic()
         primary.kill()
         replica.proc.send_signal(signal.SIGCONT)
-        burst.clear()
+        load.burst.clear()
         wait_until(lambda: int(sentinels[0].r.sentinel_get_master_addr_by_name(MASTER)[1]) == replica.port, 30,
                    "failover", every_s=0.05)
         promoted_s = time.monotonic() - killed_at
@@ -173,18 +156,11 @@ def run_failover(cluster, tiny_model_dir: Path, monkeypatch, wait_replicas: int)
                    every_s=0.02)
         recovered_s = min(t for t, _ in acked if t > killed_at + promoted_s) - killed_at
         time.sleep(3)
-        stop.set()
-        for t in threads:
-            t.join(30)
-        assert not errors, errors
+        load.stop()
+        assert not load.errors, load.errors
         jobs = [j for _, j in acked]
-        answered, lost = {}, []
-        deadline = time.monotonic() + 15  # the backlog drains in a few seconds; a lost job never comes
-        for job in jobs:
-            try:
-                answered[job] = client.result(job, timeout=max(0.001, deadline - time.monotonic()))
-            except Timeout:
-                lost.append(job)
+        # the backlog drains in a few seconds; a lost job never comes
+        answered, lost = load.results(within_s=15)
         time.sleep(0.5)  # late duplicates, if any, reach the reader
         twice = sorted(j for j, texts in finals.items() if len(texts) > 1)
         differing = sorted(j for j in twice if len(set(finals[j])) > 1)
@@ -194,7 +170,7 @@ def run_failover(cluster, tiny_model_dir: Path, monkeypatch, wait_replicas: int)
         print(f"\nfailover report: {dict(report, lost=f'{len(lost)} {lost[:5]}...' if lost else [])}")
         return report
     finally:
-        stop.set()
+        load.stop()
         client.close()
         worker.stop()
         r = sync_client(url)

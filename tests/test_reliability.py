@@ -151,7 +151,7 @@ def test_groups_and_fleet_recreated_when_redis_comes_back_empty(loops, redis_url
     r = redis.Redis.from_url(redis_url)
     with Client(redis_url, namespace) as client:
         client.generate([40, 41], max_new_tokens=2)
-        delete_namespace(redis_url, keys)  # what a restart without persistence looks like to us
+        delete_namespace(redis_url, keys.namespace)  # what a restart without persistence looks like to us
         wait_until(lambda: r.exists(keys.fleet), 15, "fleet re-published")
         res = client.generate([40, 41], max_new_tokens=2, timeout=30)
     assert res.completion_tokens == 2
@@ -207,7 +207,7 @@ def test_reclaim_follows_cursor_within_budget_and_drops_deleted(any_redis_url):
     assert [(e.entry_id, e.deliveries) for e in again] == [(got[0][0].entry_id, 3)]
     from batchfleet.worker.devtools import delete_namespace
 
-    delete_namespace(any_redis_url, keys)
+    delete_namespace(any_redis_url, keys.namespace)
 
 
 def test_dead_consumer_names_are_pruned_and_a_clean_stop_removes_its_own(redis_url, namespace):

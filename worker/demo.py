@@ -21,7 +21,6 @@ from batchfleet.common.cli import connection_options
 from batchfleet.common.config import DynamicBatchingConfig
 from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.errors import ConfigError
-from batchfleet.common.keys import Keys
 from batchfleet.common.options import build_worker_config, config_options, option_args
 from batchfleet.common.redis_url import redact_url
 from batchfleet.worker.benchmark.loadgen import percentile
@@ -93,6 +92,6 @@ def demo(redis_url: str, namespace: str, n_requests: int, clients: int, max_new_
     finally:
         if worker is not None:
             worker.stop()
-        delete_namespace(url, Keys(ns))
+        delete_namespace(url, ns)
         if private is not None:
             private.stop()

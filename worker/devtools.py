@@ -26,9 +26,9 @@ from pathlib import Path
 
 import redis
 
+from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.keys import Keys
 from batchfleet.common.redis_conn import sync_client
-from batchfleet.common.redis_url import is_cluster
 
 
 def _stop_process(proc: subprocess.Popen | None, timeout_s: float) -> None:
@@ -159,13 +159,12 @@ def ensure_redis(url: str) -> tuple[str, PrivateRedis | None]:
     return server.url, server
 
 
-def delete_namespace(redis_url: str, keys: Keys) -> int:
-    """Remove every key of a namespace (demo, benchmark and test cleanup); returns how many. On a cluster
-    (every master scanned) the namespace's keys are those under its hash tag."""
+def delete_namespace(redis_url: str, namespace: str) -> int:
+    """Remove every key of a namespace at ``redis_url`` (demo, benchmark and test cleanup; on a cluster every
+    master is scanned for the keys under the namespace's tag); returns how many."""
     client = sync_client(redis_url)
     try:
-        pattern = Keys(keys.namespace, hashtag=is_cluster(redis_url)).pattern
-        names = list(client.scan_iter(match=pattern, count=500))
+        names = list(client.scan_iter(match=ConnectionConfig(redis_url, namespace).keys.pattern, count=500))
         for i in range(0, len(names), 500):
             client.delete(*names[i:i + 500])
         return len(names)
@@ -201,7 +200,7 @@ def spawn_worker(redis_url: str, namespace: str, args: Sequence[str] = (), name:
     cmd = [sys.executable, "-m", "batchfleet.worker", "--redis-url", redis_url, "--namespace", namespace,
            "--name", name, *args]
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log_path else subprocess.DEVNULL)
-    wp = WorkerProcess(name, proc, Keys(namespace, hashtag=is_cluster(redis_url)))
+    wp = WorkerProcess(name, proc, ConnectionConfig(redis_url, namespace).keys)
     wait_for_heartbeat(redis_url, wp, wait_s)
     return wp
 

@@ -93,7 +93,7 @@ def serving_redis(url: str, strategy: Strategy, worker_kw: dict, namespace: str 
     finally:
         if worker is not None:
             worker.stop()
-            delete_namespace(url, keys)
+            delete_namespace(url, keys.namespace)
         r.close()
 
 
