@@ -91,9 +91,12 @@ def _hosts(hostlist: str, default_port: int, shown: str) -> tuple[tuple[str, int
     for item in hostlist.split(","):
         host, _, port = item.strip().rpartition(":") if ":" in item else (item.strip(), "", "")
         try:
-            out.append((host, int(port) if port else default_port))
+            number = int(port) if port else default_port
+            if not 0 < number < 65536:
+                raise ValueError
         except ValueError:
             raise ConfigError(f"bad address {item!r} in {shown!r}") from None
+        out.append((host, number))
     if not out or any(not h for h, _ in out):
         raise ConfigError(f"the URL needs at least one host: {shown!r}")
     return tuple(out)
