@@ -84,8 +84,10 @@ class ResponseShape:
         return ToolStream(self.tools, self.family)
 
     def output(self, text: str | None, calls: list[dict[str, Any]], status: str) -> list[dict[str, Any]]:
-        """The output items: the message (unless the answer is calls alone), then the calls."""
-        items = [] if calls and not text else [self.message(text or "", status)]
+        """The output items: the message (unless the answer is calls alone, as a constrained one always is:
+        cut short before its first whole call, it has no item), then the calls."""
+        alone = calls or (self.tools is not None and self.tools.constrained)
+        items = [] if alone and not text else [self.message(text or "", status)]
         return items + [self.function_call(i, call) for i, call in enumerate(calls)]
 
     def response(self, result: Result | None = None, error: dict[str, Any] | None = None,

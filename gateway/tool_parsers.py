@@ -64,6 +64,18 @@ class Family:
             return text, []
         return (head.strip() or None), calls  # type: ignore[return-value]
 
+    def whole_calls(self, text: str, names: Sequence[str]) -> list[Call]:
+        """The calls of a constrained answer cut short (``max_tokens``): its longest prefix of whole calls,
+        closed as the grammar closes them (the grammar wrote ``open``, calls joined by ``sep``, ``close``;
+        a call's end is its ``}`` and ``call_close``). Empty when not even the first call is whole."""
+        end = "}" + self.call_close
+        at = len(text)
+        while (at := text.rfind(end, 0, at)) >= 0:  # from the right: the longest prefix first
+            _, calls = self.parse(text[:at + len(end)] + self.close, names)
+            if calls:
+                return calls
+        return []
+
     def grammar(self, functions: Sequence[tuple[str, dict[str, Any]]], parallel: bool) -> str:
         """The Lark grammar (llguidance's dialect) of one or more calls (``parallel``: up to MAX_CALLS) of
         ``functions`` ((name, parameters schema) pairs) in this family's format."""

@@ -117,10 +117,13 @@ class ToolPlan:
     def calls(self, family: Family, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, OpenAI tool calls) of an answer; (text, []) when it holds none, or when a call's
         arguments fail its function's schema (``auto`` answers are not constrained: a model may write any
-        arguments, and a 200 never carries a call that breaks its schema)."""
+        arguments, and a 200 never carries a call that breaks its schema). A constrained answer is calls alone
+        (None, calls): one cut short by ``max_tokens`` gives its whole calls, none of the cut one."""
         if not self.parsed:
             return text, []
         content, calls = family.parse(text, self.names)
+        if self.constrained:  # the grammar wrote calls alone; unparsed, the answer was cut: its whole calls
+            content, calls = None, calls or family.whole_calls(text, self.names)
         if not self.parallel:
             calls = calls[:1]
         # a constrained answer was generated under the schemas (jsonschema's float arithmetic would refuse
@@ -221,7 +224,7 @@ class ToolStream:
         if self.state != "calls":
             return held, []
         content, calls = self.tools.calls(self.family, held)
-        return (content or "", calls) if calls else (held, [])
+        return (content or "", calls) if calls or self.tools.constrained else (held, [])
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """(the content still held, the calls' deltas) when the choice ends."""

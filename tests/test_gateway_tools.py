@@ -151,3 +151,17 @@ def test_langchain_bind_tools_and_structured_output(tool_served):
     for chunk in chunks[1:]:
         merged += chunk
     assert [c["name"] for c in merged.tool_calls] == ["Sum"] and Sum.model_validate(merged.tool_calls[0]["args"])
+
+
+def test_a_forced_call_cut_short_answers_no_call_and_no_text(tool_served):
+    client, _ = tool_served
+    for stream in (False, True):
+        answer = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, max_tokens=30, stream=stream,
+                                                tool_choice={"type": "function", "function": {"name": "add"}})
+        chunks = list(answer) if stream else []
+        if stream:
+            assert not any(c.choices and (c.choices[0].delta.content or c.choices[0].delta.tool_calls) for c in chunks)
+            assert chunks[-1].choices[0].finish_reason == "length"
+        else:  # the call alone is ~65 tokens: cut, it is left out (its arguments would not validate)
+            assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 30
+            assert answer.choices[0].message.content is None and answer.choices[0].message.tool_calls is None

@@ -225,10 +225,28 @@ def test_streams_pass_text_on_and_turn_held_calls_into_openais_deltas():
     assert feed_all(ToolStream(auto, FAMILIES["llama3_json"]), [broken]) == (broken, [])
 
 
-def test_a_forced_call_cut_by_max_tokens_is_text_with_finish_reason_length():
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_forced_answer_cut_short_keeps_its_whole_calls_and_never_a_cut_one(family):
+    plan = request_job(True, {**CHAT, "tools": TOOLS, "tool_choice": "required"}, 60, 16).tools
+    spec, rng = plan.guide(FAMILIES[family]).spec, random.Random(3)
+    texts = [t for t in (walk(spec, rng) for _ in range(40)) if len(plan.calls(FAMILIES[family], t)[1]) >= 2][:3]
+    assert texts  # parallel answers of two calls or more, cut at every character
+    for text in texts:
+        whole = [c["function"] for c in plan.calls(FAMILIES[family], text)[1]]
+        seen = []
+        for end in range(len(text) + 1):
+            content, calls = plan.calls(FAMILIES[family], text[:end])
+            got = [c["function"] for c in calls]
+            assert content is None and got == whole[:len(got)]  # a prefix of the answer's calls, each whole
+            seen.append(len(got))
+        assert set(seen) == set(range(len(whole) + 1)) and seen[-1] == len(whole)  # each call kept once whole
+
+
+def test_a_forced_call_cut_before_its_end_is_no_call_and_no_text_with_finish_reason_length():
     job = request_job(True, {**CHAT, "tools": TOOLS, "tool_choice": "required"}, 60, 16)
     shape = Shape(chat=True, job_id="x", model="m", created=0, tools=job.tools, family=FAMILIES["hermes"])
     cut = '<tool_call>\n{"name":"add","arguments":{"a":1'
     choice = shape.response([result(cut, "length")])["choices"][0]
-    assert choice == {"index": 0, "message": {"role": "assistant", "content": cut}, "logprobs": None,
-                      "finish_reason": "length"}  # never a call whose arguments do not validate
+    assert choice == {"index": 0, "message": {"role": "assistant", "content": None}, "logprobs": None,
+                      "finish_reason": "length"}  # never a call whose arguments do not validate, never its markup
+    assert feed_all(ToolStream(job.tools, FAMILIES["hermes"]), [cut[:9], cut[9:]]) == ("", [])
