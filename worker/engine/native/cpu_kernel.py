@@ -34,8 +34,11 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-err
 _DTYPES = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
 OPS_SOURCE = Path(__file__).with_name("decode_ops.c")
 # no FMA contraction, no reassociation: each op rounds where torch's does (RoPE + KV write bit-identical;
-# RMSNorm and SiLU within ~1 ulp: another summation order, another exp)
-OPS_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
+# RMSNorm and SiLU within ~1 ulp: another summation order, another exp). -fno-trapping-math changes no value
+# (the ops never read FP exception flags) but lets gcc turn exp_poly's range checks into selects and rintf into
+# a vector round: SiLU * up vectorizes, 5.8x faster in fp32 and 6.8x in bf16 at 32 x 2048 on AVX2, same bits
+OPS_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno",
+              "-fno-trapping-math"]
 _ROPE_KV = {torch.bfloat16: "rope_kv_bf16", torch.float32: "rope_kv_f32"}
 _RMS_NORM = {torch.bfloat16: "rms_norm_bf16", torch.float32: "rms_norm_f32"}
 _SILU_MUL = {torch.bfloat16: "silu_mul_bf16", torch.float32: "silu_mul_f32"}
