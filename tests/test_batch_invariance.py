@@ -11,6 +11,8 @@ decode kernel's AVX512-BF16 path where the CPU has it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -86,24 +88,29 @@ def _drain(engine: NativeEngine, waves: list[list[GenRequest]], every: int = 2) 
     return done
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_batch_requests_under_an_interactive_flood_match_them_alone(model_dir, dtype):
-    loaded = _loaded(model_dir, dtype)
+def assert_flood_leaves_batch_requests_as_alone(fresh: Callable[..., NativeEngine], what: str) -> None:
+    """Each target alone on ``fresh()`` (whole prompt, no neighbours, no preemption), then all of them under
+    the flood on one ``fresh(**tight)`` engine: waves of interactive requests joining the batch work, prompts
+    cut into chunks of 24 tokens at whatever place the shared budget leaves, 16 blocks for 6 running sequences
+    of up to 11 blocks (preemptions). Tokens and logprobs must be the same bits."""
     tg = [_req(f"t{i}", t, p, priority=1) for i, (t, p) in enumerate(targets())]
     fl = [_req(f"f{i}", t, p, priority=0) for i, (t, p) in enumerate(flood())]
     alone = {}
-    for r in tg:  # each alone on a fresh engine: whole prompts, no neighbours, no preemption
-        alone.update(_drain(_engine(loaded), [[r]]))
-    # the flood: waves of interactive requests joining the batch work; prompts cut into chunks of 24 tokens
-    # at whatever place the shared budget leaves; 16 blocks for 6 running sequences of up to 11 blocks: preemptions
-    engine = _engine(loaded, max_prefill_tokens=24, max_running=6, num_blocks=16)
-    waves = [tg[:3] + fl[:4], fl[4:8], tg[3:6] + fl[8:11], fl[11:14], tg[6:] + fl[14:]]
-    mixed = _drain(engine, waves)
+    for r in tg:
+        alone.update(_drain(fresh(), [[r]]))
+    engine = fresh(max_prefill_tokens=24, max_running=6, num_blocks=16)
+    mixed = _drain(engine, [tg[:3] + fl[:4], fl[4:8], tg[3:6] + fl[8:11], fl[11:14], tg[6:] + fl[14:]])
     stats = engine.stats()
     assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and stats["steps"] > 50
     differ = [r.id for r in tg if mixed[r.id] != alone[r.id]]
-    assert differ == [], f"{len(differ)}/{len(tg)} batch requests differ from themselves alone ({dtype})"
+    assert differ == [], f"{len(differ)}/{len(tg)} batch requests differ from themselves alone ({what})"
     assert all(len(alone[r.id][1]) == len(alone[r.id][0]) > 0 for r in tg)  # logprobs compared, token by token
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_requests_under_an_interactive_flood_match_them_alone(model_dir, dtype):
+    loaded = _loaded(model_dir, dtype)
+    assert_flood_leaves_batch_requests_as_alone(lambda **kw: _engine(loaded, **kw), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -17,7 +17,7 @@ from batchfleet.common.engine_config import EngineConfig
 from batchfleet.worker.engine.models import LoadedModel
 from batchfleet.worker.engine.native import attention as A
 from batchfleet.worker.engine.native.engine import NativeEngine
-from tests.test_batch_invariance import BUCKETS, DTYPES, _drain, _loaded, _req, flood, model_dir, targets
+from tests.test_batch_invariance import BUCKETS, DTYPES, _loaded, assert_flood_leaves_batch_requests_as_alone, model_dir
 
 pytestmark = pytest.mark.integration
 __all__ = ["model_dir"]  # the module-scoped tiny Llama (head dim 64, GQA 2:1) of test_batch_invariance
@@ -33,21 +33,13 @@ def _engine(loaded: LoadedModel, prefill: str, **kw) -> NativeEngine:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_torch_path_batch_requests_under_a_flood_match_them_alone(model_dir, dtype, prefill):
     loaded = _loaded(model_dir, dtype)
-    tg = [_req(f"t{i}", t, p, priority=1) for i, (t, p) in enumerate(targets())]
-    fl = [_req(f"f{i}", t, p, priority=0) for i, (t, p) in enumerate(flood())]
-    alone = {}
-    for r in tg:
-        e = _engine(loaded, prefill)
-        assert e.runner.describe()["decode_attention"] == "gather" and e.runner.ops is None  # the torch path
-        alone.update(_drain(e, [[r]]))
-    engine = _engine(loaded, prefill, max_prefill_tokens=24, max_running=6, num_blocks=16)
-    waves = [tg[:3] + fl[:4], fl[4:8], tg[3:6] + fl[8:11], fl[11:14], tg[6:] + fl[14:]]
-    mixed = _drain(engine, waves)
-    stats = engine.stats()
-    assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and stats["steps"] > 50
-    differ = [r.id for r in tg if mixed[r.id] != alone[r.id]]
-    assert differ == [], f"{len(differ)}/{len(tg)} batch requests differ from themselves alone ({dtype}, {prefill})"
-    assert all(len(alone[r.id][1]) == len(alone[r.id][0]) > 0 for r in tg)
+
+    def fresh(**kw) -> NativeEngine:
+        engine = _engine(loaded, prefill, **kw)
+        assert engine.runner.describe()["decode_attention"] == "gather" and engine.runner.ops is None  # torch path
+        return engine
+
+    assert_flood_leaves_batch_requests_as_alone(fresh, f"{dtype}, {prefill}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
