@@ -9,7 +9,10 @@ kustomize cannot parse a URL (its replacements only split on one delimiter: a UR
 password broke them), so the parse happens here, with the fleet's own URL parser, and KEDA's redis-streams
 trigger fields are written from it as KEDA documents them: ``address`` host:port, ``databaseIndex``,
 ``enableTLS`` (rediss://); a ``redis+sentinel://`` URL gives the ``redis-sentinel-streams`` scaler with
-``addresses`` and ``sentinelMaster``. Credentials never enter the ScaledObject: they go to the Secret
+``addresses`` and ``sentinelMaster``; a ``redis+cluster://`` URL the ``redis-cluster-streams`` scaler with
+``addresses`` (the seed nodes) and the streams' names as the cluster's keys have them, the namespace a hash tag
+(``{bf}:stream:128``: written here from config.yaml, since a kustomize replacement cannot add the braces; rerun
+after changing BATCHFLEET_NAMESPACE). Credentials never enter the ScaledObject: they go to the Secret
 ``batchfleet-redis`` (with the URL itself), which KEDA reads through the TriggerAuthentication written here.
 The Secret's file (secret.env, mode 0600) is git-ignored; the Component holds nothing secret.
 """
@@ -25,13 +28,22 @@ from urllib.parse import unquote, urlsplit
 import yaml
 
 from batchfleet.common.errors import ConfigError
-from batchfleet.common.redis_url import check_redis_url, is_cluster, is_sentinel, parse_sentinel_url, redact_url
+from batchfleet.common.keys import Keys
+from batchfleet.common.redis_url import (
+    check_redis_url,
+    is_cluster,
+    is_sentinel,
+    parse_cluster_url,
+    parse_sentinel_url,
+    redact_url,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 SECRET = "batchfleet-redis"  # the Secret (URL + credentials) and the TriggerAuthentication reading it
 NAMESPACE = "batchfleet"
 URL_ANNOTATION = "batchfleet.io/redis-url"  # the URL the triggers were written from, password redacted
+PLACEHOLDER = "NAMESPACE"  # keda.yaml's streams begin with it: the namespace is written in its place
 
 
 def trigger_fields(url: str) -> tuple[str, dict[str, str], dict[str, str]]:
@@ -39,11 +51,12 @@ def trigger_fields(url: str) -> tuple[str, dict[str, str], dict[str, str]]:
     (BATCHFLEET_REDIS_URL, what the pods read) and each credential under the name of the KEDA authentication
     parameter it fills (username, password, sentinelPassword). ConfigError for a URL KEDA cannot use."""
     check_redis_url(url)
-    if is_cluster(url):
-        raise ConfigError("a redis+cluster:// fleet's streams are named {NAMESPACE}:stream:<bucket> (a hash tag), "
-                          "which the shipped kustomize replacement cannot write yet: point KEDA's "
-                          "redis-cluster-streams triggers at them by hand (docs/OPERATIONS.md \"Redis Cluster\")")
     secret = {"BATCHFLEET_REDIS_URL": url}
+    if is_cluster(url):  # KEDA's cluster client finds the slot's master from any seed node; a cluster has db 0 only
+        c = parse_cluster_url(url)
+        meta = {"addresses": ", ".join(f"{h}:{p}" for h, p in c.nodes), "enableTLS": "false"}
+        creds = {"username": c.username, "password": c.password}
+        return "redis-cluster-streams", meta, {**secret, **{k: v for k, v in creds.items() if v}}
     if is_sentinel(url):
         s = parse_sentinel_url(url)
         meta = {"addresses": ", ".join(f"{h}:{p}" for h, p in s.sentinels), "sentinelMaster": s.service,
@@ -61,13 +74,22 @@ def trigger_fields(url: str) -> tuple[str, dict[str, str], dict[str, str]]:
     return "redis-streams", meta, {**secret, **{k: v for k, v in creds.items() if v}}
 
 
-def component(url: str, triggers: int) -> dict[str, str]:
-    """The files of deploy/k8s/redis-target/ for ``url`` and a ScaledObject of ``triggers`` triggers:
-    {file name: text}, secret.env included (the only file with a credential)."""
+def component(url: str, k8s: Path = K8S) -> dict[str, str]:
+    """The files of deploy/k8s/redis-target/ for ``url`` and the ScaledObject of ``k8s``/keda.yaml:
+    {file name: text}, secret.env included (the only file with a credential). Each trigger's stream is
+    ``NAMESPACE:stream:...`` in keda.yaml; the namespace comes from the ConfigMap (config.yaml): by a kustomize
+    replacement for one Redis, so that the streams follow BATCHFLEET_NAMESPACE; written here for a cluster,
+    whose keys carry the namespace as a hash tag (``{ns}:stream:...``), which a replacement cannot write (it
+    only splits on a delimiter and writes the source's value between)."""
     kind, meta, secret = trigger_fields(url)
     auth = sorted(k for k in secret if k != "BATCHFLEET_REDIS_URL")
     ops: list[dict] = [{"op": "add", "path": "/metadata/annotations", "value": {URL_ANNOTATION: redact_url(url)}}]
-    for i in range(triggers):
+    streams = shipped_streams(k8s)
+    namespace = configmap(k8s)["BATCHFLEET_NAMESPACE"] if is_cluster(url) else None
+    for i, stream in enumerate(streams):
+        if namespace is not None:
+            tagged = Keys(namespace, hashtag=True).prefix + stream.removeprefix(PLACEHOLDER)
+            ops.append({"op": "replace", "path": f"/spec/triggers/{i}/metadata/stream", "value": tagged})
         ops.append({"op": "replace", "path": f"/spec/triggers/{i}/type", "value": kind})
         ops += [{"op": "add", "path": f"/spec/triggers/{i}/metadata/{k}", "value": v} for k, v in meta.items()]
         if auth:
@@ -76,8 +98,13 @@ def component(url: str, triggers: int) -> dict[str, str]:
                      "resources": ["trigger-auth.yaml"] if auth else [],
                      "patches": [{"path": "triggers-patch.yaml",
                                   "target": {"kind": "ScaledObject", "name": "batchfleet-worker"}}]}
+    if namespace is None:
+        kustomization["replacements"] = [namespace_replacement()]
     head = (f"# Written by scripts/k8s_redis.py from {redact_url(url)} (rerun it to change the Redis; do not edit).\n"
             "# KEDA's trigger fields for that URL; its credentials are in the Secret batchfleet-redis (secret.env).\n")
+    if namespace is not None:
+        head += (f"# The streams are the cluster's keys of BATCHFLEET_NAMESPACE {namespace!r} (config.yaml), written "
+                 "here: rerun after changing it.\n")
     files = {"kustomization.yaml": head + yaml.safe_dump(kustomization, sort_keys=False),
              "triggers-patch.yaml": head + yaml.safe_dump(ops, sort_keys=False, width=200),
              "secret.env": "".join(f"{k}={v}\n" for k, v in secret.items())}
@@ -89,9 +116,29 @@ def component(url: str, triggers: int) -> dict[str, str]:
     return files
 
 
-def shipped_triggers(k8s: Path = K8S) -> int:
+def shipped_streams(k8s: Path = K8S) -> list[str]:
+    """The stream of each trigger of keda.yaml's ScaledObject, as written there (``NAMESPACE:stream:...``)."""
     (so,) = [d for d in yaml.safe_load_all((k8s / "keda.yaml").read_text()) if d and d["kind"] == "ScaledObject"]
-    return len(so["spec"]["triggers"])
+    streams = [t["metadata"]["stream"] for t in so["spec"]["triggers"]]
+    if not all(s.startswith(PLACEHOLDER + ":") for s in streams):
+        raise ConfigError(f"keda.yaml's streams must begin with {PLACEHOLDER}: (the namespace's place): {streams}")
+    return streams
+
+
+def configmap(k8s: Path = K8S) -> dict[str, str]:
+    """The fleet's settings (config.yaml's ConfigMap batchfleet-env)."""
+    (cm,) = [d for d in yaml.safe_load_all((k8s / "config.yaml").read_text())
+             if d and d["kind"] == "ConfigMap" and d["metadata"]["name"] == "batchfleet-env"]
+    return cm["data"]
+
+
+def namespace_replacement() -> dict:
+    """The kustomize replacement writing BATCHFLEET_NAMESPACE into each trigger's stream (its first
+    ``:``-delimited part, the placeholder NAMESPACE), so that KEDA reads the streams the workers use."""
+    return {"source": {"kind": "ConfigMap", "name": "batchfleet-env", "fieldPath": "data.BATCHFLEET_NAMESPACE"},
+            "targets": [{"select": {"kind": "ScaledObject", "name": "batchfleet-worker"},
+                         "fieldPaths": ["spec.triggers.*.metadata.stream"],
+                         "options": {"delimiter": ":", "index": 0}}]}
 
 
 def write(url: str, k8s: Path = K8S) -> Path:
@@ -99,7 +146,7 @@ def write(url: str, k8s: Path = K8S) -> Path:
     out = k8s / "redis-target"
     out.mkdir(exist_ok=True)
     (out / "trigger-auth.yaml").unlink(missing_ok=True)
-    for name, text in component(url, shipped_triggers(k8s)).items():
+    for name, text in component(url, k8s).items():
         path = out / name
         if name == "secret.env":  # created 0600 before the credential is written into it
             path.unlink(missing_ok=True)
@@ -110,7 +157,8 @@ def write(url: str, k8s: Path = K8S) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("url", help="the Redis URL the fleet uses (redis://, rediss://, redis+sentinel://)")
+    parser.add_argument("url", help="the Redis URL the fleet uses (redis://, rediss://, redis+sentinel://, "
+                                    "redis+cluster://)")
     parser.add_argument("--k8s", type=Path, default=K8S, help="the manifests' folder (default: deploy/k8s)")
     args = parser.parse_args(argv)
     try:

@@ -1,6 +1,7 @@
 """The Kubernetes manifests apply anywhere (issue 32): every Redis URL form the fleet accepts (no database, a
-database, a password, user and password, rediss://, Sentinel) gives KEDA triggers as KEDA's redis-streams and
-redis-sentinel-streams scalers document them, with the credentials in the Secret and a TriggerAuthentication,
+database, a password, user and password, rediss://, Sentinel, Cluster) gives KEDA triggers as KEDA's
+redis-streams, redis-sentinel-streams and redis-cluster-streams scalers document them (a cluster's streams named
+as its keys are, the namespace a hash tag), with the credentials in the Secret and a TriggerAuthentication,
 never in the ScaledObject; `kubectl kustomize` renders each (skipped, saying why, without kubectl). Also what
 restricted Pod Security asks of every pod, the probes, and the non-root image."""
 
@@ -19,7 +20,7 @@ import yaml
 from batchfleet.common.config import DEFAULT_BUCKETS
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.keys import Keys
-from batchfleet.common.redis_url import parse_sentinel_url, redact_url
+from batchfleet.common.redis_url import parse_cluster_url, parse_sentinel_url, redact_url
 from scripts.k8s_redis import SECRET, URL_ANNOTATION, trigger_fields, write
 from tests.helpers.deploy import K8S, ROOT, configmap_env, container, of_kind
 
@@ -39,16 +40,30 @@ FORMS = [
     ("redis+sentinel://:s3cret@s0:26379,s1/mymaster/2?sentinel_password=sentpw",
      {"password": "s3cret", "sentinelPassword": "sentpw"},
      {"addresses": "s0:26379, s1:26379", "sentinelMaster": "mymaster", "databaseIndex": "2", "enableTLS": "false"}),
+    ("redis+cluster://r0.redis:6379,r1.redis:6380", {}, {"addresses": "r0.redis:6379, r1.redis:6380",
+                                                          "enableTLS": "false"}),
+    ("redis+cluster://bf-user:s3cret@r0:7000,r1,r2:7002/0", {"username": "bf-user", "password": "s3cret"},
+     {"addresses": "r0:7000, r1:6379, r2:7002", "enableTLS": "false"}),
 ]
-IDS = ["no-db", "db-no-port", "password", "user-password", "rediss", "sentinel", "sentinel-passwords"]
+IDS = ["no-db", "db-no-port", "password", "user-password", "rediss", "sentinel", "sentinel-passwords", "cluster",
+       "cluster-user-password"]
+KINDS = {"redis+sentinel": "redis-sentinel-streams", "redis+cluster": "redis-cluster-streams"}  # else redis-streams
+
+
+def scaler(url: str) -> str:
+    return KINDS.get(url.split("://")[0], "redis-streams")
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("url,creds,meta", FORMS, ids=IDS)
 def test_each_url_form_gives_keda_fields_as_redis_py_reads_it(url: str, creds: dict, meta: dict):
     kind, got, secret = trigger_fields(url)
-    assert got == meta and secret == {"BATCHFLEET_REDIS_URL": url, **creds}
-    if kind == "redis-streams":  # the same host, port, db and credentials the workers' redis-py connects with
+    assert kind == scaler(url) and got == meta and secret == {"BATCHFLEET_REDIS_URL": url, **creds}
+    if kind == "redis-cluster-streams":  # the seed nodes and credentials the workers' cluster client starts from
+        c = parse_cluster_url(url)
+        assert got["addresses"].split(", ") == [f"{h}:{p}" for h, p in c.nodes]
+        assert {k: v for k, v in (("username", c.username), ("password", c.password)) if v} == creds
+    elif kind == "redis-streams":  # the same host, port, db and credentials the workers' redis-py connects with
         kw = redis.connection.parse_url(url)
         assert got["address"] == f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}"
         assert int(got["databaseIndex"]) == kw.get("db", 0)
@@ -62,8 +77,6 @@ def test_each_url_form_gives_keda_fields_as_redis_py_reads_it(url: str, creds: d
 def test_a_unix_socket_or_junk_url_is_refused_clearly():
     with pytest.raises(ConfigError, match="KEDA's operator runs in another pod"):
         trigger_fields("unix:///run/redis.sock")
-    with pytest.raises(ConfigError, match="hash tag"):
-        trigger_fields("redis+cluster://:secret@r1:6379,r2:6379")
     with pytest.raises(ConfigError, match="malformed") as exc:
         trigger_fields("redis://:hunter2@host:notaport/0")
     assert "hunter2" not in str(exc.value)
@@ -73,11 +86,11 @@ def test_a_unix_socket_or_junk_url_is_refused_clearly():
 def test_the_shipped_component_is_what_the_script_writes_for_the_shipped_url():
     """deploy/k8s/redis-target/ is generated, never edited by hand: it is what scripts/k8s_redis.py writes
     for the in-cluster Redis of redis.yaml (the URL kustomization.yaml's secret command holds)."""
-    from scripts.k8s_redis import component, shipped_triggers
+    from scripts.k8s_redis import component
 
     url = "redis://redis.batchfleet.svc.cluster.local:6379/0"
     assert f"BATCHFLEET_REDIS_URL={url}" in (K8S / "kustomization.yaml").read_text()
-    files = component(url, shipped_triggers())
+    files = component(url)
     assert sorted(p.name for p in (K8S / "redis-target").iterdir() if p.name != "secret.env") == sorted(
         n for n in files if n != "secret.env")
     for name, text in files.items():
@@ -122,8 +135,8 @@ def test_kubectl_kustomize_renders_valid_triggers_for_each_url(tmp_path: Path, u
         assert key == "username" or value not in text  # (a user name shows in the redacted URL annotation)
     (so,) = [d for d in rendered if d["kind"] == "ScaledObject"]
     assert so["metadata"]["annotations"][URL_ANNOTATION] == redact_url(url)
-    env, keys = configmap_env(), Keys(configmap_env()["BATCHFLEET_NAMESPACE"])
-    kind = "redis-sentinel-streams" if url.startswith("redis+sentinel") else "redis-streams"
+    kind = scaler(url)  # a cluster's keys carry the namespace as a hash tag: {ns}:stream:<bucket>
+    env, keys = configmap_env(), Keys(configmap_env()["BATCHFLEET_NAMESPACE"], hashtag=kind == "redis-cluster-streams")
     streams = []
     for t in so["spec"]["triggers"]:
         md = t["metadata"]

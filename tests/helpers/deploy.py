@@ -89,7 +89,8 @@ def _json6902(doc: dict, ops: list[dict]) -> None:
 
 
 def apply_component(docs: list[dict], folder: Path) -> None:
-    """A kustomize Component: its resources added, its JSON 6902 patches applied to their targets."""
+    """A kustomize Component: its resources added, its JSON 6902 patches applied to their targets, then its
+    replacements (over everything accumulated so far: the parent's resources too)."""
     comp = yaml.safe_load((folder / "kustomization.yaml").read_text())
     for res in comp.get("resources") or []:
         docs += [d for d in yaml.safe_load_all((folder / res).read_text()) if d]
@@ -99,6 +100,8 @@ def apply_component(docs: list[dict], folder: Path) -> None:
         for d in docs:
             if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]:
                 _json6902(d, ops)
+    for rep in comp.get("replacements") or []:
+        _replace(docs, rep)
 
 
 def redis_url() -> str:
