@@ -5,6 +5,7 @@ load with ``--wait-replicas 1`` (its replica promoted, nothing acknowledged lost
 
 from __future__ import annotations
 
+import shutil
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.redis_conn import sync_client
 from batchfleet.producer import Cancelled, Client
 from batchfleet.worker.devtools import spawn_worker
-from tests.conftest import worker_config
+from tests.conftest import TEST_BUCKETS, worker_config
 from tests.helpers.load import SteadyLoad
 from tests.helpers.loops import LoopThread, wait_until
 
@@ -136,3 +137,37 @@ def test_a_master_killed_under_load_fails_over_and_loses_nothing_acknowledged(ti
         client.close()
         worker.stop()
         cluster.stop()
+
+
+def test_kedas_cluster_triggers_count_every_unanswered_request(redis_url, namespace, start_worker, tmp_path):
+    """deploy/k8s rendered for this cluster's URL by scripts/k8s_redis.py: redis-cluster-streams triggers over
+    the tagged streams. Re-aimed at this fleet with 8 requests a worker, KEDA's arithmetic over a cluster client
+    asks for >= 2 workers for 17 requests, counts each unanswered one exactly once, and 0 when all are answered."""
+    from scripts.k8s_redis import write
+    from tests.helpers.deploy import K8S, render
+    from tests.helpers.keda import desired_replicas, for_fleet
+    from tests.test_keda_signal import sample, sample_until_answered
+
+    k8s = tmp_path / "k8s"
+    shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns("secret.env"))
+    write(redis_url, k8s)
+    (shipped,) = [d for d in render(k8s) if d["kind"] == "ScaledObject"]
+    assert {t["type"] for t in shipped["spec"]["triggers"]} == {"redis-cluster-streams"}
+    keys = ConnectionConfig(redis_url, namespace).keys
+    so = for_fleet(shipped, keys, TEST_BUCKETS)
+    for t in so["spec"]["triggers"]:
+        t["metadata"]["streamLength"] = "8"
+    start_worker(max_batch_size=4, max_running=4)  # 4 at a time, 200 tokens each: the rest stays unanswered a while
+    r = sync_client(redis_url)
+    try:
+        with Client(redis_url, namespace) as client:
+            jobs = [client.submit([10 + i, 11, 12], max_new_tokens=200) for i in range(17)]
+            first = sample(r, keys, so, jobs)
+            samples = [first, *sample_until_answered(r, keys, so, jobs)]
+            results = [client.result(j, timeout=120) for j in jobs]
+        assert first[3] >= 2, first
+        for before, metric, after, _ in samples:
+            assert after <= metric <= before, (before, metric, after)  # none lost, none counted twice
+        assert desired_replicas(r, so)[0] == 0 and [res.id for res in results] == jobs
+    finally:
+        r.close()

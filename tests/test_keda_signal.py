@@ -31,7 +31,7 @@ CAPACITY = int(configmap_env()["BATCHFLEET_MAX_RUNNING"])  # the shipped streamL
 
 
 def scaled_object(namespace: str) -> dict:
-    return for_fleet(of_kind("ScaledObject")["batchfleet-worker"], namespace, TEST_BUCKETS)
+    return for_fleet(of_kind("ScaledObject")["batchfleet-worker"], Keys(namespace), TEST_BUCKETS)
 
 
 def unanswered(r: redis.Redis, keys: Keys, jobs: list[str]) -> int:

@@ -116,16 +116,23 @@ def manifests() -> list[dict]:
     return copy.deepcopy(_rendered())
 
 
-@functools.cache
-def _rendered() -> list[dict]:  # parsed once per test process: pyyaml is slow
+def render(k8s: Path = K8S) -> list[dict]:
+    """Every object of the manifests in ``k8s`` as `kubectl apply -k` applies them (components, then the
+    kustomization's replacements)."""
+    kust = yaml.safe_load((k8s / "kustomization.yaml").read_text())
     docs = []
-    for path in sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml"):
+    for path in sorted(p for p in k8s.glob("*.yaml") if p.name != "kustomization.yaml"):
         docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
-    for folder in kustomization().get("components") or []:
-        apply_component(docs, K8S / folder)
-    for rep in kustomization().get("replacements", []):
+    for folder in kust.get("components") or []:
+        apply_component(docs, k8s / folder)
+    for rep in kust.get("replacements", []):
         _replace(docs, rep)
     return docs
+
+
+@functools.cache
+def _rendered() -> list[dict]:  # parsed once per test process: pyyaml is slow
+    return render(K8S)
 
 
 def of_kind(kind: str) -> dict[str, dict]:

@@ -1,4 +1,5 @@
-"""KEDA's arithmetic over a ScaledObject's redis-streams triggers, read from a live Redis (tests only).
+"""KEDA's arithmetic over a ScaledObject's redis-streams triggers (redis-cluster-streams: the same over a
+cluster client), read from a live Redis (tests only).
 
 As KEDA's redis-streams scaler (pkg/scalers/redis_streams_scaler.go) and the HPA compute it: a trigger
 without ``consumerGroup`` reads XLEN against ``streamLength``; with one, the group's lag against
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 import redis
 
 from batchfleet.common.keys import Keys
+
+SCALERS = ("redis-streams", "redis-cluster-streams")  # the types read here (the same XLEN / group arithmetic)
 
 
 @dataclass(frozen=True)
@@ -56,22 +59,23 @@ def read_trigger(r: redis.Redis, metadata: dict) -> TriggerReading:
 def desired_replicas(r: redis.Redis, scaled_object: dict) -> tuple[int, list[TriggerReading]]:
     """The replica count KEDA and the HPA would set now, and each trigger's reading."""
     spec = scaled_object["spec"]
-    readings = [read_trigger(r, t["metadata"]) for t in spec["triggers"] if t["type"] == "redis-streams"]
+    readings = [read_trigger(r, t["metadata"]) for t in spec["triggers"] if t["type"] in SCALERS]
     lo, hi = int(spec.get("minReplicaCount", 0)), int(spec.get("maxReplicaCount", 100))
     if not any(t.active for t in readings):
         return lo, readings
     return min(hi, max(lo, 1, *(t.replicas for t in readings))), readings
 
 
-def for_fleet(scaled_object: dict, namespace: str, buckets: tuple[int, ...], max_replicas: int = 100) -> dict:
-    """The shipped ScaledObject re-aimed at a test fleet: one trigger per stream of ``namespace`` and
-    ``buckets``, each a copy of the shipped trigger of the same class (its mode, target and activation)."""
+def for_fleet(scaled_object: dict, keys: Keys, buckets: tuple[int, ...], max_replicas: int = 100) -> dict:
+    """The shipped ScaledObject re-aimed at a test fleet: one trigger per stream of ``keys`` (its namespace;
+    a hash tag on a cluster) and ``buckets``, each a copy of the shipped trigger of the same class (its type,
+    mode, target and activation)."""
     shipped = scaled_object["spec"]["triggers"]
     by_class = {"batch": next(t for t in shipped if t["metadata"]["stream"].endswith(":batch")),
                 "interactive": next(t for t in shipped if not t["metadata"]["stream"].endswith(":batch"))}
     out = copy.deepcopy(scaled_object)
     triggers = []
-    for stream, _bucket, lane in Keys(namespace).streams(buckets):
+    for stream, _bucket, lane in keys.streams(buckets):
         t = copy.deepcopy(by_class[lane])
         t["metadata"]["stream"] = stream
         triggers.append(t)
