@@ -76,8 +76,9 @@ def test_adaptive_window_starts_a_lone_request_at_once(start_worker, redis_url, 
         client.generate("warm", max_new_tokens=1)
         queue_ms = sorted(client.generate(f"all alone {i}", max_new_tokens=4).queue_ms for i in range(5))
     # nothing else arrives: the batch starts without waiting its 400 ms bound (the median stays far below it
-    # even on a loaded host: what remains is the read, one round trip and one tick)
-    assert queue_ms[2] < 100, queue_ms
+    # even on a loaded host: what remains is the read, one round trip and one tick; a busy host's scheduler may
+    # add tens of ms, never the window)
+    assert queue_ms[2] < 200, queue_ms
 
 
 def test_fixed_window_single_request_waits_about_max_wait(start_worker, redis_url, namespace):
@@ -86,9 +87,10 @@ def test_fixed_window_single_request_waits_about_max_wait(start_worker, redis_ur
         client.generate("warm", max_new_tokens=1)
         queue_ms = sorted(client.generate(f"all alone {i}", max_new_tokens=4).queue_ms for i in range(5))
         res = client.generate("all alone", max_new_tokens=4)
-    # the batch closes max_wait_ms after enqueue: not before, and not much after (Redis' own BLOCK
-    # timeout would end ~100 ms late: the consumer must not rely on it)
-    assert 58 <= queue_ms[2] <= 85, queue_ms
+    # the batch closes max_wait_ms after enqueue: never before (the fastest of five), and on time at least once
+    # (Redis' own BLOCK timeout would end ~100 ms late every time: the consumer must not rely on it; a loaded
+    # host may make some of the five late, not all)
+    assert 58 <= queue_ms[0] <= 85, queue_ms
     assert res.total_ms < res.queue_ms + 2000
 
 

@@ -45,4 +45,4 @@ def test_health_stays_responsive_while_huge_prompts_are_tokenized(start_worker, 
     print(f"\nbig requests took {took:.2f} s; /health: {len(latencies)} calls, worst {max(latencies) * 1000:.0f} ms; "
           f"worst loop lag {worst_lag * 1000:.0f} ms")
     # on the loop they stalled it for seconds; the bounds leave room for a loaded CI machine
-    assert max(latencies) < 1.0 and worst_lag < 0.5, (max(latencies), worst_lag)
+    assert max(latencies) < 2.0 and worst_lag < 1.0, (max(latencies), worst_lag)

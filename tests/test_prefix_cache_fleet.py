@@ -5,7 +5,6 @@ status``, and ``--no-prefix-cache`` (flag and environment variable)."""
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 
 import click
@@ -18,6 +17,7 @@ from batchfleet.common.options import build_worker_config
 from batchfleet.producer import Client
 from batchfleet.producer.status import render, snapshot
 from batchfleet.worker.devtools import free_port
+from tests.helpers.loops import wait_until
 from tests.helpers.native import prompt
 
 SHARED = prompt(11, 48)  # three whole blocks of 16
@@ -55,7 +55,9 @@ def test_counters_in_metrics_status_and_table(start_worker, redis_url: str, name
     stats = w.loop.engine.stats()
     assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (queries, hits)
 
-    time.sleep(2.5)  # one more heartbeat: the status carries the counters
+    # a heartbeat: the status carries the counters
+    wait_until(lambda: [w["prefix_hit_rate"] for w in status(redis_url, namespace)[0]["workers"]] == [
+        round(hits / queries, 4)], 30, "the status to carry the prefix counters")
     snap, table = status(redis_url, namespace)
     (row,) = snap["workers"]
     assert row["prefix_hit_rate"] == round(hits / queries, 4)
@@ -76,6 +78,7 @@ def test_no_prefix_cache_turns_it_off(start_worker, redis_url: str, namespace: s
         client.generate_many([SHARED + [7], SHARED + [8]], max_new_tokens=2)
     stats = w.loop.engine.stats()
     assert stats["prefix_cache"] is False and (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (0, 0)
-    time.sleep(2.5)
+    wait_until(lambda: [w["kv_usage"] is not None for w in status(redis_url, namespace)[0]["workers"]] == [True],
+               30, "a heartbeat")
     (row,) = status(redis_url, namespace)[0]["workers"]
     assert row["prefix_hit_rate"] is None and row["kv_usage"] is not None

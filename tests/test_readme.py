@@ -57,11 +57,12 @@ def test_python_example_runs(index: int, start_worker, readme_env, redis_url, na
     start_worker(max_wait_ms=10)
     code = python_blocks()[index]
     gateway = None
-    if GATEWAY_URL in code:  # the README's gateway: port 8000, its key, and the batch file it uploads
+    if GATEWAY_URL in code:  # the README's gateway (port 8000 there; a free one here), its key, its batch file
         from tests.helpers.gateway import GatewayThread
 
         key = re.search(r'--api-key (\S+)', README).group(1)
-        gateway = GatewayThread(redis_url, namespace, port=8000, api_keys=(key,), files_dir=str(tmp_path / "f"))
+        gateway = GatewayThread(redis_url, namespace, api_keys=(key,), files_dir=str(tmp_path / "f"))
+        code = code.replace(GATEWAY_URL, f'base_url="{gateway.url}/v1"')
         monkeypatch.chdir(tmp_path)
         (tmp_path / "batch.jsonl").write_text("".join(json.dumps(
             {"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",

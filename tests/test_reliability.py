@@ -195,13 +195,13 @@ def test_reclaim_follows_cursor_within_budget_and_drops_deleted(any_redis_url):
     ids = [r.xadd(keys.stream(32), request_fields(keys, f"j{i}", [1, 2])) for i in range(25)]
     assert len(dead.read(count=100, block_ms=None)) == 25
     r.xdel(keys.stream(32), ids[3], ids[17])  # deleted while pending
-    time.sleep(0.15)
-    got = [live.reclaim(min_idle_ms=100, budget=10) for _ in range(3)]
+    time.sleep(1.1)  # idle past 1 s: the rest of the test has a second before the claimed ones are idle again
+    got = [live.reclaim(min_idle_ms=1000, budget=10) for _ in range(3)]
     assert [len(g) for g in got] == [10, 10, 3]
     claimed = [e.entry_id for g in got for e in g]
     assert len(set(claimed)) == 23 and all(e.deliveries == 2 for g in got for e in g)
     assert r.xpending(keys.stream(32), keys.group)["pending"] == 23  # the deleted ones left the PEL
-    assert live.reclaim(min_idle_ms=100, budget=10) == []  # just claimed: not idle
+    assert live.reclaim(min_idle_ms=1000, budget=10) == []  # just claimed: not idle
     live.release(got[0][:1], idle_ms=5000)  # released: reclaimable at once, count unchanged until then
     again = live.reclaim(min_idle_ms=1000, budget=10)
     assert [(e.entry_id, e.deliveries) for e in again] == [(got[0][0].entry_id, 3)]
@@ -248,14 +248,14 @@ def test_lease_keeper_renews_held_entries_until_the_loop_stalls():
             pass
 
     consumer = FakeConsumer()
-    progress = [time.monotonic()]
+    progress = [time.monotonic() + 3600]  # the loop makes progress (however slowly this host runs the test)
     keeper = LeaseKeeper(consumer, claim_idle_ms=100, held=lambda: (Entry(32, "1-0", {}),),
                          progress=lambda: progress[0], stall_timeout_s=0.2)
     keeper.start()
     try:
         wait_until(lambda: len(consumer.renewed) >= 3, 5, "renewals")
         assert consumer.renewed[0] == ["1-0"] and not keeper.stalled
-        progress[0] -= 10  # the loop is wedged: stop renewing so other workers take over
+        progress[0] = time.monotonic() - 10  # the loop is wedged: stop renewing so other workers take over
         wait_until(lambda: keeper.stalled, 5, "stall detected")
         count = len(consumer.renewed)
         time.sleep(0.15)

@@ -34,8 +34,8 @@ def test_last_worker_stops_request_waits_next_worker_answers(start_worker, redis
             # zero workers: the default client (require_workers=True) and the gateway both enqueue
             job = client.submit("queued while the fleet sleeps", max_new_tokens=3, timeout=120)
             answer: dict = {}
-            post = threading.Thread(target=lambda: answer.update(resp=http.post(
-                "/v1/completions", json={"prompt": "hello at zero", "max_tokens": 3, "timeout": 120})))
+            body = {"prompt": "hello at zero", "max_tokens": 3, "temperature": 0, "timeout": 120}  # greedy: no EOS
+            post = threading.Thread(target=lambda: answer.update(resp=http.post("/v1/completions", json=body)))
             post.start()
             client.fleet()  # the description the producers cached is the kept one
             assert r.xlen(keys.stream(32)) >= 1

@@ -15,7 +15,9 @@ import redis
 
 from batchfleet.common.keys import Keys
 from batchfleet.producer import Client
+from batchfleet.producer.status import snapshot
 from tests.conftest import TEST_BUCKETS
+from tests.helpers.loops import wait_until
 
 
 def run_status(redis_url: str, namespace: str, *args: str) -> subprocess.CompletedProcess:
@@ -29,7 +31,10 @@ def test_status_table_and_json(start_worker, redis_url: str, namespace: str):
     keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
     with Client(redis_url, namespace) as client:
         results = client.generate_many([[5] * 3, [6] * 40, [7] * 3, [8] * 100] * 3, max_new_tokens=4)
-    time.sleep(2.5)  # one more heartbeat each: the statuses include the answered requests
+    def counted() -> bool:  # a heartbeat each: the statuses include the answered requests
+        return sum(w["completed"] for w in snapshot(r, keys)["workers"]) == len(results)
+
+    wait_until(counted, 30, "the workers' statuses to count every answer")
     r.zadd(keys.workers, {"worker-old": int(r.time()[0]) * 1000 - 120_000})  # last seen 2 minutes ago
     r.xadd(keys.dead, {"reason": "test"})
     a.loop.stopping.set()
