@@ -84,9 +84,15 @@ def test_a_bulk_of_10000_prompts_on_one_worker_asks_for_more_workers(start_worke
 def test_an_interactive_backlog_worth_two_workers_and_zero_only_when_all_is_answered(start_worker, redis_url,
                                                                                       namespace):
     start_worker(max_batch_size=8)
-    r, keys, so = redis.Redis.from_url(redis_url), Keys(namespace), scaled_object(namespace)
+    r = redis.Redis.from_url(redis_url)
+    assert_backlog_counted(redis_url, namespace, r, Keys(namespace), scaled_object(namespace), 2 * CAPACITY + 1, 24)
+
+
+def assert_backlog_counted(redis_url: str, namespace: str, r, keys: Keys, so: dict, n: int, new_tokens: int) -> None:
+    """``n`` requests at once, worth two workers of ``so``'s target: KEDA asks >= 2 at first; every sample counts
+    each unanswered request exactly once, and asks >= 1 while any is; 0 once all are answered."""
     with Client(redis_url, namespace) as client:
-        jobs = [client.submit([10 + i % 50, 11, 12], max_new_tokens=24) for i in range(2 * CAPACITY + 1)]
+        jobs = [client.submit([10 + i % 50, 11, 12], max_new_tokens=new_tokens) for i in range(n)]
         first = sample(r, keys, so, jobs)
         samples = [first, *sample_until_answered(r, keys, so, jobs)]
         results = [client.result(j, timeout=120) for j in jobs]
