@@ -109,7 +109,7 @@ class Shape:
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": result.text}
                 if self.tools is not None and self.family is not None:
-                    message["content"], calls = self.tools.calls(self.family, result.text)
+                    message["content"], calls = self.tools.calls(self.family, result.text, finish == "length")
                     if calls:
                         message["tool_calls"] = calls
                     finish = self.tools.finish(finish, bool(calls))

@@ -111,7 +111,7 @@ async def response_events(stream: Any, shape: ResponseShape, save: Save,
             async for delta in stream:
                 for event in shape.delta(delta.text if reader is None else reader.feed(delta.text)):
                     yield event
-            held, calls = ("", []) if reader is None else reader.end()
+            held, calls = ("", []) if reader is None else reader.end(cut=stream.result.finish_reason == "length")
             for event in shape.delta(held):
                 yield event
             done = shape.response(stream.result, calls=calls)

@@ -102,13 +102,13 @@ class ResponseShape:
             return {**body, "status": "failed", "error": error}
         if result is None:
             return body
+        cut = result.finish_reason == "length"
         if calls is not None:
             text: str | None = self.sent
         elif self.tools is not None and self.family is not None:
-            text, calls = self.tools.calls(self.family, result.text)
+            text, calls = self.tools.calls(self.family, result.text, cut)
         else:
             text, calls = result.text, []
-        cut = result.finish_reason == "length"
         status = "incomplete" if cut else "completed"
         return {**body, "status": status, "completed_at": time.time(),
                 "incomplete_details": {"reason": "max_output_tokens"} if cut else None,

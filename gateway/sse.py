@@ -133,10 +133,11 @@ def _last_chunks(shape: Shape, index: int, result: Any, reader: ToolStream | Non
     the chunk with the finish reason."""
     if reader is None:
         return [shape.chunk("", index=index, result=result)]
-    text, calls = reader.finish()
+    reason = FINISH_REASONS.get(result.finish_reason, result.finish_reason)
+    text, calls = reader.finish(cut=reason == "length")
     out = [shape.chunk(text, index=index)] if text else []
     out += [shape.chunk("", index=index, tool_calls=[call]) for call in calls]
-    finish = shape.tools.finish(FINISH_REASONS.get(result.finish_reason, result.finish_reason), bool(calls))
+    finish = shape.tools.finish(reason, bool(calls))
     return out + [shape.chunk("", index=index, result=result, finish=finish)]
 
 

@@ -65,16 +65,23 @@ class Family:
         return (head.strip() or None), calls  # type: ignore[return-value]
 
     def whole_calls(self, text: str, names: Sequence[str]) -> list[Call]:
-        """The calls of a constrained answer cut short (``max_tokens``): its longest prefix of whole calls,
-        closed as the grammar closes them (the grammar wrote ``open``, calls joined by ``sep``, ``close``;
-        a call's end is its ``}`` and ``call_close``). Empty when not even the first call is whole."""
-        end = "}" + self.call_close
-        at = len(text)
-        while (at := text.rfind(end, 0, at)) >= 0:  # from the right: the longest prefix first
-            _, calls = self.parse(text[:at + len(end)] + self.close, names)
-            if calls:
-                return calls
-        return []
+        """The calls of a constrained answer cut short (``max_tokens``), read as the grammar wrote it (``open``,
+        then calls joined by ``sep``, each ``call_open`` + a JSON object + ``call_close``), in one pass: every
+        whole call of a given function up to the first that is cut. Empty when not even the first is whole."""
+        decoder, calls = json.JSONDecoder(), []
+        at = len(self.open) if text.startswith(self.open) else -1
+        while at >= 0 and text.startswith(self.call_open, at):
+            try:
+                obj, at = decoder.raw_decode(text, at + len(self.call_open))
+            except (ValueError, RecursionError):
+                break
+            call = _call(obj, self.key)
+            if call is None or call.name not in names or not text.startswith(self.call_close, at):
+                break
+            calls.append(call)
+            at += len(self.call_close)
+            at = at + len(self.sep) if text.startswith(self.sep, at) else -1
+        return calls
 
     def grammar(self, functions: Sequence[tuple[str, dict[str, Any]]], parallel: bool) -> str:
         """The Lark grammar (llguidance's dialect) of one or more calls (``parallel``: up to MAX_CALLS) of

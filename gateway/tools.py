@@ -114,16 +114,16 @@ class ToolPlan:
             raise invalid(f"the tools cannot be constrained: {exc}"[:1000], "tools") from None
         return guide
 
-    def calls(self, family: Family, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    def calls(self, family: Family, text: str, cut: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, OpenAI tool calls) of an answer; (text, []) when it holds none, or when a call's
         arguments fail its function's schema (``auto`` answers are not constrained: a model may write any
-        arguments, and a 200 never carries a call that breaks its schema). A constrained answer is calls alone
-        (None, calls): one cut short by ``max_tokens`` gives its whole calls, none of the cut one."""
+        arguments, and a 200 never carries a call that breaks its schema). A constrained answer ``cut`` short by
+        ``max_tokens`` is (None, its whole calls): never the cut one, nor its markup as text."""
         if not self.parsed:
             return text, []
         content, calls = family.parse(text, self.names)
-        if self.constrained:  # the grammar wrote calls alone; unparsed, the answer was cut: its whole calls
-            content, calls = None, calls or family.whole_calls(text, self.names)
+        if self.constrained and cut and not calls:  # the grammar wrote calls alone: keep those it finished
+            content, calls = None, family.whole_calls(text, self.names)
         if not self.parallel:
             calls = calls[:1]
         # a constrained answer was generated under the schemas (jsonschema's float arithmetic would refuse
@@ -218,17 +218,17 @@ class ToolStream:
         out, self.held = self.held[:at], self.held[at:]
         return out
 
-    def end(self) -> tuple[str, list[dict[str, Any]]]:
-        """(the content still held, OpenAI's tool calls) when the choice ends."""
+    def end(self, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """(the content still held, OpenAI's tool calls) when the choice ends (``cut``: by ``max_tokens``)."""
         held, self.held = self.held, ""
         if self.state != "calls":
             return held, []
-        content, calls = self.tools.calls(self.family, held)
-        return (content or "", calls) if calls or self.tools.constrained else (held, [])
+        content, calls = self.tools.calls(self.family, held, cut)
+        return (content or "", calls) if calls or content is None else (held, [])
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """(the content still held, the calls' deltas) when the choice ends."""
-        content, calls = self.end()
+    def finish(self, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """(the content still held, the calls' deltas) when the choice ends (``cut``: by ``max_tokens``)."""
+        content, calls = self.end(cut)
         deltas: list[dict[str, Any]] = []
         for i, call in enumerate(calls):  # as OpenAI streams them: id and name first, then the arguments
             fn = call["function"]

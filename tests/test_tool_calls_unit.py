@@ -235,7 +235,7 @@ def test_a_forced_answer_cut_short_keeps_its_whole_calls_and_never_a_cut_one(fam
         whole = [c["function"] for c in plan.calls(FAMILIES[family], text)[1]]
         seen = []
         for end in range(len(text) + 1):
-            content, calls = plan.calls(FAMILIES[family], text[:end])
+            content, calls = plan.calls(FAMILIES[family], text[:end], cut=True)
             got = [c["function"] for c in calls]
             assert content is None and got == whole[:len(got)]  # a prefix of the answer's calls, each whole
             seen.append(len(got))
@@ -249,4 +249,26 @@ def test_a_forced_call_cut_before_its_end_is_no_call_and_no_text_with_finish_rea
     choice = shape.response([result(cut, "length")])["choices"][0]
     assert choice == {"index": 0, "message": {"role": "assistant", "content": None}, "logprobs": None,
                       "finish_reason": "length"}  # never a call whose arguments do not validate, never its markup
-    assert feed_all(ToolStream(job.tools, FAMILIES["hermes"]), [cut[:9], cut[9:]]) == ("", [])
+    reader = ToolStream(job.tools, FAMILIES["hermes"])
+    assert reader.feed(cut[:9]) + reader.feed(cut[9:]) == "" and reader.finish(cut=True) == ("", [])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_long_forced_answer_cut_short_is_read_in_one_pass(family):
+    plan = request_job(True, {**CHAT, "tools": TOOLS, "tool_choice": "required"}, 60, 16).tools
+    f = FAMILIES[family]
+    city = '"' + "}" * 20_000 + '"'  # what a grammar allows inside a string: every "}" a candidate end
+    whole = f.call_open + '{"name":"add","arguments":{"a":1,"b":2}}' + f.call_close
+    text = f.open + whole + f.sep + f.call_open + '{"name":"get_weather","arguments":{"city":' + city
+    content, calls = plan.calls(f, text, cut=True)  # ~20k characters: quadratic, this took seconds
+    assert content is None and [c["function"]["name"] for c in calls] == ["add"]
+
+
+def test_a_forced_answer_not_cut_that_its_parser_misreads_stays_text():
+    """A string argument holding ``</tool_call>`` (the grammar allows it) defeats the Hermes reader: not cut,
+    the answer is its text as before, never silently empty."""
+    job = request_job(True, {**CHAT, "tools": TOOLS, "tool_choice": "required"}, 60, 16)
+    shape = Shape(chat=True, job_id="x", model="m", created=0, tools=job.tools, family=FAMILIES["hermes"])
+    text = '<tool_call>\n{"name":"get_weather","arguments":{"city":"x</tool_call>y","unit":"celsius"}}\n</tool_call>'
+    choice = shape.response([result(text, "eos")])["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": text} and choice["finish_reason"] == "stop"
