@@ -84,12 +84,12 @@ def component(url: str, k8s: Path = K8S) -> dict[str, str]:
     kind, meta, secret = trigger_fields(url)
     auth = sorted(k for k in secret if k != "BATCHFLEET_REDIS_URL")
     ops: list[dict] = [{"op": "add", "path": "/metadata/annotations", "value": {URL_ANNOTATION: redact_url(url)}}]
-    streams = shipped_streams(k8s)
     namespace = configmap(k8s)["BATCHFLEET_NAMESPACE"] if is_cluster(url) else None
-    for i, stream in enumerate(streams):
-        if namespace is not None:
-            tagged = Keys(namespace, hashtag=True).prefix + stream.removeprefix(PLACEHOLDER)
-            ops.append({"op": "replace", "path": f"/spec/triggers/{i}/metadata/stream", "value": tagged})
+    prefix = Keys(namespace, hashtag=True).prefix if namespace is not None else None
+    for i, stream in enumerate(shipped_streams(k8s)):
+        if prefix is not None:
+            ops.append({"op": "replace", "path": f"/spec/triggers/{i}/metadata/stream",
+                        "value": prefix + stream.removeprefix(PLACEHOLDER)})
         ops.append({"op": "replace", "path": f"/spec/triggers/{i}/type", "value": kind})
         ops += [{"op": "add", "path": f"/spec/triggers/{i}/metadata/{k}", "value": v} for k, v in meta.items()]
         if auth:

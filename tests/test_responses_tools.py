@@ -106,7 +106,10 @@ def test_streamed_function_calls_follow_openais_events(tool_served):
         assert [e.type for e in events[2:-1]] == expected
         if choice != "auto":  # calls alone, each whole: a cut one is left out (a parallel answer keeps the rest)
             assert {i.type for i in done.output} <= {"function_call"} and len(calls_of(done)) == len(done.output)
-            assert (done.status, done.output) == ("incomplete", []) if most == 30 else done.output
+            if most == 30:  # cut inside its only call: nothing whole to answer
+                assert (done.status, done.output) == ("incomplete", [])
+            else:
+                assert done.output
         assert client.responses.retrieve(done.id).output == done.output  # stored as it was streamed
 
 
