@@ -37,6 +37,11 @@ def check_redis_url(url: str) -> str:
     if not isinstance(url, str) or not url.startswith(REDIS_SCHEMES):
         raise ConfigError("redis_url must start with redis://, rediss://, unix://, redis+sentinel:// or "
                           f"redis+cluster://, got {redact_url(str(url))!r}")
+    if not url.isprintable():
+        # bytes that were no UTF-8 (argv and the environment decode them to lone surrogates, not printable) or
+        # control characters: no host, user or password has them, and the socket layer would fail with a traceback
+        raise ConfigError(f"redis_url holds characters no Redis address has (invalid UTF-8 or control "
+                          f"characters): {redact_url(url)!r}")
     if is_sentinel(url):
         parse_sentinel_url(url)  # ConfigError with the URL redacted
         return url

@@ -21,7 +21,10 @@ def test_cluster_url_parsing_and_hash_tagged_keys():
     assert conn.keys.inbox_token("{ns}:inbox:" + "x" * 16) == "x" * 16 and conn.keys.inbox_token("ns:inbox:x") is None
     assert ConnectionConfig("redis://h:1/0", "ns").keys.stream(128) == "ns:stream:128"  # one Redis: unchanged
     for bad in ("redis+cluster://", "redis+cluster://h:x", "redis+cluster://:secret@h:1/3",
-                "redis+cluster://:secret@h:99999", "redis+cluster://h:0", "redis+sentinel://h:70000/m"):
+                "redis+cluster://:secret@h:99999", "redis+cluster://h:0", "redis+sentinel://h:70000/m",
+                # bytes that were no UTF-8 (argv / environment: lone surrogates) and control characters, any form
+                "redis+cluster://:secret@h\udcff:1", "redis://:secret@h\udcff:1/0", "redis://:secret@h\n:1/0",
+                "redis+sentinel://:secret@s\udcff/m/0"):
         with pytest.raises(ConfigError) as err:
             ConnectionConfig(bad)
         assert "secret" not in str(err.value)
