@@ -115,20 +115,23 @@ def test_batch_requests_under_an_interactive_flood_match_them_alone(model_dir, d
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_weight_matmuls_give_a_row_the_same_bits_at_every_row_count(model_dir, dtype):
-    """The matmuls alone (linear.py's default kernel choice): the forward's shapes, 1 to 300 rows."""
+    """The matmuls alone (linear.py's default kernel choice): the forward's shapes, every row of every call of
+    2 to 70 rows and a few larger ones against that row alone, on an input other than the load-time check's
+    (on AMX in bf16 some rows of 33+ row calls differ unless calls are cut into blocks)."""
     loaded = _loaded(model_dir, dtype)
     model = _engine(loaded).runner.model
     lw = model.layers[0]
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         for lin, n_in in ((lw.qkv_l, 256), (lw.o_l, 256), (lw.gate_up_l, 256), (lw.down_l, 512),
                           (model.lm_head_l, 256)):
             x = torch.randn(300, n_in, generator=g).to(loaded.model.dtype)
             res = torch.randn(300, lin.weight.shape[0], generator=g).to(loaded.model.dtype)
-            first, first_add = lin(x[:1]), lin.add_to(x[:1], res[:1].contiguous())
-            for rows in (2, 3, 4, 5, 7, 8, 16, 31, 64, 100, 300):
-                assert torch.equal(lin(x[:rows])[:1], first), (tuple(lin.weight.shape), rows)
-                assert torch.equal(lin.add_to(x[:rows], res[:rows].contiguous())[:1], first_add), rows
+            alone = torch.cat([lin(x[j:j + 1]) for j in range(300)])
+            alone_add = torch.cat([lin.add_to(x[j:j + 1], res[j:j + 1]) for j in range(300)])
+            for rows in (*range(2, 71), 100, 129, 300):
+                assert torch.equal(lin(x[:rows]), alone[:rows]), (tuple(lin.weight.shape), rows)
+                assert torch.equal(lin.add_to(x[:rows], res[:rows]), alone_add[:rows]), (tuple(lin.weight.shape), rows)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -109,3 +109,35 @@ def test_prepacked_greedy_matches_transformers(L, tmp_path, choice):
     stats = engine.stats()
     assert "64->320 float32" in stats["linear_kernels"]  # lm_head: hidden 64 -> vocab 320
     assert stats["decode_attention"].split()[0] in ("kernel", "gather")
+
+
+def test_a_kernel_whose_rows_change_above_some_row_count_gets_its_calls_cut_there(L):
+    """invariant_block finds the largest row count whose calls give every row its bits alone, and calls past it
+    are cut into blocks of that many rows (what AMX's bf16 kernels need above 32 rows, here made on purpose:
+    rows of calls over 5 rows computed in float64, another rounding)."""
+    import torch
+    import torch.nn.functional as F
+
+    w, b = _weights()
+    lin = L.Linear(w, b)
+
+    def per_row(x: torch.Tensor) -> torch.Tensor:  # each row alone: the same bits at every row count
+        return (x.reshape(-1, 1, 40) * w).sum(-1).view(*x.shape[:-1], -1) + b
+
+    lin._fns = [per_row] * len(lin._fns)
+    lin._add_fns = [lambda x, r: r + per_row(x)] * len(lin._add_fns)
+    assert L.invariant_block(lin) is None
+
+    def varies(x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // 40
+        return F.linear(x.double(), w.double(), b.double()).float() if rows > 5 else per_row(x)
+
+    lin._fns = [varies] * len(lin._fns)
+    lin._add_fns = [lambda x, r: r + varies(x)] * len(lin._add_fns)
+    assert L.invariant_block(lin) == 5
+    lin.block = 5
+    x = torch.randn(23, 40)
+    alone = torch.cat([lin(x[j:j + 1]) for j in range(23)])
+    assert torch.equal(lin(x), alone) and torch.equal(lin(x.view(1, 23, 40)).view(23, -1), alone)
+    res = torch.randn(23, 48)
+    assert torch.equal(lin.add_to(x, res), torch.cat([lin.add_to(x[j:j + 1], res[j:j + 1]) for j in range(23)]))

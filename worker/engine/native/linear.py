@@ -8,7 +8,13 @@ same bits for a row at every row count >= 2, in fp32 and bf16 (at 1 row it takes
 inputs, e.g. in 2048+ fp32, 8192 bf16); MKL's fp32 ``F.linear`` gives other bits at 1, 4, 5, 7, ... rows
 than at 2. So ``auto`` runs every row count on prepacked oneDNN, and a single row is computed as two
 (duplicated, the second dropped), which costs nothing measurable at decode sizes (memory-bound).
-``tests/test_batch_invariance.py`` checks every row count of the engine's shapes.
+That is not so on every CPU: with AMX (Intel Xeon, bf16) oneDNN takes other kernels above 32 rows, and a row
+of a 33- to 64-row call differs from its bits alone in most of a model's shapes (a Llama's down projection
+from 58 rows; every fp32 shape and every call of up to 32 rows were the same bits). So ``auto`` checks each
+weight shape once at load (``invariant_block``: every row of every call of 2 to 64 rows against that row
+alone) and, where some call differs, cuts larger calls into blocks of the largest row count that held
+(32 on that CPU; a prefill's matmuls then cost up to ~2x, a decode step of up to 32 sequences nothing).
+``tests/test_batch_invariance.py`` checks every row of every row count of the engine's shapes.
 
 On x86 CPUs torch's default ``F.linear`` (MKL sgemm in fp32) leaves much of the machine unused at the
 small row counts of a decode step: on an AVX2 EPYC it reached 33 GFLOP/s on the lm_head shape at 32
@@ -55,6 +61,8 @@ _MAX_BITS = 64
 # measured plans of this process: (out, in, dtype, threads) -> Plan. A second engine in the same process
 # (tests, benchmarks, a restarted engine) reuses them instead of measuring again
 _MEASURED: dict[tuple[int, int, str, int], Plan] = {}
+BLOCK_PROBE_ROWS = 64  # invariant_block checks every call of 2 .. this many rows
+_BLOCKS: dict[tuple[int, int, str, int], int | None] = {}  # the same per process: (out, in, dtype, threads)
 
 
 def onednn_available() -> bool:
@@ -132,7 +140,9 @@ def measure(w: torch.Tensor, packed: torch.Tensor, rows: Iterable[int] = PROBE_R
 
 
 class Linear:
-    """``y = x @ weight.T + bias`` on the kernel chosen for ``x``'s row count. x: [..., in] -> [..., out]."""
+    """``y = x @ weight.T + bias`` on the kernel chosen for ``x``'s row count. x: [..., in] -> [..., out].
+    ``block``: at most this many rows per kernel call (None: any), so that a row's bits do not depend on the
+    row count where the kernel's do (``invariant_block``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Plan | None = None,
                  packed: torch.Tensor | None = None) -> None:
@@ -145,6 +155,7 @@ class Linear:
         self._add_fns: list[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = [
             self._onednn_add if k == "onednn" else self._default_add for k in kinds]
         self.n_in = weight.shape[1]
+        self.block: int | None = None
 
     def _default(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -162,6 +173,9 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.n_in
+        if self.block is not None and rows > self.block:
+            flat, b = x.reshape(rows, self.n_in), self.block
+            return torch.cat([self(flat[s:s + b]) for s in range(0, rows, b)]).view(*x.shape[:-1], -1)
         if rows == 1:  # as one of two rows: the bits every other row count gives (module docstring)
             return self._fns[2](x.reshape(1, -1).expand(2, -1).contiguous())[:1].view(*x.shape[:-1], -1)
         return self._fns[rows.bit_length()](x)
@@ -169,6 +183,10 @@ class Linear:
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)``; residual: [..., out], contiguous, same leading shape as x."""
         rows = x.numel() // self.n_in
+        if self.block is not None and rows > self.block:
+            flat, res, b = x.reshape(rows, self.n_in), residual.reshape(rows, -1), self.block
+            return torch.cat([self.add_to(flat[s:s + b], res[s:s + b]) for s in range(0, rows, b)]).view(
+                residual.shape)
         if rows == 1:
             two = self._add_fns[2](x.reshape(1, -1).expand(2, -1).contiguous(),
                                    residual.reshape(1, -1).expand(2, -1).contiguous())
@@ -178,6 +196,24 @@ class Linear:
     def kernel_for(self, rows: int) -> str:
         """Which kernel runs ``rows`` rows."""
         return "onednn" if self._fns[max(rows, 2).bit_length()] == self._onednn else "default"
+
+
+@torch.inference_mode()
+def invariant_block(lin: Linear, rows: int = BLOCK_PROBE_ROWS) -> int | None:
+    """None when every row of every call of 2 .. ``rows`` rows of ``lin`` is the bits that row gets alone (as
+    one of two rows, as ``Linear`` computes a single row); else the largest m for which calls of 2 .. m rows
+    are (1: none is; each row is then computed alone). A fixed random input; the plain calls and ``add_to``'s
+    fused residual add both checked."""
+    g = torch.Generator().manual_seed(0)
+    dtype = lin.weight.dtype
+    x = torch.randn(rows, lin.n_in, generator=g).to(dtype)
+    res = torch.randn(rows, lin.weight.shape[0], generator=g).to(dtype)
+    alone = torch.cat([lin(x[j:j + 1]) for j in range(rows)])
+    alone_add = torch.cat([lin.add_to(x[j:j + 1], res[j:j + 1]) for j in range(rows)])
+    for m in range(2, rows + 1):
+        if not (torch.equal(lin(x[:m]), alone[:m]) and torch.equal(lin.add_to(x[:m], res[:m]), alone_add[:m])):
+            return m - 1
+    return None
 
 
 class LinearFactory:
@@ -191,6 +227,7 @@ class LinearFactory:
             raise ValueError(f"linear kernel must be one of {CHOICES}, not {choice!r}")
         self.choice = choice
         self.plans: dict[tuple[int, int, str], Plan | None] = {}  # None: default only (no oneDNN here)
+        self.blocks: dict[tuple[int, int, str], int | None] = {}  # auto/onednn: rows per call (invariant_block)
         self.seconds = 0.0  # spent measuring
 
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
@@ -200,7 +237,7 @@ class LinearFactory:
         key = (weight.shape[0], weight.shape[1], str(weight.dtype).removeprefix("torch."))
         if packed is None:
             self.plans.setdefault(key, None)
-            return Linear(weight, bias)
+            return self._blocked(key, Linear(weight, bias))
         if key not in self.plans:
             if self.choice in ("auto", "onednn"):
                 self.plans[key] = Plan({r: "onednn" for r in PROBE_ROWS})
@@ -211,7 +248,22 @@ class LinearFactory:
                     _MEASURED[cached] = measure(weight, packed)
                     self.seconds += time.perf_counter() - t
                 self.plans[key] = _MEASURED[cached]
-        return Linear(weight, bias, self.plans[key], packed)
+        return self._blocked(key, Linear(weight, bias, self.plans[key], packed))
+
+    def _blocked(self, key: tuple[int, int, str], lin: Linear) -> Linear:
+        """``lin`` with its rows per call, where batch invariance is asked for (auto, onednn) on the CPU."""
+        if self.choice not in ("auto", "onednn") or lin.weight.device.type != "cpu":
+            return lin
+        cached = (*key, torch.get_num_threads())
+        if cached not in _BLOCKS:
+            t = time.perf_counter()
+            _BLOCKS[cached] = invariant_block(lin)
+            self.seconds += time.perf_counter() - t
+            if _BLOCKS[cached] is not None:
+                log.info("weight %s: a row's bits change with the row count above %d rows here; calls cut into "
+                         "blocks of %d rows (batch invariance)", key, _BLOCKS[cached], _BLOCKS[cached])
+        lin.block = self.blocks[key] = _BLOCKS[cached]
+        return lin
 
     def describe(self) -> dict[str, str]:
         """Per shape ``"in->out dtype"``: the kernel per probed row count, e.g. ``"1:default 4:onednn ..."``."""
@@ -219,4 +271,6 @@ class LinearFactory:
         for (n_out, n_in, dt), plan in sorted(self.plans.items()):
             name = f"{n_in}->{n_out} {dt}"
             out[name] = "default" if plan is None else " ".join(f"{r}:{k}" for r, k in sorted(plan.by_probe.items()))
+            if self.blocks.get((n_out, n_in, dt)) is not None:
+                out[name] += f" (at most {self.blocks[(n_out, n_in, dt)]} rows per call)"
         return out
