@@ -1,4 +1,4 @@
-"""The C decode kernel's instruction-set paths (portable, AVX2 + FMA, AVX512-BF16) all match gather +
+"""The C decode kernel's instruction-set paths (portable, AVX2 + FMA, AVX-512) all match gather +
 SDPA; the path is chosen at runtime and a path the CPU lacks is never taken (capped or not)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ needs_kernel = pytest.mark.skipif(lib is None, reason="no C compiler")
 def capped():
     """Set the kernel's ISA cap for one test; restore the default (everything the CPU has) afterwards."""
     yield lambda level: cpu_kernel.set_isa(lib, level)
-    cpu_kernel.set_isa(lib, "avx512bf16")
+    cpu_kernel.set_isa(lib, "avx512")
 
 
 def _case(B, H, Hkv, D, bs, dtype):
@@ -39,7 +39,7 @@ def test_every_isa_path_matches_gather_sdpa(capped, level, dtype, shape):
     B, H, Hkv, D, bs = shape  # D = 24: AVX2 but not AVX512 vectors; D = 12: portable only
     capped(level)
     taken = cpu_kernel.isa(lib, dtype, D)
-    assert cpu_kernel.ISA_LEVELS[taken] <= cpu_kernel.ISA_LEVELS[level]
+    assert cpu_kernel.PATH_LEVELS[taken] <= cpu_kernel.ISA_LEVELS[level]
     if D % 8:
         assert taken == "portable"
     q, pool, tables, ctx = _case(B, H, Hkv, D, bs, dtype)
@@ -55,6 +55,8 @@ def test_every_isa_path_matches_gather_sdpa(capped, level, dtype, shape):
 def test_isa_reported_is_what_this_cpu_has(capped):
     flags = open("/proc/cpuinfo").read()
     has_avx2 = " avx2" in flags and " fma" in flags
-    assert cpu_kernel.isa(lib, torch.float32) == ("avx2" if has_avx2 else "portable")
+    best = "avx512" if " avx512f" in flags else "avx2" if has_avx2 else "portable"  # the build is -march=native
+    assert cpu_kernel.isa(lib, torch.float32) == best
+    assert cpu_kernel.isa(lib, torch.float32, 24) == ("avx2" if has_avx2 else "portable")  # 24 % 16 != 0
     capped("portable")
     assert cpu_kernel.isa(lib, torch.float32) == cpu_kernel.isa(lib, torch.bfloat16) == "portable"

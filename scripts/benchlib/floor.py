@@ -139,11 +139,11 @@ def attention_ms(engine: NativeEngine, batch: int, context: int, reps: int = 20)
             for level in cpu_kernel.ISA_LEVELS:
                 cpu_kernel.set_isa(lib, level)
                 path = cpu_kernel.isa(lib, m.dtype, D)
-                if path == level:
+                if cpu_kernel.PATH_LEVELS[path] == cpu_kernel.ISA_LEVELS[level]:  # not a lower path again
                     out[f"kernel_{path}"] = time_ms(
                         lambda: cpu_kernel.paged_decode(lib, q, pool, tables, ctx, m.scale, r.num_threads), reps)
         finally:
-            cpu_kernel.set_isa(lib, "avx512bf16")
+            cpu_kernel.set_isa(lib, "avx512")
     return {k: round(v, 3) for k, v in out.items()}
 
 

@@ -129,12 +129,15 @@ def load_ops(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
     return lib
 
 
-ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512bf16": 2}
+# the cap levels, and the level of each path ``isa`` names ("avx512bf16" is bf16's AVX-512 path)
+ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}
+PATH_LEVELS = {**ISA_LEVELS, "avx512bf16": 2}
 
 
 def isa(lib: ctypes.CDLL, dtype: torch.dtype, head_dim: int = 64) -> str:
     """The instruction-set path the kernel takes here for ``dtype`` and ``head_dim``: "avx512bf16" (bf16 on
-    CPUs with AVX512-BF16), "avx2" (AVX2 + FMA, checked at runtime) or "portable" (the plain C loop)."""
+    CPUs with AVX512-BF16), "avx512" (fp32 on CPUs with AVX512F; the build is -march=native), "avx2" (AVX2 +
+    FMA, checked at runtime) or "portable" (the plain C loop)."""
     return lib.paged_decode_isa(int(dtype == torch.bfloat16), head_dim).decode()
 
 

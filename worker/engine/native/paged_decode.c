@@ -8,8 +8,8 @@
  * Work item = (sequence, chunk of hc kv heads): each token's K (then V) row for those heads is one
  * contiguous read, shared by the G = H / Hkv query heads of each group. Two passes per item: scores for
  * all tokens (then softmax), then the probability-weighted V sum; fp32 accumulation throughout.
- * On CPUs with AVX512-BF16 the bf16 entry point takes an intrinsics path (vdpbf16ps for QK, vector exp,
- * FMA for PV): 1.9x the portable loop at batch 32 x 300 tokens, near the memory bandwidth.
+ * On CPUs with AVX-512 both entry points take an intrinsics path in tiles of 16 tokens (FMA, or vdpbf16ps
+ * with AVX512-BF16, for QK; vector exp; FMA for PV): paged_decode_avx512.h.
  */
 #include <float.h>
 #include <math.h>
@@ -76,13 +76,13 @@ int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const int64_
 DEFINE_KERNEL(paged_decode_bf16_generic, uint16_t, bf2f, f2bf)
 DEFINE_KERNEL(paged_decode_f32_generic, float, ID, ID)
 
-#include "paged_decode_avx512.h" /* fast_bf16, FAST_MAX_Q (only where the build has AVX512-BF16) */
+#include "paged_decode_avx512.h" /* avx512_f32 (AVX512F builds), avx512_bf16 (AVX512-BF16 builds) */
 
 
 #include "paged_decode_avx2.h" /* avx2_f32, avx2_bf16, HAVE_AVX2_PATH (x86) */
 
 /* ---- dispatch. isa_cap: the highest path allowed (tests and benchmarks lower it to compare paths):
- * 0 portable, 1 AVX2 + FMA, 2 AVX512-BF16 (bf16 only). */
+ * 0 portable, 1 AVX2 + FMA, 2 AVX-512 (fp32: AVX512F; bf16: AVX512-BF16). */
 static int isa_cap = 2;
 
 void paged_decode_set_isa(int cap) { isa_cap = cap; }
@@ -97,10 +97,13 @@ static int have_avx2(void) {
 }
 
 /* The path the entry point of this dtype (1: bf16, 0: f32) takes for head dim D:
- * "avx512bf16", "avx2" or "portable". */
+ * "avx512bf16" (bf16), "avx512" (fp32), "avx2" or "portable". */
 const char *paged_decode_isa(int bf16, int D) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     if (bf16 && isa_cap >= 2 && D % 32 == 0) return "avx512bf16";
+#endif
+#if defined(__AVX512F__)
+    if (!bf16 && isa_cap >= 2 && D % 16 == 0) return "avx512";
 #endif
     if (isa_cap >= 1 && D % 8 == 0 && have_avx2()) return "avx2";
     return "portable";
@@ -108,6 +111,10 @@ const char *paged_decode_isa(int bf16, int D) {
 
 int paged_decode_f32(const float *q, const float *k, const float *v, const int64_t *tables, const int64_t *ctx,
                      float *out, int B, int H, int Hkv, int D, int bs, int M, float scale, int hc, int nthreads) {
+#if defined(__AVX512F__)
+    if (isa_cap >= 2 && D % 16 == 0)
+        return avx512_f32(q, k, v, tables, ctx, out, B, H, Hkv, D, bs, M, scale, hc, nthreads);
+#endif
 #ifdef HAVE_AVX2_PATH
     if (isa_cap >= 1 && D % 8 == 0 && have_avx2())
         return avx2_f32(q, k, v, tables, ctx, out, B, H, Hkv, D, bs, M, scale, hc, nthreads);
@@ -119,9 +126,8 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, c
                       const int64_t *ctx, uint16_t *out, int B, int H, int Hkv, int D, int bs, int M, float scale,
                       int hc, int nthreads) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (isa_cap >= 2 && D % 32 == 0 && hc * (H / Hkv) * (D / 32) > FAST_MAX_Q) hc = 1;
-    if (isa_cap >= 2 && D % 32 == 0 && hc * (H / Hkv) * (D / 32) <= FAST_MAX_Q)
-        return fast_bf16(q, k, v, tables, ctx, out, B, H, Hkv, D, bs, M, scale, hc, nthreads);
+    if (isa_cap >= 2 && D % 32 == 0)
+        return avx512_bf16(q, k, v, tables, ctx, out, B, H, Hkv, D, bs, M, scale, hc, nthreads);
 #endif
 #ifdef HAVE_AVX2_PATH
     if (isa_cap >= 1 && D % 8 == 0 && have_avx2())

@@ -1,6 +1,18 @@
-/* The AVX512-BF16 path of the paged decode kernel (bf16 only), included by paged_decode.c when the build
- * has AVX512-BF16 (-march=native on such a CPU). Shapes and layout: see paged_decode.c. */
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* The AVX-512 paths of the paged decode kernel, included by paged_decode.c when the build has AVX-512
+ * (-march=native on such a CPU): fp32 with AVX512F, bf16 with AVX512-BF16. Shapes and layout: see
+ * paged_decode.c. Needs D % 16 == 0 (fp32) or D % 32 == 0 (bf16).
+ *
+ * Same work items and two passes as the other paths, but tokens go in tiles of 16 (their K/V row addresses
+ * computed once per tile, shared by every head of the item):
+ * - QK: 16 tokens' dot products at once, one 16-lane fp32 accumulator per token (FMA, or vdpbf16ps whose bf16
+ *   x bf16 products are exact in fp32), then one transposing reduction (sum16) gives the tile's 16 scores as
+ *   one vector: ~3 shuffles/adds a score instead of a horizontal sum per (token, head).
+ * - PV: per head and 16 columns, one fp32 accumulator register over the tile's tokens (one load and one store
+ *   of the accumulator per tile instead of per token).
+ * Every score and output element is summed in a fixed order that depends only on its own sequence (the tile
+ * boundaries are multiples of 16 from its first token), so a sequence's result does not depend on its
+ * batchmates (batch invariance), as on the other paths. */
+#if defined(__AVX512F__)
 #include <immintrin.h>
 /* exp(x) for 16 lanes (Cephes expf polynomial, ~1 ulp; x clamped to [-87.3, 88.7]). */
 static inline __m512 vexp(__m512 x) {
@@ -19,76 +31,123 @@ static inline __m512 vexp(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-#define FAST_MAX_Q 64 /* (query heads of one item) x (D / 32) bf16 vectors of q kept in registers/stack */
-/* bf16 fast path (AVX512-BF16): work item = (sequence, chunk of hc KV heads), each token's K (then V) row
- * for those heads one contiguous read. QK with vdpbf16ps (bf16 x bf16 products are exact in fp32, fp32
- * accumulation), softmax in fp32, PV with bf16 -> fp32 conversion and FMA; the G query heads of a group
- * share each K/V row. Needs D % 32 == 0 and hc * G * D / 32 <= FAST_MAX_Q. */
-static int fast_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *tables,
-                     const int64_t *ctx, uint16_t *out, int B, int H, int Hkv, int D, int bs, int M, float scale,
-                     int hc, int nthreads) {
-    const int G = H / Hkv, nc = D / 32, nf = D / 16, nchunks = Hkv / hc, nq = hc * G;
-    int failed = 0;
-    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(+ : failed)")
-    for (int item = 0; item < B * nchunks; item++) {
-        const int b = item / nchunks, kh0 = (item % nchunks) * hc;
-        const int64_t n = ctx[b] > 0 ? ctx[b] : 0;
-        float *sc = (float *)malloc(sizeof(float) * ((size_t)nq * (size_t)(n + 2) + (size_t)nq * D));
-        if (sc == NULL) { failed++; continue; }
-        float *acc = sc + (size_t)nq * (size_t)n, *mx = acc + (size_t)nq * D, *z = mx + nq; /* sc: [nq, n] */
-        __m512bh qv[FAST_MAX_Q];
-        const uint16_t *qb = q + ((int64_t)b * H + (int64_t)kh0 * G) * D;
-        for (int h = 0; h < nq; h++) {
-            for (int c = 0; c < nc; c++) qv[h * nc + c] = (__m512bh)_mm512_loadu_si512(qb + h * D + 32 * c);
-            mx[h] = -FLT_MAX;
-        }
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t slot = tables[(int64_t)b * M + t / bs] * bs + t % bs;
-            const uint16_t *kr = k + (slot * Hkv + kh0) * D; /* hc heads, contiguous */
-            for (int h = 0; h < nq; h++) {
-                const uint16_t *kh = kr + (h / G) * D;
-                __m512 a = _mm512_setzero_ps();
-                for (int c = 0; c < nc; c++)
-                    a = _mm512_dpbf16_ps(a, qv[h * nc + c], (__m512bh)_mm512_loadu_si512(kh + 32 * c));
-                const float s = _mm512_reduce_add_ps(a) * scale;
-                sc[h * n + t] = s;
-                if (s > mx[h]) mx[h] = s;
-            }
-        }
-        for (int h = 0; h < nq; h++) {
-            float *sh = sc + h * n, m = mx[h], zz = 0.f;
-            const __m512 mv = _mm512_set1_ps(m);
-            __m512 zv = _mm512_setzero_ps();
-            for (int64_t t = 0; t < n; t += 16) {
-                const __mmask16 live = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
-                const __m512 e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + t), mv));
-                _mm512_mask_storeu_ps(sh + t, live, e);
-                zv = _mm512_add_ps(zv, _mm512_maskz_mov_ps(live, e));
-            }
-            z[h] = zz + _mm512_reduce_add_ps(zv);
-        }
-        for (int j = 0; j < nq * D; j++) acc[j] = 0.f;
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t slot = tables[(int64_t)b * M + t / bs] * bs + t % bs;
-            const uint16_t *vr = v + (slot * Hkv + kh0) * D;
-            for (int h = 0; h < nq; h++) {
-                const uint16_t *vh = vr + (h / G) * D;
-                const __m512 p = _mm512_set1_ps(sc[h * n + t]);
-                float *ah = acc + h * D;
-                for (int f = 0; f < nf; f++) {
-                    const __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vh + 16 * f))), 16));
-                    _mm512_storeu_ps(ah + 16 * f, _mm512_fmadd_ps(p, vf, _mm512_loadu_ps(ah + 16 * f)));
-                }
-            }
-        }
-        uint16_t *ob = out + ((int64_t)b * H + (int64_t)kh0 * G) * D;
-        for (int h = 0; h < nq; h++) {
-            const float inv = z[h] > 0.f ? 1.f / z[h] : 0.f;
-            for (int d = 0; d < D; d++) ob[h * D + d] = f2bf(acc[h * D + d] * inv);
-        }
-        free(sc);
+#define TILE 16
+
+/* a[i] -> lane i of the result: the horizontal sum of a[i] (a fixed tree of unpacks, 128-bit shuffles, adds). */
+static inline __m512 sum16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of x = a[2i], y = a[2i+1] */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: a[4i .. 4i+3]'s partial sums over that lane */
+        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
     }
-    return failed;
+    for (int i = 0; i < 2; i++) /* [c[2i] lanes 0+1, c[2i] lanes 2+3, c[2i+1] lanes 0+1, c[2i+1] lanes 2+3] */
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
+
+/* The tile's row addresses of tokens t0 .. t0 + m - 1 in pool p (rows past m: the first row, read but unused). */
+#define TILE_ROWS(row, p, t0, m, pad)                                                                  \
+    for (int i = 0; i < ((pad) ? TILE : (m)); i++) {                                                   \
+        const int64_t t = (t0) + (i < (m) ? i : 0);                                                    \
+        row[i] = (p) + ((tb[t / bs] * bs + t % bs) * Hkv + kh0) * D;                                   \
+    }
+
+/* One work item: sequence b, KV heads kh0 .. kh0 + hc - 1. QW: elements of one QK step (QK_STEP(a, q, k)
+ * adds q[0 .. QW) . k[0 .. QW) into the 16 lanes of a); LD16: 16 elements as fp32. Returns 1 if its scratch
+ * could not be allocated. */
+#define DEFINE_AVX512_ITEM(NAME, T, QW, QK_STEP, LD16, STORE)                                          \
+static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const int64_t *ctx, T *out,  \
+                int b, int kh0, int H, int Hkv, int D, int bs, int M, float scale, int hc) {            \
+    const int G = H / Hkv, nq = hc * G;                                                                \
+    const int64_t n = ctx[b] > 0 ? ctx[b] : 0;                                                         \
+    float *sc = (float *)malloc(sizeof(float) * ((size_t)nq * ((size_t)n + 2 + (size_t)D)));           \
+    if (sc == NULL) return 1;                                                                          \
+    float *acc = sc + (size_t)nq * (size_t)n, *mx = acc + (size_t)nq * D, *z = mx + nq; /* sc: [nq, n] */ \
+    const T *qb = q + ((int64_t)b * H + (int64_t)kh0 * G) * D;                                         \
+    for (int j = 0; j < nq * D; j++) acc[j] = 0.f;                                                     \
+    for (int h = 0; h < nq; h++) mx[h] = -FLT_MAX;                                                     \
+    const int64_t *tb = tables + (int64_t)b * M;                                                       \
+    const T *row[TILE];                                                                                \
+    const __m512 sv = _mm512_set1_ps(scale);                                                           \
+    for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                         \
+        const int m = n - t0 < TILE ? (int)(n - t0) : TILE;                                            \
+        TILE_ROWS(row, k, t0, m, 1)                                                                    \
+        const __mmask16 live = (__mmask16)((1u << m) - 1);                                             \
+        for (int h = 0; h < nq; h++) {                                                                 \
+            const T *qh = qb + h * D;                                                                  \
+            const int off = (h / G) * D;                                                               \
+            __m512 a[TILE];                                                                            \
+            for (int i = 0; i < TILE; i++) a[i] = _mm512_setzero_ps();                                 \
+            for (int c = 0; c < D; c += QW) {                                                          \
+                _Pragma("GCC unroll 16")                                                               \
+                for (int i = 0; i < TILE; i++) a[i] = QK_STEP(a[i], qh + c, row[i] + off + c);          \
+            }                                                                                          \
+            const __m512 s = _mm512_mul_ps(sum16(a), sv);                                              \
+            _mm512_mask_storeu_ps(sc + h * n + t0, live, s);                                           \
+            const float tm = _mm512_mask_reduce_max_ps(live, s);                                       \
+            if (tm > mx[h]) mx[h] = tm;                                                                \
+        }                                                                                              \
+    }                                                                                                  \
+    for (int h = 0; h < nq; h++) {                                                                     \
+        float *sh = sc + h * n;                                                                        \
+        const __m512 mv = _mm512_set1_ps(mx[h]);                                                       \
+        __m512 zv = _mm512_setzero_ps();                                                               \
+        for (int64_t t = 0; t < n; t += 16) {                                                          \
+            const __mmask16 live = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1); \
+            const __m512 e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + t), mv));             \
+            _mm512_mask_storeu_ps(sh + t, live, e);                                                    \
+            zv = _mm512_add_ps(zv, _mm512_maskz_mov_ps(live, e));                                      \
+        }                                                                                              \
+        z[h] = _mm512_reduce_add_ps(zv);                                                               \
+    }                                                                                                  \
+    for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                         \
+        const int m = n - t0 < TILE ? (int)(n - t0) : TILE;                                            \
+        TILE_ROWS(row, v, t0, m, 0)                                                                    \
+        for (int h = 0; h < nq; h++) {                                                                 \
+            const float *ph = sc + h * n + t0;                                                         \
+            const int off = (h / G) * D;                                                               \
+            float *ah = acc + h * D;                                                                   \
+            for (int c = 0; c < D; c += 16) {                                                          \
+                __m512 av = _mm512_loadu_ps(ah + c);                                                   \
+                for (int i = 0; i < m; i++) av = _mm512_fmadd_ps(_mm512_set1_ps(ph[i]), LD16(row[i] + off + c), av); \
+                _mm512_storeu_ps(ah + c, av);                                                          \
+            }                                                                                          \
+        }                                                                                              \
+    }                                                                                                  \
+    T *ob = out + ((int64_t)b * H + (int64_t)kh0 * G) * D;                                             \
+    for (int h = 0; h < nq; h++) {                                                                     \
+        const float inv = z[h] > 0.f ? 1.f / z[h] : 0.f;                                               \
+        for (int d = 0; d < D; d++) ob[h * D + d] = STORE(acc[h * D + d] * inv);                       \
+    }                                                                                                  \
+    free(sc);                                                                                          \
+    return 0;                                                                                          \
+}
+
+#define DEFINE_AVX512_KERNEL(NAME, ITEM, T)                                                            \
+static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const int64_t *ctx, T *out, \
+                int B, int H, int Hkv, int D, int bs, int M, float scale, int hc, int nthreads) {       \
+    const int nchunks = Hkv / hc;                                                                      \
+    int failed = 0;                                                                                    \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(+ : failed)")       \
+    for (int item = 0; item < B * nchunks; item++)                                                     \
+        failed += ITEM(q, k, v, tables, ctx, out, item / nchunks, (item % nchunks) * hc, H, Hkv, D, bs, M, \
+                       scale, hc);                                                                     \
+    return failed;                                                                                     \
+}
+
+#define QK_F32(a, qp, kp) _mm512_fmadd_ps(_mm512_loadu_ps(qp), _mm512_loadu_ps(kp), a)
+#define LD16_F32(p) _mm512_loadu_ps(p)
+DEFINE_AVX512_ITEM(avx512_item_f32, float, 16, QK_F32, LD16_F32, ID)
+DEFINE_AVX512_KERNEL(avx512_f32, avx512_item_f32, float)
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define QK_BF16(a, qp, kp) _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qp), (__m512bh)_mm512_loadu_si512(kp))
+#define LD16_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+DEFINE_AVX512_ITEM(avx512_item_bf16, uint16_t, 32, QK_BF16, LD16_BF16, f2bf)
+DEFINE_AVX512_KERNEL(avx512_bf16, avx512_item_bf16, uint16_t)
 #endif
