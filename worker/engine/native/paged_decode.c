@@ -76,6 +76,21 @@ int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const int64_
 DEFINE_KERNEL(paged_decode_bf16_generic, uint16_t, bf2f, f2bf)
 DEFINE_KERNEL(paged_decode_f32_generic, float, ID, ID)
 
+/* A kernel whose work items, one per (sequence, chunk of hc KV heads), are calls of ITEM (the SIMD paths'
+ * per-item functions), in parallel. The loop lives outside any target region (the items are called, not
+ * inlined), so the OpenMP-outlined function never needs the items' target options. */
+#define DEFINE_ITEM_KERNEL(NAME, ITEM, T)                                                              \
+static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const int64_t *ctx, T *out, \
+                int B, int H, int Hkv, int D, int bs, int M, float scale, int hc, int nthreads) {       \
+    const int nchunks = Hkv / hc;                                                                      \
+    int failed = 0;                                                                                    \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(+ : failed)")       \
+    for (int item = 0; item < B * nchunks; item++)                                                     \
+        failed += ITEM(q, k, v, tables, ctx, out, item / nchunks, (item % nchunks) * hc, H, Hkv, D, bs, M, \
+                       scale, hc);                                                                     \
+    return failed;                                                                                     \
+}
+
 #include "paged_decode_avx512.h" /* avx512_f32 (AVX512F builds), avx512_bf16 (AVX512-BF16 builds) */
 
 

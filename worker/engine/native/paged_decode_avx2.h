@@ -108,21 +108,8 @@ DEFINE_AVX2_ITEM(avx2_item_bf16, uint16_t, ld8_bf16, bf2f, f2bf)
 #define HAVE_AVX2_PATH 1
 #endif
 
-/* The parallel loop lives outside the avx2 target region (the items are called, not inlined), so the
- * OpenMP-outlined function never needs the target options. */
-#define DEFINE_AVX2_KERNEL(NAME, ITEM, T)                                                              \
-static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const int64_t *ctx, T *out, \
-                int B, int H, int Hkv, int D, int bs, int M, float scale, int hc, int nthreads) {       \
-    const int nchunks = Hkv / hc;                                                                      \
-    int failed = 0;                                                                                    \
-    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(+ : failed)")       \
-    for (int item = 0; item < B * nchunks; item++)                                                     \
-        failed += ITEM(q, k, v, tables, ctx, out, item / nchunks, (item % nchunks) * hc, H, Hkv, D, bs, M, \
-                       scale, hc);                                                                     \
-    return failed;                                                                                     \
-}
 #ifdef HAVE_AVX2_PATH
-DEFINE_AVX2_KERNEL(avx2_f32, avx2_item_f32, float)
-DEFINE_AVX2_KERNEL(avx2_bf16, avx2_item_bf16, uint16_t)
+DEFINE_ITEM_KERNEL(avx2_f32, avx2_item_f32, float) /* paged_decode.c */
+DEFINE_ITEM_KERNEL(avx2_bf16, avx2_item_bf16, uint16_t)
 #endif
 

@@ -127,27 +127,15 @@ static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const
     return 0;                                                                                          \
 }
 
-#define DEFINE_AVX512_KERNEL(NAME, ITEM, T)                                                            \
-static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const int64_t *ctx, T *out, \
-                int B, int H, int Hkv, int D, int bs, int M, float scale, int hc, int nthreads) {       \
-    const int nchunks = Hkv / hc;                                                                      \
-    int failed = 0;                                                                                    \
-    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(+ : failed)")       \
-    for (int item = 0; item < B * nchunks; item++)                                                     \
-        failed += ITEM(q, k, v, tables, ctx, out, item / nchunks, (item % nchunks) * hc, H, Hkv, D, bs, M, \
-                       scale, hc);                                                                     \
-    return failed;                                                                                     \
-}
-
 #define QK_F32(a, qp, kp) _mm512_fmadd_ps(_mm512_loadu_ps(qp), _mm512_loadu_ps(kp), a)
 #define LD16_F32(p) _mm512_loadu_ps(p)
 DEFINE_AVX512_ITEM(avx512_item_f32, float, 16, QK_F32, LD16_F32, ID)
-DEFINE_AVX512_KERNEL(avx512_f32, avx512_item_f32, float)
+DEFINE_ITEM_KERNEL(avx512_f32, avx512_item_f32, float) /* paged_decode.c */
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define QK_BF16(a, qp, kp) _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qp), (__m512bh)_mm512_loadu_si512(kp))
 #define LD16_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 DEFINE_AVX512_ITEM(avx512_item_bf16, uint16_t, 32, QK_BF16, LD16_BF16, f2bf)
-DEFINE_AVX512_KERNEL(avx512_bf16, avx512_item_bf16, uint16_t)
+DEFINE_ITEM_KERNEL(avx512_bf16, avx512_item_bf16, uint16_t)
 #endif
