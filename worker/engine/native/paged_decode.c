@@ -19,6 +19,16 @@
 
 #include "bf16.h"
 
+/* The item's output rows (its nq query heads): acc [nq, D] / z [nq], 0 where z is 0 (no token attended). */
+#define WRITE_OUT(T, STORE, acc, z)                                                                    \
+    {                                                                                                  \
+        T *ob = out + ((int64_t)b * H + (int64_t)kh0 * G) * D;                                         \
+        for (int h = 0; h < nq; h++) {                                                                 \
+            const float inv = (z)[h] > 0.f ? 1.f / (z)[h] : 0.f;                                       \
+            for (int d = 0; d < D; d++) ob[h * D + d] = STORE((acc)[h * D + d] * inv);                 \
+        }                                                                                              \
+    }
+
 #define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                            \
 int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const int64_t *ctx, T *out,       \
           int B, int H, int Hkv, int D, int bs, int M, float scale, int hc, int nthreads) {            \
@@ -62,11 +72,7 @@ int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const int64_
                 for (int d = 0; d < D; d++) ah[d] += p * vh[d];                                        \
             }                                                                                          \
         }                                                                                              \
-        T *ob = out + ((int64_t)b * H + (int64_t)kh0 * G) * D;                                         \
-        for (int h = 0; h < nq; h++) {                                                                 \
-            const float inv = sum[h] > 0.f ? 1.f / sum[h] : 0.f;                                       \
-            for (int d = 0; d < D; d++) ob[h * D + d] = STORE(acc[h * D + d] * inv);                   \
-        }                                                                                              \
+        WRITE_OUT(T, STORE, acc, sum)                                                                  \
         free(qf);                                                                                      \
     }                                                                                                  \
     return failed; /* work items that could not allocate their scratch (output left unset) */          \

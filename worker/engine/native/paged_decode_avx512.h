@@ -118,11 +118,7 @@ static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const
             }                                                                                          \
         }                                                                                              \
     }                                                                                                  \
-    T *ob = out + ((int64_t)b * H + (int64_t)kh0 * G) * D;                                             \
-    for (int h = 0; h < nq; h++) {                                                                     \
-        const float inv = z[h] > 0.f ? 1.f / z[h] : 0.f;                                               \
-        for (int d = 0; d < D; d++) ob[h * D + d] = STORE(acc[h * D + d] * inv);                       \
-    }                                                                                                  \
+    WRITE_OUT(T, STORE, acc, z) /* paged_decode.c */                                                   \
     free(sc);                                                                                          \
     return 0;                                                                                          \
 }
