@@ -117,43 +117,48 @@ static int have_avx2(void) {
 #endif
 }
 
-/* The path the entry point of this dtype (1: bf16, 0: f32) takes for head dim D:
- * "avx512bf16" (bf16), "avx512" (fp32), "avx2" or "portable". */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HAVE_AVX512_BF16_PATH 1
+#else
+#define HAVE_AVX512_BF16_PATH 0
+#define avx512_bf16 paged_decode_bf16_generic /* never called: path() takes 2 only where it was built */
+#endif
+#if defined(__AVX512F__)
+#define HAVE_AVX512_F32_PATH 1
+#else
+#define HAVE_AVX512_F32_PATH 0
+#define avx512_f32 paged_decode_f32_generic
+#endif
+#ifndef HAVE_AVX2_PATH
+#define avx2_f32 paged_decode_f32_generic /* never called: have_avx2() is 0 */
+#define avx2_bf16 paged_decode_bf16_generic
+#endif
+
+/* The path (2 AVX-512, 1 AVX2 + FMA, 0 portable) the entry point of this dtype (1: bf16, 0: f32) takes for head
+ * dim D: the one choice the entry points and paged_decode_isa both read. */
+static int path(int bf16, int D) {
+    if (isa_cap >= 2 && (bf16 ? HAVE_AVX512_BF16_PATH && D % 32 == 0 : HAVE_AVX512_F32_PATH && D % 16 == 0)) return 2;
+    if (isa_cap >= 1 && D % 8 == 0 && have_avx2()) return 1;
+    return 0;
+}
+
+/* The name of that path: "avx512bf16" (bf16), "avx512" (fp32), "avx2" or "portable". */
 const char *paged_decode_isa(int bf16, int D) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (bf16 && isa_cap >= 2 && D % 32 == 0) return "avx512bf16";
-#endif
-#if defined(__AVX512F__)
-    if (!bf16 && isa_cap >= 2 && D % 16 == 0) return "avx512";
-#endif
-    if (isa_cap >= 1 && D % 8 == 0 && have_avx2()) return "avx2";
-    return "portable";
+    switch (path(bf16, D)) {
+    case 2: return bf16 ? "avx512bf16" : "avx512";
+    case 1: return "avx2";
+    default: return "portable";
+    }
 }
 
-int paged_decode_f32(const float *q, const float *k, const float *v, const int64_t *tables, const int64_t *ctx,
-                     float *out, int B, int H, int Hkv, int D, int bs, int M, float scale, int hc, int nthreads) {
-#if defined(__AVX512F__)
-    if (isa_cap >= 2 && D % 16 == 0)
-        return avx512_f32(q, k, v, tables, ctx, out, B, H, Hkv, D, bs, M, scale, hc, nthreads);
-#endif
-#ifdef HAVE_AVX2_PATH
-    if (isa_cap >= 1 && D % 8 == 0 && have_avx2())
-        return avx2_f32(q, k, v, tables, ctx, out, B, H, Hkv, D, bs, M, scale, hc, nthreads);
-#endif
-    return paged_decode_f32_generic(q, k, v, tables, ctx, out, B, H, Hkv, D, bs, M, scale, hc, nthreads);
+#define DEFINE_ENTRY(NAME, T, BF16, AVX512, AVX2, GENERIC)                                             \
+int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const int64_t *ctx, T *out, int B, int H, \
+         int Hkv, int D, int bs, int M, float scale, int hc, int nthreads) {                           \
+    switch (path(BF16, D)) {                                                                           \
+    case 2: return AVX512(q, k, v, tables, ctx, out, B, H, Hkv, D, bs, M, scale, hc, nthreads);        \
+    case 1: return AVX2(q, k, v, tables, ctx, out, B, H, Hkv, D, bs, M, scale, hc, nthreads);          \
+    default: return GENERIC(q, k, v, tables, ctx, out, B, H, Hkv, D, bs, M, scale, hc, nthreads);      \
+    }                                                                                                  \
 }
-
-int paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *tables,
-                      const int64_t *ctx, uint16_t *out, int B, int H, int Hkv, int D, int bs, int M, float scale,
-                      int hc, int nthreads) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (isa_cap >= 2 && D % 32 == 0)
-        return avx512_bf16(q, k, v, tables, ctx, out, B, H, Hkv, D, bs, M, scale, hc, nthreads);
-#endif
-#ifdef HAVE_AVX2_PATH
-    if (isa_cap >= 1 && D % 8 == 0 && have_avx2())
-        return avx2_bf16(q, k, v, tables, ctx, out, B, H, Hkv, D, bs, M, scale, hc, nthreads);
-#endif
-    return paged_decode_bf16_generic(q, k, v, tables, ctx, out, B, H, Hkv, D, bs, M, scale, hc, nthreads);
-}
-
+DEFINE_ENTRY(paged_decode_f32, float, 0, avx512_f32, avx2_f32, paged_decode_f32_generic)
+DEFINE_ENTRY(paged_decode_bf16, uint16_t, 1, avx512_bf16, avx2_bf16, paged_decode_bf16_generic)
