@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.errors import ConfigError, PromptTooLong
-from batchfleet.common.keys import DEFAULT_NAMESPACE, Keys
+from batchfleet.common.keys import DEFAULT_NAMESPACE, MAX_SHARDS, Keys
 from batchfleet.common.logs import LOG_FORMATS
 from batchfleet.common.optionspec import is_option, option, option_env
 from batchfleet.common.redis_url import check_redis_url, is_cluster
@@ -187,12 +187,21 @@ class WorkerConfig:
         "The fleet may run with zero workers (KEDA minReplicaCount 0): the fleet description is kept when the "
         "last worker stops, and producers and the gateway enqueue while no worker is live (a worker started "
         "later answers). Set it on every worker of the namespace."))
+    shards: int = field(default=1, metadata=option(
+        "Redis Cluster only: spread the request streams, inboxes and markers over this many hash tags (set it to "
+        "the number of masters; docs/OPERATIONS.md). Producers follow the fleet description. Every worker of "
+        "a namespace sets the same value; changing it is a new layout (drain the fleet first)."))
     metrics_port: int = field(default=0, metadata=option(
         "Serve Prometheus metrics on http://METRICS_HOST:PORT/metrics (0 = off). The port is bound before the "
         "model loads: a port in use stops the worker at once."))
     metrics_host: str = field(default="127.0.0.1", metadata=option(
         "Address the metrics server binds: 127.0.0.1 (this host only, the default: /metrics has no key); 0.0.0.0 "
         "or a pod IP for a Prometheus on another host (the compose file and the Kubernetes manifests set it)."))
+
+    @property
+    def keys(self) -> Keys:
+        """Shard 0 of this worker's fleet layout (``Keys.every_shard`` gives the others)."""
+        return self.connection.keys.with_shards(self.shards)
 
     def __post_init__(self) -> None:
         if self.reply_ttl_s < 1:
@@ -209,6 +218,11 @@ class WorkerConfig:
             raise ConfigError("reclaim_budget must be >= 1")
         if not self.stall_timeout_s > 0:
             raise ConfigError("stall_timeout_s must be > 0")
+        if not 1 <= self.shards <= MAX_SHARDS:
+            raise ConfigError(f"shards must be 1..{MAX_SHARDS}, got {self.shards}")
+        if self.shards > 1 and not is_cluster(self.connection.redis_url):
+            raise ConfigError("--shards > 1 needs a Redis Cluster URL (redis+cluster://): a single Redis has one "
+                              "core to spread over")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be 0..65535, got {self.metrics_port}")
         if not self.metrics_host:

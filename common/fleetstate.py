@@ -69,9 +69,27 @@ def fleet_info(r: redis.Redis, keys: Keys) -> FleetInfo | None:
     return FleetInfo.decode(raw) if raw else None
 
 
+def layout(keys: Keys, info: FleetInfo | None) -> Keys:
+    """``keys`` laid out over the shards the fleet description says (common/keys.py)."""
+    return keys.with_shards(info.shards) if info is not None and info.shards != keys.shards else keys
+
+
 def queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int]) -> list[QueueStats]:
-    """Depth, pending, lag and oldest age of every bucket stream of both classes, interactive first (one
-    pipeline round trip)."""
+    """Depth, pending, lag and oldest age of every bucket stream of both classes, interactive first: summed
+    over the shards of ``keys``' layout (the oldest age: the largest), one pipeline round trip per shard."""
+    per_shard = [_queue_stats(r, k, buckets) for k in keys.every_shard]
+    if len(per_shard) == 1:
+        return per_shard[0]
+    out = []
+    for rows in zip(*per_shard):
+        lags = [q.lag for q in rows]
+        out.append(QueueStats(rows[0].bucket, rows[0].lane, sum(q.length for q in rows), sum(q.depth for q in rows),
+                              sum(q.pending for q in rows), None if None in lags else sum(lags),  # type: ignore[arg-type]
+                              max(q.oldest_age_s for q in rows)))
+    return out
+
+
+def _queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int]) -> list[QueueStats]:
     streams = keys.streams(buckets)
     pipe = r.pipeline(transaction=False)
     pipe.execute_command("TIME", **same_node(r, keys.workers))  # the clock that stamps the entry ids
@@ -118,8 +136,8 @@ def worker_stats(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
 
 
 def dead_letters(r: redis.Redis, keys: Keys) -> int:
-    """Entries in the dead-letter stream (capped, so the most recent ones)."""
-    return int(r.xlen(keys.dead))
+    """Entries in the dead-letter streams (capped, so the most recent ones) of every shard of ``keys``."""
+    return sum(int(r.xlen(k.dead)) for k in keys.every_shard)
 
 
 def _str(value: Any) -> str:

@@ -5,12 +5,23 @@ Keeping names in one place lets ACL rules (``~bf:*``) and tenant isolation follo
 On a Redis Cluster (``hashtag``) the namespace is written as a hash tag, ``{bf}:stream:128``: every key of
 a fleet then hashes to one slot, so each Lua script, function and transaction touches one node, as Redis
 Cluster requires.
+
+A sharded cluster fleet (``shards`` > 1, the workers' ``--shards``) spreads its request traffic over that many
+tags: shard 0 is ``{bf}`` (every key of the fleet as a whole lives there: fleet description, files,
+batches, status), shards 1..n-1 are ``{bf:<k>}`` with ``k`` picked so that the n tags fall into n different
+n-ths of the slot space: on a cluster of n masters made by ``redis-cli --cluster create`` (equal slot
+ranges), one shard per master. Each shard holds its own request streams, inboxes, done and cancel markers,
+cancels stream and live-worker set, so every script still touches one slot.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from batchfleet.common.lanes import INTERACTIVE, LANES
 
@@ -29,21 +40,74 @@ def valid_inbox(token: object) -> bool:
     return isinstance(token, str) and bool(INBOX_RE.fullmatch(token))
 
 
+MAX_SHARDS = 64
+
+
+@lru_cache(maxsize=256)
+def shard_tags(namespace: str, shards: int) -> tuple[str, ...]:
+    """The hash tags of a fleet's shards (module docstring): the namespace itself, then ``<ns>:<k>`` with the
+    smallest ``k`` landing in each n-th of the slot space that the ones before left free."""
+    if shards == 1:
+        return (namespace,)
+    part = REDIS_CLUSTER_HASH_SLOTS / shards
+
+    def nth(tag: str) -> int:
+        return int(key_slot(tag.encode()) // part)
+
+    tags, taken, k = [namespace], {nth(namespace)}, 0
+    for want in (i for i in range(shards) if i not in taken):
+        while nth(f"{namespace}:{k}") != want:
+            k += 1
+        tags.append(f"{namespace}:{k}")
+        k += 1
+    return tuple(tags)
+
+
 @dataclass(frozen=True)
 class Keys:
-    """Key names under one namespace."""
+    """Key names under one namespace (of one shard of it: ``shard``, of ``shards``)."""
 
     namespace: str = DEFAULT_NAMESPACE
-    hashtag: bool = False  # a Redis Cluster fleet: every key under the tag {namespace}
+    hashtag: bool = False  # a Redis Cluster fleet: every key under the tag {namespace} (or its shard's tag)
+    shards: int = 1
+    shard: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not _NAMESPACE_RE.fullmatch(self.namespace):
             raise ValueError(f"invalid namespace {self.namespace!r}: use 1-64 chars of [A-Za-z0-9_.-]")
+        if not 1 <= self.shards <= MAX_SHARDS or not 0 <= self.shard < self.shards:
+            raise ValueError(f"invalid shard {self.shard} of {self.shards} (1-{MAX_SHARDS} shards)")
+        if self.shards > 1 and not self.hashtag:
+            raise ValueError("shards need a Redis Cluster (hash tags)")
 
     @property
     def prefix(self) -> str:
-        """What every key starts with (then ``:``): the namespace, as a hash tag on a cluster."""
-        return f"{{{self.namespace}}}" if self.hashtag else self.namespace
+        """What every key starts with (then ``:``): the namespace, as a hash tag (its shard's) on a cluster."""
+        return f"{{{shard_tags(self.namespace, self.shards)[self.shard]}}}" if self.hashtag else self.namespace
+
+    def of_shard(self, shard: int) -> Keys:
+        """The same fleet's keys on another shard."""
+        return replace(self, shard=shard)
+
+    def with_shards(self, shards: int) -> Keys:
+        """Shard 0 of this fleet laid out over ``shards`` shards (what the fleet description says)."""
+        return replace(self, shards=shards, shard=0)
+
+    @property
+    def every_shard(self) -> tuple[Keys, ...]:
+        return tuple(self.of_shard(s) for s in range(self.shards))
+
+    def shard_of(self, key: str) -> int | None:
+        """The shard a key of this fleet lives on (by its prefix), or None when it is not one of its keys."""
+        for s in range(self.shards):
+            if key.startswith(self.of_shard(s).prefix + ":"):
+                return s
+        return None
+
+    def home_shard(self, token: str) -> int:
+        """The shard of a client's inbox (and its cancel and done markers): fixed by its token, so a client
+        that reuses its token after a restart reads the same inbox."""
+        return zlib.crc32(token.encode()) % self.shards
 
     @property
     def group(self) -> str:
@@ -70,9 +134,13 @@ class Keys:
         return f"{self.prefix}:inbox:{token}"
 
     def inbox_token(self, reply_key: object) -> str | None:
-        """The token of a reply key of this namespace (``<ns>:inbox:<token>``), else None."""
-        prefix = f"{self.prefix}:inbox:"
-        if isinstance(reply_key, str) and reply_key.startswith(prefix) and valid_inbox(reply_key[len(prefix):]):
+        """The token of a reply key of this namespace (``<ns>:inbox:<token>``, on any of its shards), else
+        None."""
+        shard = self.shard_of(reply_key) if isinstance(reply_key, str) else None
+        if shard is None:
+            return None
+        prefix = f"{self.of_shard(shard).prefix}:inbox:"
+        if reply_key.startswith(prefix) and valid_inbox(reply_key[len(prefix):]):
             return reply_key[len(prefix):]
         return None
 

@@ -21,7 +21,8 @@ from prometheus_client.registry import Collector
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.errors import ConfigError
-from batchfleet.common.fleetstate import fleet_info, live_workers, queue_stats
+from batchfleet.common.fleetstate import fleet_info, layout, live_workers, queue_stats
+from batchfleet.common.keys import Keys
 from batchfleet.common.redis_conn import sync_client
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,8 @@ class QueueCollector(Collector):
     fleet publishes (none while no fleet is published).
     """
 
-    def __init__(self, conn: ConnectionConfig, buckets: Iterable[int] | None = None) -> None:
-        self.keys = conn.keys
+    def __init__(self, conn: ConnectionConfig, buckets: Iterable[int] | None = None, keys: Keys | None = None) -> None:
+        self.keys = keys or conn.keys  # with ``buckets``: the fleet's layout (a worker's ``WorkerConfig.keys``)
         self.buckets = tuple(buckets) if buckets is not None else None
         self.r = sync_client(conn.redis_url, socket_timeout=SCRAPE_TIMEOUT_S,  # a Sentinel URL too
                              socket_connect_timeout=SCRAPE_TIMEOUT_S, max_connections=2,
@@ -55,11 +56,12 @@ class QueueCollector(Collector):
                                 "bucket stream, on Redis' clock (0 when empty).", labels=["bucket", "class"])
         try:
             with self._lock:
-                buckets = self.buckets
+                buckets, keys = self.buckets, self.keys
                 if buckets is None:
                     info = fleet_info(self.r, self.keys)
                     buckets = info.buckets if info is not None else ()
-                stats = queue_stats(self.r, self.keys, buckets)
+                    keys = layout(keys, info)  # a sharded fleet: its queues summed over its shards
+                stats = queue_stats(self.r, keys, buckets)
                 live = len(live_workers(self.r, self.keys))
         except redis.RedisError as exc:  # Redis down: the scrape still answers, without queue gauges
             log.debug("queue gauges not read: %r", exc)
@@ -78,9 +80,10 @@ class QueueCollector(Collector):
         self.r.close()
 
 
-def queue_collector(conn_config: ConnectionConfig, buckets: Iterable[int] | None = None) -> QueueCollector:
+def queue_collector(conn_config: ConnectionConfig, buckets: Iterable[int] | None = None,
+                    keys: Keys | None = None) -> QueueCollector:
     """The fleet-wide queue gauges for ``conn_config``'s namespace (register it in a CollectorRegistry)."""
-    return QueueCollector(conn_config, buckets)
+    return QueueCollector(conn_config, buckets, keys)
 
 
 class MetricsPortInUse(ConfigError):

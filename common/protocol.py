@@ -207,6 +207,11 @@ def decode_reply(data: bytes) -> Result | Error | Delta:
     )
 
 
+def _shards(value: object) -> int:
+    """A fleet description's shard count; a missing or broken one reads as 1 (a fleet from before shards)."""
+    return value if isinstance(value, int) and 1 <= value <= 64 else 1
+
+
 @dataclass(frozen=True)
 class FleetInfo:
     """What workers publish so producers can tokenize and route without model files or torch."""
@@ -227,6 +232,7 @@ class FleetInfo:
     # the fleet may run with zero workers: the description is kept and producers enqueue without live workers
     scale_to_zero: bool = False
     pooling: str = "last"  # how workers pool embed requests' hidden states (--pooling): all must agree
+    shards: int = 1  # a Redis Cluster fleet's shard count (--shards, common/keys.py): producers follow it
 
     def encode(self) -> bytes:
         return pack({
@@ -236,7 +242,7 @@ class FleetInfo:
             "max_queue_len": self.max_queue_len, "batch_queue_len": self.batch_queue_len,
             "chat_template": self.chat_template,
             "bos_token": self.bos_token, "eos_token": self.eos_token, "fingerprint": self.fingerprint,
-            "scale_to_zero": self.scale_to_zero, "pooling": self.pooling,
+            "scale_to_zero": self.scale_to_zero, "pooling": self.pooling, "shards": self.shards,
         })
 
     @classmethod
@@ -250,5 +256,5 @@ class FleetInfo:
             chat_template=obj.get("chat_template") or "",
             bos_token=obj.get("bos_token") or "", eos_token=obj.get("eos_token") or "",
             fingerprint=obj.get("fingerprint") or "", scale_to_zero=obj.get("scale_to_zero") is True,
-            pooling=obj.get("pooling") or "last",
+            pooling=obj.get("pooling") or "last", shards=_shards(obj.get("shards")),
         )

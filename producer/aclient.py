@@ -10,6 +10,7 @@ bounded by what is left of it, connection errors are retried with capped backoff
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import secrets
@@ -39,6 +40,7 @@ from batchfleet.producer.core import (
 )
 from batchfleet.producer.inbox import Inbox, WaitExpired
 from batchfleet.producer.redis_calls import RedisCalls
+from batchfleet.producer.shards import ShardPicker
 from batchfleet.producer.stream import AsyncTokenStream
 
 log = logging.getLogger("producer")
@@ -68,8 +70,11 @@ class AsyncClient:
     def __init__(self, redis_url: str | None = None, namespace: str | None = None, retry_s: float = RETRY_S,
                  *, inbox: str | None = None, require_workers: bool = True, max_connections: int = 4) -> None:
         self.conn = connection_from_env(redis_url, namespace)
-        self.keys = self.conn.keys
+        # shard 0 of the fleet's layout (the fleet as a whole); ``home``: the shard of this client's inbox and
+        # of its jobs' cancel and done markers. Both follow the fleet description's shard count (common/keys.py)
+        self.keys = self.home = self.conn.keys
         token = inbox or secrets.token_urlsafe(24)
+        self._token = token
         if not valid_inbox(token):
             raise InvalidRequest("inbox must be 16-64 chars of [A-Za-z0-9_-]")
         if max_connections < 1:
@@ -88,6 +93,7 @@ class AsyncClient:
         self.inbox = Inbox(reader, self.r, self.keys.inbox(token), int(self.conn.socket_timeout_s * 500),
                            self.calls)
         self._fleet = FleetView()
+        self._shards = ShardPicker(self.r)
         self._live_seen = -math.inf  # time.monotonic() of the last enqueue that found a live worker
         self._checking = -math.inf  # time.monotonic() the last live-worker check was sent (one at a time)
         self._fleet_lock = asyncio.Lock()
@@ -119,7 +125,28 @@ class AsyncClient:
                     raw = await self.calls.io(lambda: self.r.get(self.keys.fleet), deadline, "fleet description")
                     if raw is not None or self.require_workers:
                         self._fleet.update(raw)
+                    self._follow_layout()
         return self._fleet.require(self.keys)
+
+    def _follow_layout(self) -> None:
+        """Take the fleet's shard count (its description): this client's inbox moves to its home shard, unless
+        the inbox is read already (then it stays where it is: a worker answers on any shard of the fleet)."""
+        info = self._fleet.info
+        if info is None or info.shards == self.keys.shards:
+            return
+        keys = self.keys.with_shards(info.shards)
+        home = keys.of_shard(keys.home_shard(self._token))
+        if not self.inbox.move(home.inbox(self._token)):
+            home = keys.of_shard(keys.shard_of(self.inbox.key) or 0)
+        self.keys, self.home = keys, home
+
+    async def learn_layout(self, deadline: Deadline) -> None:
+        """Before this client's inbox is first read: the fleet's layout, if a fleet description is there."""
+        if not self.inbox.started and self._fleet.info is None:
+            raw = await self.calls.io(lambda: self.r.get(self.keys.fleet), deadline, "fleet description")
+            if raw is not None:
+                self._fleet.update(raw)
+                self._follow_layout()
 
     async def submit(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
                      stream: bool = False, **params: Any) -> str:
@@ -132,6 +159,9 @@ class AsyncClient:
                       ask: Ask) -> Outgoing:
         fleet = await self._fleet_view(deadline)
         job = await self._build(fleet, prompt, ask, deadline.left(), job_id, stream)
+        shard = self.keys.of_shard(await self._shards.pick(self.keys, job.bucket, job.lane))
+        if shard.shard:
+            job = dataclasses.replace(job, stream=shard.stream(job.bucket, job.lane))
         self.inbox.expect(job.id, stream)
         # the live-worker check (TIME + ZCOUNT inside the function) is skipped while an enqueue of this
         # client found a live worker within LIVENESS_TRUST_S, or while another enqueue's check is on its way
@@ -144,7 +174,7 @@ class AsyncClient:
             self._checking = asked_at
         try:
             args = job.args(check, LIVE_WORKER_MS)
-            code = await self.calls.io(lambda: self.calls.function("enqueue", [job.stream, self.keys.workers], args),
+            code = await self.calls.io(lambda: self.calls.function("enqueue", [job.stream, shard.workers], args),
                                        deadline, f"enqueue of job {job.id}")
         except BaseException as exc:  # enqueued or not, nobody can tell: cancel it in case it was
             self._give_up_later(job.id, cancel=isinstance(exc, asyncio.CancelledError))
@@ -204,6 +234,7 @@ class AsyncClient:
         return await self._result(job_id, Deadline(timeout))
 
     async def _result(self, job_id: str, deadline: Deadline) -> Result:
+        await self.learn_layout(deadline)
         try:
             return await self.inbox.final(job_id, deadline)
         except WaitExpired:
@@ -263,7 +294,7 @@ class AsyncClient:
     async def cancel(self, job_id: str, timeout: float | None = 5.0) -> None:
         """Ask the fleet to stop a job this client submitted: a queued job is skipped, a running one leaves
         its batch at the next step (its KV blocks are freed); it is answered once with ``cancelled``."""
-        await self.calls.io(lambda: self.calls.function("cancel", [self.keys.cancel(job_id), self.keys.cancels],
+        await self.calls.io(lambda: self.calls.function("cancel", [self.home.cancel(job_id), self.home.cancels],
                                               [job_id, self.inbox.key, CANCEL_TTL_S, CANCELS_MAXLEN]),
                        Deadline(timeout), f"cancel of job {job_id}")
 

@@ -48,6 +48,7 @@ async def inbox_replies(client: AsyncClient) -> dict[str, str]:
     """job id -> entry id of every reply now in the client's inbox (read without consuming)."""
     found: dict[str, str] = {}
     last = "0-0"
+    await client.learn_layout(Deadline(None))  # a sharded fleet: the inbox is on the client's home shard
     while resp := await client.r.xread({client.reply_key: last}, count=1000):
         for entry_id, fields in resp[0][1]:
             last = entry_id.decode()
@@ -99,7 +100,7 @@ class _Run:
         if work.index in self.spec.fresh:  # its earlier answer was dropped: the fleet answered these ids
             return retagged(work.job_ids, self.spec.fresh[work.index])
         lost = [j for j in work.job_ids if j not in self.present] if self.fmt.check_answered else []
-        done_keys = [self.client.keys.done(j) for j in lost]
+        done_keys = [self.client.home.done(j) for j in lost]
         if not lost or not await self.client.calls.io(lambda: self.client.r.exists(*done_keys), Deadline(None),
                                                       "bulk: job ids"):
             return work.job_ids

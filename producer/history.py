@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from batchfleet.common.fleetstate import fleet_info, queue_stats, redis_now_ms, worker_stats
+from batchfleet.common.fleetstate import fleet_info, layout, queue_stats, redis_now_ms, worker_stats
 from batchfleet.common.keys import Keys
 from batchfleet.common.lanes import LANES
 
@@ -48,7 +48,7 @@ def take_sample(r: redis.Redis, keys: Keys) -> dict[str, float]:
         sample["ttft_ms"] = round(weighted / results, 1)
     for lane in LANES:
         sample[f"queued_{lane}"] = sample[f"running_{lane}"] = 0
-    for q in queue_stats(r, keys, buckets) if buckets else []:
+    for q in queue_stats(r, layout(keys, info), buckets) if buckets else []:
         sample[f"queued_{q.lane}"] += q.depth
         sample[f"running_{q.lane}"] += q.pending
     return sample

@@ -158,6 +158,18 @@ class Inbox:
         if self._deleting is None or self._deleting.done():
             self._deleting = asyncio.get_running_loop().create_task(self._delete())
 
+    @property
+    def started(self) -> bool:
+        return self._task is not None
+
+    def move(self, key: str) -> bool:
+        """Read ``key`` instead (the fleet's layout put this client's inbox on another shard); only before
+        the first read: False once reading has started."""
+        if self.started:
+            return False
+        self.key = key
+        return True
+
     def start(self) -> None:
         if not self._closing and (self._task is None or self._task.done()):
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"inbox {self.key}")

@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 
-from batchfleet.common.fleetstate import QueueStats, dead_letters, fleet_info, queue_stats, worker_stats
+from batchfleet.common.fleetstate import QueueStats, dead_letters, fleet_info, layout, queue_stats, worker_stats
 from batchfleet.common.functions import LIVE_WORKER_MS
 from batchfleet.common.keys import Keys
 from batchfleet.producer.batch_jobs import batch_jobs
@@ -32,11 +32,11 @@ def snapshot(r: redis.Redis, keys: Keys) -> dict[str, Any]:
     fleet = None if info is None else {"model": info.model, "buckets": list(info.buckets),
                                        "max_seq_len": info.max_seq_len, "max_batch_size": info.max_batch_size,
                                        "max_queue_len": info.max_queue_len, "batch_queue_len": info.batch_queue_len,
-                                       "scale_to_zero": info.scale_to_zero}
+                                       "scale_to_zero": info.scale_to_zero, "shards": info.shards}
     return {"namespace": keys.namespace, "fleet": fleet,
-            "queues": [_queue_row(q) for q in queue_stats(r, keys, buckets)],
+            "queues": [_queue_row(q) for q in queue_stats(r, layout(keys, info), buckets)],
             "workers": [_worker_row(w) for w in sorted(workers, key=lambda w: (not w["alive"], w["name"]))],
-            "dead_letters": dead_letters(r, keys)}
+            "dead_letters": dead_letters(r, layout(keys, info))}
 
 
 def work(r: redis.Redis, keys: Keys) -> dict[str, Any]:

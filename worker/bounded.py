@@ -87,16 +87,25 @@ class BoundedReader:
         out = [] if quiet and block_ms is not None and wanted else self.read_now(counts)
         if out or block_ms is None or not wanted:
             return out
-        # nothing there: wait; only an entry arriving during this wait is read whole (then cut down)
-        resp = self.r.xreadgroup(self.group, self.consumer, {s: ">" for s in wanted}, count=1, block=block_ms)
+        out = self.wait(counts, block_ms)
+        # what else arrived meanwhile is the next read's (through the script): a lone request starts one round
+        # trip sooner, and the next read is not blocking (the engine is busy then) or finds them at once
+        self._quiet = not out
+        return out
+
+    def wait(self, counts: dict[str, int], block_ms: int, r=None) -> list[Entry]:
+        """The blocking read alone: the first entry to arrive in a stream of a lane with room (``COUNT 1``
+        per stream), cut down at once; ``r``: the client to block on (default this reader's)."""
+        wanted = {s: ">" for s, _, lane in self.streams if counts.get(lane, 0) > 0}
+        if not wanted:
+            return []
+        # only an entry arriving during this wait is read whole (then cut down)
+        resp = (r or self.r).xreadgroup(self.group, self.consumer, wanted, count=1, block=block_ms)
         out = []
         for stream, entries in resp or []:
             bucket, lane = self._where(stream)
             out += [shrink(Entry(bucket, as_str(eid), fields or {}, lane=lane)) for eid, fields in entries]
         del resp  # the raw (maybe huge) entries go now, not at the end of the call
-        # what else arrived meanwhile is the next read's (through the script): a lone request starts one round
-        # trip sooner, and the next read is not blocking (the engine is busy then) or finds them at once
-        self._quiet = not out
         return out
 
     def read_now(self, counts: dict[str, int]) -> list[Entry]:

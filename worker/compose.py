@@ -20,12 +20,13 @@ from batchfleet.common.config import DynamicBatchingConfig, WorkerConfig
 from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.metrics import MetricsServer, reserve_metrics
 from batchfleet.common.protocol import FleetInfo
-from batchfleet.worker.consumer import StreamConsumer, default_consumer_name
+from batchfleet.worker.consumer import default_consumer_name
 from batchfleet.worker.engine.base import Engine
 from batchfleet.worker.engine.models import LoadedModel, load_model, make_preset
 from batchfleet.worker.fleet import with_fingerprint
 from batchfleet.worker.loop import WorkerLoop
 from batchfleet.worker.metrics import LoopStats, WorkerMetrics
+from batchfleet.worker.sharded import redis_transport
 from batchfleet.worker.transport import Transport
 from batchfleet.worker.validate import Limits
 
@@ -60,6 +61,7 @@ def fleet_info(cfg: WorkerConfig, loaded: LoadedModel) -> FleetInfo:
         batch_queue_len=cfg.batch_queue_len,
         chat_template=chat_template_of(loaded.tokenizer), bos_token=loaded.tokenizer.bos_token or "",
         eos_token=loaded.tokenizer.eos_token or "", scale_to_zero=cfg.scale_to_zero, pooling=cfg.engine.pooling,
+        shards=cfg.shards,
     )
 
 
@@ -106,8 +108,8 @@ def _build(cfg: WorkerConfig, transport: Transport | None, loaded: LoadedModel |
     if wrap_engine is not None:
         engine = wrap_engine(engine)
     if transport is None:
-        transport = StreamConsumer(cfg.connection, cfg.batching.buckets, cfg.name or default_consumer_name(),
-                                    cfg.reply_ttl_s)
+        transport = redis_transport(cfg.connection, cfg.keys, cfg.batching.buckets,
+                                    cfg.name or default_consumer_name(), cfg.reply_ttl_s)
     transport.setup()
     try:  # refuses (FleetConflict) when live workers serve another model, tokenizer or buckets
         transport.publish_fleet(with_fingerprint(fleet_info(cfg, loaded)), replace=cfg.replace_fleet)

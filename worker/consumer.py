@@ -67,16 +67,19 @@ def default_consumer_name() -> str:
 class StreamConsumer(Transport):
     """Owns the worker's Redis connection and every command it sends (see ``Transport`` for each method)."""
 
-    def __init__(self, conn: ConnectionConfig, buckets: tuple[int, ...], name: str, reply_ttl_s: int) -> None:
+    def __init__(self, conn: ConnectionConfig, buckets: tuple[int, ...], name: str, reply_ttl_s: int,
+                 keys: Keys | None = None, r: redis.Redis | None = None) -> None:
+        """``keys``: one shard's (worker/sharded.py), default the namespace's; ``r``: a client to share (the
+        shards' consumers share one cluster client), default a new one."""
         self.conn = conn
-        self.keys: Keys = conn.keys
+        self.keys: Keys = keys or conn.keys
         self.buckets = buckets
         self.name = name
         self.reply_ttl_s = reply_ttl_s
-        self.r = connect(conn)
+        self.r = r if r is not None else connect(conn)
         scripts = WorkerScripts(self.r)  # registered once for this connection, shared by every part
         self.presence = Presence(self.r, scripts, self.keys, name)
-        self.settler = Settler(self.r, scripts, conn, name, reply_ttl_s)
+        self.settler = Settler(self.r, scripts, self.keys, conn.wait_replicas, name, reply_ttl_s)
         self._scripts = scripts
         self.cancel_watch = CancelWatch(self.r, scripts, self.keys)
         self.pel = PendingList(self.r, scripts, self.keys, name, buckets)
@@ -267,8 +270,9 @@ class StreamConsumer(Transport):
         except ValueError:
             return 0
 
-    def close(self) -> None:
-        """Drop the heartbeat and, when nothing is pending on us any more, our consumer names."""
+    def close(self, disconnect: bool = True) -> None:
+        """Drop the heartbeat and, when nothing is pending on us any more, our consumer names; then
+        disconnect, unless the client is shared (``disconnect=False``: the sharded consumer's parts)."""
         try:
             self.r.delete(self.keys.worker(self.name))
             if self.presence.leave():  # the last live worker: producers now get NoWorkers
@@ -278,5 +282,6 @@ class StreamConsumer(Transport):
                     self.r.xgroup_delconsumer(stream, self.keys.group, self.name)  # would drop its PEL: empty
         except redis.RedisError:
             pass
-        self.r.close()
+        if disconnect:
+            self.r.close()
 

@@ -34,12 +34,14 @@ class FleetConflict(RuntimeError):
 
 def fingerprint(info: FleetInfo) -> str:
     """Hash of everything every worker of a fleet must agree on: model name, tokenizer, chat template and
-    special tokens, buckets, vocabulary size, max_seq_len, EOS ids, embeddings' pooling. Tuning that may
+    special tokens, buckets, vocabulary size, max_seq_len, EOS ids, embeddings' pooling, shards. Tuning that may
     differ per worker (max_batch_size, queue limit) is left out."""
     what = [info.model, info.tokenizer_json, list(info.buckets), info.vocab_size, info.max_seq_len,
             sorted(info.eos_token_ids), info.chat_template, info.bos_token, info.eos_token]
     if info.pooling != "last":  # the default leaves a fleet's fingerprint as it was before embeddings
         what.append(info.pooling)
+    if info.shards != 1:  # workers of one fleet read the same shards (else some streams go unread)
+        what.append(["shards", info.shards])
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 

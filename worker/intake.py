@@ -185,8 +185,7 @@ class Intake:
             if v.fault:
                 faults.append(v)
             else:
-                rejected.append(Reply(job, Error(job, INVALID_REQUEST, v.error), v.acc.entry.bucket,
-                                      v.acc.entry.entry_id, v.acc.reply_key, v.acc.entry.lane))
+                rejected.append(Reply.to(v.acc.entry, job, Error(job, INVALID_REQUEST, v.error), v.acc.reply_key))
         if rejected:
             self.send(rejected)
         for v in faults:
@@ -197,7 +196,7 @@ class Intake:
         if rej.error is None:  # no usable id: nobody to answer
             self.give_up(rej.entry, rej.reason)
             return
-        self.send([Reply(rej.error.id, rej.error, rej.entry.bucket, rej.entry.entry_id, rej.reply_key, rej.entry.lane)])
+        self.send([Reply.to(rej.entry, rej.error.id, rej.error, rej.reply_key)])
 
     # ---- endings ---------------------------------------------------------------------------------
     def give_up(self, entry: Entry, reason: str) -> None:
@@ -205,8 +204,7 @@ class Intake:
         job_id, reply_key = job_id_of(entry), reply_key_of(entry, self.transport.keys)
         reply = None
         if job_id is not None and reply_key is not None:
-            reply = Reply(job_id, Error(job_id, WORKER_FAILED, reason), entry.bucket, entry.entry_id, reply_key,
-                          entry.lane)
+            reply = Reply.to(entry, job_id, Error(job_id, WORKER_FAILED, reason), reply_key)
         log.warning("giving up on entry %s (job %s): %s", entry.entry_id, job_id, reason,
                     extra={"job": job_id, "bucket": entry.bucket})
         self.ledger.dead_lettered()

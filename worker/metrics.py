@@ -103,7 +103,7 @@ class WorkerMetrics(LoopStats):
         ``server``: an empty registry already served (the port is bound before the model loads)."""
         super().__init__(loop.ledger)
         self.loop = loop
-        self.queues = queue_collector(loop.cfg.connection, loop.cfg.batching.buckets)
+        self.queues = queue_collector(loop.cfg.connection, loop.cfg.batching.buckets, loop.cfg.keys)
         self.registry: CollectorRegistry = registry_with(self.queues, _LoopCollector(self), registry=registry)
         # by class: "bulk work does not slow interactive work" is read per class, never from a mix
         self.ttft = Histogram("batchfleet_time_to_first_token_seconds", "From enqueue to the first generated token.",

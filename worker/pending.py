@@ -5,6 +5,7 @@ renewing and releasing leases, pruning dead consumer names. ``PendingList`` is a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -95,7 +96,7 @@ class PendingList:
         counts = []
         for rows in pipe.execute():
             counts.append(int(rows[0]["times_delivered"]) if rows else 1)
-        return [Entry(e.bucket, e.entry_id, e.fields, n, e.oversize, e.lane) for e, n in zip(entries, counts)]
+        return [dataclasses.replace(e, deliveries=n) for e, n in zip(entries, counts)]
 
     def release(self, entries: list[Entry], idle_ms: int, count_delivery: bool = True) -> None:
         """Leave entries pending but make them look ``idle_ms`` idle, so the next reclaim (any worker's)

@@ -18,8 +18,7 @@ ENGINE_EXTRA = ("cached_tokens", "preemptions")
 
 def error_reply(acc: Accepted, code: str, message: str) -> Reply:
     """The final error reply to a held request (it settles the request's entry)."""
-    return Reply(acc.gen.id, Error(acc.gen.id, code, message), acc.entry.bucket, acc.entry.entry_id, acc.reply_key,
-                 acc.entry.lane)
+    return Reply.to(acc.entry, acc.gen.id, Error(acc.gen.id, code, message), acc.reply_key)
 
 
 def completion_reply(c: Completion, acc: Accepted, now: float, worker: str) -> Reply:
@@ -27,8 +26,7 @@ def completion_reply(c: Completion, acc: Accepted, now: float, worker: str) -> R
     clock), or an Error with the engine's code (``engine_error``, ``guide_failed``) when it could not serve
     it. ``Result.extra``: the request's ``bucket``, its prompt tokens the prefix cache supplied
     (``cached_tokens``) and its ``preemptions``, plus whatever else the engine reported."""
-    return Reply(c.id, _completion_message(c, acc, now, worker), acc.entry.bucket, acc.entry.entry_id,
-                 acc.reply_key, acc.entry.lane)
+    return Reply.to(acc.entry, c.id, _completion_message(c, acc, now, worker), acc.reply_key)
 
 
 def _completion_message(c: Completion, acc: Accepted, now: float, worker: str) -> Result | Error:

@@ -232,4 +232,4 @@ class RequestTable:
     def _publish(self) -> None:
         """Replace the lease snapshot (one attribute store: atomic for the reading thread)."""
         held = tuple(acc.entry for stage in _HELD for acc in self._held[stage].values())
-        self.snapshot = held + tuple(Entry(rep.bucket, rep.entry_id, {}, lane=rep.lane) for rep in self._outbox)
+        self.snapshot = held + tuple(rep.settles for rep in self._outbox)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import redis
 
-from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.keys import Keys
 from batchfleet.common.redis_conn import WAIT_TIMEOUT_MS, require_replicas, same_node
 from batchfleet.worker.scripts import REPLIES_PER_CALL, WorkerScripts
 from batchfleet.worker.transport import Entry, Reply
@@ -23,12 +23,12 @@ _DEAD_FIELDS = {b"reason", b"bucket", b"worker", b"entry_id", b"deliveries"}
 class Settler:
     """The reply, dead-letter, ack and hand-back writes of one worker (``name``)."""
 
-    def __init__(self, r: redis.Redis, scripts: WorkerScripts, conn: ConnectionConfig, name: str,
+    def __init__(self, r: redis.Redis, scripts: WorkerScripts, keys: Keys, wait_replicas: int, name: str,
                  reply_ttl_s: int) -> None:
         self.r = r
         self.scripts = scripts
-        self.conn = conn
-        self.keys = conn.keys
+        self.keys = keys  # one shard's: every key a call touches is on it (worker/sharded.py splits the rest)
+        self.wait_replicas = wait_replicas
         self.name = name
         self.reply_ttl_s = reply_ttl_s
 
@@ -37,7 +37,7 @@ class Settler:
         replies); returns which were first writes."""
         if not replies:
             return []
-        wanted = self.conn.wait_replicas
+        wanted = self.wait_replicas
         if not wanted and len(replies) <= REPLIES_PER_CALL:  # one EVALSHA (a pipeline adds a SCRIPT EXISTS)
             return [bool(x) for x in self.scripts.replies(**self._replies_call(replies))]
         pipe = self.r.pipeline(transaction=False)
@@ -58,7 +58,8 @@ class Settler:
         args: list = [self.keys.group, self.reply_ttl_s, len(replies)]
         for rep in replies:
             keys += [self.keys.done(rep.job_id), rep.reply_key]
-            where = streams.setdefault(self.keys.stream(rep.bucket, rep.lane), len(streams) + 1)
+            # no entry id: a reply whose entry is settled elsewhere (on another shard, worker/sharded.py)
+            where = streams.setdefault(self.keys.stream(rep.bucket, rep.lane), len(streams) + 1) if rep.entry_id else 0
             args += [rep.entry_id, rep.encode(), rep.job_id, where]
         return {"keys": keys + list(streams), "args": args}
 
@@ -96,6 +97,18 @@ class Settler:
         pipe = self.r.pipeline(transaction=True)
         pipe.xack(stream, self.keys.group, entry.entry_id)
         pipe.xdel(stream, entry.entry_id)
+        pipe.execute()
+
+    def ack_all(self, entries: list[Entry]) -> None:
+        """Acknowledge and delete entries whose replies were written on another shard (worker/sharded.py):
+        one XACK + XDEL per stream."""
+        by_stream: dict[str, list[str]] = {}
+        for e in entries:
+            by_stream.setdefault(self.keys.stream(e.bucket, e.lane), []).append(e.entry_id)
+        pipe = self.r.pipeline(transaction=True)
+        for stream, ids in by_stream.items():
+            pipe.xack(stream, self.keys.group, *ids)
+            pipe.xdel(stream, *ids)
         pipe.execute()
 
     def hand_back(self, entries: list[Entry]) -> None:

@@ -38,11 +38,12 @@ class Entry:
     oversize: int = 0  # the entry's real size in bytes when it was too large to hold and ``fields`` were cut
     # short (worker/bounded.py): it can only be answered or dead-lettered; 0 = ``fields`` are whole
     lane: str = INTERACTIVE  # the priority class of its stream (common/lanes.py)
+    shard: int = 0  # the shard of its stream (a sharded cluster fleet, worker/sharded.py)
 
     @property
-    def where(self) -> tuple[int, str, str]:
-        """(bucket, lane, entry id): unique per worker (an entry id is unique per stream only)."""
-        return self.bucket, self.lane, self.entry_id
+    def where(self) -> tuple[int, str, str, int]:
+        """(bucket, lane, entry id, shard): unique per worker (an entry id is unique per stream only)."""
+        return self.bucket, self.lane, self.entry_id, self.shard
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,18 @@ class Reply:
     bucket: int  # the stream the answered entry sits in
     entry_id: str  # settled (acked and deleted) by the same write that stores the reply
     reply_key: str  # the submitting client's inbox stream
-    lane: str = INTERACTIVE  # with ``bucket``: the stream the answered entry sits in
+    lane: str = INTERACTIVE  # with ``bucket`` and ``shard``: the stream the answered entry sits in
+    shard: int = 0
+
+    @classmethod
+    def to(cls, entry: Entry, job_id: str, message: Result | Error, reply_key: str) -> Reply:
+        """The reply that answers ``job_id`` and settles ``entry``."""
+        return cls(job_id, message, entry.bucket, entry.entry_id, reply_key, entry.lane, entry.shard)
+
+    @property
+    def settles(self) -> Entry:
+        """The entry this reply settles (its place only: no fields)."""
+        return Entry(self.bucket, self.entry_id, {}, lane=self.lane, shard=self.shard)
 
     def encode(self) -> bytes:
         """The wire bytes; an answer that cannot be encoded (e.g. text with a lone surrogate) becomes an

@@ -1,0 +1,57 @@
+"""Which shard of a sharded cluster fleet (common/keys.py) a producer sends a request to: by backlog.
+
+The backlog of a shard for one bucket and class is its stream's length (a worker deletes an entry when it
+answers it, so the length counts what is queued, held and running there), sampled with one ``XLEN`` per
+shard at most every ``SAMPLE_S`` per stream, plus what this producer sent there since the sample. The
+request goes to the smallest; ties go round the shards. No call at all on a fleet of one shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from batchfleet.common.keys import Keys
+
+SAMPLE_S = 0.5
+
+
+class ShardPicker:
+    """Per (bucket, class) stream: the last sampled lengths and what was sent since (owned by one event loop)."""
+
+    def __init__(self, r) -> None:
+        self.r = r
+        self._seen: dict[tuple[int, str], tuple[float, list[int]]] = {}  # -> (sampled at, length + sent since)
+        self._turn = 0
+        self._lock = asyncio.Lock()
+
+    async def pick(self, keys: Keys, bucket: int, lane: str) -> int:
+        """The shard for one request of ``bucket`` and class ``lane``."""
+        if keys.shards == 1:
+            return 0
+        where = (bucket, lane)
+        seen = self._seen.get(where)
+        if seen is None or len(seen[1]) != keys.shards or time.monotonic() - seen[0] > SAMPLE_S:
+            async with self._lock:
+                seen = self._seen.get(where)
+                if seen is None or len(seen[1]) != keys.shards or time.monotonic() - seen[0] > SAMPLE_S:
+                    seen = (time.monotonic(), await self._sample(keys, bucket, lane))
+                    self._seen[where] = seen
+        backlog = seen[1]
+        low = min(backlog)
+        ties = [s for s, n in enumerate(backlog) if n == low]
+        self._turn += 1
+        shard = ties[self._turn % len(ties)]
+        backlog[shard] += 1
+        return shard
+
+    async def _sample(self, keys: Keys, bucket: int, lane: str) -> list[int]:
+        """Each shard's stream length (one pipeline: the cluster client sends one batch per master); a shard
+        that could not be read counts as empty only if every one failed, else as the longest."""
+        pipe = self.r.pipeline(transaction=False)
+        for k in keys.every_shard:
+            pipe.xlen(k.stream(bucket, lane))
+        got = await pipe.execute(raise_on_error=False)
+        lengths = [n if isinstance(n, int) else None for n in got]
+        worst = max((n for n in lengths if n is not None), default=0)
+        return [worst if n is None else n for n in lengths]

@@ -1,0 +1,116 @@
+"""A fleet sharded over the masters of a real local Redis Cluster (``--shards 3``, common/keys.py): each
+shard's keys on its own master, requests spread over them by backlog, and the single-tag fleet's guarantees
+held across shards: answers, streaming, cancel, status, a worker killed -9."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.redis_conn import sync_client
+from batchfleet.producer import Cancelled, Client
+from batchfleet.producer.status import snapshot
+from batchfleet.worker.devtools import spawn_worker
+from tests.helpers.loops import wait_until
+
+pytestmark = pytest.mark.integration
+SHARDS = 3
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    """This module's fleets run on a private 3-master cluster (it overrides the suite's Redis)."""
+    from tests.helpers.cluster import PrivateCluster
+
+    cluster = PrivateCluster(masters=3).start()
+    yield cluster.url
+    cluster.stop()
+
+
+def _layout(url: str, namespace: str):
+    return ConnectionConfig(url, namespace).keys.with_shards(SHARDS)
+
+
+def test_each_shard_of_a_fleet_lives_on_its_own_master(redis_url, namespace):
+    keys = _layout(redis_url, namespace)
+    r = sync_client(redis_url)
+    try:
+        nodes = {r.get_node_from_key(k.workers).name for k in keys.every_shard}
+    finally:
+        r.close()
+    assert len(nodes) == SHARDS
+    assert keys.prefix == f"{{{namespace}}}"  # shard 0 is the single-tag fleet's own tag
+
+
+def test_a_sharded_fleet_answers_streams_and_cancels_over_every_shard(redis_url, namespace, start_worker):
+    start_worker(max_wait_ms=10, max_batch_size=8, shards=SHARDS)
+    keys = _layout(redis_url, namespace)
+    r = sync_client(redis_url)
+    with Client(redis_url, namespace) as client, Client(redis_url, namespace) as other:
+        results = client.generate_many([[10 + i, 11, 12] for i in range(24)], max_new_tokens=6, timeout=60)
+        assert [len(x.token_ids) for x in results] == [6] * 24
+        assert "".join(d.text for d in client.stream([5, 6, 7], max_new_tokens=5, timeout=60)) == \
+            other.generate([5, 6, 7], max_new_tokens=5, timeout=60).text
+        job = f"cancelled-{namespace}"
+        client.cancel(job)
+        client.submit([9, 9, 9], max_new_tokens=400, timeout=60, job_id=job)
+        with pytest.raises(Cancelled):
+            client.result(job, timeout=60)
+        assert client.reply_key.startswith(keys.of_shard(keys.home_shard(client.reply_key.rsplit(":", 1)[1])).prefix)
+    batches = [f for _, f in r.xrange(keys.batches)]
+    r.close()
+    assert batches, "no batch record on shard 0"
+    # every shard served requests: the producer spread them by backlog
+    snap = snapshot(sync_client(redis_url), ConnectionConfig(redis_url, namespace).keys)
+    assert snap["fleet"]["shards"] == SHARDS and all(q["length"] == 0 for q in snap["queues"])
+
+
+def test_requests_spread_over_the_shards_and_status_sums_them(redis_url, namespace, start_worker):
+    """With no worker live (a fleet that scales to zero), the backlog stays where producers put it: spread
+    over the shards, and ``status`` sums it; a worker started later answers every shard's requests."""
+    keys = _layout(redis_url, namespace)
+    config = {"max_wait_ms": 10, "max_batch_size": 8, "shards": SHARDS, "scale_to_zero": True}
+    w = start_worker(**config)
+    with Client(redis_url, namespace) as client:
+        client.generate([1, 2, 3], max_new_tokens=2, timeout=60)
+        w.stop()
+        jobs = [client.submit([10 + i, 11], max_new_tokens=4, timeout=120) for i in range(30)]
+        r = sync_client(redis_url)
+        try:
+            lengths = [r.xlen(k.stream(32)) for k in keys.every_shard]
+            snap = snapshot(r, ConnectionConfig(redis_url, namespace).keys)
+        finally:
+            r.close()
+        assert sum(lengths) == 30 and min(lengths) >= 8, lengths
+        queued = [q for q in snap["queues"] if q["bucket"] == 32 and q["class"] == "interactive"]
+        assert queued[0]["length"] == 30 and queued[0]["depth"] == 30
+        start_worker(**config)
+        assert all(len(client.result(j, timeout=120).token_ids) == 4 for j in jobs)
+
+
+def test_a_worker_killed_on_a_sharded_fleet_loses_nothing(redis_url, namespace, tmp_path):
+    args = ["--buckets", "32,64", "--max-seq-len", "256", "--dtype", "float32", "--max-batch-size", "8",
+            "--max-wait-ms", "50", "--claim-idle-ms", "1000", "--threads", "1", "--shards", str(SHARDS)]
+    a = spawn_worker(redis_url, namespace, args, name=f"a-{namespace}", log_path=str(tmp_path / "a.log"))
+    b = spawn_worker(redis_url, namespace, args, name=f"b-{namespace}", log_path=str(tmp_path / "b.log"))
+    keys = _layout(redis_url, namespace)
+    r = sync_client(redis_url)
+    try:
+        with Client(redis_url, namespace) as client, ThreadPoolExecutor(8) as pool:
+            jobs = [client.submit([10 + i % 50, 11, 12], max_new_tokens=48, timeout=120) for i in range(32)]
+            futures = [pool.submit(client.result, j, 120) for j in jobs]
+            wait_until(lambda: any(f[b"worker"] == a.name.encode() for _, f in r.xrange(keys.batches)), 60,
+                       "a batch on worker a")
+            a.kill()
+            results = [f.result() for f in futures]
+            home = keys.of_shard(keys.shard_of(client.reply_key))
+        assert [len(x.token_ids) for x in results] == [48] * 32
+        assert all(r.exists(home.done(j)) for j in jobs)
+        assert sum(r.xlen(k.stream(32)) + r.xlen(k.stream(64)) for k in keys.every_shard) == 0
+    finally:
+        a.kill()
+        b.kill()
+        r.close()

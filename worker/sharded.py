@@ -1,0 +1,266 @@
+"""The ``Transport`` of a worker of a sharded Redis Cluster fleet (``--shards`` > 1, common/keys.py): one
+``StreamConsumer`` per shard, all on one cluster client, behind one transport.
+
+Each shard is a whole set of request streams, inboxes and markers under one hash tag, so every script still
+touches one slot. Entries carry their shard (``Entry.shard``); whatever settles an entry goes to its shard.
+A client's inbox, cancel and done markers live on its home shard (``Keys.home_shard``), which need not be
+the shard its request was queued on: such a reply is written on the home shard first (first writer wins,
+by the ``done`` marker there) and its entry acked on its own shard after. A worker killed between the two
+leaves the entry pending: it is redelivered, re-run, its answer found written already (not written
+twice), and only then acked. Dead letters stay on the entry's shard.
+
+Reading: a sweep asks one shard after the other (starting after the last that had entries, so none starves)
+without blocking. Nothing there: one waiter thread per shard blocks on that shard's streams (a blocking
+command holds its thread, and each shard lives on its own master) and hands what arrives to the loop's
+thread through a queue; the loop's wait on that queue ends at its own deadline, to the millisecond.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+import redis
+
+from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.keys import Keys
+from batchfleet.common.lanes import LANES
+from batchfleet.common.protocol import FleetInfo
+from batchfleet.common.retry import TRANSIENT
+from batchfleet.worker.consumer import StreamConsumer, connect
+from batchfleet.worker.refused import refused as _refused
+from batchfleet.worker.transport import Cancel, Entry, Reply, Transport
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T", Entry, Reply)
+RETRY_S = 0.5  # a waiter's pause after a failed blocking read (the loop's own reads report the outage)
+
+
+def redis_transport(conn: ConnectionConfig, keys: Keys, buckets: tuple[int, ...], name: str,
+                    reply_ttl_s: int) -> Transport:
+    """The worker's Redis transport for the fleet layout ``keys`` (shard 0 of it)."""
+    if keys.shards == 1:
+        return StreamConsumer(conn, buckets, name, reply_ttl_s, keys=keys)
+    return ShardedConsumer(conn, keys, buckets, name, reply_ttl_s)
+
+
+class _Waiter(threading.Thread):
+    """Blocks on one shard's streams while the loop waits (``waiting``) and queues what arrives."""
+
+    def __init__(self, part: StreamConsumer, shard: int, owner: ShardedConsumer) -> None:
+        super().__init__(name=f"shard-waiter-{shard}", daemon=True)
+        self.part, self.shard, self.owner = part, shard, owner
+        self.r = connect(part.conn)  # a blocking read holds its connection: one of its own
+
+    def run(self) -> None:
+        owner = self.owner
+        while True:
+            owner.waiting.wait()
+            if owner.stopping:
+                break
+            try:
+                got = self.part.reader.wait(owner.counts, self.part.max_block_ms, r=self.r)
+            except (*TRANSIENT, redis.RedisError) as exc:
+                log.debug("shard %d: blocking read failed: %r", self.shard, exc)
+                owner.stopped.wait(RETRY_S)
+                continue
+            if got:
+                owner.arrived.put([dataclasses.replace(e, shard=self.shard) for e in got])
+        self.r.close()
+
+
+class ShardedConsumer(Transport):
+    """One ``StreamConsumer`` per shard behind the ``Transport`` interface (module docstring)."""
+
+    def __init__(self, conn: ConnectionConfig, keys: Keys, buckets: tuple[int, ...], name: str,
+                 reply_ttl_s: int) -> None:
+        self.keys = keys  # shard 0: every key of the fleet as a whole lives there
+        self.name = name
+        r = connect(conn)
+        self.parts = [StreamConsumer(conn, buckets, name, reply_ttl_s, keys=k, r=r) for k in keys.every_shard]
+        self.max_block_ms = self.parts[0].max_block_ms
+        self._next = 0  # the shard the next sweep starts with
+        # the waiters' side: owned by the loop's thread except ``arrived`` (a thread-safe queue)
+        self.arrived: queue.SimpleQueue[list[Entry]] = queue.SimpleQueue()
+        self.waiting = threading.Event()  # set while the loop waits for entries
+        self.stopped = threading.Event()
+        self.stopping = False
+        self.counts: dict[str, int] = dict.fromkeys(LANES, 1)
+        self._waiters = [_Waiter(p, s, self) for s, p in enumerate(self.parts)]
+
+    def _each(self, call: Callable[[StreamConsumer], object]) -> None:
+        for part in self.parts:
+            call(part)
+
+    def _by_shard(self, items: Iterable[T]) -> dict[int, list[T]]:
+        out: dict[int, list[T]] = {}
+        for item in items:
+            out.setdefault(item.shard, []).append(item)
+        return out
+
+    # ---- joining -------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        self._each(StreamConsumer.setup)
+        for w in self._waiters:
+            if not w.is_alive() and not self.stopping:
+                w.start()
+
+    def publish_fleet(self, info: FleetInfo, replace: bool = False) -> None:
+        self._each(lambda p: p.publish_fleet(info, replace))
+
+    def recover(self) -> None:
+        self._each(StreamConsumer.recover)
+
+    def heartbeat(self, status: dict) -> None:
+        self._each(lambda p: p.heartbeat(status))
+
+    def alive(self) -> None:
+        self._each(StreamConsumer.alive)
+
+    def clock_offset(self) -> float:
+        return self.parts[0].clock_offset()
+
+    def live_peers(self) -> int:
+        return self.parts[0].live_peers()
+
+    def ping(self) -> None:
+        self.parts[0].ping()
+
+    # ---- reading -------------------------------------------------------------------------------------
+    @_refused
+    def read(self, count: int | dict[str, int], block_ms: int | None, exact: bool = True) -> list[Entry]:
+        """What the waiters queued, else one sweep over the shards, else (``block_ms``) wait for a waiter
+        to queue something (``exact`` needs no polling here: the wait is on a local queue)."""
+        counts = dict.fromkeys(LANES, count) if isinstance(count, int) else count
+        out = self._arrived() or self._sweep(counts)
+        if out or block_ms is None or not any(counts.values()):
+            return out
+        self.counts = counts
+        self.waiting.set()
+        try:
+            first = self.arrived.get(timeout=max(1, min(int(block_ms), self.max_block_ms)) / 1000)
+        except queue.Empty:
+            return []
+        finally:
+            self.waiting.clear()
+        return first + self._arrived()
+
+    def _arrived(self) -> list[Entry]:
+        out: list[Entry] = []
+        while True:
+            try:
+                out += self.arrived.get_nowait()
+            except queue.Empty:
+                return out
+
+    def _sweep(self, counts: dict[str, int]) -> list[Entry]:
+        n = len(self.parts)
+        for i in range(n):
+            shard = (self._next + i) % n
+            got = self.parts[shard].read(counts, None)
+            if got:
+                self._next = (shard + 1) % n
+                return [dataclasses.replace(e, shard=shard) for e in got]
+        return []
+
+    @_refused
+    def reclaim(self, min_idle_ms: int, budget: int) -> list[Entry]:
+        out: list[Entry] = []
+        for shard, part in enumerate(self.parts):
+            if budget - len(out) <= 0:
+                break
+            out += [dataclasses.replace(e, shard=shard) for e in part.reclaim(min_idle_ms, budget - len(out))]
+        return out
+
+    def cancels(self, waiting: bool = False) -> list[Cancel]:
+        return [c for part in self.parts for c in part.cancels(waiting)]
+
+    def marks(self, job_ids: list[str]) -> list[tuple[str | None, bool]]:
+        """A job's markers are on its client's home shard, which its id does not tell: every shard is asked
+        (one ``EXISTS`` each when none is set) and the answers merged."""
+        out: list[tuple[str | None, bool]] = [(None, False)] * len(job_ids)
+        for part in self.parts:
+            out = [(c or c2, d or d2) for (c, d), (c2, d2) in zip(out, part.marks(job_ids))]
+        return out
+
+    def flush_requested(self) -> bool:
+        return self.parts[0].flush_requested()
+
+    # ---- settling ------------------------------------------------------------------------------------
+    @_refused
+    def write_replies(self, replies: list[Reply]) -> list[bool]:
+        """Replies on their entries' shard where the inbox is there too (one script call settles both); the
+        others on their inbox's shard first, their entries acked on their own shard after."""
+        first = [False] * len(replies)
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for i, rep in enumerate(replies):
+            home = self._home(rep)
+            groups.setdefault((home, home != rep.shard), []).append(i)
+        for (home, moved), idx in groups.items():
+            batch = [dataclasses.replace(replies[i], entry_id="") if moved else replies[i] for i in idx]
+            for i, ok in zip(idx, self.parts[home].write_replies(batch)):
+                first[i] = ok
+        for shard, entries in self._by_shard(r.settles for (_, moved), idx in groups.items() if moved
+                                             for r in (replies[i] for i in idx)).items():
+            self.parts[shard].settler.ack_all(entries)
+        return first
+
+    def _home(self, rep: Reply) -> int:
+        home = self.keys.shard_of(rep.reply_key)
+        return rep.shard if home is None else home
+
+    def write_deltas(self, deltas: list[tuple[str, str, bytes]]) -> None:
+        self.parts[0].write_deltas(deltas)  # plain XADDs: the cluster client sends each to its key's master
+
+    @_refused
+    def give_up(self, entry: Entry, reason: str, reply: Reply | None) -> None:
+        if reply is not None and self._home(reply) != entry.shard:
+            self.parts[self._home(reply)].write_replies([dataclasses.replace(reply, entry_id="")])
+            reply = None
+        self.parts[entry.shard].give_up(entry, reason, reply)
+
+    def ack(self, entry: Entry) -> None:
+        self.parts[entry.shard].ack(entry)
+
+    def hand_back(self, entries: list[Entry]) -> None:
+        for shard, mine in self._by_shard(entries).items():
+            self.parts[shard].hand_back(mine)
+
+    def release(self, entries: list[Entry], idle_ms: int, count_delivery: bool = True) -> None:
+        for shard, mine in self._by_shard(entries).items():
+            self.parts[shard].release(mine, idle_ms, count_delivery)
+
+    def refresh(self, entries: list[Entry], min_idle_ms: int) -> None:
+        for shard, mine in self._by_shard(entries).items():
+            self.parts[shard].refresh(mine, min_idle_ms)
+
+    def prune_consumers(self, min_idle_ms: int) -> int:
+        return sum(part.prune_consumers(min_idle_ms) for part in self.parts)
+
+    def log_batch(self, record: dict) -> None:
+        self.parts[0].log_batch(record)
+
+    def close(self) -> None:
+        """Stop the waiters (each within one blocking read), hand back what they read that the loop never
+        took, then leave every shard. A second call does nothing."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self.stopped.set()
+        self.waiting.set()
+        for w in self._waiters:
+            if w.is_alive():
+                w.join(timeout=self.max_block_ms / 1000 + 1)
+        left = self._arrived()
+        if left:
+            try:
+                self.hand_back(left)
+            except (*TRANSIENT, redis.RedisError) as exc:  # their leases lapse: another worker reclaims them
+                log.warning("could not hand back %d entries: %r", len(left), exc)
+        self._each(lambda p: p.close(disconnect=False))
+        self.parts[0].r.close()  # the one client they share
