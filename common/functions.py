@@ -17,6 +17,8 @@ from typing import Any
 
 import redis
 
+from batchfleet.common.redis_conn import same_node
+
 LIBRARY_NAME = "batchfleet"
 LIVE_WORKER_MS = 30_000  # a worker whose last heartbeat (Redis time) is older than this is gone
 CANCELS_MAXLEN = 10_000
@@ -107,7 +109,11 @@ class Functions:
         send = send or (lambda command: command(self.r))
         if self._fcall:
             try:
-                return await send(lambda c: c.fcall(ALL_FUNCTION_NAMES[name], len(keys), *keys, *args))
+                # on a cluster, sent to the master of the first key: redis-py would ask a node which keys an
+                # FCALL names (COMMAND GETKEYS, one more round trip) before every call
+                where = same_node(self.r, keys[0]) if keys else {}
+                return await send(lambda c: c.execute_command("FCALL", ALL_FUNCTION_NAMES[name], len(keys), *keys,
+                                                              *args, **where))
             except redis.ResponseError as exc:
                 msg = str(exc).lower()
                 if "unknown command" in msg:

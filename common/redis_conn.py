@@ -146,7 +146,24 @@ def same_node(r: Any, key: str) -> dict[str, Any]:
     stamps ``key``'s entries) to the master of ``key``'s slot on a cluster; redis-py would pick any node.
     Empty for one Redis."""
     node_of = getattr(r, "get_node_from_key", None)
-    return {"target_nodes": node_of(key)} if node_of is not None else {}
+    if node_of is None:
+        return {}
+    try:
+        return {"target_nodes": node_of(key)}
+    except redis.exceptions.SlotNotCoveredError:  # an asyncio cluster client before its first command: no map yet
+        return {}
+
+
+def xread(r: Any, streams: dict[str, Any], count: int, block: int | None = None,
+          group: tuple[str, str] | None = None) -> Any:
+    """``XREAD`` (``XREADGROUP`` with ``group`` = (group, consumer)) of ``streams`` {key: id}, all in one slot,
+    answered as redis-py's own ``xread`` / ``xreadgroup`` (sync or asyncio client). On a cluster it goes
+    straight to the slot's master: redis-py's would first ask a node twice which keys the command names
+    (``COMMAND GETKEYS``: two more round trips per read)."""
+    head = ["XREADGROUP", "GROUP", *group] if group else ["XREAD"]
+    pieces = [*head, "COUNT", count, *(["BLOCK", block] if block is not None else []), "STREAMS", *streams,
+              *streams.values()]
+    return r.execute_command(*pieces, **same_node(r, next(iter(streams))))
 
 
 def require_replicas(acked: Any, wanted: int, what: str) -> None:

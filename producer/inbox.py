@@ -19,6 +19,7 @@ import redis
 
 from batchfleet.common.errors import RedisUnavailable, Timeout
 from batchfleet.common.protocol import Delta, Result
+from batchfleet.common.redis_conn import xread
 from batchfleet.common.retry import TRANSIENT
 from batchfleet.producer.core import Deadline, parse_reply
 from batchfleet.producer.redis_calls import RedisCalls
@@ -204,7 +205,7 @@ class Inbox:
         healthy = True  # the first failure after a success reconnects at once (a restart closed our socket)
         while not self._closing:
             try:
-                resp = await self.reader.xread({self.key: self._last}, count=READ_COUNT, block=self.block_ms)
+                resp = await xread(self.reader, {self.key: self._last}, READ_COUNT, self.block_ms)
             except TRANSIENT as exc:
                 if healthy:
                     healthy = False

@@ -1,7 +1,7 @@
 """A SIMULATED engine and the worker process around it, for fleet-scale benchmarks only (scripts/bench_scale.py).
 
 No model, no torch: each step sleeps for the time a cost model gives, then emits one token per running
-sequence. Everything else is the real worker (real StreamConsumer transport, intake, batcher, dispatcher,
+sequence. Everything else is the real worker (real Redis transport, intake, batcher, dispatcher,
 loop, reply scripts), so what the benchmark measures at N workers is the fleet's own overhead: Redis work,
 queueing, read-ahead and reclaim. Never a default and never imported by the product.
 
@@ -24,7 +24,7 @@ import click
 
 from batchfleet.common.options import build_worker_config
 from batchfleet.common.protocol import FleetInfo
-from batchfleet.worker.consumer import StreamConsumer
+from batchfleet.worker.sharded import redis_transport
 from batchfleet.worker.engine.base import Completion, GenRequest
 from batchfleet.worker.fleet import with_fingerprint
 from batchfleet.worker.loop import WorkerLoop
@@ -145,19 +145,21 @@ def tokenizer_json() -> str:
 @click.option("--max-running", type=int, default=32)
 @click.option("--max-wait-ms", type=float, default=10.0)
 @click.option("--cost", default="8,0.02,30,0.3", help="prefill_a,prefill_b,decode_c,decode_d (ms).")
+@click.option("--shards", type=int, default=1, help="A Redis Cluster fleet's shards (common/keys.py).")
 def main(redis_url: str, namespace: str, name: str | None, buckets: str, max_running: int, max_wait_ms: float,
-         cost: str) -> None:
+         cost: str, shards: int) -> None:
     """One real worker process over the simulated engine (started by scripts/bench_scale.py)."""
     bucket_sizes = tuple(int(b) for b in buckets.split(","))
     cfg = build_worker_config(redis_url=redis_url, namespace=namespace, name=name, buckets=bucket_sizes,
                               max_seq_len=max(bucket_sizes) * 2, max_batch_size=max_running, mode="continuous",
-                              max_running=max_running, max_wait_ms=max_wait_ms, engine="native")
+                              max_running=max_running, max_wait_ms=max_wait_ms, engine="native", shards=shards)
     engine = SimulatedEngine(StepCost(*(float(x) for x in cost.split(","))), max_running)
-    transport = StreamConsumer(cfg.connection, bucket_sizes, name or f"sim-{time.time_ns()}", cfg.reply_ttl_s)
+    transport = redis_transport(cfg.connection, cfg.keys, bucket_sizes, name or f"sim-{time.time_ns()}",
+                                cfg.reply_ttl_s)
     transport.setup()
     info = FleetInfo(model=SIM_MODEL, tokenizer_json=tokenizer_json(), buckets=bucket_sizes,
                      max_seq_len=cfg.batching.max_seq_len, max_batch_size=max_running, vocab_size=VOCAB,
-                     eos_token_ids=(VOCAB - 1,), max_queue_len=0, batch_queue_len=0)
+                     eos_token_ids=(VOCAB - 1,), max_queue_len=0, batch_queue_len=0, shards=shards)
     transport.publish_fleet(with_fingerprint(info))
     loop = WorkerLoop(cfg, engine, transport, Limits(max_seq_len=cfg.batching.max_seq_len, vocab_size=VOCAB))
     signal.signal(signal.SIGTERM, lambda *_: loop.stopping.set())

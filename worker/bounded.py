@@ -19,6 +19,7 @@ So a worker holds at most: one raw entry (while it is cut down) + ``READ_BUDGET_
 from __future__ import annotations
 
 from batchfleet.common.protocol import MAX_PAYLOAD_BYTES
+from batchfleet.common.redis_conn import xread
 from batchfleet.worker.scripts import WorkerScripts
 from batchfleet.worker.transport import Entry
 
@@ -100,7 +101,7 @@ class BoundedReader:
         if not wanted:
             return []
         # only an entry arriving during this wait is read whole (then cut down)
-        resp = (r or self.r).xreadgroup(self.group, self.consumer, wanted, count=1, block=block_ms)
+        resp = xread(r or self.r, wanted, 1, block_ms, (self.group, self.consumer))
         out = []
         for stream, entries in resp or []:
             bucket, lane = self._where(stream)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import random
+import secrets
 import statistics
 import time
 from dataclasses import dataclass
 
+from batchfleet.common.keys import Keys
 from batchfleet.producer import AsyncClient
 
 
@@ -31,6 +33,16 @@ class Load:
     clients: int = 0  # closed loop when > 0
     rate: float = 0.0  # open loop when > 0
     warmup_s: float = 3.0
+    homes: int = 1  # a sharded cluster fleet's shards: each process' client gets its inbox on shard share % homes
+
+
+def inbox_on(namespace: str, shards: int, shard: int) -> str:
+    """A random inbox token whose home shard (common/keys.py ``Keys.home_shard``) is ``shard``: a benchmark's
+    client processes spread their inboxes evenly, as many clients do by chance."""
+    keys = Keys(namespace, hashtag=True, shards=shards)
+    while keys.home_shard(token := secrets.token_urlsafe(24)) != shard:
+        pass
+    return token
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -43,7 +55,8 @@ async def _send(load: Load, share: int, of: int, start_at: float) -> dict:
     samples: list[tuple[float, float, float]] = []
     errors = 0
     end = start_at + load.seconds
-    async with AsyncClient(load.url, load.namespace, max_connections=16) as client:
+    inbox = inbox_on(load.namespace, load.homes, share % load.homes) if load.homes > 1 else None
+    async with AsyncClient(load.url, load.namespace, max_connections=16, inbox=inbox) as client:
         await client.fleet(timeout=30)
         await asyncio.sleep(max(0.0, start_at - time.time()))
         cpu0 = time.process_time()  # the sending only: not the interpreter's start nor the imports
