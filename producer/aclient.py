@@ -159,7 +159,7 @@ class AsyncClient:
                       ask: Ask) -> Outgoing:
         fleet = await self._fleet_view(deadline)
         job = await self._build(fleet, prompt, ask, deadline.left(), job_id, stream)
-        shard = self.keys.of_shard(await self._shards.pick(self.keys, job.bucket, job.lane))
+        shard = self.keys.of_shard(await self._shards.pick(self.keys, job.bucket, job.lane, self.home.shard))
         if shard.shard:
             job = dataclasses.replace(job, stream=shard.stream(job.bucket, job.lane))
         self.inbox.expect(job.id, stream)

@@ -3,7 +3,10 @@
 The backlog of a shard for one bucket and class is its stream's length (a worker deletes an entry when it
 answers it, so the length counts what is queued, held and running there), sampled with one ``XLEN`` per
 shard at most every ``SAMPLE_S`` per stream, plus what this producer sent there since the sample. The
-request goes to the smallest; ties go round the shards. No call at all on a fleet of one shard.
+request goes to the producer's home shard (its inbox's) unless another is shorter by more than a slack
+(a quarter, at least 2): a request on its inbox's shard is answered and settled by one script call, one on
+another shard by two (worker/sharded.py). Many producers spread by their homes; one busy producer spills
+over to the other shards as its home's stream grows. No call at all on a fleet of one shard.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ class ShardPicker:
     def __init__(self, r) -> None:
         self.r = r
         self._seen: dict[tuple[int, str], tuple[float, list[int]]] = {}  # -> (sampled at, length + sent since)
-        self._turn = 0
+        self._turn = 0  # ties among the shortest go round
         self._lock = asyncio.Lock()
 
-    async def pick(self, keys: Keys, bucket: int, lane: str) -> int:
-        """The shard for one request of ``bucket`` and class ``lane``."""
+    async def pick(self, keys: Keys, bucket: int, lane: str, home: int = 0) -> int:
+        """The shard for one request of ``bucket`` and class ``lane`` from a producer whose inbox is on ``home``."""
         if keys.shards == 1:
             return 0
         where = (bucket, lane)
@@ -39,9 +42,12 @@ class ShardPicker:
                     self._seen[where] = seen
         backlog = seen[1]
         low = min(backlog)
-        ties = [s for s, n in enumerate(backlog) if n == low]
-        self._turn += 1
-        shard = ties[self._turn % len(ties)]
+        if backlog[home] <= low + max(2, low // 4):
+            shard = home
+        else:
+            ties = [s for s, n in enumerate(backlog) if n == low]
+            self._turn += 1
+            shard = ties[self._turn % len(ties)]
         backlog[shard] += 1
         return shard
 

@@ -114,3 +114,16 @@ def test_a_worker_killed_on_a_sharded_fleet_loses_nothing(redis_url, namespace, 
         a.kill()
         b.kill()
         r.close()
+
+
+def test_the_gateway_serves_a_sharded_fleet_to_the_openai_client(redis_url, namespace, start_worker, start_gateway):
+    import openai
+
+    start_worker(max_wait_ms=10, shards=SHARDS)
+    gw = start_gateway()
+    api = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    model = api.models.list().data[0].id
+    outs = [api.completions.create(model=model, prompt=f"hello {i}", max_tokens=5, temperature=0) for i in range(6)]
+    assert all(o.choices[0].finish_reason == "length" and o.usage.completion_tokens == 5 for o in outs)
+    chunks = list(api.completions.create(model=model, prompt="hello 0", max_tokens=5, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == outs[0].choices[0].text
