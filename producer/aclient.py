@@ -10,7 +10,6 @@ bounded by what is left of it, connection errors are retried with capped backoff
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import secrets
@@ -24,7 +23,7 @@ from batchfleet.common.config import connection_from_env
 from batchfleet.common.errors import InvalidRequest, Timeout
 from batchfleet.common.fleetstate import live_workers_async
 from batchfleet.common.functions import CANCELS_MAXLEN, LIVE_WORKER_MS
-from batchfleet.common.keys import valid_inbox
+from batchfleet.common.keys import Keys, valid_inbox
 from batchfleet.common.protocol import Result
 from batchfleet.common.redis_conn import async_client, close_async
 from batchfleet.producer.core import (
@@ -39,8 +38,9 @@ from batchfleet.producer.core import (
     prompt_size,
 )
 from batchfleet.producer.inbox import Inbox, WaitExpired
+from batchfleet.producer.many import generate_many
 from batchfleet.producer.redis_calls import RedisCalls
-from batchfleet.producer.shards import ShardPicker
+from batchfleet.producer.shards import Router
 from batchfleet.producer.stream import AsyncTokenStream
 
 log = logging.getLogger("producer")
@@ -70,11 +70,7 @@ class AsyncClient:
     def __init__(self, redis_url: str | None = None, namespace: str | None = None, retry_s: float = RETRY_S,
                  *, inbox: str | None = None, require_workers: bool = True, max_connections: int = 4) -> None:
         self.conn = connection_from_env(redis_url, namespace)
-        # shard 0 of the fleet's layout (the fleet as a whole); ``home``: the shard of this client's inbox and
-        # of its jobs' cancel and done markers. Both follow the fleet description's shard count (common/keys.py)
-        self.keys = self.home = self.conn.keys
         token = inbox or secrets.token_urlsafe(24)
-        self._token = token
         if not valid_inbox(token):
             raise InvalidRequest("inbox must be 16-64 chars of [A-Za-z0-9_-]")
         if max_connections < 1:
@@ -88,12 +84,12 @@ class AsyncClient:
         self.r = async_client(self.conn.redis_url, max_connections=max_connections, **kwargs)
         reader = async_client(self.conn.redis_url, max_connections=1, **kwargs)
         self.calls = RedisCalls(self.r, self.conn, retry_s)
+        self.router = Router(self.conn.keys, token, self.r)
         self.functions = self.calls.functions  # shared with the gateway's batch store (gateway/connections.py)
         # the reader blocks at most half the socket timeout, so a healthy idle wait never times out
         self.inbox = Inbox(reader, self.r, self.keys.inbox(token), int(self.conn.socket_timeout_s * 500),
                            self.calls)
         self._fleet = FleetView()
-        self._shards = ShardPicker(self.r)
         self._live_seen = -math.inf  # time.monotonic() of the last enqueue that found a live worker
         self._checking = -math.inf  # time.monotonic() the last live-worker check was sent (one at a time)
         self._fleet_lock = asyncio.Lock()
@@ -109,6 +105,16 @@ class AsyncClient:
         self.calls.retry_s = value
 
     @property
+    def keys(self) -> Keys:
+        """Shard 0 of the fleet's layout: the keys of the fleet as a whole (``Router``)."""
+        return self.router.keys
+
+    @property
+    def home(self) -> Keys:
+        """The shard of this client's inbox and of its jobs' cancel and done markers (``Router``)."""
+        return self.router.home
+
+    @property
     def reply_key(self) -> str:
         """This client's inbox stream: workers write every answer to its jobs there."""
         return self.inbox.key
@@ -118,35 +124,20 @@ class AsyncClient:
         """The fleet description workers published (tokenizer, chat template, buckets, limits)."""
         return await self._fleet_view(Deadline(timeout))
 
-    async def _fleet_view(self, deadline: Deadline) -> FleetView:
+    async def _fleet_view(self, deadline: Deadline, require: bool = True) -> FleetView:
         if self._fleet.stale():
             async with self._fleet_lock:
                 if self._fleet.stale():
                     raw = await self.calls.io(lambda: self.r.get(self.keys.fleet), deadline, "fleet description")
                     if raw is not None or self.require_workers:
                         self._fleet.update(raw)
-                    self._follow_layout()
-        return self._fleet.require(self.keys)
-
-    def _follow_layout(self) -> None:
-        """Take the fleet's shard count (its description): this client's inbox moves to its home shard, unless
-        the inbox is read already (then it stays where it is: a worker answers on any shard of the fleet)."""
-        info = self._fleet.info
-        if info is None or info.shards == self.keys.shards:
-            return
-        keys = self.keys.with_shards(info.shards)
-        home = keys.of_shard(keys.home_shard(self._token))
-        if not self.inbox.move(home.inbox(self._token)):
-            home = keys.of_shard(keys.shard_of(self.inbox.key) or 0)
-        self.keys, self.home = keys, home
+                    self.router.follow(self._fleet.info, self.inbox)
+        return self._fleet.require(self.keys) if require else self._fleet
 
     async def learn_layout(self, deadline: Deadline) -> None:
         """Before this client's inbox is first read: the fleet's layout, if a fleet description is there."""
-        if not self.inbox.started and self._fleet.info is None:
-            raw = await self.calls.io(lambda: self.r.get(self.keys.fleet), deadline, "fleet description")
-            if raw is not None:
-                self._fleet.update(raw)
-                self._follow_layout()
+        if not self.inbox.started:
+            await self._fleet_view(deadline, require=False)
 
     async def submit(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
                      stream: bool = False, **params: Any) -> str:
@@ -159,9 +150,7 @@ class AsyncClient:
                       ask: Ask) -> Outgoing:
         fleet = await self._fleet_view(deadline)
         job = await self._build(fleet, prompt, ask, deadline.left(), job_id, stream)
-        shard = self.keys.of_shard(await self._shards.pick(self.keys, job.bucket, job.lane, self.home.shard))
-        if shard.shard:
-            job = dataclasses.replace(job, stream=shard.stream(job.bucket, job.lane))
+        job, shard = await self.router.route(job)
         self.inbox.expect(job.id, stream)
         # the live-worker check (TIME + ZCOUNT inside the function) is skipped while an enqueue of this
         # client found a live worker within LIVENESS_TRUST_S, or while another enqueue's check is on its way
@@ -269,27 +258,7 @@ class AsyncClient:
     async def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,
                             **params: Any) -> list[Result]:
         """Validate every prompt first (nothing is sent if one is bad), enqueue all, gather in order."""
-        deadline = Deadline(timeout)
-        fleet = await self._fleet_view(deadline)
-        p = Ask.of(params)
-        for prompt in prompts:  # raises before anything is sent
-            fleet.build(self.keys, self.inbox.key, prompt, p, None, None)
-        jobs = await asyncio.gather(*(self._submit(x, deadline, None, False, p) for x in prompts),
-                                    return_exceptions=True)
-        failed = [j for j in jobs if isinstance(j, BaseException)]
-        if failed:
-            for j in jobs:
-                if isinstance(j, Outgoing):
-                    self._give_up_later(j.id)
-            raise failed[0]
-        waits = [asyncio.ensure_future(self._result_or_give_up(j.id, deadline)) for j in jobs]
-        try:
-            return list(await asyncio.gather(*waits))
-        except BaseException:  # one failed or the call was cancelled: nobody waits for the others
-            for w in waits:
-                w.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
-            raise
+        return await generate_many(self, prompts, Deadline(timeout), Ask.of(params))
 
     async def cancel(self, job_id: str, timeout: float | None = 5.0) -> None:
         """Ask the fleet to stop a job this client submitted: a queued job is skipped, a running one leaves

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
+from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import Delta, Result
 from batchfleet.producer.aclient import AsyncClient
 from batchfleet.producer.core import RETRY_S, FleetView, Prompt
@@ -103,9 +104,12 @@ class Client:
         except BaseException:
             self._loop.stop()
             raise
-        self.keys = self._async.keys
         self.conn = self._async.conn
         self.client_name = self._async.client_name
+
+    @property
+    def keys(self) -> Keys:
+        return self._async.keys
 
     @property
     def reply_key(self) -> str:

@@ -12,9 +12,13 @@ over to the other shards as its home's stream grows. No call at all on a fleet o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from batchfleet.common.keys import Keys
+from batchfleet.common.protocol import FleetInfo
+from batchfleet.producer.core import Outgoing
+from batchfleet.producer.inbox import Inbox
 
 SAMPLE_S = 0.5
 
@@ -61,3 +65,30 @@ class ShardPicker:
         lengths = [n if isinstance(n, int) else None for n in got]
         worst = max((n for n in lengths if n is not None), default=0)
         return [worst if n is None else n for n in lengths]
+
+
+class Router:
+    """A client's place in the fleet's layout: ``keys`` (shard 0: the fleet as a whole), ``home`` (the shard
+    of its inbox and of its jobs' cancel and done markers), and the shard each request goes to. Both follow
+    the fleet description's shard count (common/keys.py)."""
+
+    def __init__(self, keys: Keys, token: str, r) -> None:
+        self.keys = self.home = keys
+        self.token = token
+        self.picker = ShardPicker(r)
+
+    def follow(self, info: FleetInfo | None, inbox: Inbox) -> None:
+        """Take the fleet's shard count: the inbox moves to its home shard, unless it is read already (then it
+        stays where it is: a worker answers into any shard of the fleet)."""
+        if info is None or info.shards == self.keys.shards:
+            return
+        keys = self.keys.with_shards(info.shards)
+        home = keys.of_shard(keys.home_shard(self.token))
+        if not inbox.move(home.inbox(self.token)):
+            home = keys.of_shard(keys.shard_of(inbox.key) or 0)
+        self.keys, self.home = keys, home
+
+    async def route(self, job: Outgoing) -> tuple[Outgoing, Keys]:
+        """``job`` aimed at the stream of the shard picked for it, and that shard's keys."""
+        shard = self.keys.of_shard(await self.picker.pick(self.keys, job.bucket, job.lane, self.home.shard))
+        return (dataclasses.replace(job, stream=shard.stream(job.bucket, job.lane)) if shard.shard else job), shard
