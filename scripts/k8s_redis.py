@@ -84,27 +84,40 @@ def component(url: str, k8s: Path = K8S) -> dict[str, str]:
     kind, meta, secret = trigger_fields(url)
     auth = sorted(k for k in secret if k != "BATCHFLEET_REDIS_URL")
     ops: list[dict] = [{"op": "add", "path": "/metadata/annotations", "value": {URL_ANNOTATION: redact_url(url)}}]
-    namespace = configmap(k8s)["BATCHFLEET_NAMESPACE"] if is_cluster(url) else None
-    prefix = Keys(namespace, hashtag=True).prefix if namespace is not None else None
-    for i, stream in enumerate(shipped_streams(k8s)):
-        if prefix is not None:
+    env = configmap(k8s)
+    namespace = env["BATCHFLEET_NAMESPACE"] if is_cluster(url) else None
+    shards = int(env.get("BATCHFLEET_SHARDS", "1"))
+    if shards > 1 and namespace is None:
+        raise ConfigError("BATCHFLEET_SHARDS > 1 (config.yaml) needs a Redis Cluster URL (redis+cluster://)")
+    layout = Keys(namespace, hashtag=True, shards=shards) if namespace is not None else None
+    shipped = shipped_triggers(k8s)
+    for i, trigger in enumerate(shipped):
+        stream = trigger["metadata"]["stream"].removeprefix(PLACEHOLDER)
+        if layout is not None:
             ops.append({"op": "replace", "path": f"/spec/triggers/{i}/metadata/stream",
-                        "value": prefix + stream.removeprefix(PLACEHOLDER)})
+                        "value": layout.prefix + stream})
         ops.append({"op": "replace", "path": f"/spec/triggers/{i}/type", "value": kind})
         ops += [{"op": "add", "path": f"/spec/triggers/{i}/metadata/{k}", "value": v} for k, v in meta.items()]
         if auth:
             ops.append({"op": "add", "path": f"/spec/triggers/{i}/authenticationRef", "value": {"name": SECRET}})
+    if layout is not None and shards > 1:
+        ops += shard_triggers(layout, shipped, kind, meta, auth, int(env["BATCHFLEET_MAX_RUNNING"]))
     kustomization = {"apiVersion": "kustomize.config.k8s.io/v1alpha1", "kind": "Component",
                      "resources": ["trigger-auth.yaml"] if auth else [],
                      "patches": [{"path": "triggers-patch.yaml",
                                   "target": {"kind": "ScaledObject", "name": "batchfleet-worker"}}]}
+    replacements = [] if shards > 1 else [capacity_replacement()]  # a sharded fleet's targets are written above
     if namespace is None:
-        kustomization["replacements"] = [namespace_replacement()]
+        replacements.append(namespace_replacement())
+    kustomization["replacements"] = replacements
     head = (f"# Written by scripts/k8s_redis.py from {redact_url(url)} (rerun it to change the Redis; do not edit).\n"
             "# KEDA's trigger fields for that URL; its credentials are in the Secret batchfleet-redis (secret.env).\n")
     if namespace is not None:
         head += (f"# The streams are the cluster's keys of BATCHFLEET_NAMESPACE {namespace!r} (config.yaml), written "
                  "here: rerun after changing it.\n")
+    if shards > 1:
+        head += (f"# A fleet of {shards} shards (BATCHFLEET_SHARDS): one trigger per stream of each shard, each "
+                 "with a target of BATCHFLEET_MAX_RUNNING / shards: rerun after changing either.\n")
     files = {"kustomization.yaml": head + yaml.safe_dump(kustomization, sort_keys=False),
              "triggers-patch.yaml": head + yaml.safe_dump(ops, sort_keys=False, width=200),
              "secret.env": "".join(f"{k}={v}\n" for k, v in secret.items())}
@@ -116,13 +129,32 @@ def component(url: str, k8s: Path = K8S) -> dict[str, str]:
     return files
 
 
-def shipped_streams(k8s: Path = K8S) -> list[str]:
-    """The stream of each trigger of keda.yaml's ScaledObject, as written there (``NAMESPACE:stream:...``)."""
+def shipped_triggers(k8s: Path = K8S) -> list[dict]:
+    """The triggers of keda.yaml's ScaledObject, as written there (streams ``NAMESPACE:stream:...``)."""
     (so,) = [d for d in yaml.safe_load_all((k8s / "keda.yaml").read_text()) if d and d["kind"] == "ScaledObject"]
     streams = [t["metadata"]["stream"] for t in so["spec"]["triggers"]]
     if not all(s.startswith(PLACEHOLDER + ":") for s in streams):
         raise ConfigError(f"keda.yaml's streams must begin with {PLACEHOLDER}: (the namespace's place): {streams}")
-    return streams
+    return so["spec"]["triggers"]
+
+
+def shard_triggers(layout: Keys, shipped: list[dict], kind: str, meta: dict[str, str], auth: list[str],
+                   capacity: int) -> list[dict]:
+    """Patch ops for a sharded fleet (common/keys.py): the triggers of shards 1..n-1 appended, and every
+    trigger's target set to ceil(capacity / n). KEDA takes the largest trigger's ask, and producers spread a
+    bucket's requests over the shards, so each shard's stream holds about 1/n of the bucket's backlog: against
+    1/n of a worker's capacity, the fullest shard asks for at least what the whole backlog needs (more when
+    the spread is uneven: never fewer)."""
+    target = str(-(-capacity // layout.shards))
+    ops = [{"op": "replace", "path": f"/spec/triggers/{i}/metadata/streamLength", "value": target}
+           for i in range(len(shipped))]
+    for shard in layout.every_shard[1:]:
+        for trigger in shipped:
+            metadata = {**trigger["metadata"], **meta, "streamLength": target,
+                        "stream": shard.prefix + trigger["metadata"]["stream"].removeprefix(PLACEHOLDER)}
+            added = {"type": kind, "metadata": metadata, **({"authenticationRef": {"name": SECRET}} if auth else {})}
+            ops.append({"op": "add", "path": "/spec/triggers/-", "value": added})
+    return ops
 
 
 def configmap(k8s: Path = K8S) -> dict[str, str]:
@@ -130,6 +162,14 @@ def configmap(k8s: Path = K8S) -> dict[str, str]:
     (cm,) = [d for d in yaml.safe_load_all((k8s / "config.yaml").read_text())
              if d and d["kind"] == "ConfigMap" and d["metadata"]["name"] == "batchfleet-env"]
     return cm["data"]
+
+
+def capacity_replacement() -> dict:
+    """The kustomize replacement writing BATCHFLEET_MAX_RUNNING into each trigger's streamLength (one worker per
+    that many unanswered requests of a stream)."""
+    return {"source": {"kind": "ConfigMap", "name": "batchfleet-env", "fieldPath": "data.BATCHFLEET_MAX_RUNNING"},
+            "targets": [{"select": {"kind": "ScaledObject", "name": "batchfleet-worker"},
+                         "fieldPaths": ["spec.triggers.*.metadata.streamLength"]}]}
 
 
 def namespace_replacement() -> dict:

@@ -24,10 +24,10 @@ import click
 
 from batchfleet.common.options import build_worker_config
 from batchfleet.common.protocol import FleetInfo
-from batchfleet.worker.sharded import redis_transport
 from batchfleet.worker.engine.base import Completion, GenRequest
 from batchfleet.worker.fleet import with_fingerprint
 from batchfleet.worker.loop import WorkerLoop
+from batchfleet.worker.sharded import redis_transport
 from batchfleet.worker.validate import Limits
 
 VOCAB = 512

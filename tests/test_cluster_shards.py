@@ -127,3 +127,36 @@ def test_the_gateway_serves_a_sharded_fleet_to_the_openai_client(redis_url, name
     assert all(o.choices[0].finish_reason == "length" and o.usage.completion_tokens == 5 for o in outs)
     chunks = list(api.completions.create(model=model, prompt="hello 0", max_tokens=5, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == outs[0].choices[0].text
+
+
+def test_kedas_triggers_over_every_shard_count_every_unanswered_request(redis_url, namespace, start_worker,
+                                                                      tmp_path):
+    """deploy/k8s rendered for a 3-shard cluster fleet (scripts/k8s_redis.py, BATCHFLEET_SHARDS 3): KEDA's
+    arithmetic over the per-shard triggers, re-aimed at this fleet with 8 requests a worker (a target of 3 per
+    shard), asks for >= 2 workers for 17 requests, counts each unanswered one exactly once, 0 when all are
+    answered."""
+    import shutil
+
+    from scripts.k8s_redis import write
+    from tests.conftest import TEST_BUCKETS
+    from tests.helpers.deploy import K8S, render
+    from tests.helpers.keda import for_fleet
+    from tests.test_keda_signal import assert_backlog_counted
+
+    k8s = tmp_path / "k8s"
+    shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns("secret.env"))
+    config = k8s / "config.yaml"
+    config.write_text(config.read_text().replace('BATCHFLEET_SHARDS: "1"', f'BATCHFLEET_SHARDS: "{SHARDS}"'))
+    write(redis_url, k8s)
+    (shipped,) = [d for d in render(k8s) if d["kind"] == "ScaledObject"]
+    keys = _layout(redis_url, namespace)
+    so = for_fleet(shipped, keys, TEST_BUCKETS)
+    assert len(so["spec"]["triggers"]) == SHARDS * 2 * len(TEST_BUCKETS)
+    for t in so["spec"]["triggers"]:
+        t["metadata"]["streamLength"] = str(-(-8 // SHARDS))
+    start_worker(max_batch_size=4, max_running=4, shards=SHARDS)
+    r = sync_client(redis_url)
+    try:
+        assert_backlog_counted(redis_url, namespace, r, keys, so, 17, 200)
+    finally:
+        r.close()

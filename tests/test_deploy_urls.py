@@ -163,6 +163,30 @@ def test_kubectl_kustomize_renders_valid_triggers_for_each_url(tmp_path: Path, u
 
 @pytest.mark.integration
 @needs_kustomize
+def test_a_sharded_cluster_fleet_gets_a_trigger_per_stream_of_every_shard(tmp_path: Path):
+    """BATCHFLEET_SHARDS 3 (config.yaml): one trigger per stream of each shard (common/keys.py's tags), each
+    against a third of a worker's capacity (rounded up), so the fullest shard's ask covers the whole backlog."""
+    k8s = tmp_path / "k8s"
+    shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns("secret.env"))
+    config = k8s / "config.yaml"
+    config.write_text(config.read_text().replace('BATCHFLEET_SHARDS: "1"', 'BATCHFLEET_SHARDS: "3"'))
+    write("redis+cluster://r0:6379,r1:6379", k8s)
+    (so,) = [d for d in kustomize(k8s) if d["kind"] == "ScaledObject"]
+    env = configmap_env()
+    layout = Keys(env["BATCHFLEET_NAMESPACE"], hashtag=True, shards=3)
+    triggers = so["spec"]["triggers"]
+    assert sorted(t["metadata"]["stream"] for t in triggers) == \
+        sorted(s for k in layout.every_shard for s, _, _ in k.streams(DEFAULT_BUCKETS))
+    capacity = int(env["BATCHFLEET_MAX_RUNNING"])
+    assert {t["metadata"]["streamLength"] for t in triggers} == {str(-(-capacity // 3))}
+    assert all(t["type"] == "redis-cluster-streams" and t["metadata"]["activationLagCount"] == "0" for t in triggers)
+    config.write_text(config.read_text().replace('BATCHFLEET_SHARDS: "3"', 'BATCHFLEET_SHARDS: "2"'))
+    with pytest.raises(ConfigError, match="Cluster"):
+        write("redis://r0:6379/0", k8s)
+
+
+@pytest.mark.integration
+@needs_kustomize
 def test_the_models_component_renders_with_kubectl(tmp_path: Path):
     k8s = tmp_path / "k8s"
     shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns("secret.env"))

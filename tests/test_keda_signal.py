@@ -35,7 +35,9 @@ def scaled_object(namespace: str) -> dict:
 
 
 def unanswered(r: redis.Redis, keys: Keys, jobs: list[str]) -> int:
-    return len(jobs) - sum(r.exists(*[keys.done(j) for j in jobs[i:i + 500]]) for i in range(0, len(jobs), 500))
+    """Jobs without a ``done`` marker (on whichever shard of ``keys`` their client's inbox is)."""
+    return len(jobs) - sum(r.exists(*[k.done(j) for j in jobs[i:i + 500]])
+                           for k in keys.every_shard for i in range(0, len(jobs), 500))
 
 
 def sample_until_answered(r: redis.Redis, keys: Keys, so: dict, jobs: list[str], timeout_s: float = 180) -> list:
