@@ -85,9 +85,11 @@ def measure(layout: str, workers: int, clients: int, client_procs: int, seconds:
         ns = f"cap{masters}x{shards}"
         procs = start_workers(group.url, ns, workers, [*worker_args, "--shards", str(shards)])
         time.sleep(1.0)
-        idle0 = group.cpu_s()
+        idle0, idle_calls0 = group.cpu_s(), group.commands()
         time.sleep(idle_s)  # what the masters spend with the workers idle (cluster bus, polling): not per request
         idle = [(b - a) / idle_s for a, b in zip(idle0, group.cpu_s())]
+        idle_calls = sum(n - c0.get(k, (0, 0))[0] for c0, c1 in zip(idle_calls0, group.commands())
+                         for k, (n, _) in c1.items()) / idle_s / workers
         before, calls0, t0 = group.cpu_s(), group.commands(), time.monotonic()
         run = load.run(load.Load(group.url, ns, seconds, new_tokens=1, prompt_len=16, clients=clients,
                                  homes=shards), client_procs)
@@ -104,6 +106,7 @@ def measure(layout: str, workers: int, clients: int, client_procs: int, seconds:
         return {"layout": layout, "masters": max(masters, 1), "shards": shards, "workers": workers, **run,
                 "redis_cpu_us_per_req_by_master": per_master, "redis_cpu_us_per_req_total": sum(per_master),
                 "redis_cpu_share_by_master": [s / wall for s in spent], "idle_cpu_share_by_master": idle,
+                "idle_calls_per_worker_s": idle_calls,
                 "ceiling_rps": ceiling, "calls_per_req_by_master": calls,
                 "command_us_per_req_by_master": usec, "command_ceiling_rps": 1e6 / max(usec) if max(usec) else None}
     finally:

@@ -99,19 +99,20 @@ def test_a_worker_killed_on_a_cluster_loses_nothing(redis_url, namespace, tmp_pa
         r.close()
 
 
-def test_a_master_killed_under_load_fails_over_and_loses_nothing_acknowledged(tiny_model_dir, monkeypatch):
-    """3 masters with a replica each; the master of the fleet's slot is killed -9 under load: its replica is
-    promoted, the worker and the client go on without a restart, and with --wait-replicas 1 every enqueue
-    that returned gets its answer, once."""
+@pytest.mark.parametrize("shards", [1, 3], ids=["one-tag", "sharded"])
+def test_a_master_killed_under_load_fails_over_and_loses_nothing_acknowledged(tiny_model_dir, monkeypatch, shards):
+    """3 masters with a replica each; the master of the fleet's slot (sharded: of its last shard's) is killed
+    -9 under load: its replica is promoted, the worker and the client go on without a restart, and with
+    --wait-replicas 1 every enqueue that returned gets its answer, once."""
     from tests.helpers.cluster import PrivateCluster
 
     cluster = PrivateCluster(masters=3, replicas=1).start()
     wait_replicas = 1
     monkeypatch.setenv("BATCHFLEET_WAIT_REPLICAS", str(wait_replicas))  # the client reads it, like the CLI
     ns = f"fo-{uuid.uuid4().hex[:6]}"
-    keys = ConnectionConfig(cluster.url, ns).keys
+    keys = ConnectionConfig(cluster.url, ns).keys.with_shards(shards).of_shard(shards - 1)
     worker = LoopThread(worker_config(cluster.url, ns, tiny_model_dir, max_wait_ms=10, max_batch_size=16,
-                                      claim_idle_ms=2000, wait_replicas=wait_replicas))
+                                      claim_idle_ms=2000, wait_replicas=wait_replicas, shards=shards))
     client = Client(cluster.url, ns, retry_s=60)
     load = SteadyLoad(client)
     try:

@@ -20,9 +20,13 @@ from tests.helpers.cluster import PrivateCluster
 from tests.helpers.loops import LoopThread
 
 
-def cluster_acl_lines() -> str:
-    """The documented block as OPERATIONS.md says to adapt it: ``~a:`` -> ``~{a}:``, then its cluster line."""
-    block = re.sub(r"~a:", "~{a}:", acl_block())
+def cluster_acl_lines(sharded: bool = False) -> str:
+    """The documented block as OPERATIONS.md says to adapt it: ``~a:`` -> ``~{a}:`` (and, for a sharded fleet,
+    each such pattern once more as ``~{a:*}:``), then its cluster line."""
+    def tagged(m: re.Match) -> str:
+        return f"{m[1]}{{a}}:{m[2]}" + (f" {m[1]}{{a:*}}:{m[2]}" if sharded else "")
+
+    block = re.sub(r"((?:%[RW]+)?~)a:([^\s)]+)", tagged, acl_block())
     found = re.search(r"```redis\n(ACL SETUSER.*?)```", _ops_cluster_section(), re.S)
     assert found, 'docs/OPERATIONS.md "Redis Cluster" has no ```redis block with the cluster line(s)'
     return block + found.group(1)
@@ -37,7 +41,8 @@ def _url(cluster: PrivateCluster, user: str) -> str:
     return f"redis+cluster://{user}:{PASSWORDS[user]}@" + ",".join(f"127.0.0.1:{n.port}" for n in cluster.nodes)
 
 
-def test_the_documented_users_run_a_fleet_on_a_cluster(tiny_model_dir, tmp_path, caplog):
+@pytest.mark.parametrize("shards", [1, 3], ids=["one-tag", "sharded"])
+def test_the_documented_users_run_a_fleet_on_a_cluster(tiny_model_dir, tmp_path, caplog, shards):
     import openai
 
     from tests.helpers.gateway import GatewayThread
@@ -45,14 +50,14 @@ def test_the_documented_users_run_a_fleet_on_a_cluster(tiny_model_dir, tmp_path,
     caplog.set_level(logging.WARNING)
     cluster = PrivateCluster(masters=3).start()
     try:
-        text = cluster_acl_lines()
+        text = cluster_acl_lines(sharded=shards > 1)
         for node in cluster.nodes:
             replies = paste(node, text)
             assert replies == ["OK"] * len(text.strip().splitlines()), replies
             done = run_load_command(node)
             assert done.returncode == 0, done.stderr
         worker = LoopThread(worker_config(_url(cluster, "worker-a"), NAMESPACE, tiny_model_dir, buckets=BUCKETS,
-                                          max_seq_len=BUCKETS[-1], max_wait_ms=10))
+                                          max_seq_len=BUCKETS[-1], max_wait_ms=10, shards=shards))
         gw = GatewayThread(_url(cluster, "gateway-a"), NAMESPACE, files_dir=str(tmp_path / "files"),
                            batch_lease_s=2.0)
         try:

@@ -90,9 +90,12 @@ def test_an_interactive_backlog_worth_two_workers_and_zero_only_when_all_is_answ
     assert_backlog_counted(redis_url, namespace, r, Keys(namespace), scaled_object(namespace), 2 * CAPACITY + 1, 24)
 
 
-def assert_backlog_counted(redis_url: str, namespace: str, r, keys: Keys, so: dict, n: int, new_tokens: int) -> None:
+def assert_backlog_counted(redis_url: str, namespace: str, r, keys: Keys, so: dict, n: int, new_tokens: int,
+                           settling: int = 0) -> None:
     """``n`` requests at once, worth two workers of ``so``'s target: KEDA asks >= 2 at first; every sample counts
-    each unanswered request exactly once, and asks >= 1 while any is; 0 once all are answered."""
+    each unanswered request exactly once, and asks >= 1 while any is; 0 once all are answered. ``settling``: how
+    many answered requests a sample may still count (a sharded fleet acks an entry whose inbox is on another
+    shard just after its reply: up to one batch of replies at a time)."""
     with Client(redis_url, namespace) as client:
         jobs = [client.submit([10 + i % 50, 11, 12], max_new_tokens=new_tokens) for i in range(n)]
         first = sample(r, keys, so, jobs)
@@ -100,7 +103,7 @@ def assert_backlog_counted(redis_url: str, namespace: str, r, keys: Keys, so: di
         results = [client.result(j, timeout=120) for j in jobs]
     assert first[3] >= 2, first
     for before, metric, after, desired in samples:
-        assert after <= metric <= before, (before, metric, after)  # none lost, none counted twice
+        assert after <= metric <= before + settling, (before, metric, after)  # none lost, none counted twice
         if after:
             assert desired >= 1  # something was still queued, held or running
     assert desired_replicas(r, so)[0] == 0

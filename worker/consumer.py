@@ -28,6 +28,7 @@ from batchfleet.common.keys import Keys
 from batchfleet.common.lanes import LANES
 from batchfleet.common.protocol import FleetInfo
 from batchfleet.common.redis_conn import sync_client
+from batchfleet.common.redis_url import is_cluster
 from batchfleet.common.retry import TRANSIENT, Backoff
 from batchfleet.worker.bounded import BoundedReader
 from batchfleet.worker.cancels import CancelWatch
@@ -108,6 +109,8 @@ class StreamConsumer(Transport):
                         if "BUSYGROUP" not in str(exc):
                             raise
                 self._load_functions()
+                if is_cluster(self.conn.redis_url):  # pipelines on a cluster do not load a missing script
+                    self._scripts.load()
                 self.cancel_watch.start()
                 self._flush.start()
                 outage.ok()

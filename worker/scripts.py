@@ -272,6 +272,13 @@ class WorkerScripts:
         self.cancels = r.register_script(CANCELS)
         self.marks = r.register_script(MARKS)
 
+    def load(self) -> None:
+        """``SCRIPT LOAD`` every script (on a cluster client: on every master), so that no pipeline meets a
+        NOSCRIPT at startup (each would cost the caller a retry with backoff, per master)."""
+        for script in (self.replies, self.heartbeat, self.join, self.leave, self.read, self.autoclaim, self.cancels,
+                       self.marks):
+            script.registered_client.script_load(script.script)
+
     @staticmethod
     def queue(pipe: Any, script: Any, keys: list, args: list) -> None:
         """Queue ``script`` on ``pipe``. redis-py's cluster pipeline refuses the ``evalsha`` method (a Script
