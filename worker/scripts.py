@@ -3,9 +3,8 @@
 Producers' server-side code (enqueue, cancel) is common/functions.py. Here: the reply writes of a batch
 (first writer wins, then ack + delete), the heartbeat, joining and leaving the fleet, and the size-checking reads of
 request entries, cancel entries and job markers (worker/bounded.py says why). ``WorkerScripts(r)``
-registers each body once on client ``r`` (redis-py then sends EVALSHA, loading the body again by itself
-after a SCRIPT FLUSH or a restart); the stream consumer builds one and hands it to its parts.
-"""
+registers each body once on client ``r`` (redis-py then sends EVALSHA, loading the body again by itself after
+a SCRIPT FLUSH or a restart; pipelines do not: ``load``); the stream consumer builds one for its parts."""
 
 from __future__ import annotations
 
@@ -273,10 +272,8 @@ class WorkerScripts:
         self.marks = r.register_script(MARKS)
 
     def load(self) -> None:
-        """``SCRIPT LOAD`` every script (on a cluster client: on every master), so that no pipeline meets a
-        NOSCRIPT at startup (each would cost the caller a retry with backoff, per master)."""
-        for script in (self.replies, self.heartbeat, self.join, self.leave, self.read, self.autoclaim, self.cancels,
-                       self.marks):
+        """``SCRIPT LOAD`` every script (a cluster client: on every master): no pipeline meets a NOSCRIPT at startup."""
+        for script in vars(self).values():
             script.registered_client.script_load(script.script)
 
     @staticmethod
