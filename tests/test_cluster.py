@@ -15,9 +15,10 @@ import pytest
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.redis_conn import sync_client
-from batchfleet.producer import Cancelled, Client
+from batchfleet.producer import Client
 from batchfleet.worker.devtools import spawn_worker
 from tests.conftest import TEST_BUCKETS, worker_config
+from tests.helpers.cluster import answers_streams_and_cancels, module_cluster_url
 from tests.helpers.load import SteadyLoad
 from tests.helpers.loops import LoopThread, wait_until
 
@@ -25,11 +26,7 @@ from tests.helpers.loops import LoopThread, wait_until
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
     """This module's fleets run on a private 3-master cluster (it overrides the suite's Redis)."""
-    from tests.helpers.cluster import PrivateCluster
-
-    cluster = PrivateCluster(masters=3).start()
-    yield cluster.url
-    cluster.stop()
+    yield from module_cluster_url()
 
 
 def _keys_by_node(url: str, pattern: str) -> dict[str, list[str]]:
@@ -45,16 +42,7 @@ def test_a_fleet_on_a_cluster_answers_streams_and_cancels_with_every_key_in_one_
                                                                                      start_worker):
     start_worker(max_wait_ms=10, max_batch_size=8)
     with Client(redis_url, namespace) as client:
-        results = client.generate_many([[10 + i, 11, 12] for i in range(16)], max_new_tokens=6, timeout=60)
-        assert [len(r.token_ids) for r in results] == [6] * 16
-        assert "".join(d.text for d in client.stream([5, 6, 7], max_new_tokens=5, timeout=60)) == \
-            client.generate([5, 6, 7], max_new_tokens=5, timeout=60).text
-        # cancelled before it is enqueued (the hf engine runs a started batch to its end): the marker stops it
-        job = f"cancelled-{namespace}"
-        client.cancel(job)
-        client.submit([9, 9, 9], max_new_tokens=400, timeout=60, job_id=job)
-        with pytest.raises(Cancelled):
-            client.result(job, timeout=60)
+        answers_streams_and_cancels(client, client, namespace, 16)
     keys = ConnectionConfig(redis_url, namespace).keys
     by_node = _keys_by_node(redis_url, keys.pattern)
     assert len(by_node) == 1, f"a namespace's keys span masters: {by_node}"
@@ -76,12 +64,13 @@ def test_the_gateway_on_a_cluster_serves_the_openai_client(redis_url, namespace,
     assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
 
 
-def test_a_worker_killed_on_a_cluster_loses_nothing(redis_url, namespace, tmp_path):
+@pytest.mark.parametrize("shards", [1, 3], ids=["one-tag", "sharded"])
+def test_a_worker_killed_on_a_cluster_loses_nothing(redis_url, namespace, tmp_path, shards):
     args = ["--buckets", "32,64", "--max-seq-len", "256", "--dtype", "float32", "--max-batch-size", "8",
-            "--max-wait-ms", "50", "--claim-idle-ms", "1000", "--threads", "1"]
+            "--max-wait-ms", "50", "--claim-idle-ms", "1000", "--threads", "1", "--shards", str(shards)]
     a = spawn_worker(redis_url, namespace, args, name=f"a-{namespace}", log_path=str(tmp_path / "a.log"))
     b = spawn_worker(redis_url, namespace, args, name=f"b-{namespace}", log_path=str(tmp_path / "b.log"))
-    keys = ConnectionConfig(redis_url, namespace).keys
+    keys = ConnectionConfig(redis_url, namespace).keys.with_shards(shards)
     r = sync_client(redis_url)
     try:
         with Client(redis_url, namespace) as client, ThreadPoolExecutor(8) as pool:
@@ -91,8 +80,10 @@ def test_a_worker_killed_on_a_cluster_loses_nothing(redis_url, namespace, tmp_pa
                        "a batch on worker a")
             a.kill()
             results = [f.result() for f in futures]
+            home = keys.of_shard(keys.shard_of(client.reply_key))  # the client's inbox and done markers
         assert [len(x.token_ids) for x in results] == [48] * 32
-        assert all(r.exists(keys.done(j)) for j in jobs)
+        assert all(r.exists(home.done(j)) for j in jobs)
+        assert sum(r.xlen(k.stream(32)) + r.xlen(k.stream(64)) for k in keys.every_shard) == 0
     finally:
         a.kill()
         b.kill()

@@ -1,22 +1,22 @@
 """A fleet sharded over the masters of a real local Redis Cluster (``--shards 3``, common/keys.py): each
 shard's keys on its own master, requests spread over them by backlog, and the single-tag fleet's guarantees
-held across shards: answers, streaming, cancel, status, a worker killed -9."""
+held across shards: answers, streaming, cancel, deadlines, both classes, status, the gateway, KEDA's count
+(a worker killed -9, a master's failover and the ACL users run sharded in tests/test_cluster.py and
+tests/test_cluster_acl.py)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.errors import Timeout
 from batchfleet.common.redis_conn import sync_client
-from batchfleet.producer import Cancelled, Client
+from batchfleet.producer import Client
 from batchfleet.producer.status import snapshot
-from batchfleet.worker.devtools import spawn_worker
-from tests.helpers.loops import wait_until
+from tests.helpers.cluster import answers_streams_and_cancels, module_cluster_url
 
 pytestmark = pytest.mark.integration
 SHARDS = 3
@@ -25,11 +25,7 @@ SHARDS = 3
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
     """This module's fleets run on a private 3-master cluster (it overrides the suite's Redis)."""
-    from tests.helpers.cluster import PrivateCluster
-
-    cluster = PrivateCluster(masters=3).start()
-    yield cluster.url
-    cluster.stop()
+    yield from module_cluster_url()
 
 
 def _layout(url: str, namespace: str):
@@ -52,15 +48,7 @@ def test_a_sharded_fleet_answers_streams_and_cancels_over_every_shard(redis_url,
     keys = _layout(redis_url, namespace)
     r = sync_client(redis_url)
     with Client(redis_url, namespace) as client, Client(redis_url, namespace) as other:
-        results = client.generate_many([[10 + i, 11, 12] for i in range(24)], max_new_tokens=6, timeout=60)
-        assert [len(x.token_ids) for x in results] == [6] * 24
-        assert "".join(d.text for d in client.stream([5, 6, 7], max_new_tokens=5, timeout=60)) == \
-            other.generate([5, 6, 7], max_new_tokens=5, timeout=60).text
-        job = f"cancelled-{namespace}"
-        client.cancel(job)
-        client.submit([9, 9, 9], max_new_tokens=400, timeout=60, job_id=job)
-        with pytest.raises(Cancelled):
-            client.result(job, timeout=60)
+        answers_streams_and_cancels(client, other, namespace, 24)
         assert client.reply_key.startswith(keys.of_shard(keys.home_shard(client.reply_key.rsplit(":", 1)[1])).prefix)
     batches = [f for _, f in r.xrange(keys.batches)]
     r.close()
@@ -99,31 +87,6 @@ def test_requests_spread_over_the_shards_and_status_sums_them(redis_url, namespa
         assert all(len(client.result(j, timeout=120).token_ids) == 3 for j in batch)  # the batch class, every shard
         with pytest.raises(Timeout, match="deadline passed before the request was scheduled"):
             client.result(late, timeout=120)
-
-
-def test_a_worker_killed_on_a_sharded_fleet_loses_nothing(redis_url, namespace, tmp_path):
-    args = ["--buckets", "32,64", "--max-seq-len", "256", "--dtype", "float32", "--max-batch-size", "8",
-            "--max-wait-ms", "50", "--claim-idle-ms", "1000", "--threads", "1", "--shards", str(SHARDS)]
-    a = spawn_worker(redis_url, namespace, args, name=f"a-{namespace}", log_path=str(tmp_path / "a.log"))
-    b = spawn_worker(redis_url, namespace, args, name=f"b-{namespace}", log_path=str(tmp_path / "b.log"))
-    keys = _layout(redis_url, namespace)
-    r = sync_client(redis_url)
-    try:
-        with Client(redis_url, namespace) as client, ThreadPoolExecutor(8) as pool:
-            jobs = [client.submit([10 + i % 50, 11, 12], max_new_tokens=48, timeout=120) for i in range(32)]
-            futures = [pool.submit(client.result, j, 120) for j in jobs]
-            wait_until(lambda: any(f[b"worker"] == a.name.encode() for _, f in r.xrange(keys.batches)), 60,
-                       "a batch on worker a")
-            a.kill()
-            results = [f.result() for f in futures]
-            home = keys.of_shard(keys.shard_of(client.reply_key))
-        assert [len(x.token_ids) for x in results] == [48] * 32
-        assert all(r.exists(home.done(j)) for j in jobs)
-        assert sum(r.xlen(k.stream(32)) + r.xlen(k.stream(64)) for k in keys.every_shard) == 0
-    finally:
-        a.kill()
-        b.kill()
-        r.close()
 
 
 def test_the_gateway_serves_a_sharded_fleet_to_the_openai_client(redis_url, namespace, start_worker, start_gateway):

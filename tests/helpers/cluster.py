@@ -93,3 +93,31 @@ class PrivateCluster:
         for n in self.nodes:
             n.stop()
 
+
+
+def module_cluster_url(masters: int = 3):
+    """A module fixture's body: a private cluster of ``masters`` for the module's fleets (overriding the suite's
+    Redis), its URL yielded, the cluster stopped after."""
+    cluster = PrivateCluster(masters=masters).start()
+    yield cluster.url
+    cluster.stop()
+
+
+def answers_streams_and_cancels(client, other, namespace: str, n: int) -> None:
+    """The core paths through ``client``: ``n`` answers in order, a stream equal to ``other``'s plain answer,
+    and a job cancelled before it is enqueued (the hf engine runs a started batch to its end: the marker
+    stops it)."""
+    from batchfleet.producer import Cancelled
+
+    results = client.generate_many([[10 + i, 11, 12] for i in range(n)], max_new_tokens=6, timeout=60)
+    assert [len(r.token_ids) for r in results] == [6] * n
+    assert "".join(d.text for d in client.stream([5, 6, 7], max_new_tokens=5, timeout=60)) == \
+        other.generate([5, 6, 7], max_new_tokens=5, timeout=60).text
+    job = f"cancelled-{namespace}"
+    client.cancel(job)
+    client.submit([9, 9, 9], max_new_tokens=400, timeout=60, job_id=job)
+    try:
+        client.result(job, timeout=60)
+    except Cancelled:
+        return
+    raise AssertionError(f"job {job} was not cancelled")
