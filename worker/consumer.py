@@ -218,7 +218,7 @@ class StreamConsumer(Transport):
         return self.cancel_watch.cancels(waiting)
 
     @_refused
-    def marks(self, job_ids: list[str]) -> list[tuple[str | None, bool]]:
+    def marks(self, job_ids: list[str], reply_keys: list[str | None]) -> list[tuple[str | None, bool]]:
         """Each job's cancel marker and whether it is done (``CancelWatch.marks``)."""
         return self.cancel_watch.marks(job_ids)
 

@@ -130,7 +130,8 @@ class Intake:
         replying, a resumed bulk run, a retried submit) are acked without running."""
         if not entries:
             return
-        marks = self.transport.marks([job_id_of(e) or "-" for e in entries])
+        marks = self.transport.marks([job_id_of(e) or "-" for e in entries],
+                                     [reply_key_of(e, self.transport.keys) for e in entries])
         for entry, (cancel_mark, done) in zip(entries, marks):
             if done and job_id_of(entry) is not None:
                 self.ledger.note("duplicates")

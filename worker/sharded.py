@@ -180,12 +180,19 @@ class ShardedConsumer(Transport):
     def cancels(self, waiting: bool = False) -> list[Cancel]:
         return [c for part in self.parts for c in part.cancels(waiting)]
 
-    def marks(self, job_ids: list[str]) -> list[tuple[str | None, bool]]:
-        """A job's markers are on its client's home shard, which its id does not tell: every shard is asked
-        (one ``EXISTS`` each when none is set) and the answers merged."""
+    def marks(self, job_ids: list[str], reply_keys: list[str | None]) -> list[tuple[str | None, bool]]:
+        """A job's markers are on its inbox's shard (the client writes its cancels there, the reply writes its
+        ``done`` marker there): each shard is asked about its own jobs. A cancel from another inbox would be
+        elsewhere, but it is never honoured anyway; an entry without a valid reply key is rejected unread."""
         out: list[tuple[str | None, bool]] = [(None, False)] * len(job_ids)
-        for part in self.parts:
-            out = [(c or c2, d or d2) for (c, d), (c2, d2) in zip(out, part.marks(job_ids))]
+        by_home: dict[int, list[int]] = {}
+        for i, key in enumerate(reply_keys):
+            home = self.keys.shard_of(key) if key is not None else None
+            if home is not None:
+                by_home.setdefault(home, []).append(i)
+        for home, idx in by_home.items():
+            for i, mark in zip(idx, self.parts[home].marks([job_ids[i] for i in idx], [reply_keys[i] for i in idx])):
+                out[i] = mark
         return out
 
     def flush_requested(self) -> bool:

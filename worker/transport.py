@@ -145,9 +145,10 @@ class Transport(Protocol):
         (``waiting``: some have not started yet, so a cancel read now saves a whole job: never throttled)."""
 
     @abstractmethod
-    def marks(self, job_ids: list[str]) -> list[tuple[str | None, bool]]:
+    def marks(self, job_ids: list[str], reply_keys: list[str | None]) -> list[tuple[str | None, bool]]:
         """For each job: the reply key of a pending cancel request (else None), and whether it was answered
-        already (its ``done`` marker exists: a duplicate enqueue). Checked when entries are read."""
+        already (its ``done`` marker exists: a duplicate enqueue). Checked when entries are read; ``reply_keys``
+        (the entries' own, None where invalid) say where a sharded fleet keeps those markers."""
 
     @abstractmethod
     def clock_offset(self) -> float:

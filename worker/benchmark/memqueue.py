@@ -106,7 +106,7 @@ class MemQueue(Transport):
     def cancels(self, waiting: bool = False) -> list[Cancel]:
         return []
 
-    def marks(self, job_ids: list[str]) -> list[tuple[str | None, bool]]:
+    def marks(self, job_ids: list[str], reply_keys: list[str | None]) -> list[tuple[str | None, bool]]:
         return [(None, False)] * len(job_ids)
 
     def clock_offset(self) -> float:
