@@ -85,6 +85,7 @@ class ShardedConsumer(Transport):
         self.parts = [StreamConsumer(conn, buckets, name, reply_ttl_s, keys=k, r=r) for k in keys.every_shard]
         self.max_block_ms = self.parts[0].max_block_ms
         self._next = 0  # the shard the next sweep starts with
+        self._quiet = False  # the last read waited and found nothing
         # the waiters' side: owned by the loop's thread except ``arrived`` (a thread-safe queue)
         self.arrived: queue.SimpleQueue[list[Entry]] = queue.SimpleQueue()
         self.waiting = threading.Event()  # set while the loop waits for entries
@@ -137,7 +138,10 @@ class ShardedConsumer(Transport):
         """What the waiters queued, else one sweep over the shards, else (``block_ms``) wait for a waiter
         to queue something (``exact`` needs no polling here: the wait is on a local queue)."""
         counts = dict.fromkeys(LANES, count) if isinstance(count, int) else count
-        out = self._arrived() or self._sweep(counts)
+        # right after a wait that found nothing, a blocking read skips the sweep (an idle worker's cycle is
+        # the waiters' reads alone): an armed waiter's XREADGROUP ">" returns whatever arrived meanwhile
+        quiet, self._quiet = self._quiet, False
+        out = self._arrived() or ([] if quiet and block_ms is not None else self._sweep(counts))
         if out or block_ms is None or not any(counts.values()):
             return out
         self.counts = counts
@@ -145,6 +149,7 @@ class ShardedConsumer(Transport):
         try:
             first = self.arrived.get(timeout=max(1, min(int(block_ms), self.max_block_ms)) / 1000)
         except queue.Empty:
+            self._quiet = True
             return []
         finally:
             self.waiting.clear()
