@@ -176,10 +176,13 @@ DEAD_LETTER_SHOWN = ("reason", "bucket", "worker", "entry_id", "deliveries", "id
 
 
 def dead_letter_entries(r: redis.Redis, keys: Keys, count: int = 20) -> list[dict[str, Any]]:
-    """The newest ``count`` dead letters, newest first: when, why, which bucket/worker/entry/job. Their
-    fields come from hostile input (the entry as received): text only, each cut to 300 chars."""
+    """The newest ``count`` dead letters of every shard of ``keys``, newest first: when, why, which
+    bucket/worker/entry/job. Their fields come from hostile input (the entry as received): text only, each cut
+    to 300 chars."""
     out = []
-    for entry_id, fields in r.xrevrange(keys.dead, count=count):
+    newest = sorted((x for k in keys.every_shard for x in r.xrevrange(k.dead, count=count)),
+                    key=lambda x: _entry_time_s(x[0]), reverse=True)[:count]
+    for entry_id, fields in newest:
         f = _text_fields({k: v for k, v in fields.items() if _str(k) in DEAD_LETTER_SHOWN})
         row: dict[str, Any] = {"time": _entry_time_s(entry_id)}
         row.update({k: f[k][:300] for k in DEAD_LETTER_SHOWN if k in f})

@@ -69,7 +69,8 @@ def _read(r: redis.Redis, keys: Keys, history_after_ms: int | None) -> dict[str,
     snap = snapshot(r, keys)
     snap.update(work(r, keys))
     snap["batches"] = recent_batches(r, keys, SHOWN)
-    snap["dead_letter_entries"] = dead_letter_entries(r, keys, SHOWN)
+    shards = snap["fleet"]["shards"] if snap["fleet"] else 1  # a sharded fleet: every shard's dead letters
+    snap["dead_letter_entries"] = dead_letter_entries(r, keys.with_shards(shards), SHOWN)
     snap["history"] = history(r, keys, history_after_ms)
     snap["time"] = time.time()
     return snap

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 
 from batchfleet.common.keys import Keys
@@ -21,6 +22,8 @@ from batchfleet.producer.core import Outgoing
 from batchfleet.producer.inbox import Inbox
 
 SAMPLE_S = 0.5
+SAMPLE_TIMEOUT_S = 1.0  # a sample that takes longer (a master failing over) gives way to the home shard
+log = logging.getLogger("producer")
 
 
 class ShardPicker:
@@ -42,7 +45,12 @@ class ShardPicker:
             async with self._lock:
                 seen = self._seen.get(where)
                 if seen is None or len(seen[1]) != keys.shards or time.monotonic() - seen[0] > SAMPLE_S:
-                    seen = (time.monotonic(), await self._sample(keys, bucket, lane))
+                    try:
+                        lengths = await asyncio.wait_for(self._sample(keys, bucket, lane), SAMPLE_TIMEOUT_S)
+                    except Exception as exc:  # noqa: BLE001 - a master out of reach: the home shard, for now
+                        log.debug("shard backlog not sampled: %r", exc)
+                        lengths = [0] * keys.shards
+                    seen = (time.monotonic(), lengths)
                     self._seen[where] = seen
         backlog = seen[1]
         low = min(backlog)

@@ -155,7 +155,7 @@ def main(redis_url: str, namespace: str, name: str | None, buckets: str, max_run
                               max_running=max_running, max_wait_ms=max_wait_ms, engine="native", shards=shards)
     engine = SimulatedEngine(StepCost(*(float(x) for x in cost.split(","))), max_running)
     transport = redis_transport(cfg.connection, cfg.keys, bucket_sizes, name or f"sim-{time.time_ns()}",
-                                cfg.reply_ttl_s)
+                                cfg.reply_ttl_s, cfg.claim_idle_ms)
     transport.setup()
     info = FleetInfo(model=SIM_MODEL, tokenizer_json=tokenizer_json(), buckets=bucket_sizes,
                      max_seq_len=cfg.batching.max_seq_len, max_batch_size=max_running, vocab_size=VOCAB,

@@ -17,6 +17,7 @@ from batchfleet.common.redis_conn import sync_client
 from batchfleet.producer import Client
 from batchfleet.producer.status import snapshot
 from tests.helpers.cluster import answers_streams_and_cancels, module_cluster_url
+from tests.helpers.loops import wait_until
 
 pytestmark = pytest.mark.integration
 SHARDS = 3
@@ -133,4 +134,33 @@ def test_kedas_triggers_over_every_shard_count_every_unanswered_request(redis_ur
     try:
         assert_backlog_counted(redis_url, namespace, r, keys, so, 17, 200, settling=4)
     finally:
+        r.close()
+
+
+def test_an_entry_a_waiter_reads_after_the_loop_stopped_waiting_is_taken_or_released(redis_url, namespace):
+    """The loop waits 50 ms and gives up; the shards' waiters stay blocked (2 s). An entry arriving then is read
+    by its shard's waiter anyway: the loop's next read takes it; one not taken within LATE_S is released by the
+    lease keeper's ``alive`` (no longer offered, pending with a lapsed lease) and comes back through reclaim."""
+    from batchfleet.worker.shard_waiters import LATE_S
+    from batchfleet.worker.sharded import ShardedConsumer
+
+    keys = _layout(redis_url, namespace)
+    t = ShardedConsumer(ConnectionConfig(redis_url, namespace), keys, (32,), f"w-{namespace}", 60, claim_idle_ms=1000)
+    r = sync_client(redis_url)
+    try:
+        t.setup()
+        for late in (False, True):
+            assert t.read(4, 50) == []  # the waiters are still blocked on their shards after this
+            stream = keys.of_shard(2).stream(32)
+            entry_id = r.xadd(stream, {"id": f"j{late}", "r": "x", "p": "y"}).decode()
+            wait_until(lambda: t.waiters.held(), 5, "the shard's waiter reading the entry")
+            if not late:
+                assert [(e.entry_id, e.shard) for e in t.read(4, None)] == [(entry_id, 2)]
+                continue
+            time.sleep(LATE_S)
+            t.alive()
+            assert t.read(4, None) == [] and r.xpending(stream, keys.group)["pending"] == 2
+            assert [(e.entry_id, e.shard) for e in t.reclaim(1000, 10)] == [(entry_id, 2)]
+    finally:
+        t.close()
         r.close()

@@ -109,7 +109,7 @@ def _build(cfg: WorkerConfig, transport: Transport | None, loaded: LoadedModel |
         engine = wrap_engine(engine)
     if transport is None:
         transport = redis_transport(cfg.connection, cfg.keys, cfg.batching.buckets,
-                                    cfg.name or default_consumer_name(), cfg.reply_ttl_s)
+                                    cfg.name or default_consumer_name(), cfg.reply_ttl_s, cfg.claim_idle_ms)
     transport.setup()
     try:  # refuses (FleetConflict) when live workers serve another model, tokenizer or buckets
         transport.publish_fleet(with_fingerprint(fleet_info(cfg, loaded)), replace=cfg.replace_fleet)

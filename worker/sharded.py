@@ -10,17 +10,13 @@ leaves the entry pending: it is redelivered, re-run, its answer found written al
 twice), and only then acked. Dead letters stay on the entry's shard.
 
 Reading: a sweep asks one shard after the other (starting after the last that had entries, so none starves)
-without blocking. Nothing there: one waiter thread per shard blocks on that shard's streams (a blocking
-command holds its thread, and each shard lives on its own master) and hands what arrives to the loop's
-thread through a queue; the loop's wait on that queue ends at its own deadline, to the millisecond.
+without blocking; nothing there, the shards' waiter threads block (worker/shard_waiters.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
-import threading
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -33,66 +29,37 @@ from batchfleet.common.protocol import FleetInfo
 from batchfleet.common.retry import TRANSIENT
 from batchfleet.worker.consumer import StreamConsumer, connect
 from batchfleet.worker.refused import refused as _refused
+from batchfleet.worker.shard_waiters import Waiters
 from batchfleet.worker.transport import Cancel, Entry, Reply, Transport
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T", Entry, Reply)
-RETRY_S = 0.5  # a waiter's pause after a failed blocking read (the loop's own reads report the outage)
 
 
-def redis_transport(conn: ConnectionConfig, keys: Keys, buckets: tuple[int, ...], name: str,
-                    reply_ttl_s: int) -> Transport:
+def redis_transport(conn: ConnectionConfig, keys: Keys, buckets: tuple[int, ...], name: str, reply_ttl_s: int,
+                    claim_idle_ms: int = 30_000) -> Transport:
     """The worker's Redis transport for the fleet layout ``keys`` (shard 0 of it)."""
     if keys.shards == 1:
         return StreamConsumer(conn, buckets, name, reply_ttl_s, keys=keys)
-    return ShardedConsumer(conn, keys, buckets, name, reply_ttl_s)
-
-
-class _Waiter(threading.Thread):
-    """Blocks on one shard's streams while the loop waits (``waiting``) and queues what arrives."""
-
-    def __init__(self, part: StreamConsumer, shard: int, owner: ShardedConsumer) -> None:
-        super().__init__(name=f"shard-waiter-{shard}", daemon=True)
-        self.part, self.shard, self.owner = part, shard, owner
-        self.r = connect(part.conn)  # a blocking read holds its connection: one of its own
-
-    def run(self) -> None:
-        owner = self.owner
-        while True:
-            owner.waiting.wait()
-            if owner.stopping:
-                break
-            try:
-                got = self.part.reader.wait(owner.counts, self.part.max_block_ms, r=self.r)
-            except (*TRANSIENT, redis.RedisError) as exc:
-                log.debug("shard %d: blocking read failed: %r", self.shard, exc)
-                owner.stopped.wait(RETRY_S)
-                continue
-            if got:
-                owner.arrived.put([dataclasses.replace(e, shard=self.shard) for e in got])
-        self.r.close()
+    return ShardedConsumer(conn, keys, buckets, name, reply_ttl_s, claim_idle_ms)
 
 
 class ShardedConsumer(Transport):
     """One ``StreamConsumer`` per shard behind the ``Transport`` interface (module docstring)."""
 
     def __init__(self, conn: ConnectionConfig, keys: Keys, buckets: tuple[int, ...], name: str,
-                 reply_ttl_s: int) -> None:
+                 reply_ttl_s: int, claim_idle_ms: int = 30_000) -> None:
         self.keys = keys  # shard 0: every key of the fleet as a whole lives there
         self.name = name
+        self.claim_idle_ms = claim_idle_ms  # how idle a released entry is made (any reclaim takes it at once)
         r = connect(conn)
         self.parts = [StreamConsumer(conn, buckets, name, reply_ttl_s, keys=k, r=r) for k in keys.every_shard]
         self.max_block_ms = self.parts[0].max_block_ms
         self._next = 0  # the shard the next sweep starts with
         self._quiet = False  # the last read waited and found nothing
-        # the waiters' side: owned by the loop's thread except ``arrived`` (a thread-safe queue)
-        self.arrived: queue.SimpleQueue[list[Entry]] = queue.SimpleQueue()
-        self.waiting = threading.Event()  # set while the loop waits for entries
-        self.stopped = threading.Event()
+        self.waiters = Waiters(self.parts)
         self.stopping = False
-        self.counts: dict[str, int] = dict.fromkeys(LANES, 1)
-        self._waiters = [_Waiter(p, s, self) for s, p in enumerate(self.parts)]
 
     def _each(self, call: Callable[[StreamConsumer], object]) -> None:
         for part in self.parts:
@@ -107,9 +74,7 @@ class ShardedConsumer(Transport):
     # ---- joining -------------------------------------------------------------------------------------
     def setup(self) -> None:
         self._each(StreamConsumer.setup)
-        for w in self._waiters:
-            if not w.is_alive() and not self.stopping:
-                w.start()
+        self.waiters.start()
 
     def publish_fleet(self, info: FleetInfo, replace: bool = False) -> None:
         self._each(lambda p: p.publish_fleet(info, replace))
@@ -121,7 +86,14 @@ class ShardedConsumer(Transport):
         self._each(lambda p: p.heartbeat(status))
 
     def alive(self) -> None:
+        """Every shard's live-worker set; and (the lease keeper calls this every few seconds) the entries the
+        waiters read that the loop has not taken: renewed, or released once late (worker/shard_waiters.py)."""
         self._each(StreamConsumer.alive)
+        late, kept = self.waiters.age()
+        if late:
+            self.release(late, self.claim_idle_ms, count_delivery=False)
+        if kept:
+            self.refresh(kept, 0)
 
     def clock_offset(self) -> float:
         return self.parts[0].clock_offset()
@@ -135,33 +107,18 @@ class ShardedConsumer(Transport):
     # ---- reading -------------------------------------------------------------------------------------
     @_refused
     def read(self, count: int | dict[str, int], block_ms: int | None, exact: bool = True) -> list[Entry]:
-        """What the waiters queued, else one sweep over the shards, else (``block_ms``) wait for a waiter
-        to queue something (``exact`` needs no polling here: the wait is on a local queue)."""
+        """What the waiters read, else one sweep over the shards, else (``block_ms``) wait for the waiters to
+        read something (``exact`` needs no polling here: the wait is on a local condition)."""
         counts = dict.fromkeys(LANES, count) if isinstance(count, int) else count
         # right after a wait that found nothing, a blocking read skips the sweep (an idle worker's cycle is
         # the waiters' reads alone): an armed waiter's XREADGROUP ">" returns whatever arrived meanwhile
-        quiet, self._quiet = self._quiet, False
-        out = self._arrived() or ([] if quiet and block_ms is not None else self._sweep(counts))
+        quiet, self._quiet = self._quiet and not self.waiters.failing, False
+        out = self.waiters.take() or ([] if quiet and block_ms is not None else self._sweep(counts))
         if out or block_ms is None or not any(counts.values()):
             return out
-        self.counts = counts
-        self.waiting.set()
-        try:
-            first = self.arrived.get(timeout=max(1, min(int(block_ms), self.max_block_ms)) / 1000)
-        except queue.Empty:
-            self._quiet = True
-            return []
-        finally:
-            self.waiting.clear()
-        return first + self._arrived()
-
-    def _arrived(self) -> list[Entry]:
-        out: list[Entry] = []
-        while True:
-            try:
-                out += self.arrived.get_nowait()
-            except queue.Empty:
-                return out
+        out = self.waiters.wait(counts, max(1, min(int(block_ms), self.max_block_ms)) / 1000)
+        self._quiet = not out
+        return out
 
     def _sweep(self, counts: dict[str, int]) -> list[Entry]:
         n = len(self.parts)
@@ -175,11 +132,15 @@ class ShardedConsumer(Transport):
 
     @_refused
     def reclaim(self, min_idle_ms: int, budget: int) -> list[Entry]:
+        """Every shard's lapsed leases, within ``budget``; an entry reclaimed here is no longer also offered by
+        the waiters (the loop would take it twice, and ack the running copy as a duplicate)."""
         out: list[Entry] = []
         for shard, part in enumerate(self.parts):
             if budget - len(out) <= 0:
                 break
             out += [dataclasses.replace(e, shard=shard) for e in part.reclaim(min_idle_ms, budget - len(out))]
+        if out:
+            self.waiters.drop({e.where for e in out})
         return out
 
     def cancels(self, waiting: bool = False) -> list[Cancel]:
@@ -258,21 +219,20 @@ class ShardedConsumer(Transport):
         self.parts[0].log_batch(record)
 
     def close(self) -> None:
-        """Stop the waiters (each within one blocking read), hand back what they read that the loop never
-        took, then leave every shard. A second call does nothing."""
+        """Stop the waiters (each within one blocking read), release what they read that the loop never took,
+        then leave every shard. A second call does nothing."""
         if self.stopping:
             return
         self.stopping = True
-        self.stopped.set()
-        self.waiting.set()
-        for w in self._waiters:
-            if w.is_alive():
-                w.join(timeout=self.max_block_ms / 1000 + 1)
-        left = self._arrived()
-        if left:
+        stopped = self.waiters.stop()
+        left = self.waiters.take()
+        if left:  # released, not re-added: they stay pending on us, so our consumer name is kept too
             try:
-                self.hand_back(left)
+                self.release(left, self.claim_idle_ms, count_delivery=False)
             except (*TRANSIENT, redis.RedisError) as exc:  # their leases lapse: another worker reclaims them
-                log.warning("could not hand back %d entries: %r", len(left), exc)
+                log.warning("could not release %d entries: %r", len(left), exc)
+        if not stopped:  # one may still read an entry: keep our consumer names
+            log.warning("a shard waiter did not stop; leaving without dropping this consumer's names")
+            return
         self._each(lambda p: p.close(disconnect=False))
         self.parts[0].r.close()  # the one client they share
