@@ -66,15 +66,34 @@ def _rq_worker(redis_url: str, namespace: str, queue, **kw) -> subprocess.Popen:
         env={**os.environ, "BATCHFLEET_REDIS_URL": redis_url, "BATCHFLEET_NAMESPACE": namespace}, **kw)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children of any of its threads, and theirs), from /proc's parent links."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
 def _kill_with_horse(worker: subprocess.Popen) -> None:
-    """SIGKILL an rq worker and its work-horse, mid-job (the horse runs in a process group of its own)."""
-    children = Path(f"/proc/{worker.pid}/task/{worker.pid}/children").read_text().split()
-    for pid in children:
-        os.kill(int(pid), signal.SIGKILL)
+    """SIGKILL an rq worker and everything below it (its work-horse runs in a process group of its own), mid-job;
+    returns once none of them is left to write a line."""
+    os.killpg(worker.pid, signal.SIGSTOP)  # frozen first: nothing forks or writes while the tree is collected
+    below = _descendants(worker.pid)
+    for pid in below:
+        os.kill(pid, signal.SIGKILL)
     os.killpg(worker.pid, signal.SIGKILL)
     worker.wait(30)
-    for pid in children:  # gone (reaped by init once its parent died), so it can write no more lines
-        end = time.monotonic() + 10
+    for pid in below:  # gone (reaped by init once its parent died), so it can write no more lines
+        end = time.monotonic() + 30
         while Path(f"/proc/{pid}").exists() and time.monotonic() < end:
             time.sleep(0.01)
 
