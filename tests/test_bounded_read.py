@@ -106,3 +106,38 @@ def test_a_lost_group_still_raises_nogroup(consumers):
     r.delete(keys.stream(32), keys.stream(64))
     with pytest.raises(redis.ResponseError, match="NOGROUP"):
         c.read(count=4, block_ms=None)
+
+
+def _xreadgroups(r: redis.Redis) -> int:
+    """XREADGROUP calls so far, those scripts make inside Redis included (INFO commandstats)."""
+    return r.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0)
+
+
+def test_a_small_stream_is_read_at_once_a_long_one_an_entry_at_a_time(monkeypatch):
+    from batchfleet.worker.devtools import PrivateRedis, free_port
+
+    server = PrivateRedis(port=free_port()).start()  # its own command counts
+    try:
+        conn = ConnectionConfig(redis_url=server.url, namespace="br")
+        c = StreamConsumer(conn, (32, 64), "a", 60)
+        c.setup()
+        keys, r = Keys("br"), redis.Redis.from_url(server.url)
+        for i in range(20):
+            r.xadd(keys.stream(32), _fields(f"j{i}", 300))
+        before = _xreadgroups(r)
+        got = c.read(count=20, block_ms=None)
+        assert [e.fields[b"id"] for e in got] == [f"j{i}".encode() for i in range(20)]
+        assert all(e.oversize == 0 and len(e.fields[b"p"]) == 300 for e in got)
+        assert _xreadgroups(r) - before == 2  # the probe over both streams, then the other 19 at once
+
+        monkeypatch.setattr(bounded, "MEASURED_ENTRIES", 30)  # a stream longer than this is not measured
+        for i in range(40):
+            r.xadd(keys.stream(32), _fields(f"k{i}", 300))
+        before = _xreadgroups(r)
+        got = c.read(count=20, block_ms=None)
+        assert [e.fields[b"id"] for e in got] == [f"k{i}".encode() for i in range(20)]
+        assert _xreadgroups(r) - before == 20  # the probe, then one entry at a time
+        assert r.xpending(keys.stream(32), keys.group)["pending"] == 40  # read stays pending until answered
+        c.close()
+    finally:
+        server.stop()

@@ -3,11 +3,15 @@
 Enqueue caps payloads (common/functions.py), but a producer with raw ``XADD`` access can add entries of
 any size (up to Redis' own limits: 512 MB per field). A plain ``XREADGROUP COUNT n`` would pull n of
 them whole into the worker at once. Here every non-blocking read and every reclaim goes through a
-script that takes entries one at a time inside Redis and returns a too-large entry cut short: at most
+script that checks each entry's size inside Redis and returns a too-large entry cut short: at most
 ``KEEP_FIELDS`` fields of ``KEEP_BYTES`` each, with its real size, so the worker can answer it
 (``invalid_request``) or dead-letter it without ever holding it. One call also stops after
 ``READ_BUDGET_BYTES`` returned or ``SCAN_BUDGET_BYTES`` looked at (what the script's own Lua heap
-holds). The one read that is not size-checked is the idle worker's blocking read, made only after the
+holds). The read script takes a stream's entries with one ``XREADGROUP`` where the whole stream's raw
+bytes (``MEMORY USAGE``, exact with ``SAMPLES 0``) fit in both budgets, and one at a time where they do
+not (or the stream is longer than ``MEASURED_ENTRIES``, or the ACL user lacks ``memory|usage``): the
+bounds are the same either way, and the common case costs Redis one command per stream, not one per
+entry. The one read that is not size-checked is the idle worker's blocking read, made only after the
 script found nothing (or right after a blocking read that found nothing: only entries added since can be
 there): it takes at most one entry per stream (``COUNT 1``), the one that arrived during the wait (or
 since the last one), cut down (``shrink``) as soon as it is read.
@@ -29,6 +33,9 @@ KEEP_FIELDS = 32  # names + values kept of a too-large entry (16 pairs, as the d
 KEEP_BYTES = 4096
 READ_BUDGET_BYTES = 4 << 20  # whole entries returned by one script call
 SCAN_BUDGET_BYTES = 64 << 20  # raw entry bytes one script call looks at (its Lua heap)
+# a stream of at most this many entries is measured whole (MEMORY USAGE walks its nodes) and, when it fits the
+# budgets, read with one XREADGROUP inside the script; a longer one is read an entry at a time
+MEASURED_ENTRIES = 10_000
 
 LIMIT_ARGS = (MAX_ENTRY_BYTES, MAX_FIELDS, KEEP_FIELDS, KEEP_BYTES, READ_BUDGET_BYTES, SCAN_BUDGET_BYTES)
 
@@ -115,7 +122,7 @@ class BoundedReader:
         if not any(per_key):
             return []
         resp = self._script(keys=[s for s, _, _ in self.streams],
-                            args=[self.group, self.consumer, 0, *LIMIT_ARGS, *per_key])
+                            args=[self.group, self.consumer, 0, *LIMIT_ARGS, MEASURED_ENTRIES, *per_key])
         out = []
         for stream, entries in resp or []:
             bucket, lane = self._where(stream)

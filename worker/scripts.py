@@ -130,15 +130,16 @@ end
 """
 
 # KEYS: bucket streams, most urgent first. ARGV: group, consumer, count per stream, max_entry, max_fields,
-# keep_fields, keep_bytes, read budget, scan budget, then optionally one count per key (overrides ARGV[3]).
+# keep_fields, keep_bytes, read budget, scan budget, most entries of a stream read at once, then optionally one
+# count per key (overrides ARGV[3]).
 # Returns {{stream, {{id, fields, oversize}, ...}}, ...} like XREADGROUP, plus each entry's oversize.
 # One XREADGROUP COUNT 1 over every stream with room first (streams with nothing cost nothing more), then
-# the rest of each stream that had an entry, one at a time.
+# the rest of each stream that had an entry: at once where the stream is small enough, else one at a time.
 READ = _SHRINK + """
 local budget, scan_budget = tonumber(ARGV[8]), tonumber(ARGV[9])
 local returned, scanned = 0, 0
 local got, pos, probe = {}, {}, {'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS'}
-local function want(i) return tonumber(ARGV[9 + i] or ARGV[3]) end
+local function want(i) return tonumber(ARGV[10 + i] or ARGV[3]) end
 local function take(i, e)
   local fields, oversize, size = shrink(e[2], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]),
                                         tonumber(ARGV[7]))
@@ -166,10 +167,25 @@ local big = 0
 for _, s in ipairs(r or {}) do big = big + take(pos[s[1]], s[2][1]) end
 r = nil
 if big > 0 then collectgarbage() end
--- then the rest of each stream that had one, an entry at a time (the Lua heap holds one raw entry)
+-- then the rest of each stream that had one. Where the whole stream's raw bytes fit in what both budgets have
+-- left, one XREADGROUP takes the rest at once: nothing it returns can be larger. MEMORY USAGE SAMPLES 0 is exact
+-- (and an over-count: it includes entries deleted but not yet freed) and walks the stream's nodes, at most one
+-- per live entry, so only a stream of at most ARGV[10] entries (XLEN) is measured. Else an entry at a time (the
+-- Lua heap holds one raw entry).
 for i = 1, #KEYS do
+  local rest = want(i) - 1
+  if #got[i] > 0 and rest > 0 and returned < budget and scanned < scan_budget
+     and redis.call('XLEN', KEYS[i]) <= tonumber(ARGV[10]) then
+    local mem = redis.pcall('MEMORY', 'USAGE', KEYS[i], 'SAMPLES', 0)  -- an ACL without it: entry by entry
+    if type(mem) == 'number' and mem <= math.min(budget - returned, scan_budget - scanned) then
+      local ok2, r2 = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', rest, 'STREAMS', KEYS[i], '>')
+      if not ok2 then return result() end  -- as below
+      for _, e in ipairs(r2 and r2[1][2] or {}) do take(i, e) end
+      rest = 0
+    end
+  end
   if #got[i] > 0 then
-    for _ = 2, want(i) do
+    for _ = 1, rest do
       if returned >= budget or scanned >= scan_budget then break end
       local ok2, r2 = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[i], '>')
       if not ok2 then
