@@ -56,10 +56,22 @@ static inline __m512 sum16(const __m512 *a) {
         row[i] = (p) + ((tb[t / bs] * bs + t % bs) * Hkv + kh0) * D;                                   \
     }
 
+/* Software prefetch (into L2) of tokens t0 .. t0 + TILE - 1's rows in pool p, the item's hc heads of each (no
+ * token past n), one tile ahead: a sequence's blocks lie anywhere in the pool, so the hardware prefetcher,
+ * which follows addresses within a page, starts over at every block and the reads wait on memory. Taken by
+ * the bf16 path only (PF): measured inside decode steps on a Xeon with AMX (bench preset, 32 x 300 tokens),
+ * the kernel's time went 22.7 -> 18.1 ms a step in bf16 and 28.7 -> 31.5 ms in fp32 (whose rows are twice as
+ * long: the hardware prefetcher does better there, and the prefetches cost more than they save). */
+#define PREFETCH_TILE(T, p, t0)                                                                        \
+    for (int64_t t = (t0); t < (t0) + TILE && t < n; t++) {                                           \
+        const char *r = (const char *)((p) + ((tb[t / bs] * bs + t % bs) * Hkv + kh0) * D);           \
+        for (int o = 0; o < hc * D * (int)sizeof(T); o += 64) _mm_prefetch(r + o, _MM_HINT_T1);        \
+    }
+
 /* One work item: sequence b, KV heads kh0 .. kh0 + hc - 1. QW: elements of one QK step (QK_STEP(a, q, k)
- * adds q[0 .. QW) . k[0 .. QW) into the 16 lanes of a); LD16: 16 elements as fp32. Returns 1 if its scratch
- * could not be allocated. */
-#define DEFINE_AVX512_ITEM(NAME, T, QW, QK_STEP, LD16, STORE)                                          \
+ * adds q[0 .. QW) . k[0 .. QW) into the 16 lanes of a); LD16: 16 elements as fp32; PF: 1 to prefetch the next
+ * tile (PREFETCH_TILE). Returns 1 if its scratch could not be allocated. */
+#define DEFINE_AVX512_ITEM(NAME, T, QW, QK_STEP, LD16, STORE, PF)                                      \
 static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const int64_t *ctx, T *out,  \
                 int b, int kh0, int H, int Hkv, int D, int bs, int M, float scale, int hc) {            \
     const int G = H / Hkv, nq = hc * G;                                                                \
@@ -75,6 +87,7 @@ static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const
     const __m512 sv = _mm512_set1_ps(scale);                                                           \
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                         \
         const int m = n - t0 < TILE ? (int)(n - t0) : TILE;                                            \
+        if (PF) PREFETCH_TILE(T, k, t0 + TILE)                                                         \
         TILE_ROWS(row, k, t0, m, 1)                                                                    \
         const __mmask16 live = (__mmask16)((1u << m) - 1);                                             \
         for (int h = 0; h < nq; h++) {                                                                 \
@@ -92,6 +105,7 @@ static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const
             if (tm > mx[h]) mx[h] = tm;                                                                \
         }                                                                                              \
     }                                                                                                  \
+    if (PF) PREFETCH_TILE(T, v, 0) /* the first V tile, during the softmax */                          \
     for (int h = 0; h < nq; h++) {                                                                     \
         float *sh = sc + h * n;                                                                        \
         const __m512 mv = _mm512_set1_ps(mx[h]);                                                       \
@@ -106,6 +120,7 @@ static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const
     }                                                                                                  \
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                         \
         const int m = n - t0 < TILE ? (int)(n - t0) : TILE;                                            \
+        if (PF) PREFETCH_TILE(T, v, t0 + TILE)                                                         \
         TILE_ROWS(row, v, t0, m, 0)                                                                    \
         for (int h = 0; h < nq; h++) {                                                                 \
             const float *ph = sc + h * n + t0;                                                         \
@@ -125,13 +140,13 @@ static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const
 
 #define QK_F32(a, qp, kp) _mm512_fmadd_ps(_mm512_loadu_ps(qp), _mm512_loadu_ps(kp), a)
 #define LD16_F32(p) _mm512_loadu_ps(p)
-DEFINE_AVX512_ITEM(avx512_item_f32, float, 16, QK_F32, LD16_F32, ID)
+DEFINE_AVX512_ITEM(avx512_item_f32, float, 16, QK_F32, LD16_F32, ID, 0)
 DEFINE_ITEM_KERNEL(avx512_f32, avx512_item_f32, float) /* paged_decode.c */
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define QK_BF16(a, qp, kp) _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qp), (__m512bh)_mm512_loadu_si512(kp))
 #define LD16_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
-DEFINE_AVX512_ITEM(avx512_item_bf16, uint16_t, 32, QK_BF16, LD16_BF16, f2bf)
+DEFINE_AVX512_ITEM(avx512_item_bf16, uint16_t, 32, QK_BF16, LD16_BF16, f2bf, 1)
 DEFINE_ITEM_KERNEL(avx512_bf16, avx512_item_bf16, uint16_t)
 #endif
