@@ -68,7 +68,6 @@ else kept = redis.call('EXISTS', KEYS[3]) end  -- a fleet that scales to zero: n
 return {t[1], t[2], kept}
 """
 
-
 _NOW_MS = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -130,11 +129,9 @@ end
 """
 
 # KEYS: bucket streams, most urgent first. ARGV: group, consumer, count per stream, max_entry, max_fields,
-# keep_fields, keep_bytes, read budget, scan budget, most entries of a stream read at once, then optionally one
-# count per key (overrides ARGV[3]).
-# Returns {{stream, {{id, fields, oversize}, ...}}, ...} like XREADGROUP, plus each entry's oversize.
-# One XREADGROUP COUNT 1 over every stream with room first (streams with nothing cost nothing more), then
-# the rest of each stream that had an entry: at once where the stream is small enough, else one at a time.
+# keep_fields, keep_bytes, read budget, scan budget, longest stream measured, then optionally one count per key
+# (overrides ARGV[3]). Returns {{stream, {{id, fields, oversize}, ...}}, ...} like XREADGROUP, plus each
+# entry's oversize. One XREADGROUP COUNT 1 over every stream with room first (an empty one costs nothing more).
 READ = _SHRINK + """
 local budget, scan_budget = tonumber(ARGV[8]), tonumber(ARGV[9])
 local returned, scanned = 0, 0
@@ -167,36 +164,25 @@ local big = 0
 for _, s in ipairs(r or {}) do big = big + take(pos[s[1]], s[2][1]) end
 r = nil
 if big > 0 then collectgarbage() end
--- then the rest of each stream that had one. Where the whole stream's raw bytes fit in what both budgets have
--- left, one XREADGROUP takes the rest at once: nothing it returns can be larger. MEMORY USAGE SAMPLES 0 is exact
--- (and an over-count: it includes entries deleted but not yet freed) and walks the stream's nodes, at most one
--- per live entry, so only a stream of at most ARGV[10] entries (XLEN) is measured. Else an entry at a time (the
--- Lua heap holds one raw entry).
+-- then the rest of each stream that had one: at once (one XREADGROUP) where the whole stream's raw bytes fit in
+-- what both budgets have left, so that nothing it returns can be larger; else an entry at a time (the Lua heap
+-- holds one raw entry). MEMORY USAGE SAMPLES 0 is exact (an over-count: entries deleted but not yet freed are
+-- in it) and walks the stream's nodes, at most one per live entry: only streams of <= ARGV[10] entries.
 for i = 1, #KEYS do
-  local rest = want(i) - 1
-  if #got[i] > 0 and rest > 0 and returned < budget and scanned < scan_budget
-     and redis.call('XLEN', KEYS[i]) <= tonumber(ARGV[10]) then
+  local rest, step = #got[i] > 0 and want(i) - 1 or 0, 1
+  if rest > 1 and redis.call('XLEN', KEYS[i]) <= tonumber(ARGV[10]) then
     local mem = redis.pcall('MEMORY', 'USAGE', KEYS[i], 'SAMPLES', 0)  -- an ACL without it: entry by entry
-    if type(mem) == 'number' and mem <= math.min(budget - returned, scan_budget - scanned) then
-      local ok2, r2 = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', rest, 'STREAMS', KEYS[i], '>')
-      if not ok2 then return result() end  -- as below
-      for _, e in ipairs(r2 and r2[1][2] or {}) do take(i, e) end
-      rest = 0
-    end
+    if type(mem) == 'number' and mem <= math.min(budget - returned, scan_budget - scanned) then step = rest end
   end
-  if #got[i] > 0 then
-    for _ = 1, rest do
-      if returned >= budget or scanned >= scan_budget then break end
-      local ok2, r2 = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[i], '>')
-      if not ok2 then
-        -- what was read so far stays pending on us: hand it over; the error shows on the next call
-        return result()
-      end
-      if not r2 then break end
-      local oversize = take(i, r2[1][2][1])
-      r2 = nil
-      if oversize > 0 then collectgarbage() end
-    end
+  while rest > 0 and returned < budget and scanned < scan_budget do
+    local ok2, r2 = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', step, 'STREAMS', KEYS[i], '>')
+    if not ok2 then return result() end  -- what was read stays pending on us: hand it over; the error comes next
+    if not r2 then break end
+    big = 0
+    for _, e in ipairs(r2[1][2]) do big = big + take(i, e) end
+    r2 = nil
+    if big > 0 then collectgarbage() end
+    rest = rest - step
   end
 end
 return result()
@@ -238,9 +224,8 @@ end
 return res
 """
 
-# KEYS: cancels stream. ARGV: last id seen, most entries, bytes kept per field value.
-# Returns {last id, {{id, job id, reply key}, ...}}: entries one at a time (the Lua heap holds one), each
-# field cut to ARGV[3] bytes, so a hostile 40 MB cancel entry costs the worker nothing.
+# KEYS: cancels stream. ARGV: last id seen, most entries, bytes kept per field value. Returns {last id, {{id,
+# job id, reply key}, ...}}: entries one at a time (the Lua heap holds one), each field cut to ARGV[3] bytes.
 CANCELS = """
 local last, out = ARGV[1], {}
 for _ = 1, tonumber(ARGV[2]) do
@@ -260,10 +245,9 @@ end
 return {last, out}
 """
 
-# KEYS: n cancel markers, then n done markers. ARGV: n, longest marker value kept.
-# Returns {cancel value or false, ..., done 0/1, ...}: a marker longer than ARGV[2] comes back false (it
-# cannot be a reply key), so a hostile marker value is never read into the worker. Called only when a plain
-# EXISTS found some marker (only a cancel before delivery or a job answered already leaves one).
+# KEYS: n cancel markers, then n done markers. ARGV: n, longest marker value kept. Returns {cancel value or false,
+# ..., done 0/1, ...}: a marker longer than ARGV[2] comes back false (it cannot be a reply key), so a hostile value
+# is never read into the worker. Only when a plain EXISTS found one (a cancel before delivery, a job answered).
 MARKS = """
 local n, out = tonumber(ARGV[1]), {}
 for i = 1, n do
