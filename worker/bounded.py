@@ -7,14 +7,17 @@ script that checks each entry's size inside Redis and returns a too-large entry 
 ``KEEP_FIELDS`` fields of ``KEEP_BYTES`` each, with its real size, so the worker can answer it
 (``invalid_request``) or dead-letter it without ever holding it. One call also stops after
 ``READ_BUDGET_BYTES`` returned or ``SCAN_BUDGET_BYTES`` looked at (what the script's own Lua heap
-holds). The read script takes a stream's entries with one ``XREADGROUP`` where the whole stream's raw
-bytes (``MEMORY USAGE``, exact with ``SAMPLES 0``) fit in both budgets, and one at a time where they do
-not (or the stream is longer than ``MEASURED_ENTRIES``, or the ACL user lacks ``memory|usage``): the
-bounds are the same either way, and the common case costs Redis one command per stream, not one per
-entry. The one read that is not size-checked is the idle worker's blocking read, made only after the
-script found nothing (or right after a blocking read that found nothing: only entries added since can be
-there): it takes at most one entry per stream (``COUNT 1``), the one that arrived during the wait (or
-since the last one), cut down (``shrink``) as soon as it is read.
+holds). The read script takes a stream's entries with one ``XREADGROUP`` where all it can return fits in
+both budgets: the whole stream's raw bytes (``MEMORY USAGE``, exact with ``SAMPLES 0``) plus the field
+names Redis stores once per stream node but returns with every entry (< 4 KB an entry while
+``stream-node-max-bytes`` is at its default, 4096); else one at a time (also where the stream is longer
+than ``MEASURED_ENTRIES`` or the ACL user lacks ``memory|usage``). The bounds are the same either way, and
+the common case costs Redis one command per stream, not one per entry.
+
+The one read that is not size-checked is the idle worker's blocking read, made only after the script found
+nothing (or right after a blocking read that found nothing: only entries added since can be there): it takes
+at most one entry per stream (``COUNT 1``), the one that arrived during the wait (or since the last one), cut
+down (``shrink``) as soon as it is read.
 
 So a worker holds at most: one raw entry (while it is cut down) + ``READ_BUDGET_BYTES`` + one
 ``MAX_ENTRY_BYTES`` entry per read, on top of the requests it keeps (each <= ``MAX_ENTRY_BYTES``).

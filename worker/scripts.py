@@ -15,11 +15,10 @@ from redis.cluster import ClusterPipeline
 
 # KEYS: n x (done marker, inbox), then the m streams the entries are in. ARGV: group, ttl seconds, n, then
 # per reply: entry id ('' = none), payload, job id, index of its stream in the stream keys (1..m).
-# Returns one 1/0 per reply: 1 when this call wrote it, 0 when an earlier writer had (its ``done`` marker).
-# The inbox is a stream the client reads without consuming (it deletes what it has handled), so a crash at
-# any instant loses nothing. A whole batch of replies is one call: per reply only SET NX + XADD; one EXPIRE
-# per distinct inbox, one XACK and one XDEL per stream with all its entry ids (Redis' work per reply stays
-# ~2 commands). The caller keeps n small enough for unpack (``REPLIES_PER_CALL``).
+# Returns one 1/0 per reply: 1 when this call wrote it, 0 when an earlier writer had (its ``done`` marker). The
+# inbox is a stream the client reads without consuming (it deletes what it has handled): a crash at any instant
+# loses nothing. A batch of replies is one call: per reply SET NX + XADD; one EXPIRE per inbox, one XACK and one
+# XDEL per stream with all its entry ids. The caller keeps n small enough for unpack (``REPLIES_PER_CALL``).
 REPLIES = """
 local ttl, n, m = ARGV[2], tonumber(ARGV[3]), #KEYS - 2 * tonumber(ARGV[3])
 local out, inboxes, ids = {}, {}, {}
@@ -130,8 +129,7 @@ end
 
 # KEYS: bucket streams, most urgent first. ARGV: group, consumer, count per stream, max_entry, max_fields,
 # keep_fields, keep_bytes, read budget, scan budget, longest stream measured, then optionally one count per key
-# (overrides ARGV[3]). Returns {{stream, {{id, fields, oversize}, ...}}, ...} like XREADGROUP, plus each
-# entry's oversize. One XREADGROUP COUNT 1 over every stream with room first (an empty one costs nothing more).
+# (overrides ARGV[3]). Returns {{stream, {{id, fields, oversize}, ...}}, ...} like XREADGROUP, plus oversizes.
 READ = _SHRINK + """
 local budget, scan_budget = tonumber(ARGV[8]), tonumber(ARGV[9])
 local returned, scanned = 0, 0
@@ -147,8 +145,7 @@ local function take(i, e)
 end
 local function result()
   local out = {}
-  for i = 1, #KEYS do if #got[i] > 0 then out[#out + 1] = {KEYS[i], got[i]} end end
-  return out
+  for i = 1, #KEYS do if #got[i] > 0 then out[#out + 1] = {KEYS[i], got[i]} end end return out
 end
 local n = 0
 for i = 1, #KEYS do
@@ -164,15 +161,18 @@ local big = 0
 for _, s in ipairs(r or {}) do big = big + take(pos[s[1]], s[2][1]) end
 r = nil
 if big > 0 then collectgarbage() end
--- then the rest of each stream that had one: at once (one XREADGROUP) where the whole stream's raw bytes fit in
--- what both budgets have left, so that nothing it returns can be larger; else an entry at a time (the Lua heap
--- holds one raw entry). MEMORY USAGE SAMPLES 0 is exact (an over-count: entries deleted but not yet freed are
--- in it) and walks the stream's nodes, at most one per live entry: only streams of <= ARGV[10] entries.
+-- then the rest of each stream that had one: at once (one XREADGROUP) where what it can return fits in what both
+-- budgets have left, else an entry at a time (the Lua heap holds one raw entry). It returns at most the stream's
+-- bytes (MEMORY USAGE SAMPLES 0: exact, walking at most one node per live entry, so only for <= ARGV[10]
+-- entries) plus the field names a node stores once for all its entries, < 4096 bytes an entry (a node takes
+-- more entries only below stream-node-max-bytes, 4096 unless an operator raised it).
 for i = 1, #KEYS do
   local rest, step = #got[i] > 0 and want(i) - 1 or 0, 1
   if rest > 1 and redis.call('XLEN', KEYS[i]) <= tonumber(ARGV[10]) then
     local mem = redis.pcall('MEMORY', 'USAGE', KEYS[i], 'SAMPLES', 0)  -- an ACL without it: entry by entry
-    if type(mem) == 'number' and mem <= math.min(budget - returned, scan_budget - scanned) then step = rest end
+    if type(mem) == 'number' and mem + 4096 * rest <= math.min(budget - returned, scan_budget - scanned) then
+      step = rest
+    end
   end
   while rest > 0 and returned < budget and scanned < scan_budget do
     local ok2, r2 = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', step, 'STREAMS', KEYS[i], '>')
