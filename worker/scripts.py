@@ -168,7 +168,7 @@ if big > 0 then collectgarbage() end
 -- more entries only below stream-node-max-bytes, 4096 unless an operator raised it).
 for i = 1, #KEYS do
   local rest, step = #got[i] > 0 and want(i) - 1 or 0, 1
-  if rest > 1 and redis.call('XLEN', KEYS[i]) <= tonumber(ARGV[10]) then
+  if rest > 1 and returned < budget and scanned < scan_budget and redis.call('XLEN', KEYS[i]) <= tonumber(ARGV[10]) then
     local mem = redis.pcall('MEMORY', 'USAGE', KEYS[i], 'SAMPLES', 0)  -- an ACL without it: entry by entry
     if type(mem) == 'number' and mem + 4096 * rest <= math.min(budget - returned, scan_budget - scanned) then
       step = rest
