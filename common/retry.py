@@ -12,8 +12,11 @@ import time
 
 import redis
 
-# What a retry can cure: a dropped connection, a restart (LOADING is a ConnectionError subclass).
-TRANSIENT: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError)
+# What a retry can cure: a dropped connection, a restart (LOADING is a ConnectionError subclass), a Redis Cluster
+# between a master's loss and its replica's promotion (CLUSTERDOWN: redis-py raises it once its own few retries
+# are spent, within a second or two) or moving a slot (TRYAGAIN).
+TRANSIENT: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError,
+                                              redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError)
 
 
 def transient_reason(exc: BaseException) -> str:

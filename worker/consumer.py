@@ -127,6 +127,8 @@ class StreamConsumer(Transport):
         try:
             load_library(self.r)
         except redis.ResponseError as exc:
+            if isinstance(exc, TRANSIENT):  # a cluster failing over: the caller retries
+                raise
             log.warning("could not load the batchfleet function library (%s); an admin must load it "
                         "(docs/SECURITY.md) or producers need EVAL", exc)
 

@@ -11,6 +11,7 @@ from typing import ParamSpec, TypeVar
 
 import redis
 
+from batchfleet.common.retry import TRANSIENT
 from batchfleet.worker.transport import StreamsLost, TransportError
 
 P = ParamSpec("P")
@@ -26,12 +27,12 @@ class _Refused(TransportError, redis.ResponseError):
 
 
 def refused(method: Callable[P, R]) -> Callable[P, R]:
-    """Raise the transport's error types for a command Redis refused (connection errors pass unchanged)."""
+    """Raise the transport's error types for a command Redis refused (transient errors pass unchanged)."""
     @functools.wraps(method)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return method(*args, **kwargs)
-        except TransportError:
+        except (TransportError, *TRANSIENT):  # CLUSTERDOWN and TRYAGAIN are ResponseErrors, and transient
             raise
         except redis.ResponseError as exc:
             kind = _StreamsLost if "NOGROUP" in str(exc) else _Refused
