@@ -36,12 +36,15 @@ def test_redis_restart_mid_load_nothing_lost(aof_redis, tiny_model_dir, cache_di
     results: dict[str, object] = {}
     errors: list[BaseException] = []
     restarted = threading.Event()
+    killed = threading.Event()
     after_restart: list[float] = []
 
     def producer(p: int) -> None:
         try:
             with Client(aof_redis.url, ns) as client:
                 for i in range(12):
+                    if i == 6 and p < 2:  # half the producers go on only once Redis is down: load spans the
+                        killed.wait(60)  # restart however fast the first half ran (the others run free)
                     res = client.generate([10 + p, 11 + i, 12], max_new_tokens=8, timeout=60)
                     results[res.id] = res
                     if restarted.is_set() and not after_restart:
@@ -71,6 +74,7 @@ def test_redis_restart_mid_load_nothing_lost(aof_redis, tiny_model_dir, cache_di
         wait_until(lambda: len(results) >= 8, 60, "some results before the restart")
         time.sleep(0.3)
         aof_redis.kill()
+        killed.set()
         time.sleep(1.0)
         aof_redis.start()
         t_up = time.monotonic()
