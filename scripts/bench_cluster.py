@@ -77,7 +77,7 @@ class Masters:
 
 
 def measure(layout: str, workers: int, clients: int, client_procs: int, seconds: float, idle_s: float,
-            worker_args: list[str]) -> dict:
+            worker_args: list[str], per_shard_rate: float = 0.0) -> dict:
     masters, shards = (0, 1) if layout == "plain" else (int(x) for x in layout.split("x"))
     group = Masters(masters)
     procs: list[subprocess.Popen] = []
@@ -91,8 +91,10 @@ def measure(layout: str, workers: int, clients: int, client_procs: int, seconds:
         idle_calls = sum(n - c0.get(k, (0, 0))[0] for c0, c1 in zip(idle_calls0, group.commands())
                          for k, (n, _) in c1.items()) / idle_s / workers
         before, calls0, t0 = group.cpu_s(), group.commands(), time.monotonic()
-        run = load.run(load.Load(group.url, ns, seconds, new_tokens=1, prompt_len=16, clients=clients,
-                                 homes=shards), client_procs)
+        # open loop: the same offered rate per shard in every layout, so each master is measured at one load
+        mode = {"rate": per_shard_rate * shards} if per_shard_rate else {"clients": clients}
+        run = load.run(load.Load(group.url, ns, seconds, new_tokens=1, prompt_len=16, homes=shards, **mode),
+                       client_procs)
         wall = time.monotonic() - t0
         spent = [b - a for a, b in zip(before, group.cpu_s())]
         done = max(run["requests"], 1)
@@ -120,24 +122,27 @@ def measure(layout: str, workers: int, clients: int, client_procs: int, seconds:
 @click.option("--clients", type=int, default=96, help="Closed-loop clients (1-token requests).")
 @click.option("--client-procs", type=int, default=3, help="Client processes (a multiple of the shards spreads "
               "their inboxes evenly).")
+@click.option("--per-shard-rate", type=float, default=0.0, help="Open loop instead: Poisson arrivals at this rate "
+              "(req/s) times the layout's shards, so every master carries the same load (0: closed loop).")
 @click.option("--seconds", type=float, default=15.0)
 @click.option("--idle-seconds", type=float, default=3.0, help="The masters' idle CPU is measured this long first.")
 @click.option("--cost", default="1,0.001,2,0.01", help="Simulated step cost (ms): small, so Redis is the work.")
 @click.option("--json", "json_path", default=None)
-def main(layouts: str, workers: int, clients: int, client_procs: int, seconds: float, idle_seconds: float, cost: str,
-         json_path: str | None) -> None:
+def main(layouts: str, workers: int, clients: int, client_procs: int, per_shard_rate: float, seconds: float,
+         idle_seconds: float, cost: str, json_path: str | None) -> None:
     worker_args = ["--max-running", "64", "--cost", cost, "--max-wait-ms", "2"]
     rows = []
     for layout in layouts.split(","):
-        rows.append(measure(layout, workers, clients, client_procs, seconds, idle_seconds, worker_args))
+        rows.append(measure(layout, workers, clients, client_procs, seconds, idle_seconds, worker_args,
+                            per_shard_rate))
         print(f"{layout}: {rows[-1]['rps']:.0f} req/s, ceiling {rows[-1]['ceiling_rps']:,.0f}", file=sys.stderr,
               flush=True)
     base = rows[0]["ceiling_rps"]
     for row in rows:
         row["ceiling_x"] = row["ceiling_rps"] / base if base else None
     out = {"host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
-           "settings": {"workers": workers, "clients": clients, "client_procs": client_procs, "seconds": seconds,
-                        "cost_ms": cost}, "rows": rows}
+           "settings": {"workers": workers, "clients": clients, "per_shard_rate": per_shard_rate,
+                        "client_procs": client_procs, "seconds": seconds, "cost_ms": cost}, "rows": rows}
     print("| layout | masters | shards | req/s reached | idle CPU share by master | Redis CPU us/req by master "
           f"| ceiling req/s | x {rows[0]['layout']} | calls/req by master | command us/req by master "
           f"| command-time ceiling | x {rows[0]['layout']} |")
