@@ -141,3 +141,31 @@ def test_a_kernel_whose_rows_change_above_some_row_count_gets_its_calls_cut_ther
     assert torch.equal(lin(x), alone) and torch.equal(lin(x.view(1, 23, 40)).view(23, -1), alone)
     res = torch.randn(23, 48)
     assert torch.equal(lin.add_to(x, res), torch.cat([lin.add_to(x[j:j + 1], res[j:j + 1]) for j in range(23)]))
+
+
+def test_the_amx_kernel_gives_every_row_its_bits_alone_at_every_row_count(L):
+    """amx.py (bf16 on CPUs with AMX, ``auto``'s kernel there): one call of any row count, any row position, gives
+    each row the bits it gets alone, within bf16 rounding of the fp32 product; ``add_to`` rounds as torch adds two
+    bf16 tensors; ``onednn`` and shapes it cannot take (bias, a dimension not a multiple of 32) stay on oneDNN."""
+    import torch
+
+    from batchfleet.worker.engine.native import amx
+
+    if amx.library() is None:
+        pytest.skip("this CPU or kernel has no AMX-BF16 tiles")
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
+    lin = L.LinearFactory("auto")(w)
+    assert isinstance(lin, amx.AmxLinear) and lin.kernel_for(7) == amx.KERNEL and lin.block is None
+    x = torch.randn(150, 64, generator=g).bfloat16()
+    res = torch.randn(150, 96, generator=g).bfloat16()
+    with torch.inference_mode():
+        alone = torch.cat([lin(x[j:j + 1]) for j in range(150)])
+        for start, rows in ((0, 150), (1, 33), (17, 16), (40, 100), (149, 1), (3, 0)):
+            assert torch.equal(lin(x[start:start + rows]), alone[start:start + rows])
+        torch.testing.assert_close(alone.float(), x.float() @ w.float().T, atol=0.05, rtol=0.01)
+        assert torch.equal(lin.add_to(x, res), res + alone)
+        assert torch.equal(lin(x.view(3, 50, 64)).view(150, -1), alone)
+    assert not isinstance(L.LinearFactory("onednn")(w), amx.AmxLinear)
+    assert not isinstance(L.LinearFactory("auto")(w, torch.zeros(96).bfloat16()), amx.AmxLinear)
+    assert not isinstance(L.LinearFactory("auto")(torch.randn(96, 48).bfloat16()), amx.AmxLinear)

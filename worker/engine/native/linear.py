@@ -13,7 +13,8 @@ of a 33- to 64-row call differs from its bits alone in most of a model's shapes 
 from 58 rows; every fp32 shape and every call of up to 32 rows were the same bits). So ``auto`` checks each
 weight shape once at load (``invariant_block``: every row of every call of 2 to 64 rows against that row
 alone) and, where some call differs, cuts larger calls into blocks of the largest row count that held
-(32 on that CPU; a prefill's matmuls then cost up to ~2x, a decode step of up to 32 sequences nothing).
+(32 on that CPU; a prefill's matmuls then cost up to ~2x, a decode step of up to 32 sequences nothing). There
+``auto`` runs bf16 weights on amx.py's AMX kernel instead, invariant at every row count; the blocks stay for oneDNN.
 ``tests/test_batch_invariance.py`` checks every row of every row count of the engine's shapes.
 
 On x86 CPUs torch's default ``F.linear`` (MKL sgemm in fp32) leaves much of the machine unused at the
@@ -233,6 +234,8 @@ class LinearFactory:
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         if self.choice == "default":
             return Linear(weight, bias)
+        if self.choice == "auto" and (tiled := self._amx(weight, bias)) is not None:
+            return tiled
         packed = _prepack(weight)
         key = (weight.shape[0], weight.shape[1], str(weight.dtype).removeprefix("torch."))
         if packed is None:
@@ -249,6 +252,23 @@ class LinearFactory:
                     self.seconds += time.perf_counter() - t
                 self.plans[key] = _MEASURED[cached]
         return self._blocked(key, Linear(weight, bias, self.plans[key], packed))
+
+    def _amx(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear | None:
+        """The AMX kernel's layer (amx.py: bf16 on CPUs with AMX, invariant at every row count), checked once per
+        shape like ``_blocked`` checks oneDNN's; None where it cannot run here."""
+        from batchfleet.worker.engine.native import amx  # imports this module
+
+        if not amx.fits(weight, bias) or (lib := amx.library()) is None:
+            return None
+        key = (weight.shape[0], weight.shape[1], "bfloat16")
+        lin, cached = amx.AmxLinear(weight, lib), (*key, amx.KERNEL, torch.get_num_threads())
+        if cached not in _BLOCKS:
+            _BLOCKS[cached] = invariant_block(lin)
+        if _BLOCKS[cached] is not None:  # never seen: the sums do not depend on the row count by construction
+            log.warning("AMX linear %s: rows change with the row count; oneDNN instead", key)
+            return None
+        self.plans[key], self.blocks[key] = Plan({r: amx.KERNEL for r in PROBE_ROWS}), None
+        return lin
 
     def _blocked(self, key: tuple[int, int, str], lin: Linear) -> Linear:
         """``lin`` with its rows per call, where batch invariance is asked for (auto, onednn) on the CPU."""
