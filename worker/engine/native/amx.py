@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from batchfleet.worker.engine.native import cpu_kernel
-from batchfleet.worker.engine.native.linear import Linear
 
 log = logging.getLogger(__name__)
 
@@ -53,22 +52,20 @@ def fits(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
             and weight.shape[0] % TILE == 0 and weight.shape[1] % TILE == 0)
 
 
-class AmxLinear(Linear):
-    """``y = x @ weight.T`` on AMX tiles at every row count: the same interface as ``Linear`` (block None: one
-    call of any size is invariant)."""
+class AmxLinear:
+    """``y = x @ weight.T`` on AMX tiles at every row count, with linear.Linear's interface (``block`` None: one
+    call of any size is invariant). x: [..., in] -> [..., out], bf16."""
 
     def __init__(self, weight: torch.Tensor, lib: ctypes.CDLL) -> None:
-        super().__init__(weight, None)
-        self.lib = lib
-        n_out, n_in = weight.shape
+        self.weight, self.bias, self.block, self.lib = weight, None, None, lib
+        self.n_out, self.n_in = weight.shape
         w = weight.detach().contiguous()
-        self.packed = torch.empty(n_out * n_in, dtype=torch.bfloat16)  # [out / 16][in / 32][16][32]: tile order
-        lib.amx_pack(w.data_ptr(), self.packed.data_ptr(), n_out, n_in)
-        self.n_out = n_out
-        self._fns = [self._amx] * len(self._fns)
-        self._add_fns = [self._amx_add] * len(self._add_fns)
+        self.packed = torch.empty(self.n_out * self.n_in, dtype=torch.bfloat16)  # [out/16][in/32][16][32]: tiles
+        lib.amx_pack(w.data_ptr(), self.packed.data_ptr(), self.n_out, self.n_in)
 
     def _run(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or (residual is not None and residual.dtype != torch.bfloat16):
+            raise TypeError(f"AMX linear takes bf16 inputs, not {x.dtype}")  # the C side reads raw bf16
         flat = x.reshape(-1, self.n_in).contiguous()
         out = torch.empty(flat.shape[0], self.n_out, dtype=torch.bfloat16)
         if flat.shape[0]:
@@ -78,11 +75,12 @@ class AmxLinear(Linear):
                 raise MemoryError("AMX linear: no memory for the last rows' padded tile")
         return out.view(*x.shape[:-1], self.n_out)
 
-    def _amx(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, None)
 
-    def _amx_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self._run(x, residual)  # residual + y, rounded as torch adds two bf16 tensors
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)``, rounded as torch adds two bf16 tensors."""
+        return self._run(x, residual)
 
     def kernel_for(self, rows: int) -> str:
         return KERNEL

@@ -49,6 +49,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from batchfleet.worker.engine.native import amx
+
 log = logging.getLogger(__name__)
 
 KERNELS = ("default", "onednn")
@@ -200,7 +202,7 @@ class Linear:
 
 
 @torch.inference_mode()
-def invariant_block(lin: Linear, rows: int = BLOCK_PROBE_ROWS) -> int | None:
+def invariant_block(lin: Linear | amx.AmxLinear, rows: int = BLOCK_PROBE_ROWS) -> int | None:
     """None when every row of every call of 2 .. ``rows`` rows of ``lin`` is the bits that row gets alone (as
     one of two rows, as ``Linear`` computes a single row); else the largest m for which calls of 2 .. m rows
     are (1: none is; each row is then computed alone). A fixed random input; the plain calls and ``add_to``'s
@@ -231,7 +233,7 @@ class LinearFactory:
         self.blocks: dict[tuple[int, int, str], int | None] = {}  # auto/onednn: rows per call (invariant_block)
         self.seconds = 0.0  # spent measuring
 
-    def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | amx.AmxLinear:
         if self.choice == "default":
             return Linear(weight, bias)
         if self.choice == "auto" and (tiled := self._amx(weight, bias)) is not None:
@@ -253,11 +255,9 @@ class LinearFactory:
                 self.plans[key] = _MEASURED[cached]
         return self._blocked(key, Linear(weight, bias, self.plans[key], packed))
 
-    def _amx(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear | None:
+    def _amx(self, weight: torch.Tensor, bias: torch.Tensor | None) -> amx.AmxLinear | None:
         """The AMX kernel's layer (amx.py: bf16 on CPUs with AMX, invariant at every row count), checked once per
         shape like ``_blocked`` checks oneDNN's; None where it cannot run here."""
-        from batchfleet.worker.engine.native import amx  # imports this module
-
         if not amx.fits(weight, bias) or (lib := amx.library()) is None:
             return None
         key = (weight.shape[0], weight.shape[1], "bfloat16")
