@@ -58,10 +58,11 @@ class EngineConfig:
     native_kernel: bool = field(default=True, metadata=option(
         "Use the C decode kernels on CPU: paged attention and the step's small ops (off: gather + SDPA, torch ops)."))
     linear: str = field(default="auto", metadata=option(
-        "Native engine weight matmuls: auto = oneDNN with the weight prepacked wherever it can (CPU; elsewhere "
-        "F.linear), the same bits for a row at every row count (batch-invariant output); fastest = per weight "
-        "shape and row count the faster of F.linear and oneDNN, measured at load (not batch-invariant); "
-        "default = F.linear; onednn = as auto.", choices=LINEAR_CHOICES))
+        "Native engine weight matmuls: auto = oneDNN with the weight prepacked wherever it can (CPU; bf16 on CPUs "
+        "with AMX: the engine's AMX kernel; elsewhere F.linear), the same bits for a row at every row count "
+        "(batch-invariant output); fastest = per weight shape and row count the faster of F.linear and oneDNN, "
+        "measured at load (not batch-invariant); default = F.linear; onednn = as auto, oneDNN on AMX too.",
+        choices=LINEAR_CHOICES))
     prefix_cache: bool = field(default=True, metadata=option(
         "Native engine: keep the KV of full prompt blocks and reuse it for every later prompt starting with the "
         "same tokens (a shared system prompt is computed once); cached blocks are evicted least recently used."))
