@@ -80,16 +80,25 @@ class Masters:
             self.plain.stop()
 
 
+def parse_layout(layout: str) -> tuple[int, int]:
+    """(masters, shards) of ``plain`` (0: one plain Redis, 1 shard) or ``MxS``."""
+    if layout == "plain":
+        return 0, 1
+    masters, shards = (int(x) for x in layout.split("x"))
+    return masters, shards
+
+
 def measure(layout: str, workers: int, clients: int, client_procs: int, seconds: float, idle_s: float,
             worker_args: list[str], per_shard_rate: float = 0.0, cpu_share: float = 0.0,
             per_shard_workers: bool = False) -> dict:
-    masters, shards = (0, 1) if layout == "plain" else (int(x) for x in layout.split("x"))
+    masters, shards = parse_layout(layout)
     workers = workers * shards if per_shard_workers else workers
     group = Masters(masters)
     procs: list[subprocess.Popen] = []
-    capped = [cpucap.cap(pid, cpu_share, core, f"bfbench-{pid}") for core, pid in enumerate(group.pids())
-              ] if cpu_share else []
+    capped: list[str] = []
     try:
+        if cpu_share:  # inside the try: a cap that fails still stops the masters
+            capped = [cpucap.cap(pid, cpu_share, core, f"bfbench-{pid}") for core, pid in enumerate(group.pids())]
         ns = f"cap{masters}x{shards}"
         procs = start_workers(group.url, ns, workers, [*worker_args, "--shards", str(shards)])
         time.sleep(1.0)
@@ -124,7 +133,7 @@ def measure(layout: str, workers: int, clients: int, client_procs: int, seconds:
         stop_workers(procs)
         pids = group.pids()
         group.stop()
-        for pid in pids if capped else []:
+        for pid in pids if cpu_share else []:  # a group made before a later cap failed goes too
             cpucap.release(f"bfbench-{pid}")
 
 
@@ -148,7 +157,7 @@ def measure(layout: str, workers: int, clients: int, client_procs: int, seconds:
 def main(layouts: str, workers: int, per_shard_workers: bool, clients: int, client_procs: int, per_shard_rate: float,
          redis_cpu_share: float, seconds: float, idle_seconds: float, cost: str, json_path: str | None) -> None:
     if redis_cpu_share:  # the workers and clients started from here keep off the masters' cores
-        cpucap.keep_off(set(range(max(int(x.split("x")[0]) if "x" in x else 1 for x in layouts.split(",")))))
+        cpucap.keep_off(set(range(max(max(parse_layout(x)[0], 1) for x in layouts.split(",")))))
     worker_args = ["--max-running", "64", "--cost", cost, "--max-wait-ms", "2"]
     rows = []
     for layout in layouts.split(","):

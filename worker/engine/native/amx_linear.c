@@ -51,17 +51,16 @@ static void config(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* 16 bf16 -> 16 fp32 (exact). */
+static inline __m512 widen16(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
+
 /* fp32 tile rows -> bf16 out rows (rows < m only), plus the residual as torch adds two bf16 tensors. */
 static void write_rows(const float *c, uint16_t *out, const uint16_t *res, int64_t ld, int m) {
     for (int r = 0; r < m; r++) {
         __m512 v = _mm512_loadu_ps(c + r * 16);
-        if (res != NULL) {
-            const __m512 y = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                (__m256i)_mm512_cvtneps_pbh(v)), 16)); /* y rounded to bf16 first */
-            const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(res + r * ld))), 16));
-            v = _mm512_add_ps(s, y);
-        }
+        if (res != NULL) /* y rounded to bf16 first, then the sum in fp32 rounded again */
+            v = _mm512_add_ps(widen16(_mm256_loadu_si256((const __m256i *)(res + r * ld))),
+                              widen16((__m256i)_mm512_cvtneps_pbh(v)));
         _mm256_storeu_si256((__m256i *)(out + r * ld), (__m256i)_mm512_cvtneps_pbh(v));
     }
 }

@@ -263,7 +263,9 @@ class LinearFactory:
         key = (weight.shape[0], weight.shape[1], "bfloat16")
         lin, cached = amx.AmxLinear(weight, lib), (*key, amx.KERNEL, torch.get_num_threads())
         if cached not in _BLOCKS:
+            t = time.perf_counter()
             _BLOCKS[cached] = invariant_block(lin)
+            self.seconds += time.perf_counter() - t
         if _BLOCKS[cached] is not None:  # never seen: the sums do not depend on the row count by construction
             log.warning("AMX linear %s: rows change with the row count; oneDNN instead", key)
             return None
