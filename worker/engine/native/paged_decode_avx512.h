@@ -57,20 +57,33 @@ static inline __m512 sum16(const __m512 *a) {
     }
 
 /* Software prefetch (into L2) of tokens t0 .. t0 + TILE - 1's rows in pool p, the item's hc heads of each (no
- * token past n), one tile ahead: a sequence's blocks lie anywhere in the pool, so the hardware prefetcher,
- * which follows addresses within a page, starts over at every block and the reads wait on memory. Taken by
- * the bf16 path only (PF): measured inside decode steps on a Xeon with AMX (bench preset, 32 x 300 tokens),
- * the kernel's time went 22.7 -> 18.1 ms a step in bf16 and 28.7 -> 31.5 ms in fp32 (whose rows are twice as
- * long: the hardware prefetcher does better there, and the prefetches cost more than they save). */
+ * token past n): a sequence's blocks lie anywhere in the pool, so the hardware prefetcher, which follows
+ * addresses within a page, starts over at every block and the reads wait on memory. Used for the first V tile,
+ * during the softmax; the tile loops use PREFETCH_HEAD. Taken by the bf16 path only (PF): in fp32, whose rows
+ * are twice as long, the hardware prefetcher does better and the prefetches cost more than they save (measured
+ * inside decode steps on Xeons with AMX: 28.7 -> 31.5 ms a step as one burst a tile, 37.1 -> 39.1 spread). */
 #define PREFETCH_TILE(T, p, t0)                                                                        \
     for (int64_t t = (t0); t < (t0) + TILE && t < n; t++) {                                           \
         const char *r = (const char *)((p) + ((tb[t / bs] * bs + t % bs) * Hkv + kh0) * D);           \
         for (int o = 0; o < hc * D * (int)sizeof(T); o += 64) _mm_prefetch(r + o, _MM_HINT_T1);        \
     }
 
+/* The next tile's rows of KV head kh only (D elements a row: 2 lines in bf16 at D = 64), issued as the item's
+ * head loop reaches that head, so a tile's prefetches go out a few dozen at a time between the arithmetic. One
+ * burst of the whole next tile at the top of the tile loop (hc x D a row: 384 lines for the bench preset) fills
+ * the line-fill buffers and the loads behind it wait: inside decode steps (bench preset, bf16, 32 sequences of
+ * 300-500 tokens, Xeon model 207 with AMX, interleaved builds) the kernel took 32.1 / 36.3 ms a step with the
+ * burst, 30.5 / 34.6 with no prefetch and 27.1 / 28.7 spread like this (the step 54.3 / 58.3 -> 48.7 / 50.7 ms);
+ * two tiles ahead: the same as one. */
+#define PREFETCH_HEAD(T, p, t0, kh)                                                                    \
+    for (int64_t t = (t0); t < (t0) + TILE && t < n; t++) {                                           \
+        const char *r = (const char *)((p) + ((tb[t / bs] * bs + t % bs) * Hkv + kh0 + (kh)) * D);    \
+        for (int o = 0; o < D * (int)sizeof(T); o += 64) _mm_prefetch(r + o, _MM_HINT_T1);             \
+    }
+
 /* One work item: sequence b, KV heads kh0 .. kh0 + hc - 1. QW: elements of one QK step (QK_STEP(a, q, k)
  * adds q[0 .. QW) . k[0 .. QW) into the 16 lanes of a); LD16: 16 elements as fp32; PF: 1 to prefetch the next
- * tile (PREFETCH_TILE). Returns 1 if its scratch could not be allocated. */
+ * tile as the head loop goes (PREFETCH_HEAD). Returns 1 if its scratch could not be allocated. */
 #define DEFINE_AVX512_ITEM(NAME, T, QW, QK_STEP, LD16, STORE, PF)                                      \
 static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const int64_t *ctx, T *out,  \
                 int b, int kh0, int H, int Hkv, int D, int bs, int M, float scale, int hc) {            \
@@ -87,12 +100,12 @@ static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const
     const __m512 sv = _mm512_set1_ps(scale);                                                           \
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                         \
         const int m = n - t0 < TILE ? (int)(n - t0) : TILE;                                            \
-        if (PF) PREFETCH_TILE(T, k, t0 + TILE)                                                         \
         TILE_ROWS(row, k, t0, m, 1)                                                                    \
         const __mmask16 live = (__mmask16)((1u << m) - 1);                                             \
         for (int h = 0; h < nq; h++) {                                                                 \
             const T *qh = qb + h * D;                                                                  \
             const int off = (h / G) * D;                                                               \
+            if (PF && h % G == 0) PREFETCH_HEAD(T, k, t0 + TILE, h / G)                                \
             __m512 a[TILE];                                                                            \
             for (int i = 0; i < TILE; i++) a[i] = _mm512_setzero_ps();                                 \
             for (int c = 0; c < D; c += QW) {                                                          \
@@ -120,11 +133,11 @@ static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const
     }                                                                                                  \
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                         \
         const int m = n - t0 < TILE ? (int)(n - t0) : TILE;                                            \
-        if (PF) PREFETCH_TILE(T, v, t0 + TILE)                                                         \
         TILE_ROWS(row, v, t0, m, 0)                                                                    \
         for (int h = 0; h < nq; h++) {                                                                 \
             const float *ph = sc + h * n + t0;                                                         \
             const int off = (h / G) * D;                                                               \
+            if (PF && h % G == 0) PREFETCH_HEAD(T, v, t0 + TILE, h / G)                                \
             float *ah = acc + h * D;                                                                   \
             for (int c = 0; c < D; c += 16) {                                                          \
                 __m512 av = _mm512_loadu_ps(ah + c);                                                   \
