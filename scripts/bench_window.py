@@ -71,6 +71,9 @@ def main() -> None:
     ap.add_argument("--mid", type=float, default=0.7)
     ap.add_argument("--high", type=float, default=1.4)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--rates", default="low,mid,high", help="which of the three rates to run (comma separated)")
+    ap.add_argument("--capacity", type=float, help="req/s the rates are fractions of (default: measured first, "
+                    "closed loop); give an earlier run's to rerun one of its rates")
     ap.add_argument("--skip-burst", action="store_true", help="leave out the 32-client burst against static1")
     ap.add_argument("--json", dest="json_path")
     ap.add_argument("--plot", dest="plot_path")
@@ -83,13 +86,16 @@ def main() -> None:
     doc: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                  "command": " ".join(["python", *sys.argv]), "machine": machine(), "preset": args.preset}
     try:
-        workload = make_workload(args.requests, (lo, hi), (nlo, nhi), seed=0)
-        cap_row = run_load(serving_redis(url, parse_strategy(ADAPTIVE), worker_kw), parse_strategy(ADAPTIVE),
-                           LoadSpec(workload, clients=32), "redis")
-        capacity = cap_row["requests"] / cap_row["wall_s"]
+        capacity = args.capacity
+        if capacity is None:
+            workload = make_workload(args.requests, (lo, hi), (nlo, nhi), seed=0)
+            cap_row = run_load(serving_redis(url, parse_strategy(ADAPTIVE), worker_kw), parse_strategy(ADAPTIVE),
+                               LoadSpec(workload, clients=32), "redis")
+            capacity = cap_row["requests"] / cap_row["wall_s"]
         doc["capacity_req_s"] = round(capacity, 3)
         print(f"capacity (closed loop, 32 clients): {capacity:.2f} req/s", file=sys.stderr)
         rates = {"low": args.low * capacity, "mid": args.mid * capacity, "high": args.high * capacity}
+        rates = {label: rates[label] for label in args.rates.split(",")}
         results: dict = {}
         for label, rate in rates.items():
             runs: dict[str, list[dict]] = {s: [] for s in (*FIXED, ADAPTIVE)}
