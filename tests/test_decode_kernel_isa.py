@@ -34,9 +34,12 @@ def _case(B, H, Hkv, D, bs, dtype):
 @needs_kernel
 @pytest.mark.parametrize("level", list(cpu_kernel.ISA_LEVELS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(3, 4, 4, 64, 16), (9, 8, 2, 32, 4), (10, 6, 1, 24, 16), (5, 4, 2, 12, 8)])
+@pytest.mark.parametrize("shape", [(3, 4, 4, 64, 16), (9, 8, 2, 32, 4), (10, 6, 1, 24, 16), (5, 4, 2, 12, 8),
+                                   (4, 16, 2, 64, 16), (3, 7, 1, 64, 16), (3, 6, 3, 32, 16)])
 def test_every_isa_path_matches_gather_sdpa(capped, level, dtype, shape):
-    B, H, Hkv, D, bs = shape  # D = 24: AVX2 but not AVX512 vectors; D = 12: portable only
+    # D = 24: AVX2 but not AVX512 vectors; D = 12: portable only. The AVX-512 PV pass groups query heads by
+    # their KV head: 8 (G = 8), 4 (G = 4), 2 (G = 6, D = 64), 1 x 4 column chunks (G = 7, D = 64), 1 (G = 2, D = 32)
+    B, H, Hkv, D, bs = shape
     capped(level)
     taken = cpu_kernel.isa(lib, dtype, D)
     assert cpu_kernel.PATH_LEVELS[taken] <= cpu_kernel.ISA_LEVELS[level]

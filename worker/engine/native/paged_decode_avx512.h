@@ -81,6 +81,40 @@ static inline __m512 sum16(const __m512 *a) {
         for (int o = 0; o < D * (int)sizeof(T); o += 64) _mm_prefetch(r + o, _MM_HINT_T1);             \
     }
 
+/* The PV pass of an item: acc[h] += sum over tokens of p[h, t] x V row t, token by token in order (the same
+ * sums in the same order whatever GB and CB, so the same bits). GB query heads of one KV group x CB 16-column
+ * chunks at a time, GB x CB <= 8 accumulators held in registers: each V row chunk is widened once for the GB
+ * heads that share it (GQA), and the GB x CB fma chains are independent (one accumulator at a time waited on
+ * its own fma a token). Inside decode steps of the 1.1B shape (GQA 32/4, bf16, 16 x 300-500 tokens, Xeon
+ * model 207 with AMX, interleaved builds, two runs) the kernel 19.7 / 21.5 -> 16.7 / 17.1 ms a step; MHA and
+ * fp32 unchanged (they wait on memory). */
+#define PV_PASS(T, LD16, PF, GB, CB)                                                                           \
+    for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                                 \
+        const int m = n - t0 < TILE ? (int)(n - t0) : TILE;                                                    \
+        TILE_ROWS(row, v, t0, m, 0)                                                                            \
+        for (int kh = 0; kh < hc; kh++) {                                                                      \
+            if (PF) PREFETCH_HEAD(T, v, t0 + TILE, kh)                                                         \
+            for (int g0 = 0; g0 < G; g0 += (GB)) {                                                             \
+                const float *ph = sc + (int64_t)(kh * G + g0) * n + t0;                                        \
+                float *ah = acc + (kh * G + g0) * D;                                                           \
+                for (int c0 = 0; c0 < D; c0 += 16 * (CB)) {                                                    \
+                    __m512 av[(GB) * (CB)]; /* [g][cc]: head g0 + g, columns c0 + 16 cc .. + 15 */             \
+                    for (int j = 0; j < (GB) * (CB); j++)                                                      \
+                        av[j] = _mm512_loadu_ps(ah + j / (CB) * D + c0 + 16 * (j % (CB)));                     \
+                    for (int i = 0; i < m; i++) {                                                              \
+                        const T *vr = row[i] + kh * D + c0;                                                    \
+                        __m512 vv[CB];                                                                         \
+                        for (int cc = 0; cc < (CB); cc++) vv[cc] = LD16(vr + 16 * cc);                         \
+                        for (int j = 0; j < (GB) * (CB); j++)                                                  \
+                            av[j] = _mm512_fmadd_ps(_mm512_set1_ps(ph[j / (CB) * n + i]), vv[j % (CB)], av[j]);\
+                    }                                                                                          \
+                    for (int j = 0; j < (GB) * (CB); j++)                                                      \
+                        _mm512_storeu_ps(ah + j / (CB) * D + c0 + 16 * (j % (CB)), av[j]);                     \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+
 /* One work item: sequence b, KV heads kh0 .. kh0 + hc - 1. QW: elements of one QK step (QK_STEP(a, q, k)
  * adds q[0 .. QW) . k[0 .. QW) into the 16 lanes of a); LD16: 16 elements as fp32; PF: 1 to prefetch the next
  * tile as the head loop goes (PREFETCH_HEAD). Returns 1 if its scratch could not be allocated. */
@@ -131,21 +165,11 @@ static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const
         }                                                                                              \
         z[h] = _mm512_reduce_add_ps(zv);                                                               \
     }                                                                                                  \
-    for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                         \
-        const int m = n - t0 < TILE ? (int)(n - t0) : TILE;                                            \
-        TILE_ROWS(row, v, t0, m, 0)                                                                    \
-        for (int h = 0; h < nq; h++) {                                                                 \
-            const float *ph = sc + h * n + t0;                                                         \
-            const int off = (h / G) * D;                                                               \
-            if (PF && h % G == 0) PREFETCH_HEAD(T, v, t0 + TILE, h / G)                                \
-            float *ah = acc + h * D;                                                                   \
-            for (int c = 0; c < D; c += 16) {                                                          \
-                __m512 av = _mm512_loadu_ps(ah + c);                                                   \
-                for (int i = 0; i < m; i++) av = _mm512_fmadd_ps(_mm512_set1_ps(ph[i]), LD16(row[i] + off + c), av); \
-                _mm512_storeu_ps(ah + c, av);                                                          \
-            }                                                                                          \
-        }                                                                                              \
-    }                                                                                                  \
+    if (G % 8 == 0) PV_PASS(T, LD16, PF, 8, 1)                                                         \
+    else if (G % 4 == 0 && D % 32 == 0) PV_PASS(T, LD16, PF, 4, 2)                                     \
+    else if (G % 2 == 0 && D % 64 == 0) PV_PASS(T, LD16, PF, 2, 4)                                     \
+    else if (D % 64 == 0) PV_PASS(T, LD16, PF, 1, 4)                                                   \
+    else PV_PASS(T, LD16, PF, 1, 1)                                                                    \
     WRITE_OUT(T, STORE, acc, z) /* paged_decode.c */                                                   \
     free(sc);                                                                                          \
     return 0;                                                                                          \
