@@ -56,25 +56,17 @@ static inline __m512 sum16(const __m512 *a) {
         row[i] = (p) + ((tb[t / bs] * bs + t % bs) * Hkv + kh0) * D;                                   \
     }
 
-/* Software prefetch (into L2) of tokens t0 .. t0 + TILE - 1's rows in pool p, the item's hc heads of each (no
- * token past n): a sequence's blocks lie anywhere in the pool, so the hardware prefetcher, which follows
- * addresses within a page, starts over at every block and the reads wait on memory. Used for the first V tile,
- * during the softmax; the tile loops use PREFETCH_HEAD. Taken by the bf16 path only (PF): in fp32, whose rows
- * are twice as long, the hardware prefetcher does better and the prefetches cost more than they save (measured
- * inside decode steps on Xeons with AMX: 28.7 -> 31.5 ms a step as one burst a tile, 37.1 -> 39.1 spread). */
-#define PREFETCH_TILE(T, p, t0)                                                                        \
-    for (int64_t t = (t0); t < (t0) + TILE && t < n; t++) {                                           \
-        const char *r = (const char *)((p) + ((tb[t / bs] * bs + t % bs) * Hkv + kh0) * D);           \
-        for (int o = 0; o < hc * D * (int)sizeof(T); o += 64) _mm_prefetch(r + o, _MM_HINT_T1);        \
-    }
-
-/* The next tile's rows of KV head kh only (D elements a row: 2 lines in bf16 at D = 64), issued as the item's
- * head loop reaches that head, so a tile's prefetches go out a few dozen at a time between the arithmetic. One
- * burst of the whole next tile at the top of the tile loop (hc x D a row: 384 lines for the bench preset) fills
- * the line-fill buffers and the loads behind it wait: inside decode steps (bench preset, bf16, 32 sequences of
- * 300-500 tokens, Xeon model 207 with AMX, interleaved builds) the kernel took 32.1 / 36.3 ms a step with the
- * burst, 30.5 / 34.6 with no prefetch and 27.1 / 28.7 spread like this (the step 54.3 / 58.3 -> 48.7 / 50.7 ms);
- * two tiles ahead: the same as one. */
+/* Software prefetch (into L2) of the next tile's rows of KV head kh (tokens t0 .. t0 + TILE - 1, no token past
+ * n; D elements a row: 2 lines in bf16 at D = 64), issued as the item's head loop reaches that head: a sequence's
+ * blocks lie anywhere in the pool, so the hardware prefetcher, which follows addresses within a page, starts over
+ * at every block and the reads wait on memory. Spread so a tile's prefetches go out a few dozen at a time between
+ * the arithmetic: one burst of the whole next tile at the top of the tile loop (hc x D a row: 384 lines for the
+ * bench preset) fills the line-fill buffers and the loads behind it wait. Inside decode steps (bench preset, bf16,
+ * 32 sequences of 300-500 tokens, Xeon model 207 with AMX, interleaved builds) the kernel took 32.1 / 36.3 ms a
+ * step with the burst, 30.5 / 34.6 with no prefetch and 27.1 / 28.7 spread like this (the step 54.3 / 58.3 ->
+ * 48.7 / 50.7 ms); two tiles ahead: the same as one. Taken by the bf16 path only (PF): in fp32, whose rows are
+ * twice as long, the hardware prefetcher does better and prefetches cost more than they save (on Xeons with AMX:
+ * 28.7 -> 31.5 ms a step as one burst a tile, 37.1 -> 39.1 spread). */
 #define PREFETCH_HEAD(T, p, t0, kh)                                                                    \
     for (int64_t t = (t0); t < (t0) + TILE && t < n; t++) {                                           \
         const char *r = (const char *)((p) + ((tb[t / bs] * bs + t % bs) * Hkv + kh0 + (kh)) * D);    \
@@ -152,7 +144,8 @@ static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const
             if (tm > mx[h]) mx[h] = tm;                                                                \
         }                                                                                              \
     }                                                                                                  \
-    if (PF) PREFETCH_TILE(T, v, 0) /* the first V tile, during the softmax */                          \
+    if (PF) /* the first V tile, during the softmax */                                                 \
+        for (int kh = 0; kh < hc; kh++) PREFETCH_HEAD(T, v, 0, kh)                                     \
     for (int h = 0; h < nq; h++) {                                                                     \
         float *sh = sc + h * n;                                                                        \
         const __m512 mv = _mm512_set1_ps(mx[h]);                                                       \
