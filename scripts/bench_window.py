@@ -78,6 +78,9 @@ def main() -> None:
     ap.add_argument("--json", dest="json_path")
     ap.add_argument("--plot", dest="plot_path")
     args = ap.parse_args()
+    chosen = args.rates.split(",")
+    if not chosen or any(label not in ("low", "mid", "high") for label in chosen):
+        ap.error(f"--rates takes low, mid and/or high, comma separated; got {args.rates!r}")
     lo, hi = (int(x) for x in args.prompt_len.split("-"))
     nlo, nhi = (int(x) for x in args.max_new_tokens.split("-"))
     worker_kw = {"preset": args.preset}
@@ -93,9 +96,10 @@ def main() -> None:
                                LoadSpec(workload, clients=32), "redis")
             capacity = cap_row["requests"] / cap_row["wall_s"]
         doc["capacity_req_s"] = round(capacity, 3)
-        print(f"capacity (closed loop, 32 clients): {capacity:.2f} req/s", file=sys.stderr)
-        rates = {"low": args.low * capacity, "mid": args.mid * capacity, "high": args.high * capacity}
-        rates = {label: rates[label] for label in args.rates.split(",")}
+        how = "given" if args.capacity is not None else "closed loop, 32 clients"
+        print(f"capacity ({how}): {capacity:.2f} req/s", file=sys.stderr)
+        fractions = {"low": args.low, "mid": args.mid, "high": args.high}
+        rates = {label: fractions[label] * capacity for label in chosen}
         results: dict = {}
         for label, rate in rates.items():
             runs: dict[str, list[dict]] = {s: [] for s in (*FIXED, ADAPTIVE)}
