@@ -47,7 +47,7 @@ def measure(loaded, batch: int, context: int, linear: str, isa: str, kv_gb: floa
         out = step_vs_floor(engine, batch=batch, context=context)
     finally:
         if lib is not None:
-            cpu_kernel.set_isa(lib, "avx512")
+            cpu_kernel.set_isa(lib, cpu_kernel.TOP_LEVEL)
     out["calibration_s"] = round(engine.runner.model.linears.seconds, 2)
     return out
 
@@ -65,7 +65,8 @@ def main(batch: int, context: int, dtype: str | None, kv_cache_gb: float, cache_
     model_dir = make_preset("bench", Path(cache_dir).expanduser() / "models", max_seq_len=4096)
     loaded = load_model(model_dir, "cpu", dtype)
     runs = {}
-    for name, linear, isa, c_ops in (("before", "default", "portable", False), ("after", "auto", "avx512", True)):
+    for name, linear, isa, c_ops in (("before", "default", "portable", False),
+                                     ("after", "auto", cpu_kernel.TOP_LEVEL, True)):
         click.echo(f"{name}: linear {linear}, decode kernel up to {isa}, small ops in {'C' if c_ops else 'torch'}",
                    err=True)
         runs[name] = measure(loaded, batch, context, linear, isa, kv_cache_gb, c_ops)

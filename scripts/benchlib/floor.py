@@ -138,12 +138,12 @@ def attention_ms(engine: NativeEngine, batch: int, context: int, reps: int = 20)
         try:
             for level in cpu_kernel.ISA_LEVELS:
                 cpu_kernel.set_isa(lib, level)
-                path = cpu_kernel.isa(lib, m.dtype, D)
+                path = cpu_kernel.isa(lib, m.dtype, D, H // Hkv)
                 if cpu_kernel.PATH_LEVELS[path] == cpu_kernel.ISA_LEVELS[level]:  # not a lower path again
                     out[f"kernel_{path}"] = time_ms(
                         lambda: cpu_kernel.paged_decode(lib, q, pool, tables, ctx, m.scale, r.num_threads), reps)
         finally:
-            cpu_kernel.set_isa(lib, "avx512")
+            cpu_kernel.set_isa(lib, cpu_kernel.TOP_LEVEL)
     return {k: round(v, 3) for k, v in out.items()}
 
 

@@ -107,8 +107,10 @@ def load(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
         return None
     _declare(lib, _DTYPES.values(), ctypes.c_int,
              [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
-    _declare(lib, ["paged_decode_isa"], ctypes.c_char_p, [ctypes.c_int, ctypes.c_int])
+    _declare(lib, ["paged_decode_isa"], ctypes.c_char_p, [ctypes.c_int] * 3)
     _declare(lib, ["paged_decode_set_isa"], None, [ctypes.c_int])
+    _declare(lib, ["paged_decode_init"], ctypes.c_int, [])
+    lib.paged_decode_init()  # the AMX path, where built, once this process may use AMX tile data (Linux >= 5.16)
     return lib
 
 
@@ -129,16 +131,19 @@ def load_ops(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
     return lib
 
 
-# the cap levels, and the level of each path ``isa`` names ("avx512bf16" is bf16's AVX-512 path)
-ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}
+# the cap levels, and the level of each path ``isa`` names ("avx512bf16" is bf16's AVX-512 path); TOP_LEVEL:
+# no cap (the default: everything this CPU and build have)
+ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2, "amx": 3}
 PATH_LEVELS = {**ISA_LEVELS, "avx512bf16": 2}
+TOP_LEVEL = "amx"
 
 
-def isa(lib: ctypes.CDLL, dtype: torch.dtype, head_dim: int = 64) -> str:
-    """The instruction-set path the kernel takes here for ``dtype`` and ``head_dim``: "avx512bf16" (bf16 on
-    CPUs with AVX512-BF16), "avx512" (fp32 on CPUs with AVX512F; the build is -march=native), "avx2" (AVX2 +
-    FMA, checked at runtime) or "portable" (the plain C loop)."""
-    return lib.paged_decode_isa(int(dtype == torch.bfloat16), head_dim).decode()
+def isa(lib: ctypes.CDLL, dtype: torch.dtype, head_dim: int = 64, group: int = 1) -> str:
+    """The instruction-set path the kernel takes here for ``dtype``, ``head_dim`` and ``group`` query heads per
+    KV head: "amx" (bf16 with group >= 4 on CPUs with AMX-BF16), "avx512bf16" (bf16 on CPUs with AVX512-BF16),
+    "avx512" (fp32 on CPUs with AVX512F; the build is -march=native), "avx2" (AVX2 + FMA, checked at runtime) or
+    "portable" (the plain C loop)."""
+    return lib.paged_decode_isa(int(dtype == torch.bfloat16), head_dim, group).decode()
 
 
 def set_isa(lib: ctypes.CDLL, level: str) -> None:

@@ -9,7 +9,8 @@
  * contiguous read, shared by the G = H / Hkv query heads of each group. Two passes per item: scores for
  * all tokens (then softmax), then the probability-weighted V sum; fp32 accumulation throughout.
  * On CPUs with AVX-512 both entry points take an intrinsics path in tiles of 16 tokens (FMA, or vdpbf16ps
- * with AVX512-BF16, for QK; vector exp; FMA for PV): paged_decode_avx512.h.
+ * with AVX512-BF16, for QK; vector exp; FMA for PV): paged_decode_avx512.h. On CPUs with AMX-BF16, bf16 with
+ * G >= 4 query heads per KV head takes tile matmuls for both passes: paged_decode_amx.h.
  */
 #include <float.h>
 #include <math.h>
@@ -100,11 +101,21 @@ static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const
 #include "paged_decode_avx512.h" /* avx512_f32 (AVX512F builds), avx512_bf16 (AVX512-BF16 builds) */
 
 
+#include "paged_decode_amx.h" /* amx_bf16, amx_granted, HAVE_AMX_PATH (AMX-BF16 builds) */
 #include "paged_decode_avx2.h" /* avx2_f32, avx2_bf16, HAVE_AVX2_PATH (x86) */
 
 /* ---- dispatch. isa_cap: the highest path allowed (tests and benchmarks lower it to compare paths):
- * 0 portable, 1 AVX2 + FMA, 2 AVX-512 (fp32: AVX512F; bf16: AVX512-BF16). */
-static int isa_cap = 2;
+ * 0 portable, 1 AVX2 + FMA, 2 AVX-512 (fp32: AVX512F; bf16: AVX512-BF16), 3 AMX (bf16, G >= 4). */
+static int isa_cap = 3;
+static int amx_ok = 0; /* paged_decode_init: the AMX path was built and this process may use the tile data */
+
+/* Once per process before the first call (cpu_kernel.load): whether the AMX path can run here. */
+int paged_decode_init(void) {
+#if HAVE_AMX_PATH
+    amx_ok = amx_granted();
+#endif
+    return amx_ok;
+}
 
 void paged_decode_set_isa(int cap) { isa_cap = cap; }
 
@@ -129,36 +140,44 @@ static int have_avx2(void) {
 #define HAVE_AVX512_F32_PATH 0
 #define avx512_f32 paged_decode_f32_generic
 #endif
+#if !HAVE_AMX_PATH
+#define amx_bf16 paged_decode_bf16_generic /* never called: amx_ok stays 0 */
+#endif
 #ifndef HAVE_AVX2_PATH
 #define avx2_f32 paged_decode_f32_generic /* never called: have_avx2() is 0 */
 #define avx2_bf16 paged_decode_bf16_generic
 #endif
 
-/* The path (2 AVX-512, 1 AVX2 + FMA, 0 portable) the entry point of this dtype (1: bf16, 0: f32) takes for head
- * dim D: the one choice the entry points and paged_decode_isa both read. */
-static int path(int bf16, int D) {
+/* The path (3 AMX, 2 AVX-512, 1 AVX2 + FMA, 0 portable) the entry point of this dtype (1: bf16, 0: f32) takes
+ * for head dim D and G query heads per KV head: the one choice the entry points and paged_decode_isa both read.
+ * AMX from G = 4: at G = 2 its 2-row tiles lose to AVX-512 (0.80 vs 0.89 ms, 8 x 8/4 heads x 64); at G = 4, D =
+ * 64 it wins 1.17x, at G = 8 1.4-1.5x, at G = 16 2x (one layer, bf16, Xeon model 207). */
+static int path(int bf16, int D, int G) {
+    if (isa_cap >= 3 && bf16 && amx_ok && G >= 4 && G <= 16 && D % 64 == 0 && D <= 256) return 3;
     if (isa_cap >= 2 && (bf16 ? HAVE_AVX512_BF16_PATH && D % 32 == 0 : HAVE_AVX512_F32_PATH && D % 16 == 0)) return 2;
     if (isa_cap >= 1 && D % 8 == 0 && have_avx2()) return 1;
     return 0;
 }
 
-/* The name of that path: "avx512bf16" (bf16), "avx512" (fp32), "avx2" or "portable". */
-const char *paged_decode_isa(int bf16, int D) {
-    switch (path(bf16, D)) {
+/* The name of that path: "amx" (bf16), "avx512bf16" (bf16), "avx512" (fp32), "avx2" or "portable". */
+const char *paged_decode_isa(int bf16, int D, int G) {
+    switch (path(bf16, D, G)) {
+    case 3: return "amx";
     case 2: return bf16 ? "avx512bf16" : "avx512";
     case 1: return "avx2";
     default: return "portable";
     }
 }
 
-#define DEFINE_ENTRY(NAME, T, BF16, AVX512, AVX2, GENERIC)                                             \
+#define DEFINE_ENTRY(NAME, T, BF16, AMX, AVX512, AVX2, GENERIC)                                       \
 int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const int64_t *ctx, T *out, int B, int H, \
          int Hkv, int D, int bs, int M, float scale, int hc, int nthreads) {                           \
-    switch (path(BF16, D)) {                                                                           \
+    switch (path(BF16, D, H / Hkv)) {                                                                  \
+    case 3: return AMX(q, k, v, tables, ctx, out, B, H, Hkv, D, bs, M, scale, hc, nthreads);           \
     case 2: return AVX512(q, k, v, tables, ctx, out, B, H, Hkv, D, bs, M, scale, hc, nthreads);        \
     case 1: return AVX2(q, k, v, tables, ctx, out, B, H, Hkv, D, bs, M, scale, hc, nthreads);          \
     default: return GENERIC(q, k, v, tables, ctx, out, B, H, Hkv, D, bs, M, scale, hc, nthreads);      \
     }                                                                                                  \
 }
-DEFINE_ENTRY(paged_decode_f32, float, 0, avx512_f32, avx2_f32, paged_decode_f32_generic)
-DEFINE_ENTRY(paged_decode_bf16, uint16_t, 1, avx512_bf16, avx2_bf16, paged_decode_bf16_generic)
+DEFINE_ENTRY(paged_decode_f32, float, 0, paged_decode_f32_generic, avx512_f32, avx2_f32, paged_decode_f32_generic)
+DEFINE_ENTRY(paged_decode_bf16, uint16_t, 1, amx_bf16, avx512_bf16, avx2_bf16, paged_decode_bf16_generic)

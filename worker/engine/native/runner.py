@@ -91,7 +91,8 @@ class ModelRunner:
         RoPE + KV write, SiLU * up)."""
         attn = self.decode_mode
         if self.kernel is not None and attn == "kernel":
-            attn = f"kernel {cpu_kernel.isa(self.kernel, self.dtype, self.model.head_dim)}"
+            m = self.model
+            attn = f"kernel {cpu_kernel.isa(self.kernel, self.dtype, m.head_dim, m.num_heads // m.num_kv_heads)}"
         return {"linear_kernels": self.model.linears.describe(), "decode_attention": attn,
                 "decode_small_ops": ("C: rms_norm rope_kv" + " silu_mul" * self.c_silu + " argmax") if self.ops
                 else "torch"}
