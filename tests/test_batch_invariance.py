@@ -33,8 +33,9 @@ DTYPES = ("bfloat16", "float32")
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("invariance")
-    # head dim 64 (the AVX512-BF16 kernel path), GQA 2:1; 2 layers, hidden 256
-    build_model("llama", root, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+    # head dim 64, GQA 4:1 (the decode kernel's AMX path on CPUs with AMX-BF16, its AVX-512 path with the
+    # grouped QK pass elsewhere with AVX512-BF16); 2 layers, hidden 256
+    build_model("llama", root, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                 intermediate_size=512)
     return root / "llama"
 
@@ -123,9 +124,8 @@ def test_weight_matmuls_give_a_row_the_same_bits_at_every_row_count(model_dir, d
     lw = model.layers[0]
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
-        for lin, n_in in ((lw.qkv_l, 256), (lw.o_l, 256), (lw.gate_up_l, 256), (lw.down_l, 512),
-                          (model.lm_head_l, 256)):
-            x = torch.randn(300, n_in, generator=g).to(loaded.model.dtype)
+        for lin in (lw.qkv_l, lw.o_l, lw.gate_up_l, lw.down_l, model.lm_head_l):
+            x = torch.randn(300, lin.weight.shape[1], generator=g).to(loaded.model.dtype)
             res = torch.randn(300, lin.weight.shape[0], generator=g).to(loaded.model.dtype)
             alone = torch.cat([lin(x[j:j + 1]) for j in range(300)])
             alone_add = torch.cat([lin.add_to(x[j:j + 1], res[j:j + 1]) for j in range(300)])
