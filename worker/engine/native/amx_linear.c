@@ -15,21 +15,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "amx_tile.h"
+
 #define MB 128 /* rows per chunk: a chunk of x stays in L2 while each thread's column blocks pass over it */
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg;
-
 /* The process's permission to use AMX tile data (Linux >= 5.16); 0 when granted. */
-int amx_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
+int amx_init(void) { return amx_request(); }
 
 void amx_pack(const uint16_t *w, uint16_t *p, int N, int K) {
     for (int n0 = 0; n0 < N; n0 += 16)

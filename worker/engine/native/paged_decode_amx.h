@@ -18,19 +18,12 @@
  * as on the other paths, but not the bits of the AVX-512 path (other summation order, bf16 probabilities). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define HAVE_AMX_PATH 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_tilecfg;
+#include "amx_tile.h"
 
 /* tmm0-3: O [G x 16 columns] fp32; tmm4: S [G x 16 tokens] fp32; tmm5: A [G x 32] bf16 (Q or P rows); tmm6: B
  * [16 pairs x 16 columns] bf16 (VNNI). Per thread; amx_linear.c configures its own on each call. */
 static void amx_config(int G) {
-    amx_tilecfg cfg;
+    tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 6; t++) { cfg.rows[t] = (uint8_t)G; cfg.colsb[t] = 64; }
@@ -157,8 +150,8 @@ static int amx_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, con
     return failed;
 }
 
-/* The process's permission to use AMX tile data (Linux >= 5.16): 1 when granted. */
-static int amx_granted(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0; }
+/* Whether this process may use AMX tile data (asked once, in paged_decode_init). */
+static int amx_granted(void) { return amx_request() == 0; }
 #else
 #define HAVE_AMX_PATH 0
 #endif
