@@ -85,3 +85,27 @@ def test_every_isa_path_gives_a_sequence_the_same_bits_in_any_batch(capped, leve
         alone = cpu_kernel.paged_decode(lib, q[b:b + 1].contiguous(), pool, tables[b:b + 1].contiguous(),
                                         ctx[b:b + 1].contiguous(), D**-0.5, 1)
         assert torch.equal(alone[0], together[b]), f"sequence {b} ({int(ctx[b])} tokens)"
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", list(cpu_kernel.ISA_LEVELS))
+@pytest.mark.parametrize("shape", [(5, 8, 1, 64, 16), (4, 24, 2, 192, 5), (3, 16, 1, 256, 32), (5, 6, 2, 64, 16)])
+def test_every_isa_path_ignores_what_lies_past_each_context(capped, level, shape):
+    # slots past a sequence's context hold NaN (unwritten memory may), its table entries past the context point
+    # far outside the pool (never read), and a context of 0 gives zeros: nothing past the context reaches the output
+    B, H, Hkv, D, bs = shape
+    capped(level)
+    q, pool, tables, ctx = _case(B, H, Hkv, D, bs, torch.bfloat16)
+    ctx[1] = 0
+    ref = A.decode_attention_gather(q.float(), pool.float(), tables, A.decode_mask(ctx, tables.shape[1] * bs),
+                                    D**-0.5).view(B, H, D)
+    ref[1] = 0
+    live = torch.zeros(pool.shape[1] * bs, dtype=torch.bool)
+    for b in range(B):
+        slots = tables[b][torch.arange(int(ctx[b])) // bs] * bs + torch.arange(int(ctx[b])) % bs
+        live[slots] = True
+        tables[b, (int(ctx[b]) + bs - 1) // bs:] = 1 << 40
+    pool.view(2, -1, Hkv, D)[:, ~live] = float("nan")
+    for threads in (1, 2):
+        out = cpu_kernel.paged_decode(lib, q, pool, tables, ctx, D**-0.5, threads).float()
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)

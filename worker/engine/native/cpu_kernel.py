@@ -140,7 +140,8 @@ TOP_LEVEL = "amx"
 
 def isa(lib: ctypes.CDLL, dtype: torch.dtype, head_dim: int = 64, group: int = 1) -> str:
     """The instruction-set path the kernel takes here for ``dtype``, ``head_dim`` and ``group`` query heads per
-    KV head: "amx" (bf16 with group >= 4 on CPUs with AMX-BF16), "avx512bf16" (bf16 on CPUs with AVX512-BF16),
+    KV head: "amx" (bf16, 4 <= group <= 16, head_dim % 64 == 0 and <= 256, on CPUs with AMX-BF16 whose kernel grants
+    this process the tile data), "avx512bf16" (bf16 on CPUs with AVX512-BF16),
     "avx512" (fp32 on CPUs with AVX512F; the build is -march=native), "avx2" (AVX2 + FMA, checked at runtime) or
     "portable" (the plain C loop)."""
     return lib.paged_decode_isa(int(dtype == torch.bfloat16), head_dim, group).decode()

@@ -10,7 +10,8 @@
  * all tokens (then softmax), then the probability-weighted V sum; fp32 accumulation throughout.
  * On CPUs with AVX-512 both entry points take an intrinsics path in tiles of 16 tokens (FMA, or vdpbf16ps
  * with AVX512-BF16, for QK; vector exp; FMA for PV): paged_decode_avx512.h. On CPUs with AMX-BF16, bf16 with
- * G >= 4 query heads per KV head takes tile matmuls for both passes: paged_decode_amx.h.
+ * 4 <= G <= 16 query heads per KV head, D % 64 == 0 and D <= 256 takes tile matmuls for both passes, where
+ * the process is granted the tile data (paged_decode_init): paged_decode_amx.h.
  */
 #include <float.h>
 #include <math.h>

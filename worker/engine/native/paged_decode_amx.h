@@ -1,11 +1,13 @@
 /* The AMX path of the paged decode kernel (bf16; CPUs with AMX-BF16), included by paged_decode.c after the
  * AVX-512 paths (it uses their vexp, transpose16, TILE_ROWS and PREFETCH_HEAD). Shapes and layout: see
- * paged_decode.c. Taken for 2 <= G <= 16 query heads per KV head and D % 64 == 0, D <= 256.
+ * paged_decode.c. Taken (path() in paged_decode.c) for 4 <= G <= 16 query heads per KV head, D % 64 == 0, D <= 256,
+ * where this process was granted the AMX tile data: a property of the process, so every worker on one machine kind
+ * takes the same path and gives the same bits.
  *
- * Why: on the AVX-512 path a GQA model's attention is bound by its arithmetic, not by its K/V reads (the QK
- * pass one vdpbf16ps per 32 multiply-adds, the PV pass one fp32 FMA per 16): the 1.1B shape's kernel took 14-16
- * ms a decode step for 72 MB of K/V, ~3 ms at the read bandwidth. Here both passes are tile matmuls per KV
- * head over its G query heads:
+ * Why: on the AVX-512 path a GQA model's attention spends about half its time on arithmetic (the QK pass one
+ * vdpbf16ps per 32 multiply-adds, the PV pass one fp32 FMA per 16): the 1.1B shape's kernel took 14-18 ms a
+ * decode step for ~140 MB of K/V, ~6 ms at the read bandwidth. Here both passes are tile matmuls per KV head
+ * over its G query heads:
  * - QK, per 16-token tile: S [G x 16] += Q [G x 32 d] . K^T, the B tile (VNNI: row r = the d pair 2r, 2r + 1 of
  *   each of the 16 tokens) made from the K rows by a 16 x 16 dword transpose; scores land in sc [nq, ns].
  * - softmax per head in fp32; the probabilities rounded to bf16 (the A operand must be bf16; FlashAttention
@@ -87,7 +89,7 @@ static int amx_item(const uint16_t *q, const uint16_t *k, const uint16_t *v, con
                 const int64_t ti = t + 16 * i;
                 const __mmask16 live = n - ti >= 16 ? (__mmask16)0xffff
                                        : (n > ti ? (__mmask16)((1u << (n - ti)) - 1) : (__mmask16)0);
-                e[i] = _mm512_maskz_mov_ps(live, vexp(_mm512_sub_ps(_mm512_loadu_ps(sh + ti), mv)));
+                e[i] = _mm512_maskz_mov_ps(live, vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + ti), mv)));
             }
             const __m512i p = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]); /* tokens t .. t + 31 */
             _mm512_storeu_si512(ph + t, p);

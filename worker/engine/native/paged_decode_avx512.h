@@ -33,6 +33,7 @@ static inline __m512 vexp(__m512 x) {
 }
 
 #define TILE 16
+typedef uint32_t __attribute__((may_alias)) u32_alias; /* q's bf16 pairs read as dwords */
 
 /* a[i] -> lane i of the result: the horizontal sum of a[i] (a fixed tree of unpacks, 128-bit shuffles, adds). */
 static inline __m512 sum16(const __m512 *a) {
@@ -50,7 +51,8 @@ static inline __m512 sum16(const __m512 *a) {
                          _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* The tile's row addresses of tokens t0 .. t0 + m - 1 in pool p (rows past m: the first row, read but unused). */
+/* The tile's row addresses of tokens t0 .. t0 + m - 1 in pool p (rows past m: the first row, a valid token's, so
+ * finite: its scores are masked, and the AMX path multiplies it by probability 0). */
 #define TILE_ROWS(row, p, t0, m, pad)                                                                  \
     for (int i = 0; i < ((pad) ? TILE : (m)); i++) {                                                   \
         const int64_t t = (t0) + (i < (m) ? i : 0);                                                    \
@@ -151,7 +153,7 @@ static inline void transpose16(__m512i *r) {
 #define QK_GROUPED(QKT, GB)                                                                            \
     for (int g0 = 0; g0 < G; g0 += (GB)) {                                                             \
         const int W = D / 2; /* dwords a row */                                                        \
-        const uint32_t *qg = (const uint32_t *)(qb + (int64_t)(kh * G + g0) * D);                      \
+        const u32_alias *qg = (const u32_alias *)(qb + (int64_t)(kh * G + g0) * D);                    \
         __m512 s[GB];                                                                                  \
         for (int j = 0; j < (GB); j++) s[j] = _mm512_setzero_ps();                                     \
         for (int w0 = 0; w0 < W; w0 += 16) {                                                           \
