@@ -1,6 +1,6 @@
 /* The AMX path of the paged decode kernel (bf16; CPUs with AMX-BF16), included by paged_decode.c after the
- * AVX-512 paths (it uses their vexp, transpose16, TILE_ROWS and PREFETCH_HEAD). Shapes and layout: see
- * paged_decode.c. Taken (path() in paged_decode.c) for 4 <= G <= 16 query heads per KV head, D % 64 == 0, D <= 256,
+ * AVX-512 paths (it uses their vexp, widen_bf16, transpose16, TILE_ROWS and PREFETCH_HEAD). Shapes and layout:
+ * see paged_decode.c. Taken (path() in paged_decode.c) for 4 <= G <= 16 query heads per KV head, D % 64 == 0, D <= 256,
  * where this process was granted the AMX tile data: a property of the process, so every worker on one machine kind
  * takes the same path and gives the same bits.
  *
@@ -93,8 +93,8 @@ static int amx_item(const uint16_t *q, const uint16_t *k, const uint16_t *v, con
             }
             const __m512i p = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]); /* tokens t .. t + 31 */
             _mm512_storeu_si512(ph + t, p);
-            zv = _mm512_add_ps(zv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(p)), 16)));
-            zv = _mm512_add_ps(zv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(p, 1)), 16)));
+            zv = _mm512_add_ps(zv, widen_bf16(_mm512_castsi512_si256(p)));
+            zv = _mm512_add_ps(zv, widen_bf16(_mm512_extracti64x4_epi64(p, 1)));
         }
         z[h] = _mm512_reduce_add_ps(zv);
     }

@@ -33,6 +33,10 @@ static inline __m512 vexp(__m512 x) {
 }
 
 #define TILE 16
+/* 16 bf16 -> 16 fp32 (exact: the bits shifted into the high half). */
+static inline __m512 widen_bf16(__m256i b) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
 typedef uint32_t __attribute__((may_alias)) u32_alias; /* q's bf16 pairs read as dwords */
 
 /* a[i] -> lane i of the result: the horizontal sum of a[i] (a fixed tree of unpacks, 128-bit shuffles, adds). */
@@ -238,7 +242,7 @@ DEFINE_ITEM_KERNEL(avx512_f32, avx512_item_f32, float) /* paged_decode.c */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define QKT_BF16(a, qd, kt) _mm512_dpbf16_ps(a, (__m512bh)_mm512_set1_epi32((int)(qd)), (__m512bh)(kt))
 #define QK_BF16(a, qp, kp) _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qp), (__m512bh)_mm512_loadu_si512(kp))
-#define LD16_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define LD16_BF16(p) widen_bf16(_mm256_loadu_si256((const __m256i *)(p)))
 DEFINE_AVX512_ITEM(avx512_item_bf16, uint16_t, 32, QK_BF16, 1, QKT_BF16, LD16_BF16, f2bf, 1)
 DEFINE_ITEM_KERNEL(avx512_bf16, avx512_item_bf16, uint16_t)
 #endif
