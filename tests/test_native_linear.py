@@ -65,20 +65,50 @@ def test_fastest_measures_each_shape_once_and_describes_it(L):
         assert desc["40->48 float32"] == "default"
 
 
-def test_default_never_packs_and_bf16_falls_back_where_onednn_cannot(L):
+def test_default_never_packs_and_bf16_runs_in_fp32_where_onednn_has_no_bf16_kernel(L):
     import torch
     import torch.nn.functional as F
 
+    from batchfleet.worker.engine.native.widened import WidenedLinear
+
     w, b = _weights()
     assert L.LinearFactory("default")(w, b).packed is None
-    # bf16 prepacking needs AVX512 (bw/vl/dq) or AVX-NE-CONVERT: where it fails the layer stays on F.linear
+    # bf16 prepacking needs AVX512 (bw/vl/dq) or AVX-NE-CONVERT: where it fails (AVX2-only x86) the layer
+    # computes in fp32 on oneDNN (widened.py) instead of torch's scalar bf16 fallback
     wb, bb = w.bfloat16(), b.bfloat16()
     lin = L.LinearFactory("onednn")(wb, bb)
+    assert isinstance(lin, WidenedLinear) == (L.prepack(wb) is None and L.onednn_available())
     x = torch.randn(7, 40).bfloat16()
     with torch.inference_mode():
         torch.testing.assert_close(lin(x).float(), F.linear(x, wb, bb).float(), atol=0.1, rtol=0.02)
     with pytest.raises(ValueError, match="linear kernel"):
         L.LinearFactory("quickest")
+
+
+def test_a_widened_bf16_layer_is_a_bf16_gemm_with_fp32_sums_and_rows_independent_of_the_row_count(L):
+    """widened.py on any CPU oneDNN runs fp32 on: bf16 in and out, the sums of the exact fp32 products rounded
+    to bf16 once (within one bf16 rounding of the float64 result), every row the bits it gets alone, and
+    ``add_to`` as torch adds the rounded matmul to a bf16 residual."""
+    import torch
+
+    from batchfleet.worker.engine.native.widened import widened
+
+    if not L.onednn_available():
+        pytest.skip("this torch has no oneDNN linear ops")
+    w, b = _weights(96, 200, torch.bfloat16)
+    lin = widened(w, b)
+    assert lin is not None and lin.kernel_for(5) == "onednn" and widened(w.float(), None) is None
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(70, 200, generator=g).bfloat16()
+    res = torch.randn(70, 96, generator=g).bfloat16()
+    with torch.inference_mode():
+        out = lin(x)
+        exact = x.double() @ w.double().T + b.double()
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.double(), exact, atol=1e-6, rtol=2 ** -8)
+        assert torch.equal(torch.cat([lin(x[j:j + 1]) for j in range(70)]), out)
+        assert L.invariant_block(lin) is None
+        assert torch.equal(lin.add_to(x, res), res + out)
 
 
 def test_plan_table_picks_the_nearest_probe_in_log_scale(L):

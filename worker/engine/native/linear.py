@@ -31,7 +31,8 @@ kernel is, e.g. bf16 here, not MKL fp32) and ``onednn`` (the same as ``auto``).
 Kernels: ``default`` (``F.linear``: every device, always available) and ``onednn``
 (``torch.ops.mkldnn._linear_pointwise`` over ``torch.ops.mkldnn._reorder_linear_weight``: CPU only,
 fp32, bf16 where oneDNN supports it on this CPU). A missing op, a non-CPU device or a reorder that
-fails (e.g. bf16 without AVX512/AVX-NE-CONVERT) leaves the layer on ``default``: never an error.
+fails leaves the layer on ``default``: never an error. bf16 where oneDNN has no bf16 kernel (x86 without
+AVX-512 or AVX-NE-CONVERT) runs its matmuls in fp32 on oneDNN instead (``widened.py``).
 
 Memory: a prepacked weight is a second copy of that weight (the dense one stays for the rows where the
 default kernel won, and for the transformers module the weights came from).
@@ -77,7 +78,7 @@ def onednn_available() -> bool:
         return False
 
 
-def _prepack(w: torch.Tensor) -> torch.Tensor | None:
+def prepack(w: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked copy of ``w`` [out, in], or None where it cannot be made here."""
     if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not onednn_available():
         return None
@@ -238,11 +239,14 @@ class LinearFactory:
             return Linear(weight, bias)
         if self.choice == "auto" and (tiled := self._amx(weight, bias)) is not None:
             return tiled
-        packed = _prepack(weight)
+        packed = prepack(weight)
         key = (weight.shape[0], weight.shape[1], str(weight.dtype).removeprefix("torch."))
         if packed is None:
-            self.plans.setdefault(key, None)
-            return self._blocked(key, Linear(weight, bias))
+            from batchfleet.worker.engine.native.widened import widened  # it subclasses Linear
+
+            wide = widened(weight, bias)  # bf16 where oneDNN has no bf16 kernel: fp32 arithmetic
+            self.plans.setdefault(key, None if wide is None else wide.plan)
+            return self._blocked(key, wide or Linear(weight, bias))
         if key not in self.plans:
             if self.choice in ("auto", "onednn"):
                 self.plans[key] = Plan({r: "onednn" for r in PROBE_ROWS})
