@@ -81,7 +81,7 @@ def test_bf16_engine_runs_both_decode_paths(tmp_path):
     ("vendor_id : GenuineIntel\nflags : avx512_bf16 amx_bf16 amx_tile", True),  # Sapphire Rapids and later
     ("vendor_id : GenuineIntel\nflags : avx512f avx512_bf16", False),  # no AMX: fp32 measured faster (issue 34)
     ("vendor_id : AuthenticAMD\nflags : avx512f avx512_bf16", True),  # Zen 4/5 (BENCHMARKS 7, 13c)
-    ("vendor_id : AuthenticAMD\nflags : avx2 fma", False),  # Zen 3: no bf16 arithmetic (widened.py)
+    ("vendor_id : AuthenticAMD\nflags : avx2 fma", False),  # Zen 3: no bf16 arithmetic (linear.WidenedLinear)
     ("", False),  # /proc/cpuinfo unreadable
 ])
 def test_default_cpu_dtype_follows_what_was_measured_per_cpu_kind(cpuinfo, bf16):

@@ -69,15 +69,13 @@ def test_default_never_packs_and_bf16_runs_in_fp32_where_onednn_has_no_bf16_kern
     import torch
     import torch.nn.functional as F
 
-    from batchfleet.worker.engine.native.widened import WidenedLinear
-
     w, b = _weights()
     assert L.LinearFactory("default")(w, b).packed is None
     # bf16 prepacking needs AVX512 (bw/vl/dq) or AVX-NE-CONVERT: where it fails (AVX2-only x86) the layer
-    # computes in fp32 on oneDNN (widened.py) instead of torch's scalar bf16 fallback
+    # computes in fp32 on oneDNN (WidenedLinear) instead of torch's scalar bf16 fallback
     wb, bb = w.bfloat16(), b.bfloat16()
     lin = L.LinearFactory("onednn")(wb, bb)
-    assert isinstance(lin, WidenedLinear) == (L.prepack(wb) is None and L.onednn_available())
+    assert isinstance(lin, L.WidenedLinear) == (L.prepack(wb) is None and L.onednn_available())
     x = torch.randn(7, 40).bfloat16()
     with torch.inference_mode():
         torch.testing.assert_close(lin(x).float(), F.linear(x, wb, bb).float(), atol=0.1, rtol=0.02)
@@ -86,18 +84,16 @@ def test_default_never_packs_and_bf16_runs_in_fp32_where_onednn_has_no_bf16_kern
 
 
 def test_a_widened_bf16_layer_is_a_bf16_gemm_with_fp32_sums_and_rows_independent_of_the_row_count(L):
-    """widened.py on any CPU oneDNN runs fp32 on: bf16 in and out, the sums of the exact fp32 products rounded
+    """WidenedLinear on any CPU oneDNN runs fp32 on: bf16 in and out, the sums of the exact fp32 products rounded
     to bf16 once (within one bf16 rounding of the float64 result), every row the bits it gets alone, and
     ``add_to`` as torch adds the rounded matmul to a bf16 residual."""
     import torch
 
-    from batchfleet.worker.engine.native.widened import widened
-
     if not L.onednn_available():
         pytest.skip("this torch has no oneDNN linear ops")
     w, b = _weights(96, 200, torch.bfloat16)
-    lin = widened(w, b)
-    assert lin is not None and lin.kernel_for(5) == "onednn" and widened(w.float(), None) is None
+    lin = L.WidenedLinear(w, b, L.prepack(w.float()))
+    assert lin.kernel_for(5) == "onednn" and lin.bias32.dtype == torch.float32
     g = torch.Generator().manual_seed(1)
     x = torch.randn(70, 200, generator=g).bfloat16()
     res = torch.randn(70, 96, generator=g).bfloat16()

@@ -67,7 +67,7 @@ def default_dtype(device: str) -> torch.dtype:
     AVX512-BF16 on AMD Zen 4/5: bf16 1.7-1.9x fp32 for both engines, docs/BENCHMARKS.md 7 and 13c). Intel CPUs
     with AVX512-BF16 but no AMX get fp32: there fp32 was faster for the fleet and for vLLM alike (issue 34:
     129 vs 120 and 90 vs 78 tok/s). Everything else gets fp32: on AVX2-only CPUs bf16's matmuls run in fp32
-    (widened.py; torch's own bf16 kernel there is ~5x slower), so bf16 saves only K/V bytes, and the fleet ran
+    (linear.WidenedLinear; torch's own bf16 kernel there is ~5x slower), so bf16 saves only K/V bytes, and the fleet ran
     as fast in both (EPYC Zen 3: 171 vs 161 tok/s on the bench preset, 16.1 vs 16.2 on the 1.1B shape,
     docs/BENCHMARKS.md 13l) while rounding every activation to bf16."""
     if device == "cpu":

@@ -1,41 +1,20 @@
-"""Linear layers whose per-row result does not depend on the row count (batch invariance), on the fastest
-kernel that allows it.
+"""Linear layers whose per-row result does not depend on the row count, on the fastest kernel that allows it.
 
 **Batch invariance** (the default, ``auto``): a row's output must be the same bits whatever else is in the
-matmul (a decode step's other sequences, a prefill's other prompts), or a request's tokens would depend on
-its neighbours. Measured on this machine (Zen 4, torch 2.13): oneDNN with the weight prepacked gives the
-same bits for a row at every row count >= 2, in fp32 and bf16 (at 1 row it takes another path for large
-inputs, e.g. in 2048+ fp32, 8192 bf16); MKL's fp32 ``F.linear`` gives other bits at 1, 4, 5, 7, ... rows
-than at 2. So ``auto`` runs every row count on prepacked oneDNN, and a single row is computed as two
-(duplicated, the second dropped), which costs nothing measurable at decode sizes (memory-bound).
-That is not so on every CPU: with AMX (Intel Xeon, bf16) oneDNN takes other kernels above 32 rows, and a row
-of a 33- to 64-row call differs from its bits alone in most of a model's shapes (a Llama's down projection
-from 58 rows; every fp32 shape and every call of up to 32 rows were the same bits). So ``auto`` checks each
-weight shape once at load (``invariant_block``: every row of every call of 2 to 64 rows against that row
-alone) and, where some call differs, cuts larger calls into blocks of the largest row count that held
-(32 on that CPU; a prefill's matmuls then cost up to ~2x, a decode step of up to 32 sequences nothing). There
-``auto`` runs bf16 weights on amx.py's AMX kernel instead, invariant at every row count; the blocks stay for oneDNN.
-``tests/test_batch_invariance.py`` checks every row of every row count of the engine's shapes.
+matmul, or a request's tokens would depend on its neighbours. oneDNN with the weight prepacked gives a row the
+same bits at every row count >= 2 in fp32 and bf16 (Zen 4, torch 2.13; at 1 row it takes another path, so a
+single row is computed as two, the second dropped); MKL's fp32 ``F.linear`` does not. Not on every CPU: with
+AMX, oneDNN's bf16 kernels change above 32 rows, so ``auto`` checks each weight shape once at load
+(``invariant_block``: every row of every call of 2 to 64 rows against that row alone) and cuts larger calls
+into blocks of the largest row count that held; there bf16 weights run on amx.py's kernel instead, invariant at
+every row count. ``tests/test_batch_invariance.py`` checks every row of every row count of the engine's shapes.
 
-On x86 CPUs torch's default ``F.linear`` (MKL sgemm in fp32) leaves much of the machine unused at the
-small row counts of a decode step: on an AVX2 EPYC it reached 33 GFLOP/s on the lm_head shape at 32
-rows where oneDNN, with the weight reordered once into its blocked layout, reached 74. Which kernel
-wins depends on the shape and the number of rows (oneDNN's packed weight is slow at 1 row there; MKL
-wins some shapes at 512), so the choice is *measured* once at load, per distinct (out, in, dtype)
-shape and per row-count bucket, and the weight is prepacked only where oneDNN won somewhere.
-
-The other choices: ``fastest`` (measured per weight shape and row count at load, below: not batch-invariant,
-in fp32 MKL and oneDNN differ), ``default`` (``F.linear`` everywhere: batch-invariant only where torch's
-kernel is, e.g. bf16 here, not MKL fp32) and ``onednn`` (the same as ``auto``).
-
-Kernels: ``default`` (``F.linear``: every device, always available) and ``onednn``
-(``torch.ops.mkldnn._linear_pointwise`` over ``torch.ops.mkldnn._reorder_linear_weight``: CPU only,
-fp32, bf16 where oneDNN supports it on this CPU). A missing op, a non-CPU device or a reorder that
-fails leaves the layer on ``default``: never an error. bf16 where oneDNN has no bf16 kernel (x86 without
-AVX-512 or AVX-NE-CONVERT) runs its matmuls in fp32 on oneDNN instead (``widened.py``).
-
-Memory: a prepacked weight is a second copy of that weight (the dense one stays for the rows where the
-default kernel won, and for the transformers module the weights came from).
+On x86 CPUs torch's default ``F.linear`` leaves much of the machine unused at a decode step's row counts
+(33 against oneDNN's 74 GFLOP/s on an AVX2 EPYC's lm_head shape at 32 rows). Other choices: ``fastest``
+(measured per weight shape and row count at load: not batch-invariant, MKL and oneDNN differ in fp32),
+``default`` (``F.linear`` everywhere) and ``onednn`` (the same as ``auto``). A missing oneDNN op, a non-CPU
+device or a reorder that fails leaves the layer on ``F.linear``; bf16 where oneDNN has no bf16 kernel (x86
+without AVX-512 or AVX-NE-CONVERT) runs in fp32 on oneDNN (``WidenedLinear``). docs/NATIVE_ENGINE.md: more.
 """
 
 from __future__ import annotations
@@ -56,14 +35,12 @@ log = logging.getLogger(__name__)
 
 KERNELS = ("default", "onednn")
 CHOICES = ("auto", "fastest", *KERNELS)
-# row counts measured at load (a decode step has as many rows as sequences, a prefill step as tokens);
-# a row count uses the choice of the nearest measured one (log scale)
+# row counts measured at load (decode: rows = sequences; prefill: tokens); others take the nearest (log scale)
 PROBE_ROWS = (1, 4, 16, 64, 256, 1024)
 PROBE_MAX_FLOP = 2e9  # skip probes costlier than this (larger row counts take the largest probe's choice)
 PROBE_REPS = 3  # timed calls per (kernel, rows) after one warm-up; the minimum is kept (noise only adds)
 _MAX_BITS = 64
-# measured plans of this process: (out, in, dtype, threads) -> Plan. A second engine in the same process
-# (tests, benchmarks, a restarted engine) reuses them instead of measuring again
+# measured plans of this process, (out, in, dtype, threads) -> Plan: a second engine reuses them
 _MEASURED: dict[tuple[int, int, str, int], Plan] = {}
 BLOCK_PROBE_ROWS = 64  # invariant_block checks every call of 2 .. this many rows
 _BLOCKS: dict[tuple[int, int, str, int], int | None] = {}  # the same per process: (out, in, dtype, threads)
@@ -202,6 +179,23 @@ class Linear:
         return "onednn" if self._fns[max(rows, 2).bit_length()] == self._onednn else "default"
 
 
+class WidenedLinear(Linear):
+    """A bf16 layer whose matmuls run in fp32 on oneDNN (``packed``: the weight widened, prepacked), for CPUs
+    where oneDNN has no bf16 kernel and torch's is scalar (AVX2 EPYC: 18-21 against 76-116 GFLOP/s at 32 rows).
+    A bf16 GEMM's arithmetic is fp32 anyway (bf16 products are exact in fp32, the output is rounded once), so
+    this is one with another summation order. Memory: the packed fp32 copy, 2x the bf16 weight's bytes."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> None:
+        super().__init__(weight, bias, Plan(dict.fromkeys(PROBE_ROWS, "onednn")), packed)
+        self.bias32 = None if bias is None else bias.float()
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias32, "none", [], "").to(x.dtype)
+
+    def _onednn_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual + self._onednn(x)  # as bf16's default kernel: the matmul rounded, then a bf16 add
+
+
 @torch.inference_mode()
 def invariant_block(lin: Linear | amx.AmxLinear, rows: int = BLOCK_PROBE_ROWS) -> int | None:
     """None when every row of every call of 2 .. ``rows`` rows of ``lin`` is the bits that row gets alone (as
@@ -242,9 +236,8 @@ class LinearFactory:
         packed = prepack(weight)
         key = (weight.shape[0], weight.shape[1], str(weight.dtype).removeprefix("torch."))
         if packed is None:
-            from batchfleet.worker.engine.native.widened import widened  # it subclasses Linear
-
-            wide = widened(weight, bias)  # bf16 where oneDNN has no bf16 kernel: fp32 arithmetic
+            wide = (WidenedLinear(weight, bias, p32) if weight.dtype == torch.bfloat16  # no bf16 kernel here
+                    and (p32 := prepack(weight.float())) is not None else None)
             self.plans.setdefault(key, None if wide is None else wide.plan)
             return self._blocked(key, wide or Linear(weight, bias))
         if key not in self.plans:
