@@ -236,8 +236,10 @@ class LinearFactory:
         packed = prepack(weight)
         key = (weight.shape[0], weight.shape[1], str(weight.dtype).removeprefix("torch."))
         if packed is None:
-            wide = (WidenedLinear(weight, bias, p32) if weight.dtype == torch.bfloat16  # no bf16 kernel here
-                    and (p32 := prepack(weight.float())) is not None else None)
+            # bf16 where oneDNN has no bf16 kernel: fp32 on oneDNN (widened only where it could run there)
+            widen = weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and onednn_available()
+            p32 = prepack(weight.float()) if widen else None
+            wide = None if p32 is None else WidenedLinear(weight, bias, p32)
             self.plans.setdefault(key, None if wide is None else wide.plan)
             return self._blocked(key, wide or Linear(weight, bias))
         if key not in self.plans:
