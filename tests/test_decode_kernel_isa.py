@@ -38,8 +38,9 @@ def _case(B, H, Hkv, D, bs, dtype):
                                    (4, 16, 2, 64, 16), (3, 7, 1, 64, 16), (3, 6, 3, 32, 16), (4, 16, 2, 64, 5),
                                    (2, 8, 2, 128, 16)])
 def test_every_isa_path_matches_gather_sdpa(capped, level, dtype, shape):
-    # D = 24: AVX2 but not AVX512 vectors; D = 12: portable only. The AVX-512 PV pass groups query heads by
+    # D = 24: AVX2 but not AVX512 vectors; D = 12: portable only. The AVX-512 fp32 PV pass groups query heads by
     # their KV head: 8 (G = 8), 4 (G = 4), 2 (G = 6, D = 64), 1 x 4 column chunks (G = 7, D = 64), 1 (G = 2, D = 32);
+    # the bf16 one (token pairs) 8, 4, 2 (G = 6, G = 2) or 1 (G = 7, G = 1), odd contexts ending on a half pair;
     # its bf16 QK pass groups them where G % 4 == 0. AMX (bf16, G >= 4, D % 64 == 0): G = 8, 7 and 4 (D = 128), and
     # blocks of 5 tokens (tiles span blocks)
     B, H, Hkv, D, bs = shape

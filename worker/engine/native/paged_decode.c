@@ -7,9 +7,11 @@
  * out:    [B, H, D]; returns the number of work items that failed to allocate scratch memory (0 = ok)
  * Work item = (sequence, chunk of hc kv heads): each token's K (then V) row for those heads is one
  * contiguous read, shared by the G = H / Hkv query heads of each group. Two passes per item: scores for
- * all tokens (then softmax), then the probability-weighted V sum; fp32 accumulation throughout.
+ * all tokens (then softmax), then the probability-weighted V sum; fp32 accumulation throughout (the bf16
+ * AVX-512 and AMX paths round the probabilities to bf16 first).
  * On CPUs with AVX-512 both entry points take an intrinsics path in tiles of 16 tokens (FMA, or vdpbf16ps
- * with AVX512-BF16, for QK; vector exp; FMA for PV): paged_decode_avx512.h. On CPUs with AMX-BF16, bf16 with
+ * with AVX512-BF16, for QK; vector exp; FMA for PV, or vdpbf16ps over token pairs in bf16):
+ * paged_decode_avx512.h. On CPUs with AMX-BF16, bf16 with
  * 4 <= G <= 16 query heads per KV head, D % 64 == 0 and D <= 256 takes tile matmuls for both passes, where
  * the process is granted the tile data (paged_decode_init): paged_decode_amx.h.
  */

@@ -8,8 +8,9 @@
  *   x bf16 products are exact in fp32), then one transposing reduction (sum16) gives the tile's 16 scores as
  *   one vector: ~3 shuffles/adds a score instead of a horizontal sum per (token, head). In bf16 with G % 4 == 0
  *   (GQA) a KV group's heads at once instead (QK_GROUPED).
- * - PV: per head and 16 columns, one fp32 accumulator register over the tile's tokens (one load and one store
- *   of the accumulator per tile instead of per token).
+ * - PV in fp32: per head and 16 columns, one fp32 accumulator register over the tile's tokens (one load and one
+ *   store of the accumulator per tile instead of per token). In bf16: the probabilities rounded to bf16 and PV
+ *   over token pairs with vdpbf16ps (paged_decode_pv_bf16.h).
  * Every score and output element is summed in a fixed order that depends only on its own sequence (the tile
  * boundaries are multiples of 16 from its first token), so a sequence's result does not depend on its
  * batchmates (batch invariance), as on the other paths. */
@@ -33,6 +34,7 @@ static inline __m512 vexp(__m512 x) {
 }
 
 #define TILE 16
+#define NSP(n) (((size_t)(n) + 31) / 32 * 32) /* a head's bf16 probabilities: n rounded up to 32 */
 /* 16 bf16 -> 16 fp32 (exact: the bits shifted into the high half). */
 static inline __m512 widen_bf16(__m256i b) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
@@ -80,19 +82,18 @@ static inline __m512 sum16(const __m512 *a) {
         for (int o = 0; o < D * (int)sizeof(T); o += 64) _mm_prefetch(r + o, _MM_HINT_T1);             \
     }
 
-/* The PV pass of an item: acc[h] += sum over tokens of p[h, t] x V row t, token by token in order (the same
+/* The fp32 PV pass of an item: acc[h] += sum over tokens of p[h, t] x V row t, token by token in order (the same
  * sums in the same order whatever GB and CB, so the same bits). GB query heads of one KV group x CB 16-column
  * chunks at a time, GB x CB <= 8 accumulators held in registers: each V row chunk is widened once for the GB
  * heads that share it (GQA), and the GB x CB fma chains are independent (one accumulator at a time waited on
  * its own fma a token). Inside decode steps of the 1.1B shape (GQA 32/4, bf16, 16 x 300-500 tokens, Xeon
  * model 207 with AMX, interleaved builds, two runs) the kernel 19.7 / 21.5 -> 16.7 / 17.1 ms a step; MHA and
  * fp32 unchanged (they wait on memory). */
-#define PV_PASS(T, LD16, PF, GB, CB)                                                                           \
+#define PV_PASS(GB, CB)                                                                           \
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                                 \
         const int m = n - t0 < TILE ? (int)(n - t0) : TILE;                                                    \
         TILE_ROWS(row, v, t0, m, 0)                                                                            \
         for (int kh = 0; kh < hc; kh++) {                                                                      \
-            if (PF) PREFETCH_HEAD(T, v, t0 + TILE, kh)                                                         \
             for (int g0 = 0; g0 < G; g0 += (GB)) {                                                             \
                 const float *ph = sc + (int64_t)(kh * G + g0) * n + t0;                                        \
                 float *ah = acc + (kh * G + g0) * D;                                                           \
@@ -101,9 +102,9 @@ static inline __m512 sum16(const __m512 *a) {
                     for (int j = 0; j < (GB) * (CB); j++)                                                      \
                         av[j] = _mm512_loadu_ps(ah + j / (CB) * D + c0 + 16 * (j % (CB)));                     \
                     for (int i = 0; i < m; i++) {                                                              \
-                        const T *vr = row[i] + kh * D + c0;                                                    \
+                        const float *vr = row[i] + kh * D + c0;                                                \
                         __m512 vv[CB];                                                                         \
-                        for (int cc = 0; cc < (CB); cc++) vv[cc] = LD16(vr + 16 * cc);                         \
+                        for (int cc = 0; cc < (CB); cc++) vv[cc] = _mm512_loadu_ps(vr + 16 * cc);              \
                         for (int j = 0; j < (GB) * (CB); j++)                                                  \
                             av[j] = _mm512_fmadd_ps(_mm512_set1_ps(ph[j / (CB) * n + i]), vv[j % (CB)], av[j]);\
                     }                                                                                          \
@@ -113,6 +114,26 @@ static inline __m512 sum16(const __m512 *a) {
             }                                                                                                  \
         }                                                                                                      \
     }
+
+/* fp32: softmax in place in sc (z: each head's sum), then PV_PASS. */
+#define TAIL_F32                                                                                       \
+    for (int h = 0; h < nq; h++) {                                                                     \
+        float *sh = sc + h * n;                                                                        \
+        const __m512 mv = _mm512_set1_ps(mx[h]);                                                       \
+        __m512 zv = _mm512_setzero_ps();                                                               \
+        for (int64_t t = 0; t < n; t += 16) {                                                          \
+            const __mmask16 live = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1); \
+            const __m512 e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + t), mv));             \
+            _mm512_mask_storeu_ps(sh + t, live, e);                                                    \
+            zv = _mm512_add_ps(zv, _mm512_maskz_mov_ps(live, e));                                      \
+        }                                                                                              \
+        z[h] = _mm512_reduce_add_ps(zv);                                                               \
+    }                                                                                                  \
+    if (G % 8 == 0) PV_PASS(8, 1)                                                                      \
+    else if (G % 4 == 0 && D % 32 == 0) PV_PASS(4, 2)                                                  \
+    else if (G % 2 == 0 && D % 64 == 0) PV_PASS(2, 4)                                                  \
+    else if (D % 64 == 0) PV_PASS(1, 4)                                                                \
+    else PV_PASS(1, 1)
 
 /* 16 x 16 dwords transposed in place: r[i] = row i -> r[c] = column c (lane i: dword c of row i). */
 static inline void transpose16(__m512i *r) {
@@ -172,14 +193,15 @@ static inline void transpose16(__m512i *r) {
 
 /* One work item: sequence b, KV heads kh0 .. kh0 + hc - 1. QW: elements of one QK step (QK_STEP(a, q, k)
  * adds q[0 .. QW) . k[0 .. QW) into the 16 lanes of a); GQ: 1 to take QK_GROUPED (with QKT as its step) where
- * G % 4 == 0, 0 for the QK_STEP loop at every G; LD16: 16 elements as fp32; PF: 1 to prefetch the next tile as
- * the head loop goes (PREFETCH_HEAD). Returns 1 if its scratch could not be allocated. */
-#define DEFINE_AVX512_ITEM(NAME, T, QW, QK_STEP, GQ, QKT, LD16, STORE, PF)                                  \
+ * G % 4 == 0, 0 for the QK_STEP loop at every G; PF: 1 to prefetch the next tile as the head loop goes
+ * (PREFETCH_HEAD); TAIL: softmax and PV (TAIL_F32, TAIL_BF16). Scratch: the scores sc [nq, n], acc [nq, D], mx and
+ * z [nq], then (bf16) the probabilities [nq, NSP(n)]. Returns 1 if its scratch could not be allocated. */
+#define DEFINE_AVX512_ITEM(NAME, T, QW, QK_STEP, GQ, QKT, STORE, PF, TAIL)                                  \
 static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const int64_t *ctx, T *out,  \
                 int b, int kh0, int H, int Hkv, int D, int bs, int M, float scale, int hc) {            \
     const int G = H / Hkv, nq = hc * G;                                                                \
     const int64_t n = ctx[b] > 0 ? ctx[b] : 0;                                                         \
-    float *sc = (float *)malloc(sizeof(float) * ((size_t)nq * ((size_t)n + 2 + (size_t)D)));           \
+    float *sc = (float *)malloc(sizeof(float) * ((size_t)nq * ((size_t)n + 2 + (size_t)D + NSP(n) / 2)));    \
     if (sc == NULL) return 1;                                                                          \
     float *acc = sc + (size_t)nq * (size_t)n, *mx = acc + (size_t)nq * D, *z = mx + nq; /* sc: [nq, n] */ \
     const T *qb = q + ((int64_t)b * H + (int64_t)kh0 * G) * D;                                         \
@@ -208,41 +230,22 @@ static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const
             }                                                                                          \
         }                                                                                              \
     }                                                                                                  \
-    if (PF) /* the first V tile, during the softmax */                                                 \
-        for (int kh = 0; kh < hc; kh++) PREFETCH_HEAD(T, v, 0, kh)                                     \
-    for (int h = 0; h < nq; h++) {                                                                     \
-        float *sh = sc + h * n;                                                                        \
-        const __m512 mv = _mm512_set1_ps(mx[h]);                                                       \
-        __m512 zv = _mm512_setzero_ps();                                                               \
-        for (int64_t t = 0; t < n; t += 16) {                                                          \
-            const __mmask16 live = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1); \
-            const __m512 e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + t), mv));             \
-            _mm512_mask_storeu_ps(sh + t, live, e);                                                    \
-            zv = _mm512_add_ps(zv, _mm512_maskz_mov_ps(live, e));                                      \
-        }                                                                                              \
-        z[h] = _mm512_reduce_add_ps(zv);                                                               \
-    }                                                                                                  \
-    if (G % 8 == 0) PV_PASS(T, LD16, PF, 8, 1)                                                         \
-    else if (G % 4 == 0 && D % 32 == 0) PV_PASS(T, LD16, PF, 4, 2)                                     \
-    else if (G % 2 == 0 && D % 64 == 0) PV_PASS(T, LD16, PF, 2, 4)                                     \
-    else if (D % 64 == 0) PV_PASS(T, LD16, PF, 1, 4)                                                   \
-    else PV_PASS(T, LD16, PF, 1, 1)                                                                    \
+    TAIL                                                                                               \
     WRITE_OUT(T, STORE, acc, z) /* paged_decode.c */                                                   \
     free(sc);                                                                                          \
     return 0;                                                                                          \
 }
 
 #define QK_F32(a, qp, kp) _mm512_fmadd_ps(_mm512_loadu_ps(qp), _mm512_loadu_ps(kp), a)
-#define LD16_F32(p) _mm512_loadu_ps(p)
 #define QKT_NONE(a, qd, kt) (a) /* GQ = 0: never taken */
-DEFINE_AVX512_ITEM(avx512_item_f32, float, 16, QK_F32, 0, QKT_NONE, LD16_F32, ID, 0)
+DEFINE_AVX512_ITEM(avx512_item_f32, float, 16, QK_F32, 0, QKT_NONE, ID, 0, TAIL_F32)
 DEFINE_ITEM_KERNEL(avx512_f32, avx512_item_f32, float) /* paged_decode.c */
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define QKT_BF16(a, qd, kt) _mm512_dpbf16_ps(a, (__m512bh)_mm512_set1_epi32((int)(qd)), (__m512bh)(kt))
 #define QK_BF16(a, qp, kp) _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qp), (__m512bh)_mm512_loadu_si512(kp))
-#define LD16_BF16(p) widen_bf16(_mm256_loadu_si256((const __m256i *)(p)))
-DEFINE_AVX512_ITEM(avx512_item_bf16, uint16_t, 32, QK_BF16, 1, QKT_BF16, LD16_BF16, f2bf, 1)
+#include "paged_decode_pv_bf16.h" /* TAIL_BF16 */
+DEFINE_AVX512_ITEM(avx512_item_bf16, uint16_t, 32, QK_BF16, 1, QKT_BF16, f2bf, 1, TAIL_BF16)
 DEFINE_ITEM_KERNEL(avx512_bf16, avx512_item_bf16, uint16_t)
 #endif
