@@ -13,8 +13,8 @@ twice, each measured by ``scripts/benchlib/floor.py`` at ``--batch`` sequences o
   count; the decode kernel's best instruction-set path; the small ops in C, ``decode_ops.c``).
 
 Prints one markdown table (step, matmuls, attention, the rest, floor, step / floor, the serial bound:
-matmuls then a plain read of the K/V bytes, layer by layer, with nothing else; GEMM GFLOP/s per shape
-default vs chosen) and writes everything to ``--json``.
+matmuls then a plain read of the K/V bytes, layer by layer, with nothing else, timed in turn with the step
+round by round; GEMM GFLOP/s per shape default vs chosen) and writes everything to ``--json``.
 """
 
 from __future__ import annotations
@@ -89,6 +89,8 @@ def markdown(doc: dict) -> str:
             ("floor ms (max(matmuls, bytes / read bw))", "floor_read_ms"), ("step / floor", "step_vs_floor_read"),
             ("serial bound ms (matmuls, then K/V bytes read)", "serial_step_ms"),
             ("serial bound / floor", "serial_vs_floor_read"),
+            ("step / serial bound, fastest of each (interleaved rounds)", "step_vs_serial_best"),
+            ("step / serial bound, medians (same rounds)", "step_vs_serial_median"),
             ("floor ms against the copy bw", "floor_copy_ms"), ("step / that floor", "step_vs_floor_copy")]
     for label, key in rows:
         lines.append(f"| {label} | {b[key]} | {a[key]} |")

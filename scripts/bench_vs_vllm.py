@@ -128,7 +128,9 @@ def main(redis_url: str, vllm_python: str, n: int, clients: int, prompt_len: str
                f"{f['copy_gb_s']} GB/s (copy); step / floor = {f['step_vs_floor_read']} (the bytes read at the "
                f"read bw; {f['step_vs_floor_copy']} against the copy bw, which counts each byte once though a copy "
                f"moves it twice); serial bound (matmuls, then the K/V read) {f['serial_step_ms']} ms = "
-               f"{f['serial_vs_floor_read']} x floor; step / serial bound = {doc['step_vs_serial_bound']}")
+               f"{f['serial_vs_floor_read']} x floor; step / serial bound = {doc['step_vs_serial_bound']} (the step's "
+               f"median / the bound's fastest); timed in turn, round by round: fastest / fastest "
+               f"{f['step_vs_serial_best']}, median / median {f['step_vs_serial_median']}")
     if json_path:
         write_json(json_path, doc)
 
