@@ -73,9 +73,10 @@ static inline __m512 sum16(const __m512 *a) {
  * bench preset) fills the line-fill buffers and the loads behind it wait. Inside decode steps (bench preset, bf16,
  * 32 sequences of 300-500 tokens, Xeon model 207 with AMX, interleaved builds) the kernel took 32.1 / 36.3 ms a
  * step with the burst, 30.5 / 34.6 with no prefetch and 27.1 / 28.7 spread like this (the step 54.3 / 58.3 ->
- * 48.7 / 50.7 ms); two tiles ahead: the same as one. Taken by the bf16 path only (PF): in fp32, whose rows are
- * twice as long, the hardware prefetcher does better and prefetches cost more than they save (on Xeons with AMX:
- * 28.7 -> 31.5 ms a step as one burst a tile, 37.1 -> 39.1 spread). */
+ * 48.7 / 50.7 ms); two tiles ahead: the same as one. Taken by the bf16 path, and by the fp32 one on AMD only
+ * (PF = prefetch_f32, paged_decode.c): on Xeons with AMX fp32 rows, twice as long, do better with the hardware
+ * prefetcher alone (28.7 -> 31.5 ms a step as one burst a tile, 37.1 -> 39.1 spread), on EPYC Zen 4 the fp32
+ * kernel inside bench-preset decode steps went 23.1 -> 19.0 ms with it (the step 67.7 -> 63.3 ms). */
 #define PREFETCH_HEAD(T, p, t0, kh)                                                                    \
     for (int64_t t = (t0); t < (t0) + TILE && t < n; t++) {                                           \
         const char *r = (const char *)((p) + ((tb[t / bs] * bs + t % bs) * Hkv + kh0 + (kh)) * D);    \
@@ -89,11 +90,12 @@ static inline __m512 sum16(const __m512 *a) {
  * its own fma a token). Inside decode steps of the 1.1B shape (GQA 32/4, bf16, 16 x 300-500 tokens, Xeon
  * model 207 with AMX, interleaved builds, two runs) the kernel 19.7 / 21.5 -> 16.7 / 17.1 ms a step; MHA and
  * fp32 unchanged (they wait on memory). */
-#define PV_PASS(GB, CB)                                                                           \
+#define PV_PASS(PF, GB, CB)                                                                           \
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                                 \
         const int m = n - t0 < TILE ? (int)(n - t0) : TILE;                                                    \
         TILE_ROWS(row, v, t0, m, 0)                                                                            \
         for (int kh = 0; kh < hc; kh++) {                                                                      \
+            if (PF) PREFETCH_HEAD(float, v, t0 + TILE, kh)                                                     \
             for (int g0 = 0; g0 < G; g0 += (GB)) {                                                             \
                 const float *ph = sc + (int64_t)(kh * G + g0) * n + t0;                                        \
                 float *ah = acc + (kh * G + g0) * D;                                                           \
@@ -116,7 +118,9 @@ static inline __m512 sum16(const __m512 *a) {
     }
 
 /* fp32: softmax in place in sc (z: each head's sum), then PV_PASS. */
-#define TAIL_F32                                                                                       \
+#define TAIL_F32(PF)                                                                                   \
+    if (PF) /* the first V tile, during the softmax */                                                 \
+        for (int kh = 0; kh < hc; kh++) PREFETCH_HEAD(float, v, 0, kh)                                 \
     for (int h = 0; h < nq; h++) {                                                                     \
         float *sh = sc + h * n;                                                                        \
         const __m512 mv = _mm512_set1_ps(mx[h]);                                                       \
@@ -129,11 +133,11 @@ static inline __m512 sum16(const __m512 *a) {
         }                                                                                              \
         z[h] = _mm512_reduce_add_ps(zv);                                                               \
     }                                                                                                  \
-    if (G % 8 == 0) PV_PASS(8, 1)                                                                      \
-    else if (G % 4 == 0 && D % 32 == 0) PV_PASS(4, 2)                                                  \
-    else if (G % 2 == 0 && D % 64 == 0) PV_PASS(2, 4)                                                  \
-    else if (D % 64 == 0) PV_PASS(1, 4)                                                                \
-    else PV_PASS(1, 1)
+    if (G % 8 == 0) PV_PASS(PF, 8, 1)                                                                      \
+    else if (G % 4 == 0 && D % 32 == 0) PV_PASS(PF, 4, 2)                                                  \
+    else if (G % 2 == 0 && D % 64 == 0) PV_PASS(PF, 2, 4)                                                  \
+    else if (D % 64 == 0) PV_PASS(PF, 1, 4)                                                                \
+    else PV_PASS(PF, 1, 1)
 
 /* 16 x 16 dwords transposed in place: r[i] = row i -> r[c] = column c (lane i: dword c of row i). */
 static inline void transpose16(__m512i *r) {
@@ -193,7 +197,7 @@ static inline void transpose16(__m512i *r) {
 
 /* One work item: sequence b, KV heads kh0 .. kh0 + hc - 1. QW: elements of one QK step (QK_STEP(a, q, k)
  * adds q[0 .. QW) . k[0 .. QW) into the 16 lanes of a); GQ: 1 to take QK_GROUPED (with QKT as its step) where
- * G % 4 == 0, 0 for the QK_STEP loop at every G; PF: 1 to prefetch the next tile as the head loop goes
+ * G % 4 == 0, 0 for the QK_STEP loop at every G; PF: nonzero to prefetch the next tile as the head loop goes
  * (PREFETCH_HEAD); TAIL: softmax and PV (TAIL_F32, TAIL_BF16). Scratch: the scores sc [nq, n], acc [nq, D], mx and
  * z [nq], then (bf16) the probabilities [nq, NSP(n)]. Returns 1 if its scratch could not be allocated. */
 #define DEFINE_AVX512_ITEM(NAME, T, QW, QK_STEP, GQ, QKT, STORE, PF, TAIL)                                  \
@@ -230,7 +234,7 @@ static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const
             }                                                                                          \
         }                                                                                              \
     }                                                                                                  \
-    TAIL                                                                                               \
+    TAIL(PF)                                                                                           \
     WRITE_OUT(T, STORE, acc, z) /* paged_decode.c */                                                   \
     free(sc);                                                                                          \
     return 0;                                                                                          \
@@ -238,7 +242,7 @@ static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const
 
 #define QK_F32(a, qp, kp) _mm512_fmadd_ps(_mm512_loadu_ps(qp), _mm512_loadu_ps(kp), a)
 #define QKT_NONE(a, qd, kt) (a) /* GQ = 0: never taken */
-DEFINE_AVX512_ITEM(avx512_item_f32, float, 16, QK_F32, 0, QKT_NONE, ID, 0, TAIL_F32)
+DEFINE_AVX512_ITEM(avx512_item_f32, float, 16, QK_F32, 0, QKT_NONE, ID, prefetch_f32, TAIL_F32)
 DEFINE_ITEM_KERNEL(avx512_f32, avx512_item_f32, float) /* paged_decode.c */
 #endif
 

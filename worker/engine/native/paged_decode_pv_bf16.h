@@ -46,7 +46,7 @@
     }
 
 /* Softmax into bf16 probabilities pb [nq, ns] (0 past n), PV_PAIRS, then acc's columns back in order. */
-#define TAIL_BF16                                                                                      \
+#define TAIL_BF16(PF) /* PF: unused, the bf16 path always prefetches */                          \
     const int64_t ns = (int64_t)NSP(n);                                                                \
     uint16_t *pb = (uint16_t *)(z + nq);                                                               \
     for (int kh = 0; kh < hc; kh++) PREFETCH_HEAD(uint16_t, v, 0, kh) /* the first V tile */           \
