@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from batchfleet.worker.engine.native import attention as A
-from batchfleet.worker.engine.native import cpu_kernel, memlimit
+from batchfleet.worker.engine.native import cpu_kernel, hugepages, memlimit
 from batchfleet.worker.engine.native.block_manager import blocks_for
 from batchfleet.worker.engine.native.model import NativeModel
 from batchfleet.worker.engine.native.step import ScheduledBatch
@@ -55,8 +55,9 @@ class ModelRunner:
         self.num_blocks = num_blocks or self._size_pool(kv_cache_gb, max_batch_size, max_seq_len)
         self.trash_block = self.num_blocks  # the extra block padding writes to
         # kv: [L, 2, NB + 1, bs, Hkv, D]
-        self.kv = torch.zeros(m.num_layers, 2, self.num_blocks + 1, block_size, m.num_kv_heads, m.head_dim,
-                              device=self.device, dtype=self.dtype)
+        kv_shape = (m.num_layers, 2, self.num_blocks + 1, block_size, m.num_kv_heads, m.head_dim)
+        self.kv = (hugepages.zeros(kv_shape, self.dtype) if self.device.type == "cpu"
+                   else torch.zeros(kv_shape, device=self.device, dtype=self.dtype))
         cpu = self.device.type == "cpu"
         use_kernel = cpu and kernel_dir is not None and cpu_kernel.supports(self.dtype)
         self.kernel = cpu_kernel.load(Path(kernel_dir)) if use_kernel else None
