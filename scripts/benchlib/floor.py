@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from batchfleet.common.params import Params
 from batchfleet.worker.engine.base import GenRequest
+from batchfleet.worker.engine.native import hugepages
 from batchfleet.worker.engine.native.engine import NativeEngine
 from batchfleet.worker.engine.native.linear import best_times
 
@@ -157,7 +158,8 @@ def serial_passes(engine: NativeEngine, batch: int, context: int) -> tuple[Calla
     m = engine.runner.model
     elem = torch.empty((), dtype=m.dtype).element_size()
     kv_floats = 2 * batch * context * m.num_kv_heads * m.head_dim * elem // 4  # one layer's K/V bytes / 4
-    kv = [torch.ones(kv_floats) for _ in m.layers]  # summed as fp32: torch's sum streams at bandwidth
+    # summed as fp32 (torch's sum streams at bandwidth), on huge pages as the engine's KV pool (hugepages.py)
+    kv = [hugepages.zeros((kv_floats,), torch.float32).fill_(1.0) for _ in m.layers]
     return matmul_pass(engine, batch, after_qkv=lambda i: kv[i].sum()), matmul_pass(engine, batch)
 
 
