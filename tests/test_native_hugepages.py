@@ -58,6 +58,7 @@ def test_a_large_pool_is_backed_by_huge_pages():
     assert _anon_huge_kb(pool.data_ptr()) >= 32 * 1024, "less than half of the pool on huge pages"
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
 def test_the_runner_allocates_its_cpu_pool_there(tmp_path):
     from batchfleet.worker.engine.models import load_model, make_preset
     from batchfleet.worker.engine.native.runner import ModelRunner
