@@ -3,7 +3,6 @@ kernel's THP mode allows (checked in /proc/self/smaps)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,12 +10,14 @@ import torch
 
 from batchfleet.worker.engine.native import hugepages
 
-THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+THP = Path("/sys/kernel/mm/transparent_hugepage")
+needs_madvise = pytest.mark.skipif(hugepages._madvise() is None, reason="no madvise here (not Linux, or no libc found)")
 
 
-def _thp_mode() -> str | None:
+def _thp(setting: str) -> str | None:
+    """The selected value of a THP setting ("enabled", "defrag"), or None where THP is absent."""
     try:
-        text = THP_MODE.read_text()
+        text = (THP / setting).read_text()
     except OSError:
         return None
     return text[text.index("[") + 1:text.index("]")]
@@ -44,7 +45,7 @@ def test_pool_is_zeros_of_the_shape_and_dtype_asked(shape, dtype):
     assert bool((t == 1).all())
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
+@needs_madvise
 def test_a_large_pool_starts_on_a_huge_page_boundary_and_small_ones_are_plain():
     big = hugepages.zeros((64, 1 << 20), torch.uint8)
     assert big.data_ptr() % hugepages.HUGE == 0
@@ -52,13 +53,17 @@ def test_a_large_pool_starts_on_a_huge_page_boundary_and_small_ones_are_plain():
     assert not small.any()
 
 
-@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason=f"THP mode is {_thp_mode()}, not always/madvise")
+@needs_madvise
+@pytest.mark.skipif(_thp("enabled") not in ("always", "madvise"), reason=f"THP is {_thp('enabled')}, not on")
+@pytest.mark.skipif(_thp("defrag") in ("never", "defer"), reason=f"THP defrag is {_thp('defrag')}: no compaction at "
+                    "the fault, huge pages only where memory happens to be unfragmented")
 def test_a_large_pool_is_backed_by_huge_pages():
+    # with defrag always, madvise or defer+madvise a fault in an MADV_HUGEPAGE range compacts memory for its page
     pool = hugepages.zeros((64, 1 << 20), torch.uint8)  # 64 MiB
     assert _anon_huge_kb(pool.data_ptr()) >= 32 * 1024, "less than half of the pool on huge pages"
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
+@needs_madvise
 def test_the_runner_allocates_its_cpu_pool_there(tmp_path):
     from batchfleet.worker.engine.models import load_model, make_preset
     from batchfleet.worker.engine.native.runner import ModelRunner

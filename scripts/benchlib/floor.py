@@ -148,19 +148,28 @@ def attention_ms(engine: NativeEngine, batch: int, context: int, reps: int = 20)
     return {k: round(v, 3) for k, v in out.items()}
 
 
-def serial_passes(engine: NativeEngine, batch: int, context: int) -> tuple[Callable[[], None], Callable[[], None]]:
+def serial_passes(engine: NativeEngine, batch: int,
+                  max_context: int) -> tuple[Callable[[int], None], Callable[[], None]]:
     """A decode step with nothing but its two unavoidable parts, one after the other: each layer's weight
     matmuls on the chosen kernels (``matmul_pass``), with a streaming read of as many bytes as that layer's
     K/V where the step attends (a buffer of its own per layer, so the bytes come from memory as the step's
     do). What a step reaches with no Python, no small ops and attention at the machine's read bandwidth,
     but without overlapping the compute-bound matmuls and the memory-bound K/V reads: the floor (a max of
-    the two) assumes they overlap. Returns (that serial pass, the matmuls alone) as callables."""
+    the two) assumes they overlap. Returns (that serial pass at a context of up to ``max_context`` tokens, the
+    matmuls alone) as callables."""
     m = engine.runner.model
     elem = torch.empty((), dtype=m.dtype).element_size()
-    kv_floats = 2 * batch * context * m.num_kv_heads * m.head_dim * elem // 4  # one layer's K/V bytes / 4
+    per_token = 2 * batch * m.num_kv_heads * m.head_dim * elem // 4  # bytes one token adds to a layer's K/V, / 4
     # summed as fp32 (torch's sum streams at bandwidth), on huge pages as the engine's KV pool (hugepages.py)
-    kv = [hugepages.zeros((kv_floats,), torch.float32).fill_(1.0) for _ in m.layers]
-    return matmul_pass(engine, batch, after_qkv=lambda i: kv[i].sum()), matmul_pass(engine, batch)
+    kv = [hugepages.zeros((per_token * max_context,), torch.float32).fill_(1.0) for _ in m.layers]
+    ctx = [max_context]
+    read = matmul_pass(engine, batch, after_qkv=lambda i: kv[i][:per_token * ctx[0]].sum())
+
+    def serial(context: int) -> None:
+        ctx[0] = context
+        read()
+
+    return serial, matmul_pass(engine, batch)
 
 
 def _seconds(fn: Callable[[], object]) -> float:
@@ -198,15 +207,16 @@ def step_vs_floor(engine: NativeEngine, batch: int = 32, context: int = 300, see
     fill_decode(engine, batch, context, seed=seed)
     # the step, its serial bound and the matmuls alone timed in turn, round by round, so that all three come
     # from the same minutes of a shared machine (whose memory bandwidth moved 2x within an hour on EPYC Zen 4)
-    serial_pass, alone_pass = serial_passes(engine, batch, context + rounds // 2)  # mid-measurement context
-    engine.step(), serial_pass(), alone_pass()  # warm-up
+    # round r's step attends context + 2 + r tokens (the warm-up step context + 1); its serial pass reads as many
+    serial_pass, alone_pass = serial_passes(engine, batch, context + 2 + rounds)
+    engine.step(), serial_pass(context + 1), alone_pass()  # warm-up
     steps, in_kernel, serial, alone = [], [], [], []
     with kernel_seconds() as spent:
-        for _ in range(rounds):
+        for r in range(rounds):
             spent[0] = 0.0
             steps.append(_seconds(engine.step))
             in_kernel.append(spent[0])
-            serial.append(_seconds(serial_pass))
+            serial.append(_seconds(partial(serial_pass, context + 2 + r)))
             alone.append(_seconds(alone_pass))
     step = statistics.median(steps) * 1000
     in_step_attn = statistics.median(in_kernel) * 1000

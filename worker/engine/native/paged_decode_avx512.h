@@ -205,7 +205,8 @@ static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const
                 int b, int kh0, int H, int Hkv, int D, int bs, int M, float scale, int hc) {            \
     const int G = H / Hkv, nq = hc * G;                                                                \
     const int64_t n = ctx[b] > 0 ? ctx[b] : 0;                                                         \
-    float *sc = (float *)malloc(sizeof(float) * ((size_t)nq * ((size_t)n + 2 + (size_t)D + NSP(n) / 2)));    \
+    const size_t pbf_ = sizeof(T) == 2 ? NSP(n) / 2 : 0; /* floats a head for bf16 probabilities */     \
+    float *sc = (float *)malloc(sizeof(float) * ((size_t)nq * ((size_t)n + 2 + (size_t)D + pbf_)));              \
     if (sc == NULL) return 1;                                                                          \
     float *acc = sc + (size_t)nq * (size_t)n, *mx = acc + (size_t)nq * D, *z = mx + nq; /* sc: [nq, n] */ \
     const T *qb = q + ((int64_t)b * H + (int64_t)kh0 * G) * D;                                         \
