@@ -1,8 +1,8 @@
 /* The AMX path of the paged decode kernel (bf16; CPUs with AMX-BF16), included by paged_decode.c after the
- * AVX-512 paths (it uses their vexp, widen_bf16, transpose16, TILE_ROWS and PREFETCH_HEAD). Shapes and layout:
- * see paged_decode.c. Taken (path() in paged_decode.c) for 4 <= G <= 16 query heads per KV head, D % 64 == 0, D <= 256,
- * where this process was granted the AMX tile data: a property of the process, so every worker on one machine kind
- * takes the same path and gives the same bits.
+ * AVX-512 paths (it uses their vexp, widen_bf16, transpose16, TILE_ROWS, PREFETCH_HEAD and probs_bf16). Shapes
+ * and layout: see paged_decode.c. Taken (path() in paged_decode.c) for 4 <= G <= 16 query heads per KV head,
+ * D % 64 == 0, D <= 256, where this process was granted the AMX tile data: a property of the process, so every
+ * worker on one machine kind takes the same path and gives the same bits.
  *
  * Why: on the AVX-512 path a GQA model's attention spends about half its time on arithmetic (the QK pass one
  * vdpbf16ps per 32 multiply-adds, the PV pass one fp32 FMA per 16): the 1.1B shape's kernel took 14-18 ms a
@@ -75,28 +75,14 @@ static int amx_item(const uint16_t *q, const uint16_t *k, const uint16_t *v, con
     for (int h = 0; h < nq; h++) {
         float *sh = sc + h * ns;
         uint16_t *ph = pb + h * ns;
-        __m512 mv = _mm512_set1_ps(-FLT_MAX), zv = _mm512_setzero_ps();
+        __m512 mv = _mm512_set1_ps(-FLT_MAX);
         for (int64_t t = 0; t < n; t += 16) {
             const __mmask16 live = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
             const __m512 s = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, sh + t), sv);
             _mm512_storeu_ps(sh + t, s);
             mv = _mm512_mask_max_ps(mv, live, mv, s);
         }
-        mv = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-        for (int64_t t = 0; t < ns; t += 32) {
-            __m512 e[2];
-            for (int i = 0; i < 2; i++) {
-                const int64_t ti = t + 16 * i;
-                const __mmask16 live = n - ti >= 16 ? (__mmask16)0xffff
-                                       : (n > ti ? (__mmask16)((1u << (n - ti)) - 1) : (__mmask16)0);
-                e[i] = _mm512_maskz_mov_ps(live, vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + ti), mv)));
-            }
-            const __m512i p = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]); /* tokens t .. t + 31 */
-            _mm512_storeu_si512(ph + t, p);
-            zv = _mm512_add_ps(zv, widen_bf16(_mm512_castsi512_si256(p)));
-            zv = _mm512_add_ps(zv, widen_bf16(_mm512_extracti64x4_epi64(p, 1)));
-        }
-        z[h] = _mm512_reduce_add_ps(zv);
+        z[h] = probs_bf16(sh, _mm512_reduce_max_ps(mv), n, ns, ph);
     }
     for (int kh = 0; kh < hc; kh++)
         for (int c0 = 0; c0 < D; c0 += 64) {

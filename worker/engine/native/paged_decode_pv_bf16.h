@@ -10,6 +10,27 @@
  * Column order: dword k of the low half's accumulator is column 8 (k / 4) + k % 4 of those 32, of the high half's
  * that + 4 (unpacklo / unpackhi work per 128-bit lane); acc keeps that order until the end of the item. Tokens are
  * summed in pairs from the sequence's first token, so the order depends only on the sequence (batch invariance). */
+/* A head's probabilities: exp(s[t] - m) for t < n rounded to bf16 into p[0, ns) (0 from n on; ns a multiple of
+ * 32). Returns their sum, of the rounded values. Shared with the AMX path (paged_decode_amx.h). */
+static inline float probs_bf16(const float *s, float m, int64_t n, int64_t ns, uint16_t *p) {
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 zv = _mm512_setzero_ps();
+    for (int64_t t = 0; t < ns; t += 32) {
+        __m512 e[2];
+        for (int i = 0; i < 2; i++) {
+            const int64_t ti = t + 16 * i;
+            const __mmask16 live = n - ti >= 16 ? (__mmask16)0xffff
+                                   : (n > ti ? (__mmask16)((1u << (n - ti)) - 1) : (__mmask16)0);
+            e[i] = _mm512_maskz_mov_ps(live, vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + ti), mv)));
+        }
+        const __m512i pv = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]); /* tokens t .. t + 31 */
+        _mm512_storeu_si512(p + t, pv);
+        zv = _mm512_add_ps(zv, widen_bf16(_mm512_castsi512_si256(pv)));
+        zv = _mm512_add_ps(zv, widen_bf16(_mm512_extracti64x4_epi64(pv, 1)));
+    }
+    return _mm512_reduce_add_ps(zv);
+}
+
 #define PV_PAIRS(GB) /* GB query heads of one KV group at a time: 2 GB accumulators per 32 columns */         \
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                         \
         const int m = n - t0 < TILE ? (int)(n - t0) : TILE;                                            \
@@ -50,25 +71,7 @@
     const int64_t ns = (int64_t)NSP(n);                                                                \
     uint16_t *pb = (uint16_t *)(z + nq);                                                               \
     for (int kh = 0; kh < hc; kh++) PREFETCH_HEAD(uint16_t, v, 0, kh) /* the first V tile */           \
-    for (int h = 0; h < nq; h++) {                                                                     \
-        const float *sh = sc + h * n;                                                                  \
-        const __m512 mv = _mm512_set1_ps(mx[h]);                                                       \
-        __m512 zv = _mm512_setzero_ps();                                                               \
-        for (int64_t t = 0; t < ns; t += 32) {                                                         \
-            __m512 e[2];                                                                               \
-            for (int i = 0; i < 2; i++) {                                                              \
-                const int64_t ti = t + 16 * i;                                                         \
-                const __mmask16 live = n - ti >= 16 ? (__mmask16)0xffff                                \
-                                       : (n > ti ? (__mmask16)((1u << (n - ti)) - 1) : (__mmask16)0); \
-                e[i] = _mm512_maskz_mov_ps(live, vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + ti), mv))); \
-            }                                                                                          \
-            const __m512i p = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]); /* tokens t .. t + 31 */      \
-            _mm512_storeu_si512(pb + h * ns + t, p);                                                   \
-            zv = _mm512_add_ps(zv, widen_bf16(_mm512_castsi512_si256(p)));                             \
-            zv = _mm512_add_ps(zv, widen_bf16(_mm512_extracti64x4_epi64(p, 1)));                       \
-        }                                                                                              \
-        z[h] = _mm512_reduce_add_ps(zv);                                                               \
-    }                                                                                                  \
+    for (int h = 0; h < nq; h++) z[h] = probs_bf16(sc + h * n, mx[h], n, ns, pb + h * ns);            \
     if (G % 8 == 0) PV_PAIRS(8)                                                                        \
     else if (G % 4 == 0) PV_PAIRS(4)                                                                   \
     else if (G % 2 == 0) PV_PAIRS(2)                                                                   \
