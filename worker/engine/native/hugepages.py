@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import logging
 import sys
+from functools import lru_cache
 
 import torch
 
@@ -24,7 +25,9 @@ HUGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) transparent huge page size
 MADV_HUGEPAGE = 14
 
 
+@lru_cache(maxsize=1)
 def _madvise() -> ctypes._CFuncPtr | None:
+    """libc's madvise, looked up once; None where there is none (not Linux, no libc found)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
