@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from batchfleet.worker.engine.native import attention as A
-from batchfleet.worker.engine.native import cpu_kernel
+from batchfleet.worker.engine.native import small_ops
 from batchfleet.worker.engine.native.model import NativeModel
 
-ops = cpu_kernel.load_ops()
+ops = small_ops.load_ops()
 needs_ops = pytest.mark.skipif(ops is None, reason="no C compiler")
 
 
@@ -40,7 +40,7 @@ def test_rope_kv_is_bit_identical_to_rope_then_write_kv(dtype, shape):
     qk = NativeModel.rope(model, view[:, :, : H + Hkv], cos[pos].view(B, 1, 1, D), sin_rot[pos].view(B, 1, 1, D))
     A.write_kv(pool_ref, slots, qk[:, 0, H:], view[:, 0, H + Hkv :])
 
-    q = cpu_kernel.rope_kv(ops, qkv, cos, sin_rot, pos, slots, pool, H)
+    q = small_ops.rope_kv(ops, qkv, cos, sin_rot, pos, slots, pool, H)
     assert torch.equal(q, qk[:, 0, :H].contiguous())
     assert torch.equal(pool, pool_ref)  # the written slots, and nothing else touched
 
@@ -70,7 +70,7 @@ def test_rms_norm_matches_the_torch_ops(dtype, shape):
     w = torch.randn(shape[-1], generator=g).to(dtype)
     model = types.SimpleNamespace(eps=1e-6)
     ref = NativeModel.rms_norm(model, x, w)
-    out = cpu_kernel.rms_norm(ops, x, w, 1e-6)
+    out = small_ops.rms_norm(ops, x, w, 1e-6)
     # the sum of squares in another order: ~1 ulp of fp32 in the scale, at most one bf16 rounding step
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=2**-7)
     torch.testing.assert_close(out, ref, **tol)
@@ -85,7 +85,25 @@ def test_silu_mul_matches_the_torch_ops(dtype):
     model = types.SimpleNamespace(act=torch.nn.functional.silu, hidden_act="silu")
     ref = NativeModel.act_mul(model, gate_up)
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=2**-7)
-    torch.testing.assert_close(cpu_kernel.silu_mul(ops, gate_up), ref, **tol)
+    torch.testing.assert_close(small_ops.silu_mul(ops, gate_up), ref, **tol)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_ops_write_one_buffer_per_shape_with_the_bits_of_fresh_calls(dtype):
+    g = torch.Generator().manual_seed(2)
+    step = small_ops.StepOps(ops, 1e-6, num_threads=2)
+    w = torch.randn(64, generator=g).to(dtype)
+    xs = [torch.randn(8, 1, 64, generator=g).to(dtype) for _ in range(3)] + [torch.randn(8, 64, generator=g).to(dtype)]
+    outs = [step.norm(x, w) for x in xs]
+    assert outs[0] is outs[1] is outs[2] and outs[3] is not outs[0]  # per input shape: [B, 1, n] and [B, n]
+    assert torch.equal(outs[2], small_ops.rms_norm(ops, xs[2], w, 1e-6, num_threads=1))  # the last call's
+    assert torch.equal(outs[3], small_ops.rms_norm(ops, xs[3], w, 1e-6))
+    gate_up = torch.randn(8, 1, 128, generator=g).to(dtype)
+    a, b = step.act_mul(gate_up), step.act_mul(gate_up * 2)
+    assert a is b and torch.equal(b, small_ops.silu_mul(ops, gate_up * 2))
+    with pytest.raises(ValueError):
+        step.norm(xs[0], w[:32])  # the weight's length differs from the rows'
 
 
 @needs_ops
@@ -96,13 +114,13 @@ def test_out_of_range_position_or_slot_raises_and_writes_nothing():
     pool = torch.zeros(2, 3, 2, Hkv, D, dtype=dtype)  # 6 slots
     for pos, slots in (([0, 4], [0, 1]), ([0, -1], [0, 1]), ([0, 1], [0, 6])):
         with pytest.raises(ValueError, match="out of range"):
-            cpu_kernel.rope_kv(ops, qkv, cos, sin, torch.tensor(pos), torch.tensor(slots), pool, H)
+            small_ops.rope_kv(ops, qkv, cos, sin, torch.tensor(pos), torch.tensor(slots), pool, H)
     flat = pool.view(2, 6, Hkv, D)
     assert torch.equal(flat[:, 1:], torch.zeros_like(flat[:, 1:]))  # only slot 0 (the valid rows') written
     with pytest.raises(ValueError):
-        cpu_kernel.rms_norm(ops, torch.randn(2, D).bfloat16(), torch.ones(D), 1e-6)  # weight dtype differs
+        small_ops.rms_norm(ops, torch.randn(2, D).bfloat16(), torch.ones(D), 1e-6)  # weight dtype differs
     with pytest.raises(ValueError):
-        cpu_kernel.silu_mul(ops, torch.randn(2, 7))  # odd: not a gate/up pair
+        small_ops.silu_mul(ops, torch.randn(2, 7))  # odd: not a gate/up pair
 
 
 @needs_ops
@@ -124,7 +142,7 @@ def test_argmax_is_torch_argmax_exactly(dtype):
     x[10, 2] = 80.0
     short = torch.randn(3, 17, generator=g).to(dtype)  # fewer than two 16-wide chunks
     for t in (x, short, x[:, :15]):
-        assert torch.equal(cpu_kernel.argmax(ops, t), t.argmax(dim=-1))
+        assert torch.equal(small_ops.argmax(ops, t), t.argmax(dim=-1))
 
 
 @needs_ops
@@ -143,10 +161,10 @@ def test_small_ops_give_the_same_bits_on_any_thread_count(dtype):
     outs = []
     for threads in (1, 2, 3):
         pool = torch.zeros(2, 50, 4, Hkv, D, dtype=dtype)
-        q = cpu_kernel.rope_kv(ops, qkv, cos, sin, pos, slots, pool, H, num_threads=threads)
-        outs.append((cpu_kernel.rms_norm(ops, x, w, 1e-6, num_threads=threads),
-                     cpu_kernel.silu_mul(ops, gate_up, num_threads=threads),
-                     cpu_kernel.argmax(ops, logits, num_threads=threads), q, pool))
+        q = small_ops.rope_kv(ops, qkv, cos, sin, pos, slots, pool, H, num_threads=threads)
+        outs.append((small_ops.rms_norm(ops, x, w, 1e-6, num_threads=threads),
+                     small_ops.silu_mul(ops, gate_up, num_threads=threads),
+                     small_ops.argmax(ops, logits, num_threads=threads), q, pool))
     for other in outs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
     assert torch.equal(outs[0][2], logits.argmax(dim=-1))
@@ -161,10 +179,10 @@ def test_rows_sharing_a_slot_write_in_row_order_and_bad_thread_counts_raise():
     qkv = torch.randn(B, 1, (H + 2 * Hkv) * D)
     slots = torch.tensor([0, 1, 2, 3] + [5] * (B - 4))  # rows 4.. share slot 5
     pool = torch.zeros(2, 3, 2, Hkv, D)
-    cpu_kernel.rope_kv(ops, qkv, cos, sin, torch.zeros(B, dtype=torch.int64), slots, pool, H, num_threads=2)
+    small_ops.rope_kv(ops, qkv, cos, sin, torch.zeros(B, dtype=torch.int64), slots, pool, H, num_threads=2)
     last = qkv.view(B, H + 2 * Hkv, D)[-1]
     assert torch.equal(pool.view(2, 6, Hkv, D)[0, 5, 0], last[H]) and torch.equal(pool.view(2, 6, Hkv, D)[1, 5, 0],
                                                                                 last[H + Hkv])
     for bad in (0, -1):
         with pytest.raises(ValueError, match="num_threads"):
-            cpu_kernel.silu_mul(ops, torch.randn(2, 8), num_threads=bad)
+            small_ops.silu_mul(ops, torch.randn(2, 8), num_threads=bad)

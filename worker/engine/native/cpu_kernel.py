@@ -1,11 +1,11 @@
-"""Build (once, cached) and call the C kernels of a CPU decode step: paged decode attention
-(``paged_decode.c``) and the small ops (``decode_ops.c``: RMSNorm, RoPE + KV write, SiLU * up, argmax).
+"""Build (once, cached) and call the C decode attention kernel of a CPU step (``paged_decode.c``); the build
+is shared with the step's small ops (``small_ops.py``) and the AMX matmuls (``amx.py``).
 
 The kernel reads K/V in place from the block pool, so a decode step never copies the cache. It is a
 plain C shared library built with the system C compiler in about a second and called through ctypes
 (no torch headers, no torch.compile). It links the libgomp torch already loaded (same soname), so
 there is one OpenMP runtime. If no compiler is found or the build fails, ``load()`` returns None and
-the runner falls back to gather + SDPA (and ``load_ops()`` to the torch ops). Disable both with
+the runner falls back to gather + SDPA (and ``small_ops.load_ops()`` to the torch ops). Disable both with
 ``--no-native-kernel`` (EngineConfig.native_kernel).
 """
 
@@ -32,17 +32,6 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
           "-fassociative-math", "-fno-signed-zeros"]
 _DTYPES = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
-OPS_SOURCE = Path(__file__).with_name("decode_ops.c")
-# no FMA contraction, no reassociation: each op rounds where torch's does (RoPE + KV write bit-identical;
-# RMSNorm and SiLU within ~1 ulp: another summation order, another exp). -fno-trapping-math changes no value
-# (the ops never read FP exception flags) but lets gcc turn exp_poly's range checks into selects and rintf into
-# a vector round: SiLU * up vectorizes, 5.8x faster in fp32 and 6.8x in bf16 at 32 x 2048 on AVX2, same bits
-OPS_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno",
-              "-fno-trapping-math"]
-_ROPE_KV = {torch.bfloat16: "rope_kv_bf16", torch.float32: "rope_kv_f32"}
-_RMS_NORM = {torch.bfloat16: "rms_norm_bf16", torch.float32: "rms_norm_f32"}
-_SILU_MUL = {torch.bfloat16: "silu_mul_bf16", torch.float32: "silu_mul_f32"}
-_ARGMAX = {torch.bfloat16: "argmax_bf16", torch.float32: "argmax_f32"}
 
 
 DEFAULT_KERNEL_DIR = Path("~/.cache/batchfleet/kernels")
@@ -114,23 +103,6 @@ def load(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
     return lib
 
 
-@lru_cache(maxsize=4)
-def load_ops(kernel_dir: Path = DEFAULT_KERNEL_DIR) -> ctypes.CDLL | None:
-    """The decode step's small ops (``decode_ops.c``: RMSNorm, RoPE + KV write, SiLU * up, argmax), built
-    like ``load``; None when unavailable (the forward then runs them as torch ops)."""
-    # a compiler without OpenMP: the same ops on the calling thread (same bits; the pragmas are ignored)
-    lib = _build(OPS_SOURCE, OPS_CFLAGS, kernel_dir) or _build(
-        OPS_SOURCE, [f for f in OPS_CFLAGS if f != "-fopenmp"], kernel_dir)
-    if lib is None:
-        return None
-    # the last argument of each: threads (rows split across them above a size; results never depend on it)
-    _declare(lib, _ROPE_KV.values(), ctypes.c_int,
-             [ctypes.c_void_p] * 8 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int])
-    _declare(lib, _RMS_NORM.values(), None, [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int])
-    _declare(lib, [*_SILU_MUL.values(), *_ARGMAX.values()], None, [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3)
-    return lib
-
-
 # the cap levels, and the level of each path ``isa`` names ("avx512bf16" is bf16's AVX-512 path); TOP_LEVEL:
 # no cap (the default: everything this CPU and build have)
 ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2, "amx": 3}
@@ -159,14 +131,18 @@ def supports(dtype: torch.dtype) -> bool:
 
 
 def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor,
-                 scale: float, num_threads: int) -> torch.Tensor:
+                 scale: float, num_threads: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D] contiguous; pool: [2, NB + 1, bs, Hkv, D]; tables: [B, M] int64; ctx: [B] int64
-    -> out [B, H, D]. All on CPU, contiguous. ``lib``: what ``load`` returned."""
+    -> out [B, H, D] (written into ``out`` where given: a decode step reuses one buffer layer after layer).
+    All on CPU, contiguous. ``lib``: what ``load`` returned."""
     assert q.is_contiguous() and pool.is_contiguous()
     assert tables.dtype == torch.int64 and ctx.dtype == torch.int64 and tables.is_contiguous()
     B, H, D = q.shape
     bs, Hkv = pool.shape[2], pool.shape[3]
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"paged decode: out {tuple(out.shape)} {out.dtype} for q {tuple(q.shape)} {q.dtype}")
     # enough work items for every thread: whole sequences when the batch is big, else head by head
     hc = Hkv if B >= 4 * num_threads else 1
     fn = getattr(lib, _DTYPES[q.dtype])
@@ -195,101 +171,3 @@ def prefill_attention(lib: ctypes.CDLL, kv: torch.Tensor, block_tables: list[lis
         return paged_decode(lib, q[0].contiguous(), kv[i], tables, ctx, scale, num_threads).view(1, q.shape[1], -1)
 
     return attn
-
-
-def _threads(num_threads: int | None) -> int:
-    """Threads for a small op (default: torch's intra-op count). Each op splits rows across them only above
-    a size and computes every element as on one thread, so results never depend on this."""
-    n = int(num_threads) if num_threads is not None else torch.get_num_threads()
-    _check(n >= 1, f"num_threads must be >= 1, not {n}")  # OpenMP would read -1 as ~4e9 threads
-    return n
-
-
-def _check(ok: bool, what: str) -> None:
-    if not ok:  # not assert: these guard raw-pointer writes, also under python -O
-        raise ValueError(f"decode_ops: {what}")
-
-
-class RopeKV:
-    """One decode step's RoPE and KV write, layer by layer, bit-identical to ``NativeModel.rope`` followed by
-    ``attention.write_kv``. The step's arguments are checked once here, so that a layer's call checks only
-    its own tensors (the checks guard raw-pointer writes; a position or slot out of range is checked in C,
-    before anything is written, and raises).
-
-    cos/sin_rot: [P, D] tables; pos, slots: [B] int64; pool_shape: [2, NB + 1, bs, Hkv, D] of each layer's
-    pool. ``lib``: what ``load_ops`` returned."""
-
-    def __init__(self, lib: ctypes.CDLL, cos: torch.Tensor, sin_rot: torch.Tensor, pos: torch.Tensor,
-                 slots: torch.Tensor, num_heads: int, pool_shape: torch.Size, num_threads: int | None = None) -> None:
-        B, Hkv, D = pos.shape[0], pool_shape[3], pool_shape[4]
-        _check(cos.shape == sin_rot.shape and cos.shape[-1] == D and D % 2 == 0 and cos.dtype == sin_rot.dtype
-               and cos.is_contiguous() and sin_rot.is_contiguous(), "RoPE tables must be [P, D], contiguous")
-        _check(pos.shape == slots.shape == (B,) and pos.dtype == slots.dtype == torch.int64
-               and pos.is_contiguous() and slots.is_contiguous(), "pos and slots must be [B] int64, contiguous")
-        self.tensors = (cos, sin_rot, pos, slots)  # kept alive for the pointers below
-        self.fn = getattr(lib, _ROPE_KV[cos.dtype])
-        self.ptrs = (cos.data_ptr(), sin_rot.data_ptr(), pos.data_ptr(), slots.data_ptr())
-        # rows split across threads must write distinct slots (padding rows of a static-shape step share
-        # the trash slot): otherwise one thread, as before threading, so the last row's write wins
-        threads = _threads(num_threads) if slots.unique().numel() == B else 1
-        self.dims = (B, num_heads, Hkv, D, cos.shape[0], pool_shape[1] * pool_shape[2], threads)
-        self.pool_shape, self.dtype = pool_shape, cos.dtype
-        self.numel = B * (num_heads + 2 * Hkv) * D
-
-    def __call__(self, qkv: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
-        """qkv: [B, 1, (H + 2 Hkv) * D] before RoPE; pool: one layer's [2, NB + 1, bs, Hkv, D] (written in
-        place) -> q [B, H, D] after RoPE."""
-        qkv = qkv.contiguous()
-        _check(qkv.numel() == self.numel and qkv.dtype == pool.dtype == self.dtype and pool.shape == self.pool_shape
-               and pool.is_contiguous() and qkv.device.type == "cpu", f"qkv {tuple(qkv.shape)} vs the pool")
-        B, H, _, D = self.dims[:4]
-        q = qkv.new_empty(B, H, D)
-        cos, sin, pos, slots = self.ptrs
-        bad = self.fn(qkv.data_ptr(), cos, sin, pos, slots, q.data_ptr(), pool[0].data_ptr(), pool[1].data_ptr(),
-                      *self.dims)
-        _check(bad == 0, f"{bad} rows with a position or KV slot out of range")
-        return q
-
-
-def rope_kv(lib: ctypes.CDLL, qkv: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor, pos: torch.Tensor,
-            slots: torch.Tensor, pool: torch.Tensor, num_heads: int, num_threads: int | None = None) -> torch.Tensor:
-    """``RopeKV`` for one layer: qkv [B, 1, (H + 2 Hkv) * D] -> q [B, H, D], k and v written to ``pool``."""
-    return RopeKV(lib, cos, sin_rot, pos, slots, num_heads, pool.shape, num_threads)(qkv, pool)
-
-
-def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, eps: float,
-             num_threads: int | None = None) -> torch.Tensor:
-    """``NativeModel.rms_norm`` in one C call (within ~1 ulp of fp32 in the scale: the sum of squares runs in
-    another order). x: [..., n] (float32 or bfloat16, CPU); w: [n], same dtype -> [..., n]. ``lib``: what
-    ``load_ops`` returned."""
-    x = x.contiguous()
-    n = x.shape[-1]
-    _check(w.shape == (n,) and w.dtype == x.dtype and w.is_contiguous() and x.device.type == w.device.type == "cpu",
-           f"weight {tuple(w.shape)} {w.dtype} for x [..., {n}] {x.dtype}")
-    out = torch.empty_like(x)
-    getattr(lib, _RMS_NORM[x.dtype])(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,
-                                     _threads(num_threads))
-    return out
-
-
-def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` of a fused gate/up projection in one C call (within ~1 ulp of torch's exp).
-    gate_up: [..., 2 * n] (gate, then up) -> [..., n]. ``lib``: what ``load_ops`` returned."""
-    gate_up = gate_up.contiguous()
-    _check(gate_up.shape[-1] % 2 == 0 and gate_up.device.type == "cpu", f"gate_up {tuple(gate_up.shape)}")
-    n = gate_up.shape[-1] // 2
-    out = gate_up.new_empty(*gate_up.shape[:-1], n)
-    getattr(lib, _SILU_MUL[gate_up.dtype])(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n,
-                                           _threads(num_threads))
-    return out
-
-
-def argmax(lib: ctypes.CDLL, logits: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` in one C call, exactly (the first maximum; the first NaN if any), on fp32
-    or bf16 logits [R, V] (bf16 needs no fp32 copy: the conversion keeps order) -> [R] int64."""
-    logits = logits.contiguous()
-    _check(logits.dim() == 2 and logits.shape[1] > 0 and logits.device.type == "cpu", f"logits {tuple(logits.shape)}")
-    out = torch.empty(logits.shape[0], dtype=torch.int64)
-    getattr(lib, _ARGMAX[logits.dtype])(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1],
-                                 _threads(num_threads))
-    return out

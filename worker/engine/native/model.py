@@ -21,7 +21,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # same block structure; o
 # attn(layer_idx, q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, D]) -> [B, S, H * D]
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # rope_attn(layer_idx, qkv [B, S, (H + 2 Hkv) * D] before RoPE) -> [B, S, H * D]: RoPE, the KV write and
-# attention in one, where the runner has them fused (CPU decode: cpu_kernel.rope_kv + the C kernel)
+# attention in one, where the runner has them fused (CPU decode: small_ops.RopeKV + the C kernel)
 RopeAttnFn = Callable[[int, torch.Tensor], torch.Tensor]
 # norm(x [..., hidden], weight [hidden]) -> [..., hidden]: RMSNorm (default: NativeModel.rms_norm)
 NormFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from batchfleet.worker.engine.native import attention as A
-from batchfleet.worker.engine.native import cpu_kernel, hugepages, memlimit
+from batchfleet.worker.engine.native import cpu_kernel, hugepages, memlimit, small_ops
 from batchfleet.worker.engine.native.block_manager import blocks_for
 from batchfleet.worker.engine.native.model import NativeModel
 from batchfleet.worker.engine.native.step import ScheduledBatch
@@ -75,7 +75,7 @@ class ModelRunner:
         # RMSNorm, RoPE + KV write and SiLU * up of a decode step in C, beside the C attention kernel
         # (else the torch ops). They are the Llama block's ops: SUPPORTED_MODEL_TYPES keeps out models whose
         # block differs (qk-norm, other norms); another activation than SiLU keeps its torch op
-        self.ops = cpu_kernel.load_ops(Path(kernel_dir)) if decode == "kernel" else None
+        self.ops = small_ops.load_ops(Path(kernel_dir)) if decode == "kernel" else None
         self.c_silu = self.ops is not None and m.hidden_act == "silu"
         # decode buckets: rows and block-table width rounded up to powers of two, so a graph-compiled
         # device sees O(log(max_running) * log(max_blocks)) shapes; on CPU padding only costs (measured)
@@ -116,7 +116,7 @@ class ModelRunner:
         if self.ops is not None:  # loaded only for the CPU kernel decode path
             # exact in C on the model dtype: no fp32 copy of the logits (sampled rows and logprobs upcast
             # their own rows); 96 us at 32 x 32000 bf16 where torch's argmax takes 1.9 ms
-            argmax = partial(cpu_kernel.argmax, self.ops, num_threads=self.num_threads)
+            argmax = partial(small_ops.argmax, self.ops, num_threads=self.num_threads)
         else:
             logits = logits.float()  # like transformers' generate; argmax is also ~4x faster than on bf16
         payloads = [s.payload for s in batch.sampled]
@@ -203,13 +203,12 @@ class ModelRunner:
         return A.tile_layout(tables, starts, lens, self.trash_block, width).to(self.device)
 
     def _c_ops(self) -> dict:
-        """The C RMSNorm and SiLU * up for ``NativeModel.forward`` (empty without them: its torch ops)."""
+        """The C RMSNorm and SiLU * up for one ``NativeModel.forward`` (empty without them: its torch ops), their
+        outputs in buffers of that pass (small_ops.StepOps: never with ``hidden=True``)."""
         if self.ops is None:
             return {}
-        ops = {"norm": partial(cpu_kernel.rms_norm, self.ops, eps=self.model.eps, num_threads=self.num_threads)}
-        if self.c_silu:
-            ops["act_mul"] = partial(cpu_kernel.silu_mul, self.ops, num_threads=self.num_threads)
-        return ops
+        step_ops = small_ops.StepOps(self.ops, self.model.eps, self.num_threads)
+        return {"norm": step_ops.norm, **({"act_mul": step_ops.act_mul} if self.c_silu else {})}
 
     def _prefill_padded(self, batch: ScheduledBatch) -> torch.Tensor:
         seqs, bs, dev, m = batch.seqs, self.block_size, self.device, self.model
@@ -283,14 +282,15 @@ class ModelRunner:
         rope_attn, c_ops = None, self._c_ops()
         if self.ops is not None:
             ops = self.ops
-            rope_kv = cpu_kernel.RopeKV(ops, m.cos, m.sin_rot, positions.view(B), slots, m.num_heads,
-                                        self.kv.shape[1:], self.num_threads)
+            rope_kv = small_ops.RopeKV(ops, m.cos, m.sin_rot, positions.view(B), slots, m.num_heads,
+                                       self.kv.shape[1:], self.num_threads)
+            out = torch.empty(B, m.num_heads, m.head_dim, dtype=m.dtype)  # each layer's attention, read by o_proj
 
             def rope_attn(i: int, qkv: torch.Tensor) -> torch.Tensor:
                 # qkv: [B, 1, (H + 2 Hkv) * D] before RoPE; RoPE and the KV write in one C call
                 pool = self.kv[i]
                 q1 = rope_kv(qkv, pool)
-                o = cpu_kernel.paged_decode(self.kernel, q1, pool, tables, ctx, m.scale, self.num_threads)
-                return o.reshape(B, 1, -1)
+                o = cpu_kernel.paged_decode(self.kernel, q1, pool, tables, ctx, m.scale, self.num_threads, out)
+                return o.view(B, 1, -1)
 
         return m.forward(tokens, positions, attn, rope_attn=rope_attn, **c_ops)[:n]
