@@ -102,9 +102,10 @@ static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const
 }
 
 /* Whether the fp32 AVX-512 path prefetches the next tile (PREFETCH_HEAD in paged_decode_avx512.h): on AMD CPUs,
- * where it measured faster, not on Intel, where it measured slower. Set once by paged_decode_init; results are
- * the same bits either way. */
-static int prefetch_f32 = 0;
+ * where it measured faster, not on Intel, where it measured slower. Whether a whole-block tile is prefetched in
+ * address order (prefetch_seq): on Intel, where it measured faster, not on AMD. Set once by paged_decode_init;
+ * results are the same bits either way. */
+static int prefetch_f32 = 0, prefetch_seq = 0;
 
 #include "paged_decode_avx512.h" /* avx512_f32 (AVX512F builds), avx512_bf16 (AVX512-BF16 builds) */
 
@@ -118,11 +119,12 @@ static int isa_cap = 3;
 static int amx_ok = 0; /* paged_decode_init: the AMX path was built and this process may use the tile data */
 
 /* Once per process before the first call (cpu_kernel.load): whether the AMX path can run here (and whether the
- * fp32 path prefetches). */
+ * prefetches take, above). */
 int paged_decode_init(void) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     prefetch_f32 = __builtin_cpu_is("amd");
+    prefetch_seq = !prefetch_f32;
 #endif
 #if HAVE_AMX_PATH
     amx_ok = amx_granted();

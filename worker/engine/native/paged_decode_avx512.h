@@ -76,12 +76,24 @@ static inline __m512 sum16(const __m512 *a) {
  * 48.7 / 50.7 ms); two tiles ahead: the same as one. Taken by the bf16 path, and by the fp32 one on AMD only
  * (PF = prefetch_f32, paged_decode.c): on Xeons with AMX fp32 rows, twice as long, do better with the hardware
  * prefetcher alone (28.7 -> 31.5 ms a step as one burst a tile, 37.1 -> 39.1 spread), on EPYC Zen 4 the fp32
- * kernel inside bench-preset decode steps went 23.1 -> 19.0 ms with it (the step 67.7 -> 63.3 ms). */
-#define PREFETCH_HEAD(T, p, t0, kh)                                                                    \
-    for (int64_t t = (t0); t < (t0) + TILE && t < n; t++) {                                           \
-        const char *r = (const char *)((p) + ((tb[t / bs] * bs + t % bs) * Hkv + kh0 + (kh)) * D);    \
-        for (int o = 0; o < D * (int)sizeof(T); o += 64) _mm_prefetch(r + o, _MM_HINT_T1);             \
-    }
+ * kernel inside bench-preset decode steps went 23.1 -> 19.0 ms with it (the step 67.7 -> 63.3 ms).
+ * Where a work item holds every KV head (hc == Hkv) and the tile fills rows of one block, the same number of lines
+ * goes out in address order instead (prefetch_seq: the head loop's kh-th share of the tile's contiguous rows), on
+ * Intel only: on the AMX Xeon (model 207, huge pages) the bf16 kernel alone over 12 layers' pools 16.76 -> 16.12 and
+ * 19.47 -> 18.63 ms (bench preset), 7.06 -> 6.67 ms (1.1B shape, AMX path); on EPYC Zen 4 with huge pages the same
+ * order measured 2% slower (docs/BENCHMARKS.md 13m, 13o). */
+#define PREFETCH_HEAD(T, p, t0, kh) {                                                                  \
+    if (prefetch_seq && hc == Hkv && bs % TILE == 0 && (t0) + TILE <= n) {                             \
+        /* the tile's TILE rows lie back to back in one block (t0 % TILE == 0): the kh-th share of them */ \
+        const char *r = (const char *)((p) + (tb[(t0) / bs] * bs + (t0) % bs) * Hkv * D);              \
+        for (int o = (kh) * TILE * D * (int)sizeof(T); o < ((kh) + 1) * TILE * D * (int)sizeof(T); o += 64) \
+            _mm_prefetch(r + o, _MM_HINT_T1);                                                          \
+    } else                                                                                             \
+        for (int64_t t = (t0); t < (t0) + TILE && t < n; t++) {                                       \
+            const char *r = (const char *)((p) + ((tb[t / bs] * bs + t % bs) * Hkv + kh0 + (kh)) * D); \
+            for (int o = 0; o < D * (int)sizeof(T); o += 64) _mm_prefetch(r + o, _MM_HINT_T1);         \
+        }                                                                                              \
+}
 
 /* The fp32 PV pass of an item: acc[h] += sum over tokens of p[h, t] x V row t, token by token in order (the same
  * sums in the same order whatever GB and CB, so the same bits). GB query heads of one KV group x CB 16-column
