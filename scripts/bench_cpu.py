@@ -3,7 +3,8 @@ after the per-CPU kernels, in one run.
 
     python scripts/bench_cpu.py --json docs/bench/cpu_<kind>.json
 
-Loads the ``bench`` preset in the worker's default dtype for this CPU and builds the native engine
+Loads the ``bench`` preset (``--preset llama1b``: TinyLlama-1.1B's shape, with ``--batch 16`` as
+``bench_vs_vllm.py`` measures it) in the worker's default dtype for this CPU and builds the native engine
 twice, each measured by ``scripts/benchlib/floor.py`` at ``--batch`` sequences of ``--context`` tokens:
 
 * ``before``: weight matmuls on torch's default ``F.linear`` (``--linear default``), C decode kernel
@@ -56,13 +57,15 @@ def measure(loaded, batch: int, context: int, linear: str, isa: str, kv_gb: floa
 @click.option("--batch", type=int, default=32, show_default=True)
 @click.option("--context", type=int, default=300, show_default=True)
 @click.option("--dtype", default=None, help="Default: the worker's default for this CPU.")
+@click.option("--preset", type=click.Choice(["bench", "llama1b"]), default="bench", show_default=True,
+              help="The model's shape (random weights).")
 @click.option("--kv-cache-gb", type=float, default=2.0, show_default=True)
 @click.option("--cache-dir", default="~/.cache/batchfleet", show_default=True)
 @click.option("--json", "json_path", default=None, help="Write the results here.")
-def main(batch: int, context: int, dtype: str | None, kv_cache_gb: float, cache_dir: str,
+def main(batch: int, context: int, dtype: str | None, preset: str, kv_cache_gb: float, cache_dir: str,
          json_path: str | None) -> None:
     torch.set_grad_enabled(False)
-    model_dir = make_preset("bench", Path(cache_dir).expanduser() / "models", max_seq_len=4096)
+    model_dir = make_preset(preset, Path(cache_dir).expanduser() / "models", max_seq_len=4096)
     loaded = load_model(model_dir, "cpu", dtype)
     runs = {}
     for name, linear, isa, c_ops in (("before", "default", "portable", False),
@@ -72,7 +75,7 @@ def main(batch: int, context: int, dtype: str | None, kv_cache_gb: float, cache_
         runs[name] = measure(loaded, batch, context, linear, isa, kv_cache_gb, c_ops)
     doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(["python", "scripts/bench_cpu.py", *sys.argv[1:]]), "commit": git_commit(),
-           "machine": machine(), "dtype": str(loaded.dtype).removeprefix("torch."), **runs}
+           "machine": machine(), "preset": preset, "dtype": str(loaded.dtype).removeprefix("torch."), **runs}
     click.echo(markdown(doc))
     if json_path:
         write_json(json_path, doc)
@@ -82,7 +85,7 @@ def markdown(doc: dict) -> str:
     m = doc["machine"]
     b, a = doc["before"], doc["after"]
     lines = [f"{m.get('cpu_model', '?')}, flags {' '.join(m.get('cpu_flags', []))}, {m['torch_threads']} threads, "
-             f"{doc['dtype']}, batch {a['batch']} x {a['context']} tokens",
+             f"{doc.get('preset', 'bench')} preset, {doc['dtype']}, batch {a['batch']} x {a['context']} tokens",
              "", "| | before | after |", "|---|---:|---:|"]
     rows = [("decode step ms", "step_ms"), ("weight matmuls ms (kernels used)", "matmul_ms"),
             ("attention ms (all layers, C kernel)", "attention_step_ms"), ("the rest ms", "other_ms"),
