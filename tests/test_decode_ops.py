@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from batchfleet.worker.engine.native import attention as A
-from batchfleet.worker.engine.native import small_ops
+from batchfleet.worker.engine.native import cpu_kernel, small_ops
 from batchfleet.worker.engine.native.model import NativeModel
 
 ops = small_ops.load_ops()
@@ -59,6 +59,37 @@ def test_engine_decodes_through_the_c_ops_and_matches_the_torch_ops(tmp_path):
         done = run_all(engine, [reqs])
         outs.append({k: c.token_ids for k, c in done.items()})
     assert outs[0] == outs[1] and all(len(t) == 12 for t in outs[0].values())
+
+
+def _recording(step, logits: list):
+    """``step`` (a runner's _prefill or _decode) that also keeps a copy of each step's logits."""
+    def run(batch):
+        logits.append(step(batch).clone())
+        return logits[-1]
+    return run
+
+
+@needs_ops
+def test_reused_step_buffers_give_every_step_the_bits_of_fresh_tensors(tmp_path, monkeypatch):
+    # StepOps' outputs, RopeKV's q and the kernel's out are overwritten layer after layer: the forward must consume
+    # each before the op runs again. Every prefill's and decode step's logits against a run with fresh tensors.
+    from tests.helpers.native import build_model, make_engine, prompt, request, run_all
+
+    model = build_model("qwen2", tmp_path)
+    rope, decode = small_ops.RopeKV.__call__, cpu_kernel.paged_decode
+    runs = []
+    for fresh in (False, True):
+        with monkeypatch.context() as mp:
+            if fresh:
+                mp.setattr(small_ops.StepOps, "_out", lambda self, key, like, shape: like.new_empty(shape))
+                mp.setattr(small_ops.RopeKV, "__call__", lambda self, qkv, pool: rope(self, qkv, pool).clone())
+                mp.setattr(cpu_kernel, "paged_decode", lambda *args: decode(*args[:7]))  # no out: a fresh one
+            engine, logits = make_engine(model), []
+            for name in ("_prefill", "_decode"):
+                mp.setattr(engine.runner, name, _recording(getattr(engine.runner, name), logits))
+            run_all(engine, [[request(i, prompt(i, n), 8) for i, n in enumerate((6, 3, 37, 20))]])
+            runs.append(logits)
+    assert len(runs[0]) == len(runs[1]) > 8 and all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 @needs_ops

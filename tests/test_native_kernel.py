@@ -36,6 +36,19 @@ def test_kernel_matches_gather_sdpa(dtype, shape):
         torch.testing.assert_close(out.float().view(B, -1), ref, atol=tol, rtol=tol)
 
 
+@needs_kernel
+def test_kernel_writes_into_a_given_out_buffer_and_refuses_one_it_cannot_use():
+    q, pool, tables, ctx = case(5, 4, 2, 32, 8, torch.bfloat16)
+    lib = cpu_kernel.load()
+    out = torch.full_like(q, float("nan"))
+    assert cpu_kernel.paged_decode(lib, q, pool, tables, ctx, 0.125, 2, out) is out
+    assert torch.equal(out, cpu_kernel.paged_decode(lib, q, pool, tables, ctx, 0.125, 2))
+    for bad in (q, torch.empty(5, 4, 16, dtype=q.dtype), torch.empty_like(q, dtype=torch.float32),
+                torch.empty(5, 32, 4, dtype=q.dtype).transpose(1, 2)):
+        with pytest.raises(ValueError, match="out"):  # q itself: the kernel would read what it writes
+            cpu_kernel.paged_decode(lib, q, pool, tables, ctx, 0.125, 2, bad)
+
+
 def test_runner_falls_back_to_gather_without_kernel(monkeypatch, tmp_path):
     from tests.helpers.native import build_model, make_engine
 

@@ -141,7 +141,8 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, pool: torch.Tensor, tables: 
     bs, Hkv = pool.shape[2], pool.shape[3]
     if out is None:
         out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+    elif (out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous() or not out.is_cpu
+          or out.data_ptr() == q.data_ptr()):  # the kernel reads q while it writes out
         raise ValueError(f"paged decode: out {tuple(out.shape)} {out.dtype} for q {tuple(q.shape)} {q.dtype}")
     # enough work items for every thread: whole sequences when the batch is big, else head by head
     hc = Hkv if B >= 4 * num_threads else 1

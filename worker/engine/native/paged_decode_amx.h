@@ -54,7 +54,7 @@ static int amx_item(const uint16_t *q, const uint16_t *k, const uint16_t *v, con
         const int m = n - t0 < TILE ? (int)(n - t0) : TILE;
         TILE_ROWS(row, k, t0, m, 1)
         for (int kh = 0; kh < hc; kh++) {
-            PREFETCH_HEAD(uint16_t, k, t0 + TILE, kh)
+            PREFETCH_HEAD(uint16_t, k, t0 + TILE, kh, 1)
             for (int w = 0; w < D / 32; w++) {
                 __m512i o[16];
                 for (int i = 0; i < TILE; i++) o[i] = _mm512_loadu_si512(row[i] + kh * D + 32 * w);
@@ -70,7 +70,7 @@ static int amx_item(const uint16_t *q, const uint16_t *k, const uint16_t *v, con
             _tile_stored(4, sc + (int64_t)kh * G * ns + t0, ns * 4);
         }
     }
-    for (int kh = 0; kh < hc; kh++) PREFETCH_HEAD(uint16_t, v, 0, kh) /* the first V tile, during the softmax */
+    for (int kh = 0; kh < hc; kh++) PREFETCH_HEAD(uint16_t, v, 0, kh, 1) /* the first V tile, during the softmax */
     const __m512 sv = _mm512_set1_ps(scale);
     for (int h = 0; h < nq; h++) {
         float *sh = sc + h * ns;
@@ -95,8 +95,8 @@ static int amx_item(const uint16_t *q, const uint16_t *k, const uint16_t *v, con
                     TILE_ROWS(row2, v, t0 + TILE, m2, 1)
                 } else
                     for (int i = 0; i < TILE; i++) row2[i] = row[0]; /* past n: probability 0, any finite row */
-                PREFETCH_HEAD(uint16_t, v, t0 + 2 * TILE, kh)
-                PREFETCH_HEAD(uint16_t, v, t0 + 3 * TILE, kh)
+                PREFETCH_HEAD(uint16_t, v, t0 + 2 * TILE, kh, 0) /* one head over every tile: its own rows */
+                PREFETCH_HEAD(uint16_t, v, t0 + 3 * TILE, kh, 0)
                 for (int r = 0; r < 16; r++)
                     for (int half = 0; half < 2; half++) {
                         const int off = kh * D + c0 + 32 * half;

@@ -77,13 +77,14 @@ static inline __m512 sum16(const __m512 *a) {
  * (PF = prefetch_f32, paged_decode.c): on Xeons with AMX fp32 rows, twice as long, do better with the hardware
  * prefetcher alone (28.7 -> 31.5 ms a step as one burst a tile, 37.1 -> 39.1 spread), on EPYC Zen 4 the fp32
  * kernel inside bench-preset decode steps went 23.1 -> 19.0 ms with it (the step 67.7 -> 63.3 ms).
- * Where a work item holds every KV head (hc == Hkv) and the tile fills rows of one block, the same number of lines
- * goes out in address order instead (prefetch_seq: the head loop's kh-th share of the tile's contiguous rows), on
- * Intel only: on the AMX Xeon (model 207, huge pages) the bf16 kernel alone over 12 layers' pools 16.76 -> 16.12 and
+ * Where a work item holds every KV head (hc == Hkv), the tile fills rows of one block and the head loop runs inside
+ * the tile loop (SHARE: a tile's heads in turn, so that over the loop every line of the tile goes out once), the same
+ * number of lines goes out in address order instead (prefetch_seq: the head loop's kh-th share of the tile's
+ * contiguous rows), on Intel only: on the AMX Xeon (model 207, huge pages) the bf16 kernel alone over 12 layers' pools 16.76 -> 16.12 and
  * 19.47 -> 18.63 ms (bench preset), 7.06 -> 6.67 ms (1.1B shape, AMX path); on EPYC Zen 4 with huge pages the same
  * order measured 2% slower (docs/BENCHMARKS.md 13m, 13o). */
-#define PREFETCH_HEAD(T, p, t0, kh) {                                                                  \
-    if (prefetch_seq && hc == Hkv && bs % TILE == 0 && (t0) + TILE <= n) {                             \
+#define PREFETCH_HEAD(T, p, t0, kh, SHARE) {                                                           \
+    if ((SHARE) && prefetch_seq && hc == Hkv && bs % TILE == 0 && (t0) + TILE <= n) {              \
         /* the tile's TILE rows lie back to back in one block (t0 % TILE == 0): the kh-th share of them */ \
         const char *r = (const char *)((p) + (tb[(t0) / bs] * bs + (t0) % bs) * Hkv * D);              \
         for (int o = (kh) * TILE * D * (int)sizeof(T); o < ((kh) + 1) * TILE * D * (int)sizeof(T); o += 64) \
@@ -107,7 +108,7 @@ static inline __m512 sum16(const __m512 *a) {
         const int m = n - t0 < TILE ? (int)(n - t0) : TILE;                                                    \
         TILE_ROWS(row, v, t0, m, 0)                                                                            \
         for (int kh = 0; kh < hc; kh++) {                                                                      \
-            if (PF) PREFETCH_HEAD(float, v, t0 + TILE, kh)                                                     \
+            if (PF) PREFETCH_HEAD(float, v, t0 + TILE, kh, 1)                                                   \
             for (int g0 = 0; g0 < G; g0 += (GB)) {                                                             \
                 const float *ph = sc + (int64_t)(kh * G + g0) * n + t0;                                        \
                 float *ah = acc + (kh * G + g0) * D;                                                           \
@@ -132,7 +133,7 @@ static inline __m512 sum16(const __m512 *a) {
 /* fp32: softmax in place in sc (z: each head's sum), then PV_PASS. */
 #define TAIL_F32(PF)                                                                                   \
     if (PF) /* the first V tile, during the softmax */                                                 \
-        for (int kh = 0; kh < hc; kh++) PREFETCH_HEAD(float, v, 0, kh)                                 \
+        for (int kh = 0; kh < hc; kh++) PREFETCH_HEAD(float, v, 0, kh, 1)                              \
     for (int h = 0; h < nq; h++) {                                                                     \
         float *sh = sc + h * n;                                                                        \
         const __m512 mv = _mm512_set1_ps(mx[h]);                                                       \
@@ -232,7 +233,7 @@ static int NAME(const T *q, const T *k, const T *v, const int64_t *tables, const
         TILE_ROWS(row, k, t0, m, 1)                                                                    \
         const __mmask16 live = (__mmask16)((1u << m) - 1);                                             \
         for (int kh = 0; kh < hc; kh++) {                                                              \
-            if (PF) PREFETCH_HEAD(T, k, t0 + TILE, kh)                                                 \
+            if (PF) PREFETCH_HEAD(T, k, t0 + TILE, kh, 1)                                              \
             if (GQ && G % 8 == 0) QK_GROUPED(QKT, 8)                                                   \
             else if (GQ && G % 4 == 0) QK_GROUPED(QKT, 4)                                              \
             else for (int h = kh * G; h < (kh + 1) * G; h++) {                                         \

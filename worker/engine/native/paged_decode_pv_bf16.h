@@ -36,7 +36,7 @@ static inline float probs_bf16(const float *s, float m, int64_t n, int64_t ns, u
         const int m = n - t0 < TILE ? (int)(n - t0) : TILE;                                            \
         TILE_ROWS(row, v, t0, m, 1) /* row m (odd m): a valid token's, times probability 0 */         \
         for (int kh = 0; kh < hc; kh++) {                                                              \
-            PREFETCH_HEAD(uint16_t, v, t0 + TILE, kh)                                                  \
+            PREFETCH_HEAD(uint16_t, v, t0 + TILE, kh, 1)                                               \
             for (int g0 = 0; g0 < G; g0 += (GB)) {                                                     \
                 const u32_alias *pp = (const u32_alias *)(pb + (int64_t)(kh * G + g0) * ns + t0);      \
                 float *ah = acc + (kh * G + g0) * D;                                                   \
@@ -70,7 +70,7 @@ static inline float probs_bf16(const float *s, float m, int64_t n, int64_t ns, u
 #define TAIL_BF16(PF) /* PF: unused, the bf16 path always prefetches */                          \
     const int64_t ns = (int64_t)NSP(n);                                                                \
     uint16_t *pb = (uint16_t *)(z + nq);                                                               \
-    for (int kh = 0; kh < hc; kh++) PREFETCH_HEAD(uint16_t, v, 0, kh) /* the first V tile */           \
+    for (int kh = 0; kh < hc; kh++) PREFETCH_HEAD(uint16_t, v, 0, kh, 1) /* the first V tile */        \
     for (int h = 0; h < nq; h++) z[h] = probs_bf16(sc + h * n, mx[h], n, ns, pb + h * ns);            \
     if (G % 8 == 0) PV_PAIRS(8)                                                                        \
     else if (G % 4 == 0) PV_PAIRS(4)                                                                   \
