@@ -292,8 +292,9 @@ class ModelRunner:
 
             def rope_attn(i: int, qkv: torch.Tensor) -> torch.Tensor:
                 # qkv: [B, 1, (H + 2 Hkv) * D] before RoPE; RoPE and the KV write in one C call
-                q1 = rope_kv(qkv, self.kv[i])
-                o = cpu_kernel.paged_decode(self.kernel, q1, self.kv[i], tables, ctx, m.scale, self.num_threads, out)
+                pool = self.kv[i]  # a view: indexed once a layer
+                q1 = rope_kv(qkv, pool)
+                o = cpu_kernel.paged_decode(self.kernel, q1, pool, tables, ctx, m.scale, self.num_threads, out)
                 return o.view(B, 1, -1)
 
         return m.forward(tokens, positions, attn, rope_attn=rope_attn, **c_ops)[:n]
