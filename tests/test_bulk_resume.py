@@ -68,6 +68,11 @@ def _lines(dst: Path) -> list[dict]:
     return [json.loads(x) for x in dst.read_text().splitlines()] if dst.exists() else []
 
 
+def _complete_lines(dst: Path) -> int:
+    """Lines the running writer has finished (its last one may be half written when read)."""
+    return dst.read_bytes().count(b"\n") if dst.exists() else 0
+
+
 NATIVE = {"engine": "native", "mode": "continuous", "kv_cache_gb": 0.05, "max_batch_size": 64}
 
 
@@ -101,7 +106,7 @@ def test_interrupted_bulk_resumes_without_recomputing(fleet, start_worker, redis
 
     first = _bulk(src, dst, redis_url, namespace)
     deadline = time.monotonic() + 300
-    while len(_lines(dst)) < 300 and first.poll() is None and time.monotonic() < deadline:
+    while _complete_lines(dst) < 300 and first.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert first.poll() is None, "the run ended before it could be interrupted"
     if fleet == "stopped":
