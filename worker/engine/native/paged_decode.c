@@ -123,8 +123,9 @@ static int amx_ok = 0; /* paged_decode_init: the AMX path was built and this pro
 int paged_decode_init(void) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    prefetch_f32 = __builtin_cpu_is("amd");
-    prefetch_seq = !prefetch_f32;
+    const int amd = __builtin_cpu_is("amd"); /* both choices follow the vendor, measured per vendor */
+    prefetch_f32 = amd;
+    prefetch_seq = !amd;
 #endif
 #if HAVE_AMX_PATH
     amx_ok = amx_granted();
