@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from batchfleet.common.cli import main
@@ -83,3 +84,21 @@ def test_gpu_bench_invariance_check_runs_on_cpu(tmp_path):
     assert [r["dtype"] for r in rows] == ["bfloat16", "float32"]
     assert all(r["targets"] == 9 and r["differ"] == 0 and r["preemptions"] > 0 and r["attention"] == "gather"
                for r in rows), rows
+
+
+def test_kv_fetch_bench_runs_the_kernel_against_a_plain_read(tmp_path, cache_dir):
+    """bench_kv_fetch.py on the tiny preset: the kernel over a real engine's pool and a read of as many bytes, timed
+    in turn, both positive; the bytes are what the sequences attend (2 x tokens x Hkv x D x 2 bytes x layers)."""
+    out = tmp_path / "kvf.json"
+    proc = subprocess.run([sys.executable, "scripts/bench_kv_fetch.py", "--preset", "tiny", "--dtype", "bfloat16",
+                           "--batch", "4", "--context", "40", "--rounds", "3", "--kv-cache-gb", "0.05",
+                           "--cache-dir", str(cache_dir), "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 and "no C decode kernel" in proc.stderr:
+        pytest.skip("no C compiler here: the kernel is not built")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["batch"] == 4 and doc["rounds"] == 3 and doc["kernel_ms"] > 0 and doc["read_ms"] > 0
+    # each of 4 sequences attends its 40 prompt tokens (+ the first generated one once its prefill is sampled)
+    assert doc["bytes"] >= 2 * 4 * 40 * 4 * 32 * 2 * 2
+    assert doc["kernel_vs_read_median"] > 0 and "kernel / read" in proc.stdout
