@@ -99,6 +99,6 @@ def test_kv_fetch_bench_runs_the_kernel_against_a_plain_read(tmp_path, cache_dir
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["batch"] == 4 and doc["rounds"] == 3 and doc["kernel_ms"] > 0 and doc["read_ms"] > 0
-    # each of 4 sequences attends its 40 prompt tokens (+ the first generated one once its prefill is sampled)
+    # each of the 4 sequences attends at least its 40 prompt tokens, in every one of the 2 layers
     assert doc["bytes"] >= 2 * 4 * 40 * 4 * 32 * 2 * 2
     assert doc["kernel_vs_read_median"] > 0 and "kernel / read" in proc.stdout
