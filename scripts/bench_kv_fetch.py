@@ -33,7 +33,8 @@ from benchlib.floor import fill_decode
 
 
 def measure(engine: NativeEngine, batch: int, context: int, rounds: int) -> dict:
-    """Kernel and plain-read times (seconds per pass over every layer), rounds in turn."""
+    """Kernel and plain-read times (ms a pass over every layer: median and fastest of ``rounds`` in turn), the bytes a
+    pass reads and their ratio."""
     runner, m = engine.runner, engine.runner.model
     if runner.kernel is None:
         raise click.ClickException("no C decode kernel on this machine (no compiler, or not a CPU)")
