@@ -15,6 +15,7 @@ carry the namespace as a hash tag (common/keys.py), so every script and pipeline
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -89,15 +90,24 @@ class _AsyncFleetCluster(acluster.RedisCluster):
         return await super()._determine_slot(command, *args) if slot is None else slot
 
 
-def sync_client(url: str, **kw: Any) -> redis.Redis:
-    """A redis-py client for ``url`` (plain, Sentinel or Cluster); ``kw`` go to every connection."""
+def sync_client(url: str, wrap_connection: Callable[[type], type] | None = None, **kw: Any) -> redis.Redis:
+    """A redis-py client for ``url`` (plain, Sentinel or Cluster); ``kw`` go to every connection.
+    ``wrap_connection``: applied to the connection class of every pool the client makes (the worker's reply guard,
+    worker/reply_guard.py): the class the URL picked (TCP, TLS, Unix socket, Sentinel-managed), or each cluster
+    node's (redis-py's cluster client passes a ``connection_class`` on, but not a ``parser_class``)."""
     if is_cluster(url):
+        if wrap_connection is not None:
+            kw = dict(kw, connection_class=wrap_connection(redis.Connection))
         return _FleetCluster(**_cluster_kwargs(url, kw, scluster.ClusterNode))  # type: ignore[return-value]
     if not is_sentinel(url):
-        return redis.Redis.from_url(url, **kw)
-    s = parse_sentinel_url(url)
-    manager = ssentinel.Sentinel(list(s.sentinels), sentinel_kwargs=_sentinel_kwargs(s, kw))
-    return manager.master_for(s.service, **_node_kwargs(s, kw))
+        r = redis.Redis.from_url(url, **kw)
+    else:
+        s = parse_sentinel_url(url)
+        manager = ssentinel.Sentinel(list(s.sentinels), sentinel_kwargs=_sentinel_kwargs(s, kw))
+        r = manager.master_for(s.service, **_node_kwargs(s, kw))
+    if wrap_connection is not None:  # no connection is made before the first command
+        r.connection_pool.connection_class = wrap_connection(r.connection_pool.connection_class)
+    return r
 
 
 class _BlockingSentinelPool(asentinel.SentinelConnectionPool, aredis.BlockingConnectionPool):

@@ -1,7 +1,8 @@
 """The worker's reads are bounded in memory whatever size entries have (worker/bounded.py), on the
 machine's Redis 7 and the bundled 6.2: too-large entries come back cut short with their real size, whole
-ones stay whole, one call stops at its byte budget, reclaim is bounded the same way. Transport only (no
-model); the end-to-end RSS test with a worker process is in test_worker_memory_bound.py."""
+ones stay whole, one call returns at most its byte budget, reclaim is bounded the same way, and the common
+read is plain XREADGROUPs. Transport only (no model); the reply guard and the recovery after it are tested in
+test_read_guard.py, the end-to-end RSS test with a worker process is in test_worker_memory_bound.py."""
 
 from __future__ import annotations
 
@@ -57,14 +58,17 @@ def test_too_large_entries_come_back_cut_short_whole_ones_whole(consumers):
     assert r.xpending(keys.stream(32), keys.group)["pending"] == 3  # all read stay pending until answered
 
 
-def test_one_read_stops_at_its_byte_budget(consumers, monkeypatch):
+def test_one_read_stops_at_its_byte_budget(consumers):
     make, keys, r = consumers
     c = make("a")
     for i in range(8):
         r.xadd(keys.stream(32), _fields(f"j{i}", 900_000))  # under the entry limit: returned whole
-    first = c.read(count=8, block_ms=None)
+    first = c.read(count=8, block_ms=None)  # 7.2 MB: past the reply guard, recovered inside Redis
     assert len(first) == 5  # 4 MiB budget: the 5th entry crosses it, the rest wait for the next call
-    assert len(c.read(count=8, block_ms=None)) == 3
+    second = c.read(count=8, block_ms=None)
+    assert [e.fields[b"id"] for e in first + second] == [f"j{i}".encode() for i in range(8)]
+    assert all(e.oversize == 0 and len(e.fields[b"p"]) == 900_000 for e in first + second)
+    assert c.read(count=8, block_ms=None) == []
 
 
 def test_blocking_read_takes_one_entry_and_cuts_it_down(consumers):
@@ -78,7 +82,7 @@ def test_blocking_read_takes_one_entry_and_cuts_it_down(consumers):
     assert got[0].oversize > BIG and len(got[0].fields[b"p"]) == bounded.KEEP_BYTES
     r.xadd(keys.stream(32), _fields("big2", BIG))
     r.xadd(keys.stream(32), _fields("next"))
-    got = c.read(count=4, block_ms=900)  # entries already there: the script, no blocking read
+    got = c.read(count=4, block_ms=900)  # entries already there: a plain read, no blocking read
     assert [(e.fields[b"id"], e.oversize > 0) for e in got] == [(b"big2", True), (b"next", False)]
 
 
@@ -108,12 +112,12 @@ def test_a_lost_group_still_raises_nogroup(consumers):
         c.read(count=4, block_ms=None)
 
 
-def _xreadgroups(r: redis.Redis) -> int:
-    """XREADGROUP calls so far, those scripts make inside Redis included (INFO commandstats)."""
-    return r.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0)
+def _calls(r: redis.Redis, command: str) -> int:
+    """Calls of ``command`` so far, those scripts make inside Redis included (INFO commandstats)."""
+    return r.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)
 
 
-def test_a_small_stream_is_read_at_once_a_long_one_an_entry_at_a_time(monkeypatch):
+def test_a_read_is_one_plain_xreadgroup_per_distinct_count():
     from batchfleet.worker.devtools import PrivateRedis, free_port
 
     server = PrivateRedis(port=free_port()).start()  # its own command counts
@@ -124,20 +128,22 @@ def test_a_small_stream_is_read_at_once_a_long_one_an_entry_at_a_time(monkeypatc
         keys, r = Keys("br"), redis.Redis.from_url(server.url)
         for i in range(20):
             r.xadd(keys.stream(32), _fields(f"j{i}", 300))
-        before = _xreadgroups(r)
-        got = c.read(count=20, block_ms=None)
-        assert [e.fields[b"id"] for e in got] == [f"j{i}".encode() for i in range(20)]
+            r.xadd(keys.stream(64, "batch"), _fields(f"b{i}", 300))
+        before = {cmd: _calls(r, cmd) for cmd in ("xreadgroup", "evalsha")}
+        got = c.read(count=20, block_ms=None)  # every lane the same count: one command over the four streams
+        assert [e.fields[b"id"] for e in got] == [f"j{i}".encode() for i in range(20)] + [
+            f"b{i}".encode() for i in range(20)]  # interactive streams first
         assert all(e.oversize == 0 and len(e.fields[b"p"]) == 300 for e in got)
-        assert _xreadgroups(r) - before == 2  # the probe over both streams, then the other 19 at once
-
-        monkeypatch.setattr(bounded, "MEASURED_ENTRIES", 30)  # a stream longer than this is not measured
-        for i in range(40):
-            r.xadd(keys.stream(32), _fields(f"k{i}", 300))
-        before = _xreadgroups(r)
-        got = c.read(count=20, block_ms=None)
-        assert [e.fields[b"id"] for e in got] == [f"k{i}".encode() for i in range(20)]
-        assert _xreadgroups(r) - before == 20  # the probe, then one entry at a time
-        assert r.xpending(keys.stream(32), keys.group)["pending"] == 40  # read stays pending until answered
+        assert _calls(r, "xreadgroup") - before["xreadgroup"] == 1
+        for i in range(20, 30):
+            r.xadd(keys.stream(32), _fields(f"j{i}", 300))
+            r.xadd(keys.stream(64, "batch"), _fields(f"b{i}", 300))
+        got = c.read(count={"interactive": 3, "batch": 5}, block_ms=None)  # two counts: two commands, one round trip
+        assert [e.fields[b"id"] for e in got] == [f"j{i}".encode() for i in range(20, 23)] + [
+            f"b{i}".encode() for i in range(20, 25)]
+        assert _calls(r, "xreadgroup") - before["xreadgroup"] == 3
+        assert _calls(r, "evalsha") == before["evalsha"]  # no script on the common path
+        assert r.xpending(keys.stream(32), keys.group)["pending"] == 23  # read stays pending until answered
         c.close()
     finally:
         server.stop()

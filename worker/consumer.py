@@ -5,7 +5,7 @@ goes through here or through one of its parts, which share its connection and it
 Reads bucket streams in one consumer group and the cancels stream, publishes the fleet description and a
 heartbeat. Its parts: ``Settler`` (worker/settle.py: replies, dead letters, acks, hand-back),
 ``PendingList`` (worker/pending.py: leases, reclaim), ``Presence`` (worker/presence.py: fleet membership,
-heartbeat), ``BoundedReader`` (worker/bounded.py: size-checked reads), ``CancelWatch`` (worker/cancels.py:
+heartbeat), ``BoundedReader`` (worker/bounded.py: reads bounded in size), ``CancelWatch`` (worker/cancels.py:
 the cancels stream and the markers). A command Redis refuses raises the
 transport's own ``StreamsLost`` / ``TransportError`` (``_refused``), never a bare ``redis.ResponseError``.
 """
@@ -30,7 +30,7 @@ from batchfleet.common.protocol import FleetInfo
 from batchfleet.common.redis_conn import sync_client
 from batchfleet.common.redis_url import is_cluster
 from batchfleet.common.retry import TRANSIENT, Backoff
-from batchfleet.worker.bounded import BoundedReader
+from batchfleet.worker.bounded import GUARDED, BoundedReader
 from batchfleet.worker.cancels import CancelWatch
 from batchfleet.worker.pending import PendingList
 from batchfleet.worker.presence import Presence
@@ -53,10 +53,10 @@ ALIVE_WITHIN_S = 7.0
 
 
 def connect(conn: ConnectionConfig) -> redis.Redis:
-    """A bytes-mode client whose socket timeout bounds every blocking call (plain or Sentinel URL)."""
+    """A bytes-mode client whose socket timeout bounds every blocking call and whose guard caps every reply."""
     return sync_client(
         conn.redis_url, socket_timeout=conn.socket_timeout_s, socket_connect_timeout=conn.socket_timeout_s,
-        health_check_interval=30, decode_responses=False,
+        health_check_interval=30, decode_responses=False, wrap_connection=GUARDED,
     )
 
 
@@ -85,7 +85,7 @@ class StreamConsumer(Transport):
         self.cancel_watch = CancelWatch(self.r, scripts, self.keys)
         self.pel = PendingList(self.r, scripts, self.keys, name, buckets)
         self._flush = FlushWatch(self._flush_counter)  # baseline taken by setup()
-        # every read goes through a size-checking script: memory never follows hostile entry sizes
+        # reads are capped while parsed, then cut down (or recovered in Redis): memory never follows entry sizes
         self.reader = BoundedReader(self.r, scripts, self.keys.group, name, self.keys.streams(buckets))
         # A blocking read must return before the socket times out, with margin.
         self.max_block_ms = int(min(MAX_BLOCK_MS, conn.socket_timeout_s * 1000 / 2))
@@ -236,8 +236,8 @@ class StreamConsumer(Transport):
     # ---- pending entries (worker/pending.py) -----------------------------------------------------
     @_refused
     def reclaim(self, min_idle_ms: int, budget: int) -> list[Entry]:
-        """XAUTOCLAIM, resuming where a budget cut the last scan (``PendingList.reclaim``)."""
-        return self.pel.reclaim(min_idle_ms, budget)
+        """XAUTOCLAIM, resuming where a budget cut the last scan (``PendingList.reclaim``); noted by the reader."""
+        return self.reader.held(self.pel.reclaim(min_idle_ms, budget))
 
     @_refused
     def release(self, entries: list[Entry], idle_ms: int, count_delivery: bool = True) -> None:

@@ -127,65 +127,37 @@ local function shrink(f, max_entry, max_fields, keep_fields, keep_bytes)
 end
 """
 
-# KEYS: bucket streams, most urgent first. ARGV: group, consumer, count per stream, max_entry, max_fields,
-# keep_fields, keep_bytes, read budget, scan budget, longest stream measured, then optionally one count per key
-# (overrides ARGV[3]). Returns {{stream, {{id, fields, oversize}, ...}}, ...} like XREADGROUP, plus oversizes.
-READ = _SHRINK + """
-local budget, scan_budget = tonumber(ARGV[8]), tonumber(ARGV[9])
-local returned, scanned = 0, 0
-local got, pos, probe = {}, {}, {'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS'}
-local function want(i) return tonumber(ARGV[10 + i] or ARGV[3]) end
-local function take(i, e)
-  local fields, oversize, size = shrink(e[2], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]),
-                                        tonumber(ARGV[7]))
-  scanned = scanned + math.max(size, oversize)
-  returned = returned + size
-  got[i][#got[i] + 1] = {e[1], fields, oversize}
-  return oversize
-end
-local function result()
-  local out = {}
-  for i = 1, #KEYS do if #got[i] > 0 then out[#out + 1] = {KEYS[i], got[i]} end end return out
-end
-local n = 0
+# KEYS: streams a read cut off by the reply guard delivered into (worker/bounded.py). ARGV: group, consumer,
+# max_entry, max_fields, keep_fields, keep_bytes, read budget, scan budget, bytes the guard charges an element,
+# then one id per stream: the entries pending on this consumer above it are the ones never seen. Returns per
+# stream {last id looked at, {{id, fields, oversize, deliveries}, ...}, 1 when none is left}: one entry at a time
+# (XPENDING, then XRANGE: the Lua heap holds one raw entry, and the delivery count stays what the read made it),
+# until the budgets; what an entry adds to the reply counts as the guard counts it, so the reply always passes.
+RECOVER = _SHRINK + """
+local budget, scan_budget, element = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local returned, scanned, res = 0, 0, {}
 for i = 1, #KEYS do
-  got[i] = {}
-  if want(i) > 0 then pos[KEYS[i]] = i; probe[#probe + 1] = KEYS[i]; n = n + 1 end
-end
-if n == 0 then return {} end
-for _ = 1, n do probe[#probe + 1] = '>' end
--- one command finds the streams that have anything: at most one raw entry per stream (as the blocking read)
-local ok, r = pcall(redis.call, unpack(probe))
-if not ok then return redis.error_reply(r.err or tostring(r)) end
-local big = 0
-for _, s in ipairs(r or {}) do big = big + take(pos[s[1]], s[2][1]) end
-r = nil
-if big > 0 then collectgarbage() end
--- then the rest of each stream that had one: at once (one XREADGROUP) where what it can return fits in what both
--- budgets have left, else an entry at a time (the Lua heap holds one raw entry). It returns at most the stream's
--- bytes (MEMORY USAGE SAMPLES 0: exact, walking at most one node per live entry, so only for <= ARGV[10]
--- entries) plus the field names a node stores once for all its entries, < 4096 bytes an entry (a node takes
--- more entries only below stream-node-max-bytes, 4096 unless an operator raised it).
-for i = 1, #KEYS do
-  local rest, step = #got[i] > 0 and want(i) - 1 or 0, 1
-  if rest > 1 and returned < budget and scanned < scan_budget and redis.call('XLEN', KEYS[i]) <= tonumber(ARGV[10]) then
-    local mem = redis.pcall('MEMORY', 'USAGE', KEYS[i], 'SAMPLES', 0)  -- an ACL without it: entry by entry
-    if type(mem) == 'number' and mem + 4096 * rest <= math.min(budget - returned, scan_budget - scanned) then
-      step = rest
+  local cursor, out, done = ARGV[9 + i], {}, 0
+  while returned < budget and scanned < scan_budget do
+    local p = redis.call('XPENDING', KEYS[i], ARGV[1], '(' .. cursor, '+', 1, ARGV[2])[1]
+    if not p then done = 1; break end
+    cursor = p[1]
+    local e = redis.call('XRANGE', KEYS[i], cursor, cursor)[1]
+    if e then
+      local fields, oversize, size = shrink(e[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]),
+                                            tonumber(ARGV[6]))
+      scanned = scanned + math.max(size, oversize)
+      returned = returned + size + element * (#fields + 5)  -- + its id, counts and two array headers
+      out[#out + 1] = {cursor, fields, oversize, p[4]}
+      e = nil
+      if oversize > 0 then collectgarbage() end
+    else
+      redis.call('XACK', KEYS[i], ARGV[1], cursor)  -- deleted while pending: nothing left to answer
     end
   end
-  while rest > 0 and returned < budget and scanned < scan_budget do
-    local ok2, r2 = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', step, 'STREAMS', KEYS[i], '>')
-    if not ok2 then return result() end  -- what was read stays pending on us: hand it over; the error comes next
-    if not r2 then break end
-    big = 0
-    for _, e in ipairs(r2[1][2]) do big = big + take(i, e) end
-    r2 = nil
-    if big > 0 then collectgarbage() end
-    rest = rest - step
-  end
+  res[i] = {cursor, out, done}
 end
-return result()
+return res
 """
 
 # KEYS: the bucket streams. ARGV: group, consumer, min idle ms, count, max_entry, max_fields, keep_fields,
@@ -266,7 +238,7 @@ class WorkerScripts:
         self.heartbeat = r.register_script(HEARTBEAT)
         self.join = r.register_script(JOIN)
         self.leave = r.register_script(LEAVE)
-        self.read = r.register_script(READ)
+        self.recover = r.register_script(RECOVER)
         self.autoclaim = r.register_script(AUTOCLAIM)
         self.cancels = r.register_script(CANCELS)
         self.marks = r.register_script(MARKS)
