@@ -22,11 +22,12 @@ import redis
 from batchfleet.common.config import connection_from_env
 from batchfleet.common.errors import InvalidRequest, Timeout
 from batchfleet.common.fleetstate import live_workers_async
-from batchfleet.common.functions import CANCELS_MAXLEN, LIVE_WORKER_MS
+from batchfleet.common.functions import CANCELS_MAXLEN
 from batchfleet.common.keys import Keys, valid_inbox
 from batchfleet.common.protocol import Result
 from batchfleet.common.redis_conn import async_client, close_async
 from batchfleet.producer.core import (
+    ADDED_PAST_LIMIT,
     INLINE_PROMPT_CHARS,
     LIVENESS_TRUST_S,
     RETRY_S,
@@ -152,19 +153,16 @@ class AsyncClient:
         job = await self._build(fleet, prompt, ask, deadline.left(), job_id, stream)
         job, shard = await self.router.route(job)
         self.inbox.expect(job.id, stream)
-        # the live-worker check (TIME + ZCOUNT inside the function) is skipped while an enqueue of this
-        # client found a live worker within LIVENESS_TRUST_S, or while another enqueue's check is on its way
-        # (one check at a time: on a slow host, every enqueue of a burst would check otherwise): two of a
-        # request's Redis calls, saved under load
+        # the live-worker check (the function's TIME + ZCOUNT) is skipped while an enqueue of this client found a
+        # live worker within LIVENESS_TRUST_S, or while another enqueue's check is on its way (one at a time: on a
+        # slow host, every enqueue of a burst would check otherwise)
         asked_at = time.monotonic()
         check = (self.require_workers and not fleet.scales_to_zero and asked_at - self._live_seen > LIVENESS_TRUST_S
                  and asked_at - self._checking > LIVENESS_TRUST_S)
         if check:
             self._checking = asked_at
         try:
-            args = job.args(check, LIVE_WORKER_MS)
-            code = await self.calls.io(lambda: self.calls.function("enqueue", [job.stream, shard.workers], args),
-                                       deadline, f"enqueue of job {job.id}")
+            code = await self.calls.enqueue(job, shard.workers, check, deadline)
         except BaseException as exc:  # enqueued or not, nobody can tell: cancel it in case it was
             self._give_up_later(job.id, cancel=isinstance(exc, asyncio.CancelledError))
             raise
@@ -174,7 +172,10 @@ class AsyncClient:
         try:
             job.accepted(code, self.keys.namespace)
         except BaseException:  # refused (QueueFull, NoWorkers, too large): no answer will ever come
-            self.inbox.forget(job.id)
+            if code == ADDED_PAST_LIMIT:  # withdrawn: cancelled before a worker runs it, its answer dropped
+                self._give_up_later(job.id)
+            else:
+                self.inbox.forget(job.id)
             raise
         if check:
             self._live_seen = max(self._live_seen, asked_at)

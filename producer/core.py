@@ -233,6 +233,9 @@ class FleetView:
         return Outgoing(bucket, keys.stream(bucket, ask.lane), req, limit, ask.lane)
 
 
+ADDED_PAST_LIMIT = 2  # an enqueue answer of the client's own: a plain add found the queue past its limit
+
+
 @dataclass(frozen=True)
 class Outgoing:
     """One request ready to enqueue: the stream it goes to and the enqueue function's arguments."""
@@ -252,12 +255,23 @@ class Outgoing:
         return [self.max_queue_len, self.request.id, self.request.reply_key, self.request.encode(),
                 MAX_PAYLOAD_BYTES, "1" if require_workers else "0", live_ms]
 
+    def fields(self) -> dict[str, Any]:
+        """The stream entry the enqueue function writes (docs/PROTOCOL.md), for a plain ``XADD``."""
+        return {"id": self.request.id, "r": self.request.reply_key, "p": self.request.encode()}
+
+    def appended(self, length: int) -> int:
+        """The answer for a plain ``XADD`` that left its stream ``length`` entries long: 1, or ADDED_PAST_LIMIT
+        (queue full; the caller withdraws the entry with a cancel). The function checks before it adds; a plain
+        add can only check after, so concurrent adds at the limit may all be refused where the function would
+        have taken one of them."""
+        return ADDED_PAST_LIMIT if self.max_queue_len and length > self.max_queue_len else 1
+
     def accepted(self, code: int, namespace: str, *, in_batch: bool = False) -> str:
         """The job id when the function enqueued it; else the matching error."""
         if code == 1:
             return self.id
         earlier = "; earlier prompts of this call were enqueued" if in_batch else ""
-        if code == 0:
+        if code in (0, ADDED_PAST_LIMIT):
             raise QueueFull(f"bucket {self.bucket} ({self.lane}) holds {self.max_queue_len} entries; "
                             f"retry later{earlier}")
         if code == -1:
