@@ -159,9 +159,13 @@ class Keys:
         """Sorted set of live workers: member = worker name, score = Redis time (ms) of its last heartbeat."""
         return f"{self.prefix}:workers"
 
-    def done(self, job_id: str) -> str:
-        """First-writer-wins marker: set once a reply was written, so a re-run cannot answer twice."""
-        return f"{self.prefix}:done:{job_id}"
+    @staticmethod
+    def done(job_id: str, reply_key: str) -> str:
+        """A job's answer: its final reply, stored by the first writer (``SET NX``; a re-run cannot answer twice)
+        and emptied by the client once it has taken it; expires after the reply TTL. Under the reply key (the
+        inbox, on its shard and slot): only whoever knows the inbox token can read it, and a reply pipeline
+        writes it before the inbox entry that rings for it on the same node."""
+        return f"{reply_key}:done:{job_id}"
 
     @property
     def fleet(self) -> str:

@@ -18,7 +18,8 @@ from batchfleet.common.errors import UNSUPPORTED_SCHEMA, ProtocolError
 # min_p), structured outputs (guide) and logprobs (logprobs, Result/Delta.logprobs; common/params.py): a v2
 # worker would ignore them and answer something else than asked, so it refuses v3 (unsupported_schema)
 # 4: OpenAI's presence_penalty, frequency_penalty and logit_bias (a v3 worker would ignore them)
-SCHEMA_VERSION = 4
+# 5: a final reply is stored under <inbox>:done:<job id> and rung for in the inbox (a v4 client reads no answer)
+SCHEMA_VERSION = 5
 MAX_PAYLOAD_BYTES = 1 << 20  # 1 MiB: far above 4096 token ids + stop strings
 MAX_TOKENS = 1 << 16  # prompt or completion length cap at decode time (the worker checks its own limits)
 MAX_TEXT_CHARS = 1 << 20

@@ -35,6 +35,7 @@ from typing import Any
 
 from batchfleet.common.errors import FleetUnavailable, QueueFull, RedisUnavailable, Timeout
 from batchfleet.producer.aclient import AsyncClient
+from batchfleet.producer.answers import Answers
 from batchfleet.producer.bulk_types import LineFormat, Sink, Spec, Summary, Work
 from batchfleet.producer.core import Deadline
 from batchfleet.producer.prefix_order import submission_order
@@ -45,14 +46,18 @@ CANCEL_GRACE_S = 5.0
 
 
 async def inbox_replies(client: AsyncClient) -> dict[str, str]:
-    """job id -> entry id of every reply now in the client's inbox (read without consuming)."""
+    """job id -> entry id of every reply now in the client's inbox (read without consuming); a ring counts only
+    while its answer is stored (producer/answers.py: an answer expires before a ring in a long-lived inbox)."""
     found: dict[str, str] = {}
     last = "0-0"
     await client.learn_layout(Deadline(None))  # a sharded fleet: the inbox is on the client's home shard
     while resp := await client.r.xread({client.reply_key: last}, count=1000):
-        for entry_id, fields in resp[0][1]:
-            last = entry_id.decode()
-            found[fields.get(b"id", b"").decode(errors="replace")] = last
+        entries = [(e.decode(), fields) for e, fields in resp[0][1]]
+        last = entries[-1][0]
+        answers = await Answers().fetch(client.r, client.reply_key, entries)
+        for entry_id, fields in entries:
+            if entry_id not in answers or answers[entry_id]:
+                found[fields.get(b"id", b"").decode(errors="replace")] = entry_id
     return found
 
 
@@ -100,7 +105,7 @@ class _Run:
         if work.index in self.spec.fresh:  # its earlier answer was dropped: the fleet answered these ids
             return retagged(work.job_ids, self.spec.fresh[work.index])
         lost = [j for j in work.job_ids if j not in self.present] if self.fmt.check_answered else []
-        done_keys = [self.client.home.done(j) for j in lost]
+        done_keys = [self.client.home.done(j, self.client.reply_key) for j in lost]
         if not lost or not await self.client.calls.io(lambda: self.client.r.exists(*done_keys), Deadline(None),
                                                       "bulk: job ids"):
             return work.job_ids

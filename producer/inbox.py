@@ -6,6 +6,7 @@ read and its answer loses the reply. Here one task XREADs the inbox (never block
 socket timeout) and hands each entry to the job waiting for it; the entry is deleted only once the caller
 has taken it (deltas at once), so whatever instant Redis dies at, the reader reads it again after the
 restart (appendfsync always keeps the entry). Replies nobody waits for expire with the inbox's TTL.
+A final reply is stored apart and rung for in the inbox (producer/answers.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from batchfleet.common.errors import RedisUnavailable, Timeout
 from batchfleet.common.protocol import Delta, Result
 from batchfleet.common.redis_conn import xread
 from batchfleet.common.retry import TRANSIENT
+from batchfleet.producer.answers import Answers
 from batchfleet.producer.core import Deadline, parse_reply
 from batchfleet.producer.redis_calls import RedisCalls
 
@@ -65,6 +67,7 @@ class Inbox:
         self._unclaimed: OrderedDict[str, Final] = OrderedDict()
         self._last = "0-0"  # everything in the inbox: a reused inbox name picks up earlier replies
         self._consumed: list[str] = []
+        self._answers = Answers()
         self._task: asyncio.Task | None = None
         self._deleting: asyncio.Task | None = None
         self._closing = False
@@ -184,7 +187,7 @@ class Inbox:
                 pass
         if self._consumed:
             try:
-                await asyncio.wait_for(self.writer.xdel(self.key, *self._consumed[:1000]), 1.0)
+                await asyncio.wait_for(self._xdel(self._consumed[:1000]), 1.0)
             except (asyncio.TimeoutError, redis.RedisError):
                 pass
         self._closing = True
@@ -227,10 +230,24 @@ class Inbox:
             self.calls.backoff.ok()
             self.last_read = time.monotonic()
             healthy = True
-            for _stream, entries in resp or []:
-                for entry_id, fields in entries:
-                    self._last = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                    self._dispatch(self._last, fields)
+            entries = [(e.decode() if isinstance(e, bytes) else e, f) for _, got in resp or [] for e, f in got]
+            try:
+                answers = await self._answers.fetch(self.reader, self.key, entries)
+            except (asyncio.CancelledError, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # read again from the same place: nothing was dispatched
+                log.debug("fetching answers failed: %r", exc)
+                await asyncio.sleep(self.calls.backoff.failed(exc))
+                continue
+            for entry_id, fields in entries:
+                self._last = entry_id
+                if entry_id in answers:
+                    payload = answers[entry_id]
+                    if not payload:  # taken already (a second ring) or expired: nothing to hand over
+                        self.consumed(entry_id)
+                        continue
+                    fields = {b"id": fields.get(b"id", b""), b"p": payload}
+                self._dispatch(entry_id, fields)
 
     def _dispatch(self, entry_id: str, fields: dict) -> None:
         raw_id = fields.get(b"id", b"")
@@ -267,6 +284,9 @@ class Inbox:
         while self._consumed:
             ids, self._consumed = self._consumed[:1000], self._consumed[1000:]
             try:
-                await asyncio.wait_for(self.writer.xdel(self.key, *ids), 5.0)
+                await asyncio.wait_for(self._xdel(ids), 5.0)
             except (asyncio.TimeoutError, redis.RedisError):
                 return  # the inbox's TTL removes them
+
+    async def _xdel(self, ids: list[str]) -> None:
+        await self._answers.delete(self.writer, self.key, ids)

@@ -1,6 +1,6 @@
 """Fleet scale (issue 29): N real worker processes on one Redis, over a SIMULATED engine (scripts/simulated_engine.py).
 
-Each worker is the real worker (transport, intake, batcher, loop, reply scripts) around an engine that
+Each worker is the real worker (transport, intake, batcher, loop, reply writes) around an engine that
 sleeps for a measured step-cost model instead of running a model, so N = 64 fits on a small host and what
 is measured is the fleet's own cost. A private redis-server (no persistence) serves each run. Per N:
 

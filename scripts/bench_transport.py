@@ -1,6 +1,6 @@
 """What the Redis path itself costs per request, with no engine: the full producer -> stream -> worker
--> reply -> producer chain (Client.submit's enqueue function, XREADGROUP, reply script with XADD to the
-client's inbox + XACK/XDEL, the client's inbox reader XREAD + XDEL),
+-> reply -> producer chain (Client.submit's XADD + XLEN, XREADGROUP, the reply pipeline: SET NX of the answer,
+a ring in the client's inbox, XACK/XDEL; the client's inbox reader XREAD + MGET, then XDEL + emptying the answer),
 one request at a time, on the configured Redis. Prints a markdown row and writes JSON.
 
     python scripts/bench_transport.py --json docs/bench/transport.json
@@ -58,8 +58,8 @@ def main(redis_url: str, n: int, json_path: str | None) -> None:
             private.stop()
     doc = {"n": len(samples), "p50_ms": round(percentile(samples, 50), 3),
            "p99_ms": round(percentile(samples, 99), 3), "redis": url,
-           "chain": "submit (FCALL enqueue) + XREADGROUP + reply script (SET NX, XADD inbox, EXPIRE, XACK, XDEL) "
-                    "+ inbox XREAD (+ XDEL)"}
+           "chain": "submit (XADD + XLEN) + XREADGROUP + reply pipeline (SET NX answer, XADD ring, EXPIRE, XACK, "
+                    "XDEL) + inbox XREAD + MGET (+ XDEL, SET '' XX)"}
     print("| requests | transport p50 ms | transport p99 ms |\n|---|---|---|")
     print(f"| {doc['n']} | {doc['p50_ms']} | {doc['p99_ms']} |")
     if json_path:

@@ -2,7 +2,7 @@
 
 No model, no torch: each step sleeps for the time a cost model gives, then emits one token per running
 sequence. Everything else is the real worker (real Redis transport, intake, batcher, dispatcher,
-loop, reply scripts), so what the benchmark measures at N workers is the fleet's own overhead: Redis work,
+loop, reply writes), so what the benchmark measures at N workers is the fleet's own overhead: Redis work,
 queueing, read-ahead and reclaim. Never a default and never imported by the product.
 
 The cost model (milliseconds), from issue 29: a step that starts new sequences pays their prefill,

@@ -70,9 +70,9 @@ REFUSED = [
     ("XGROUP", "SETID", K.stream(128), "workers", "$"),
     # keys outside the patterns: junk streams, other keys of the namespace, forged replies, tenant b
     ("XADD", K.stream(128) + "junk", "*", "id", "x"), ("XADD", "a:stream:junk", "*", "id", "x"),
-    ("XADD", K.fleet, "*", "id", "x"), ("XADD", K.dead, "*", "id", "x"), ("XADD", K.done("x"), "*", "id", "x"),
+    ("XADD", K.fleet, "*", "id", "x"), ("XADD", K.dead, "*", "id", "x"), ("XADD", K.done("x", INBOX), "*", "id", "x"),
     ("XADD", K.workers, "*", "id", "x"), ("XADD", INBOX, "*", "id", "x", "p", "forged"),
-    ("XADD", Keys("b").stream(128), "*", "id", "x"), ("SET", K.fleet, "x"), ("SET", K.done("x"), "1"),
+    ("XADD", Keys("b").stream(128), "*", "id", "x"), ("SET", K.fleet, "x"), ("SET", INBOX, "1"),
     ("ZADD", K.workers, 1, "fake-worker"), ("GET", Keys("b").fleet), ("XREAD", "STREAMS", Keys("b").inbox("x" * 22), 0),
     ("FCALL", ENQUEUE, 2, "a:stream:junk", K.workers, 0, "j", INBOX, "p", 100, 0, 1),
     ("FCALL", ENQUEUE, 2, K.dead, K.workers, 0, "j", INBOX, "p", 100, 0, 1),

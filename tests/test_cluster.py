@@ -82,7 +82,7 @@ def test_a_worker_killed_on_a_cluster_loses_nothing(redis_url, namespace, tmp_pa
             results = [f.result() for f in futures]
             home = keys.of_shard(keys.shard_of(client.reply_key))  # the client's inbox and done markers
         assert [len(x.token_ids) for x in results] == [48] * 32
-        assert all(r.exists(home.done(j)) for j in jobs)
+        assert all(r.exists(home.done(j, client.reply_key)) for j in jobs)
         assert sum(r.xlen(k.stream(32)) + r.xlen(k.stream(64)) for k in keys.every_shard) == 0
     finally:
         a.kill()

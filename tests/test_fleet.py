@@ -183,7 +183,7 @@ def test_static_batching_waits_for_full_batch_then_flush(start_worker, redis_url
         first = [client.result(j, timeout=60) for j in jobs[:4]]
         assert [x.batch_size for x in first] == [4] * 4
         time.sleep(0.3)
-        assert not r.exists(Keys(namespace).done(jobs[4]))  # a partial batch waits: no timeout
+        assert not r.exists(Keys.done(jobs[4], client.reply_key))  # a partial batch waits: no timeout
         r.incr(Keys(namespace).flush)
         rest = [client.result(j, timeout=60) for j in jobs[4:]]
         assert [x.batch_size for x in rest] == [2, 2]

@@ -141,7 +141,7 @@ def test_fuzzed_entries_all_answered_or_dead_lettered(start_worker, redis_url, n
         def settled() -> bool:
             p = r.pipeline(transaction=False)
             for j in must_answer + good:
-                p.exists(keys.done(j))
+                p.exists(keys.done(j, raw_inbox(keys)))
             return all(p.execute()) and not (set(must_dead) - dead_seen())
 
         def dead_seen() -> set[bytes]:

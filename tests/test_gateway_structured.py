@@ -200,7 +200,7 @@ def test_python_clients_take_the_same_options(start_worker, redis_url, namespace
                 client.generate("x", max_new_tokens=2, **bad)
         # the worker checks too: a guide that slips past a client is answered invalid_request, once
         keys = Keys(namespace)
-        payload = {"v": 4, "id": "badguide", "prompt": [5, 6], "max_new_tokens": 2, "reply_key": client.reply_key,
+        payload = {"v": 5, "id": "badguide", "prompt": [5, 6], "max_new_tokens": 2, "reply_key": client.reply_key,
                    "guide": {"kind": "json_schema", "spec": '{"type": "foo"}'}}
         redis.Redis.from_url(redis_url).xadd(keys.stream(32), {"id": "badguide", "r": client.reply_key,
                                                                 "p": msgpack.packb(payload)})

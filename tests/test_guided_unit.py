@@ -58,20 +58,20 @@ def test_guides_compile_or_say_why():
 @pytest.mark.unit
 def test_wire_versions_and_roundtrip():
     plain = Request(id="j", prompt=[1], reply_key="k")
-    assert msgpack.unpackb(plain.encode())["v"] == 4 and msgpack.unpackb(plain.encode())["guide"] is None
+    assert msgpack.unpackb(plain.encode())["v"] == 5 and msgpack.unpackb(plain.encode())["guide"] is None
     rich = Request(id="j", prompt=[1], reply_key="k", params=Params(guide=Guide("regex", "a+"), logprobs=5))
-    assert msgpack.unpackb(rich.encode())["v"] == 4 and Request.decode(rich.encode()) == rich
-    base = {"v": 4, "id": "j", "prompt": [1], "max_new_tokens": 1, "reply_key": "k"}
+    assert msgpack.unpackb(rich.encode())["v"] == 5 and Request.decode(rich.encode()) == rich
+    base = {"v": 5, "id": "j", "prompt": [1], "max_new_tokens": 1, "reply_key": "k"}
     for bad in ({"guide": {"kind": "sql", "spec": "x"}}, {"guide": {"kind": "regex"}}, {"guide": "a+"},
                 {"guide": {"kind": "regex", "spec": "a", "x": 1}}, {"logprobs": 21}, {"logprobs": True},
                 {"logprobs": -1}, {"guide": {"kind": "regex", "spec": "a" * (1 << 18)}}):
         with pytest.raises(ProtocolError):
             Request.decode(msgpack.packb({**base, **bad}))
     res = Result("j", [5, 6], "ab", "stop", 1, 2, 0.0, 0.0, 0.0, "w", 1)
-    assert msgpack.unpackb(res.encode())["v"] == 4 and "logprobs" not in msgpack.unpackb(res.encode())
+    assert msgpack.unpackb(res.encode())["v"] == 5 and "logprobs" not in msgpack.unpackb(res.encode())
     lp = [(-0.1, (5, 7), (-0.1, -2.5)), (-1.0, (9, 6), (-0.5, -1.0))]
     with_lp = Result("j", [5, 6], "ab", "stop", 1, 2, 0.0, 0.0, 0.0, "w", 1, logprobs=lp)
-    assert msgpack.unpackb(with_lp.encode())["v"] == 4 and decode_reply(with_lp.encode()) == with_lp
+    assert msgpack.unpackb(with_lp.encode())["v"] == 5 and decode_reply(with_lp.encode()) == with_lp
     delta = Delta("j", 0, 0, "a", [5], [lp[0]])
     assert decode_reply(delta.encode()) == delta
 

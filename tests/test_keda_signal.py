@@ -34,28 +34,27 @@ def scaled_object(namespace: str) -> dict:
     return for_fleet(of_kind("ScaledObject")["batchfleet-worker"], Keys(namespace), TEST_BUCKETS)
 
 
-def unanswered(r: redis.Redis, keys: Keys, jobs: list[str]) -> int:
-    """Jobs without a ``done`` marker (on whichever shard of ``keys`` their client's inbox is)."""
-    return len(jobs) - sum(r.exists(*[k.done(j) for j in jobs[i:i + 500]])
-                           for k in keys.every_shard for i in range(0, len(jobs), 500))
+def unanswered(r: redis.Redis, inbox: str, jobs: list[str]) -> int:
+    """Jobs of the client reading ``inbox`` whose answer is not stored yet."""
+    return len(jobs) - sum(r.exists(*[Keys.done(j, inbox) for j in jobs[i:i + 500]]) for i in range(0, len(jobs), 500))
 
 
-def sample_until_answered(r: redis.Redis, keys: Keys, so: dict, jobs: list[str], timeout_s: float = 180) -> list:
+def sample_until_answered(r: redis.Redis, inbox: str, so: dict, jobs: list[str], timeout_s: float = 180) -> list:
     """Samples every 50 ms until every job is answered."""
     samples, end = [], time.monotonic() + timeout_s
     while not samples or samples[-1][2]:
         assert time.monotonic() < end, f"{samples[-1][2]} of {len(jobs)} requests still unanswered"
-        samples.append(sample(r, keys, so, jobs))
+        samples.append(sample(r, inbox, so, jobs))
         time.sleep(0.05)
     return samples
 
 
-def sample(r: redis.Redis, keys: Keys, so: dict, jobs: list[str]) -> tuple[int, int, int, int]:
+def sample(r: redis.Redis, inbox: str, so: dict, jobs: list[str]) -> tuple[int, int, int, int]:
     """(unanswered before, the metric summed over the triggers, unanswered after, desired replicas). Answers
     only ever accumulate, so the true count at the moment of reading lies between the two unanswered counts."""
-    before = unanswered(r, keys, jobs)
+    before = unanswered(r, inbox, jobs)
     desired, readings = desired_replicas(r, so)
-    return before, sum(t.metric for t in readings), unanswered(r, keys, jobs), desired
+    return before, sum(t.metric for t in readings), unanswered(r, inbox, jobs), desired
 
 
 def test_a_bulk_of_10000_prompts_on_one_worker_asks_for_more_workers(start_worker, redis_url, namespace, tmp_path):
@@ -98,8 +97,8 @@ def assert_backlog_counted(redis_url: str, namespace: str, r, keys: Keys, so: di
     shard just after its reply: up to one batch of replies at a time)."""
     with Client(redis_url, namespace) as client:
         jobs = [client.submit([10 + i % 50, 11, 12], max_new_tokens=new_tokens) for i in range(n)]
-        first = sample(r, keys, so, jobs)
-        samples = [first, *sample_until_answered(r, keys, so, jobs)]
+        first = sample(r, client.reply_key, so, jobs)
+        samples = [first, *sample_until_answered(r, client.reply_key, so, jobs)]
         results = [client.result(j, timeout=120) for j in jobs]
     assert first[3] >= 2, first
     for before, metric, after, desired in samples:
@@ -124,11 +123,11 @@ def test_a_worker_killed_holding_read_ahead_is_neither_lost_nor_double_counted(s
             # w reads them all and holds them, none running: its fixed window waits 10 s for a batch of 64
             wait_until(lambda: r.xpending(stream, keys.group)["pending"] == len(jobs), 60, "w holding every entry")
             w.kill()
-            held = unanswered(r, keys, jobs)
-            before, metric, after, desired = sample(r, keys, so, jobs)
+            held = unanswered(r, client.reply_key, jobs)
+            before, metric, after, desired = sample(r, client.reply_key, so, jobs)
             assert metric == held == before == after and desired >= 1  # nothing answers while no worker runs
             start_worker(claim_idle_ms=1000, max_batch_size=8)
-            samples = sample_until_answered(r, keys, so, jobs)
+            samples = sample_until_answered(r, client.reply_key, so, jobs)
             results = [client.result(j, timeout=120) for j in jobs]
     finally:
         w.kill()

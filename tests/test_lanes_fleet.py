@@ -51,7 +51,7 @@ def test_interactive_is_answered_while_the_engine_is_full_of_batch_work(start_wo
         res = client.generate([20, 21, 22], max_new_tokens=4)  # interactive: the default
         took = time.monotonic() - t0
         assert res.completion_tokens == 4
-        done_before = sum(1 for j in bulk if r.exists(keys.done(j)))
+        done_before = sum(1 for j in bulk if r.exists(keys.done(j, client.reply_key)))
         results = [client.result(j, timeout=120) for j in bulk]
     assert done_before < len(bulk), "the interactive request waited for the batch work to finish"
     assert all(x.completion_tokens == 150 for x in results)

@@ -12,7 +12,7 @@ from batchfleet.common.keys import Keys
 from batchfleet.worker.compose import build_worker
 from batchfleet.worker.requests import Stage
 from tests.conftest import worker_config
-from tests.helpers.loops import inbox_replies, reply_of, request_fields, wait_until
+from tests.helpers.loops import inbox_replies, raw_inbox, reply_of, request_fields, wait_until
 
 
 def enqueue(r: redis.Redis, keys: Keys, bucket: int, job_id: str, prompt: list[int], entry_id: str = "*",
@@ -40,7 +40,7 @@ def test_redelivered_request_runs_alone_in_continuous_mode(redis_url, namespace,
     keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
     try:
         enqueue(r, keys, 32, "a32", [1, 10, 11])
-        tick_until(loop, lambda: r.exists(keys.done("a32")))  # loop.bucket is now 32
+        tick_until(loop, lambda: r.exists(keys.done("a32", raw_inbox(keys))))  # loop.bucket is now 32
         eid = enqueue(r, keys, 64, "suspect", [1] + list(range(10, 50)))  # left by a dead worker, 3rd delivery
         r.xreadgroup(keys.group, "dead-worker", {keys.stream(64): ">"}, count=1)
         r.xclaim(keys.stream(64), keys.group, "dead-worker", 0, [eid], idle=5000, retrycount=2)
@@ -48,7 +48,7 @@ def test_redelivered_request_runs_alone_in_continuous_mode(redis_url, namespace,
         tick_until(loop, lambda: loop.requests.stage("suspect") is Stage.RUNNING)
         for i in range(3):  # bucket-32 traffic arrives while the suspect runs
             enqueue(r, keys, 32, f"b{i}", [1, 20 + i])
-        tick_until(loop, lambda: all(r.exists(keys.done(j)) for j in ("suspect", "b0", "b1", "b2")))
+        tick_until(loop, lambda: all(r.exists(keys.done(j, raw_inbox(keys))) for j in ("suspect", "b0", "b1", "b2")))
         records = [f for _, f in r.xrange(keys.batches)]
         solo = [f for f in records if f[b"kind"] == b"solo"]
         assert solo and solo[0][b"ids"] == b"suspect" and solo[0][b"size"] == b"1"
@@ -76,11 +76,11 @@ def test_reclaim_tells_equal_entry_ids_of_two_buckets_apart(redis_url, namespace
         loop.intake.next_reclaim = 0
         # before the fix the orphan was filtered out as "already held" on every reclaim until its
         # delivery count ran out; now it is taken over (a redelivery runs alone) and answered
-        tick_until(loop, lambda: r.exists(keys.done("orphan")), limit=200)
+        tick_until(loop, lambda: r.exists(keys.done("orphan", raw_inbox(keys))), limit=200)
         assert loop.ledger["reclaimed"] == 1 and loop.ledger["dead_lettered"] == 0
         assert answered_with_result(r, keys, "orphan")
         r.incr(keys.flush)  # close the partial static batch holding "held"
-        tick_until(loop, lambda: r.exists(keys.done("held")))
+        tick_until(loop, lambda: r.exists(keys.done("held", raw_inbox(keys))))
     finally:
         loop.stopping.set()
         loop.transport.close()
@@ -111,7 +111,7 @@ def test_failed_prefill_step_costs_only_its_requests_in_continuous_mode(redis_ur
         assert loop.requests.stage("poison") in (Stage.SOLO, Stage.RUNNING)
         assert loop.requests.stage("long") in (Stage.QUEUED, Stage.RUNNING)  # requeued, not made to run alone
         assert loop.engine.stats()["kv_blocks_used"] == 0 or loop.requests.stage("poison") is Stage.RUNNING
-        tick_until(loop, lambda: all(r.exists(keys.done(j)) for j in ("long", "poison")), limit=2000)
+        tick_until(loop, lambda: all(r.exists(keys.done(j, raw_inbox(keys))) for j in ("long", "poison")), limit=2000)
         for job in ("long", "poison"):
             assert answered_with_result(r, keys, job)
         assert loop.ledger["internal_errors"] == 0
@@ -125,7 +125,7 @@ def test_a_copy_of_an_answered_job_is_acked_without_running(start_worker, redis_
     w = start_worker(max_wait_ms=5)
     keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
     enqueue(r, keys, 32, "twice", [1, 10, 11])
-    wait_until(lambda: r.exists(keys.done("twice")), 30, "the first copy answered")
+    wait_until(lambda: r.exists(keys.done("twice", raw_inbox(keys))), 30, "the first copy answered")
     batches = w.loop.ledger["batches"]
     enqueue(r, keys, 32, "twice", [1, 10, 11])
     wait_until(lambda: w.loop.ledger["duplicates"] == 1, 30, "the copy acked")

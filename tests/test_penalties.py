@@ -35,7 +35,7 @@ def test_the_parameter_type_takes_openais_shapes_and_bounds():
     assert p.logit_bias == ((3, -100.0), (7, 5.0)) and p.presence_penalty == -2.0  # sorted pairs, floats
     assert Params(logit_bias=[[7, 5.0], [3, -100]]) == Params(logit_bias={"3": -100, "7": 5})
     wire = msgpack.unpackb(Request(id="j", prompt=[1], params=p, reply_key="k").encode())
-    assert wire["v"] == 4 and wire["logit_bias"] == [[3, -100.0], [7, 5.0]]  # a list: map keys are strings
+    assert wire["v"] == 5 and wire["logit_bias"] == [[3, -100.0], [7, 5.0]]  # a list: map keys are strings
     assert Request.decode(Request(id="j", prompt=[1], params=p, reply_key="k").encode()).params == p
     for bad in ({"logit_bias": {"x": 1}}, {"logit_bias": {"1": 100.5}}, {"logit_bias": {"-1": 1}},
                 {"logit_bias": {"1": True}}, {"logit_bias": [[1, 1], [1, 2]]}, {"logit_bias": {"²": 1}},

@@ -34,6 +34,7 @@ def test_redis_restart_mid_load_nothing_lost(aof_redis, tiny_model_dir, cache_di
     worker = LoopThread(worker_config(aof_redis.url, ns, tiny_model_dir, max_wait_ms=20, max_batch_size=8,
                                       claim_idle_ms=2000))
     results: dict[str, object] = {}
+    inboxes: dict[str, str] = {}  # job id -> the inbox its answer is stored under
     errors: list[BaseException] = []
     restarted = threading.Event()
     killed = threading.Event()
@@ -47,6 +48,7 @@ def test_redis_restart_mid_load_nothing_lost(aof_redis, tiny_model_dir, cache_di
                         killed.wait(60)  # restart however fast the first half ran (the others run free)
                     res = client.generate([10 + p, 11 + i, 12], max_new_tokens=8, timeout=60)
                     results[res.id] = res
+                    inboxes[res.id] = client.reply_key
                     if restarted.is_set() and not after_restart:
                         after_restart.append(time.monotonic())
         except BaseException as exc:
@@ -94,7 +96,7 @@ def test_redis_restart_mid_load_nothing_lost(aof_redis, tiny_model_dir, cache_di
     assert 1 <= len(outage_lines) <= 8, [rec.getMessage() for rec in outage_lines]
     assert not any(rec.exc_info for rec in caplog.records)
     r = redis.Redis.from_url(aof_redis.url)
-    assert all(r.exists(keys.done(j)) for j in results)
+    assert all(r.exists(keys.done(j, inboxes[j])) for j in results)
     assert sum(r.xlen(keys.stream(b)) for b in (32, 64, 128, 256)) == 0
     print(f"\nredis restart: first result {after_restart[0] - t_up:.2f}s after redis was back; 48/48 answered")
 

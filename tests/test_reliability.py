@@ -74,7 +74,8 @@ def test_poison_request_dead_lettered_batchmates_answered(loops, redis_url, name
     assert any(set(good + [poison]) <= set(f[b"ids"].decode().split(",")) for f in records)
     dead = [d for d in dead_letters(r, keys) if d[b"id"] == poison.encode()]
     assert len(dead) == 1 and int(dead[0][b"deliveries"]) == 2
-    assert not r.exists(keys.done(poison)) or r.ttl(keys.done(poison)) > 0  # answered once (first writer wins)
+    answer = keys.done(poison, client.reply_key)
+    assert not r.exists(answer) or r.ttl(answer) > 0  # answered once (first writer wins)
     assert t.loop.ledger["released"] == 1 and t.thread.is_alive()
     assert sum(r.xlen(keys.stream(b)) for b in (32, 64, 128, 256)) == 0
     print(f"\npoison ({engine}): dead-lettered after 2 deliveries in {elapsed:.2f}s")
@@ -131,10 +132,10 @@ def test_no_key_grows_without_bound(loops, redis_url, namespace, monkeypatch):
     pipe.execute()
     with Client(redis_url, namespace) as client:
         jobs = [client.submit([30, 31], max_new_tokens=2) for _ in range(3)]
-        wait_until(lambda: all(r.exists(keys.done(j)) for j in jobs), 30, "replies")
+        wait_until(lambda: all(r.exists(keys.done(j, client.reply_key)) for j in jobs), 30, "replies")
         assert 0 < r.ttl(client.reply_key) <= 30
         for j in jobs:
-            assert 0 < r.ttl(keys.done(j)) <= 30
+            assert 0 < r.ttl(keys.done(j, client.reply_key)) <= 30
             client.result(j, timeout=10)
         wait_until(lambda: r.xlen(keys.stream(32)) == 0, 30, "junk consumed")
     assert r.xlen(keys.dead) == 20  # capped

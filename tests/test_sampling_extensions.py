@@ -80,10 +80,10 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability(torch):
 @pytest.mark.unit
 def test_requests_carry_the_extensions_in_version_4():
     plain = Request(id="j", prompt=[1], reply_key="k")
-    assert msgpack.unpackb(plain.encode())["v"] == 4 and Request.decode(plain.encode()) == plain
+    assert msgpack.unpackb(plain.encode())["v"] == 5 and Request.decode(plain.encode()) == plain
     ext = Request(id="j", prompt=[1], reply_key="k",
                   params=Params(ignore_eos=True, min_tokens=2, repetition_penalty=1.3, min_p=0.1))
-    assert msgpack.unpackb(ext.encode())["v"] == 4 and Request.decode(ext.encode()) == ext
+    assert msgpack.unpackb(ext.encode())["v"] == 5 and Request.decode(ext.encode()) == ext
     with pytest.raises(ProtocolError, match="min_tokens"):
         Request.decode(Request(id="j", prompt=[1], params=Params(max_new_tokens=2, min_tokens=3)).encode())
     with pytest.raises(ProtocolError, match="repetition_penalty"):

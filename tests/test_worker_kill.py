@@ -73,9 +73,9 @@ def test_kill9_one_of_two_workers_mid_batch_every_request_answered_once(redis_ur
             a.kill()
             t_kill = time.monotonic()
             orphans = _pending_of(r, keys, a.name)
-            orphans = [j for j in orphans if not r.exists(keys.done(j.decode()))]
+            orphans = [j for j in orphans if not r.exists(keys.done(j.decode(), client.reply_key))]
             assert orphans, "the kill should have left unanswered entries behind"
-            recovery = wait_until(lambda: all(r.exists(keys.done(j.decode())) for j in orphans), 60,
+            recovery = wait_until(lambda: all(r.exists(keys.done(j.decode(), client.reply_key)) for j in orphans), 60,
                                   "orphans answered")
             results = [f.result() for f in futures]
             total = time.monotonic() - t_kill
@@ -84,7 +84,7 @@ def test_kill9_one_of_two_workers_mid_batch_every_request_answered_once(redis_ur
         b.stop()
     assert [res.id for res in results] == jobs and all(res.completion_tokens >= 1 for res in results)
     assert r.xlen(client.reply_key) == 0  # each reply was read once and deleted; no second one was written
-    assert all(r.exists(keys.done(j)) for j in jobs)
+    assert all(r.exists(keys.done(j, client.reply_key)) for j in jobs)
     assert sum(r.xlen(keys.stream(int(x))) for x in BUCKETS.split(",")) == 0
     runs: dict[str, int] = {}
     for _, f in r.xrange(keys.batches):
@@ -110,7 +110,7 @@ def test_sigterm_finishes_running_batch_hands_back_rest_exits_0(redis_url, names
     finally:
         w.kill()
     assert rc == 0
-    answered = {j for j in jobs if r.exists(keys.done(j))}
+    answered = {j for j in jobs if r.exists(keys.done(j, client.reply_key))}
     first = r.xrange(keys.batches)[0][1][b"ids"].decode().split(",")
     assert set(first) <= answered  # the running batch finished
     stream = keys.stream(32)

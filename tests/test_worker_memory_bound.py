@@ -16,9 +16,9 @@ import redis
 
 from batchfleet.common.errors import INVALID_REQUEST
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import Error, decode_reply
+from batchfleet.common.protocol import Error
 from batchfleet.worker.devtools import PrivateRedis, free_port, spawn_worker
-from tests.helpers.loops import wait_until
+from tests.helpers.loops import inbox_replies, wait_until
 
 RSS_BOUND_MB = 250  # docs/RELIABILITY.md states it; before the bounded reads, 2.5 GB
 ENTRY_MB = 40
@@ -68,9 +68,7 @@ def test_worker_rss_stays_bounded_under_huge_raw_entries_each_answered_once(tiny
               f"(+{grew_mb:.0f} MB) over {N_BIG} x {ENTRY_MB} MB raw entries; all settled in {took:.1f}s")
         assert grew_mb < RSS_BOUND_MB
 
-        replies: dict[str, list] = {}
-        for _, f in r.xrange(inbox):
-            replies.setdefault(f[b"id"].decode(), []).append(decode_reply(f[b"p"]))
+        replies = inbox_replies(r, keys, inbox)
         assert sorted(replies) == sorted(jobs)
         for job, got in replies.items():
             assert len(got) == 1 and isinstance(got[0], Error) and got[0].code == INVALID_REQUEST, (job, got)

@@ -61,15 +61,18 @@ class CancelWatch:
                 continue  # malformed: nothing to cancel
         return out
 
-    def marks(self, job_ids: list[str]) -> list[tuple[str | None, bool]]:
-        """Each job's cancel marker (the reply key of whoever cancelled it) and whether its ``done`` marker
-        exists: one ``EXISTS`` per MARKS_PER_CALL jobs, and only where some marker exists the ``MARKS`` script
-        (a marker longer than MARKER_BYTES is no reply key)."""
+    def marks(self, job_ids: list[str], reply_keys: list[str | None]) -> list[tuple[str | None, bool]]:
+        """Each job's cancel marker (the reply key of whoever cancelled it) and whether its answer is stored
+        (``Keys.done`` under its reply key; None: an invalid entry, never answered by that name): one ``EXISTS``
+        per MARKS_PER_CALL jobs, and only where some marker exists the ``MARKS`` script (a marker longer than
+        MARKER_BYTES is no reply key)."""
         out: list[tuple[str | None, bool]] = []
+        nowhere = self.keys.inbox("-")  # no valid inbox has this name, so no answer under it exists
         for i in range(0, len(job_ids), MARKS_PER_CALL):
             part = job_ids[i:i + MARKS_PER_CALL]
             n = len(part)
-            keys = [self.keys.cancel(j) for j in part] + [self.keys.done(j) for j in part]
+            keys = [self.keys.cancel(j) for j in part] + [self.keys.done(j, r or nowhere)
+                                                          for j, r in zip(part, reply_keys[i:i + MARKS_PER_CALL])]
             # the usual case, no marker of any of them exists, is one plain EXISTS: no script call, whose
             # Lua overhead cost Redis more than the check itself (issue 29)
             if not self.r.exists(*keys):

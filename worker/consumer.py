@@ -80,7 +80,7 @@ class StreamConsumer(Transport):
         self.r = r if r is not None else connect(conn)
         scripts = WorkerScripts(self.r)  # registered once for this connection, shared by every part
         self.presence = Presence(self.r, scripts, self.keys, name)
-        self.settler = Settler(self.r, scripts, self.keys, conn.wait_replicas, name, reply_ttl_s)
+        self.settler = Settler(self.r, self.keys, conn.wait_replicas, name, reply_ttl_s)
         self._scripts = scripts
         self.cancel_watch = CancelWatch(self.r, scripts, self.keys)
         self.pel = PendingList(self.r, scripts, self.keys, name, buckets)
@@ -210,6 +210,11 @@ class StreamConsumer(Transport):
         self.settler.ack(entry)
 
     @_refused
+    def answered(self, entry: Entry, job_id: str, reply_key: str) -> None:
+        """Ring the inbox again, then XACK + XDEL, for a copy of a job answered already (``Settler.answered``)."""
+        self.settler.answered(entry, job_id, reply_key)
+
+    @_refused
     def hand_back(self, entries: list[Entry]) -> None:
         """Re-add, then ack + delete, entries never started (``Settler.hand_back``)."""
         self.settler.hand_back(entries)
@@ -222,7 +227,7 @@ class StreamConsumer(Transport):
     @_refused
     def marks(self, job_ids: list[str], reply_keys: list[str | None]) -> list[tuple[str | None, bool]]:
         """Each job's cancel marker and whether it is done (``CancelWatch.marks``)."""
-        return self.cancel_watch.marks(job_ids)
+        return self.cancel_watch.marks(job_ids, reply_keys)
 
     def log_batch(self, record: dict) -> None:
         """Append a batch record (worker, bucket, ids, size) to the capped audit stream; best effort: the

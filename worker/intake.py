@@ -133,9 +133,10 @@ class Intake:
         marks = self.transport.marks([job_id_of(e) or "-" for e in entries],
                                      [reply_key_of(e, self.transport.keys) for e in entries])
         for entry, (cancel_mark, done) in zip(entries, marks):
-            if done and job_id_of(entry) is not None:
+            job_id, reply_key = job_id_of(entry), reply_key_of(entry, self.transport.keys)
+            if done and job_id is not None and reply_key is not None:
                 self.ledger.note("duplicates")
-                self.transport.ack(entry)
+                self.transport.answered(entry, job_id, reply_key)
                 continue
             self._take(entry, alone=alone(entry), cancel_mark=cancel_mark)
 

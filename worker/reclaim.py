@@ -2,7 +2,7 @@
 
 Invariants (the Redis commands live in worker/consumer.py and worker/pending.py):
 
-- An entry stays in the group's pending list (PEL) from XREADGROUP until the reply script acks it, so a
+- An entry stays in the group's pending list (PEL) from XREADGROUP until the reply pipeline acks it, so a
   worker that dies at any moment leaves it pending. After ``claim_idle_ms`` without a lease renewal a live
   worker XAUTOCLAIMs it (delivery count + 1) and runs it again; the ``done`` marker turns a second reply
   into a no-op, so a client never sees two answers.

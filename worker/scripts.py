@@ -1,8 +1,9 @@
 """Every Lua script a worker runs inside Redis, in one module, registered once per connection.
 
-Producers' server-side code (enqueue, cancel) is common/functions.py. Here: the reply writes of a batch
-(first writer wins, then ack + delete), the heartbeat, joining and leaving the fleet, and the size-checking reads of
-request entries, cancel entries and job markers (worker/bounded.py says why). ``WorkerScripts(r)``
+Producers' server-side code (enqueue, cancel) is common/functions.py. Here: the heartbeat, joining and leaving the
+fleet, and the size-checking reads of request entries, cancel entries and job markers (worker/bounded.py says why).
+Replies are plain commands (worker/settle.py): a script's inner commands cost Redis ~3x the same commands sent
+plain (issue 29). ``WorkerScripts(r)``
 registers each body once on client ``r`` (redis-py then sends EVALSHA, loading the body again by itself after
 a SCRIPT FLUSH or a restart; pipelines do not: ``load``); the stream consumer builds one for its parts."""
 
@@ -12,43 +13,6 @@ from typing import Any
 
 import redis
 from redis.cluster import ClusterPipeline
-
-# KEYS: n x (done marker, inbox), then the m streams the entries are in. ARGV: group, ttl seconds, n, then
-# per reply: entry id ('' = none), payload, job id, index of its stream in the stream keys (1..m).
-# Returns one 1/0 per reply: 1 when this call wrote it, 0 when an earlier writer had (its ``done`` marker). The
-# inbox is a stream the client reads without consuming (it deletes what it has handled): a crash at any instant
-# loses nothing. A batch of replies is one call: per reply SET NX + XADD; one EXPIRE per inbox, one XACK and one
-# XDEL per stream with all its entry ids. The caller keeps n small enough for unpack (``REPLIES_PER_CALL``).
-REPLIES = """
-local ttl, n, m = ARGV[2], tonumber(ARGV[3]), #KEYS - 2 * tonumber(ARGV[3])
-local out, inboxes, ids = {}, {}, {}
-for i = 1, n do
-  local a = 3 + (i - 1) * 4
-  if redis.call('SET', KEYS[2 * i - 1], '1', 'NX', 'EX', ttl) then
-    redis.call('XADD', KEYS[2 * i], '*', 'id', ARGV[a + 3], 'p', ARGV[a + 2])
-    inboxes[KEYS[2 * i]] = true
-    out[i] = 1
-  else
-    out[i] = 0
-  end
-  if ARGV[a + 1] ~= '' then
-    local s = tonumber(ARGV[a + 4])
-    ids[s] = ids[s] or {}
-    ids[s][#ids[s] + 1] = ARGV[a + 1]
-  end
-end
-for inbox in pairs(inboxes) do redis.call('EXPIRE', inbox, ttl) end
--- pcall: a stream or group lost with Redis' data must not fail the replies just written
-for s = 1, m do
-  if ids[s] then
-    redis.pcall('XACK', KEYS[2 * n + s], ARGV[1], unpack(ids[s]))
-    redis.pcall('XDEL', KEYS[2 * n + s], unpack(ids[s]))
-  end
-end
-return out
-"""
-REPLIES_PER_CALL = 500  # replies per script call: keeps unpack() far below Lua's stack limit
-
 
 # KEYS: workers (zset), status key, fleet key. ARGV: name, status blob ('' = keep), status ttl, fleet ttl (0:
 # none: a fleet that scales to zero), prune ('1': drop names silent for a day; only every few beats, since the
@@ -234,7 +198,6 @@ class WorkerScripts:
     """The worker's scripts registered on one client (call each with keys=[...], args=[...], client=pipe)."""
 
     def __init__(self, r) -> None:
-        self.replies = r.register_script(REPLIES)
         self.heartbeat = r.register_script(HEARTBEAT)
         self.join = r.register_script(JOIN)
         self.leave = r.register_script(LEAVE)

@@ -200,6 +200,15 @@ class ShardedConsumer(Transport):
     def ack(self, entry: Entry) -> None:
         self.parts[entry.shard].ack(entry)
 
+    @_refused
+    def answered(self, entry: Entry, job_id: str, reply_key: str) -> None:
+        home = self.keys.shard_of(reply_key)
+        if home is None or home == entry.shard:
+            self.parts[entry.shard].answered(entry, job_id, reply_key)
+            return
+        self.parts[home].settler.answered(None, job_id, reply_key)  # the ring first, the ack after
+        self.parts[entry.shard].ack(entry)
+
     def hand_back(self, entries: list[Entry]) -> None:
         for shard, mine in self._by_shard(entries).items():
             self.parts[shard].hand_back(mine)

@@ -147,8 +147,8 @@ class Transport(Protocol):
     @abstractmethod
     def marks(self, job_ids: list[str], reply_keys: list[str | None]) -> list[tuple[str | None, bool]]:
         """For each job: the reply key of a pending cancel request (else None), and whether it was answered
-        already (its ``done`` marker exists: a duplicate enqueue). Checked when entries are read; ``reply_keys``
-        (the entries' own, None where invalid) say where a sharded fleet keeps those markers."""
+        already (its answer is stored under ``reply_keys``, the entries' own, None where invalid: a duplicate
+        enqueue, or a copy reclaimed from a worker that died after answering). Checked when entries are read."""
 
     @abstractmethod
     def clock_offset(self) -> float:
@@ -164,7 +164,12 @@ class Transport(Protocol):
 
     @abstractmethod
     def ack(self, entry: Entry) -> None:
-        """Settle an entry that needs no reply of its own (a duplicate of a job already held or answered)."""
+        """Settle an entry that needs no reply of its own (a duplicate of a job this worker holds)."""
+
+    @abstractmethod
+    def answered(self, entry: Entry, job_id: str, reply_key: str) -> None:
+        """Settle a copy of a job whose answer is stored already (``marks``): tell its client again (the writer
+        of the answer may have died before it did), then settle the copy."""
 
     @abstractmethod
     def hand_back(self, entries: list[Entry]) -> None:

@@ -206,12 +206,15 @@ FINAL_KINDS = ("result", "error")
 
 
 def final_replies(args: list[bytes], namespace: str) -> list[str]:
-    """Job ids of the final replies (result/error) a command writes in ``namespace``: an XADD to an inbox
-    stream (protocol v2) or an RPUSH/LPUSH to a reply list (protocol v1)."""
+    """Job ids of the final replies (result/error) a command writes in ``namespace``: a SET of an answer under
+    an inbox (protocol v5; only a first write is propagated: a refused SET NX is not), an XADD to an inbox
+    stream (protocol v2-v4) or an RPUSH/LPUSH to a reply list (protocol v1)."""
     name = args[0].upper()
     if len(args) < 3 or not args[1].startswith(f"{namespace}:".encode()):
         return []
-    if name == b"XADD":
+    if name == b"SET":
+        payloads = [args[2]] if b":done:" in args[1] else []
+    elif name == b"XADD":
         payloads = [p] if (p := xadd_fields(args).get(b"p")) is not None else []
     elif name in (b"RPUSH", b"LPUSH"):
         payloads = args[2:]

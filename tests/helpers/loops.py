@@ -117,12 +117,20 @@ def request_fields(keys: Keys, job_id: str, prompt: list[int], **kw) -> dict[str
 
 
 def inbox_replies(r: redis.Redis, keys: Keys, inbox: str | None = None) -> dict[str, list[Result | Error]]:
-    """Final replies (no deltas) in an inbox, by job id, in the order written."""
+    """Final replies (no deltas) rung for in an inbox, by job id, in the order rung: each job's stored answer
+    (``Keys.done``) once, however many times it was rung for; a reply written into the inbox itself (the
+    protocol before v5) counts as another."""
     out: dict[str, list[Result | Error]] = {}
-    for _, fields in r.xrange(inbox or raw_inbox(keys)):
+    inbox = inbox or raw_inbox(keys)
+    for _, fields in r.xrange(inbox):
+        job = fields[b"id"].decode()
+        if b"done" in fields:
+            if job not in out and (answer := r.get(Keys.done(job, inbox))):
+                out[job] = [decode_reply(answer)]
+            continue
         reply = decode_reply(fields[b"p"])
         if not isinstance(reply, Delta):
-            out.setdefault(fields[b"id"].decode(), []).append(reply)
+            out.setdefault(job, []).append(reply)
     return out
 
 

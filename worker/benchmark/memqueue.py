@@ -121,6 +121,9 @@ class MemQueue(Transport):
     def ack(self, entry: Entry) -> None:
         pass
 
+    def answered(self, entry: Entry, job_id: str, reply_key: str) -> None:
+        pass  # marks() never reports an answered job here
+
     def hand_back(self, entries: list[Entry]) -> None:
         with self._cv:
             self._entries.extendleft(reversed(entries))
