@@ -47,7 +47,11 @@ class Settler:
         wanted = self.wait_replicas
         if wanted:  # WAIT on the same connection: every write above is on `wanted` replicas, else retried
             pipe.execute_command("WAIT", wanted, WAIT_TIMEOUT_MS, **same_node(self.r, self.keys.workers))
-        out = pipe.execute()
+        out = pipe.execute(raise_on_error=False)
+        # an ack refused (a stream or group lost with Redis' data) must not fail the replies written before it
+        for x in out[:2 * len(replies)] + (out[-1:] if wanted else []):
+            if isinstance(x, Exception):
+                raise x
         if wanted:  # too few: NotReplicated (transient) keeps the replies in the outbox; rewrites are idempotent
             require_replicas(out[-1], wanted, f"{len(replies)} replies")
         return [bool(x) for x in out[:2 * len(replies):2]]

@@ -156,9 +156,9 @@ def dead_letters(r: redis.Redis, keys: Keys) -> list[dict[bytes, bytes]]:
 
 
 @contextlib.contextmanager
-def silent_fleet(redis_url: str, namespace: str) -> Iterator[None]:
-    """A live "worker" that publishes the fleet (the tiny preset's tokenizer) and never reads: enqueues are
-    accepted and no answer ever comes."""
+def silent_fleet(redis_url: str, namespace: str, **info: object) -> Iterator[None]:
+    """A live "worker" that publishes the fleet (the tiny preset's tokenizer; ``info``: other FleetInfo fields)
+    and never reads: enqueues are accepted and no answer ever comes."""
     from batchfleet.common.config import ConnectionConfig
     from batchfleet.common.protocol import FleetInfo
     from batchfleet.worker.consumer import StreamConsumer
@@ -170,7 +170,7 @@ def silent_fleet(redis_url: str, namespace: str) -> Iterator[None]:
     probe.setup()
     probe.publish_fleet(FleetInfo(model="none", tokenizer_json=byte_level_tokenizer().backend_tokenizer.to_str(),
                                   buckets=TEST_BUCKETS, max_seq_len=512, max_batch_size=8, vocab_size=320,
-                                  eos_token_ids=(2,)))
+                                  eos_token_ids=(2,), **info))
     try:
         yield
     finally:

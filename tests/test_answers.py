@@ -1,0 +1,60 @@
+"""Replies stored under the inbox and rung for (protocol v5, producer/answers.py, worker/settle.py), on real
+Redis with a real worker and the real client: a writer that died between storing an answer and ringing is
+covered by the next copy's ring; the client takes each answer once however often it is rung for, and empties
+it once taken; an answer lives under the request's own inbox, so a request naming another inbox's job id
+gets its own answer and leaves the other's alone."""
+
+from __future__ import annotations
+
+import redis
+
+from batchfleet.common.keys import Keys
+from batchfleet.common.protocol import Result
+from batchfleet.producer import Client
+from tests.helpers.loops import TEST_INBOX, inbox_replies, raw_inbox, request_fields, wait_until
+
+
+def test_a_copy_of_a_job_answered_but_never_rung_for_rings_and_the_client_gets_it(start_worker, redis_url,
+                                                                                 namespace):
+    """The first writer stored the answer and died before its ring: the copy a worker reads later (reclaimed or
+    enqueued again) is not run again; it rings, and the waiting client gets the stored answer."""
+    w = start_worker(max_wait_ms=5)
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    stored = Result("lost-ring", [7, 8], "stored answer", "length", 2, 2, 0.0, 0.0, 0.0, "dead-worker", 1)
+    r.set(keys.done("lost-ring", raw_inbox(keys)), stored.encode(), ex=60)  # the answer, and no ring
+    with Client(redis_url, namespace, inbox=TEST_INBOX) as client:
+        r.xadd(keys.stream(32), request_fields(keys, "lost-ring", [1, 10, 11]))
+        got = client.result("lost-ring", timeout=30)
+        assert got.text == "stored answer" and got.worker == "dead-worker"
+        wait_until(lambda: r.get(keys.done("lost-ring", raw_inbox(keys))) == b"", 10, "the answer emptied")
+    assert w.loop.ledger["duplicates"] == 1 and w.loop.ledger["batches"] == 0
+    assert r.ttl(keys.done("lost-ring", raw_inbox(keys))) > 0  # emptied, not deleted: still rules out a 2nd
+
+
+def test_every_ring_of_one_job_gives_the_client_one_answer_and_leaves_nothing(start_worker, redis_url, namespace):
+    start_worker(max_wait_ms=5)
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    with Client(redis_url, namespace, inbox=TEST_INBOX) as client:
+        job = client.submit([1, 10, 11], max_new_tokens=2)
+        first = client.result(job, timeout=30)
+        answer = keys.done(job, client.reply_key)
+        wait_until(lambda: r.get(answer) == b"" and r.xlen(client.reply_key) == 0, 10, "ring deleted, answer emptied")
+        for _ in range(3):  # late rings (copies of the job answered already) for a job the caller has taken
+            r.xadd(client.reply_key, {"id": job, "done": "1"})
+        wait_until(lambda: r.xlen(client.reply_key) == 0, 10, "the late rings deleted unread")
+        assert client._async.inbox.held() == {"waiting": 0, "abandoned": 0, "unclaimed": 0, "to_delete": 0}
+    assert first.completion_tokens == 2 and r.get(answer) == b""
+
+
+def test_an_answer_lives_under_its_own_inbox(start_worker, redis_url, namespace):
+    """A request that names a job id another client uses, with its own inbox, is answered into its own inbox
+    and does not block the other's answer (before v5 the first answered copy won the job id fleet-wide)."""
+    start_worker(max_wait_ms=5)
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    r.xadd(keys.stream(32), request_fields(keys, "shared-id", [1, 12, 13]))  # a raw producer, its own inbox
+    wait_until(lambda: "shared-id" in inbox_replies(r, keys), 30, "the raw request answered")
+    with Client(redis_url, namespace) as client:
+        got = client.result(client.submit([1, 10, 11], max_new_tokens=2, job_id="shared-id"), timeout=30)
+        assert got.id == "shared-id" and got.completion_tokens == 2
+        assert r.exists(keys.done("shared-id", client.reply_key), keys.done("shared-id", raw_inbox(keys))) == 2
+
