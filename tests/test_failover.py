@@ -14,6 +14,7 @@ replica of the new primary (what a restarted pod does), so WAIT 1 can be satisfi
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import signal
 import subprocess
@@ -200,6 +201,7 @@ def test_wait_replicas_unmet_reply_is_transient_and_rewrite_idempotent(redis_url
     """On a Redis without replicas, WAIT 1 answers 0: the worker's reply write raises NotReplicated (a
     transient error: the loop keeps the reply in its outbox), and rewriting it is idempotent."""
     from batchfleet.common.config import ConnectionConfig
+    from batchfleet.common.protocol import Error, decode_reply
     from batchfleet.common.redis_conn import WAIT_TIMEOUT_MS, NotReplicated
     from batchfleet.common.retry import TRANSIENT
     from batchfleet.worker.consumer import StreamConsumer
@@ -209,12 +211,14 @@ def test_wait_replicas_unmet_reply_is_transient_and_rewrite_idempotent(redis_url
         pytest.skip("this Redis has replicas")
     consumer = StreamConsumer(ConnectionConfig(redis_url, namespace, wait_replicas=1), (32,), "w-wait", 60)
     consumer.setup()
-    reply = Reply("job-1", b"payload", 32, "", consumer.keys.inbox("waitinbox0123456789"))
+    inbox = consumer.keys.inbox("waitinbox0123456789")
+    reply = Reply("job-1", Error("job-1", "engine_error", "first"), 32, "", inbox)
     t0 = time.monotonic()
     with pytest.raises(NotReplicated) as err:
         consumer.write_replies([reply])
     assert isinstance(err.value, TRANSIENT) and time.monotonic() - t0 >= WAIT_TIMEOUT_MS / 1000 * 0.9
-    with pytest.raises(NotReplicated):
-        consumer.write_replies([reply])
-    assert consumer.r.xlen(reply.reply_key) == 1, "the rewrite did not answer twice"
+    with pytest.raises(NotReplicated):  # the outbox writes it again: it rings again, the answer stays the first
+        consumer.write_replies([dataclasses.replace(reply, message=Error("job-1", "engine_error", "second"))])
+    assert decode_reply(consumer.r.get(consumer.keys.done("job-1", inbox))).message == "first"
+    assert consumer.r.xlen(inbox) == 2
     consumer.close()
