@@ -102,3 +102,13 @@ def test_kv_fetch_bench_runs_the_kernel_against_a_plain_read(tmp_path, cache_dir
     # each of the 4 sequences attends at least its 40 prompt tokens, in every one of the 2 layers
     assert doc["bytes"] >= 2 * 4 * 40 * 4 * 32 * 2 * 2
     assert doc["kernel_vs_read_median"] > 0 and "kernel / read" in proc.stdout
+
+
+def test_request_cost_bench_measures_a_real_worker(tmp_path, cache_dir):
+    out = tmp_path / "cost.jsonl"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_request_cost.py"), "--requests", "40",
+                    "--threads", "8", "--label", "test", "--cache-dir", str(cache_dir), "--json", str(out)],
+                   check=True, timeout=300)
+    row = json.loads(out.read_text())
+    assert row["label"] == "test" and row["requests"] == 40
+    assert 3 <= row["calls_per_req"] <= 10 and row["usec_per_req"] > 0 and "xadd" in row["by_command"]
