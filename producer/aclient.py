@@ -172,8 +172,8 @@ class AsyncClient:
         try:
             job.accepted(code, self.keys.namespace)
         except BaseException:  # refused (QueueFull, NoWorkers, too large): no answer will ever come
-            if code == ADDED_PAST_LIMIT:  # withdrawn: cancelled before a worker runs it, its answer dropped
-                self._give_up_later(job.id)
+            if code == ADDED_PAST_LIMIT:  # withdrawn (XDEL): an answer from a worker that read it first is dropped
+                self._give_up_later(job.id, cancel=False)
             else:
                 self.inbox.forget(job.id)
             raise

@@ -261,7 +261,7 @@ class Outgoing:
 
     def appended(self, length: int) -> int:
         """The answer for a plain ``XADD`` that left its stream ``length`` entries long: 1, or ADDED_PAST_LIMIT
-        (queue full; the caller withdraws the entry with a cancel). The function checks before it adds; a plain
+        (queue full; the entry is withdrawn, ``RedisCalls.enqueue``). The function checks before it adds; a plain
         add can only check after, so concurrent adds at the limit may all be refused where the function would
         have taken one of them."""
         return ADDED_PAST_LIMIT if self.max_queue_len and length > self.max_queue_len else 1

@@ -21,7 +21,7 @@ from batchfleet.common.protocol import MAX_PAYLOAD_BYTES
 from batchfleet.common.redis_conn import WAIT_TIMEOUT_MS, require_replicas, same_node, write_acked
 from batchfleet.common.redis_url import redact_url
 from batchfleet.common.retry import TRANSIENT, Backoff, transient_reason
-from batchfleet.producer.core import Deadline, Outgoing
+from batchfleet.producer.core import ADDED_PAST_LIMIT, Deadline, Outgoing
 
 log = logging.getLogger("producer")
 T = TypeVar("T")
@@ -93,10 +93,10 @@ class RedisCalls:
         # keys[0]: every library function has keys; a cluster sends the WAIT to the master of their slot
         return await self.functions.call(name, keys, args, send=lambda cmd: write_acked(self.r, n, cmd, keys[0]))
 
-    async def append(self, stream: str, fields: dict[str, Any]) -> int:
-        """``XADD`` then ``XLEN`` of ``stream`` in one round trip (then WAIT, as ``function``): the stream's length
-        with the new entry. Plain commands, as the enqueue function's own: through the function Redis spends ~4x
-        the XADD's time on the entry (issue 29)."""
+    async def append(self, stream: str, fields: dict[str, Any]) -> tuple[Any, int]:
+        """``XADD`` then ``XLEN`` of ``stream`` in one round trip (then WAIT, as ``function``): the new entry's id and
+        the stream's length with it. Plain commands, as the enqueue function's own: through the function Redis
+        spends ~4x the XADD's time on the entry (issue 29)."""
         n = self.conn.wait_replicas
         async with self.r.pipeline(transaction=False) as pipe:  # gives its connection back however it ends
             pipe.xadd(stream, fields)
@@ -106,14 +106,17 @@ class RedisCalls:
             out = await pipe.execute()
         if n > 0:
             require_replicas(out[2], n, f"enqueue to {stream}")
-        return int(out[1])
+        return out[0], int(out[1])
 
     async def enqueue(self, job: Outgoing, workers: str, check: bool, deadline: Deadline) -> int:
         """The enqueue function's answer for ``job`` (``Outgoing.accepted``). Through the function (the checks
         and the add in one step) where the live-worker check is due or this client saw the stream at or past
         half its limit within LENGTH_TRUST_S; else a plain ``XADD`` + ``XLEN``, which checks the limit only
         after the add (``Outgoing.appended``): a queue at its limit refuses the function's way, so a refusal
-        costs Redis no entry, save one plain add per stream and LENGTH_TRUST_S that finds it full."""
+        costs Redis no entry, save one plain add per stream and LENGTH_TRUST_S that finds it full. That add is
+        withdrawn with ``XDEL``: gone unread, it is never answered, and a retry under the same job id is a job
+        like any other (a cancel would answer the id ``cancelled``, the retry with it). A worker that read it
+        first runs it: the caller's answer, should it retry under that id, else dropped (``ADDED_PAST_LIMIT``)."""
         what = f"enqueue of job {job.id}"
         seen_len, seen_at = self._lengths.get(job.stream, (0, -math.inf))
         near = job.max_queue_len and seen_len >= job.max_queue_len * NEAR_LIMIT
@@ -123,6 +126,9 @@ class RedisCalls:
         fields = job.fields()
         if len(fields["p"]) > MAX_PAYLOAD_BYTES:
             return -2
-        length = await self.io(lambda: self.append(job.stream, fields), deadline, what)
+        entry_id, length = await self.io(lambda: self.append(job.stream, fields), deadline, what)
         self._lengths[job.stream] = (length, time.monotonic())
-        return job.appended(length)
+        code = job.appended(length)
+        if code == ADDED_PAST_LIMIT:
+            await self.io(lambda: self.r.xdel(job.stream, entry_id), deadline, f"withdrawal of job {job.id}")
+        return code

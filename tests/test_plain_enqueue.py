@@ -3,6 +3,8 @@ queue limit), on real Redis with the real client: the queue limit still holds.""
 
 from __future__ import annotations
 
+import time
+
 import redis
 
 from batchfleet.common.errors import QueueFull
@@ -14,7 +16,7 @@ from tests.helpers.loops import request_fields, silent_fleet, wait_until
 def test_a_plain_enqueue_past_the_queue_limit_is_withdrawn_and_the_next_refused_without_an_entry(redis_url,
                                                                                                namespace):
     """The client adds with plain XADD + XLEN while it saw its stream below half the limit: an add that finds the
-    stream past the limit raises QueueFull and cancels the entry (a worker answers it cancelled, unrun); within
+    stream past the limit raises QueueFull and deletes the entry (no cancel: that would answer its job id); within
     the next second the client goes through the enqueue function, which refuses before adding."""
     keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
     stream = keys.stream(32)
@@ -28,11 +30,35 @@ def test_a_plain_enqueue_past_the_queue_limit_is_withdrawn_and_the_next_refused_
             raise AssertionError("the add past the limit was accepted")
         except QueueFull:
             pass
-        assert r.xlen(stream) == 11  # added, then withdrawn: its cancel marker names the client's inbox
-        wait_until(lambda: r.get(keys.cancel("past-limit")) == client.reply_key.encode(), 10, "the withdrawal")
+        assert r.xlen(stream) == 10 and not r.exists(keys.cancel("past-limit"))  # added, then deleted
+        assert [f[b"id"] for _, f in r.xrange(stream)].count(b"past-limit") == 0
         try:
             client.submit([1, 2], max_new_tokens=1, job_id="refused")
             raise AssertionError("a full queue accepted a request")
         except QueueFull:
             pass
-        assert r.xlen(stream) == 11 and not r.exists(keys.cancel("refused"))  # the function refused: no entry
+        assert r.xlen(stream) == 10 and not r.exists(keys.cancel("refused"))  # the function refused: no entry
+
+
+def test_a_job_id_retried_after_its_add_was_withdrawn_gets_its_answer(start_worker, redis_url, namespace):
+    """QueueFull says "retry later", and a caller that names its job ids (a bulk run: ids derive from the line)
+    retries under the same id: the withdrawal of the add past the limit must not decide that retry's answer (a
+    cancel by job id would: the retry answered ``cancelled``, or, once the withdrawn copy's answer was taken,
+    never answered)."""
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    stream = keys.stream(32)
+    with Client(redis_url, namespace) as client:
+        with silent_fleet(redis_url, namespace, max_queue_len=10):
+            client.submit([1, 2], max_new_tokens=1)  # the live-worker check: through the function
+            for i in range(9):  # another producer fills the queue
+                r.xadd(stream, request_fields(keys, f"other-{i}", [1, 2]))
+            try:
+                client.submit([1, 2], max_new_tokens=1, job_id="line-7")
+                raise AssertionError("the add past the limit was accepted")
+            except QueueFull:
+                pass
+        start_worker(max_wait_ms=5, max_queue_len=10)  # the backlog drains
+        wait_until(lambda: r.xlen(stream) == 0, 60, "the backlog answered")
+        time.sleep(1.1)  # the stream length the client saw no longer stands
+        got = client.result(client.submit([1, 2], max_new_tokens=1, job_id="line-7"), timeout=30)
+        assert got.id == "line-7" and got.completion_tokens == 1
