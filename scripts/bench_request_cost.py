@@ -106,6 +106,8 @@ def measure(r: redis.Redis, url: str, ns: str, n: int, threads: int, worker: int
                     left.pop()
                 client.generate([1, 2, 3, 4], max_new_tokens=1, timeout=120)
 
+        log = f"{ns}:batches"  # the worker's batch audit log (every version has it): what it batched
+        mark = (r.xrevrange(log, count=1) or [(b"0-0", None)])[0][0]
         before, rc0, wc0, mc0, t0 = stats(), redis_cpu(), cpu_s(worker), cpu_s(me), time.monotonic()
         pool = [threading.Thread(target=one) for _ in range(threads)]
         for t in pool:
@@ -113,6 +115,7 @@ def measure(r: redis.Redis, url: str, ns: str, n: int, threads: int, worker: int
         for t in pool:
             t.join()
         wall, rc1, wc1, mc1, after = time.monotonic() - t0, redis_cpu(), cpu_s(worker), cpu_s(me), stats()
+    sizes = [len(f[b"ids"].split(b",")) for _, f in r.xrange(log, b"(" + mark)]
     per = {k: ((c - before.get(k, (0, 0))[0]) / n, (u - before.get(k, (0, 0))[1]) / n) for k, (c, u) in after.items()}
     per = {k: v for k, v in per.items() if v[0] > 0}
     return {"calls_per_req": round(sum(c for c, _ in per.values()), 2),
@@ -120,6 +123,7 @@ def measure(r: redis.Redis, url: str, ns: str, n: int, threads: int, worker: int
             "redis_cpu_us_per_req": round((rc1 - rc0) / n * 1e6, 1),
             "worker_cpu_us_per_req": round((wc1 - wc0) / n * 1e6),
             "client_cpu_us_per_req": round((mc1 - mc0) / n * 1e6), "wall_s": round(wall, 2),
+            "batches": len(sizes), "mean_batch": round(sum(sizes) / max(len(sizes), 1), 1),
             "by_command": {k: [round(c, 2), round(u, 1)] for k, (c, u) in sorted(per.items())}}
 
 
