@@ -11,6 +11,7 @@ inbox (whose TTL every write renews): a ring may outlive its answer.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 from batchfleet.common.keys import Keys
@@ -19,22 +20,50 @@ from batchfleet.common.redis_conn import same_node
 Fields = dict[bytes, Any]
 
 
+MAX_HANDED = 200_000  # answers handed over whose ring is not deleted yet; the oldest marks go beyond it
+
+
 class Answers:
-    """The answers rung for in one inbox: fetched per read, emptied with their rings' deletion."""
+    """The answers rung for in one inbox: fetched per read, emptied with their rings' deletion. An answer is handed
+    over once: its first ring read with the answer stored owns it (is dispatched, and empties it once deleted);
+    another ring of it (a second writer's, or a copy's) reads as taken, so the caller never gets it twice, not
+    even while the owner's deletion is still on its way or waits for a bulk run's line to be written."""
 
     def __init__(self) -> None:
-        self._keys: dict[str, str] = {}  # ring entry id -> the answer's key, until the ring is deleted
+        self._keys: dict[str, str] = {}  # owning ring entry id -> the answer's key, until the ring is deleted
+        self._owner: OrderedDict[str, str] = OrderedDict()  # answer key -> its owning ring, until emptied and seen so
+        self._emptied: list[str] = []  # answer keys emptied since the last fetch
 
     async def fetch(self, r: Any, inbox: str, entries: list[tuple[str, Fields]]) -> dict[str, bytes | None]:
-        """Ring entry id -> its stored answer (None: expired; b"": taken already) for every ring among
-        ``entries``, with one MGET on ``r`` (every answer shares the inbox's slot)."""
+        """Ring entry id -> its stored answer (None: expired; b"": taken already, or handed over by another
+        ring) for every ring among ``entries``, with one MGET on ``r`` (every answer shares the inbox's slot)."""
+        for key in self._emptied:  # emptied before this MGET is sent: Redis itself says b"" from now on
+            self._owner.pop(key, None)
+        self._emptied.clear()
         rings = [(entry_id, Keys.done(raw.decode(errors="replace"), inbox)) for entry_id, fields in entries
                  if b"done" in fields and isinstance(raw := fields.get(b"id", b""), bytes)]
         if not rings:
             return {}
         values = await r.execute_command("MGET", *(key for _, key in rings), **same_node(r, inbox))
-        self._keys.update(rings)
-        return {entry_id: value for (entry_id, _), value in zip(rings, values)}
+        out: dict[str, bytes | None] = {}
+        for (entry_id, key), value in zip(rings, values):
+            if self._owner.setdefault(key, entry_id) != entry_id:
+                out[entry_id] = b""  # another ring of an answer handed over: deleted alone, the answer kept
+                continue
+            out[entry_id] = value
+            if value:
+                self._keys[entry_id] = key
+            else:
+                del self._owner[key]  # nothing to hand over
+        while len(self._owner) > MAX_HANDED:
+            self._keys.pop(self._owner.popitem(last=False)[1], None)
+        return out
+
+    def forget(self, entry_id: str) -> None:
+        """A ring whose answer was handed over and will never be deleted by this inbox (dropped from memory)."""
+        key = self._keys.pop(entry_id, None)
+        if key is not None:
+            self._owner.pop(key, None)
 
     async def delete(self, r: Any, inbox: str, ids: list[str]) -> None:
         """XDEL ``ids`` from the inbox, first emptying the answers rung for by those that are rings."""
@@ -49,3 +78,4 @@ class Answers:
             for key in answers:  # XX: an answer that expired meanwhile is not written again
                 pipe.set(key, b"", xx=True, keepttl=True)
             await pipe.execute()
+        self._emptied += answers

@@ -275,7 +275,7 @@ class Inbox:
         if waiter is None:  # nobody asked (yet): keep it for a later result(job_id)
             self._unclaimed[job_id] = (entry_id, reply)
             while len(self._unclaimed) > MAX_UNCLAIMED:
-                self._unclaimed.popitem(last=False)
+                self._answers.forget(self._unclaimed.popitem(last=False)[1][0])
         else:
             self.consumed(entry_id)  # a second answer to one job (its done marker expired): drop it
 

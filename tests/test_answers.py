@@ -6,8 +6,10 @@ gets its own answer and leaves the other's alone."""
 
 from __future__ import annotations
 
+import pytest
 import redis
 
+from batchfleet.common.errors import Timeout
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import Result
 from batchfleet.producer import Client
@@ -58,3 +60,46 @@ def test_an_answer_lives_under_its_own_inbox(start_worker, redis_url, namespace)
         assert got.id == "shared-id" and got.completion_tokens == 2
         assert r.exists(keys.done("shared-id", client.reply_key), keys.done("shared-id", raw_inbox(keys))) == 2
 
+
+
+def _store(r: redis.Redis, keys: Keys, job: str) -> None:
+    """An answer stored for ``job`` in the raw test inbox, as a worker stores it (no ring)."""
+    stored = Result(job, [7, 8], "stored answer", "length", 2, 2, 0.0, 0.0, 0.0, "some-worker", 1)
+    r.set(keys.done(job, raw_inbox(keys)), stored.encode(), ex=60)
+
+
+def test_a_second_ring_read_before_the_taken_answer_is_emptied_is_no_second_answer(redis_url, namespace):
+    """Two writers ring for one job (a rewrite after a lost connection or an unmet WAIT, a copy run by another
+    worker): the second ring, read while the first one's deletion is still on its way (the answer not emptied
+    yet), must not hand the answer over again (it was kept as an unclaimed answer: a second result() got it)."""
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    inbox = raw_inbox(keys)
+    with Client(redis_url, namespace, inbox=TEST_INBOX) as client:
+        _store(r, keys, "twice-rung")
+        r.xadd(inbox, {"id": "twice-rung", "done": "1"})
+        assert client.result("twice-rung", timeout=10).text == "stored answer"
+        r.xadd(inbox, {"id": "twice-rung", "done": "1"})  # at once: the client empties the answer ~20 ms later
+        wait_until(lambda: r.xlen(inbox) == 0, 10, "both rings deleted")
+        assert client._async.inbox.held() == {"waiting": 0, "abandoned": 0, "unclaimed": 0, "to_delete": 0}
+        with pytest.raises(Timeout):
+            client.result("twice-rung", timeout=0.5)
+        assert r.get(keys.done("twice-rung", inbox)) == b""
+
+
+def test_two_rings_of_an_answer_nobody_waits_for_yet_are_both_deleted_once_it_is_taken(redis_url, namespace):
+    """Rings read before anyone asks (a reused inbox: a resumed bulk run) keep the answer for a later result(); a
+    second ring of it is deleted without emptying the answer, and the first one once the answer is taken (the
+    second used to replace the first, which then stayed in the inbox, and in the client's memory, for good)."""
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    inbox = raw_inbox(keys)
+    with Client(redis_url, namespace, inbox=TEST_INBOX) as client:
+        with pytest.raises(Timeout):
+            client.result("warm-up", timeout=0.2)  # the inbox reader runs
+        _store(r, keys, "unclaimed")
+        r.xadd(inbox, {"id": "unclaimed", "done": "1"})
+        r.xadd(inbox, {"id": "unclaimed", "done": "1"})
+        wait_until(lambda: r.xlen(inbox) == 1, 10, "the second ring deleted")
+        assert r.get(keys.done("unclaimed", inbox)) != b""  # still to be taken
+        assert client.result("unclaimed", timeout=10).text == "stored answer"
+        wait_until(lambda: r.xlen(inbox) == 0 and r.get(keys.done("unclaimed", inbox)) == b"", 10, "all gone")
+        assert client._async.inbox._answers._keys == {}
