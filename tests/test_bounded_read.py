@@ -104,6 +104,28 @@ def test_reclaim_is_bounded_too_and_keeps_delivery_counts(consumers):
     assert r.xpending(keys.stream(32), keys.group)["pending"] == 4
 
 
+def test_a_reclaim_past_many_entries_deleted_while_pending_stays_under_the_reply_cap(consumers):
+    """Entries deleted while pending (an operator's XTRIM of a backlog, a raw XADD MAXLEN) stay in Redis 6.2's PEL,
+    and its XAUTOCLAIM reports each as nil: one reclaim returned every one of them, 40,000 nils past the reply
+    guard's cap, so every reclaim tripped and the entries of dead workers behind them were never reclaimed."""
+    make, keys, r = consumers
+    live = make("live")
+    pipe = r.pipeline(transaction=False)
+    for i in range(40_000):
+        pipe.xadd(keys.stream(32), {"id": f"j{i}"})
+    pipe.execute()
+    r.xreadgroup(keys.group, "dead", {keys.stream(32): ">"}, count=40_000)
+    r.xtrim(keys.stream(32), maxlen=0, approximate=False)
+    r.xadd(keys.stream(32), _fields("alive"))
+    r.xreadgroup(keys.group, "dead", {keys.stream(32): ">"}, count=1)
+    got = []
+    for _ in range(200):
+        got += live.reclaim(min_idle_ms=0, budget=256)
+        if got:
+            break
+    assert [e.fields[b"id"] for e in got] == [b"alive"]
+
+
 def test_a_lost_group_still_raises_nogroup(consumers):
     make, keys, r = consumers
     c = make("a")
