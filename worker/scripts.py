@@ -151,10 +151,11 @@ for i = 1, #KEYS do
       e = nil
       if oversize > 0 then collectgarbage() end
     elseif e == false then
-      -- Redis 6.2 reports an entry deleted while pending as nil: counted, so a call past thousands of them (a
-      -- trimmed backlog) stays under the reply cap; the caller acks them, the next call goes on from the cursor
+      -- Redis 6.2 reports an entry deleted while pending as nil: charged to the read budget as the reply guard
+      -- charges it (4 elements, 64 bytes each), so a call past thousands of them (a trimmed backlog) stays under
+      -- the reply cap; the caller acks them, and the next call goes on from the cursor
       out[#out + 1] = {'', false, 0}
-      n = n + 1
+      returned = returned + 256
     end
     if cursor == '0-0' then break end
   end
