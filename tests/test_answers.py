@@ -103,3 +103,31 @@ def test_two_rings_of_an_answer_nobody_waits_for_yet_are_both_deleted_once_it_is
         assert client.result("unclaimed", timeout=10).text == "stored answer"
         wait_until(lambda: r.xlen(inbox) == 0 and r.get(keys.done("unclaimed", inbox)) == b"", 10, "all gone")
         assert client._async.inbox._answers._keys == {}
+
+
+def test_a_reply_redis_refuses_for_memory_leaves_its_entry_pending():
+    """A full Redis (``maxmemory``, ``noeviction``: what deploy/ runs) refuses the answer's SET and the ring's XADD
+    (OOM) but not XACK or XDEL: a reply pipeline that went on to its acks settled entries whose answers were never
+    stored, so a worker that died before Redis had room again lost those jobs (nothing left to reclaim)."""
+    from batchfleet.common.config import ConnectionConfig
+    from batchfleet.common.protocol import Error
+    from batchfleet.worker.consumer import StreamConsumer
+    from batchfleet.worker.devtools import PrivateRedis, free_port
+    from batchfleet.worker.transport import Reply
+
+    server = PrivateRedis(port=free_port()).start()
+    try:
+        consumer = StreamConsumer(ConnectionConfig(server.url, "oom"), (32,), "w-oom", 60)
+        consumer.setup()
+        keys, r = consumer.keys, redis.Redis.from_url(server.url)
+        r.xadd(keys.stream(32), request_fields(keys, "job-oom", [1, 2]))
+        (entry,) = consumer.read(count=1, block_ms=None)
+        r.config_set("maxmemory", 1)  # from now on every command that may grow memory is refused (OOM)
+        with pytest.raises(redis.ResponseError, match="maxmemory"):
+            consumer.write_replies([Reply.to(entry, "job-oom", Error("job-oom", "engine_error", "x"),
+                                              raw_inbox(keys))])
+        r.config_set("maxmemory", 0)
+        assert r.xpending(keys.stream(32), keys.group)["pending"] == 1 and r.xlen(keys.stream(32)) == 1
+        consumer.close()
+    finally:
+        server.stop()

@@ -2,10 +2,10 @@
 hand-back) and the streamed deltas written beside replies. ``Settler`` is a part of the stream consumer
 (worker/consumer.py), which owns the connection and delegates to it.
 
-Invariant: an entry is acked only after its answer is stored (``Keys.done``) and rung for in its inbox (the same
-pipeline, earlier on the same connection: Redis runs a connection's commands in order, so what a crash leaves is a
-prefix) or after its dead-letter copy (one transaction), so a crash can never ack an unanswered entry; and the first
-answer to a job wins (``SET NX``), so a rewrite is harmless.
+Invariant: an entry is acked only after its answer is stored (``Keys.done``) and rung for in its inbox (a round
+trip that answered without an error, before the acks are sent) or after its dead-letter copy (one transaction), so
+neither a crash nor a refused write can ever ack an unanswered entry; and the first answer to a job wins (``SET NX``),
+so a rewrite is harmless.
 """
 
 from __future__ import annotations
@@ -31,11 +31,13 @@ class Settler:
         self.reply_ttl_s = reply_ttl_s
 
     def write_replies(self, replies: list[Reply]) -> list[bool]:
-        """Write replies and settle their entries in one round trip of plain commands; returns which were first
+        """Write replies, then settle their entries, in two round trips of plain commands; returns which were first
         writes. Per reply ``SET NX`` of its answer (the first writer wins), then the inbox entry that rings for it
         (every writer rings: a ring is idempotent for the client, and a writer that died between the two is
-        covered by the next copy's ring, ``answered``); then one EXPIRE per inbox, one XACK + XDEL per stream.
-        Each reply's writes come before its ack on this connection, so a crash never acks an unanswered entry.
+        covered by the next copy's ring, ``answered``), one EXPIRE per inbox; then, only once every answer and
+        ring is written, one XACK + XDEL per stream. Not one pipeline: Redis refuses SET and XADD when full
+        (``maxmemory``, OOM) but runs XACK and XDEL, which would settle entries whose answers were refused. A
+        crash between the two leaves answered entries pending: redelivered, they ring again (``answered``).
         No Lua: a script's inner commands cost Redis ~3x the same commands sent plain (issue 29)."""
         if not replies:
             return []
@@ -43,17 +45,22 @@ class Settler:
         for rep in replies:
             pipe.set(self.keys.done(rep.job_id, rep.reply_key), rep.encode(), nx=True, ex=self.reply_ttl_s)
             self._ring(pipe, rep.job_id, rep.reply_key)
-        self._settle(pipe, [rep.reply_key for rep in replies], [rep.settles for rep in replies if rep.entry_id])
+        self._settle(pipe, [rep.reply_key for rep in replies], [])
         wanted = self.wait_replicas
         if wanted:  # WAIT on the same connection: every write above is on `wanted` replicas, else retried
             pipe.execute_command("WAIT", wanted, WAIT_TIMEOUT_MS, **same_node(self.r, self.keys.workers))
         out = pipe.execute(raise_on_error=False)
-        # an ack refused (a stream or group lost with Redis' data) must not fail the replies written before it
         for x in out[:2 * len(replies)] + (out[-1:] if wanted else []):
             if isinstance(x, Exception):
                 raise x
         if wanted:  # too few: NotReplicated (transient) keeps the replies in the outbox; rewrites are idempotent
             require_replicas(out[-1], wanted, f"{len(replies)} replies")
+        entries = [rep.settles for rep in replies if rep.entry_id]
+        if entries:
+            pipe = self.r.pipeline(transaction=False)
+            self._settle(pipe, [], entries)
+            # an ack refused (a stream or group lost with Redis' data) must not fail the replies written before it
+            pipe.execute(raise_on_error=False)
         return [bool(x) for x in out[:2 * len(replies):2]]
 
     @staticmethod
