@@ -27,7 +27,6 @@ from batchfleet.common.keys import Keys, valid_inbox
 from batchfleet.common.protocol import Result
 from batchfleet.common.redis_conn import async_client, close_async
 from batchfleet.producer.core import (
-    ADDED_PAST_LIMIT,
     INLINE_PROMPT_CHARS,
     LIVENESS_TRUST_S,
     RETRY_S,
@@ -171,11 +170,9 @@ class AsyncClient:
                 self._checking = -math.inf
         try:
             job.accepted(code, self.keys.namespace)
-        except BaseException:  # refused (QueueFull, NoWorkers, too large): no answer will ever come
-            if code == ADDED_PAST_LIMIT:  # withdrawn (XDEL): an answer from a worker that read it first is dropped
-                self._give_up_later(job.id, cancel=False)
-            else:
-                self.inbox.forget(job.id)
+        except BaseException:  # refused (QueueFull, NoWorkers, too large): no answer will ever come, save one to
+            # an add withdrawn after a worker read it (RedisCalls.enqueue), kept for a retry under the same job id
+            self.inbox.forget(job.id)
             raise
         if check:
             self._live_seen = max(self._live_seen, asked_at)

@@ -116,7 +116,7 @@ class RedisCalls:
         costs Redis no entry, save one plain add per stream and LENGTH_TRUST_S that finds it full. That add is
         withdrawn with ``XDEL``: gone unread, it is never answered, and a retry under the same job id is a job
         like any other (a cancel would answer the id ``cancelled``, the retry with it). A worker that read it
-        first runs it: the caller's answer, should it retry under that id, else dropped (``ADDED_PAST_LIMIT``)."""
+        first runs it: the answer of a retry under that id (the client keeps it as unclaimed)."""
         what = f"enqueue of job {job.id}"
         seen_len, seen_at = self._lengths.get(job.stream, (0, -math.inf))
         near = job.max_queue_len and seen_len >= job.max_queue_len * NEAR_LIMIT

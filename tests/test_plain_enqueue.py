@@ -3,12 +3,15 @@ queue limit), on real Redis with the real client: the queue limit still holds.""
 
 from __future__ import annotations
 
+import threading
 import time
 
+import pytest
 import redis
 
 from batchfleet.common.errors import QueueFull
 from batchfleet.common.keys import Keys
+from batchfleet.common.protocol import Result
 from batchfleet.producer import Client
 from tests.helpers.loops import request_fields, silent_fleet, wait_until
 
@@ -62,3 +65,35 @@ def test_a_job_id_retried_after_its_add_was_withdrawn_gets_its_answer(start_work
         time.sleep(1.1)  # the stream length the client saw no longer stands
         got = client.result(client.submit([1, 2], max_new_tokens=1, job_id="line-7"), timeout=30)
         assert got.id == "line-7" and got.completion_tokens == 1
+
+
+def test_an_add_a_worker_read_before_its_withdrawal_answers_a_retry_under_its_id(redis_url, namespace):
+    """The withdrawal (XDEL) comes a round trip after the add: a worker blocked on the stream may hold the entry by
+    then, run it and answer. That answer is the one of a retry under the same job id (the worker finds it stored
+    and rings again), so the client must keep it, not drop and empty it as an abandoned job's: the retry was then
+    never answered."""
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    stream = keys.stream(32)
+    with silent_fleet(redis_url, namespace, max_queue_len=1), Client(redis_url, namespace) as client:
+        client.submit([1, 2], max_new_tokens=1, job_id="first")  # through the function (the live-worker check)
+        r.xreadgroup(keys.group, "busy", {stream: ">"}, count=1)  # running: the stream stays 1 long
+        held: list = []
+        fast = threading.Thread(target=lambda: held.append(redis.Redis.from_url(redis_url).xreadgroup(
+            keys.group, "fast", {stream: ">"}, count=1, block=10_000)))
+        fast.start()
+        time.sleep(0.3)  # blocked on the stream
+        with pytest.raises(QueueFull):
+            client.submit([1, 2], max_new_tokens=1, job_id="raced")  # plain: past the limit, withdrawn
+        fast.join(10)
+        assert held[0][0][1][0][1][b"id"] == b"raced"  # ... after the blocked worker had read it
+        answer = keys.done("raced", client.reply_key)
+        stored = Result("raced", [7], "the raced answer", "length", 1, 1, 0.0, 0.0, 0.0, "fast", 1)
+        r.set(answer, stored.encode(), nx=True, ex=60)  # the worker answers it
+        r.xadd(client.reply_key, {"id": "raced", "done": "1"})
+        time.sleep(0.5)  # the client reads the ring
+        for entry_id, _ in r.xrange(stream):  # "first" answered: room for the retry
+            r.xack(stream, keys.group, entry_id)
+            r.xdel(stream, entry_id)
+        job = client.submit([1, 2], max_new_tokens=1, job_id="raced")
+        r.xadd(client.reply_key, {"id": "raced", "done": "1"})  # a worker finds the retry answered: rings again
+        assert client.result(job, timeout=10).text == "the raced answer"
