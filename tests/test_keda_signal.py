@@ -86,15 +86,17 @@ def test_an_interactive_backlog_worth_two_workers_and_zero_only_when_all_is_answ
                                                                                       namespace):
     start_worker(max_batch_size=8)
     r = redis.Redis.from_url(redis_url)
-    assert_backlog_counted(redis_url, namespace, r, Keys(namespace), scaled_object(namespace), 2 * CAPACITY + 1, 24)
+    # settling: a batch's entries are acked a round trip after its answers are stored (worker/settle.py)
+    assert_backlog_counted(redis_url, namespace, r, Keys(namespace), scaled_object(namespace), 2 * CAPACITY + 1, 24,
+                           settling=8)
 
 
 def assert_backlog_counted(redis_url: str, namespace: str, r, keys: Keys, so: dict, n: int, new_tokens: int,
                            settling: int = 0) -> None:
     """``n`` requests at once, worth two workers of ``so``'s target: KEDA asks >= 2 at first; every sample counts
     each unanswered request exactly once, and asks >= 1 while any is; 0 once all are answered. ``settling``: how
-    many answered requests a sample may still count (a sharded fleet acks an entry whose inbox is on another
-    shard just after its reply: up to one batch of replies at a time)."""
+    many answered requests a sample may still count (a worker acks a batch's entries just after storing their
+    answers, a sharded fleet also after writing them on another shard: up to one batch of replies at a time)."""
     with Client(redis_url, namespace) as client:
         jobs = [client.submit([10 + i % 50, 11, 12], max_new_tokens=new_tokens) for i in range(n)]
         first = sample(r, client.reply_key, so, jobs)
