@@ -105,28 +105,23 @@ def _read_guarded(parser: Any, read: Callable[..., Any], *args: Any, **kwargs: A
         raise
 
 
-class GuardedRESP2Parser(_RESP2Parser):
-    limit = 0  # set by the connection (``guarded_connection``)
-    _connection: Callable[[], Any] | None = None
-
-    def on_connect(self, connection: Any) -> None:
-        super().on_connect(connection)
+def _guarded_class(base: type) -> type:
+    """``base`` (a redis-py parser class) whose buffer is guarded from connect and whose reads are charged."""
+    def on_connect(self: Any, connection: Any) -> None:
+        base.on_connect(self, connection)
         _arm(self, connection)
 
-    def read_response(self, *args: Any, **kwargs: Any) -> Any:
-        return _read_guarded(self, super().read_response, *args, **kwargs)
+    def read_response(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return _read_guarded(self, functools.partial(base.read_response, self), *args, **kwargs)
+
+    # limit: set by the connection (``guarded_connection``)
+    return type(f"Guarded{base.__name__.lstrip('_')}", (base,), {
+        "limit": 0, "_connection": None, "on_connect": on_connect, "read_response": read_response,
+        "__module__": __name__})
 
 
-class GuardedRESP3Parser(_RESP3Parser):
-    limit = 0
-    _connection: Callable[[], Any] | None = None
-
-    def on_connect(self, connection: Any) -> None:
-        super().on_connect(connection)
-        _arm(self, connection)
-
-    def read_response(self, *args: Any, **kwargs: Any) -> Any:
-        return _read_guarded(self, super().read_response, *args, **kwargs)
+GuardedRESP2Parser = _guarded_class(_RESP2Parser)
+GuardedRESP3Parser = _guarded_class(_RESP3Parser)
 
 
 def _guarded_parser(connection: Any, parser_class: type) -> type:
