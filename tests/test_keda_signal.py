@@ -133,7 +133,7 @@ def test_a_worker_killed_holding_read_ahead_is_neither_lost_nor_double_counted(s
             results = [client.result(j, timeout=120) for j in jobs]
     finally:
         w.kill()
-    for before, metric, after, _ in samples:
-        assert after <= metric <= before <= len(jobs)
+    for before, metric, after, _ in samples:  # + one batch (8): answered entries count until their acks, a round
+        assert after <= metric <= before + 8 and before <= len(jobs)  # trip later (worker/settle.py)
     assert desired_replicas(r, so)[0] == 0
     assert [res.id for res in results] == jobs
