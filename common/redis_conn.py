@@ -170,10 +170,15 @@ def xread(r: Any, streams: dict[str, Any], count: int, block: int | None = None,
     answered as redis-py's own ``xread`` / ``xreadgroup`` (sync or asyncio client). On a cluster it goes
     straight to the slot's master: redis-py's would first ask a node twice which keys the command names
     (``COMMAND GETKEYS``: two more round trips per read)."""
+    return r.execute_command(*xread_args(streams, count, block, group), **same_node(r, next(iter(streams))))
+
+
+def xread_args(streams: dict[str, Any], count: int, block: int | None = None,
+               group: tuple[str, str] | None = None) -> list[Any]:
+    """The command ``xread`` sends (for a pipeline of reads)."""
     head = ["XREADGROUP", "GROUP", *group] if group else ["XREAD"]
-    pieces = [*head, "COUNT", count, *(["BLOCK", block] if block is not None else []), "STREAMS", *streams,
-              *streams.values()]
-    return r.execute_command(*pieces, **same_node(r, next(iter(streams))))
+    return [*head, "COUNT", count, *(["BLOCK", block] if block is not None else []), "STREAMS", *streams,
+            *streams.values()]
 
 
 def require_replicas(acked: Any, wanted: int, what: str) -> None:

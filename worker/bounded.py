@@ -31,7 +31,7 @@ from typing import Any
 import redis
 
 from batchfleet.common.protocol import MAX_PAYLOAD_BYTES
-from batchfleet.common.redis_conn import xread
+from batchfleet.common.redis_conn import xread, xread_args
 from batchfleet.worker.delivered import Delivered
 from batchfleet.worker.reply_guard import ELEMENT_BYTES, ReplyTooLarge, guard, one_budget
 from batchfleet.worker.scripts import WorkerScripts
@@ -181,8 +181,7 @@ class BoundedReader:
                     for n, streams in plan]
         pipe = r.pipeline(transaction=False)
         for n, streams in plan:
-            pipe.execute_command("XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", n, "STREAMS",
-                                 *streams, *[">"] * len(streams))
+            pipe.execute_command(*xread_args(dict.fromkeys(streams, ">"), n, block_ms, (self.group, self.consumer)))
         return pipe.execute()
 
     def _failed(self, since: dict[str, str], exc: BaseException) -> None:

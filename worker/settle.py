@@ -43,9 +43,8 @@ class Settler:
             return []
         pipe = self.r.pipeline(transaction=False)
         for rep in replies:
-            pipe.set(self.keys.done(rep.job_id, rep.reply_key), rep.encode(), nx=True, ex=self.reply_ttl_s)
-            self._ring(pipe, rep.job_id, rep.reply_key)
-        self._settle(pipe, [rep.reply_key for rep in replies], [])
+            self._answer(pipe, rep)
+        self._expire(pipe, [rep.reply_key for rep in replies])
         wanted = self.wait_replicas
         if wanted:  # WAIT on the same connection: every write above is on `wanted` replicas, else retried
             pipe.execute_command("WAIT", wanted, WAIT_TIMEOUT_MS, **same_node(self.r, self.keys.workers))
@@ -58,20 +57,28 @@ class Settler:
         entries = [rep.settles for rep in replies if rep.entry_id]
         if entries:
             pipe = self.r.pipeline(transaction=False)
-            self._settle(pipe, [], entries)
+            self._ack(pipe, entries)
             # an ack refused (a stream or group lost with Redis' data) must not fail the replies written before it
             pipe.execute(raise_on_error=False)
         return [bool(x) for x in out[:2 * len(replies):2]]
+
+    def _answer(self, pipe, rep: Reply) -> None:
+        """Store the reply as its job's answer (first writer wins), then ring for it."""
+        pipe.set(self.keys.done(rep.job_id, rep.reply_key), rep.encode(), nx=True, ex=self.reply_ttl_s)
+        self._ring(pipe, rep.job_id, rep.reply_key)
 
     @staticmethod
     def _ring(pipe, job_id: str, reply_key: str) -> None:
         """The inbox entry that tells the client its job's answer is stored (``Keys.done``)."""
         pipe.xadd(reply_key, {b"id": job_id.encode(), b"done": b"1"})
 
-    def _settle(self, pipe, reply_keys: list[str], entries: list[Entry]) -> None:
-        """One EXPIRE per inbox written, then one XACK + XDEL per stream of ``entries``."""
+    def _expire(self, pipe, reply_keys: list[str]) -> None:
+        """One EXPIRE per inbox written (its TTL runs from its last write)."""
         for reply_key in dict.fromkeys(reply_keys):
             pipe.expire(reply_key, self.reply_ttl_s)
+
+    def _ack(self, pipe, entries: list[Entry]) -> None:
+        """One XACK + XDEL per stream of ``entries``."""
         by_stream: dict[str, list[str]] = {}
         for e in entries:
             by_stream.setdefault(self.keys.stream(e.bucket, e.lane), []).append(e.entry_id)
@@ -86,8 +93,7 @@ class Settler:
         pipe = self.r.pipeline(transaction=False)
         for job_id, reply_key, payload in deltas:
             pipe.xadd(reply_key, {b"id": job_id.encode(), b"p": payload})
-        for reply_key in dict.fromkeys(key for _, key, _ in deltas):
-            pipe.expire(reply_key, self.reply_ttl_s)
+        self._expire(pipe, [key for _, key, _ in deltas])
         pipe.execute()
 
     def give_up(self, entry: Entry, reason: str, reply: Reply | None) -> None:
@@ -100,9 +106,9 @@ class Settler:
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(self.keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=False)  # rare: exact cap
         if reply is not None:
-            pipe.set(self.keys.done(reply.job_id, reply.reply_key), reply.encode(), nx=True, ex=self.reply_ttl_s)
-            self._ring(pipe, reply.job_id, reply.reply_key)
-        self._settle(pipe, [reply.reply_key] if reply is not None else [], [entry])
+            self._answer(pipe, reply)
+            self._expire(pipe, [reply.reply_key])
+        self._ack(pipe, [entry])
         pipe.execute()
 
     def answered(self, entry: Entry | None, job_id: str, reply_key: str) -> None:
@@ -110,22 +116,19 @@ class Settler:
         between storing the answer and ringing), then ack and delete the copy (None: it is on another shard)."""
         pipe = self.r.pipeline(transaction=True)
         self._ring(pipe, job_id, reply_key)
-        self._settle(pipe, [reply_key], [entry] if entry is not None else [])
+        self._expire(pipe, [reply_key])
+        self._ack(pipe, [entry] if entry is not None else [])
         pipe.execute()
 
     def ack(self, entry: Entry) -> None:
         """Acknowledge and delete an entry that needs no reply of its own (a duplicate delivery)."""
-        stream = self.keys.stream(entry.bucket, entry.lane)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xack(stream, self.keys.group, entry.entry_id)
-        pipe.xdel(stream, entry.entry_id)
-        pipe.execute()
+        self.ack_all([entry])
 
     def ack_all(self, entries: list[Entry]) -> None:
-        """Acknowledge and delete entries whose replies were written on another shard (worker/sharded.py):
-        one XACK + XDEL per stream."""
+        """Acknowledge and delete entries that need no reply written here (duplicates; on a sharded fleet, entries
+        whose replies were written on their inbox's shard, worker/sharded.py): one XACK + XDEL per stream."""
         pipe = self.r.pipeline(transaction=True)
-        self._settle(pipe, [], entries)
+        self._ack(pipe, entries)
         pipe.execute()
 
     def hand_back(self, entries: list[Entry]) -> None:
