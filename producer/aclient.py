@@ -142,7 +142,8 @@ class AsyncClient:
     async def submit(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
                      stream: bool = False, **params: Any) -> str:
         """Enqueue one prompt; returns its job id. Raises InvalidRequest / PromptTooLong / QueueFull /
-        NoWorkers before anything runs. ``timeout`` (s) bounds this call and is the job's deadline."""
+        NoWorkers before anything runs. ``timeout`` (s) bounds this call and is the job's deadline. A ``job_id`` of
+        a job answered and taken within the reply TTL gets JobFailed (invalid_request): one answer per id."""
         job = await self._submit(prompt, Deadline(timeout), job_id, stream, Ask.of(params))
         return job.id
 

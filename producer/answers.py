@@ -20,6 +20,9 @@ from batchfleet.common.redis_conn import same_node
 Fields = dict[bytes, Any]
 
 
+# the error of a waiter that reads a ring of an answer taken already: its request reused the id of a job answered
+# into this inbox within the reply TTL (the taken answer rules out another until it expires), so none can come
+REUSED = "this job id was answered in this inbox within the reply TTL already: submit under a new job id"
 MAX_HANDED = 200_000  # answers handed over whose ring is not deleted yet; the oldest marks go beyond it
 
 
@@ -79,3 +82,9 @@ class Answers:
                 pipe.set(key, b"", xx=True, keepttl=True)
             await pipe.execute()
         self._emptied += answers
+
+
+def job_id_of(fields: Fields) -> str:
+    """The job id an inbox entry names (its ``id`` field)."""
+    raw = fields.get(b"id", b"")
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)

@@ -18,11 +18,11 @@ from collections import OrderedDict
 
 import redis
 
-from batchfleet.common.errors import RedisUnavailable, Timeout
+from batchfleet.common.errors import INVALID_REQUEST, JobFailed, RedisUnavailable, Timeout
 from batchfleet.common.protocol import Delta, Result
 from batchfleet.common.redis_conn import xread
 from batchfleet.common.retry import TRANSIENT
-from batchfleet.producer.answers import Answers
+from batchfleet.producer.answers import REUSED, Answers, job_id_of
 from batchfleet.producer.core import Deadline, parse_reply
 from batchfleet.producer.redis_calls import RedisCalls
 
@@ -244,14 +244,17 @@ class Inbox:
                 if entry_id in answers:
                     payload = answers[entry_id]
                     if not payload:  # taken already (a second ring) or expired: nothing to hand over
-                        self.consumed(entry_id)
+                        waiter = self._jobs.get(job_id_of(fields)) if payload == b"" else None
+                        if waiter is None or waiter.final.done():
+                            self.consumed(entry_id)
+                        else:  # this waiter's request reused a job id answered here: REUSED
+                            self._settle(waiter, entry_id, JobFailed(job_id_of(fields), INVALID_REQUEST, REUSED))
                         continue
                     fields = {b"id": fields.get(b"id", b""), b"p": payload}
                 self._dispatch(entry_id, fields)
 
     def _dispatch(self, entry_id: str, fields: dict) -> None:
-        raw_id = fields.get(b"id", b"")
-        job_id = raw_id.decode(errors="replace") if isinstance(raw_id, bytes) else str(raw_id)
+        job_id = job_id_of(fields)
         try:
             reply: Result | Delta | BaseException = parse_reply(job_id, fields.get(b"p", b""))
         except Exception as exc:  # the error an Error reply stands for (JobFailed, Cancelled, Timeout)
@@ -268,9 +271,7 @@ class Inbox:
             return
         waiter = self._jobs.get(job_id)
         if waiter is not None and not waiter.final.done():
-            waiter.final.set_result((entry_id, reply))
-            if waiter.deltas is not None:
-                waiter.deltas.put_nowait(None)
+            self._settle(waiter, entry_id, reply)
             return
         if waiter is None:  # nobody asked (yet): keep it for a later result(job_id)
             self._unclaimed[job_id] = (entry_id, reply)
@@ -278,6 +279,12 @@ class Inbox:
                 self._answers.forget(self._unclaimed.popitem(last=False)[1][0])
         else:
             self.consumed(entry_id)  # a second answer to one job (its done marker expired): drop it
+
+    @staticmethod
+    def _settle(waiter: _Waiter, entry_id: str, reply: Result | BaseException) -> None:
+        waiter.final.set_result((entry_id, reply))
+        if waiter.deltas is not None:
+            waiter.deltas.put_nowait(None)
 
     async def _delete(self) -> None:
         await asyncio.sleep(0.02)  # batch the deletes of one burst of replies

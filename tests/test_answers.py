@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from batchfleet.common.errors import Timeout
+from batchfleet.common.errors import INVALID_REQUEST, JobFailed, Timeout
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import Result
 from batchfleet.producer import Client
@@ -60,6 +60,27 @@ def test_an_answer_lives_under_its_own_inbox(start_worker, redis_url, namespace)
         assert got.id == "shared-id" and got.completion_tokens == 2
         assert r.exists(keys.done("shared-id", client.reply_key), keys.done("shared-id", raw_inbox(keys))) == 2
 
+
+
+def test_a_request_reusing_a_job_id_answered_in_its_inbox_gets_an_error_instead_of_waiting(start_worker, redis_url,
+                                                                                          namespace):
+    """A job id gets one answer per inbox until the reply TTL passes: a second request under the id of a job whose
+    answer was taken is rung for with that taken (emptied) answer, and its caller gets a clear error at once
+    (it waited for ever before, with no timeout)."""
+    start_worker(max_wait_ms=5)
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    with Client(redis_url, namespace) as client:
+        assert client.result(client.submit([1, 10, 11], max_new_tokens=2, job_id="used-once"), timeout=30).text
+        answer = keys.done("used-once", client.reply_key)
+        wait_until(lambda: r.get(answer) == b"", 10, "the first answer taken and emptied")
+        job = client.submit([1, 10, 12], max_new_tokens=3, job_id="used-once")
+        with pytest.raises(JobFailed) as err:
+            client.result(job, timeout=30)
+        assert err.value.code == INVALID_REQUEST and "new job id" in err.value.message
+        wait_until(lambda: r.xlen(client.reply_key) == 0, 10, "the ring taken with the error")
+        assert client._async.inbox.held() == {"waiting": 0, "abandoned": 0, "unclaimed": 0, "to_delete": 0}
+        fresh = client.result(client.submit([1, 10, 12], max_new_tokens=3), timeout=30)  # the client goes on
+    assert fresh.completion_tokens == 3 and r.get(answer) == b""
 
 
 def _store(r: redis.Redis, keys: Keys, job: str) -> None:
