@@ -152,7 +152,7 @@ class AsyncClient:
         fleet = await self._fleet_view(deadline)
         job = await self._build(fleet, prompt, ask, deadline.left(), job_id, stream)
         job, shard = await self.router.route(job)
-        self.inbox.expect(job.id, stream)
+        fresh = self.inbox.expect(job.id, stream)  # False: another call of this client waits on this id: keep it
         # the live-worker check (the function's TIME + ZCOUNT) is skipped while an enqueue of this client found a
         # live worker within LIVENESS_TRUST_S, or while another enqueue's check is on its way (one at a time: on a
         # slow host, every enqueue of a burst would check otherwise)
@@ -163,8 +163,12 @@ class AsyncClient:
             self._checking = asked_at
         try:
             code = await self.calls.enqueue(job, shard.workers, check, deadline)
-        except BaseException as exc:  # enqueued or not, nobody can tell: cancel it in case it was
-            self._give_up_later(job.id, cancel=isinstance(exc, asyncio.CancelledError))
+        except BaseException as exc:  # enqueued or not, nobody can tell: cancel it in case it was (a cancellation)
+            cancelled = isinstance(exc, asyncio.CancelledError)  # or keep a late answer for a retry under caller's id
+            if fresh and (cancelled or job_id is None):
+                self._give_up_later(job.id, cancel=cancelled)
+            elif fresh:
+                self.inbox.forget(job.id)  # its answer, should it come, waits unclaimed for the retry's result()
             raise
         finally:
             if check:  # answered or not: the next enqueue may check again (or trusts what this one found)
@@ -173,7 +177,8 @@ class AsyncClient:
             job.accepted(code, self.keys.namespace)
         except BaseException:  # refused (QueueFull, NoWorkers, too large): no answer will ever come, save one to
             # an add withdrawn after a worker read it (RedisCalls.enqueue), kept for a retry under the same job id
-            self.inbox.forget(job.id)
+            if fresh:
+                self.inbox.forget(job.id)
             raise
         if check:
             self._live_seen = max(self._live_seen, asked_at)
@@ -217,17 +222,7 @@ class AsyncClient:
         ``give_up``: a call that ends without the answer (its timeout passed, or it was cancelled) cancels
         the job and drops its answer, as ``generate`` does; without it the job stays expected (a later
         ``result`` may still get it)."""
-        if give_up:
-            return await self._result_or_give_up(job_id, Deadline(timeout))
-        return await self._result(job_id, Deadline(timeout))
-
-    async def _result(self, job_id: str, deadline: Deadline) -> Result:
-        await self.learn_layout(deadline)
-        try:
-            return await self.inbox.final(job_id, deadline)
-        except WaitExpired:
-            raise Timeout(f"no result for job {job_id} within {deadline.timeout:g} s; "
-                          f"{await self._liveness()}") from None
+        return await self._result(job_id, Deadline(timeout), give_up)
 
     async def generate(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Result:
         """Submit and wait. ``timeout`` (s) bounds the whole call and is also the job's deadline. A call
@@ -235,17 +230,20 @@ class AsyncClient:
         framework's timeout, ``asyncio.wait_for``) cancels the job and drops its answer."""
         deadline = Deadline(timeout)
         job = await self._submit(prompt, deadline, None, False, Ask.of(params))
-        return await self._result_or_give_up(job.id, deadline)
+        return await self._result(job.id, deadline, give_up=True)
 
-    async def _result_or_give_up(self, job_id: str, deadline: Deadline) -> Result:
+    async def _result(self, job_id: str, deadline: Deadline, give_up: bool = False) -> Result:
+        await self.learn_layout(deadline)
         try:
             return await self.inbox.final(job_id, deadline)
         except WaitExpired:
-            self._give_up_later(job_id)
+            if give_up:
+                self._give_up_later(job_id)
             raise Timeout(f"no result for job {job_id} within {deadline.timeout:g} s; "
                           f"{await self._liveness()}") from None
         except asyncio.CancelledError:
-            self._give_up_later(job_id)
+            if give_up:
+                self._give_up_later(job_id)
             raise
 
     def stream(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,

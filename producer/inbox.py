@@ -1,12 +1,11 @@
 """One client's inbox: the reply stream every worker writes this client's answers to, read by one task.
 
-Why a stream per client process and not a list per job: waiting on a list per job costs a connection per
-waiting request (a blocking pop each) and consumes the reply as it is read, so a Redis crash between the
-read and its answer loses the reply. Here one task XREADs the inbox (never blocking longer than the
-socket timeout) and hands each entry to the job waiting for it; the entry is deleted only once the caller
-has taken it (deltas at once), so whatever instant Redis dies at, the reader reads it again after the
-restart (appendfsync always keeps the entry). Replies nobody waits for expire with the inbox's TTL.
-A final reply is stored apart and rung for in the inbox (producer/answers.py).
+Why a stream per client process and not a list per job: waiting on a list per job costs a connection per waiting
+request (a blocking pop each) and consumes the reply as it is read, so a Redis crash between the read and its answer
+loses the reply. Here one task XREADs the inbox (never blocking longer than the socket timeout) and hands each entry
+to the job waiting for it; the entry is deleted only once the caller has taken it (deltas at once), so whatever
+instant Redis dies at, the reader reads it again after the restart (appendfsync always keeps the entry). Replies
+nobody waits for expire with the inbox's TTL. A final reply is stored apart and rung for (producer/answers.py).
 """
 
 from __future__ import annotations
@@ -72,14 +71,16 @@ class Inbox:
         self._deleting: asyncio.Task | None = None
         self._closing = False
 
-    def expect(self, job_id: str, stream: bool = False) -> _Waiter:
-        """Register a job before it is enqueued, so no reply can arrive unseen."""
+    def expect(self, job_id: str, stream: bool = False) -> bool:
+        """Register a job before it is enqueued, so no reply can arrive unseen; False: another call's waiter stays."""
         self._abandoned.pop(job_id, None)
-        waiter = self._jobs.get(job_id)
-        if waiter is None:
+        fresh = job_id not in self._jobs
+        if fresh:
             waiter = self._jobs[job_id] = _Waiter(stream)
+            if job_id in self._unclaimed:  # its answer came before anyone asked (a retry after an unknown outcome)
+                self._settle(waiter, *self._unclaimed.pop(job_id))
         self.start()
-        return waiter
+        return fresh
 
     def abandon(self, job_id: str) -> None:
         """Nobody will take this job's answer (given up, or its enqueue's outcome is unknown): an answer
@@ -102,7 +103,8 @@ class Inbox:
             del self._abandoned[oldest]
 
     def forget(self, job_id: str) -> None:
-        """The job was never enqueued (refused: QueueFull, NoWorkers...): no answer will come."""
+        """Nobody waits on this job now: it was refused (QueueFull, NoWorkers...), or its submit's outcome is unknown
+        and the caller may retry under its id. An answer that comes anyway waits unclaimed for a later result()."""
         self._jobs.pop(job_id, None)
 
     def held(self) -> dict[str, int]:
@@ -112,7 +114,8 @@ class Inbox:
 
     def waiter(self, job_id: str) -> _Waiter:
         """The job's waiter; one is made for a job this client did not submit (a reused inbox name)."""
-        return self._jobs.get(job_id) or self.expect(job_id)
+        self.expect(job_id)
+        return self._jobs[job_id]
 
     async def final(self, job_id: str, deadline: Deadline) -> Result:
         """The job's Result (raises the error its reply stands for); Timeout when the deadline passes first
@@ -128,11 +131,7 @@ class Inbox:
         the caller calls ``consumed(entry_id)``: a bulk run deletes a reply only once its answer is on disk,
         so a kill at any instant leaves it either written or still in the inbox. WaitExpired as ``final``."""
         self.start()  # (again, should the reader ever have ended)
-        if job_id in self._unclaimed:
-            taken = self._unclaimed.pop(job_id)
-        else:
-            waiter = self.waiter(job_id)
-            taken = await self._wait(job_id, waiter, deadline)
+        taken = await self._wait(job_id, self.waiter(job_id), deadline)  # an unclaimed answer: at once (expect)
         self._jobs.pop(job_id, None)
         return taken
 

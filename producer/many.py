@@ -26,7 +26,7 @@ async def generate_many(client: Any, prompts: Sequence[Prompt], deadline: Deadli
             if isinstance(j, Outgoing):
                 client._give_up_later(j.id)
         raise failed[0]
-    waits = [asyncio.ensure_future(client._result_or_give_up(j.id, deadline)) for j in jobs]
+    waits = [asyncio.ensure_future(client._result(j.id, deadline, give_up=True)) for j in jobs]
     try:
         return list(await asyncio.gather(*waits))
     except BaseException:
