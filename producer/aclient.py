@@ -37,11 +37,12 @@ from batchfleet.producer.core import (
     Prompt,
     prompt_size,
 )
-from batchfleet.producer.inbox import Inbox, WaitExpired
+from batchfleet.producer.inbox import Inbox
 from batchfleet.producer.many import generate_many
 from batchfleet.producer.redis_calls import RedisCalls
 from batchfleet.producer.shards import Router
 from batchfleet.producer.stream import AsyncTokenStream
+from batchfleet.producer.waiters import WaitExpired
 
 log = logging.getLogger("producer")
 

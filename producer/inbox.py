@@ -17,13 +17,14 @@ from collections import OrderedDict
 
 import redis
 
-from batchfleet.common.errors import INVALID_REQUEST, JobFailed, RedisUnavailable, Timeout
+from batchfleet.common.errors import INVALID_REQUEST, JobFailed, RedisUnavailable
 from batchfleet.common.protocol import Delta, Result
 from batchfleet.common.redis_conn import xread
 from batchfleet.common.retry import TRANSIENT
 from batchfleet.producer.answers import REUSED, Answers, job_id_of
 from batchfleet.producer.core import Deadline, parse_reply
 from batchfleet.producer.redis_calls import RedisCalls
+from batchfleet.producer.waiters import Final, Waiter, WaitExpired
 
 log = logging.getLogger("producer")
 
@@ -31,21 +32,6 @@ MAX_UNCLAIMED = 100_000  # finals with no waiter kept for a later result(job_id)
 MAX_ABANDONED = 100_000  # ids whose answer is still to be dropped; the oldest are forgotten beyond it
 ABANDONED_TTL_S = 3600.0  # an answer later than this (the workers' default reply TTL) never comes
 READ_COUNT = 1024
-
-Final = tuple[str, Result | BaseException]  # (entry id, the Result or the error it stands for)
-
-
-class WaitExpired(Timeout):
-    """The caller's timeout passed with no reply (as opposed to a ``deadline_exceeded`` answer)."""
-
-
-class _Waiter:
-    """What one job's caller waits on: its final reply, and its deltas when it streams."""
-
-    def __init__(self, stream: bool) -> None:
-        self.final: asyncio.Future[Final] = asyncio.get_running_loop().create_future()
-        # streamed jobs: deltas in order, then None once ``final`` is set
-        self.deltas: asyncio.Queue[Delta | None] | None = asyncio.Queue() if stream else None
 
 
 class Inbox:
@@ -59,7 +45,7 @@ class Inbox:
         self.block_ms = block_ms
         self.calls = calls  # the client's: its backoff, and its retry_s (see _wait)
         self.last_read = time.monotonic()  # the last XREAD that returned (every block_ms at most, if healthy)
-        self._jobs: dict[str, _Waiter] = {}
+        self._jobs: dict[str, Waiter] = {}
         # cancelled or given up by the caller: answers are dropped (and deleted) when they come;
         # id -> monotonic time it was given up, oldest first
         self._abandoned: OrderedDict[str, float] = OrderedDict()
@@ -76,9 +62,9 @@ class Inbox:
         self._abandoned.pop(job_id, None)
         fresh = job_id not in self._jobs
         if fresh:
-            waiter = self._jobs[job_id] = _Waiter(stream)
+            waiter = self._jobs[job_id] = Waiter(stream)
             if job_id in self._unclaimed:  # its answer came before anyone asked (a retry after an unknown outcome)
-                self._settle(waiter, *self._unclaimed.pop(job_id))
+                waiter.settle(self._unclaimed.pop(job_id))
         self.start()
         return fresh
 
@@ -88,8 +74,8 @@ class Inbox:
         past that (or past ABANDONED_TTL_S / MAX_ABANDONED, for an answer that never comes)."""
         waiter = self._jobs.pop(job_id, None)
         taken = self._unclaimed.pop(job_id, None)
-        if waiter is not None and waiter.final.done() and not waiter.final.cancelled():
-            taken = waiter.final.result()
+        if waiter is not None and (held := waiter.answer()) is not None:
+            taken = held
         if taken is not None:
             self.consumed(taken[0])
             return
@@ -104,15 +90,17 @@ class Inbox:
 
     def forget(self, job_id: str) -> None:
         """Nobody waits on this job now: it was refused (QueueFull, NoWorkers...), or its submit's outcome is unknown
-        and the caller may retry under its id. An answer that comes anyway waits unclaimed for a later result()."""
-        self._jobs.pop(job_id, None)
+        and the caller may retry under its id. An answer that comes anyway (or came) waits for a later result()."""
+        waiter = self._jobs.pop(job_id, None)
+        if waiter is not None and (taken := waiter.answer()) is not None:  # read already: never read again
+            self._park(job_id, taken)
 
     def held(self) -> dict[str, int]:
         """How many jobs this inbox holds something for (tests: nothing may stay behind)."""
         return {"waiting": len(self._jobs), "abandoned": len(self._abandoned), "unclaimed": len(self._unclaimed),
                 "to_delete": len(self._consumed)}
 
-    def waiter(self, job_id: str) -> _Waiter:
+    def waiter(self, job_id: str) -> Waiter:
         """The job's waiter; one is made for a job this client did not submit (a reused inbox name)."""
         self.expect(job_id)
         return self._jobs[job_id]
@@ -135,7 +123,7 @@ class Inbox:
         self._jobs.pop(job_id, None)
         return taken
 
-    async def _wait(self, job_id: str, waiter: _Waiter, deadline: Deadline) -> Final:
+    async def _wait(self, job_id: str, waiter: Waiter, deadline: Deadline) -> Final:
         """The waiter's final reply. With a deadline: WaitExpired when it passes. Without one: it waits as
         long as the reader reaches Redis, and raises RedisUnavailable once Redis has been unreachable for
         the client's ``retry_s``."""
@@ -247,7 +235,7 @@ class Inbox:
                         if waiter is None or waiter.final.done():
                             self.consumed(entry_id)
                         else:  # this waiter's request reused a job id answered here: REUSED
-                            self._settle(waiter, entry_id, JobFailed(job_id_of(fields), INVALID_REQUEST, REUSED))
+                            waiter.settle((entry_id, JobFailed(job_id_of(fields), INVALID_REQUEST, REUSED)))
                         continue
                     fields = {b"id": fields.get(b"id", b""), b"p": payload}
                 self._dispatch(entry_id, fields)
@@ -270,20 +258,18 @@ class Inbox:
             return
         waiter = self._jobs.get(job_id)
         if waiter is not None and not waiter.final.done():
-            self._settle(waiter, entry_id, reply)
+            waiter.settle((entry_id, reply))
             return
         if waiter is None:  # nobody asked (yet): keep it for a later result(job_id)
-            self._unclaimed[job_id] = (entry_id, reply)
-            while len(self._unclaimed) > MAX_UNCLAIMED:
-                self._answers.forget(self._unclaimed.popitem(last=False)[1][0])
+            self._park(job_id, (entry_id, reply))
         else:
             self.consumed(entry_id)  # a second answer to one job (its done marker expired): drop it
 
-    @staticmethod
-    def _settle(waiter: _Waiter, entry_id: str, reply: Result | BaseException) -> None:
-        waiter.final.set_result((entry_id, reply))
-        if waiter.deltas is not None:
-            waiter.deltas.put_nowait(None)
+    def _park(self, job_id: str, taken: Final) -> None:
+        """Keep a final reply nobody waits on for a later result(job_id); the oldest forgotten past MAX_UNCLAIMED."""
+        self._unclaimed[job_id] = taken
+        while len(self._unclaimed) > MAX_UNCLAIMED:
+            self._answers.forget(self._unclaimed.popitem(last=False)[1][0])
 
     async def _delete(self) -> None:
         await asyncio.sleep(0.02)  # batch the deletes of one burst of replies

@@ -16,6 +16,7 @@ import redis
 from batchfleet.common.errors import QueueFull, Timeout
 from batchfleet.common.keys import Keys
 from batchfleet.common.protocol import Result
+from batchfleet.common.redis_conn import async_client
 from batchfleet.producer import Client
 from tests.helpers.loops import request_fields, silent_fleet, wait_until
 
@@ -95,6 +96,30 @@ def test_a_submit_retried_under_its_id_after_its_reply_came_too_late_gets_the_an
         wait_until(lambda: r.xlen(client.reply_key) == 0, 10, "every ring deleted")
         assert inbox.held() == {"waiting": 0, "abandoned": 0, "unclaimed": 0, "to_delete": 0}
         assert r.get(keys.done("order-42", client.reply_key)) == b""
+
+
+def test_an_answer_read_before_its_submit_raised_waits_for_the_retry(start_worker, redis_url, namespace):
+    """The enqueue's reply is late on the pool's link while the inbox reader's own link is fast: the answer reaches
+    the submit's waiter before the submit's timeout passes. Forgetting that waiter must keep the answer (it was
+    dropped: the ring is never read again, so result() timed out and a retry read as a reused id)."""
+    start_worker(max_wait_ms=5)
+    with slow_replies(redis_url) as proxy, Client(proxy.url, namespace) as client:
+        inbox = client._async.inbox
+
+        async def direct_reader() -> None:  # before the reader's first read: its link does not go through the proxy
+            inbox.reader = async_client(redis_url, max_connections=1, socket_timeout=inbox.block_ms / 500)
+
+        client._loop.run(direct_reader())
+        assert client.generate([1, 10, 11], max_new_tokens=1, timeout=30).completion_tokens == 1
+        proxy.delay = 1.0
+        with pytest.raises(Timeout):
+            client.submit([1, 10, 12], max_new_tokens=3, job_id="slow-1", timeout=0.5)
+        proxy.delay = 0.0
+        wait_until(lambda: inbox.held()["unclaimed"] == 1, 30, "the answer kept for a retry")
+        got = client.result(client.submit([1, 10, 12], max_new_tokens=3, job_id="slow-1", timeout=30), timeout=30)
+        assert got.id == "slow-1" and got.completion_tokens == 3
+        wait_until(lambda: inbox.held() == {"waiting": 0, "abandoned": 0, "unclaimed": 0, "to_delete": 0}, 10,
+                   "nothing held")
 
 
 def test_a_refused_retry_of_a_job_leaves_the_caller_waiting_on_it_its_answer(redis_url, namespace):
