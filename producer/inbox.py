@@ -231,11 +231,12 @@ class Inbox:
                 if entry_id in answers:
                     payload = answers[entry_id]
                     if not payload:  # taken already (a second ring) or expired: nothing to hand over
-                        waiter = self._jobs.get(job_id_of(fields)) if payload == b"" else None
+                        job_id = job_id_of(fields)
+                        waiter = self._jobs.get(job_id) if payload == b"" else None
                         if waiter is None or waiter.final.done():
                             self.consumed(entry_id)
                         else:  # this waiter's request reused a job id answered here: REUSED
-                            waiter.settle((entry_id, JobFailed(job_id_of(fields), INVALID_REQUEST, REUSED)))
+                            waiter.settle((entry_id, JobFailed(job_id, INVALID_REQUEST, REUSED)))
                         continue
                     fields = {b"id": fields.get(b"id", b""), b"p": payload}
                 self._dispatch(entry_id, fields)
