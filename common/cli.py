@@ -15,10 +15,10 @@ _COMMANDS = {
     "demo": "batchfleet.worker.demo:demo",
     "bench": "batchfleet.worker.benchmark.cli:bench",
     "submit": "batchfleet.producer.cli:submit",
-    "bulk": "batchfleet.gateway.bulk_cli:bulk",
+    "bulk": "batchfleet.gateway.cli.bulk:bulk",
     "status": "batchfleet.producer.cli:status",
-    "serve": "batchfleet.gateway.cli:serve",
-    "batches": "batchfleet.gateway.cli:batches",
+    "serve": "batchfleet.gateway.cli.serve:serve",
+    "batches": "batchfleet.gateway.cli.serve:batches",
     "dashboard": "batchfleet.producer.cli:dashboard",
 }
 

@@ -17,12 +17,12 @@ from batchfleet.common.errors import ConfigError, PromptTooLong
 from batchfleet.common.keys import DEFAULT_NAMESPACE, MAX_SHARDS, Keys
 from batchfleet.common.logs import LOG_FORMATS
 from batchfleet.common.optionspec import is_option, option, option_env
-from batchfleet.common.redis_url import check_redis_url, is_cluster
+from batchfleet.common.redis.url import check_redis_url, is_cluster
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_BUCKETS = (128, 256, 512, 1024, 4096)
 PADDING_CHOICES = ("bucket", "longest")
-WINDOW_CHOICES = ("adaptive", "fixed")  # worker/window.py
+WINDOW_CHOICES = ("adaptive", "fixed")  # worker/batching/window.py
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

@@ -23,7 +23,7 @@ from functools import lru_cache
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from batchfleet.common.lanes import INTERACTIVE, LANES
+from batchfleet.common.wire.lanes import INTERACTIVE, LANES
 
 DEFAULT_NAMESPACE = "bf"
 # fullmatch everywhere: "$" would accept a trailing newline ("abc\n")
@@ -184,9 +184,9 @@ class Keys:
 
     @property
     def released(self) -> str:
-        """Counter a worker bumps when it releases leases (worker/pending.py ``release``): a peer with room
+        """Counter a worker bumps when it releases leases (worker/transport/pending.py ``release``): a peer with room
         reads it about once a second and scans the pending lists at once when it moved, instead of
-        scanning every stream every second (worker/pending.py ``reclaim``)."""
+        scanning every stream every second (worker/transport/pending.py ``reclaim``)."""
         return f"{self.prefix}:released"
 
     @property
@@ -194,7 +194,7 @@ class Keys:
         """Counter a load generator bumps to close partial static batches ("static N" ends its load).
 
         Only static-batching workers act on it: their transport polls it (``Transport.flush_requested``
-        in worker/transport.py, at most every 50 ms while a partial batch waits) and a change since the
+        in worker/transport/base.py, at most every 50 ms while a partial batch waits) and a change since the
         last value seen closes the partial batches."""
         return f"{self.prefix}:flush"
 
@@ -259,7 +259,7 @@ class Keys:
     @property
     def expiring(self) -> str:
         """Sorted set of the files and batches that expire (``file:<id>`` / ``batch:<id>``, score: when), swept
-        by the batch runners (gateway/batch_expiry.py)."""
+        by the batch runners (gateway/batches/expiry.py)."""
         return f"{self.prefix}:expiring"
 
     @property

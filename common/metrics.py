@@ -21,9 +21,9 @@ from prometheus_client.registry import Collector
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.errors import ConfigError
-from batchfleet.common.fleetstate import fleet_info, layout, live_workers, queue_stats
 from batchfleet.common.keys import Keys
-from batchfleet.common.redis_conn import sync_client
+from batchfleet.common.redis.clients import sync_client
+from batchfleet.common.redis.fleetstate import fleet_info, layout, live_workers, queue_stats
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP app: ``create_app(config)`` -> a FastAPI app over one AsyncClient.
 
-    POST /v1/completions        POST /v1/chat/completions   GET /v1/models   (gateway/inference.py)
-    POST /v1/responses, GET/DELETE /v1/responses/{id}, GET .../input_items  the Responses API (gateway/responses.py)
-    POST /v1/embeddings         embeddings on the same fleet (gateway/embeddings.py)
-    /v1/files, /v1/batches      the OpenAI Batch API (gateway/batch_api.py; run by gateway/batch_runner.py)
+    POST /v1/completions        POST /v1/chat/completions   GET /v1/models   (gateway/openai/chat/routes.py)
+    POST /v1/responses, GET/DELETE /v1/responses/{id}, GET .../input_items  the Responses API
+    (gateway/openai/responses/routes.py)
+    POST /v1/embeddings         embeddings on the same fleet (gateway/openai/embeddings/routes.py)
+    /v1/files, /v1/batches      the OpenAI Batch API (gateway/batches/routes.py; run by gateway/batches/runner.py)
     GET  /health                GET /dashboard, /dashboard/data               (gateway/dashboard.py)
 
 The app holds no model: it validates, hands the job to the fleet through AsyncClient and shapes the
@@ -21,14 +22,18 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from batchfleet.gateway import batch_api, dashboard, embeddings, inference, responses
-from batchfleet.gateway.batch_runner import BatchRunner
+from batchfleet.gateway import dashboard
+from batchfleet.gateway.batches import routes as batch_api
+from batchfleet.gateway.batches.runner import BatchRunner
 from batchfleet.gateway.config import GatewayConfig
 from batchfleet.gateway.connections import ClientFactory, GatewayRedis, producer_client
 from batchfleet.gateway.handlers import add_error_handlers, endpoints
 from batchfleet.gateway.metrics import HTTPMetrics, MetricsMiddleware
+from batchfleet.gateway.openai.chat import routes as inference
+from batchfleet.gateway.openai.embeddings import routes as embeddings
+from batchfleet.gateway.openai.responses import routes as responses
 from batchfleet.gateway.service import Gateway
-from batchfleet.producer.history import HistorySampler
+from batchfleet.producer.ops.history import HistorySampler
 
 ROUTERS = (inference.router, responses.router, embeddings.router, batch_api.router, dashboard.router)
 
@@ -52,7 +57,7 @@ def create_app(config: GatewayConfig | None = None, client_factory: ClientFactor
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Open the connections, start the batch runner (unless ``--no-batch-runner``) and the dashboard's history
-    sampler (producer/history.py); undo them at shutdown."""
+    sampler (producer/ops/history.py); undo them at shutdown."""
     config: GatewayConfig = app.state.config
     redis = app.state.redis = GatewayRedis(config, app.state.client_factory)
     app.state.gateway = Gateway(config, redis.client)

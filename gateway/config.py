@@ -20,7 +20,7 @@ from batchfleet.common.config import (
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.optionspec import option
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")  # gateway/tool_parsers.py
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")  # gateway/openai/tools/parsers.py
 
 __all__ = ["MIN_KEY_CHARS", "GatewayConfig", "parse_api_keys"]
 

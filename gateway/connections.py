@@ -1,15 +1,15 @@
 """The gateway's Redis, all of it: this module builds every Redis connection a gateway process holds and
-hands them out; no other gateway module makes a client (each is built by common/redis_conn.py).
+hands them out; no other gateway module makes a client (each is built by common/redis/clients.py).
 
 * The AsyncClient (producer/aclient.py): jobs, the fleet description, health, and, on the same bounded
-  pool, the files and batches stores and the batch leases (gateway/batch_store.py; the leases through
-  the function library of common/functions.py, shared with the client's enqueue and cancel), and the
-  stored Responses API responses (gateway/responses_store.py).
+  pool, the files and batches stores and the batch leases (gateway/batches/store.py; the leases through
+  the function library of common/redis/functions.py, shared with the client's enqueue and cancel), and the
+  stored Responses API responses (gateway/openai/responses/store.py).
 * One AsyncClient per batch turn (``producer_client(config, inbox)``): each batch keeps its own inbox
   across turns and processes, so a runner that takes a batch over finds the answers still on their way.
 * The dashboard's small sync pool, made at the first ``/dashboard/data``: its reads are the ones
-  ``batchfleet dashboard`` and ``batchfleet status`` make (sync redis-py, common/fleetstate.py and
-  producer/status.py), so the gateway runs them in a worker thread, never on the event loop.
+  ``batchfleet dashboard`` and ``batchfleet status`` make (sync redis-py, common/redis/fleetstate.py and
+  producer/ops/status.py), so the gateway runs them in a worker thread, never on the event loop.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from batchfleet.gateway.batch_store import BatchStore, FileStore
+from batchfleet.gateway.batches.store import BatchStore, FileStore
 from batchfleet.gateway.config import GatewayConfig
-from batchfleet.gateway.responses_store import ResponseStore
+from batchfleet.gateway.openai.responses.store import ResponseStore
 from batchfleet.producer import AsyncClient
-from batchfleet.producer.dashboard import dashboard_client
+from batchfleet.producer.ops.dashboard import dashboard_client
 
 ClientFactory = Callable[[GatewayConfig], AsyncClient]
 
@@ -44,7 +44,7 @@ class GatewayRedis:
         self._dashboard: Any = None  # a sync redis-py client (this package imports no sync redis: Any)
 
     def dashboard(self) -> Any:
-        """The dashboard's sync pool (producer/dashboard.py ``dashboard_client``), made on first use."""
+        """The dashboard's sync pool (producer/ops/dashboard.py ``dashboard_client``), made on first use."""
         if self._dashboard is None:
             self._dashboard = dashboard_client(self.config.connection)
         return self._dashboard

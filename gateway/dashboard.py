@@ -1,9 +1,9 @@
 """The operators' routes: ``GET /health`` and ``GET /dashboard`` (no key needed: the health check of a
 load balancer; the static page, which holds no data) and ``GET /dashboard/data`` (the JSON the page polls
 and ``batchfleet status --gateway`` reads; needs a read-only operator key when ``--operator-key`` is set,
-else an API key when keys are set: producer/dashboard.py ``access``).
+else an API key when keys are set: producer/ops/dashboard.py ``access``).
 
-The data is producer/dashboard.py's (the same as ``batchfleet dashboard``): sync status reads, made on
+The data is producer/ops/dashboard.py's (the same as ``batchfleet dashboard``): sync status reads, made on
 the dashboard's own small pool (gateway/connections.py) in a worker thread (``run_in_threadpool``),
 never on the event loop serving completions.
 """
@@ -20,7 +20,7 @@ from starlette.responses import HTMLResponse, JSONResponse
 from batchfleet.common.errors import RedisUnavailable
 from batchfleet.gateway.deps import Redis, Service
 from batchfleet.gateway.errors import APIError, invalid
-from batchfleet.producer.dashboard import (
+from batchfleet.producer.ops.dashboard import (
     ACCESS_ERRORS,
     DATA_PATH,
     PAGE,

@@ -16,14 +16,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from batchfleet.common.errors import GUIDE_FAILED, FleetUnavailable, JobFailed, PromptTooLong
-from batchfleet.common.guided import GuideError
-from batchfleet.common.protocol import Result
+from batchfleet.common.wire.guided import GuideError
+from batchfleet.common.wire.protocol import Result
 from batchfleet.gateway.config import GatewayConfig
 from batchfleet.gateway.errors import APIError, api_error, invalid
-from batchfleet.gateway.formats import Shape
-from batchfleet.gateway.schemas import Job
+from batchfleet.gateway.openai.chat.format import Shape
+from batchfleet.gateway.openai.chat.request import Job
+from batchfleet.gateway.openai.tools.parsers import Family, pick
 from batchfleet.gateway.sse import EventStream, job_events, wait_disconnect
-from batchfleet.gateway.tool_parsers import Family, pick
 from batchfleet.producer import AsyncClient
 
 log = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ class Gateway:
 
 async def job_params(job: Job, family: Family | None = None) -> dict[str, Any]:
     """The job's AsyncClient parameters, its structured-output guide compiled (a 400 naming the field when
-    it does not compile); a forced tool call's guide is written in ``family``'s format (gateway/tools.py;
+    it does not compile); a forced tool call's guide is written in ``family``'s format (gateway/openai/tools/calling.py;
     default: Hermes')."""
     params = dict(job.params)
     if job.tools is not None and job.tools.constrained:  # a 400 naming the schema llguidance cannot compile

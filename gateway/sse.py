@@ -18,8 +18,8 @@ from typing import Any
 from starlette.responses import Response
 
 from batchfleet.gateway.errors import api_error
-from batchfleet.gateway.formats import FINISH_REASONS, Shape
-from batchfleet.gateway.tools import ToolStream
+from batchfleet.gateway.openai.chat.format import FINISH_REASONS, Shape
+from batchfleet.gateway.openai.tools.calling import ToolStream
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"

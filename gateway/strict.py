@@ -3,7 +3,7 @@
 A request field is one of three kinds:
 
 * honoured: the fleet does what it asks (``HONOURED``, validated by the schemas' types and, for the
-  generation parameters, the fleet's one table of bounds: common/params.py);
+  generation parameters, the fleet's one table of bounds: common/wire/params.py);
 * neutral only: the fleet cannot do it, but standard clients send its "off" value (``n: 1``,
   ``logprobs: null``, ``presence_penalty: 0``, ...): accepted at exactly these values (``NEUTRAL``),
   any other value is a 400 naming the field;

@@ -16,7 +16,7 @@ from batchfleet.common.errors import (
     RedisUnavailable,
     Timeout,
 )
-from batchfleet.common.protocol import Delta, Result
+from batchfleet.common.wire.protocol import Delta, Result
 from batchfleet.producer.aclient import AsyncClient
 from batchfleet.producer.chat import Chat
 from batchfleet.producer.client import Client, TokenStream

@@ -21,11 +21,11 @@ import redis
 
 from batchfleet.common.config import connection_from_env
 from batchfleet.common.errors import InvalidRequest, Timeout
-from batchfleet.common.fleetstate import live_workers_async
-from batchfleet.common.functions import CANCELS_MAXLEN
 from batchfleet.common.keys import Keys, valid_inbox
-from batchfleet.common.protocol import Result
-from batchfleet.common.redis_conn import async_client, close_async
+from batchfleet.common.redis.clients import async_client, close_async
+from batchfleet.common.redis.fleetstate import live_workers_async
+from batchfleet.common.redis.functions import CANCELS_MAXLEN
+from batchfleet.common.wire.protocol import Result
 from batchfleet.producer.core import (
     INLINE_PROMPT_CHARS,
     LIVENESS_TRUST_S,

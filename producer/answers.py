@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import Any
 
 from batchfleet.common.keys import Keys
-from batchfleet.common.redis_conn import same_node
+from batchfleet.common.redis.clients import same_node
 
 Fields = dict[bytes, Any]
 
@@ -76,7 +76,7 @@ class Answers:
             return
         async with r.pipeline(transaction=False) as pipe:
             # the rings first: a crash in between leaves an answer stored with no ring, which a resumed bulk run
-            # reads as answered and not collected (producer/bulk_jobs.py), never a ring for an emptied answer
+            # reads as answered and not collected (producer/bulk/runner.py), never a ring for an emptied answer
             pipe.xdel(inbox, *ids)
             for key in answers:  # XX: an answer that expired meanwhile is not written again
                 pipe.set(key, b"", xx=True, keepttl=True)

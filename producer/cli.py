@@ -19,10 +19,10 @@ import redis
 from batchfleet.common.cli import connection_options
 from batchfleet.common.config import ConnectionConfig, DashboardConfig
 from batchfleet.common.errors import BatchfleetError, RedisUnavailable
-from batchfleet.common.lanes import INTERACTIVE, LANES
 from batchfleet.common.options import config_options, config_values, fatal
-from batchfleet.common.redis_conn import sync_client
-from batchfleet.common.redis_url import redact_url
+from batchfleet.common.redis.clients import sync_client
+from batchfleet.common.redis.url import redact_url
+from batchfleet.common.wire.lanes import INTERACTIVE, LANES
 from batchfleet.producer.client import Client
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -42,7 +42,7 @@ def error_line(exc: BaseException, redis_url: str) -> str | None:
         text = f"{where} answered with an error: {exc}"
     elif isinstance(exc, BatchfleetError):
         # NoWorkers, FleetUnavailable, Timeout, PromptTooLong, InvalidRequest, QueueFull, JobFailed, ConfigError:
-        # the public name (common/errors.py), not a module's own subclass (common/params.py ParamError)
+        # the public name (common/errors.py), not a module's own subclass (common/wire/params.py ParamError)
         name = next(c.__name__ for c in type(exc).__mro__ if c.__module__ == BatchfleetError.__module__)
         text = f"{name}: {exc}"
     else:
@@ -95,7 +95,7 @@ def _params(max_new_tokens: int, temperature: float, top_p: float, top_k: int, s
 
 
 def priority_option(default: str):
-    """``--priority``: the priority class (common/lanes.py); ``submit`` defaults to interactive, ``bulk`` to
+    """``--priority``: the priority class (common/wire/lanes.py); ``submit`` defaults to interactive, ``bulk`` to
     batch."""
     return click.option("--priority", type=click.Choice(LANES), default=default, show_default=True,
                         help="Priority class: interactive work is read, batched and run first; batch work uses "
@@ -156,8 +156,8 @@ def status(redis_url: str, namespace: str, as_json: bool, watch: float | None, g
     through a gateway (--gateway). The web view of the same: `batchfleet dashboard`, or /dashboard."""
     import time
 
-    from batchfleet.producer.status import render, snapshot, work
-    from batchfleet.producer.status_remote import StatusUnavailable, fetch_status
+    from batchfleet.producer.ops.status import render, snapshot, work
+    from batchfleet.producer.ops.status_remote import StatusUnavailable, fetch_status
 
     if watch is not None and watch <= 0:
         raise click.UsageError("--watch must be > 0")
@@ -198,7 +198,7 @@ def dashboard(redis_url: str, namespace: str, **values: Any) -> None:
     http://HOST:PORT/dashboard until Ctrl-C. The gateway (`batchfleet serve`) serves the same page at
     /dashboard. With --operator-key the data needs one of those read-only keys (else, with --api-key, an
     API key); the page asks for it, or open /dashboard#key=KEY."""
-    from batchfleet.producer.dashboard import DashboardServer
+    from batchfleet.producer.ops.dashboard import DashboardServer
 
     try:
         config = DashboardConfig(**config_values(DashboardConfig, values))

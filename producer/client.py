@@ -13,7 +13,7 @@ from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import Delta, Result
+from batchfleet.common.wire.protocol import Delta, Result
 from batchfleet.producer.aclient import AsyncClient
 from batchfleet.producer.core import RETRY_S, FleetView, Prompt
 from batchfleet.producer.stream import AsyncTokenStream

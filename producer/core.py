@@ -27,11 +27,11 @@ from batchfleet.common.errors import (
     QueueFull,
     Timeout,
 )
-from batchfleet.common.guided import Guide, GuideError, from_options
 from batchfleet.common.keys import Keys, valid_job_id
-from batchfleet.common.lanes import BATCH, INTERACTIVE, lane_of
-from batchfleet.common.params import FIELDS, ParamError, Params, has_utf8
-from batchfleet.common.protocol import (
+from batchfleet.common.wire.guided import Guide, GuideError, from_options
+from batchfleet.common.wire.lanes import BATCH, INTERACTIVE, lane_of
+from batchfleet.common.wire.params import FIELDS, ParamError, Params, has_utf8
+from batchfleet.common.wire.protocol import (
     MAX_PAYLOAD_BYTES,
     REQUEST_KINDS,
     Delta,
@@ -82,15 +82,15 @@ CLIENT_NAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_ne
 @dataclass(frozen=True)
 class Ask:
     """What one generate/submit/stream call's keyword arguments ask: the generation parameters (the fleet's
-    one type, common/params.py: checked before anything is sent) and the priority class (normalised once,
-    here: a class name, OpenAI's ``service_tier`` names or vLLM's integer ``priority``; common/lanes.py).
+    one type, common/wire/params.py: checked before anything is sent) and the priority class (normalised once,
+    here: a class name, OpenAI's ``service_tier`` names or vLLM's integer ``priority``; common/wire/lanes.py).
 
     Structured outputs: at most one of ``response_format`` (OpenAI's: ``{"type": "json_object"}`` or
     ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``), ``guided_json`` (a JSON
     schema), ``guided_regex``, ``guided_choice`` (a list of strings), ``guided_grammar`` (Lark or GBNF), as
-    vLLM names them, or ``guide`` (a ``batchfleet.common.guided.Guide``), compiled here. ``logprobs`` = k
+    vLLM names them, or ``guide`` (a ``batchfleet.common.wire.guided.Guide``), compiled here. ``logprobs`` = k
     (0-20): each generated token's logprob and its k most likely alternatives, in ``Result.logprobs``.
-    ``kind="embed"``: an embed request (common/protocol.py ``Request.kind``), answered with
+    ``kind="embed"``: an embed request (common/wire/protocol.py ``Request.kind``), answered with
     ``Result.embedding``; it takes no generation parameter.
     """
 

@@ -18,9 +18,9 @@ from collections import OrderedDict
 import redis
 
 from batchfleet.common.errors import INVALID_REQUEST, JobFailed, RedisUnavailable
-from batchfleet.common.protocol import Delta, Result
-from batchfleet.common.redis_conn import xread
-from batchfleet.common.retry import TRANSIENT
+from batchfleet.common.redis.clients import xread
+from batchfleet.common.redis.retry import TRANSIENT
+from batchfleet.common.wire.protocol import Delta, Result
 from batchfleet.producer.answers import REUSED, Answers, job_id_of
 from batchfleet.producer.core import Deadline, parse_reply
 from batchfleet.producer.redis_calls import RedisCalls

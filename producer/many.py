@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from batchfleet.common.protocol import Result
+from batchfleet.common.wire.protocol import Result
 from batchfleet.producer.core import Ask, Deadline, Outgoing, Prompt
 
 

@@ -16,11 +16,11 @@ import redis
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.errors import RedisUnavailable, Timeout
-from batchfleet.common.functions import LIVE_WORKER_MS, Functions
-from batchfleet.common.protocol import MAX_PAYLOAD_BYTES
-from batchfleet.common.redis_conn import WAIT_TIMEOUT_MS, require_replicas, same_node, write_acked
-from batchfleet.common.redis_url import redact_url
-from batchfleet.common.retry import TRANSIENT, Backoff, transient_reason
+from batchfleet.common.redis.clients import WAIT_TIMEOUT_MS, require_replicas, same_node, write_acked
+from batchfleet.common.redis.functions import LIVE_WORKER_MS, Functions
+from batchfleet.common.redis.retry import TRANSIENT, Backoff, transient_reason
+from batchfleet.common.redis.url import redact_url
+from batchfleet.common.wire.protocol import MAX_PAYLOAD_BYTES
 from batchfleet.producer.core import ADDED_PAST_LIMIT, Deadline, Outgoing
 
 log = logging.getLogger("producer")

@@ -24,7 +24,7 @@ import os
 from dataclasses import asdict
 from typing import Any
 
-from batchfleet.producer.bulk import Summary, bulk_file, throttled
+from batchfleet.producer.bulk.file_run import Summary, bulk_file, throttled
 from batchfleet.producer.client import Client
 
 RESULT_FIELDS = ("id", "text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "queue_ms",
@@ -45,7 +45,7 @@ def _shared_client() -> Client:
 def generate(prompt: Any, timeout: float | None = None, **params: Any) -> dict:
     """Answer one prompt (text, token ids or chat messages) on the fleet; returns the ``Result`` fields as
     a JSON object (text, token_ids, finish_reason, prompt_tokens, completion_tokens, queue_ms, ttft_ms,
-    total_ms, worker, batch_size). ``params``: Client.generate's (common/params.py's fields, priority,
+    total_ms, worker, batch_size). ``params``: Client.generate's (common/wire/params.py's fields, priority,
     structured-output options).
     Errors are raised (the job fails; RQ's Retry applies): InvalidRequest, PromptTooLong, QueueFull,
     NoWorkers, Timeout, JobFailed."""

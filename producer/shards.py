@@ -5,7 +5,7 @@ answers it, so the length counts what is queued, held and running there), sample
 shard at most every ``SAMPLE_S`` per stream, plus what this producer sent there since the sample. The
 request goes to the producer's home shard (its inbox's) unless another is shorter by more than a slack
 (a quarter, at least 2): a request on its inbox's shard is answered and settled by one script call, one on
-another shard by two (worker/sharded.py). Many producers spread by their homes; one busy producer spills
+another shard by two (worker/transport/sharded.py). Many producers spread by their homes; one busy producer spills
 over to the other shards as its home's stream grows. No call at all on a fleet of one shard.
 """
 
@@ -17,7 +17,7 @@ import logging
 import time
 
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import FleetInfo
+from batchfleet.common.wire.protocol import FleetInfo
 from batchfleet.producer.core import Outgoing
 from batchfleet.producer.inbox import Inbox
 

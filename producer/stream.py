@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from batchfleet.common.errors import Timeout
-from batchfleet.common.protocol import Delta, Result
+from batchfleet.common.wire.protocol import Delta, Result
 from batchfleet.producer.core import Ask, Deadline, Outgoing, Prompt
 from batchfleet.producer.inbox import Inbox
 

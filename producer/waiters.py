@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from batchfleet.common.errors import Timeout
-from batchfleet.common.protocol import Delta, Result
+from batchfleet.common.wire.protocol import Delta, Result
 
 Final = tuple[str, Result | BaseException]  # (entry id, the Result or the error it stands for)
 

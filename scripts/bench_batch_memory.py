@@ -1,7 +1,7 @@
 """Bounded memory on a large OpenAI batch file (issue 18): one worker (user defaults, tiny preset) answers a
 ``--mb`` MB / ``--lines``-line batch input through ``batchfleet bulk --format openai`` (the same streamed
-runner, producer/bulk_jobs.py, as the gateway's /v1/batches) and the batch validation the gateway runs
-first (gateway/batch_runner.py ``validate``); reports each one's peak RSS against the file's size.
+runner, producer/bulk/runner.py, as the gateway's /v1/batches) and the batch validation the gateway runs
+first (gateway/batches/runner.py ``validate``); reports each one's peak RSS against the file's size.
 
     python scripts/bench_batch_memory.py --json docs/bench/batch_memory.json
 
@@ -27,8 +27,8 @@ from batchfleet.worker.devtools import delete_namespace, ensure_redis, spawn_wor
 
 VALIDATE = """
 import resource, sys, time
-from batchfleet.gateway.batch_lines import Limits
-from batchfleet.gateway.batch_runner import validate
+from batchfleet.gateway.batches.lines import Limits
+from batchfleet.gateway.batches.runner import validate
 t = time.perf_counter()
 total, errors = validate(sys.argv[1], "/v1/chat/completions", Limits(600.0, 256))
 print(total, len(errors), time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)

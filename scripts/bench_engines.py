@@ -26,7 +26,7 @@ import torch
 
 from batchfleet.common.config import DynamicBatchingConfig, parse_buckets
 from batchfleet.common.engine_config import DTYPE_CHOICES, EngineConfig
-from batchfleet.common.params import Params
+from batchfleet.common.wire.params import Params
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.models import LoadedModel, load_model, make_preset
 from batchfleet.worker.engine.native.engine import NativeEngine

@@ -33,7 +33,7 @@ import click
 from batchfleet.common.config import DEFAULT_REDIS_URL
 from batchfleet.common.keys import Keys
 from batchfleet.producer import Client
-from batchfleet.producer.bulk import bulk_file
+from batchfleet.producer.bulk.file_run import bulk_file
 from batchfleet.worker.devtools import delete_namespace, ensure_redis, spawn_worker
 
 SHORT = "Summarize in one line: the queue is full of work."
@@ -182,8 +182,8 @@ def main(redis_url: str, prompts: int, interactive: int, flood_x: float, flood_s
 
 def _engine_stats(url: str, ns: str) -> dict:
     """The worker's latest heartbeat status (one worker: this benchmark's)."""
-    from batchfleet.common.fleetstate import worker_stats
-    from batchfleet.common.redis_conn import sync_client
+    from batchfleet.common.redis.clients import sync_client
+    from batchfleet.common.redis.fleetstate import worker_stats
 
     time.sleep(2.2)  # one heartbeat period: the figures are fresh
     r = sync_client(url)

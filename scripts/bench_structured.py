@@ -27,8 +27,8 @@ import torch
 
 from batchfleet.common.config import DynamicBatchingConfig
 from batchfleet.common.engine_config import EngineConfig
-from batchfleet.common.guided import Guide, dump_schema
-from batchfleet.common.params import Params
+from batchfleet.common.wire.guided import Guide, dump_schema
+from batchfleet.common.wire.params import Params
 from batchfleet.worker.benchmark.cli import parse_range
 from batchfleet.worker.benchmark.loadgen import make_workload
 from batchfleet.worker.benchmark.report import machine, write_json

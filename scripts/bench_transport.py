@@ -16,13 +16,13 @@ from pathlib import Path
 import click
 
 from batchfleet.common.config import DEFAULT_REDIS_URL, ConnectionConfig
-from batchfleet.common.protocol import FleetInfo, Request, Result
+from batchfleet.common.wire.protocol import FleetInfo, Request, Result
 from batchfleet.producer import Client
 from batchfleet.worker.benchmark.loadgen import percentile
-from batchfleet.worker.consumer import StreamConsumer
 from batchfleet.worker.devtools import delete_namespace, ensure_redis
 from batchfleet.worker.engine.tokenizer import byte_level_tokenizer
-from batchfleet.worker.transport import Reply
+from batchfleet.worker.transport.base import Reply
+from batchfleet.worker.transport.consumer import StreamConsumer
 
 
 @click.command(help=__doc__)

@@ -24,7 +24,7 @@ import torch
 
 from batchfleet.common.config import DEFAULT_BUCKETS, DynamicBatchingConfig
 from batchfleet.common.engine_config import DTYPE_CHOICES, PRESETS, EngineConfig
-from batchfleet.common.params import Params
+from batchfleet.common.wire.params import Params
 from batchfleet.worker.benchmark.cli import parse_range
 from batchfleet.worker.benchmark.loadgen import make_workload
 from batchfleet.worker.benchmark.report import git_commit, machine, write_json

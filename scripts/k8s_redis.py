@@ -29,7 +29,7 @@ import yaml
 
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.keys import Keys
-from batchfleet.common.redis_url import (
+from batchfleet.common.redis.url import (
     check_redis_url,
     is_cluster,
     is_sentinel,

@@ -23,12 +23,12 @@ from typing import Any
 import click
 
 from batchfleet.common.options import build_worker_config
-from batchfleet.common.protocol import FleetInfo
+from batchfleet.common.wire.protocol import FleetInfo
 from batchfleet.worker.engine.base import Completion, GenRequest
-from batchfleet.worker.fleet import with_fingerprint
 from batchfleet.worker.loop import WorkerLoop
-from batchfleet.worker.sharded import redis_transport
-from batchfleet.worker.validate import Limits
+from batchfleet.worker.requests.validate import Limits
+from batchfleet.worker.transport.fleet import with_fingerprint
+from batchfleet.worker.transport.sharded import redis_transport
 
 VOCAB = 512
 TOKEN = 7  # every simulated token; EOS is never produced, so each request runs its max_new_tokens

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from batchfleet.common.functions import FUNCTION_NAMES, LIBRARY_NAME
 from batchfleet.common.keys import Keys
+from batchfleet.common.redis.functions import FUNCTION_NAMES, LIBRARY_NAME
 from tests.helpers.acl import BUCKETS, NAMESPACE, acl_block, connect, install_documented_acl, start_redis7
 
 K = Keys(NAMESPACE)
@@ -156,7 +156,7 @@ def test_enqueue_and_cancel_functions_run_as_the_producer(server, producer):
 def test_the_gateway_takes_renews_and_releases_a_batch_lease(server):
     """gateway-a may run the lease functions (GET + PEXPIRE / DEL inside, issue 31) and, while the loaded
     library lacks them, the same bodies by EVALSHA; the producer may do neither."""
-    from batchfleet.common.functions import LEASE_BODIES, LEASE_FUNCTION_NAMES
+    from batchfleet.common.redis.functions import LEASE_BODIES, LEASE_FUNCTION_NAMES
 
     gateway = connect(server, "gateway-a")
     lease = K.batch_lease("batch_" + "1" * 24)
@@ -208,7 +208,7 @@ def test_tls_and_acl_users_go_through_the_url():
     itself is not exercised here)."""
     from batchfleet.common.config import ConnectionConfig
     from batchfleet.producer import AsyncClient
-    from batchfleet.worker.consumer import connect as worker_connect
+    from batchfleet.worker.transport.consumer import connect as worker_connect
 
     url = "rediss://worker-a:s3cret@redis.example:6380/0?ssl_cert_reqs=required"
     client = AsyncClient(url)

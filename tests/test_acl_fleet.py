@@ -14,7 +14,7 @@ import redis
 
 from batchfleet.common.errors import Cancelled, JobFailed
 from batchfleet.producer import AsyncClient, Client
-from batchfleet.producer.bulk import bulk_file
+from batchfleet.producer.bulk.file_run import bulk_file
 from tests.conftest import worker_config
 from tests.helpers.acl import BUCKETS, NAMESPACE, install_documented_acl, start_redis7, user_url
 from tests.helpers.loops import POISON_TOKEN, LoopThread, PoisonEngine

@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from batchfleet.common import functions
-from batchfleet.worker import scripts
+from batchfleet.common.redis import functions
+from batchfleet.worker.transport import scripts
 from tests.helpers.acl import acl_block
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""Replies stored under the inbox and rung for (protocol v5, producer/answers.py, worker/settle.py), on real
+"""Replies stored under the inbox and rung for (protocol v5, producer/answers.py, worker/transport/settle.py), on real
 Redis with a real worker and the real client: a writer that died between storing an answer and ringing is
 covered by the next copy's ring; the client takes each answer once however often it is rung for, and empties
 it once taken; an answer lives under the request's own inbox, so a request naming another inbox's job id
@@ -11,7 +11,7 @@ import redis
 
 from batchfleet.common.errors import INVALID_REQUEST, JobFailed, Timeout
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import Result
+from batchfleet.common.wire.protocol import Result
 from batchfleet.producer import Client
 from tests.helpers.loops import TEST_INBOX, inbox_replies, raw_inbox, request_fields, wait_until
 
@@ -131,10 +131,10 @@ def test_a_reply_redis_refuses_for_memory_leaves_its_entry_pending():
     (OOM) but not XACK or XDEL: a reply pipeline that went on to its acks settled entries whose answers were never
     stored, so a worker that died before Redis had room again lost those jobs (nothing left to reclaim)."""
     from batchfleet.common.config import ConnectionConfig
-    from batchfleet.common.protocol import Error
-    from batchfleet.worker.consumer import StreamConsumer
+    from batchfleet.common.wire.protocol import Error
     from batchfleet.worker.devtools import PrivateRedis, free_port
-    from batchfleet.worker.transport import Reply
+    from batchfleet.worker.transport.base import Reply
+    from batchfleet.worker.transport.consumer import StreamConsumer
 
     server = PrivateRedis(port=free_port()).start()
     try:

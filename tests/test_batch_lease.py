@@ -1,4 +1,4 @@
-"""The Batch API's lease (gateway/batch_store.py, the lease functions of common/functions.py): one gateway runs
+"""The Batch API's lease (gateway/batches/store.py, the lease functions of common/redis/functions.py): one gateway runs
 a batch at a time; only the lease's holder renews or releases it."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import uuid
 
 import redis
 
-from batchfleet.common.functions import LEASE_FUNCTION_NAMES, load_library
 from batchfleet.common.keys import Keys
-from batchfleet.common.redis_conn import async_client
-from batchfleet.gateway.batch_store import BatchStore
+from batchfleet.common.redis.clients import async_client
+from batchfleet.common.redis.functions import LEASE_FUNCTION_NAMES, load_library
+from batchfleet.gateway.batches.store import BatchStore
 
 
 def test_a_batch_lease_is_renewed_and_released_only_by_its_holder(any_redis_url):
-    """The lease functions of common/functions.py: FCALL where the library is loaded (Redis 7), the same
+    """The lease functions of common/redis/functions.py: FCALL where the library is loaded (Redis 7), the same
     bodies by EVALSHA on Redis 6.2; another token neither renews nor drops the lease."""
     sync = redis.Redis.from_url(any_redis_url)
     has_functions = load_library(sync)

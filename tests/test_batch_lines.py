@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from batchfleet.gateway.batch_lines import (
+from batchfleet.gateway.batches.lines import (
     Limits,
     LineError,
     failure_line,
@@ -17,8 +17,8 @@ from batchfleet.gateway.batch_lines import (
     written_index,
 )
 from batchfleet.gateway.errors import APIError
-from batchfleet.gateway.schemas import request_job
-from batchfleet.producer.bulk_lines import MAX_LINE_BYTES, numbered
+from batchfleet.gateway.openai.chat.request import request_job
+from batchfleet.producer.bulk.lines import MAX_LINE_BYTES, numbered
 
 pytestmark = pytest.mark.unit
 LIMITS = Limits(600.0, 256)
@@ -86,7 +86,7 @@ def test_numbered_skips_blank_lines_and_never_reads_a_huge_line_whole():
 def test_validating_a_large_input_holds_one_line_at_a_time(tmp_path):
     import tracemalloc
 
-    from batchfleet.gateway.batch_runner import validate
+    from batchfleet.gateway.batches.runner import validate
 
     body = {"messages": [{"role": "user", "content": "x" * 10_000}], "max_tokens": 4}
     path = tmp_path / "big.jsonl"

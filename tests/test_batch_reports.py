@@ -18,8 +18,8 @@ import pytest
 import redis.asyncio
 
 from batchfleet.common.keys import Keys
-from batchfleet.gateway.batch_expiry import sweep
-from batchfleet.gateway.batch_store import BatchStore, FileStore
+from batchfleet.gateway.batches.expiry import sweep
+from batchfleet.gateway.batches.store import BatchStore, FileStore
 from tests.helpers.loops import silent_fleet
 from tests.test_openai_batches import batch_line, chat, lines_of, wait_until
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchfleet.worker.batcher import Batcher
+from batchfleet.worker.batching.batcher import Batcher
 
 pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
 

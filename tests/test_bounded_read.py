@@ -1,4 +1,4 @@
-"""The worker's reads are bounded in memory whatever size entries have (worker/bounded.py), on the
+"""The worker's reads are bounded in memory whatever size entries have (worker/transport/bounded.py), on the
 machine's Redis 7 and the bundled 6.2: too-large entries come back cut short with their real size, whole
 ones stay whole, one call returns at most its byte budget, reclaim is bounded the same way, and the common
 read is plain XREADGROUPs. Transport only (no model); the reply guard and the recovery after it are tested in
@@ -14,9 +14,9 @@ import redis
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.keys import Keys
-from batchfleet.worker import bounded
-from batchfleet.worker.consumer import StreamConsumer
 from batchfleet.worker.devtools import delete_namespace
+from batchfleet.worker.transport import bounded
+from batchfleet.worker.transport.consumer import StreamConsumer
 
 BIG = 3 << 20  # > MAX_ENTRY_BYTES (1 MiB + 64 KiB)
 

@@ -10,19 +10,19 @@ from collections import Counter
 
 import pytest
 
-from batchfleet.common.params import FIELDS
-from batchfleet.gateway.batch_expiry import expiry_seconds, form_expiry
-from batchfleet.gateway.batch_format import OpenAIFormat
-from batchfleet.gateway.batch_lines import Limits, line_code
-from batchfleet.gateway.batch_store import safe_name
-from batchfleet.gateway.bulk_cli import detect
-from batchfleet.gateway.bulk_progress import EXIT_CODES, progress_line
+from batchfleet.common.wire.params import FIELDS
+from batchfleet.gateway.batches.expiry import expiry_seconds, form_expiry
+from batchfleet.gateway.batches.format import OpenAIFormat
+from batchfleet.gateway.batches.lines import Limits, line_code
+from batchfleet.gateway.batches.store import safe_name
+from batchfleet.gateway.cli.bulk import detect
+from batchfleet.gateway.cli.bulk_progress import EXIT_CODES, progress_line
 from batchfleet.gateway.errors import APIError
-from batchfleet.producer.bulk import Fingerprints, verdict
-from batchfleet.producer.bulk_files import RunChanged, read_back, run_record
-from batchfleet.producer.bulk_lines import LINE_KEYS, SHA_KEY, PromptFormat, line_sha
-from batchfleet.producer.bulk_report import why_failed
-from batchfleet.producer.bulk_types import Summary
+from batchfleet.producer.bulk.file_run import Fingerprints, verdict
+from batchfleet.producer.bulk.files import RunChanged, read_back, run_record
+from batchfleet.producer.bulk.lines import LINE_KEYS, SHA_KEY, PromptFormat, line_sha
+from batchfleet.producer.bulk.report import why_failed
+from batchfleet.producer.bulk.work import Summary
 from batchfleet.producer.core import STRUCTURED
 
 pytestmark = pytest.mark.unit
@@ -56,7 +56,7 @@ def test_plain_text_lines_are_prompts_and_detection_tells_them_apart():
 
 
 def _result():
-    from batchfleet.common.protocol import Result
+    from batchfleet.common.wire.protocol import Result
     return Result("j", [1], "x", "length", 1, 1, 0.0, 0.0, 0.0, "w", 1)
 
 

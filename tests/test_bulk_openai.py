@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from batchfleet.gateway.errors import APIError
-from batchfleet.gateway.schemas import request_job
+from batchfleet.gateway.openai.chat.request import request_job
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]

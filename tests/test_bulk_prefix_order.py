@@ -9,10 +9,10 @@ import json
 import pytest
 
 from batchfleet.producer.aclient import AsyncClient
-from batchfleet.producer.bulk import bulk_file
-from batchfleet.producer.bulk_lines import Line
+from batchfleet.producer.bulk.file_run import bulk_file
+from batchfleet.producer.bulk.lines import Line
+from batchfleet.producer.bulk.prefix_order import prefix_key, submission_order
 from batchfleet.producer.chat import Chat
-from batchfleet.producer.prefix_order import prefix_key, submission_order
 
 SYSTEM_A = "You are a terse assistant that answers every question in one single word. Question: "
 SYSTEM_B = "Translate the following sentence into French, keeping names as they are: "

@@ -16,9 +16,9 @@ import pytest
 import redis
 
 from batchfleet.common.keys import Keys
-from batchfleet.common.lanes import BATCH
-from batchfleet.producer.bulk_files import RunNames, run_names
-from batchfleet.producer.bulk_lines import parse_lines
+from batchfleet.common.wire.lanes import BATCH
+from batchfleet.producer.bulk.files import RunNames, run_names
+from batchfleet.producer.bulk.lines import parse_lines
 from tests.conftest import TEST_BUCKETS, worker_config
 from tests.helpers.loops import LoopThread
 

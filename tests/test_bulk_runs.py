@@ -16,8 +16,8 @@ from pathlib import Path
 import redis
 
 from batchfleet.common.keys import Keys
-from batchfleet.common.lanes import BATCH
-from batchfleet.producer.bulk import bulk_file
+from batchfleet.common.wire.lanes import BATCH
+from batchfleet.producer.bulk.file_run import bulk_file
 from tests.conftest import TEST_BUCKETS
 from tests.helpers.loops import silent_fleet
 

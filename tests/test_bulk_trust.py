@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from batchfleet.producer.bulk_lines import SHA_KEY, line_sha
+from batchfleet.producer.bulk.lines import SHA_KEY, line_sha
 from tests.helpers.loops import silent_fleet
 from tests.test_bulk_runs import bulk_cli, last_line
 

@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from batchfleet.common.protocol import Result
-from batchfleet.gateway.formats import Shape, usage
+from batchfleet.common.wire.protocol import Result
+from batchfleet.gateway.openai.chat.format import Shape, usage
 from batchfleet.worker.devtools import free_port
 from tests.helpers.gateway import stream_events
 from tests.test_metrics import one, scrape

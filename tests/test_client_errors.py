@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import FleetInfo
+from batchfleet.common.wire.protocol import FleetInfo
 from batchfleet.producer import Client, FleetUnavailable, InvalidRequest, NoWorkers, PromptTooLong, Timeout
 from batchfleet.producer.chat import render
 from batchfleet.worker.engine.tokenizer import PRESET_CHAT_TEMPLATE

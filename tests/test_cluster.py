@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from batchfleet.common.config import ConnectionConfig
-from batchfleet.common.redis_conn import sync_client
+from batchfleet.common.redis.clients import sync_client
 from batchfleet.producer import Client
 from batchfleet.worker.devtools import spawn_worker
 from tests.conftest import TEST_BUCKETS, worker_config

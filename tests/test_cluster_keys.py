@@ -8,8 +8,8 @@ import pytest
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.keys import Keys
-from batchfleet.common.redis_conn import fleet_slot
-from batchfleet.common.redis_url import parse_cluster_url
+from batchfleet.common.redis.clients import fleet_slot
+from batchfleet.common.redis.url import parse_cluster_url
 
 
 @pytest.mark.unit

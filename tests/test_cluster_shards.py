@@ -13,9 +13,9 @@ import pytest
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.errors import Timeout
-from batchfleet.common.redis_conn import sync_client
+from batchfleet.common.redis.clients import sync_client
 from batchfleet.producer import Client
-from batchfleet.producer.status import snapshot
+from batchfleet.producer.ops.status import snapshot
 from tests.helpers.cluster import answers_streams_and_cancels, module_cluster_url
 from tests.helpers.loops import wait_until
 
@@ -141,8 +141,8 @@ def test_an_entry_a_waiter_reads_after_the_loop_stopped_waiting_is_taken_or_rele
     """The loop waits 50 ms and gives up; the shards' waiters stay blocked (2 s). An entry arriving then is read
     by its shard's waiter anyway: the loop's next read takes it; one not taken within LATE_S is released by the
     lease keeper's ``alive`` (no longer offered, pending with a lapsed lease) and comes back through reclaim."""
-    from batchfleet.worker.shard_waiters import LATE_S
-    from batchfleet.worker.sharded import ShardedConsumer
+    from batchfleet.worker.transport.shard_waiters import LATE_S
+    from batchfleet.worker.transport.sharded import ShardedConsumer
 
     keys = _layout(redis_url, namespace)
     t = ShardedConsumer(ConnectionConfig(redis_url, namespace), keys, (32,), f"w-{namespace}", 60, claim_idle_ms=1000)

@@ -15,8 +15,8 @@ from batchfleet.common.config import (
 from batchfleet.common.engine_config import PRESETS, EngineConfig
 from batchfleet.common.errors import ConfigError, PromptTooLong, ProtocolError
 from batchfleet.common.keys import Keys
-from batchfleet.common.params import Params
-from batchfleet.common.protocol import SCHEMA_VERSION, Delta, Error, FleetInfo, Request, Result, decode_reply
+from batchfleet.common.wire.params import Params
+from batchfleet.common.wire.protocol import SCHEMA_VERSION, Delta, Error, FleetInfo, Request, Result, decode_reply
 
 pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
 

@@ -11,11 +11,11 @@ import pytest
 import redis
 
 from batchfleet.common.config import ConnectionConfig, DashboardConfig
-from batchfleet.common.fleetstate import worker_stats
 from batchfleet.common.keys import Keys
+from batchfleet.common.redis.fleetstate import worker_stats
 from batchfleet.producer import Client
-from batchfleet.producer.dashboard import DashboardServer, dashboard_data
-from batchfleet.producer.status import prefix_cache_hit_rate
+from batchfleet.producer.ops.dashboard import DashboardServer, dashboard_data
+from batchfleet.producer.ops.status import prefix_cache_hit_rate
 from tests.conftest import TEST_BUCKETS
 from tests.helpers.browser import Dom, chromium, needs_chromium
 from tests.helpers.loops import wait_until

@@ -26,12 +26,12 @@ from batchfleet.common.config import DashboardConfig
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.keys import Keys
 from batchfleet.producer import Client
-from batchfleet.producer.batch_jobs import batch_job_row
-from batchfleet.producer.bulk import bulk_file
-from batchfleet.producer.bulk_registry import RUN_TTL_S, RunReporter, bulk_runs
-from batchfleet.producer.bulk_types import Summary
-from batchfleet.producer.history import history, record_sample, take_sample
-from batchfleet.producer.status import render_work
+from batchfleet.producer.bulk.file_run import bulk_file
+from batchfleet.producer.bulk.registry import RUN_TTL_S, RunReporter, bulk_runs
+from batchfleet.producer.bulk.work import Summary
+from batchfleet.producer.ops.batch_jobs import batch_job_row
+from batchfleet.producer.ops.history import history, record_sample, take_sample
+from batchfleet.producer.ops.status import render_work
 from tests.conftest import TEST_BUCKETS
 from tests.helpers.browser import Dom, chromium, needs_chromium
 from tests.helpers.loops import wait_until

@@ -20,7 +20,7 @@ import yaml
 from batchfleet.common.config import DEFAULT_BUCKETS
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.keys import Keys
-from batchfleet.common.redis_url import parse_cluster_url, parse_sentinel_url, redact_url
+from batchfleet.common.redis.url import parse_cluster_url, parse_sentinel_url, redact_url
 from scripts.k8s_redis import SECRET, URL_ANNOTATION, trigger_fields, write
 from tests.helpers.deploy import K8S, ROOT, configmap_env, container, of_kind
 

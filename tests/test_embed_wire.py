@@ -11,14 +11,14 @@ import struct
 import pytest
 
 from batchfleet.common.errors import InvalidRequest, ProtocolError
-from batchfleet.common.protocol import FleetInfo, Request, Result, decode_reply
-from batchfleet.common.wire import pack
-from batchfleet.gateway.embeddings_request import embed_job, embedding_response
+from batchfleet.common.wire.codec import pack
+from batchfleet.common.wire.protocol import FleetInfo, Request, Result, decode_reply
 from batchfleet.gateway.errors import APIError
-from batchfleet.gateway.responses_format import ResponseShape
-from batchfleet.gateway.responses_request import parse_call
+from batchfleet.gateway.openai.embeddings.request import embed_job, embedding_response
+from batchfleet.gateway.openai.responses.format import ResponseShape
+from batchfleet.gateway.openai.responses.request import parse_call
 from batchfleet.producer.core import Ask
-from batchfleet.worker.fleet import fingerprint
+from batchfleet.worker.transport.fleet import fingerprint
 
 pytestmark = pytest.mark.unit
 

@@ -28,8 +28,8 @@ import pytest
 import redis
 
 from batchfleet.common.errors import ConfigError
-from batchfleet.common.redis_conn import sync_client
-from batchfleet.common.redis_url import parse_sentinel_url
+from batchfleet.common.redis.clients import sync_client
+from batchfleet.common.redis.url import parse_sentinel_url
 from batchfleet.producer import Client
 from batchfleet.worker.devtools import PrivateRedis, free_port
 from tests.conftest import worker_config
@@ -201,11 +201,11 @@ def test_wait_replicas_unmet_reply_is_transient_and_rewrite_idempotent(redis_url
     """On a Redis without replicas, WAIT 1 answers 0: the worker's reply write raises NotReplicated (a
     transient error: the loop keeps the reply in its outbox), and rewriting it is idempotent."""
     from batchfleet.common.config import ConnectionConfig
-    from batchfleet.common.protocol import Error, decode_reply
-    from batchfleet.common.redis_conn import WAIT_TIMEOUT_MS, NotReplicated
-    from batchfleet.common.retry import TRANSIENT
-    from batchfleet.worker.consumer import StreamConsumer
-    from batchfleet.worker.transport import Reply
+    from batchfleet.common.redis.clients import WAIT_TIMEOUT_MS, NotReplicated
+    from batchfleet.common.redis.retry import TRANSIENT
+    from batchfleet.common.wire.protocol import Error, decode_reply
+    from batchfleet.worker.transport.base import Reply
+    from batchfleet.worker.transport.consumer import StreamConsumer
 
     if int(redis.Redis.from_url(redis_url).info("replication")["connected_slaves"]) > 0:
         pytest.skip("this Redis has replicas")

@@ -13,7 +13,7 @@ import torch
 
 from batchfleet.common.errors import JobFailed, PromptTooLong
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import SCHEMA_VERSION
+from batchfleet.common.wire.protocol import SCHEMA_VERSION
 from batchfleet.producer import AsyncClient, Client
 from batchfleet.worker.demo import make_prompts
 from batchfleet.worker.engine.models import load_model

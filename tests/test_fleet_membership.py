@@ -19,10 +19,10 @@ import redis
 
 from batchfleet.common.errors import FleetUnavailable
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import FleetInfo
+from batchfleet.common.wire.protocol import FleetInfo
 from batchfleet.producer import Client
 from batchfleet.worker.devtools import PrivateRedis, free_port
-from batchfleet.worker.fleet import FLEET_TTL_MS, FleetConflict
+from batchfleet.worker.transport.fleet import FLEET_TTL_MS, FleetConflict
 from tests.conftest import worker_config
 from tests.helpers.loops import LoopThread, wait_until
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import MAX_TIMEOUT_MS, MAX_TOKENS, SCHEMA_VERSION, Error, Result
+from batchfleet.common.wire.protocol import MAX_TIMEOUT_MS, MAX_TOKENS, SCHEMA_VERSION, Error, Result
 from tests.conftest import TEST_BUCKETS
 from tests.helpers.loops import inbox_replies, raw_inbox, request_fields, wait_until
 

@@ -15,7 +15,7 @@ import redis
 
 from batchfleet.common.keys import Keys
 from batchfleet.producer import AsyncClient
-from batchfleet.worker.cancels import CANCELS_EVERY_S
+from batchfleet.worker.transport.cancels import CANCELS_EVERY_S
 from tests.helpers.gateway import engine_stats, joined_text, loop_lag, parse_events, stream_events
 
 N_STREAMS = 200

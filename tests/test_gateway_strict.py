@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client import generate_latest
 
-from batchfleet.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from batchfleet.gateway.openai.chat.request import ChatCompletionRequest, CompletionRequest
 from batchfleet.gateway.strict import HONOURED, NEUTRAL_CHAT, NEUTRAL_COMPLETIONS, NEUTRAL_MESSAGE
 from tests.helpers.gateway import parse_events
 

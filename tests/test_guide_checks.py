@@ -12,18 +12,18 @@ import logging
 import pytest
 
 from batchfleet.common.errors import GUIDE_FAILED, InvalidRequest, JobFailed
-from batchfleet.common.guided import PROBE_EOS, PROBE_STEPS, Guide, GuideError, _probe_tokenizer, limits
-from batchfleet.common.params import Params
-from batchfleet.common.protocol import Error, Request, Result
+from batchfleet.common.wire.guided import PROBE_EOS, PROBE_STEPS, Guide, GuideError, _probe_tokenizer, limits
+from batchfleet.common.wire.params import Params
+from batchfleet.common.wire.protocol import Error, Request, Result
 from batchfleet.gateway.errors import APIError, api_error
-from batchfleet.gateway.schemas import request_job
+from batchfleet.gateway.openai.chat.request import request_job
 from batchfleet.gateway.service import job_params
 from batchfleet.producer.core import Ask
 from batchfleet.worker.engine.base import Completion, GenRequest
 from batchfleet.worker.ledger import Ledger
-from batchfleet.worker.replies import completion_reply
-from batchfleet.worker.transport import Entry
-from batchfleet.worker.validate import Accepted
+from batchfleet.worker.requests.replies import completion_reply
+from batchfleet.worker.requests.validate import Accepted
+from batchfleet.worker.transport.base import Entry
 
 RECURSIVE_REQUIRED = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 # the cases of issue 30: (request option, value, the reason's words); each passed llguidance's own validation

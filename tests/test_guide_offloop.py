@@ -1,4 +1,4 @@
-"""A new structured-output guide is checked off the worker loop's thread (worker/guidecheck.py): a real
+"""A new structured-output guide is checked off the worker loop's thread (worker/requests/guidecheck.py): a real
 WorkerLoop (native engine, continuous mode, tiny model), ticked by hand on real Redis, keeps decoding the
 requests it runs while a burst of distinct, deliberately slow guides is being judged (entries a producer
 wrote to the streams directly, past the clients' own check). Each bad-guide request gets exactly one
@@ -18,13 +18,13 @@ import pytest
 import redis
 
 from batchfleet.common.errors import CANCELLED, DEADLINE_EXCEEDED, INVALID_REQUEST
-from batchfleet.common.functions import BODIES
-from batchfleet.common.guided import Guide
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import Error, Result
+from batchfleet.common.redis.functions import BODIES
+from batchfleet.common.wire.guided import Guide
+from batchfleet.common.wire.protocol import Error, Result
 from batchfleet.worker.compose import build_worker
 from batchfleet.worker.loop import WorkerLoop
-from batchfleet.worker.requests import Stage
+from batchfleet.worker.requests.table import Stage
 from tests.conftest import worker_config
 from tests.helpers.loops import inbox_replies, raw_inbox, request_fields
 

@@ -10,9 +10,9 @@ import msgpack
 import pytest
 
 from batchfleet.common.errors import InvalidRequest, ProtocolError
-from batchfleet.common.guided import Guide, GuideError, from_options, from_response_format
-from batchfleet.common.params import Params
-from batchfleet.common.protocol import Delta, Request, Result, decode_reply
+from batchfleet.common.wire.guided import Guide, GuideError, from_options, from_response_format
+from batchfleet.common.wire.params import Params
+from batchfleet.common.wire.protocol import Delta, Request, Result, decode_reply
 from batchfleet.producer.core import Ask
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

@@ -1,6 +1,6 @@
 """Issue #12 hardening, the parts that need Redis but no model: strict ids and namespaces (fullmatch),
 fleet membership (fingerprint, join refusing a different live fleet, the fleet key's TTL, leave deleting
-it), and releasing never-started entries to peers without counting a delivery (worker/readahead.py)."""
+it), and releasing never-started entries to peers without counting a delivery (worker/requests/readahead.py)."""
 
 from __future__ import annotations
 
@@ -13,19 +13,19 @@ import pytest
 import redis
 
 from batchfleet.common.config import ConnectionConfig
-from batchfleet.common.fleetstate import live_workers
-from batchfleet.common.functions import LIVE_WORKER_MS
 from batchfleet.common.keys import Keys, valid_job_id
-from batchfleet.common.params import Params
-from batchfleet.common.protocol import FleetInfo, Request
-from batchfleet.worker import fleet
-from batchfleet.worker.batcher import Batcher
-from batchfleet.worker.consumer import StreamConsumer
+from batchfleet.common.redis.fleetstate import live_workers
+from batchfleet.common.redis.functions import LIVE_WORKER_MS
+from batchfleet.common.wire.params import Params
+from batchfleet.common.wire.protocol import FleetInfo, Request
+from batchfleet.worker.batching.batcher import Batcher
 from batchfleet.worker.engine.base import GenRequest
-from batchfleet.worker.readahead import ReadAhead, cap, release_after_s
-from batchfleet.worker.requests import RequestTable
-from batchfleet.worker.transport import Entry
-from batchfleet.worker.validate import Accepted, Limits, Rejected, accept, job_id_of
+from batchfleet.worker.requests.readahead import ReadAhead, cap, release_after_s
+from batchfleet.worker.requests.table import RequestTable
+from batchfleet.worker.requests.validate import Accepted, Limits, Rejected, accept, job_id_of
+from batchfleet.worker.transport import fleet
+from batchfleet.worker.transport.base import Entry
+from batchfleet.worker.transport.consumer import StreamConsumer
 
 
 # ---- point 4: fullmatch ---------------------------------------------------------------------------

@@ -86,7 +86,7 @@ def test_an_interactive_backlog_worth_two_workers_and_zero_only_when_all_is_answ
                                                                                       namespace):
     start_worker(max_batch_size=8)
     r = redis.Redis.from_url(redis_url)
-    # settling: a batch's entries are acked a round trip after its answers are stored (worker/settle.py)
+    # settling: a batch's entries are acked a round trip after its answers are stored (worker/transport/settle.py)
     assert_backlog_counted(redis_url, namespace, r, Keys(namespace), scaled_object(namespace), 2 * CAPACITY + 1, 24,
                            settling=8)
 
@@ -134,6 +134,6 @@ def test_a_worker_killed_holding_read_ahead_is_neither_lost_nor_double_counted(s
     finally:
         w.kill()
     for before, metric, after, _ in samples:  # + one batch (8): answered entries count until their acks, a round
-        assert after <= metric <= before + 8 and before <= len(jobs)  # trip later (worker/settle.py)
+        assert after <= metric <= before + 8 and before <= len(jobs)  # trip later (worker/transport/settle.py)
     assert desired_replicas(r, so)[0] == 0
     assert [res.id for res in results] == jobs

@@ -15,10 +15,10 @@ import redis
 
 from batchfleet.common.errors import InvalidRequest
 from batchfleet.common.keys import Keys
-from batchfleet.common.params import Params
-from batchfleet.common.protocol import Request
+from batchfleet.common.wire.params import Params
+from batchfleet.common.wire.protocol import Request
 from batchfleet.producer import Client
-from batchfleet.producer.status import snapshot
+from batchfleet.producer.ops.status import snapshot
 from tests.conftest import TEST_BUCKETS
 from tests.helpers.gateway import gateways
 from tests.helpers.loops import wait_until

@@ -42,6 +42,23 @@ MAY_IMPORT_WITHIN = {
     "worker/demo.py": {"common", "worker", "producer"},
     "worker/benchmark": {"common", "worker", "producer"},
 }
+# Inside each package, the role subfolders import one way: each may import the subfolders its row names (and
+# its package's top-level modules: the shared base and the composition roots), never a subfolder above it.
+# Every subfolder has a row.
+SUBFOLDER_MAY_IMPORT: dict[str, set[str]] = {
+    "common/wire": set(),
+    "common/redis": {"common/wire"},
+    "producer/bulk": set(),
+    "producer/ops": {"producer/bulk"},
+    "gateway/openai": set(),
+    "gateway/batches": {"gateway/openai"},
+    "gateway/cli": {"gateway/batches", "gateway/openai"},
+    "worker/engine": set(),
+    "worker/transport": set(),
+    "worker/batching": set(),
+    "worker/requests": {"worker/engine", "worker/transport", "worker/batching"},
+    "worker/benchmark": {"worker/engine", "worker/transport", "worker/requests", "worker/batching"},
+}
 MAX_LINES = 300
 CODE_SUFFIXES = {".py", ".c", ".h", ".sh", ".js", ".html"}
 HEAVY = {"torch", "transformers"}  # seconds to import: never at a unit test module's collection
@@ -212,3 +229,34 @@ def test_top_level_names_are_not_claimed(top, tmp_path):
     proc = subprocess.run([sys.executable, "-c", f"import {top}"], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr
     subprocess.run([sys.executable, "-c", f"import batchfleet.{top}"], cwd=tmp_path, check=True)
+
+
+def subfolder_of(module: str) -> str | None:
+    """``batchfleet.worker.requests.table`` -> ``worker/requests``; None for a package's top-level module."""
+    parts = module.split(".")
+    if len(parts) < 4 or parts[0] != "batchfleet":
+        return None
+    folder = "/".join(parts[1:3])
+    return folder if (ROOT / folder).is_dir() else None
+
+
+@pytest.mark.unit
+def test_every_role_subfolder_has_a_row():
+    found = {p.parent.relative_to(ROOT).as_posix() for top in PACKAGES for p in (ROOT / top).glob("*/__init__.py")}
+    assert found == set(SUBFOLDER_MAY_IMPORT)
+
+
+@pytest.mark.unit
+def test_role_subfolders_import_one_way():
+    """Between packages MAY_IMPORT rules; within one, SUBFOLDER_MAY_IMPORT."""
+    bad = set()
+    for name, path in modules().items():
+        here = subfolder_of(name)
+        if here is None:
+            continue
+        for dep in imports_of(path):
+            there = subfolder_of(dep)
+            same_package = there is not None and there.split("/")[0] == here.split("/")[0]
+            if same_package and there != here and there not in SUBFOLDER_MAY_IMPORT[here]:
+                bad.add(f"{here} -> {there} ({name} imports {dep})")
+    assert not bad, sorted(bad)

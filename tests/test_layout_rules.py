@@ -20,7 +20,7 @@ ENTRY_POINTS = {
     "batchfleet.producer.rq": "RQ enqueues its job functions by dotted name",
     "batchfleet.worker.health": "the Kubernetes probe runs `python -m batchfleet.worker.health`",
 }
-LUA_HOMES = {"common/functions.py", "worker/scripts.py"}  # the producer side's, the worker side's
+LUA_HOMES = {"common/redis/functions.py", "worker/transport/scripts.py"}  # the producer side's, the worker side's
 REDIS_CLIENT_MAKERS = {"AsyncClient", "async_client", "sync_client", "Redis", "from_url", "dashboard_client"}
 HTTP_METHODS = {"get", "post", "put", "patch", "delete", "api_route"}
 
@@ -49,7 +49,7 @@ def test_lua_lives_in_one_module_per_side():
 
 
 def test_only_the_gateways_connections_module_makes_redis_clients():
-    for path in (ROOT / "gateway").glob("*.py"):
+    for path in (ROOT / "gateway").rglob("*.py"):
         if path.name == "connections.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
@@ -62,7 +62,7 @@ def test_only_the_gateways_connections_module_makes_redis_clients():
 def test_gateway_routes_are_on_module_level_routers():
     """Every route is a module-level function on a module-level APIRouter (the key check is the router's
     dependency): no route closures inside create_app."""
-    for path in (ROOT / "gateway").glob("*.py"):
+    for path in (ROOT / "gateway").rglob("*.py"):
         tree = ast.parse(path.read_text())
         made = [n for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
                 and getattr(n.value.func, "id", "") == "APIRouter"]
@@ -89,7 +89,7 @@ def dataclass_fields(path: Path) -> dict[str, set[str]]:
 
 
 def test_generation_parameters_are_declared_once():
-    """Only common/params.py's Params declares the generation parameters; the wire Request and the engine's
+    """Only common/wire/params.py's Params declares the generation parameters; the wire Request and the engine's
     GenRequest embed it, and the wire carries no priority (the stream an entry is on is its class)."""
     from_table = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos"}
     for path in package_files():
@@ -98,6 +98,6 @@ def test_generation_parameters_are_declared_once():
                 assert from_table <= names
                 continue
             assert not names & from_table, f"{path.relative_to(ROOT)} {cls} redeclares {sorted(names & from_table)}"
-    wire = dataclass_fields(ROOT / "common" / "protocol.py")["Request"]
+    wire = dataclass_fields(ROOT / "common" / "wire" / "protocol.py")["Request"]
     assert "params" in wire and "priority" not in wire
     assert "params" in dataclass_fields(ROOT / "worker" / "engine" / "base.py")["GenRequest"]

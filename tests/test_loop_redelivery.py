@@ -10,7 +10,7 @@ import redis
 
 from batchfleet.common.keys import Keys
 from batchfleet.worker.compose import build_worker
-from batchfleet.worker.requests import Stage
+from batchfleet.worker.requests.table import Stage
 from tests.conftest import worker_config
 from tests.helpers.loops import inbox_replies, raw_inbox, reply_of, request_fields, wait_until
 

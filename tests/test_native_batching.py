@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchfleet.common.params import Params
+from batchfleet.common.wire.params import Params
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.native.engine import contiguous_waste
 from tests.helpers.native import build_model, hf_greedy, make_engine, prompt, request, run_all

@@ -1,4 +1,4 @@
-"""The one generation-parameter type (common/params.py): its table is docs/PROTOCOL.md's, and the client,
+"""The one generation-parameter type (common/wire/params.py): its table is docs/PROTOCOL.md's, and the client,
 the gateway and the worker accept and refuse the same values: each field's boundaries, driven from the
 table. Pure: no Redis, no model."""
 
@@ -12,11 +12,11 @@ import msgpack
 import pytest
 
 from batchfleet.common.errors import InvalidRequest, ProtocolError
-from batchfleet.common.guided import Guide
-from batchfleet.common.params import FIELDS, ParamError, Params, doc_rows
-from batchfleet.common.protocol import SCHEMA_VERSION, Request
+from batchfleet.common.wire.guided import Guide
+from batchfleet.common.wire.params import FIELDS, ParamError, Params, doc_rows
+from batchfleet.common.wire.protocol import SCHEMA_VERSION, Request
 from batchfleet.gateway.errors import APIError
-from batchfleet.gateway.schemas import OPENAI_MAX_TEMPERATURE, request_job
+from batchfleet.gateway.openai.chat.request import OPENAI_MAX_TEMPERATURE, request_job
 from batchfleet.producer.core import Ask
 
 pytestmark = pytest.mark.unit

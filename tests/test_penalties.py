@@ -12,8 +12,8 @@ import msgpack
 import openai
 import pytest
 
-from batchfleet.common.params import MAX_BIASED, ParamError, Params
-from batchfleet.common.protocol import Request
+from batchfleet.common.wire.params import MAX_BIASED, ParamError, Params
+from batchfleet.common.wire.protocol import Request
 from batchfleet.producer import Client, InvalidRequest
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.tokenizer import BYTE_OFFSET, EOS_ID
@@ -49,8 +49,8 @@ def test_the_parameter_type_takes_openais_shapes_and_bounds():
 @pytest.mark.unit
 def test_workers_answer_a_bias_past_their_vocabulary_invalid_request():
     from batchfleet.common.keys import Keys
-    from batchfleet.worker.transport import Entry
-    from batchfleet.worker.validate import Accepted, Limits, Rejected, accept
+    from batchfleet.worker.requests.validate import Accepted, Limits, Rejected, accept
+    from batchfleet.worker.transport.base import Entry
 
     keys = Keys("t")
     inbox = keys.inbox("client0123456789")

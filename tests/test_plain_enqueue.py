@@ -11,7 +11,7 @@ import redis
 
 from batchfleet.common.errors import QueueFull
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import Result
+from batchfleet.common.wire.protocol import Result
 from batchfleet.producer import Client
 from tests.helpers.loops import request_fields, silent_fleet, wait_until
 

@@ -15,7 +15,7 @@ from batchfleet.common.cli import main
 from batchfleet.common.keys import Keys
 from batchfleet.common.options import build_worker_config
 from batchfleet.producer import Client
-from batchfleet.producer.status import render, snapshot
+from batchfleet.producer.ops.status import render, snapshot
 from batchfleet.worker.devtools import free_port
 from tests.helpers.loops import wait_until
 from tests.helpers.native import prompt

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from batchfleet.common.protocol import FleetInfo
+from batchfleet.common.wire.protocol import FleetInfo
 from batchfleet.producer.core import FleetView
 
 pytestmark = pytest.mark.integration  # the byte-level tokenizer: transformers (not a unit test's import)

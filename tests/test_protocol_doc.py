@@ -1,7 +1,7 @@
 """docs/PROTOCOL.md is enough to write a client: a client built from the document alone (raw redis-py
 commands, msgpack, `tokenizers`; no batchfleet code on its request path) gets the same answer as
 ``Client.generate``, streams deltas, cancels; and the document's tables, codes and Lua bodies match the
-code (common/protocol.py, errors.py, functions.py, keys.py)."""
+code (common/wire/protocol.py, errors.py, functions.py, keys.py)."""
 
 from __future__ import annotations
 
@@ -187,11 +187,11 @@ def test_cancel_and_errors_as_documented(doc_client):
 
 def test_document_matches_the_code():
     from batchfleet.common.errors import ERROR_CODES
-    from batchfleet.common.functions import CANCEL, ENQUEUE, FUNCTION_NAMES, LIBRARY_NAME
-    from batchfleet.common.guided import GUIDE_KINDS, Guide
     from batchfleet.common.keys import Keys
-    from batchfleet.common.params import Params
-    from batchfleet.common.protocol import SCHEMA_VERSION, Delta, Error, FleetInfo, Request, Result
+    from batchfleet.common.redis.functions import CANCEL, ENQUEUE, FUNCTION_NAMES, LIBRARY_NAME
+    from batchfleet.common.wire.guided import GUIDE_KINDS, Guide
+    from batchfleet.common.wire.params import Params
+    from batchfleet.common.wire.protocol import SCHEMA_VERSION, Delta, Error, FleetInfo, Request, Result
 
     def fields(obj) -> set[str]:
         return set(msgpack.unpackb(obj.encode(), raw=False))

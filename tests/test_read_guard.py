@@ -1,4 +1,5 @@
-"""The reply guard and the recovery after it (worker/reply_guard.py, worker/delivered.py, worker/bounded.py),
+"""The reply guard and the recovery after it (worker/transport/reply_guard.py, worker/transport/delivered.py,
+worker/transport/bounded.py),
 on the machine's Redis 7 and the bundled 6.2: a read is plain XREADGROUPs whose replies are capped while they
 are parsed; one that passes the cap (a huge field, millions of small fields, many medium entries) is cut off
 with its connection, and what it delivered is recovered inside Redis: every entry once, too-large ones cut
@@ -15,9 +16,9 @@ import redis
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.keys import Keys
-from batchfleet.worker import bounded
-from batchfleet.worker.consumer import StreamConsumer
 from batchfleet.worker.devtools import delete_namespace
+from batchfleet.worker.transport import bounded
+from batchfleet.worker.transport.consumer import StreamConsumer
 
 HUGE = 48 << 20  # one field far past the guard's limit (below a recovery's 64 MiB scan budget)
 MANY = 300_000  # empty fields: ~19 MB at the guard's 64 bytes an element, a few MB on the wire

@@ -12,7 +12,7 @@ import redis
 
 from batchfleet.common.keys import Keys
 from batchfleet.producer import Client
-from batchfleet.worker.requests import Stage
+from batchfleet.worker.requests.table import Stage
 from tests.conftest import worker_config
 from tests.helpers.loops import wait_until
 

@@ -102,7 +102,7 @@ def test_redis_restart_mid_load_nothing_lost(aof_redis, tiny_model_dir, cache_di
 
 
 def test_submit_retries_through_an_outage_with_bounded_backoff(tiny_model_dir):
-    from batchfleet.common.protocol import FleetInfo
+    from batchfleet.common.wire.protocol import FleetInfo
 
     server = PrivateRedis(port=free_port()).start()
     ns = "retry"

@@ -13,7 +13,7 @@ import redis
 
 from batchfleet.common.errors import WORKER_FAILED, JobFailed, QueueFull, Timeout
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import FleetInfo
+from batchfleet.common.wire.protocol import FleetInfo
 from batchfleet.producer import Client
 from tests.conftest import worker_config
 from tests.helpers.loops import (
@@ -120,7 +120,7 @@ def test_queue_full_raises_at_once_and_enqueues_nothing(redis_url, namespace, ti
 
 
 def test_no_key_grows_without_bound(loops, redis_url, namespace, monkeypatch):
-    from batchfleet.worker import settle
+    from batchfleet.worker.transport import settle
 
     monkeypatch.setattr(settle, "DEAD_LETTER_MAXLEN", 20)
     loops(max_wait_ms=5, reply_ttl_s=30)
@@ -159,7 +159,7 @@ def test_groups_and_fleet_recreated_when_redis_comes_back_empty(loops, redis_url
 
 
 def test_internal_error_on_one_entry_costs_that_entry_only(loops, redis_url, namespace, monkeypatch):
-    from batchfleet.worker import intake
+    from batchfleet.worker.requests import intake
 
     real_accept = intake.accept
 
@@ -184,7 +184,7 @@ def test_internal_error_on_one_entry_costs_that_entry_only(loops, redis_url, nam
 
 def test_reclaim_follows_cursor_within_budget_and_drops_deleted(any_redis_url):
     from batchfleet.common.config import ConnectionConfig
-    from batchfleet.worker.consumer import StreamConsumer
+    from batchfleet.worker.transport.consumer import StreamConsumer
 
     ns = f"rc-{uuid.uuid4().hex[:6]}"
     keys = Keys(ns)
@@ -213,7 +213,7 @@ def test_reclaim_follows_cursor_within_budget_and_drops_deleted(any_redis_url):
 
 def test_dead_consumer_names_are_pruned_and_a_clean_stop_removes_its_own(redis_url, namespace):
     from batchfleet.common.config import ConnectionConfig
-    from batchfleet.worker.consumer import StreamConsumer
+    from batchfleet.worker.transport.consumer import StreamConsumer
 
     keys = Keys(namespace)
     conn = ConnectionConfig(redis_url=redis_url, namespace=namespace)
@@ -235,8 +235,8 @@ def test_dead_consumer_names_are_pruned_and_a_clean_stop_removes_its_own(redis_u
 
 
 def test_lease_keeper_renews_held_entries_until_the_loop_stalls():
-    from batchfleet.worker.reclaim import LeaseKeeper
-    from batchfleet.worker.transport import Entry
+    from batchfleet.worker.transport.base import Entry
+    from batchfleet.worker.transport.reclaim import LeaseKeeper
 
     class FakeConsumer:
         def __init__(self) -> None:

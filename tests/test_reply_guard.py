@@ -1,7 +1,8 @@
-"""The reply guard itself (worker/reply_guard.py) on every kind of client the worker makes (plain over RESP2 and
+"""The reply guard itself (worker/transport/reply_guard.py) on every kind of client the worker makes (plain over RESP2
+and
 RESP3, Redis Cluster, Sentinel): a reply past its limit raises ``ReplyTooLarge`` (no ConnectionError, no
 ResponseError) before its body is read, the connection is dropped and the client works on; and the
-bookkeeping that keeps a recovery from handing an entry over twice (worker/delivered.py), pure."""
+bookkeeping that keeps a recovery from handing an entry over twice (worker/transport/delivered.py), pure."""
 
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ import pytest
 import redis
 
 from batchfleet.common.config import ConnectionConfig
-from batchfleet.common.redis_conn import sync_client
-from batchfleet.worker.consumer import StreamConsumer, connect
-from batchfleet.worker.delivered import Delivered
+from batchfleet.common.redis.clients import sync_client
 from batchfleet.worker.devtools import PrivateRedis, free_port
-from batchfleet.worker.reply_guard import ReplyTooLarge, guard, one_budget
-from batchfleet.worker.transport import Entry
+from batchfleet.worker.transport.base import Entry
+from batchfleet.worker.transport.consumer import StreamConsumer, connect
+from batchfleet.worker.transport.delivered import Delivered
+from batchfleet.worker.transport.reply_guard import ReplyTooLarge, guard, one_budget
 from tests.helpers.acl import redis7_binary
 from tests.helpers.cluster import PrivateCluster
 from tests.helpers.loops import wait_until

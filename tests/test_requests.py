@@ -1,4 +1,4 @@
-"""The request table (worker/requests.py): stages, duplicate check, outbox, lease snapshot, hand-back set.
+"""The request table (worker/requests/table.py): stages, duplicate check, outbox, lease snapshot, hand-back set.
 Pure: no Redis, no engine."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import msgpack
 import pytest
 
 from batchfleet.common.keys import Keys
-from batchfleet.common.lanes import LANES, RANK
-from batchfleet.common.params import Params
-from batchfleet.common.protocol import Error, Request
-from batchfleet.worker.batcher import Batcher
-from batchfleet.worker.requests import RequestTable, Stage
-from batchfleet.worker.transport import Entry, Reply
-from batchfleet.worker.validate import Accepted, Limits, accept
+from batchfleet.common.wire.lanes import LANES, RANK
+from batchfleet.common.wire.params import Params
+from batchfleet.common.wire.protocol import Error, Request
+from batchfleet.worker.batching.batcher import Batcher
+from batchfleet.worker.requests.table import RequestTable, Stage
+from batchfleet.worker.requests.validate import Accepted, Limits, accept
+from batchfleet.worker.transport.base import Entry, Reply
 
 pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
 

@@ -17,7 +17,13 @@ from openai.types.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from batchfleet.gateway.errors import APIError
-from batchfleet.gateway.responses_items import answer_message, chat_messages, check_outputs, input_items, parse_items
+from batchfleet.gateway.openai.responses.items import (
+    answer_message,
+    chat_messages,
+    check_outputs,
+    input_items,
+    parse_items,
+)
 from tests.helpers.batches import bodies_of, run_batch
 from tests.helpers.tools import TOOLS
 

@@ -11,8 +11,8 @@ import msgpack
 import pytest
 
 from batchfleet.common.errors import ProtocolError
-from batchfleet.common.params import Params
-from batchfleet.common.protocol import Request
+from batchfleet.common.wire.params import Params
+from batchfleet.common.wire.protocol import Request
 from batchfleet.producer import Client, InvalidRequest
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.tokenizer import EOS_ID

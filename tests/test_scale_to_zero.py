@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from batchfleet.common.errors import NoWorkers
-from batchfleet.common.fleetstate import live_workers
 from batchfleet.common.keys import Keys
+from batchfleet.common.redis.fleetstate import live_workers
 from batchfleet.producer import Client
 from tests.helpers.gateway import gateways
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchfleet.common.lanes import batch_reserve
+from batchfleet.common.wire.lanes import batch_reserve
 from batchfleet.worker.engine.native.block_manager import BlockManager
 from batchfleet.worker.engine.native.scheduler import Scheduler
 from batchfleet.worker.engine.native.sequence import SeqStatus, Sequence

@@ -15,7 +15,7 @@ import redis
 
 from batchfleet.common.keys import Keys
 from batchfleet.producer import Client
-from batchfleet.producer.status import snapshot
+from batchfleet.producer.ops.status import snapshot
 from tests.conftest import TEST_BUCKETS
 from tests.helpers.loops import wait_until
 
@@ -93,7 +93,7 @@ def test_status_watch_until_interrupted(redis_url: str, namespace: str):
 def test_running_over_max_running_says_it_is_the_batch_reserve():
     """Interactive work fills --max-running while the batch class keeps its reserve decoding: 'running' above
     the limit is explained, not shown bare (issue 32)."""
-    from batchfleet.producer.status import _worker_row, render
+    from batchfleet.producer.ops.status import _worker_row, render
 
     beat = {"name": "w1", "alive": True, "seen_s": 0.5, "engine": "native", "mode": "continuous", "active": 70,
             "waiting": 3, "engine_running_limit": 64, "engine_batch_reserve": 6}

@@ -1,4 +1,4 @@
-"""Streamed text is always a prefix of the final text (worker/streaming.py), whatever bytes the model emits:
+"""Streamed text is always a prefix of the final text (worker/requests/streaming.py), whatever bytes the model emits:
 a property test over random token streams of the byte-level tokenizer (one token per byte, so invalid and
 truncated UTF-8 sequences are everywhere), with special tokens (no bytes) mixed in and the engine's
 progress arriving in random chunks."""
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchfleet.common.protocol import decode_reply
+from batchfleet.common.wire.protocol import decode_reply
 from batchfleet.worker.engine.tokenizer import BYTE_OFFSET
-from batchfleet.worker.streaming import StreamPublisher
+from batchfleet.worker.requests.streaming import StreamPublisher
 
 pytestmark = pytest.mark.integration  # the byte-level tokenizer: transformers (not a unit test's import)
 

@@ -1,4 +1,4 @@
-"""Incremental detokenization (worker/streaming.py), pure: with the byte-level tokenizer every byte is one
+"""Incremental detokenization (worker/requests/streaming.py), pure: with the byte-level tokenizer every byte is one
 token, so multi-byte characters always arrive split across tokens."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from batchfleet.common.protocol import decode_reply
-from batchfleet.worker.streaming import StreamPublisher
+from batchfleet.common.wire.protocol import decode_reply
+from batchfleet.worker.requests.streaming import StreamPublisher
 
 pytestmark = pytest.mark.integration  # the byte-level tokenizer: transformers (not a unit test's import)
 

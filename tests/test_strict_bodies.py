@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from batchfleet.gateway.errors import APIError
-from batchfleet.gateway.schemas import ChatCompletionRequest, CompletionRequest, request_job
+from batchfleet.gateway.openai.chat.request import ChatCompletionRequest, CompletionRequest, request_job
 from batchfleet.gateway.strict import check_json_type
 
 pytestmark = pytest.mark.unit

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from batchfleet.common.config import DynamicBatchingConfig
-from batchfleet.common.guided import Guide, dump_schema
+from batchfleet.common.wire.guided import Guide, dump_schema
 from batchfleet.worker.engine.hf import HFEngine
 from tests.helpers.native import build_model, make_engine, prompt, request
 

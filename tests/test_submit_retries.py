@@ -15,8 +15,8 @@ import redis
 
 from batchfleet.common.errors import QueueFull, Timeout
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import Result
-from batchfleet.common.redis_conn import async_client
+from batchfleet.common.redis.clients import async_client
+from batchfleet.common.wire.protocol import Result
 from batchfleet.producer import Client
 from tests.helpers.loops import request_fields, silent_fleet, wait_until
 

@@ -13,13 +13,13 @@ import jsonschema
 import pytest
 
 from batchfleet.common.errors import InvalidRequest
-from batchfleet.common.guided import PROBE_EOS, _probe_tokenizer, limits
-from batchfleet.common.protocol import Result
+from batchfleet.common.wire.guided import PROBE_EOS, _probe_tokenizer, limits
+from batchfleet.common.wire.protocol import Result
 from batchfleet.gateway.errors import APIError
-from batchfleet.gateway.formats import Shape
-from batchfleet.gateway.schemas import request_job
-from batchfleet.gateway.tool_parsers import FAMILIES, Call, pick
-from batchfleet.gateway.tools import ToolStream
+from batchfleet.gateway.openai.chat.format import Shape
+from batchfleet.gateway.openai.chat.request import request_job
+from batchfleet.gateway.openai.tools.calling import ToolStream
+from batchfleet.gateway.openai.tools.parsers import FAMILIES, Call, pick
 from batchfleet.producer.chat import render
 from tests.helpers.tools import ADD, HERMES_TEMPLATE, TOOLS, WEATHER
 
@@ -62,7 +62,7 @@ def walk(grammar: str, rng: random.Random, steps: int = 4000) -> str:
     """A random output of ``grammar`` (llguidance over bytes: every step a random allowed byte, or the end)."""
     import llguidance
 
-    from batchfleet.common.guided import Guide
+    from batchfleet.common.wire.guided import Guide
 
     m = llguidance.LLMatcher(_probe_tokenizer(), Guide("grammar", grammar).grammar(), log_level=0, limits=limits())
     out = bytearray()

@@ -11,12 +11,12 @@ import json
 
 import pytest
 
-from batchfleet.common.protocol import Result
+from batchfleet.common.wire.protocol import Result
 from batchfleet.gateway.errors import APIError
-from batchfleet.gateway.formats import Shape
-from batchfleet.gateway.schemas import request_job
-from batchfleet.gateway.tool_parsers import FAMILIES
-from batchfleet.gateway.tools import ToolStream
+from batchfleet.gateway.openai.chat.format import Shape
+from batchfleet.gateway.openai.chat.request import request_job
+from batchfleet.gateway.openai.tools.calling import ToolStream
+from batchfleet.gateway.openai.tools.parsers import FAMILIES
 from tests.helpers.tools import ADD, TOOLS, WEATHER
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""The adaptive batching window, exactly, on a fake clock (no Redis, no torch): worker/window.py through the
+"""The adaptive batching window, exactly, on a fake clock (no Redis, no torch): worker/batching/window.py through the
 Batcher that asks it."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from batchfleet.worker.batcher import Batcher
-from batchfleet.worker.window import QUIET_S, RATE_HORIZON_S, Window
+from batchfleet.worker.batching.batcher import Batcher
+from batchfleet.worker.batching.window import QUIET_S, RATE_HORIZON_S, Window
 
 pytestmark = pytest.mark.unit
 

@@ -16,7 +16,7 @@ import redis
 
 from batchfleet.common.errors import INVALID_REQUEST
 from batchfleet.common.keys import Keys
-from batchfleet.common.protocol import Error
+from batchfleet.common.wire.protocol import Error
 from batchfleet.worker.devtools import PrivateRedis, free_port, spawn_worker
 from tests.helpers.loops import inbox_replies, wait_until
 

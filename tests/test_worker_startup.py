@@ -13,8 +13,8 @@ from pathlib import Path
 
 import redis
 
-from batchfleet.common.fleetstate import live_workers
 from batchfleet.common.keys import Keys
+from batchfleet.common.redis.fleetstate import live_workers
 from batchfleet.worker.devtools import free_port
 
 

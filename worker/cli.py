@@ -29,7 +29,7 @@ def worker(**values) -> None:
         if cfg.metrics_port:  # checked first: a port in use stops this worker in a second, before torch loads
             server = reserve_metrics(cfg.metrics_port, cfg.metrics_host)
         from batchfleet.worker.compose import run_worker
-        from batchfleet.worker.fleet import FleetConflict
+        from batchfleet.worker.transport.fleet import FleetConflict
 
         try:
             code = run_worker(cfg, metrics_server=server)

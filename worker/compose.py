@@ -19,16 +19,16 @@ from batchfleet.common import logs
 from batchfleet.common.config import DynamicBatchingConfig, WorkerConfig
 from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.metrics import MetricsServer, reserve_metrics
-from batchfleet.common.protocol import FleetInfo
-from batchfleet.worker.consumer import default_consumer_name
+from batchfleet.common.wire.protocol import FleetInfo
 from batchfleet.worker.engine.base import Engine
 from batchfleet.worker.engine.models import LoadedModel, load_model, make_preset
-from batchfleet.worker.fleet import with_fingerprint
 from batchfleet.worker.loop import WorkerLoop
 from batchfleet.worker.metrics import LoopStats, WorkerMetrics
-from batchfleet.worker.sharded import redis_transport
-from batchfleet.worker.transport import Transport
-from batchfleet.worker.validate import Limits
+from batchfleet.worker.requests.validate import Limits
+from batchfleet.worker.transport.base import Transport
+from batchfleet.worker.transport.consumer import default_consumer_name
+from batchfleet.worker.transport.fleet import with_fingerprint
+from batchfleet.worker.transport.sharded import redis_transport
 
 log = logging.getLogger(__name__)
 

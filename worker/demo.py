@@ -22,7 +22,7 @@ from batchfleet.common.config import DynamicBatchingConfig
 from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.options import build_worker_config, config_options, option_args
-from batchfleet.common.redis_url import redact_url
+from batchfleet.common.redis.url import redact_url
 from batchfleet.worker.benchmark.loadgen import percentile
 from batchfleet.worker.devtools import delete_namespace, ensure_redis, spawn_worker
 

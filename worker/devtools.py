@@ -28,7 +28,7 @@ import redis
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.keys import Keys
-from batchfleet.common.redis_conn import sync_client
+from batchfleet.common.redis.clients import sync_client
 
 
 def _stop_process(proc: subprocess.Popen | None, timeout_s: float) -> None:

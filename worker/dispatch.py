@@ -3,7 +3,7 @@
 Admission (which held requests enter the engine, and when), one engine step and its completions,
 engine failures (who is retried alone, who runs again as usual, who is released or given up),
 cancellation of running requests, and streamed deltas. It owns no request state: held requests are the
-request table's (worker/requests.py), capacity is the engine's (``Engine.room``), counts are the
+request table's (worker/requests/table.py), capacity is the engine's (``Engine.room``), counts are the
 ledger's; replies leave through ``send`` (the loop's outbox).
 
 Invariants: a request that must run alone starts only on an idle engine and nothing joins it; a failed
@@ -18,18 +18,18 @@ from collections.abc import Callable
 
 from batchfleet.common.config import WorkerConfig
 from batchfleet.common.errors import CANCELLED
-from batchfleet.common.lanes import INTERACTIVE, LANES, RANK
-from batchfleet.common.retry import TRANSIENT
+from batchfleet.common.redis.retry import TRANSIENT
+from batchfleet.common.wire.lanes import INTERACTIVE, LANES, RANK
+from batchfleet.worker.batching.window import Window
 from batchfleet.worker.engine.base import Completion, Engine
-from batchfleet.worker.intake import Intake
 from batchfleet.worker.ledger import Ledger
 from batchfleet.worker.metrics import LoopStats
-from batchfleet.worker.replies import completion_reply, error_reply
-from batchfleet.worker.requests import RequestTable, Stage
-from batchfleet.worker.streaming import StreamPublisher
-from batchfleet.worker.transport import Cancel, Reply, Transport
-from batchfleet.worker.validate import Accepted
-from batchfleet.worker.window import Window
+from batchfleet.worker.requests.intake import Intake
+from batchfleet.worker.requests.replies import completion_reply, error_reply
+from batchfleet.worker.requests.streaming import StreamPublisher
+from batchfleet.worker.requests.table import RequestTable, Stage
+from batchfleet.worker.requests.validate import Accepted
+from batchfleet.worker.transport.base import Cancel, Reply, Transport
 
 log = logging.getLogger("batchfleet.worker.loop")
 
@@ -51,7 +51,7 @@ class Dispatcher:
         self.observer = observer  # the loop's observer (WorkerMetrics with --metrics-port)
         self.alone = False  # a request that must run alone is in the engine: nothing may join it
         self.progress = time.monotonic()  # last time an engine step returned
-        self.window = window  # the batcher's window (worker/window.py): fed step and run times
+        self.window = window  # the batcher's window (worker/batching/window.py): fed step and run times
         self._run_began: float | None = None  # when the engine last started from idle
         self._logs: list[dict] = []  # batch records not written yet (written after the next step)
 

@@ -20,9 +20,9 @@ import sys
 import redis
 
 from batchfleet.common.config import connection_from_env
-from batchfleet.common.fleetstate import live_workers
 from batchfleet.common.keys import Keys
-from batchfleet.common.redis_conn import sync_client
+from batchfleet.common.redis.clients import sync_client
+from batchfleet.common.redis.fleetstate import live_workers
 
 FRESH_MS = 10_000  # heartbeats come every 2-5 s (5 s idle); 10 s without one is not ready (the live window is 30 s)
 LIVE_MS = 60_000  # the lease keeper beats every 2.5 s even during a long engine step: a minute without is wedged

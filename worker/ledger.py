@@ -14,9 +14,9 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 
 from batchfleet.common.errors import CANCELLED, WORKER_FAILED
-from batchfleet.common.lanes import LANES
-from batchfleet.common.protocol import Result
-from batchfleet.worker.transport import Reply
+from batchfleet.common.wire.lanes import LANES
+from batchfleet.common.wire.protocol import Result
+from batchfleet.worker.transport.base import Reply
 
 EVENTS = ("batches", "batched_requests", "reclaimed", "released", "handed_to_peers", "internal_errors",
           "deltas", "duplicates")

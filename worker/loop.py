@@ -1,14 +1,14 @@
 """The worker loop: the only place that wires transport, intake, request table, dispatcher and engine.
 
 One tick, top to bottom, as a list: forget what the read-ahead thread released; act on the guide checks
-that finished (worker/guidecheck.py: new guides are judged off this thread); write replies still in
+that finished (worker/requests/guidecheck.py: new guides are judged off this thread); write replies still in
 the outbox; take over entries dead workers left pending; read new entries (blocking only while nothing
 can run, and never past the next batch deadline) and validate them; honour cancels; answer requests
 whose deadline passed; admit; run one engine step and write its deltas; write replies; heartbeat.
 
 Invariants: an entry is settled only by the write that stores its reply (or dead-letters it), so whatever
 dies, it stays pending until answered; every request held is in exactly one stage of the request table
-(worker/requests.py), the one owner of held requests, whose snapshot the lease keeper renews; other
+(worker/requests/table.py), the one owner of held requests, whose snapshot the lease keeper renews; other
 threads (read-ahead, lease keeper, guide check) never change the loop's state: they post to it
 (``ReadAhead.settle``, ``GuideChecks.done``); replies that could not be written wait in the outbox and are
 retried after an outage; one entry's failure (bad input, a bug, an engine fault) costs only that entry.
@@ -22,26 +22,26 @@ import time
 from collections.abc import Callable
 
 from batchfleet.common.config import WorkerConfig
-from batchfleet.common.retry import TRANSIENT, Backoff
-from batchfleet.worker.batcher import Batcher
+from batchfleet.common.redis.retry import TRANSIENT, Backoff
+from batchfleet.worker.batching.batcher import Batcher
+from batchfleet.worker.batching.window import Window
 from batchfleet.worker.dispatch import Dispatcher
 from batchfleet.worker.engine.base import Engine
-from batchfleet.worker.guidecheck import Compiler, GuideChecks
-from batchfleet.worker.intake import Intake
 from batchfleet.worker.ledger import Ledger
 from batchfleet.worker.metrics import LoopStats
-from batchfleet.worker.readahead import ReadAhead
-from batchfleet.worker.reclaim import LeaseKeeper
-from batchfleet.worker.requests import RequestTable, Stage
-from batchfleet.worker.streaming import StreamPublisher
-from batchfleet.worker.transport import Reply, StreamsLost, Transport, TransportError
-from batchfleet.worker.validate import Limits
-from batchfleet.worker.window import Window
+from batchfleet.worker.requests.guidecheck import Compiler, GuideChecks
+from batchfleet.worker.requests.intake import Intake
+from batchfleet.worker.requests.readahead import ReadAhead
+from batchfleet.worker.requests.streaming import StreamPublisher
+from batchfleet.worker.requests.table import RequestTable, Stage
+from batchfleet.worker.requests.validate import Limits
+from batchfleet.worker.transport.base import Reply, StreamsLost, Transport, TransportError
+from batchfleet.worker.transport.reclaim import LeaseKeeper
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0  # while anything changed (requests answered or held): statuses stay fresh
-IDLE_HEARTBEAT_S = 5.0  # nothing changed: live window 30 s (common/functions.py LIVE_WORKER_MS), status TTL 15 s
+IDLE_HEARTBEAT_S = 5.0  # nothing changed: live window 30 s (common/redis/functions.py LIVE_WORKER_MS), status TTL 15 s
 SHUTDOWN_OUTAGE_GRACE_S = 10.0  # on shutdown, how long to keep retrying replies Redis will not take
 
 
@@ -67,7 +67,7 @@ class WorkerLoop:
         self.transport = transport
         b = cfg.batching
         joins = cfg.engine.mode == "continuous"
-        # when partly filled batches close (worker/window.py): the dispatcher tells it what steps and runs cost
+        # when partly filled batches close (worker/batching/window.py): the dispatcher tells it what steps and runs cost
         self.window = Window(b.max_wait_ms, adaptive=b.window == "adaptive", joins=joins, ttft_slo_ms=b.ttft_slo_ms)
         self.requests = RequestTable(Batcher(b.buckets, b.max_batch_size, b.max_wait_ms, window=self.window))
         self.ledger = Ledger()
@@ -85,7 +85,7 @@ class WorkerLoop:
         self.outage = Backoff(log, "redis")
         self.faults = Backoff(log, "worker loop (after an internal error)")
         self._progress = time.monotonic()  # last time a tick completed or an engine step returned
-        # read-ahead bound (worker/readahead.py): hold only what can start soon, release what waits too long
+        # read-ahead bound (worker/requests/readahead.py): hold only what can start soon, release what waits too long
         self.readahead = ReadAhead(transport, b.max_wait_ms, cfg.claim_idle_ms)
         self.lease = LeaseKeeper(transport, cfg.claim_idle_ms, lambda: self.readahead.unreleased(self.requests),
                                  lambda: max(self._progress, self.dispatch.progress), cfg.stall_timeout_s,
@@ -103,7 +103,8 @@ class WorkerLoop:
         """
         self.lease.start()
         self.readahead.start()
-        # a status at once: the first tick's read of an idle worker blocks up to MAX_BLOCK_MS (worker/consumer.py)
+        # a status at once: the first tick's read of an idle worker blocks up to MAX_BLOCK_MS
+        # (worker/transport/consumer.py)
         # before the tick's own heartbeat, and status, the dashboard and those waiting for a worker read this key
         self._guarded(self._heartbeat)
         try:

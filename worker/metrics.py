@@ -21,12 +21,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from batchfleet.common.errors import ERROR_CODES
-from batchfleet.common.lanes import LANES
 from batchfleet.common.metrics import MetricsServer, queue_collector, registry_with, serve_metrics
-from batchfleet.common.protocol import Result
+from batchfleet.common.wire.lanes import LANES
+from batchfleet.common.wire.protocol import Result
 from batchfleet.worker.ledger import Ledger
-from batchfleet.worker.requests import Stage
-from batchfleet.worker.transport import Reply
+from batchfleet.worker.requests.table import Stage
+from batchfleet.worker.transport.base import Reply
 
 log = logging.getLogger(__name__)
 

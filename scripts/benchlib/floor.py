@@ -23,7 +23,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from batchfleet.common.params import Params
+from batchfleet.common.wire.params import Params
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.native import hugepages
 from batchfleet.worker.engine.native.engine import NativeEngine

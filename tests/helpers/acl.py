@@ -92,7 +92,7 @@ def run_load_command(server: PrivateRedis) -> subprocess.CompletedProcess:
 
 def install_documented_acl(server: PrivateRedis) -> None:
     """Paste the block (twice: it is re-runnable), then run the documented library load command."""
-    from batchfleet.common.functions import LIBRARY_NAME
+    from batchfleet.common.redis.functions import LIBRARY_NAME
 
     lines = acl_block().strip().splitlines()
     for _ in range(2):

@@ -16,8 +16,8 @@ import redis
 
 from batchfleet.common.config import WorkerConfig
 from batchfleet.common.keys import Keys
-from batchfleet.common.params import Params
-from batchfleet.common.protocol import Delta, Error, Request, Result, decode_reply
+from batchfleet.common.wire.params import Params
+from batchfleet.common.wire.protocol import Delta, Error, Request, Result, decode_reply
 from batchfleet.worker.engine.base import Completion, GenRequest
 from batchfleet.worker.loop import WorkerLoop
 
@@ -160,9 +160,9 @@ def silent_fleet(redis_url: str, namespace: str, **info: object) -> Iterator[Non
     """A live "worker" that publishes the fleet (the tiny preset's tokenizer; ``info``: other FleetInfo fields)
     and never reads: enqueues are accepted and no answer ever comes."""
     from batchfleet.common.config import ConnectionConfig
-    from batchfleet.common.protocol import FleetInfo
-    from batchfleet.worker.consumer import StreamConsumer
+    from batchfleet.common.wire.protocol import FleetInfo
     from batchfleet.worker.engine.tokenizer import byte_level_tokenizer
+    from batchfleet.worker.transport.consumer import StreamConsumer
     from tests.conftest import TEST_BUCKETS
 
     probe = StreamConsumer(ConnectionConfig(redis_url=redis_url, namespace=namespace), TEST_BUCKETS,

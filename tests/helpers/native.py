@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from batchfleet.common.config import DynamicBatchingConfig
 from batchfleet.common.engine_config import EngineConfig
-from batchfleet.common.params import Params
+from batchfleet.common.wire.params import Params
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.models import LoadedModel, load_model
 from batchfleet.worker.engine.native.engine import NativeEngine
@@ -59,7 +59,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def gen_request(id: str, prompt: list[int], bucket: int, priority: int = 0, **params) -> GenRequest:
-    """An engine request; ``params`` are common/params.py's fields."""
+    """An engine request; ``params`` are common/wire/params.py's fields."""
     return GenRequest(id=id, prompt=prompt, bucket=bucket, params=Params(**params), priority=priority)
 
 

@@ -12,7 +12,7 @@ from batchfleet.common.cli import connection_options
 from batchfleet.common.config import DynamicBatchingConfig
 from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.options import config_options
-from batchfleet.common.redis_url import redact_url
+from batchfleet.common.redis.url import redact_url
 from batchfleet.worker.benchmark.loadgen import make_workload
 from batchfleet.worker.benchmark.report import machine, markdown_table, plot, write_json
 from batchfleet.worker.benchmark.runner import LoadSpec, latency_probe, run_load, serving_inproc, serving_redis

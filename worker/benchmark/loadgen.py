@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from batchfleet.common.protocol import Result
+from batchfleet.common.wire.protocol import Result
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""An in-process ``Transport`` (worker/transport.py), for measuring what Redis adds.
+"""An in-process ``Transport`` (worker/transport/base.py), for measuring what Redis adds.
 
 The worker loop, batcher, validation and engine are the real ones; only the transport differs: entries
 and replies are the same encoded bytes, handed over through a deque and a condition variable.
@@ -14,11 +14,11 @@ from collections import deque
 
 from batchfleet.common.config import bucket_for
 from batchfleet.common.keys import Keys
-from batchfleet.common.lanes import INTERACTIVE
-from batchfleet.common.params import Params
-from batchfleet.common.protocol import FleetInfo, Request, Result
+from batchfleet.common.wire.lanes import INTERACTIVE
+from batchfleet.common.wire.params import Params
+from batchfleet.common.wire.protocol import FleetInfo, Request, Result
 from batchfleet.producer.core import parse_reply
-from batchfleet.worker.transport import Cancel, Entry, FlushWatch, Reply, Transport
+from batchfleet.worker.transport.base import Cancel, Entry, FlushWatch, Reply, Transport
 
 INBOX = "inproc000000000000"  # the one inbox token of this process's MemClient
 

@@ -3,7 +3,7 @@
 staticN: wait until N requests are there (no timeout; the bench flushes the last partial batch).
 dynamicX: close a batch at 32 entries or X ms after its oldest entry (one bucket's batch runs to completion).
 fixedX: continuous mode (native joins) with a fixed X ms window. continuous: the worker's default, continuous
-mode with the adaptive window (worker/window.py) bounded by 50 ms.
+mode with the adaptive window (worker/batching/window.py) bounded by 50 ms.
 """
 
 from __future__ import annotations

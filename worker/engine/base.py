@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from batchfleet.common.errors import ENGINE_ERROR
-from batchfleet.common.params import DEFAULT, Params
+from batchfleet.common.wire.params import DEFAULT, Params
 
 
 @dataclass
 class GenRequest:
-    """One validated request as the engine sees it: the wire's parameters as they came (common/params.py:
+    """One validated request as the engine sees it: the wire's parameters as they came (common/wire/params.py:
     the sampler reads ``params``), the bucket and class of the stream it came from."""
 
     id: str
@@ -26,7 +26,7 @@ class GenRequest:
     bucket: int
     params: Params = DEFAULT
     enqueued_at: float = 0.0  # unix time, for bookkeeping only
-    priority: int = 0  # 0 = interactive, 1 = batch (common/lanes.py RANK of its stream): lower is more urgent
+    priority: int = 0  # 0 = interactive, 1 = batch (common/wire/lanes.py RANK of its stream): lower is more urgent
     embed: bool = False  # an embed request (worker/engine/embed.py): prefill only, answered with a vector
 
 

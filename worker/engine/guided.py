@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import llguidance
 import torch
 
-from batchfleet.common.guided import Guide, GuideError, limits, matcher_error
+from batchfleet.common.wire.guided import Guide, GuideError, limits, matcher_error
 
 log = logging.getLogger(__name__)
 # guides whose compiled matcher a worker keeps: few, as one holds its lexer states (about 65 MiB for the

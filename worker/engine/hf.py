@@ -15,7 +15,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 
 from batchfleet.common.config import DynamicBatchingConfig
 from batchfleet.common.errors import GUIDE_FAILED
-from batchfleet.common.guided import GuideError
+from batchfleet.common.wire.guided import GuideError
 from batchfleet.worker.engine.base import Completion, GenRequest
 from batchfleet.worker.engine.embed import EmbedQueue, dense_encoder
 from batchfleet.worker.engine.guided import GuideCompiler

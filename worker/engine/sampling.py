@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from batchfleet.common.errors import GUIDE_FAILED
-from batchfleet.common.guided import matcher_error
+from batchfleet.common.wire.guided import matcher_error
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.guided import apply_masks
 

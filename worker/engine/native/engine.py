@@ -19,8 +19,8 @@ import torch
 from batchfleet.common.config import DynamicBatchingConfig
 from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.errors import ENGINE_ERROR, GUIDE_FAILED
-from batchfleet.common.guided import GuideError
-from batchfleet.common.lanes import batch_reserve
+from batchfleet.common.wire.guided import GuideError
+from batchfleet.common.wire.lanes import batch_reserve
 from batchfleet.worker.engine.base import Completion, GenRequest
 from batchfleet.worker.engine.embed import EmbedQueue
 from batchfleet.worker.engine.guided import GuideCompiler

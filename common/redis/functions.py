@@ -1,0 +1,123 @@
+"""The server-side code of the producer side, as Lua run inside Redis: enqueue and cancel (every
+producer), and the compare-and-renew / compare-and-release of a batch lease (the gateway's batch runner).
+
+On Redis 7+ a worker (or an admin, see docs/SECURITY.md) loads them once as the function library
+``batchfleet`` and producers call them with ``FCALL``, so a producer's ACL user needs no ``EVAL``: it can
+run these functions and nothing else of Lua. On Redis 6.2 (no functions) producers send the same
+bodies with ``EVALSHA``. One body each, used both ways (``Functions`` picks).
+
+Both run with the caller's ACL permissions (Redis has no "run as definer"): whatever a function writes,
+its caller may also write directly. docs/SECURITY.md says what that means for untrusted producers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis
+
+from batchfleet.common.redis.clients import same_node
+
+LIBRARY_NAME = "batchfleet"
+LIVE_WORKER_MS = 30_000  # a worker whose last heartbeat (Redis time) is older than this is gone
+CANCELS_MAXLEN = 10_000
+
+# KEYS: stream, workers (zset). ARGV: max_len (0 = unbounded), job id, reply key, payload, max payload bytes,
+# require workers ('1'/'0'), live worker window (ms).
+# Returns 1 enqueued, 0 queue full, -1 no live worker, -2 payload too large. The entry's id is Redis' clock.
+ENQUEUE = """
+if string.len(ARGV[4]) > tonumber(ARGV[5]) then return -2 end
+if ARGV[6] == '1' then
+  local t = redis.call('TIME')
+  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if redis.call('ZCOUNT', KEYS[2], now_ms - tonumber(ARGV[7]), '+inf') == 0 then return -1 end
+end
+local max_len = tonumber(ARGV[1])
+if max_len > 0 and redis.call('XLEN', KEYS[1]) >= max_len then return 0 end
+redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'r', ARGV[3], 'p', ARGV[4])
+return 1
+"""
+
+# KEYS: cancel marker, cancels stream. ARGV: job id, reply key, ttl seconds, cancels maxlen.
+# The marker stops a worker that reads the job later; the stream entry reaches workers already holding it.
+# Workers honour a cancel only when its reply key is the job's own (only the submitter knows it).
+CANCEL = """
+redis.call('SET', KEYS[1], ARGV[2], 'EX', tonumber(ARGV[3]))
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', tonumber(ARGV[4]), '*', 'id', ARGV[1], 'r', ARGV[2])
+return 1
+"""
+
+# KEYS: a batch lease (gateway/batches/store.py). ARGV: the holder's token, ttl ms. Only the holder extends it:
+# returns 1 renewed, 0 not held (expired, or another process holds it now).
+LEASE_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+# KEYS: a batch lease. ARGV: the holder's token. Only the holder drops it: returns 1 released, 0 not held.
+LEASE_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+BODIES = {"enqueue": ENQUEUE, "cancel": CANCEL}  # the client protocol's (docs/PROTOCOL.md): any producer
+LEASE_BODIES = {"lease_renew": LEASE_RENEW, "lease_release": LEASE_RELEASE}  # the gateway's batch leases
+# bump a name's version with an incompatible body change
+FUNCTION_NAMES = {name: f"bf_{name}_v1" for name in BODIES}
+LEASE_FUNCTION_NAMES = {name: f"bf_{name}_v1" for name in LEASE_BODIES}
+ALL_BODIES = {**BODIES, **LEASE_BODIES}
+ALL_FUNCTION_NAMES = {**FUNCTION_NAMES, **LEASE_FUNCTION_NAMES}
+
+
+def library_code() -> str:
+    """The ``FUNCTION LOAD`` source: every body registered under its versioned name."""
+    parts = [f"#!lua name={LIBRARY_NAME}"]
+    for name, body in ALL_BODIES.items():
+        parts.append(f"local function {name}(KEYS, ARGV)\n{body.strip()}\nend")
+        parts.append(f"redis.register_function('{ALL_FUNCTION_NAMES[name]}', {name})")
+    return "\n".join(parts) + "\n"
+
+
+def load_library(r) -> bool:
+    """Load (or replace) the library with a sync redis-py client; False on a Redis without functions (< 7)."""
+    try:
+        r.execute_command("FUNCTION", "LOAD", "REPLACE", library_code())
+    except redis.ResponseError as exc:
+        if "unknown command" in str(exc).lower():
+            return False
+        raise
+    return True
+
+
+Command = Callable[[Any], Awaitable[Any]]  # client or pipeline -> the reply
+
+
+class Functions:
+    """Calls the library's functions on an asyncio client: ``FCALL``, or ``EVALSHA`` of the same body where
+    Redis has no functions (6.2) or the library is not loaded (yet, or an older one without the function)."""
+
+    def __init__(self, r: Any) -> None:
+        self.r = r
+        self._scripts = {name: r.register_script(body) for name, body in ALL_BODIES.items()}
+        self._fcall = True  # False once Redis says it has no FCALL (< 7)
+
+    async def call(self, name: str, keys: list[str], args: list[Any],
+                   send: Callable[[Command], Awaitable[Any]] | None = None) -> Any:
+        """Run function ``name``. ``send(command)`` awaits ``command(client)`` (default: on this client), so a
+        caller may wrap it (common/redis/clients.py ``write_acked`` runs it in a pipeline with ``WAIT``)."""
+        send = send or (lambda command: command(self.r))
+        if self._fcall:
+            try:
+                # on a cluster, sent to the master of the first key: redis-py would ask a node which keys an
+                # FCALL names (COMMAND GETKEYS, one more round trip) before every call
+                where = same_node(self.r, keys[0]) if keys else {}
+                return await send(lambda c: c.execute_command("FCALL", ALL_FUNCTION_NAMES[name], len(keys), *keys,
+                                                              *args, **where))
+            except redis.ResponseError as exc:
+                msg = str(exc).lower()
+                if "unknown command" in msg:
+                    self._fcall = False
+                elif "function not found" not in msg:
+                    raise
+        return await send(lambda c: self._scripts[name](keys=keys, args=args, client=c))

@@ -1,0 +1,1 @@
+"""What crosses the wire: request/reply types and their codec, generation parameters, guides, priority classes."""

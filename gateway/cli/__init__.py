@@ -1,0 +1,1 @@
+"""The gateway package's commands: batchfleet serve, batches and bulk."""

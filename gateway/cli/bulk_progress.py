@@ -1,0 +1,121 @@
+"""How ``batchfleet bulk`` shows a run and stops it: a progress bar on a terminal, plain progress lines
+elsewhere (nohup, CI, a Kubernetes Job: a log file shows the count, rate and ETA every ``--progress-every``
+seconds), and Ctrl-C or SIGTERM (what ``timeout``, Kubernetes and systemd send) as a clean stop: nothing
+more is submitted, what has arrived is written, the jobs in flight are left to the next run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+import click
+
+from batchfleet.producer.bulk.work import Summary
+
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's number, as a shell reports it
+
+
+def duration(seconds: float) -> str:
+    """``1h02m``, ``4m10s``, ``7s``."""
+    s = int(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def progress_line(noun: str, s: Summary, elapsed: float) -> str:
+    """``prompts: 1200/10000 (12%), 35.2/s, ETA 4m10s``: the rate of this run's lines."""
+    pct = 100 * s.done // s.total if s.total else 100
+    rate = s.written / elapsed if elapsed > 0 else 0.0
+    eta = duration((s.total - s.done) / rate) if rate > 0 else "?"
+    return f"{noun}: {s.done}/{s.total} ({pct}%), {rate:.1f}/s, ETA {eta}"
+
+
+class Progress:
+    """The ``progress`` callback of a run: from the first answer on (an error before it stays the only line),
+    a bar when ``stream`` is a terminal, else a plain line every ``every_s`` seconds and at the end."""
+
+    def __init__(self, noun: str, every_s: float, stream: IO[str] | None = None) -> None:
+        self.noun, self.every_s, self.stream = noun, every_s, stream or sys.stderr
+        self.bar: Any = None
+        self.start = time.monotonic()
+        self.shown = 0.0  # when the last plain line was written
+        self.tty = self.stream.isatty()
+
+    def __call__(self, s: Summary) -> None:
+        if self.tty:
+            if self.bar is None:
+                self.bar = click.progressbar(length=s.total, label=self.noun, show_pos=True, file=self.stream)
+                self.bar.__enter__()
+            self.bar.update(s.done - self.bar.pos)
+            return
+        now = time.monotonic()
+        if now - self.shown >= self.every_s or s.done >= s.total:
+            self.shown = now
+            self.stream.write(progress_line(self.noun, s, now - self.start) + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+
+
+class Stopper:
+    """While a bulk run runs: the first Ctrl-C or SIGTERM sets ``stop`` (a clean stop, also right after the
+    run ended: then it changes nothing) and is remembered (``exit_code``); a second one ends the process at
+    once. The handlers stay installed until ``restore()``, so a signal racing an interrupted run's exit never
+    becomes a traceback."""
+
+    def __init__(self, stop: asyncio.Event) -> None:
+        self.stop, self.loop, self.presses = stop, None, 0
+        self.signum: int = signal.SIGINT
+        self.main = threading.current_thread() is threading.main_thread()  # signal handlers: main thread only
+        self.previous = {sig: signal.signal(sig, self._pressed) for sig in EXIT_CODES} if self.main else {}
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.signum]
+
+    def _pressed(self, signum: int, frame: object) -> None:
+        self.presses += 1
+        if self.presses > 1:
+            raise KeyboardInterrupt
+        self.signum = signum
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.stop.set)
+
+    async def run(self, coro: Any) -> Any:
+        self.loop = asyncio.get_running_loop()
+        return await coro
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def run_stoppable(make_run: Callable[[asyncio.Event, Callable[[Summary], None]], Any], noun: str,
+                  every_s: float) -> Summary:
+    """Run ``make_run(stop, progress)`` with progress shown and Ctrl-C / SIGTERM as a clean stop; an
+    interrupted run exits here: 130 (Ctrl-C), 143 (SIGTERM), 1 (the fleet stopped it), after one line that
+    says how far it got and how to resume."""
+    stop = asyncio.Event()
+    progress = Progress(noun, every_s)
+    stopper = Stopper(stop)
+    try:
+        s = asyncio.run(stopper.run(make_run(stop, progress)))
+    finally:
+        progress.close()
+    if s.interrupted:  # our handlers stay: a signal racing this exit must not turn it into a traceback
+        why = ("interrupted" if stopper.signum == signal.SIGINT else "stopped by SIGTERM") if s.error is None \
+            else f"stopped ({' '.join(str(s.error).split())})"
+        click.echo(f"{why}: {s.done} of {s.total} lines written, {s.in_flight} jobs left in flight; run the "
+                   "same command again to resume", err=True)
+        sys.exit(stopper.exit_code if s.error is None else 1)
+    stopper.restore()
+    return s

@@ -1,0 +1,1 @@
+"""OpenAI's API on the fleet: chat and completions, Responses, embeddings, tool calling."""

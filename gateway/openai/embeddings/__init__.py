@@ -1,0 +1,1 @@
+"""/v1/embeddings: request bodies and the route."""

@@ -1,0 +1,1 @@
+"""/v1/responses: request bodies, items, routes, answer objects and stored responses."""

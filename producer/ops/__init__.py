@@ -1,0 +1,1 @@
+"""What operators see: batchfleet status, the dashboard, the fleet's history, batch jobs as read from Redis."""

@@ -1,0 +1,130 @@
+"""Per-bucket, per-class queues and batch deadlines. Pure Python: no Redis, no torch; time is passed in.
+
+Rule (exact): a queue (one bucket of one priority class) closes its batch when it holds
+``max_batch_size`` entries, or when ``max_wait_ms`` has passed since its OLDEST entry was enqueued,
+whichever is first. Buckets never share a batch, nor do classes. Classes are served in order
+(``LANES``: interactive, then batch): a batch-class batch is taken only when no interactive one is
+closed (or the interactive class has no room). Within a class the next batch is the queue whose head
+has the earliest deadline, then the earliest arrival; within a queue, entries are taken in the same
+order (earliest deadline first, then arrival). ``max_wait_ms=None`` (or infinity) means "static": a
+batch closes only when full (or on ``flush``). When a partly filled batch closes by time is the window's
+decision (worker/batching/window.py): fixed (``max_wait_ms`` after the oldest entry, the default here) or adaptive.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from batchfleet.common.wire.lanes import INTERACTIVE, LANES
+from batchfleet.worker.batching.window import Window
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, order=True)
+class Pending(Generic[T]):
+    deadline: float  # inf when the request has none: earliest deadline first
+    enqueued_at: float  # seconds, same clock as `now`: then arrival order
+    item: T = field(compare=False)
+    bucket: int = field(compare=False)
+
+
+class Batcher(Generic[T]):
+    """Holds requests per (class, bucket) and decides which batch runs next."""
+
+    def __init__(self, buckets: Iterable[int], max_batch_size: int, max_wait_ms: float | None,
+                 lanes: tuple[str, ...] = LANES, window: Window | None = None) -> None:
+        self.max_batch_size = max_batch_size
+        static = max_wait_ms is None or math.isinf(max_wait_ms)
+        self.max_wait_s = None if static else max_wait_ms / 1000.0
+        self.window = window if window is not None else Window(math.inf if static else max_wait_ms)
+        self.lanes = lanes
+        # each queue sorted by (deadline, enqueued_at): Redis delivery order is near-sorted, so the
+        # insertion point is almost always the end
+        self._queues: dict[tuple[str, int], list[Pending[T]]] = {(lane, b): [] for lane in lanes for b in buckets}
+        self._flush = False
+
+    def add(self, item: T, bucket: int, enqueued_at: float, lane: str = INTERACTIVE,
+            deadline: float | None = None, arrival: bool = True) -> None:
+        """Queue ``item``; ``arrival=False`` for one queued again (it ran, and a failed step dropped it): not
+        an arrival, so the window's arrival rate does not count it twice."""
+        entry = Pending(math.inf if deadline is None else deadline, enqueued_at, item, bucket)
+        q = self._queues[(lane, bucket)]
+        q.insert(bisect.bisect(q, entry), entry)
+        if arrival:
+            self.window.arrived((lane, bucket), enqueued_at)
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def pending(self, bucket: int, lane: str = INTERACTIVE) -> int:
+        return len(self._queues[(lane, bucket)])
+
+    @property
+    def static(self) -> bool:
+        return self.max_wait_s is None
+
+    def flush(self) -> None:
+        """Close every non-empty batch now (end of load, shutdown)."""
+        self._flush = True
+
+    def _closes_at(self, key: tuple[str, int], q: list[Pending[T]]) -> float:
+        times = [p.enqueued_at for p in q]
+        return self.window.closes_at(key, min(times), len(q), max(times))
+
+    def _ready(self, key: tuple[str, int], q: list[Pending[T]], now: float) -> bool:
+        if not q:
+            return False
+        if self._flush or len(q) >= self.max_batch_size:
+            return True
+        # same expression as next_deadline(), so "now == deadline" is ready despite float rounding
+        return self.max_wait_s is not None and now >= self._closes_at(key, q)
+
+    def next_deadline(self) -> float | None:
+        """Earliest time a not-yet-full batch closes by time; None if nothing waits on a timer."""
+        if self.max_wait_s is None:
+            return None
+        closing = [self._closes_at(key, q) for key, q in self._queues.items() if q]
+        return min(closing) if closing else None
+
+    def pop_batch(self, now: float, limit: int | None = None,
+                  rooms: Mapping[str, int] | None = None) -> tuple[int, list[T]] | None:
+        """Remove and return the next closed batch (bucket, items in order), or None.
+
+        ``limit`` caps the items taken (the engine's room); ``rooms`` gives it per class instead (a class
+        with no room is skipped). What is not taken stays queued, its batch still closed."""
+        for lane in self.lanes:
+            room = limit if rooms is None else rooms.get(lane, 0)
+            if room is not None and room <= 0:
+                continue
+            ready = [(q[0], key[1]) for key, q in self._queues.items() if key[0] == lane and self._ready(key, q, now)]
+            if ready:
+                _, bucket = min(ready)
+                n = self.max_batch_size if room is None else min(room, self.max_batch_size)
+                return bucket, self.take(bucket, n, lane)
+        if self._flush and not len(self):
+            self._flush = False
+        return None
+
+    def take(self, bucket: int, n: int, lane: str = INTERACTIVE) -> list[T]:
+        """Remove up to n items of a queue, in its order."""
+        q = self._queues[(lane, bucket)]
+        taken, q[:] = q[:n], q[n:]
+        return [p.item for p in taken]
+
+    def expire(self, is_expired: Callable[[T], bool]) -> list[T]:
+        """Remove and return every queued item for which ``is_expired(item)`` is true."""
+        gone: list[T] = []
+        for key, q in self._queues.items():
+            keep: list[Pending[T]] = []
+            for p in q:
+                if is_expired(p.item):
+                    gone.append(p.item)
+                else:
+                    keep.append(p)
+            self._queues[key] = keep
+        return gone
