@@ -293,4 +293,4 @@ def connection_from_env(redis_url: str | None = None, namespace: str | None = No
     env = os.environ if environ is None else environ
     explicit = {"redis_url": redis_url, "namespace": namespace}
     values = {f.name: explicit.get(f.name) or env.get(option_env(f)) for f in fields(ConnectionConfig) if is_option(f)}
-    return ConnectionConfig(**{k: v for k, v in values.items() if v})
+    return ConnectionConfig(**{k: v for k, v in values.items() if v})  # type: ignore[arg-type]  # checked there

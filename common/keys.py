@@ -137,7 +137,7 @@ class Keys:
         """The token of a reply key of this namespace (``<ns>:inbox:<token>``, on any of its shards), else
         None."""
         shard = self.shard_of(reply_key) if isinstance(reply_key, str) else None
-        if shard is None:
+        if shard is None or not isinstance(reply_key, str):
             return None
         prefix = f"{self.of_shard(shard).prefix}:inbox:"
         if reply_key.startswith(prefix) and valid_inbox(reply_key[len(prefix):]):

@@ -26,7 +26,8 @@ async def generate_many(client: Any, prompts: Sequence[Prompt], deadline: Deadli
             if isinstance(j, Outgoing):
                 client._give_up_later(j.id)
         raise failed[0]
-    waits = [asyncio.ensure_future(client._result(j.id, deadline, give_up=True)) for j in jobs]
+    sent: list[Outgoing] = [j for j in jobs if isinstance(j, Outgoing)]  # all of them: none failed
+    waits = [asyncio.ensure_future(client._result(j.id, deadline, give_up=True)) for j in sent]
     try:
         return list(await asyncio.gather(*waits))
     except BaseException:

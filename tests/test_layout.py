@@ -1,5 +1,5 @@
 """The package's shape: what each top-level package may import (every import of every file, at top level
-or inside a function), imports that run one way, no mixins, files of at most 300 lines, unit test modules
+or inside a function), imports that run one way, no mixins, files near 400 lines flagged, unit test modules
 that import no torch, a README map that matches the tree. Static checks (AST) are unit; the two checks in a
 clean subprocess are integration."""
 
@@ -10,6 +10,7 @@ import functools
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,7 @@ SUBFOLDER_MAY_IMPORT: dict[str, set[str]] = {
     "worker/requests": {"worker/engine", "worker/transport", "worker/batching"},
     "worker/benchmark": {"worker/engine", "worker/transport", "worker/requests", "worker/batching"},
 }
-MAX_LINES = 300
+WARN_LINES = 400  # past this a file is flagged (a warning, not a failure)
 CODE_SUFFIXES = {".py", ".c", ".h", ".sh", ".js", ".html"}
 HEAVY = {"torch", "transformers"}  # seconds to import: never at a unit test module's collection
 
@@ -68,8 +69,6 @@ HEAVY = {"torch", "transformers"}  # seconds to import: never at a unit test mod
 KNOWN_VIOLATIONS_TO_REMOVE: dict[str, set[str]] = {
     # (file, top-level package it imports) that MAY_IMPORT refuses
     "imports": set(),
-    # code files over MAX_LINES
-    "lines": set(),
 }
 
 
@@ -129,15 +128,18 @@ def test_the_client_packages_import_no_torch_anywhere():
 
 
 @pytest.mark.unit
-def test_code_files_are_at_most_300_lines():
-    long = set()
+def test_code_files_near_400_lines_are_flagged():
+    """One idea per file, its size following the idea: no hard limit (splitting a file to stay under one
+    scattered ideas over several files); a file past WARN_LINES gets a warning in the test report, a hint
+    to see whether it holds two ideas."""
+    long = {}
     for folder in MAY_IMPORT:
         for path in (ROOT / folder).rglob("*"):
             if path.suffix in CODE_SUFFIXES and "__pycache__" not in path.parts:
-                if len(path.read_text().splitlines()) > MAX_LINES:
-                    long.add(str(path.relative_to(ROOT)))
-    assert long <= KNOWN_VIOLATIONS_TO_REMOVE["lines"], sorted(long - KNOWN_VIOLATIONS_TO_REMOVE["lines"])
-    assert not KNOWN_VIOLATIONS_TO_REMOVE["lines"] - long, "fixed: remove from KNOWN_VIOLATIONS_TO_REMOVE"
+                if (n := len(path.read_text().splitlines())) > WARN_LINES:
+                    long[str(path.relative_to(ROOT))] = n
+    for name, n in sorted(long.items()):
+        warnings.warn(f"{name}: {n} lines; does it hold one idea?", stacklevel=1)
 
 
 def unit_test_modules() -> list[Path]:

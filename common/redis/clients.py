@@ -33,7 +33,7 @@ WAIT_TIMEOUT_MS = 2_000  # how long one WAIT (--wait-replicas) may block for rep
 
 def _sentinel_kwargs(s: SentinelURL, kw: dict[str, Any]) -> dict[str, Any]:
     """Timeouts of the data connections also bound the Sentinel queries (a dead Sentinel must not hang)."""
-    out = {k: kw[k] for k in ("socket_timeout", "socket_connect_timeout") if k in kw}
+    out: dict[str, Any] = {k: kw[k] for k in ("socket_timeout", "socket_connect_timeout") if k in kw}
     if s.sentinel_password:
         out["password"] = s.sentinel_password
     return out
@@ -99,7 +99,7 @@ def sync_client(url: str, wrap_connection: Callable[[type], type] | None = None,
     if is_cluster(url):
         if wrap_connection is not None:
             kw = dict(kw, connection_class=wrap_connection(redis.Connection))
-        return _FleetCluster(**_cluster_kwargs(url, kw, scluster.ClusterNode))  # type: ignore[return-value]
+        return _FleetCluster(**_cluster_kwargs(url, kw, scluster.ClusterNode))
     if not is_sentinel(url):
         r = redis.Redis.from_url(url, **kw)
     else:
@@ -120,7 +120,7 @@ def async_client(url: str, *, max_connections: int | None = None, **kw: Any) -> 
     blocking (a caller waits for a free connection, without a pool timeout); a cluster client's pools are not
     bounded (redis-py's async cluster client raises at its limit instead of waiting)."""
     if is_cluster(url):
-        return _AsyncFleetCluster(**_cluster_kwargs(url, kw, acluster.ClusterNode))  # type: ignore[return-value]
+        return _AsyncFleetCluster(**_cluster_kwargs(url, kw, acluster.ClusterNode))
     if not is_sentinel(url):
         if max_connections is None:
             return aredis.Redis.from_url(url, **kw)

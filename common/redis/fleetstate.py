@@ -53,13 +53,15 @@ def live_workers(r: redis.Redis, keys: Keys, within_ms: int = LIVE_WORKER_MS) ->
     """The one live-workers query: names of workers whose last heartbeat (scored with Redis' own clock) is
     newer than ``within_ms``. The async twin is ``live_workers_async``; client, health check, status and
     fleet membership all ask through these."""
-    since = _live_since_ms(*r.time(), within_ms)
+    sec, usec = r.time()
+    since = _live_since_ms(sec, usec, within_ms)
     return [_decode(m) for m in r.zrangebyscore(keys.workers, since, "+inf")]
 
 
 async def live_workers_async(r, keys: Keys, within_ms: int = LIVE_WORKER_MS) -> list[str]:
     """``live_workers`` on an asyncio redis client."""
-    since = _live_since_ms(*(await r.time()), within_ms)
+    sec, usec = await r.time()
+    since = _live_since_ms(sec, usec, within_ms)
     return [_decode(m) for m in await r.zrangebyscore(keys.workers, since, "+inf")]
 
 
@@ -84,7 +86,7 @@ def queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int]
     for rows in zip(*per_shard):
         lags = [q.lag for q in rows]
         out.append(QueueStats(rows[0].bucket, rows[0].lane, sum(q.length for q in rows), sum(q.depth for q in rows),
-                              sum(q.pending for q in rows), None if None in lags else sum(lags),  # type: ignore[arg-type]
+                              sum(q.pending for q in rows), None if None in lags else sum(q or 0 for q in lags),
                               max(q.oldest_age_s for q in rows)))
     return out
 
@@ -104,7 +106,7 @@ def _queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int
     for i, (_, b, lane) in enumerate(streams):
         length, groups, first = res[1 + 3 * i: 4 + 3 * i]
         length = length if isinstance(length, int) else 0
-        group = {}
+        group: dict = {}
         if isinstance(groups, list):  # an error (no such stream yet) counts as an empty queue
             group = next((g for g in groups if _decode(g.get("name")) == keys.group), {})
         pending = int(group.get("pending") or 0)

@@ -94,14 +94,15 @@ class Bound:
         elif self.kind == "bias":
             ok = isinstance(value, tuple) and len(value) <= MAX_BIASED and all(
                 isinstance(p, tuple) and len(p) == 2 and type(p[0]) is int and 0 <= p[0] <= MAX_TOKEN_ID
-                and type(p[1]) in (int, float) and math.isfinite(p[1]) and self.lo <= p[1] <= self.hi  # type: ignore[operator]
+                and type(p[1]) in (int, float) and math.isfinite(p[1]) and self.lo <= p[1] <= self.hi
                 for p in value) and len({p[0] for p in value}) == len(value)
         else:  # bool is an int subclass: refused on purpose; NaN fails every comparison
             typed = type(value) is int if self.kind == "int" else type(value) in (int, float) and math.isfinite(value)
             ok = typed and ((self.zero and value == 0) or (
                 (self.lo < value if self.lo_open else self.lo <= value) and value <= self.hi))
         if not ok:
-            error = TooLong if name == "max_new_tokens" and type(value) is int and value > self.hi else ParamError
+            too_long = name == "max_new_tokens" and type(value) is int and self.hi is not None and value > self.hi
+            error = TooLong if too_long else ParamError
             raise error(name, f"{name} must be {self.accepts()}, got {value!r}"[:300])
 
 

@@ -99,7 +99,7 @@ class Request:
             raise ProtocolError(f"kind must be one of {', '.join(REQUEST_KINDS)}, got {kind!r}"[:200])
         if kind == "embed" and stream:
             raise ProtocolError("an embed request cannot stream")
-        return cls(id=job_id, prompt=tokens_field(obj, "prompt", 1), params=Params.from_wire(obj),
+        return cls(id=str(job_id), prompt=tokens_field(obj, "prompt", 1), params=Params.from_wire(obj),
                    timeout_ms=timeout_ms, reply_key=str_field(obj, "reply_key"), stream=stream, kind=kind)
 
 

@@ -13,7 +13,8 @@ NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multip
 def inexact_integer(schema: Any) -> int | None:
     """An integer of a schema's numeric keywords (bounds, ``const``, ``enum``, at any depth) that a float
     cannot hold exactly, or None. Walked without recursion (schemas may nest deeply)."""
-    todo, values = [schema], []
+    todo: list[Any] = [schema]
+    values: list[Any] = []
     while todo:
         node = todo.pop()
         if isinstance(node, dict):

@@ -113,7 +113,8 @@ def run_record(output_path: str | None, resume: bool, params: dict[str, Any] | N
     written beside the output (0600) before anything is submitted. Stdout (None): never resumed."""
     key_path = None if output_path is None else output_path + KEY_SUFFIX
     params = None if params is None else json.loads(json.dumps(params))  # as read back: lists, not tuples
-    if resume and key_path is not None and os.path.exists(output_path) and os.path.exists(key_path):
+    if resume and output_path is not None and key_path is not None \
+            and os.path.exists(output_path) and os.path.exists(key_path):
         record = RunRecord.load(key_path)
         if record is not None:
             if params is not None and record.params is not None and record.params != params:
