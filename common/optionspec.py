@@ -16,7 +16,7 @@ def option(help: str, *, flag: str | None = None, choices: tuple[str, ...] | Non
     """Field metadata that makes a config field a CLI option (read by common/options.py).
 
     ``flag`` overrides ``--<field-name>`` (without the dashes); the environment variable is always
-    ``BATCHFLEET_<FLAG>`` (one rule, no exceptions: README and --help say so). ``choices`` restricts the
+    ``BATCHFLEET_<FLAG>`` (one rule, no exceptions: docs/CONFIGURATION.md and --help say so). ``choices`` restricts the
     value, ``parse`` turns the command-line text into the field's value, ``aliases`` are older flag names
     still accepted.
     """

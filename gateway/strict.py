@@ -1,4 +1,4 @@
-"""The gateway's strictness rules, in one place (README's table is written from these).
+"""The gateway's strictness rules, in one place (docs/GATEWAY.md's table is written from these).
 
 A request field is one of three kinds:
 

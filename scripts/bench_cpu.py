@@ -1,4 +1,4 @@
-"""This CPU's row for docs/BENCHMARKS.md "Per CPU kind": the decode step against its floor, before and
+"""This CPU's row for docs/BENCHMARKS_HISTORY.md "Per CPU kind": the decode step against its floor, before and
 after the per-CPU kernels, in one run.
 
     python scripts/bench_cpu.py --json docs/bench/cpu_<kind>.json

@@ -9,7 +9,7 @@ round in turn: every layer's decode attention through the kernel over the engine
 (an fp32 sum over buffers on huge pages, one per layer, as the serial bound of ``benchlib/floor.py`` reads
 them). Rounds in turn, because the memory bandwidth of a shared VM moves between minutes: only figures from the
 same rounds compare. The kernel / read ratio is how far the attention is from the memory's rate; above 1, the
-excess is fetching (the arithmetic is a fraction of it: docs/BENCHMARKS.md 13p) or arithmetic not overlapped.
+excess is fetching (the arithmetic is a fraction of it: docs/BENCHMARKS_HISTORY.md 13p) or arithmetic not overlapped.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ worker's and this client process's CPU per request. Prints one JSON line (``--js
 
 It imports only what every version since the issue has (``batchfleet.producer.Client`` and ``python -m
 batchfleet.worker``), so an older checkout is measured by mapping its folders to ``batchfleet.*`` first on
-``PYTHONPATH`` (docs/BENCHMARKS.md section 11 shows how):
+``PYTHONPATH`` (docs/BENCHMARKS_HISTORY.md section 11 shows how):
 
     python scripts/bench_request_cost.py --label HEAD --json /tmp/cost.jsonl
 """

@@ -89,7 +89,7 @@ def test_compose_file_structure():
 
 # --- options derived from the config dataclasses --------------------------------------------------------
 
-WORKER_FLAGS = {  # the README's Configuration table: every flag keeps its name and env var
+WORKER_FLAGS = {  # docs/CONFIGURATION.md's table: every flag keeps its name and env var
     "--redis-url": "BATCHFLEET_REDIS_URL", "--namespace": "BATCHFLEET_NAMESPACE", "--model": "BATCHFLEET_MODEL",
     "--preset": "BATCHFLEET_PRESET", "--device": "BATCHFLEET_DEVICE", "--dtype": "BATCHFLEET_DTYPE",
     "--engine": "BATCHFLEET_ENGINE", "--mode": "BATCHFLEET_MODE", "--max-wait-ms": "BATCHFLEET_MAX_WAIT_MS",

@@ -1,5 +1,5 @@
 """One command-line convention (issue 19): every option that reads an environment variable reads
-BATCHFLEET_<ITS FLAG> and says so in --help, as README states; --log-level / --log-format work on every
+BATCHFLEET_<ITS FLAG> and says so in --help, as docs/CONFIGURATION.md states; --log-level / --log-format work on every
 subcommand as on the group; JSON log mode writes nothing but JSON objects to stderr; no --help names a
 source file."""
 
@@ -49,16 +49,16 @@ def test_group_help_names_the_rule_and_no_source_file():
 
 @pytest.mark.unit
 def test_readme_option_tables_hold_to_the_rule():
-    """Each `--flag` of README's worker option table is an option of `batchfleet worker` whose variable is
-    BATCHFLEET_<FLAG> (the README says so right above the table)."""
-    readme = (ROOT / "README.md").read_text()
+    """Each `--flag` of docs/CONFIGURATION.md's worker option table is an option of `batchfleet worker` whose
+    variable is BATCHFLEET_<FLAG> (the document says so right above the table)."""
+    readme = (ROOT / "docs" / "CONFIGURATION.md").read_text()
     assert "each also `BATCHFLEET_<NAME>`" in readme.replace("\n", " ")
     worker = commands()["worker"]
     by_flag = {o: p for p in env_options(worker) for o in p.opts}
     table = re.findall(r"^\| `(--[a-z0-9-]+)(?:/--no-[a-z0-9-]+)?` \|", readme, flags=re.M)
     assert len(table) >= 25
     for flag in table:
-        assert flag in by_flag, f"README lists {flag}, which `batchfleet worker` lacks"
+        assert flag in by_flag, f"docs/CONFIGURATION.md lists {flag}, which `batchfleet worker` lacks"
         assert by_flag[flag].envvar == "BATCHFLEET_" + flag[2:].upper().replace("-", "_")
 
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible gateway against a real Redis and a real worker: the official ``openai`` client
 (streamed and not), OpenAI error bodies and statuses (401, 400, 404, 429, 503, 504), a client that goes
-away cancels its job, the README's gateway example, and the gateway's imports (no torch, no sync Redis).
+away cancels its job, docs/GATEWAY.md's gateway example, and the gateway's imports (no torch, no sync Redis).
 
 The load and cancellation tests (200 streams, KV blocks freed) are in tests/test_gateway_load.py."""
 
@@ -180,7 +180,7 @@ def test_deadline_is_504_whole_or_as_a_stream_error(start_worker, start_gateway)
 
 
 def readme_gateway_lines() -> list[str]:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "GATEWAY.md").read_text()
     (block,) = re.findall(r"^Gateway:\s*\n```bash\n(.*?)^```", text, flags=re.S | re.M)
     return [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
@@ -192,7 +192,7 @@ def free_port() -> int:
 
 
 def test_readme_gateway_example_runs(start_worker, redis_url, namespace, tmp_path):
-    """The README's gateway block as written, on another port: `batchfleet serve` (a subprocess) + curl."""
+    """docs/GATEWAY.md's gateway block as written, on another port: `batchfleet serve` (a subprocess) + curl."""
     start_worker(max_wait_ms=10)
     serve, *curls = readme_gateway_lines()
     argv = shlex.split(serve, comments=True)

@@ -1,13 +1,12 @@
 """The package's shape: what each top-level package may import (every import of every file, at top level
 or inside a function), imports that run one way, no mixins, files near 400 lines flagged, unit test modules
-that import no torch, a README map that matches the tree. Static checks (AST) are unit; the two checks in a
-clean subprocess are integration."""
+that import no torch (the maps of the tree in README and docs/ARCHITECTURE.md: tests/test_docs.py). Static
+checks (AST) are unit; the two checks in a clean subprocess are integration."""
 
 from __future__ import annotations
 
 import ast
 import functools
-import re
 import subprocess
 import sys
 import warnings
@@ -205,17 +204,6 @@ def test_no_mixins():
                 assert "Mixin" not in node.name, name
                 bases = [ast.unparse(b) for b in node.bases]
                 assert not any("Mixin" in b for b in bases), f"{name}.{node.name}({bases})"
-
-
-@pytest.mark.unit
-def test_readme_map_matches_the_tree():
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Where things are"):text.index("### Request lifecycle")]
-    for path in re.findall(r"`((?:common|producer|worker|gateway|scripts|tests)/[^`]*)`", section):
-        assert (ROOT / path.rstrip("/")).exists(), f"README names {path}, which does not exist"
-    for path in modules().values():
-        if path.name not in ("__init__.py", "__main__.py"):
-            assert path.name in section or path.stem in section, f"README's map does not mention {path}"
 
 
 # --- in a clean interpreter (subprocesses: integration) ------------------------------------------------

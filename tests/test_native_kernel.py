@@ -93,7 +93,7 @@ def test_bf16_engine_runs_both_decode_paths(tmp_path):
 @pytest.mark.parametrize(("cpuinfo", "bf16"), [
     ("vendor_id : GenuineIntel\nflags : avx512_bf16 amx_bf16 amx_tile", True),  # Sapphire Rapids and later
     ("vendor_id : GenuineIntel\nflags : avx512f avx512_bf16", False),  # no AMX: fp32 measured faster (issue 34)
-    ("vendor_id : AuthenticAMD\nflags : avx512f avx512_bf16", True),  # Zen 4/5 (BENCHMARKS 7, 13c)
+    ("vendor_id : AuthenticAMD\nflags : avx512f avx512_bf16", True),  # Zen 4/5 (BENCHMARKS_HISTORY 7, 13c)
     ("vendor_id : AuthenticAMD\nflags : avx2 fma", False),  # Zen 3: no bf16 arithmetic (linear.WidenedLinear)
     ("", False),  # /proc/cpuinfo unreadable
 ])

@@ -87,7 +87,7 @@ def worker_accepts(name: str, value: object) -> bool:
 
 
 def gateway_accepts(name: str, value: object) -> bool | None:
-    """None where the OpenAI surface has rules of its own (README's strictness table): temperature in
+    """None where the OpenAI surface has rules of its own (docs/GATEWAY.md's strictness table): temperature in
     [0, 2] with t < 0.001 meaning greedy, top_k -1 = off."""
     if ((name == "temperature" and type(value) in (int, float) and (value > OPENAI_MAX_TEMPERATURE or 0 < value < 1))
             or (name == "top_k" and value == -1) or name == "guide"):  # guide: spelled response_format etc.

@@ -1,13 +1,14 @@
-"""Every README usage example runs as written against a real worker on the default (tiny) built-in model.
+"""Every usage example of README.md, docs/USAGE.md and docs/GATEWAY.md runs as written against a real worker on
+the default (tiny) built-in model.
 
-- Each ```python block of README.md runs unmodified; its ``Client()`` / ``AsyncClient()`` reads
+- Each ```python block of those documents runs unmodified; its ``Client()`` / ``AsyncClient()`` reads
   BATCHFLEET_REDIS_URL / BATCHFLEET_NAMESPACE, which the test sets to the test Redis and namespace.
-- From the "Command line" block, ``batchfleet submit``, ``bulk`` (on a prompts.jsonl made in a temporary
+- From every "Command line:" block, ``batchfleet submit``, ``bulk`` (on a prompts.jsonl made in a temporary
   working directory) and ``status`` run as subprocesses. Not run here: ``worker`` (the in-thread worker
   stands in for it; tests/test_cli.py and the fleet tests cover workers), ``bench`` (tests/test_bench.py;
   far too slow for this), ``dashboard`` (a server until Ctrl-C: tests/test_dashboard.py serves it and
-  loads it in Chromium) and ``docker compose`` (no Docker on the test machines). Every other line of that
-  block must be one of these, so a new example cannot be silently skipped.
+  loads it in Chromium) and ``docker compose`` (no Docker on the test machines). Every other line of those
+  blocks must be one of these, so a new example cannot be silently skipped.
 """
 
 from __future__ import annotations
@@ -23,19 +24,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
+DOCS = ("README.md", "docs/USAGE.md", "docs/GATEWAY.md")  # the documents whose examples run here
+TEXT = {doc: (ROOT / doc).read_text() for doc in DOCS}
 RUN = {"submit", "bulk", "status"}
 NOT_RUN = {"worker", "bench", "dashboard"}  # see the module docstring (dashboard: a server, tests/test_dashboard.py)
 
 
-def python_blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", README, flags=re.S | re.M)
+def python_blocks() -> list[tuple[str, str]]:
+    """(document, code) of every ```python block, in document order."""
+    return [(doc, code) for doc in DOCS for code in re.findall(r"^```python\n(.*?)^```", TEXT[doc], flags=re.S | re.M)]
 
 
-def command_lines() -> list[str]:
-    """The ``batchfleet ...`` lines of the bash block that follows "Command line:"."""
-    (block,) = re.findall(r"^Command line:\s*\n```bash\n(.*?)^```", README, flags=re.S | re.M)
-    return [line for line in block.splitlines() if line.strip()]
+def command_lines(doc: str) -> list[str]:
+    """The ``batchfleet ...`` lines of every bash block of ``doc`` that follows "Command line:"."""
+    blocks = re.findall(r"^Command line:\s*\n```bash\n(.*?)^```", TEXT[doc], flags=re.S | re.M)
+    return [line for block in blocks for line in block.splitlines() if line.strip()]
 
 
 @pytest.fixture
@@ -46,21 +49,27 @@ def readme_env(monkeypatch, redis_url: str, namespace: str) -> dict[str, str]:
 
 
 def test_readme_has_examples():
-    assert len(python_blocks()) >= 2 and len(command_lines()) >= 4
+    """README keeps an example for each user: a web backend's Client and AsyncClient, bulk, an operator."""
+    readme = [code for doc, code in python_blocks() if doc == "README.md"]
+    assert any("= Client()" in code for code in readme) and any("AsyncClient()" in code for code in readme)
+    commands = {shlex.split(line, comments=True)[1] for line in command_lines("README.md")}
+    assert {"worker", "submit", "bulk", "status", "dashboard"} <= commands, commands
+    assert len(python_blocks()) >= 6 and len(command_lines("docs/USAGE.md")) >= 4
 
 
-GATEWAY_URL = 'base_url="http://127.0.0.1:8000/v1"'  # blocks that talk to the README's gateway
+GATEWAY_URL = 'base_url="http://127.0.0.1:8000/v1"'  # blocks that talk to docs/GATEWAY.md's gateway
 
 
-@pytest.mark.parametrize("index", range(len(python_blocks())))
+@pytest.mark.parametrize("index", range(len(python_blocks())),
+                         ids=[f"{doc}-{i}" for i, (doc, _) in enumerate(python_blocks())])
 def test_python_example_runs(index: int, start_worker, readme_env, redis_url, namespace, tmp_path, monkeypatch):
     start_worker(max_wait_ms=10)
-    code = python_blocks()[index]
+    doc, code = python_blocks()[index]
     gateway = None
-    if GATEWAY_URL in code:  # the README's gateway (port 8000 there; a free one here), its key, its batch file
+    if GATEWAY_URL in code:  # docs/GATEWAY.md's gateway (port 8000 there; a free one here), its key, its batch file
         from tests.helpers.gateway import GatewayThread
 
-        key = re.search(r'--api-key (\S+)', README).group(1)
+        key = re.search(r'--api-key (\S+)', TEXT["docs/GATEWAY.md"]).group(1)
         gateway = GatewayThread(redis_url, namespace, api_keys=(key,), files_dir=str(tmp_path / "f"))
         code = code.replace(GATEWAY_URL, f'base_url="{gateway.url}/v1"')
         monkeypatch.chdir(tmp_path)
@@ -70,7 +79,7 @@ def test_python_example_runs(index: int, start_worker, readme_env, redis_url, na
             for i in range(3)))
     try:
         scope: dict = {"__name__": "readme_example"}
-        exec(compile(code, f"README.md python block {index}", "exec"), scope)
+        exec(compile(code, f"{doc} python block {index}", "exec"), scope)
     finally:
         if gateway is not None:
             gateway.stop()
@@ -84,12 +93,12 @@ def test_command_line_examples_run(start_worker, readme_env, tmp_path: Path):
         "\n".join(json.dumps({"prompt": p, "max_new_tokens": 8}) for p in ("Hello", "Bonjour", "Hallo")) + "\n"
         + json.dumps({"prompt": "with defaults"}) + "\n")
     ran = set()
-    for line in command_lines():
+    for line in [line for doc in DOCS for line in command_lines(doc)]:
         argv = shlex.split(line, comments=True)
         assert argv[0] == "batchfleet", line
         if argv[1] in NOT_RUN:
             continue
-        assert argv[1] in RUN, f"README command not covered by this test: {line}"
+        assert argv[1] in RUN, f"documented command not covered by this test: {line}"
         proc = subprocess.run([sys.executable, "-m", "batchfleet.common.cli", *argv[1:]], cwd=tmp_path,
                               env=readme_env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"{line}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"

@@ -105,7 +105,7 @@ def test_worker_redis_calls_per_request_at_load_stay_small(private_redis, namesp
 
 
 # issue 29's bound for a whole non-streamed request (client, enqueue function, worker) is 7, as measured on a
-# quiet host (6.9 here; docs/BENCHMARKS.md section 11). Timers (heartbeats, reclaim, lease, the client's
+# quiet host (6.9 here; docs/BENCHMARKS_HISTORY.md section 11). Timers (heartbeats, reclaim, lease, the client's
 # live-worker check once a second) add calls per second, not per request, so a host loaded enough to stretch
 # the run 5x adds ~0.1-0.2 a request: the test allows that much, no more
 REQUEST_CALLS = 7.3

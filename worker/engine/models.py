@@ -64,12 +64,12 @@ def make_preset(preset: str, cache_dir: str | Path, seed: int = 0, max_seq_len: 
 
 def default_dtype(device: str) -> torch.dtype:
     """bf16 where we measured it to win: CUDA, NPU, and CPUs where bf16 matmuls run at full width (AMX, or
-    AVX512-BF16 on AMD Zen 4/5: bf16 1.7-1.9x fp32 for both engines, docs/BENCHMARKS.md 7 and 13c). Intel CPUs
+    AVX512-BF16 on AMD Zen 4/5: bf16 1.7-1.9x fp32 for both engines, docs/BENCHMARKS_HISTORY.md 7 and 13c). Intel CPUs
     with AVX512-BF16 but no AMX get fp32: there fp32 was faster for the fleet and for vLLM alike (issue 34:
     129 vs 120 and 90 vs 78 tok/s). Everything else gets fp32: on AVX2-only CPUs bf16's matmuls run in fp32
     (linear.WidenedLinear; torch's own bf16 kernel there is ~5x slower), so bf16 saves only K/V bytes, and the fleet ran
     as fast in both (EPYC Zen 3: 171 vs 161 tok/s on the bench preset, 16.1 vs 16.2 on the 1.1B shape,
-    docs/BENCHMARKS.md 13l) while rounding every activation to bf16."""
+    docs/BENCHMARKS_HISTORY.md 13l) while rounding every activation to bf16."""
     if device == "cpu":
         return torch.bfloat16 if cpu_prefers_bf16(_cpuinfo()) else torch.float32
     return torch.bfloat16

@@ -8,7 +8,7 @@ Two rules:
   mode): only its room now (``Engine.room``, at most ``2 x max_batch_size``): the loop reads before it
   admits in every tick, so a slot that frees is filled from Redis one tick later whoever's entry it is,
   and a full worker holds nothing a peer with room could start (holding a batch ahead there cost a third
-  of the fleet's throughput at 8+ workers: docs/BENCHMARKS.md section 11).
+  of the fleet's throughput at 8+ workers: docs/BENCHMARKS_HISTORY.md section 11).
 - **Release what waits too long** (``ReadAhead``): a request queued here for longer than
   ``max(2 x max_wait_ms, RELEASE_FLOOR_MS)`` while the engine has no room for it is released (its lease
   given up, ``Transport.release`` without counting a delivery), so the next reclaim of any worker, an

@@ -4,7 +4,7 @@ oneDNN's bf16 kernels on AMX give a row other bits in calls of more than 32 rows
 invariance cut every larger call into 32-row blocks, at a third of oneDNN's speed on a prefill's rows. This
 kernel sums each output element in one fixed order whatever the row count, so one call of any size is
 batch-invariant by construction, and it is faster than oneDNN at a decode step's 8-32 rows as well
-(docs/BENCHMARKS.md section 13h). It replaces oneDNN only where it can run: a CPU tensor in bf16, no bias,
+(docs/BENCHMARKS_HISTORY.md section 13h). It replaces oneDNN only where it can run: a CPU tensor in bf16, no bias,
 both dimensions multiples of 32, a CPU with AMX-BF16 whose kernel grants the tile data (Linux >= 5.16) and a C
 compiler; anything else stays on linear.py's kernels.
 """

@@ -82,7 +82,7 @@ static inline __m512 sum16(const __m512 *a) {
  * number of lines goes out in address order instead (prefetch_seq: the head loop's kh-th share of the tile's
  * contiguous rows), on Intel only: on the AMX Xeon (model 207, huge pages) the bf16 kernel alone over 12 layers' pools 16.76 -> 16.12 and
  * 19.47 -> 18.63 ms (bench preset), 7.06 -> 6.67 ms (1.1B shape, AMX path); on EPYC Zen 4 with huge pages the same
- * order measured 2% slower (docs/BENCHMARKS.md 13m, 13o). */
+ * order measured 2% slower (docs/BENCHMARKS_HISTORY.md 13m, 13o). */
 #define PREFETCH_HEAD(T, p, t0, kh, SHARE) {                                                           \
     if ((SHARE) && prefetch_seq && hc == Hkv && bs % TILE == 0 && (t0) + TILE <= n) {              \
         /* the tile's TILE rows lie back to back in one block (t0 % TILE == 0): the kh-th share of them */ \
