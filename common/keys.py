@@ -193,7 +193,7 @@ class Keys:
     def flush(self) -> str:
         """Counter a load generator bumps to close partial static batches ("static N" ends its load).
 
-        Only static-batching workers act on it: their transport polls it (``Transport.flush_requested``
+        Only static-batching workers act on it: their transport polls it (``transport.flush.requested``
         in worker/transport/base.py, at most every 50 ms while a partial batch waits) and a change since the
         last value seen closes the partial batches."""
         return f"{self.prefix}:flush"

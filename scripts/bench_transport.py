@@ -34,10 +34,10 @@ def main(redis_url: str, n: int, json_path: str | None) -> None:
     conn = ConnectionConfig(redis_url=url, namespace=f"transport-{uuid.uuid4().hex[:6]}")
     worker = StreamConsumer(conn, (128,), "probe", reply_ttl_s=60)
     worker.setup()
-    worker.publish_fleet(FleetInfo(model="none", tokenizer_json=byte_level_tokenizer().backend_tokenizer.to_str(),
+    worker.presence.join(FleetInfo(model="none", tokenizer_json=byte_level_tokenizer().backend_tokenizer.to_str(),
                                    buckets=(128,), max_seq_len=256, max_batch_size=1, vocab_size=320,
                                    eos_token_ids=(2,)))
-    client = Client(url, conn.namespace)  # the probe's publish_fleet marked it live
+    client = Client(url, conn.namespace)  # the probe's presence.join marked it live
     prompt = list(range(10, 42))
     samples = []
     try:
@@ -48,7 +48,7 @@ def main(redis_url: str, n: int, json_path: str | None) -> None:
             req = Request.decode(entry.fields[b"p"])
             res = Result(id=req.id, token_ids=[5] * 8, text="x" * 8, finish_reason="length", prompt_tokens=32,
                          completion_tokens=8, queue_ms=0, ttft_ms=0, total_ms=0, worker="probe", batch_size=1)
-            worker.write_replies([Reply(job, res, entry.bucket, entry.entry_id, req.reply_key)])
+            worker.settler.write_replies([Reply(job, res, entry.bucket, entry.entry_id, req.reply_key)])
             client.result(job, timeout=10)
             if i >= 20:
                 samples.append((time.perf_counter() - t0) * 1000)

@@ -160,7 +160,7 @@ def main(redis_url: str, namespace: str, name: str | None, buckets: str, max_run
     info = FleetInfo(model=SIM_MODEL, tokenizer_json=tokenizer_json(), buckets=bucket_sizes,
                      max_seq_len=cfg.batching.max_seq_len, max_batch_size=max_running, vocab_size=VOCAB,
                      eos_token_ids=(VOCAB - 1,), max_queue_len=0, batch_queue_len=0, shards=shards)
-    transport.publish_fleet(with_fingerprint(info))
+    transport.presence.join(with_fingerprint(info))
     loop = WorkerLoop(cfg, engine, transport, Limits(max_seq_len=cfg.batching.max_seq_len, vocab_size=VOCAB))
     signal.signal(signal.SIGTERM, lambda *_: loop.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: loop.stopping.set())

@@ -145,7 +145,7 @@ def test_a_reply_redis_refuses_for_memory_leaves_its_entry_pending():
         (entry,) = consumer.read(count=1, block_ms=None)
         r.config_set("maxmemory", 1)  # from now on every command that may grow memory is refused (OOM)
         with pytest.raises(redis.ResponseError, match="maxmemory"):
-            consumer.write_replies([Reply.to(entry, "job-oom", Error("job-oom", "engine_error", "x"),
+            consumer.settler.write_replies([Reply.to(entry, "job-oom", Error("job-oom", "engine_error", "x"),
                                               raw_inbox(keys))])
         r.config_set("maxmemory", 0)
         assert r.xpending(keys.stream(32), keys.group)["pending"] == 1 and r.xlen(keys.stream(32)) == 1

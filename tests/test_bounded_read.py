@@ -95,7 +95,7 @@ def test_reclaim_is_bounded_too_and_keeps_delivery_counts(consumers):
     r.xadd(keys.stream(32), _fields("small"))
     assert len(dead.read(count=10, block_ms=None)) == 5
     r.xdel(keys.stream(32), gone)  # deleted while pending (Redis 6.2 reports it as nil)
-    got = live.reclaim(min_idle_ms=0, budget=10)
+    got = live.pending.reclaim(min_idle_ms=0, budget=10)
     by_id = {e.fields[b"id"]: e for e in got}
     assert set(by_id) == {b"big0", b"big1", b"big2", b"small"}
     assert all(by_id[f"big{i}".encode()].oversize > BIG for i in range(3)) and by_id[b"small"].oversize == 0
@@ -120,7 +120,7 @@ def test_a_reclaim_past_many_entries_deleted_while_pending_stays_under_the_reply
     r.xreadgroup(keys.group, "dead", {keys.stream(32): ">"}, count=1)
     got = []
     for _ in range(200):
-        got += live.reclaim(min_idle_ms=0, budget=256)
+        got += live.pending.reclaim(min_idle_ms=0, budget=256)
         if got:
             break
     assert [e.fields[b"id"] for e in got] == [b"alive"]

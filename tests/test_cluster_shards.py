@@ -158,9 +158,9 @@ def test_an_entry_a_waiter_reads_after_the_loop_stopped_waiting_is_taken_or_rele
                 assert [(e.entry_id, e.shard) for e in t.read(4, None)] == [(entry_id, 2)]
                 continue
             time.sleep(LATE_S)
-            t.alive()
+            t.presence.alive()
             assert t.read(4, None) == [] and r.xpending(stream, keys.group)["pending"] == 2
-            assert [(e.entry_id, e.shard) for e in t.reclaim(1000, 10)] == [(entry_id, 2)]
+            assert [(e.entry_id, e.shard) for e in t.pending.reclaim(1000, 10)] == [(entry_id, 2)]
     finally:
         t.close()
         r.close()

@@ -215,10 +215,10 @@ def test_wait_replicas_unmet_reply_is_transient_and_rewrite_idempotent(redis_url
     reply = Reply("job-1", Error("job-1", "engine_error", "first"), 32, "", inbox)
     t0 = time.monotonic()
     with pytest.raises(NotReplicated) as err:
-        consumer.write_replies([reply])
+        consumer.settler.write_replies([reply])
     assert isinstance(err.value, TRANSIENT) and time.monotonic() - t0 >= WAIT_TIMEOUT_MS / 1000 * 0.9
     with pytest.raises(NotReplicated):  # the outbox writes it again: it rings again, the answer stays the first
-        consumer.write_replies([dataclasses.replace(reply, message=Error("job-1", "engine_error", "second"))])
+        consumer.settler.write_replies([dataclasses.replace(reply, message=Error("job-1", "engine_error", "second"))])
     assert decode_reply(consumer.r.get(consumer.keys.done("job-1", inbox))).message == "first"
     assert consumer.r.xlen(inbox) == 2
     consumer.close()

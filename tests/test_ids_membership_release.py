@@ -84,29 +84,29 @@ def ns_redis(redis_url, namespace):
 def test_join_refuses_a_different_live_fleet_unless_replacing(ns_redis):
     consumer, keys, r = ns_redis
     a, b, c = consumer("a"), consumer("b"), consumer("c")
-    a.publish_fleet(_info())
+    a.presence.join(_info())
     assert r.zscore(keys.workers, "a") is not None  # joined: live at once, before its first heartbeat
     ttl = r.pttl(keys.fleet)
     assert 0 < ttl <= fleet.FLEET_TTL_MS == 3 * LIVE_WORKER_MS
     with pytest.raises(fleet.FleetConflict, match=r"1 live worker.*buckets 32,64.*buckets 32,.*--replace-fleet"):
-        b.publish_fleet(_info(buckets=(32,)))
+        b.presence.join(_info(buckets=(32,)))
     assert FleetInfo.decode(r.get(keys.fleet)).buckets == (32, 64) and r.zscore(keys.workers, "b") is None
-    c.publish_fleet(_info(max_batch_size=2))  # same fingerprint: joins
-    b.publish_fleet(_info(buckets=(32,)), replace=True)
+    c.presence.join(_info(max_batch_size=2))  # same fingerprint: joins
+    b.presence.join(_info(buckets=(32,)), replace=True)
     assert FleetInfo.decode(r.get(keys.fleet)).buckets == (32,)
 
 
 def test_join_ignores_dead_workers_and_leave_deletes_the_fleet_when_none_is_live(ns_redis):
     consumer, keys, r = ns_redis
     a, b = consumer("a"), consumer("b")
-    a.publish_fleet(_info())
+    a.presence.join(_info())
     t = r.time()
     r.zadd(keys.workers, {"a": t[0] * 1000 - LIVE_WORKER_MS - 1000})  # a's heartbeat went stale: a died
-    b.publish_fleet(_info(buckets=(32,)))  # no live worker serves the old fleet: b takes over
+    b.presence.join(_info(buckets=(32,)))  # no live worker serves the old fleet: b takes over
     assert r.zscore(keys.workers, "a") is None  # dead names pruned
     a2 = consumer("a2")
-    a2.publish_fleet(_info(buckets=(32,)))
-    assert len(live_workers(r, keys)) == 2 and a2.live_peers() == 1
+    a2.presence.join(_info(buckets=(32,)))
+    assert len(live_workers(r, keys)) == 2 and a2.presence.live_peers() == 1
     a2.close()
     assert r.exists(keys.fleet)  # b is still live
     b.close()
@@ -124,7 +124,7 @@ def _accepted(entry: Entry) -> Accepted:
 def test_release_hands_stale_queued_entries_to_a_peer_without_counting_a_delivery(ns_redis):
     consumer, keys, r = ns_redis
     busy, idle = consumer("busy"), consumer("idle")
-    busy.publish_fleet(_info())
+    busy.presence.join(_info())
     ids = [f"j{i}-{uuid.uuid4().hex[:4]}" for i in range(3)]
     for j in ids:
         r.xadd(keys.stream(32), {"id": j, "p": "x"})
@@ -142,12 +142,12 @@ def test_release_hands_stale_queued_entries_to_a_peer_without_counting_a_deliver
     ra._since = {k: v - 2 for k, v in ra._since.items()}  # they have waited 2 s
     ra.stepping(held, engine_full=True)
     assert ra.check() == 0  # no live peer: releasing would only churn
-    idle.publish_fleet(_info())
+    idle.presence.join(_info())
     ra._peers = (0, -math.inf)
     assert ra.check() == 3
     assert ra.unreleased(table) == []  # the lease keeper no longer renews them
     ra.stepped()
     assert ra.settle(table.drop) == 3 and table.take_batch(1e12, {"interactive": 8}) is None and table.snapshot == ()
-    got = idle.reclaim(min_idle_ms=1000, budget=10)
+    got = idle.pending.reclaim(min_idle_ms=1000, budget=10)
     assert sorted(e.fields[b"id"].decode() for e in got) == sorted(ids)
     assert all(e.deliveries == 1 for e in got)  # a release to balance load is not a failed delivery

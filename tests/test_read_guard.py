@@ -146,7 +146,7 @@ def test_entries_already_held_are_not_returned_again(consumers):
     assert len(dead.read(count=10, block_ms=None)) == 2  # delivered to a worker that then dies
     # reclaimed (with our own "mine": min_idle_ms=0): pending on us now, r1 and r2 with ids above everything a
     # read of ours handed over
-    assert sorted(e.fields[b"id"] for e in c.reclaim(min_idle_ms=0, budget=10)) == [b"mine", b"r1", b"r2"]
+    assert sorted(e.fields[b"id"] for e in c.pending.reclaim(min_idle_ms=0, budget=10)) == [b"mine", b"r1", b"r2"]
     r.xadd(stream, _huge("huge"))
     r.xadd(stream, _fields("new"))
     got = c.read(count=10, block_ms=None)  # trips: the recovery looks at our pending entries
@@ -173,7 +173,7 @@ def test_the_client_works_on_after_a_trip(consumers):
     r.xadd(keys.stream(32), _huge("huge"))
     assert [e.oversize > 0 for e in c.read(count=4, block_ms=None)] == [True]
     assert c.r.ping() and c.read(count=4, block_ms=None) == []
-    c.heartbeat({"ok": 1})  # a script on the same client
+    c.presence.heartbeat({"ok": 1})  # a script on the same client
     r.xadd(keys.stream(32), _fields("after"))
     assert [e.fields[b"id"] for e in c.read(count=4, block_ms=None)] == [b"after"]
     assert not c.reader.delivered.owes()

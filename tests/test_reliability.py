@@ -197,14 +197,14 @@ def test_reclaim_follows_cursor_within_budget_and_drops_deleted(any_redis_url):
     assert len(dead.read(count=100, block_ms=None)) == 25
     r.xdel(keys.stream(32), ids[3], ids[17])  # deleted while pending
     time.sleep(1.1)  # idle past 1 s: the rest of the test has a second before the claimed ones are idle again
-    got = [live.reclaim(min_idle_ms=1000, budget=10) for _ in range(3)]
+    got = [live.pending.reclaim(min_idle_ms=1000, budget=10) for _ in range(3)]
     assert [len(g) for g in got] == [10, 10, 3]
     claimed = [e.entry_id for g in got for e in g]
     assert len(set(claimed)) == 23 and all(e.deliveries == 2 for g in got for e in g)
     assert r.xpending(keys.stream(32), keys.group)["pending"] == 23  # the deleted ones left the PEL
-    assert live.reclaim(min_idle_ms=1000, budget=10) == []  # just claimed: not idle
-    live.release(got[0][:1], idle_ms=5000)  # released: reclaimable at once, count unchanged until then
-    again = live.reclaim(min_idle_ms=1000, budget=10)
+    assert live.pending.reclaim(min_idle_ms=1000, budget=10) == []  # just claimed: not idle
+    live.pending.release(got[0][:1], idle_ms=5000)  # released: reclaimable at once, count unchanged until then
+    again = live.pending.reclaim(min_idle_ms=1000, budget=10)
     assert [(e.entry_id, e.deliveries) for e in again] == [(got[0][0].entry_id, 3)]
     from batchfleet.worker.devtools import delete_namespace
 
@@ -224,9 +224,9 @@ def test_dead_consumer_names_are_pruned_and_a_clean_stop_removes_its_own(redis_u
     for c in (ghost, holder):
         r.xadd(keys.stream(32), request_fields(keys, f"j-{c.name}", [1, 2]))
         (read[c.name],) = c.read(count=1, block_ms=None)
-    ghost.ack(read["ghost"])  # the ghost answered its entry, then died: nothing pending on its name
+    ghost.settler.ack(read["ghost"])  # the ghost answered its entry, then died: nothing pending on its name
     time.sleep(0.05)
-    assert live.prune_consumers(min_idle_ms=20) == 1  # ghost: nothing pending; holder keeps its entry
+    assert live.pending.prune_consumers(min_idle_ms=20) == 1  # ghost: nothing pending; holder keeps its entry
     names = {c["name"] for c in r.xinfo_consumers(keys.stream(32), keys.group)}
     assert names == {b"holder"}
     live.read(count=1, block_ms=None)
@@ -238,9 +238,10 @@ def test_lease_keeper_renews_held_entries_until_the_loop_stalls():
     from batchfleet.worker.transport.base import Entry
     from batchfleet.worker.transport.reclaim import LeaseKeeper
 
-    class FakeConsumer:
+    class FakeConsumer:  # plays the two parts the keeper uses (transport.pending, transport.presence)
         def __init__(self) -> None:
             self.renewed: list[list[str]] = []
+            self.pending = self.presence = self
 
         def refresh(self, entries, min_idle_ms: int) -> None:
             self.renewed.append([e.entry_id for e in entries])

@@ -54,7 +54,7 @@ def test_cancel_running_frees_kv_at_once_batchmates_unchanged(start_worker, redi
     engine = w.loop.engine
     seen: list[int] = []  # engine steps done when the worker read the cancel
     freed: list[tuple[int, int, int]] = []  # (steps done, KV blocks before, after) at the abort
-    real_cancels, real_abort = w.loop.transport.cancels, engine.abort
+    real_cancels, real_abort = w.loop.transport.cancel_watch.cancels, engine.abort
 
     def cancels(waiting: bool = False):
         out = real_cancels(waiting)
@@ -68,7 +68,7 @@ def test_cancel_running_frees_kv_at_once_batchmates_unchanged(start_worker, redi
         freed.append((engine.stats()["steps"], before, engine.stats()["kv_blocks_used"]))
         return found
 
-    w.loop.transport.cancels, engine.abort = cancels, abort
+    w.loop.transport.cancel_watch.cancels, engine.abort = cancels, abort
     prompts = [f"batchmate {i}" for i in range(3)]
     with Client(redis_url, namespace) as client:
         alone = [client.generate(p, max_new_tokens=24) for p in prompts]

@@ -112,7 +112,7 @@ def _build(cfg: WorkerConfig, transport: Transport | None, loaded: LoadedModel |
                                     cfg.name or default_consumer_name(), cfg.reply_ttl_s, cfg.claim_idle_ms)
     transport.setup()
     try:  # refuses (FleetConflict) when live workers serve another model, tokenizer or buckets
-        transport.publish_fleet(with_fingerprint(fleet_info(cfg, loaded)), replace=cfg.replace_fleet)
+        transport.presence.join(with_fingerprint(fleet_info(cfg, loaded)), replace=cfg.replace_fleet)
     except BaseException:
         transport.close()
         raise

@@ -4,7 +4,7 @@ Admission (which held requests enter the engine, and when), one engine step and 
 engine failures (who is retried alone, who runs again as usual, who is released or given up),
 cancellation of running requests, and streamed deltas. It owns no request state: held requests are the
 request table's (worker/requests/table.py), capacity is the engine's (``Engine.room``), counts are the
-ledger's; replies leave through ``send`` (the loop's outbox).
+ledger's; replies and dead letters leave through the outbox (worker/requests/outbox.py).
 
 Invariants: a request that must run alone starts only on an idle engine and nothing joins it; a failed
 step costs at most the requests that were in it (each retried alone), its bystanders run again as usual.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 from batchfleet.common.config import WorkerConfig
 from batchfleet.common.errors import CANCELLED
@@ -24,12 +23,12 @@ from batchfleet.worker.batching.window import Window
 from batchfleet.worker.engine.base import Completion, Engine
 from batchfleet.worker.ledger import Ledger
 from batchfleet.worker.metrics import LoopStats
-from batchfleet.worker.requests.intake import Intake
+from batchfleet.worker.requests.outbox import Outbox
 from batchfleet.worker.requests.replies import completion_reply, error_reply
 from batchfleet.worker.requests.streaming import StreamPublisher
 from batchfleet.worker.requests.table import RequestTable, Stage
 from batchfleet.worker.requests.validate import Accepted
-from batchfleet.worker.transport.base import Cancel, Reply, Transport
+from batchfleet.worker.transport.base import Cancel, Transport
 
 log = logging.getLogger("batchfleet.worker.loop")
 
@@ -38,16 +37,15 @@ class Dispatcher:
     """Moves held requests into the engine and answers what comes out of it."""
 
     def __init__(self, cfg: WorkerConfig, engine: Engine, transport: Transport, requests: RequestTable,
-                 intake: Intake, ledger: Ledger, streams: StreamPublisher | None,
-                 send: Callable[[list[Reply]], None], observer: LoopStats, window: Window) -> None:
+                 outbox: Outbox, ledger: Ledger, streams: StreamPublisher | None, observer: LoopStats,
+                 window: Window) -> None:
         self.cfg = cfg
         self.engine = engine
         self.transport = transport
         self.requests = requests
-        self.intake = intake
+        self.outbox = outbox  # replies leave here (written at once, else kept until the transport takes them)
         self.ledger = ledger
         self.streams = streams
-        self.send = send
         self.observer = observer  # the loop's observer (WorkerMetrics with --metrics-port)
         self.alone = False  # a request that must run alone is in the engine: nothing may join it
         self.progress = time.monotonic()  # last time an engine step returned
@@ -83,7 +81,7 @@ class Dispatcher:
             self.alone = False
             self._run_began = None
             # static batching waits for full batches; a bumped flush counter closes partial ones
-            if self.requests.static and self.requests.count(Stage.QUEUED) and self.transport.flush_requested():
+            if self.requests.static and self.requests.count(Stage.QUEUED) and self.transport.flush.requested():
                 self.requests.flush()
             alone = self.requests.take_alone()
             if alone is not None:
@@ -167,11 +165,11 @@ class Dispatcher:
         for acc in failed:
             self.requests.drop(acc.gen.id)  # stops renewing its lease before it is released
             if acc.entry.deliveries >= self.cfg.max_deliveries:
-                self.intake.give_up(acc.entry, f"engine failed on this request on each of {acc.entry.deliveries} "
+                self.outbox.give_up(acc.entry, f"engine failed on this request on each of {acc.entry.deliveries} "
                                                f"deliveries; last error: {exc!r}"[:500])
             else:
                 self.ledger.note("released")
-                self.transport.release([acc.entry], idle_ms=self.cfg.claim_idle_ms)
+                self.transport.pending.release([acc.entry], idle_ms=self.cfg.claim_idle_ms)
 
     def _answer(self, completions: list[Completion]) -> None:
         now = time.time()
@@ -186,7 +184,7 @@ class Dispatcher:
                 self.streams.forget(c.id)
             replies.append(completion_reply(c, acc, now, self.transport.name))
         if replies:
-            self.send(replies)
+            self.outbox.send(replies)
 
     # ---- cancellation and streaming ---------------------------------------------------------------
     def cancel(self, cancels: list[Cancel]) -> None:
@@ -199,13 +197,13 @@ class Dispatcher:
                 continue  # not here (another worker's, or answered already), or not the submitter's
             if self.requests.stage(c.job_id) is not Stage.RUNNING:
                 self.requests.drop(c.job_id)
-                self.send([error_reply(acc, CANCELLED, "cancelled before it started")])
+                self.outbox.send([error_reply(acc, CANCELLED, "cancelled before it started")])
                 continue
             self.engine.abort([c.job_id])
             self.requests.finish(c.job_id)
             if self.streams is not None:
                 self.streams.forget(c.job_id)
-            self.send([error_reply(acc, CANCELLED, "cancelled while running")])
+            self.outbox.send([error_reply(acc, CANCELLED, "cancelled while running")])
 
     def stream(self) -> None:
         """Write the text deltas that are due for streamed requests still running (best effort)."""
@@ -216,7 +214,7 @@ class Dispatcher:
         if not deltas:
             return
         try:
-            self.transport.write_deltas(deltas)
+            self.transport.settler.write_deltas(deltas)
             self.ledger.note("deltas", len(deltas))
         except TRANSIENT as exc:  # the final reply carries the whole text; a lost delta costs nothing
             log.debug("deltas not written: %r", exc)

@@ -31,11 +31,12 @@ from batchfleet.worker.ledger import Ledger
 from batchfleet.worker.metrics import LoopStats
 from batchfleet.worker.requests.guidecheck import Compiler, GuideChecks
 from batchfleet.worker.requests.intake import Intake
+from batchfleet.worker.requests.outbox import Outbox
 from batchfleet.worker.requests.readahead import ReadAhead
 from batchfleet.worker.requests.streaming import StreamPublisher
 from batchfleet.worker.requests.table import RequestTable, Stage
 from batchfleet.worker.requests.validate import Limits
-from batchfleet.worker.transport.base import Reply, StreamsLost, Transport, TransportError
+from batchfleet.worker.transport.base import StreamsLost, Transport, TransportError
 from batchfleet.worker.transport.reclaim import LeaseKeeper
 
 log = logging.getLogger(__name__)
@@ -74,14 +75,13 @@ class WorkerLoop:
         self.observer = (observe or _loop_stats)(self)
         self.stopping = threading.Event()
         streams = StreamPublisher(decode, cfg.stream_interval_ms / 1000) if decode else None
-        # the intake asks the dispatcher (made next: it answers through the intake) whether the engine is full
-        # and, in continuous mode (it admits at every step), how much it could start now
-        self.intake = Intake(cfg, transport, limits, self.requests, self.ledger, self._send,
-                             lambda lane: self.dispatch.engine_full(lane),
-                             (lambda lane: self.dispatch.room_now(lane)) if joins else None,
+        # every answer, the intake's and the dispatcher's, leaves through the outbox (worker/requests/outbox.py)
+        self.outbox = Outbox(transport, self.requests, self.ledger, self.observer)
+        self.dispatch = Dispatcher(cfg, engine, transport, self.requests, self.outbox, self.ledger, streams,
+                                   self.observer, self.window)
+        # the intake asks the dispatcher whether the engine is full and how much it could start now
+        self.intake = Intake(cfg, transport, limits, self.requests, self.ledger, self.outbox, self.dispatch,
                              GuideChecks(guides))
-        self.dispatch = Dispatcher(cfg, engine, transport, self.requests, self.intake, self.ledger, streams,
-                                   self._send, self.observer, self.window)
         self.outage = Backoff(log, "redis")
         self.faults = Backoff(log, "worker loop (after an internal error)")
         self._progress = time.monotonic()  # last time a tick completed or an engine step returned
@@ -121,7 +121,7 @@ class WorkerLoop:
         heartbeat."""
         self._settle_released()
         self.intake.verdicts()
-        self._flush_outbox()
+        self.outbox.flush()
         taking = not self.stopping.is_set()  # shutting down: take nothing new, finish what runs
         # requests read from now on had their cancel markers checked by the read itself (Intake._take_all)
         unstarted = (Stage.VALIDATING, Stage.QUEUED, Stage.SOLO)
@@ -133,7 +133,7 @@ class WorkerLoop:
         # read, nothing runs and every request was just checked): a lone request starts without that round trip
         if held and self.requests.snapshot:
             waiting = waited and any(self.requests.count(s) for s in unstarted)
-            self.dispatch.cancel(self.transport.cancels(waiting=waiting))
+            self.dispatch.cancel(self.transport.cancel_watch.cancels(waiting=waiting))
         self.intake.expire(time.time())
         if taking:
             self.dispatch.admit(time.time())
@@ -146,7 +146,7 @@ class WorkerLoop:
             finally:  # the read-ahead thread releases nothing more; what it released is settled next tick
                 self.readahead.stepped()
             self.dispatch.stream()
-        self._flush_outbox()
+        self.outbox.flush()
         self._heartbeat()
 
     def status(self) -> dict:
@@ -212,23 +212,8 @@ class WorkerLoop:
         entries = self.requests.unstarted()
         if entries:
             log.info("handing back %d queued entries", len(entries))
-            self.transport.hand_back(entries)
+            self.transport.settler.hand_back(entries)
         self.requests.forget_unstarted()
-
-    # ---- replies ---------------------------------------------------------------------------------
-    def _send(self, replies: list[Reply]) -> None:
-        """Queue replies and try to write them now; on an outage they wait in the outbox (still leased)."""
-        self.ledger.replied(replies)
-        self.observer.replied(replies)
-        self.requests.answer(replies)
-        self._flush_outbox()
-
-    def _flush_outbox(self) -> None:
-        batch = self.requests.outbox
-        if not batch:
-            return
-        self.transport.write_replies(list(batch))  # idempotent: first writer wins, settling repeatable
-        self.requests.written(len(batch))
 
     def _heartbeat(self) -> None:
         now = time.time()
@@ -239,4 +224,4 @@ class WorkerLoop:
         if since < IDLE_HEARTBEAT_S and marks == self._last_marks:
             return  # an idle worker beats less often: its status says nothing new
         self._last_heartbeat, self._last_marks = now, marks
-        self.transport.heartbeat(self.status())
+        self.transport.presence.heartbeat(self.status())

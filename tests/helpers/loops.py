@@ -168,7 +168,7 @@ def silent_fleet(redis_url: str, namespace: str, **info: object) -> Iterator[Non
     probe = StreamConsumer(ConnectionConfig(redis_url=redis_url, namespace=namespace), TEST_BUCKETS,
                            f"probe-{uuid.uuid4().hex[:6]}", reply_ttl_s=60)
     probe.setup()
-    probe.publish_fleet(FleetInfo(model="none", tokenizer_json=byte_level_tokenizer().backend_tokenizer.to_str(),
+    probe.presence.join(FleetInfo(model="none", tokenizer_json=byte_level_tokenizer().backend_tokenizer.to_str(),
                                   buckets=TEST_BUCKETS, max_seq_len=512, max_batch_size=8, vocab_size=320,
                                   eos_token_ids=(2,), **info))
     try:

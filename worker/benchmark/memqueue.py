@@ -18,14 +18,26 @@ from batchfleet.common.wire.lanes import INTERACTIVE
 from batchfleet.common.wire.params import Params
 from batchfleet.common.wire.protocol import FleetInfo, Request, Result
 from batchfleet.producer.core import parse_reply
-from batchfleet.worker.transport.base import Cancel, Entry, FlushWatch, Reply, Transport
+from batchfleet.worker.transport.base import (
+    Cancel,
+    Cancelling,
+    Entry,
+    FlushWatch,
+    Leases,
+    Membership,
+    Reply,
+    Settling,
+    Transport,
+)
 
 INBOX = "inproc000000000000"  # the one inbox token of this process's MemClient
 
 
-class MemQueue(Transport):
-    """The worker side implements ``Transport``; the producer side (put, wait_reply, bump_flush, fleet,
-    batch_records, last_status) serves MemClient and the benchmark runner."""
+class MemQueue(Transport, Settling, Leases, Membership, Cancelling):
+    """The worker side implements ``Transport`` and plays each of its parts itself (``settler``, ``pending``,
+    ``presence``, ``cancel_watch`` are this object: in one process there is no connection to share, so nothing
+    to split); the producer side (put, wait_reply, bump_flush, fleet, batch_records, last_status) serves
+    MemClient and the benchmark runner."""
 
     max_block_ms = 2000
 
@@ -39,7 +51,8 @@ class MemQueue(Transport):
         self._cv = threading.Condition()
         self._seq = 0
         self._flush = 0
-        self._flush_watch = FlushWatch(lambda: self._flush, seen=0)  # the counter starts at 0: no bump yet
+        self.flush = FlushWatch(lambda: self._flush, seen=0)  # the counter starts at 0: no bump yet
+        self.settler = self.pending = self.presence = self.cancel_watch = self
         self.batch_records: list[dict] = []
         self.last_status: dict = {}
 
@@ -70,9 +83,9 @@ class MemQueue(Transport):
 
     # --- worker side (Transport) -------------------------------------------------------------------
     def setup(self) -> None:
-        self._flush_watch.start()
+        self.flush.start()
 
-    def publish_fleet(self, info: FleetInfo, replace: bool = False) -> None:
+    def join(self, info: FleetInfo, replace: bool = False) -> None:
         self.fleet = info  # one worker per in-memory queue: nothing to conflict with
 
     def heartbeat(self, status: dict) -> None:
@@ -128,8 +141,11 @@ class MemQueue(Transport):
         with self._cv:
             self._entries.extendleft(reversed(entries))
 
-    def flush_requested(self) -> bool:
-        return self._flush_watch.requested()
+    def live_peers(self) -> int:
+        return 0  # one worker per in-memory queue
+
+    def ping(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

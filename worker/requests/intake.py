@@ -2,9 +2,10 @@
 rejecting, expiring, giving up).
 
 Every entry read ends as: held in the request table (queued to run), answered with an error (through the
-``send`` callable, which puts replies in the outbox and writes them), acked as a duplicate, or
-dead-lettered; never dropped. Validation itself is pure and lives in worker/requests/validate.py; a guide not seen
-before is checked off the loop's thread (worker/requests/guidecheck.py), its request held VALIDATING meanwhile.
+outbox, worker/requests/outbox.py, which writes it at once or keeps it until the transport takes it), acked as
+a duplicate, or dead-lettered (the outbox's ``give_up``); never dropped. Validation itself is pure and lives in
+worker/requests/validate.py; a guide not seen before is checked off the loop's thread
+(worker/requests/guidecheck.py), its request held VALIDATING meanwhile.
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Protocol
 
 from batchfleet.common.config import WorkerConfig
-from batchfleet.common.errors import CANCELLED, DEADLINE_EXCEEDED, INVALID_REQUEST, WORKER_FAILED
+from batchfleet.common.errors import CANCELLED, DEADLINE_EXCEEDED, INVALID_REQUEST
 from batchfleet.common.redis.retry import TRANSIENT
 from batchfleet.common.wire.lanes import LANES
 from batchfleet.common.wire.protocol import Error
 from batchfleet.worker.ledger import Ledger
 from batchfleet.worker.requests.guidecheck import GuideChecks
+from batchfleet.worker.requests.outbox import Outbox
 from batchfleet.worker.requests.readahead import cap as readahead_cap
 from batchfleet.worker.requests.replies import error_reply
 from batchfleet.worker.requests.table import RequestTable, Stage
@@ -36,34 +39,42 @@ FULL_SLEEP_MAX_S = 0.5  # with no room to read and nothing running, sleep at mos
 VERDICT_POLL_S = 0.02  # while guides are being checked, an idle loop looks for their verdicts this often
 
 
+class EngineRoom(Protocol):
+    """What the intake asks of the engine's admission (the dispatcher, worker/dispatch.py) to bound its reads."""
+
+    def engine_full(self, lane: str) -> bool:
+        """Whether the engine can start nothing more of ``lane`` now."""
+        ...
+
+    def room_now(self, lane: str) -> int:
+        """How many requests of ``lane`` the engine could start at its next admission."""
+        ...
+
+
 class Intake:
     """Feeds the request table and the batcher from the transport; answers what cannot run."""
 
     def __init__(self, cfg: WorkerConfig, transport: Transport, limits: Limits, requests: RequestTable,
-                 ledger: Ledger, send: Callable[[list[Reply]], None],
-                 engine_full: Callable[[str], bool] = lambda lane: False,
-                 engine_room: Callable[[str], int] | None = None, guides: GuideChecks | None = None) -> None:
+                 ledger: Ledger, outbox: Outbox, engine: EngineRoom, guides: GuideChecks | None = None) -> None:
         self.cfg = cfg
         self.transport = transport
         self.limits = limits
         self.requests = requests  # the one owner of held requests (worker/requests/table.py)
         self.ledger = ledger  # answers are counted by the ledger as they enter the outbox; events noted here
-        self.send = send  # replies go to the outbox and are written when the transport takes them
+        self.outbox = outbox  # replies go to the outbox and are written when the transport takes them
         self.next_reclaim = 0.0  # time.time() of the next reclaim (tests set 0 to force one)
         self.next_prune = 0.0
-        # the dispatcher's: whether the engine can start nothing more of a lane now (default: never full)
-        self.engine_full = engine_full
-        # continuous mode: the engine's room per class now (it admits at every step); None: it runs batches
-        self.engine_room = engine_room
+        self.engine = engine  # the dispatcher: whether the engine is full, and its room now
+        # continuous mode: the engine admits at every step, so only its room now is read ahead
+        self.joins = cfg.engine.mode == "continuous"
         self.guides = guides or GuideChecks()  # checks new guides off this thread
 
     def room(self, lane: str) -> int:
         """Hold locally (queued or waiting to run alone) only what can start soon: leave the rest to peers
         (worker/requests/readahead.py). Per lane, so batch work held here never keeps interactive work from being
         read."""
-        joins = self.engine_room is not None
-        cap = readahead_cap(self.cfg.batching.max_batch_size, self.engine_full(lane), joins=joins,
-                            room=self.engine_room(lane) if joins else 0)
+        cap = readahead_cap(self.cfg.batching.max_batch_size, self.engine.engine_full(lane), joins=self.joins,
+                            room=self.engine.room_now(lane) if self.joins else 0)
         return cap - self.requests.waiting(lane)
 
     # ---- new entries -----------------------------------------------------------------------------
@@ -107,20 +118,20 @@ class Intake:
         self.next_reclaim = now + reclaim_period_s(self.cfg.claim_idle_ms)
         if now >= self.next_prune:
             self.next_prune = now + PRUNE_PERIOD_S
-            self.transport.prune_consumers(PRUNE_IDLE_MS)
+            self.transport.pending.prune_consumers(PRUNE_IDLE_MS)
         room = min(sum(max(0, self.room(lane)) for lane in LANES), self.cfg.reclaim_budget)
         if room <= 0:
             return
         # entry ids are unique per stream only: two buckets often share "<ms>-0"
         held = {e.where for e in self.requests.snapshot}
-        entries = [e for e in self.transport.reclaim(self.cfg.claim_idle_ms, room) or [] if e.where not in held]
+        entries = [e for e in self.transport.pending.reclaim(self.cfg.claim_idle_ms, room) or [] if e.where not in held]
         if not entries:
             return
         self.ledger.note("reclaimed", len(entries))
         log.info("reclaimed %d entries left pending by a silent worker", len(entries))
         keep, spent = split_exhausted(entries, self.cfg.max_deliveries)
         for e in spent:
-            self.give_up(e, f"delivered {e.deliveries} times (max_deliveries {self.cfg.max_deliveries}): "
+            self.outbox.give_up(e, f"delivered {e.deliveries} times (max_deliveries {self.cfg.max_deliveries}): "
                             "its workers died or it failed every time")
         self._take_all(keep, alone=lambda e: e.deliveries >= SOLO_FROM_DELIVERY)
 
@@ -130,28 +141,29 @@ class Intake:
         replying, a resumed bulk run, a retried submit) are acked without running."""
         if not entries:
             return
-        marks = self.transport.marks([job_id_of(e) or "-" for e in entries],
-                                     [reply_key_of(e, self.transport.keys) for e in entries])
+        marks = self.transport.cancel_watch.marks([job_id_of(e) or "-" for e in entries],
+                                                  [reply_key_of(e, self.transport.keys) for e in entries])
         for entry, (cancel_mark, done) in zip(entries, marks):
             job_id, reply_key = job_id_of(entry), reply_key_of(entry, self.transport.keys)
             if done and job_id is not None and reply_key is not None:
                 self.ledger.note("duplicates")
-                self.transport.answered(entry, job_id, reply_key)
+                self.transport.settler.answered(entry, job_id, reply_key)
                 continue
             self._take(entry, alone=alone(entry), cancel_mark=cancel_mark)
 
     def _take(self, entry: Entry, alone: bool, cancel_mark: str | None = None) -> None:
         """Validate one entry and hold it; any failure here costs this entry only."""
         try:
-            outcome = accept(entry, self.transport.keys, self.limits, time.time(), self.transport.clock_offset())
+            offset = self.transport.presence.clock_offset()
+            outcome = accept(entry, self.transport.keys, self.limits, time.time(), offset)
             if isinstance(outcome, Rejected):
                 self._reject(outcome)
                 return
             if cancel_mark is not None and cancel_mark == outcome.reply_key:
-                self.send([error_reply(outcome, CANCELLED, "cancelled before it started")])
+                self.outbox.send([error_reply(outcome, CANCELLED, "cancelled before it started")])
                 return
             if self.requests.holds(outcome.gen.id):
-                self.transport.ack(entry)  # same job enqueued twice: the copy we hold answers for both
+                self.transport.settler.ack(entry)  # same job enqueued twice: the copy we hold answers for both
                 return
             guide = outcome.gen.params.guide
             if outcome.unchecked is None and guide is not None and not self.guides.ready(guide):
@@ -167,7 +179,7 @@ class Intake:
             self.ledger.note("internal_errors")
             log.exception("internal error on entry %s; dead-lettering it", entry.entry_id,
                           extra={"job": job_id_of(entry), "bucket": entry.bucket})
-            self.give_up(entry, f"internal error while validating: {exc!r}"[:500])
+            self.outbox.give_up(entry, f"internal error while validating: {exc!r}"[:500])
 
     def verdicts(self) -> None:
         """Act on the guide checks that finished: a request whose guide passed is queued, one whose guide
@@ -189,29 +201,18 @@ class Intake:
             else:
                 rejected.append(Reply.to(v.acc.entry, job, Error(job, INVALID_REQUEST, v.error), v.acc.reply_key))
         if rejected:
-            self.send(rejected)
+            self.outbox.send(rejected)
         for v in faults:
             self.ledger.note("internal_errors")
-            self.give_up(v.acc.entry, v.fault)
+            self.outbox.give_up(v.acc.entry, v.fault)
 
     def _reject(self, rej: Rejected) -> None:
         if rej.error is None:  # no usable id: nobody to answer
-            self.give_up(rej.entry, rej.reason)
+            self.outbox.give_up(rej.entry, rej.reason)
             return
-        self.send([Reply.to(rej.entry, rej.error.id, rej.error, rej.reply_key)])
+        self.outbox.send([Reply.to(rej.entry, rej.error.id, rej.error, rej.reply_key)])
 
-    # ---- endings ---------------------------------------------------------------------------------
-    def give_up(self, entry: Entry, reason: str) -> None:
-        """Dead-letter an entry for good, answering ``worker_failed`` when it names a job."""
-        job_id, reply_key = job_id_of(entry), reply_key_of(entry, self.transport.keys)
-        reply = None
-        if job_id is not None and reply_key is not None:
-            reply = Reply.to(entry, job_id, Error(job_id, WORKER_FAILED, reason), reply_key)
-        log.warning("giving up on entry %s (job %s): %s", entry.entry_id, job_id, reason,
-                    extra={"job": job_id, "bucket": entry.bucket})
-        self.ledger.dead_lettered()
-        self.transport.give_up(entry, reason, reply)
-
+    # ---- expiry -----------------------------------------------------------------------------------
     def expire(self, now: float) -> None:
         """Answer ``deadline_exceeded`` to every request not started whose deadline has passed."""
         def expired(acc: Accepted) -> bool:
@@ -219,5 +220,5 @@ class Intake:
 
         gone = self.requests.expire(expired)
         if gone:
-            self.send([error_reply(acc, DEADLINE_EXCEEDED, "deadline passed before the request was scheduled")
+            self.outbox.send([error_reply(acc, DEADLINE_EXCEEDED, "deadline passed before the request was scheduled")
                    for acc in gone])

@@ -11,13 +11,13 @@ Two rules:
   of the fleet's throughput at 8+ workers: docs/BENCHMARKS_HISTORY.md section 11).
 - **Release what waits too long** (``ReadAhead``): a request queued here for longer than
   ``max(2 x max_wait_ms, RELEASE_FLOOR_MS)`` while the engine has no room for it is released (its lease
-  given up, ``Transport.release`` without counting a delivery), so the next reclaim of any worker, an
+  given up, ``transport.pending.release`` without counting a delivery), so the next reclaim of any worker, an
   idle peer's first, takes it at once. The check runs on its own thread because the case that matters
   is a long engine step (an hf batch runs to completion in one ``step``): the loop thread is inside the
   engine then, so the queued requests cannot change under the thread. The thread never touches the
   loop's state: it posts what it released, and the loop drains that at the top of its next tick
   (``settle``: the request table drops them), before it admits anything. Only when another live worker
-  exists (``Transport.live_peers``): alone, releasing would only churn.
+  exists (``transport.presence.live_peers``): alone, releasing would only churn.
 
 Locking: ``lock`` serializes the release decision with the loop's step boundaries (``stepping`` /
 ``stepped``), with ``settle``, and with the lease keeper's renewals, which skip released entries
@@ -140,7 +140,8 @@ class ReadAhead:
             for acc in stale:
                 self._released[acc.entry.where] = acc
             # under the lock: the lease keeper must not renew them between our decision and the release
-            self.transport.release([acc.entry for acc in stale], idle_ms=self.claim_idle_ms, count_delivery=False)
+            self.transport.pending.release([acc.entry for acc in stale], idle_ms=self.claim_idle_ms,
+                                           count_delivery=False)
         self.released_total += len(stale)
         log.info("released %d queued requests the engine cannot start soon (waited > %.1fs) to idle peers",
                  len(stale), self.after_s)
@@ -149,6 +150,6 @@ class ReadAhead:
     def _peer_alive(self, now: float) -> bool:
         peers, asked = self._peers
         if now - asked > PEERS_CHECK_S:
-            peers = self.transport.live_peers()
+            peers = self.transport.presence.live_peers()
             self._peers = (peers, now)
         return peers > 0

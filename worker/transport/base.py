@@ -1,13 +1,31 @@
-"""What the worker needs from a message transport, declared once: ``Transport``, and the two values that
-cross it, ``Entry`` (read) and ``Reply`` (written). No Redis, no torch.
+"""What the worker needs from a message transport, declared once: ``Transport`` and its named parts, and the
+two values that cross it, ``Entry`` (read) and ``Reply`` (written). No Redis, no torch.
 
-Implementations: ``worker.consumer.StreamConsumer`` (Redis streams, the product) and
-``worker.benchmark.memqueue.MemQueue`` (in-process, to measure what Redis adds). The worker loop, its
-intake and the lease keeper call only what is declared here.
+Implementations: ``worker.transport.consumer.StreamConsumer`` (Redis streams, the product),
+``worker.transport.sharded.ShardedConsumer`` (one StreamConsumer per cluster shard) and
+``worker.benchmark.memqueue.MemQueue`` (in-process, to measure what Redis adds). The worker loop, its intake,
+dispatcher, outbox, read-ahead and lease keeper call only what is declared here.
+
+The verbs. ``Transport`` itself declares six methods: ``setup``, ``recover``, ``read``, ``log_batch``, ``ping``
+and ``close``. Everything else is reached through a named part, each a small protocol below, so no part's
+verb is declared twice:
+
+- ``transport.settler`` (``Settling``): ``write_replies`` (answer), ``write_deltas``, ``give_up``, ``ack``,
+  ``answered``, ``hand_back``: every write that ends an entry's stay in its stream;
+- ``transport.pending`` (``Leases``): ``reclaim``, ``release``, ``refresh``, ``prune_consumers``;
+- ``transport.presence`` (``Membership``): ``join``, ``heartbeat``, ``alive``, ``clock_offset``, ``live_peers``;
+- ``transport.cancel_watch`` (``Cancelling``): ``cancels``, ``marks``;
+- ``transport.flush`` (``FlushWatch``): ``requested`` (static batching).
+
+Hops of a reply, from the dispatcher that makes it to the pipeline that writes it (single-shard fleet):
+``Dispatcher._answer`` -> ``Outbox.send`` (1) -> ``Outbox.flush`` (2) -> ``Settler.write_replies`` (3), which
+runs the pipeline. A sharded fleet adds one routing hop (``ShardedSettler.write_replies``).
 
 Contract shared by every implementation: an entry read stays owned by this worker (the transport may
 redeliver it elsewhere only after its lease lapses) until ``write_replies``, ``give_up``, ``ack`` or
 ``hand_back`` settles it; writing a reply is idempotent (first writer wins, the settling is repeatable).
+Besides the ``TRANSIENT`` outages, a refused command raises ``StreamsLost`` (call ``recover``) or another
+``TransportError``, whichever part sent it, so callers never match a backend's error strings.
 """
 
 from __future__ import annotations
@@ -95,40 +113,8 @@ class Cancel:
     reply_key: str
 
 
-class Transport(Protocol):
-    """Everything the worker loop, its intake and the lease keeper ask of a transport.
-
-    Implementations subclass it explicitly, so a missing method fails at construction. All methods are
-    called from the loop's thread except ``refresh`` and ``alive`` (the lease keeper's thread) and
-    ``release`` and ``live_peers`` (the read-ahead thread, worker/requests/readahead.py). Besides the
-    ``TRANSIENT`` outages, a refused command raises ``StreamsLost`` (call ``recover``) or another
-    ``TransportError``, so callers never match a backend's error strings.
-    """
-
-    name: str  # this worker's consumer name (also in replies and batch records)
-    keys: Keys  # key names of the namespace served
-    max_block_ms: int  # the longest ``read`` may block (bounds how long a stop request waits)
-
-    @abstractmethod
-    def setup(self) -> None:
-        """Prepare to serve (create consumer groups, waiting for the backend to come up) and take the
-        flush counter's current value as the baseline for ``flush_requested``."""
-
-    @abstractmethod
-    def publish_fleet(self, info: FleetInfo, replace: bool = False) -> None:
-        """Publish the fleet description producers read (tokenizer, buckets, limits); kept for ``recover``.
-        Raises worker.fleet.FleetConflict when live workers serve another fingerprint, unless ``replace``."""
-
-    @abstractmethod
-    def recover(self) -> None:
-        """The backend lost our state (Redis restarted empty): re-create groups and re-publish the fleet."""
-
-    @abstractmethod
-    def read(self, count: int | dict[str, int], block_ms: int | None, exact: bool = True) -> list[Entry]:
-        """New entries of every bucket, interactive ones first: up to ``count`` per bucket (a dict: per
-        bucket of each lane, 0 = not that lane); blocks at most ``block_ms`` (capped by ``max_block_ms``);
-        ``None`` does not block. ``exact=False``: the wait ends at no deadline (an idle worker), so it may
-        end up to one Redis cron tick early or late, for the fewest round trips."""
+class Settling(Protocol):
+    """``transport.settler``: the writes that end an entry's stay in its stream, and the streamed deltas."""
 
     @abstractmethod
     def write_replies(self, replies: list[Reply]) -> list[bool]:
@@ -138,25 +124,6 @@ class Transport(Protocol):
     def write_deltas(self, deltas: list[tuple[str, str, bytes]]) -> None:
         """Append streamed-output entries ``(job_id, reply_key, encoded Delta)`` to their inboxes, in order.
         Best effort: they settle nothing, and the final reply carries the whole text anyway."""
-
-    @abstractmethod
-    def cancels(self, waiting: bool = False) -> list[Cancel]:
-        """Cancel requests published since the last call; called every tick while the worker holds requests
-        (``waiting``: some have not started yet, so a cancel read now saves a whole job: never throttled)."""
-
-    @abstractmethod
-    def marks(self, job_ids: list[str], reply_keys: list[str | None]) -> list[tuple[str | None, bool]]:
-        """For each job: the reply key of a pending cancel request (else None), and whether it was answered
-        already (its answer is stored under ``reply_keys``, the entries' own, None where invalid: a duplicate
-        enqueue, or a copy reclaimed from a worker that died after answering). Checked when entries are read."""
-
-    @abstractmethod
-    def clock_offset(self) -> float:
-        """Seconds to subtract from a stream entry's Redis timestamp to get this host's ``time.time()``."""
-
-    @abstractmethod
-    def alive(self) -> None:
-        """Mark this worker live (the live-worker set producers check); called by the lease keeper's thread."""
 
     @abstractmethod
     def give_up(self, entry: Entry, reason: str, reply: Reply | None) -> None:
@@ -175,6 +142,16 @@ class Transport(Protocol):
     def hand_back(self, entries: list[Entry]) -> None:
         """Return entries read but never started (shutdown) to their streams for other workers."""
 
+
+class Leases(Protocol):
+    """``transport.pending``: the leases on entries read and not settled (policy: worker/transport/reclaim.py).
+    ``release`` is also called from the read-ahead thread, ``refresh`` from the lease keeper's."""
+
+    @abstractmethod
+    def reclaim(self, min_idle_ms: int, budget: int) -> list[Entry]:
+        """Take over at most ``budget`` entries whose lease lapsed ``min_idle_ms`` ago (their worker died);
+        each carries its delivery count."""
+
     @abstractmethod
     def release(self, entries: list[Entry], idle_ms: int, count_delivery: bool = True) -> None:
         """Give up our lease on entries so the next reclaim (any worker's) redelivers them at once.
@@ -184,34 +161,93 @@ class Transport(Protocol):
     @abstractmethod
     def refresh(self, entries: list[Entry], min_idle_ms: int) -> None:
         """Renew our lease on entries we still hold, skipping any idle less than ``min_idle_ms`` (another
-        worker may have just taken it over). Called from the lease keeper's thread."""
-
-    @abstractmethod
-    def reclaim(self, min_idle_ms: int, budget: int) -> list[Entry]:
-        """Take over at most ``budget`` entries whose lease lapsed ``min_idle_ms`` ago (their worker died);
-        each carries its delivery count."""
+        worker may have just taken it over)."""
 
     @abstractmethod
     def prune_consumers(self, min_idle_ms: int) -> int:
         """Forget consumer names of dead workers (nothing pending, silent ``min_idle_ms``); returns how many."""
+
+
+class Membership(Protocol):
+    """``transport.presence``: this worker's place in its fleet. ``alive`` is called from the lease keeper's
+    thread, ``live_peers`` from the read-ahead thread."""
+
+    @abstractmethod
+    def join(self, info: FleetInfo, replace: bool = False) -> None:
+        """Publish the fleet description producers read (tokenizer, buckets, limits); kept for ``recover``.
+        Raises worker.transport.fleet.FleetConflict when live workers serve another fingerprint, unless
+        ``replace``."""
 
     @abstractmethod
     def heartbeat(self, status: dict) -> None:
         """Publish this worker's status (expires when the worker stops refreshing it)."""
 
     @abstractmethod
-    def log_batch(self, record: dict) -> None:
-        """Append one batch record (worker, kind, bucket, size, ids, at) to the audit log."""
+    def alive(self) -> None:
+        """Mark this worker live (the live-worker set producers check), unless a heartbeat just did."""
 
     @abstractmethod
-    def flush_requested(self) -> bool:
-        """Static batching only: whether a load generator bumped the flush counter since the last time this
-        said so (or since ``setup``), i.e. partial batches should close now. Cheap to call every tick."""
+    def clock_offset(self) -> float:
+        """Seconds to subtract from a stream entry's Redis timestamp to get this host's ``time.time()``."""
 
+    @abstractmethod
     def live_peers(self) -> int:
         """How many other live workers serve this namespace (0 when the transport cannot tell)."""
-        return 0
 
+
+class Cancelling(Protocol):
+    """``transport.cancel_watch``: what clients cancelled, and which jobs are answered already."""
+
+    @abstractmethod
+    def cancels(self, waiting: bool = False) -> list[Cancel]:
+        """Cancel requests published since the last call; called every tick while the worker holds requests
+        (``waiting``: some have not started yet, so a cancel read now saves a whole job: never throttled)."""
+
+    @abstractmethod
+    def marks(self, job_ids: list[str], reply_keys: list[str | None]) -> list[tuple[str | None, bool]]:
+        """For each job: the reply key of a pending cancel request (else None), and whether it was answered
+        already (its answer is stored under ``reply_keys``, the entries' own, None where invalid: a duplicate
+        enqueue, or a copy reclaimed from a worker that died after answering). Checked when entries are read."""
+
+
+class Transport(Protocol):
+    """What the worker asks of a transport: six verbs of its own, the rest through its named parts (module
+    docstring).
+
+    Implementations subclass it (and each part its protocol) explicitly, so a missing method fails at
+    construction. Called from the loop's thread except where a part says otherwise.
+    """
+
+    name: str  # this worker's consumer name (also in replies and batch records)
+    keys: Keys  # key names of the namespace served
+    max_block_ms: int  # the longest ``read`` may block (bounds how long a stop request waits)
+    settler: Settling
+    pending: Leases
+    presence: Membership
+    cancel_watch: Cancelling
+    flush: FlushWatch
+
+    @abstractmethod
+    def setup(self) -> None:
+        """Prepare to serve (create consumer groups, waiting for the backend to come up) and take the
+        flush counter's current value as the baseline for ``flush.requested``."""
+
+    @abstractmethod
+    def recover(self) -> None:
+        """The backend lost our state (Redis restarted empty): re-create groups and re-publish the fleet."""
+
+    @abstractmethod
+    def read(self, count: int | dict[str, int], block_ms: int | None, exact: bool = True) -> list[Entry]:
+        """New entries of every bucket, interactive ones first: up to ``count`` per bucket (a dict: per
+        bucket of each lane, 0 = not that lane); blocks at most ``block_ms`` (capped by ``max_block_ms``);
+        ``None`` does not block. ``exact=False``: the wait ends at no deadline (an idle worker), so it may
+        end up to one Redis cron tick early or late, for the fewest round trips."""
+
+    @abstractmethod
+    def log_batch(self, record: dict) -> None:
+        """Append one batch record (worker, kind, bucket, size, ids, at) to the audit log; best effort."""
+
+    @abstractmethod
     def ping(self) -> None:
         """One round trip to the backend (raises when it is unreachable); a no-op where there is none."""
 
@@ -224,7 +260,8 @@ FLUSH_POLL_S = 0.05  # how often a waiting static batch looks at the flush count
 
 
 class FlushWatch:
-    """The flush-counter polling every transport shares: throttled reads, change since the last one seen."""
+    """``transport.flush``, the flush-counter polling every transport shares: throttled reads, change since the
+    last one seen (static batching: whether partial batches should close now)."""
 
     def __init__(self, read: Callable[[], int], seen: int | None = None, every_s: float = FLUSH_POLL_S) -> None:
         self._read = read

@@ -1,4 +1,5 @@
-"""What was cancelled: a part of the stream consumer (worker/transport/consumer.py), which owns the connection.
+"""What was cancelled: the stream consumer's ``cancel_watch`` part (worker/transport/consumer.py owns the
+connection; callers reach it as ``transport.cancel_watch``).
 
 Two ways a cancel reaches a worker (common/redis/functions.py CANCEL writes both): the cancels stream, followed
 while the worker holds jobs (a running job stops within a step + CANCELS_EVERY_S), and each job's cancel
@@ -14,7 +15,8 @@ import time
 import redis
 
 from batchfleet.common.keys import Keys
-from batchfleet.worker.transport.base import Cancel
+from batchfleet.worker.transport.base import Cancel, Cancelling
+from batchfleet.worker.transport.refused import refused
 from batchfleet.worker.transport.scripts import WorkerScripts
 
 CANCELS_PER_TICK = 1000
@@ -23,7 +25,7 @@ MARKS_PER_CALL = 1000  # jobs per MARKS call: 2 keys each, far below Lua's unpac
 MARKER_BYTES = 256  # longest job id or reply key a cancel entry or marker may hold (longer ones are cut)
 
 
-class CancelWatch:
+class CancelWatch(Cancelling):
     """The cancels stream's reader (from where ``start`` found its end) and the markers check."""
 
     def __init__(self, r: redis.Redis, scripts: WorkerScripts, keys: Keys) -> None:
@@ -39,6 +41,7 @@ class CancelWatch:
             last = self.r.xrevrange(self.keys.cancels, count=1)
             self._from = last[0][0].decode() if last else "0-0"
 
+    @refused
     def cancels(self, waiting: bool = False) -> list[Cancel]:
         """New entries of the cancels stream since the last call (the ``CANCELS`` script: at most
         CANCELS_PER_TICK entries, each field cut to MARKER_BYTES). While only running requests are held, at
@@ -61,6 +64,7 @@ class CancelWatch:
                 continue  # malformed: nothing to cancel
         return out
 
+    @refused
     def marks(self, job_ids: list[str], reply_keys: list[str | None]) -> list[tuple[str | None, bool]]:
         """Each job's cancel marker (the reply key of whoever cancelled it) and whether its answer is stored
         (``Keys.done`` under its reply key; None: an invalid entry, never answered by that name): one ``EXISTS``

@@ -2,14 +2,15 @@
 goes through here or through one of its parts, which share its connection and its registered scripts
 (worker/transport/scripts.py).
 
-Reads bucket streams in one consumer group and the cancels stream, publishes the fleet description and a
-heartbeat. Its parts: ``Settler`` (worker/transport/settle.py: replies, dead letters, acks, hand-back),
-``PendingList`` (worker/transport/pending.py: leases, reclaim), ``Presence`` (worker/transport/presence.py: fleet
-membership,
-heartbeat), ``BoundedReader`` (worker/transport/bounded.py: reads bounded in size), ``CancelWatch``
-(worker/transport/cancels.py:
-the cancels stream and the markers). A command Redis refuses raises the
-transport's own ``StreamsLost`` / ``TransportError`` (``_refused``), never a bare ``redis.ResponseError``.
+It owns the connection, sets up the consumer groups, reads the bucket streams (``read``, through its
+``BoundedReader``, worker/transport/bounded.py: reads bounded in size), writes the batch audit log and leaves
+the fleet on ``close``. Everything else is one of its named parts, which callers reach directly (no method
+here passes through to them): ``settler`` (worker/transport/settle.py: replies, dead letters, acks,
+hand-back), ``pending`` (worker/transport/pending.py: leases, reclaim), ``presence``
+(worker/transport/presence.py: fleet membership, heartbeat), ``cancel_watch`` (worker/transport/cancels.py:
+the cancels stream and the markers), ``flush`` (the static batches' flush counter). A command Redis refuses
+raises the transport's own ``StreamsLost`` / ``TransportError`` (worker/transport/refused.py), whichever part
+sent it, never a bare ``redis.ResponseError``.
 """
 
 from __future__ import annotations
@@ -20,19 +21,16 @@ import socket
 import time
 import uuid
 
-import msgpack
 import redis
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.keys import Keys
 from batchfleet.common.redis.clients import sync_client
-from batchfleet.common.redis.fleetstate import live_workers
 from batchfleet.common.redis.functions import load_library
 from batchfleet.common.redis.retry import TRANSIENT, Backoff
 from batchfleet.common.redis.url import is_cluster
 from batchfleet.common.wire.lanes import LANES
-from batchfleet.common.wire.protocol import FleetInfo
-from batchfleet.worker.transport.base import Cancel, Entry, FlushWatch, Reply, Transport
+from batchfleet.worker.transport.base import Entry, FlushWatch, Transport
 from batchfleet.worker.transport.bounded import GUARDED, BoundedReader
 from batchfleet.worker.transport.cancels import CancelWatch
 from batchfleet.worker.transport.pending import PendingList
@@ -48,10 +46,6 @@ MAX_BLOCK_MS = 2_000  # also bounds how long SIGTERM waits for an idle blocking 
 BLOCK_SLACK_MS = 110  # Redis may end a BLOCK up to one cron tick (100 ms at hz 10) late
 POLL_S = 0.002
 STARTUP_WAIT_S = 60.0  # setup() waits this long for Redis to come up
-# the lease keeper's alive() (every 2.5 s) beats only when no heartbeat went out for this long: the loop's
-# own (every 2-5 s, a tick late at most) makes it a no-op unless a long engine step holds the loop; a beat is
-# then never older than 9.5 s (worker/health.py reads 10 s as not ready)
-ALIVE_WITHIN_S = 7.0
 
 
 def connect(conn: ConnectionConfig) -> redis.Redis:
@@ -68,7 +62,8 @@ def default_consumer_name() -> str:
 
 
 class StreamConsumer(Transport):
-    """Owns the worker's Redis connection and every command it sends (see ``Transport`` for each method)."""
+    """Owns the worker's Redis connection and every command it sends, itself or through its parts (see
+    ``Transport`` and the part protocols for each method)."""
 
     def __init__(self, conn: ConnectionConfig, buckets: tuple[int, ...], name: str, reply_ttl_s: int,
                  keys: Keys | None = None, r: redis.Redis | None = None) -> None:
@@ -81,14 +76,14 @@ class StreamConsumer(Transport):
         self.reply_ttl_s = reply_ttl_s
         self.r = r if r is not None else connect(conn)
         scripts = WorkerScripts(self.r)  # registered once for this connection, shared by every part
-        self.presence = Presence(self.r, scripts, self.keys, name)
-        self.settler = Settler(self.r, self.keys, conn.wait_replicas, name, reply_ttl_s)
         self._scripts = scripts
-        self.cancel_watch = CancelWatch(self.r, scripts, self.keys)
-        self.pel = PendingList(self.r, scripts, self.keys, name, buckets)
-        self._flush = FlushWatch(self._flush_counter)  # baseline taken by setup()
         # reads are capped while parsed, then cut down (or recovered in Redis): memory never follows entry sizes
         self.reader = BoundedReader(self.r, scripts, self.keys.group, name, self.keys.streams(buckets))
+        self.presence = Presence(self.r, scripts, self.keys, name)
+        self.settler = Settler(self.r, self.keys, conn.wait_replicas, name, reply_ttl_s)
+        self.cancel_watch = CancelWatch(self.r, scripts, self.keys)
+        self.pending = PendingList(self.r, scripts, self.keys, name, buckets, self.reader)
+        self.flush = FlushWatch(_refused(self._flush_counter))  # baseline taken by setup()
         # A blocking read must return before the socket times out, with margin.
         self.max_block_ms = int(min(MAX_BLOCK_MS, conn.socket_timeout_s * 1000 / 2))
 
@@ -114,7 +109,7 @@ class StreamConsumer(Transport):
                 if is_cluster(self.conn.redis_url):  # pipelines on a cluster do not load a missing script
                     self._scripts.load()
                 self.cancel_watch.start()
-                self._flush.start()
+                self.flush.start()
                 outage.ok()
                 return
             except TRANSIENT as exc:
@@ -135,33 +130,11 @@ class StreamConsumer(Transport):
                         "(docs/SECURITY.md) or producers need EVAL", exc)
 
     @_refused
-    def publish_fleet(self, info: FleetInfo, replace: bool = False) -> None:
-        """Join the fleet (worker/transport/presence.py, worker/transport/fleet.py): publish its description with a
-        TTL unless live
-        workers serve another fingerprint (FleetConflict; ``replace`` publishes anyway). Kept for ``recover``."""
-        self.presence.join(info, replace)
-
-    @_refused
     def recover(self) -> None:
         """Redis came back without our state (NOGROUP): re-create the groups and re-publish the fleet."""
         self.setup(wait_s=0)  # the loop retries with its own backoff
-        self.pel.reset()
+        self.pending.reset()
         self.presence.rejoin()
-
-    @_refused
-    def heartbeat(self, status: dict) -> None:
-        """The status, msgpack-encoded, under this worker's key for 10 s; marks the worker live and renews
-        the fleet description's TTL."""
-        self.presence.beat(msgpack.packb(status, use_bin_type=True))
-
-    @_refused
-    def alive(self) -> None:
-        """Mark this worker live in the live-worker set (from any thread), unless a heartbeat just did."""
-        self.presence.keep_alive(ALIVE_WITHIN_S)
-
-    def clock_offset(self) -> float:
-        """Redis time minus this host's time (s), as measured by the last heartbeat."""
-        return self.presence.offset
 
     @_refused
     def read(self, count: int | dict[str, int], block_ms: int | None, exact: bool = True) -> list[Entry]:
@@ -175,62 +148,18 @@ class StreamConsumer(Transport):
         """
         counts = dict.fromkeys(LANES, count) if isinstance(count, int) else count
         if block_ms is None:
-            return self._xread(counts, None)
+            return self.reader.read(counts, None)
         if not exact:
-            return self._xread(counts, max(1, min(int(block_ms), self.max_block_ms)))
+            return self.reader.read(counts, max(1, min(int(block_ms), self.max_block_ms)))
         end = time.monotonic() + max(1, min(int(block_ms), self.max_block_ms)) / 1000
         while True:
             left_ms = (end - time.monotonic()) * 1000
             block = int(left_ms - BLOCK_SLACK_MS) if left_ms > BLOCK_SLACK_MS + 10 else None
-            out = self._xread(counts, block)
+            out = self.reader.read(counts, block)
             if out or left_ms <= 0:
                 return out
             if block is None:
                 time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))
-
-    def _xread(self, counts: dict[str, int], block_ms: int | None) -> list[Entry]:
-        return self.reader.read(counts, block_ms)
-
-    # ---- settling (worker/transport/settle.py) -----------------------------------------------------------------
-    @_refused
-    def write_replies(self, replies: list[Reply]) -> list[bool]:
-        """Replies written and their entries acked in one round trip (``Settler.write_replies``)."""
-        return self.settler.write_replies(replies)
-
-    @_refused
-    def write_deltas(self, deltas: list[tuple[str, str, bytes]]) -> None:
-        """XADD each streamed delta to its inbox (``Settler.write_deltas``)."""
-        self.settler.write_deltas(deltas)
-
-    @_refused
-    def give_up(self, entry: Entry, reason: str, reply: Reply | None) -> None:
-        """Dead-letter + answer in one transaction (``Settler.give_up``)."""
-        self.settler.give_up(entry, reason, reply)
-
-    @_refused
-    def ack(self, entry: Entry) -> None:
-        """XACK + XDEL of a duplicate delivery (``Settler.ack``)."""
-        self.settler.ack(entry)
-
-    @_refused
-    def answered(self, entry: Entry, job_id: str, reply_key: str) -> None:
-        """Ring the inbox again, then XACK + XDEL, for a copy of a job answered already (``Settler.answered``)."""
-        self.settler.answered(entry, job_id, reply_key)
-
-    @_refused
-    def hand_back(self, entries: list[Entry]) -> None:
-        """Re-add, then ack + delete, entries never started (``Settler.hand_back``)."""
-        self.settler.hand_back(entries)
-
-    @_refused
-    def cancels(self, waiting: bool = False) -> list[Cancel]:
-        """New cancels since the last call (``CancelWatch.cancels``)."""
-        return self.cancel_watch.cancels(waiting)
-
-    @_refused
-    def marks(self, job_ids: list[str], reply_keys: list[str | None]) -> list[tuple[str | None, bool]]:
-        """Each job's cancel marker and whether it is done (``CancelWatch.marks``)."""
-        return self.cancel_watch.marks(job_ids, reply_keys)
 
     def log_batch(self, record: dict) -> None:
         """Append a batch record (worker, bucket, ids, size) to the capped audit stream; best effort: the
@@ -241,42 +170,11 @@ class StreamConsumer(Transport):
         except redis.RedisError as exc:
             log.debug("batch record not written: %r", exc)
 
-    # ---- pending entries (worker/transport/pending.py) -----------------------------------------------------
-    @_refused
-    def reclaim(self, min_idle_ms: int, budget: int) -> list[Entry]:
-        """XAUTOCLAIM, resuming where a budget cut the last scan (``PendingList.reclaim``); noted by the reader."""
-        return self.reader.held(self.pel.reclaim(min_idle_ms, budget))
-
-    @_refused
-    def release(self, entries: list[Entry], idle_ms: int, count_delivery: bool = True) -> None:
-        """XCLAIM JUSTID making them look ``idle_ms`` idle (``PendingList.release``)."""
-        self.pel.release(entries, idle_ms, count_delivery)
-
-    @_refused
-    def live_peers(self) -> int:
-        """Live workers (the one live-workers query, common/redis/fleetstate.py), ourselves excluded."""
-        return sum(w != self.name for w in live_workers(self.r, self.keys))
-
     def ping(self) -> None:
         self.r.ping()
 
-    @_refused
-    def refresh(self, entries: list[Entry], min_idle_ms: int) -> None:
-        """XCLAIM JUSTID resetting their idle time (``PendingList.refresh``); lease keeper thread."""
-        self.pel.refresh(entries, min_idle_ms)
-
-    @_refused
-    def prune_consumers(self, min_idle_ms: int) -> int:
-        """XGROUP DELCONSUMER of silent names holding nothing (``PendingList.prune_consumers``)."""
-        return self.pel.prune_consumers(min_idle_ms)
-
-    # ---- static batching -------------------------------------------------------------------------
-    @_refused
-    def flush_requested(self) -> bool:
-        """GET of the flush counter, at most every 50 ms; True once per change."""
-        return self._flush.requested()
-
     def _flush_counter(self) -> int:
+        """The flush counter a load generator bumps (static batching: ``flush.requested``)."""
         raw = self.r.get(self.keys.flush)
         try:
             return int(raw) if raw is not None else 0

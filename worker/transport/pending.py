@@ -1,7 +1,7 @@
 """Commands on the consumer group's pending entries list (PEL): reclaiming what dead workers left,
-renewing and releasing leases, pruning dead consumer names. ``PendingList`` is a part of StreamConsumer
-(worker/transport/consumer.py), which owns the connection and delegates to it; the policy lives in
-worker/transport/reclaim.py.
+renewing and releasing leases, pruning dead consumer names. ``PendingList`` is the stream consumer's ``pending``
+part (worker/transport/consumer.py owns the connection; callers reach it as ``transport.pending``); the policy
+lives in worker/transport/reclaim.py.
 """
 
 from __future__ import annotations
@@ -13,20 +13,23 @@ import time
 import redis
 
 from batchfleet.common.keys import Keys
-from batchfleet.worker.transport.base import Entry
-from batchfleet.worker.transport.bounded import as_str, autoclaim_args, entry_of
+from batchfleet.worker.transport.base import Entry, Leases
+from batchfleet.worker.transport.bounded import BoundedReader, as_str, autoclaim_args, entry_of
 from batchfleet.worker.transport.reclaim import scan_period_s
+from batchfleet.worker.transport.refused import refused
 from batchfleet.worker.transport.scripts import WorkerScripts
 
 log = logging.getLogger("batchfleet.worker.transport.consumer")
 
 
-class PendingList:
+class PendingList(Leases):
     """XAUTOCLAIM / XPENDING / XCLAIM / XINFO for one worker (consumer ``name``) over its bucket streams."""
 
     def __init__(self, r: redis.Redis, scripts: WorkerScripts, keys: Keys, name: str,
-                 buckets: tuple[int, ...]) -> None:
+                 buckets: tuple[int, ...], reader: BoundedReader) -> None:
+        """``reader``: the consumer's, told of every entry reclaimed (never recovered as unseen)."""
         self.r = r
+        self.reader = reader
         self.keys = keys
         self.name = name
         self.streams = keys.streams(buckets)  # (stream, bucket, lane), interactive first
@@ -40,6 +43,7 @@ class PendingList:
         self._cursors.clear()
         self._released, self._next_scan = None, 0.0
 
+    @refused
     def reclaim(self, min_idle_ms: int, budget: int) -> list[Entry]:
         """Take over entries pending longer than ``min_idle_ms`` (their consumer died), at most ``budget``.
 
@@ -49,7 +53,8 @@ class PendingList:
 
         The scan itself (1 + streams commands) runs only when a peer released entries (the release
         counter moved), a cut scan is to be resumed, or ``scan_period_s`` passed; otherwise a call is
-        one GET, so an idle worker can look every second for released entries.
+        one GET, so an idle worker can look every second for released entries. What it takes is noted by the
+        reader (``BoundedReader.held``).
         """
         if budget <= 0:
             return []
@@ -76,7 +81,7 @@ class PendingList:
                 self._cursors.pop(stream, None)
             else:
                 self._cursors[stream] = cursor
-        return self._with_delivery_counts(out)
+        return self.reader.held(self._with_delivery_counts(out))
 
     def _ack_deleted(self, stream: str, alive: set[str]) -> int:
         """Redis 6.2 keeps deleted entries in the PEL (7.0 drops them): ack ours that no longer exist."""
@@ -99,6 +104,7 @@ class PendingList:
             counts.append(int(rows[0]["times_delivered"]) if rows else 1)
         return [dataclasses.replace(e, deliveries=n) for e, n in zip(entries, counts)]
 
+    @refused
     def release(self, entries: list[Entry], idle_ms: int, count_delivery: bool = True) -> None:
         """Leave entries pending but make them look ``idle_ms`` idle, so the next reclaim (any worker's)
         redelivers them at once. JUSTID: the delivery count is not raised by this claim. With
@@ -116,6 +122,7 @@ class PendingList:
             pipe.execute_command("INCR", self.keys.released)  # redis-py's incr() sends INCRBY
             pipe.execute()
 
+    @refused
     def refresh(self, entries: list[Entry], min_idle_ms: int) -> None:
         """Lease renewal: reset the idle time of entries this worker still holds (no delivery count change).
         ``min_idle_ms`` > 0 keeps us from taking back an entry another worker has just reclaimed."""
@@ -136,6 +143,7 @@ class PendingList:
         for stream, ids in by_stream.items():
             pipe.xclaim(stream, self.keys.group, self.name, min_idle_ms, ids, idle=idle, justid=True)
 
+    @refused
     def prune_consumers(self, min_idle_ms: int) -> int:
         """Remove group consumers (dead workers' names) that hold nothing and were silent for min_idle_ms,
         so the group's consumer list does not grow with every restart. Returns how many were removed."""

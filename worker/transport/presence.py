@@ -1,8 +1,8 @@
 """A worker's presence in its fleet: the fleet description it joined and keeps alive, its place in the
 live-worker set, its status heartbeat, and the offset between this host's clock and Redis'.
 
-Owned by the stream consumer (worker/transport/consumer.py, which delegates ``publish_fleet``, ``recover``,
-``heartbeat``, ``alive`` and ``clock_offset`` here); joining and leaving are worker/transport/fleet.py's scripts.
+The stream consumer's ``presence`` part (worker/transport/consumer.py owns the connection; callers reach it as
+``transport.presence``); joining and leaving are worker/transport/fleet.py's scripts.
 """
 
 from __future__ import annotations
@@ -10,11 +10,15 @@ from __future__ import annotations
 import logging
 import time
 
+import msgpack
 import redis
 
 from batchfleet.common.keys import Keys
+from batchfleet.common.redis.fleetstate import live_workers
 from batchfleet.common.wire.protocol import FleetInfo
 from batchfleet.worker.transport import fleet
+from batchfleet.worker.transport.base import Membership
+from batchfleet.worker.transport.refused import refused
 from batchfleet.worker.transport.scripts import WorkerScripts
 
 log = logging.getLogger("batchfleet.worker.transport.consumer")
@@ -22,8 +26,13 @@ log = logging.getLogger("batchfleet.worker.transport.consumer")
 FLEET_TTL_S = fleet.FLEET_TTL_MS // 1000  # the fleet description outlives its last heartbeat by this much
 STATUS_TTL_S = 15  # three idle heartbeats (worker/loop.py IDLE_HEARTBEAT_S)
 PRUNE_EVERY = 30  # beats between two prunes of day-old names from the live-worker set (it grows by restarts only)
+# the lease keeper's alive() (every 2.5 s) beats only when no heartbeat went out for this long: the loop's
+# own (every 2-5 s, a tick late at most) makes it a no-op unless a long engine step holds the loop; a beat is
+# then never older than 9.5 s (worker/health.py reads 10 s as not ready)
+ALIVE_WITHIN_S = 7.0
 
-class Presence:
+
+class Presence(Membership):
     """One worker's fleet membership and heartbeat (thread-safe: the lease keeper calls ``beat`` too)."""
 
     def __init__(self, r: redis.Redis, scripts: WorkerScripts, keys: Keys, name: str) -> None:
@@ -36,9 +45,10 @@ class Presence:
         self.last_beat = -1e9  # time.monotonic() of the last beat
         self._beats = 0
 
+    @refused
     def join(self, info: FleetInfo, replace: bool = False) -> None:
-        """Publish the fleet description (FleetConflict when live workers serve another fingerprint, unless
-        ``replace``) and mark this worker live."""
+        """Publish the fleet description with a TTL (FleetConflict when live workers serve another fingerprint,
+        unless ``replace``) and mark this worker live; kept for ``rejoin``."""
         fleet.join(self.r, self.scripts, self.keys, info, self.name, replace)
         self.info = info
         self.beat(b"")
@@ -62,11 +72,27 @@ class Presence:
         keep = self.info is not None and self.info.scale_to_zero
         return fleet.leave(self.scripts, self.keys, self.name, keep=keep)
 
-    def keep_alive(self, within_s: float) -> None:
-        """Beat unless a beat (the loop's heartbeat) went out within ``within_s``: the lease keeper's call,
-        which only matters while the loop is inside a long engine step."""
-        if time.monotonic() - self.last_beat >= within_s:
+    @refused
+    def heartbeat(self, status: dict) -> None:
+        """The status, msgpack-encoded, under this worker's key for STATUS_TTL_S; marks the worker live and
+        renews the fleet description's TTL."""
+        self.beat(msgpack.packb(status, use_bin_type=True))
+
+    @refused
+    def alive(self) -> None:
+        """Beat unless a beat (the loop's heartbeat) went out within ALIVE_WITHIN_S: the lease keeper's call
+        (from its thread), which only matters while the loop is inside a long engine step."""
+        if time.monotonic() - self.last_beat >= ALIVE_WITHIN_S:
             self.beat(b"")
+
+    def clock_offset(self) -> float:
+        """Redis time minus this host's time (s), as measured by the last beat."""
+        return self.offset
+
+    @refused
+    def live_peers(self) -> int:
+        """Live workers (the one live-workers query, common/redis/fleetstate.py), ourselves excluded."""
+        return sum(w != self.name for w in live_workers(self.r, self.keys))
 
     def beat(self, status: bytes) -> None:
         """Mark this worker live, renew the fleet description's TTL and (non-empty ``status``) publish the

@@ -64,7 +64,7 @@ class LeaseKeeper:
     def __init__(self, transport: Transport, claim_idle_ms: int, held: Callable[[], Sequence[Entry]],
                  progress: Callable[[], float] = time.monotonic, stall_timeout_s: float = 600.0,
                  lock: threading.Lock | None = None) -> None:
-        self.transport = transport  # only ``refresh`` and ``alive`` are called, from this keeper's thread
+        self.transport = transport  # only ``pending.refresh`` and ``presence.alive``, from this keeper's thread
         self.progress = progress  # monotonic time the loop last made progress
         self.stall_timeout_s = stall_timeout_s
         self.stalled = False
@@ -103,11 +103,11 @@ class LeaseKeeper:
             if stalled:
                 continue  # a wedged worker is neither live nor holding anything
             try:
-                self.transport.alive()
+                self.transport.presence.alive()
                 if entries and time.monotonic() - last_renewal >= self.interval_s - wake_s / 2:
                     last_renewal = time.monotonic()
                     with self.lock:  # chosen and renewed under the read-ahead lock: never undoes a release
-                        self.transport.refresh(list(self.held()), self.min_idle_ms)
+                        self.transport.pending.refresh(list(self.held()), self.min_idle_ms)
             except Exception as exc:  # an outage: the loop logs it; entries may be reclaimed, replies stay unique
                 self.failures += 1
                 log.debug("lease renewal failed: %r", exc)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import Literal, ParamSpec, TypeVar
 
 import redis
 
@@ -26,15 +26,27 @@ class _Refused(TransportError, redis.ResponseError):
     """NOPERM, OOM, READONLY, ...: an operator must act."""
 
 
+class Refusals:
+    """Translates a refusal raised inside a ``with`` block; stateless, so one shared instance (``REFUSALS``)
+    serves every thread. The hot path (``Settler.write_replies``) uses it inline: no wrapper call per reply."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> Literal[False]:
+        # CLUSTERDOWN and TRYAGAIN are ResponseErrors, and transient: they pass unchanged
+        if not isinstance(exc, redis.ResponseError) or isinstance(exc, (TransportError, *TRANSIENT)):
+            return False
+        raise (_StreamsLost if "NOGROUP" in str(exc) else _Refused)(str(exc)) from exc
+
+
+REFUSALS = Refusals()
+
+
 def refused(method: Callable[P, R]) -> Callable[P, R]:
     """Raise the transport's error types for a command Redis refused (transient errors pass unchanged)."""
     @functools.wraps(method)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
+        with REFUSALS:
             return method(*args, **kwargs)
-        except (TransportError, *TRANSIENT):  # CLUSTERDOWN and TRYAGAIN are ResponseErrors, and transient
-            raise
-        except redis.ResponseError as exc:
-            kind = _StreamsLost if "NOGROUP" in str(exc) else _Refused
-            raise kind(str(exc)) from exc
     return wrapper

@@ -1,6 +1,7 @@
 """Settling entries: every write that ends an entry's stay in its stream (a reply, a dead letter, an ack, a
-hand-back) and the streamed deltas written beside replies. ``Settler`` is a part of the stream consumer
-(worker/transport/consumer.py), which owns the connection and delegates to it.
+hand-back) and the streamed deltas written beside replies. ``Settler`` is the stream consumer's ``settler`` part
+(worker/transport/consumer.py owns the connection; callers reach it as ``transport.settler``). A command Redis
+refuses raises the transport's own errors (worker/transport/refused.py).
 
 Invariant: an entry is acked only after its answer is stored (``Keys.done``) and rung for in its inbox (a round
 trip that answered without an error, before the acks are sent) or after its dead-letter copy (one transaction), so
@@ -14,13 +15,14 @@ import redis
 
 from batchfleet.common.keys import Keys
 from batchfleet.common.redis.clients import WAIT_TIMEOUT_MS, require_replicas, same_node
-from batchfleet.worker.transport.base import Entry, Reply
+from batchfleet.worker.transport.base import Entry, Reply, Settling
+from batchfleet.worker.transport.refused import REFUSALS, refused
 
 DEAD_LETTER_MAXLEN = 10_000
 _DEAD_FIELDS = {b"reason", b"bucket", b"worker", b"entry_id", b"deliveries"}
 
 
-class Settler:
+class Settler(Settling):
     """The reply, dead-letter, ack and hand-back writes of one worker (``name``)."""
 
     def __init__(self, r: redis.Redis, keys: Keys, wait_replicas: int, name: str, reply_ttl_s: int) -> None:
@@ -41,25 +43,26 @@ class Settler:
         No Lua: a script's inner commands cost Redis ~3x the same commands sent plain (issue 29)."""
         if not replies:
             return []
-        pipe = self.r.pipeline(transaction=False)
-        for rep in replies:
-            self._answer(pipe, rep)
-        self._expire(pipe, [rep.reply_key for rep in replies])
-        wanted = self.wait_replicas
-        if wanted:  # WAIT on the same connection: every write above is on `wanted` replicas, else retried
-            pipe.execute_command("WAIT", wanted, WAIT_TIMEOUT_MS, **same_node(self.r, self.keys.workers))
-        out = pipe.execute(raise_on_error=False)
-        for x in out[:2 * len(replies)] + (out[-1:] if wanted else []):
-            if isinstance(x, Exception):
-                raise x
-        if wanted:  # too few: NotReplicated (transient) keeps the replies in the outbox; rewrites are idempotent
-            require_replicas(out[-1], wanted, f"{len(replies)} replies")
-        entries = [rep.settles for rep in replies if rep.entry_id]
-        if entries:
+        with REFUSALS:  # inline, not ``@refused``: the reply path has no wrapper hop (worker/transport/base.py)
             pipe = self.r.pipeline(transaction=False)
-            self._ack(pipe, entries)
-            # an ack refused (a stream or group lost with Redis' data) must not fail the replies written before it
-            pipe.execute(raise_on_error=False)
+            for rep in replies:
+                self._answer(pipe, rep)
+            self._expire(pipe, [rep.reply_key for rep in replies])
+            wanted = self.wait_replicas
+            if wanted:  # WAIT on the same connection: every write above is on `wanted` replicas, else retried
+                pipe.execute_command("WAIT", wanted, WAIT_TIMEOUT_MS, **same_node(self.r, self.keys.workers))
+            out = pipe.execute(raise_on_error=False)
+            for x in out[:2 * len(replies)] + (out[-1:] if wanted else []):
+                if isinstance(x, Exception):
+                    raise x
+            if wanted:  # too few: NotReplicated (transient) keeps the replies in the outbox; rewrites are idempotent
+                require_replicas(out[-1], wanted, f"{len(replies)} replies")
+            entries = [rep.settles for rep in replies if rep.entry_id]
+            if entries:
+                pipe = self.r.pipeline(transaction=False)
+                self._ack(pipe, entries)
+                # an ack refused (a stream or group lost with Redis' data) must not fail the replies written before
+                pipe.execute(raise_on_error=False)
         return [bool(x) for x in out[:2 * len(replies):2]]
 
     def _answer(self, pipe, rep: Reply) -> None:
@@ -86,6 +89,7 @@ class Settler:
             pipe.xack(stream, self.keys.group, *ids)
             pipe.xdel(stream, *ids)
 
+    @refused
     def write_deltas(self, deltas: list[tuple[str, str, bytes]]) -> None:
         """XADD each streamed delta to its inbox, then one EXPIRE per inbox, in one round trip."""
         if not deltas:
@@ -96,6 +100,7 @@ class Settler:
         self._expire(pipe, [key for _, key, _ in deltas])
         pipe.execute()
 
+    @refused
     def give_up(self, entry: Entry, reason: str, reply: Reply | None) -> None:
         """Dead-letter an entry and, when its job id is known, answer it, in one transaction (then ack)."""
         # bounded copy: at most 16 fields of 4 KiB each, so the capped stream stays small in bytes too
@@ -111,6 +116,7 @@ class Settler:
         self._ack(pipe, [entry])
         pipe.execute()
 
+    @refused
     def answered(self, entry: Entry | None, job_id: str, reply_key: str) -> None:
         """Settle a copy of a job whose answer is stored already: ring its inbox again (the writer may have died
         between storing the answer and ringing), then ack and delete the copy (None: it is on another shard)."""
@@ -124,6 +130,7 @@ class Settler:
         """Acknowledge and delete an entry that needs no reply of its own (a duplicate delivery)."""
         self.ack_all([entry])
 
+    @refused
     def ack_all(self, entries: list[Entry]) -> None:
         """Acknowledge and delete entries that need no reply written here (duplicates; on a sharded fleet, entries
         whose replies were written on their inbox's shard, worker/transport/sharded.py): one XACK + XDEL per stream."""
@@ -131,6 +138,7 @@ class Settler:
         self._ack(pipe, entries)
         pipe.execute()
 
+    @refused
     def hand_back(self, entries: list[Entry]) -> None:
         """Return entries this worker read but will not run (shutdown): re-add, then ack + delete."""
         if not entries:

@@ -11,6 +11,9 @@ twice), and only then acked. Dead letters stay on the entry's shard.
 
 Reading: a sweep asks one shard after the other (starting after the last that had entries, so none starves)
 without blocking; nothing there, the shards' waiter threads block (worker/transport/shard_waiters.py).
+
+Its named parts (worker/transport/base.py) route each call to the shards' own parts: ``ShardedSettler``,
+``ShardedPending``, ``ShardedPresence``, ``ShardedCancels``; the flush counter is shard 0's.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from batchfleet.common.keys import Keys
 from batchfleet.common.redis.retry import TRANSIENT
 from batchfleet.common.wire.lanes import LANES
 from batchfleet.common.wire.protocol import FleetInfo
-from batchfleet.worker.transport.base import Cancel, Entry, Reply, Transport
+from batchfleet.worker.transport.base import Cancel, Cancelling, Entry, Leases, Membership, Reply, Settling, Transport
 from batchfleet.worker.transport.consumer import StreamConsumer, connect
 from batchfleet.worker.transport.refused import refused as _refused
 from batchfleet.worker.transport.shard_waiters import Waiters
@@ -60,49 +63,26 @@ class ShardedConsumer(Transport):
         self._quiet = False  # the last read waited and found nothing
         self.waiters = Waiters(self.parts)
         self.stopping = False
+        self.settler = ShardedSettler(self.parts, keys)
+        self.pending = ShardedPending(self.parts, self.waiters)
+        self.presence = ShardedPresence(self.parts, self.waiters, self.pending, claim_idle_ms)
+        self.cancel_watch = ShardedCancels(self.parts, keys)
+        self.flush = self.parts[0].flush
 
     def _each(self, call: Callable[[StreamConsumer], object]) -> None:
         for part in self.parts:
             call(part)
-
-    def _by_shard(self, items: Iterable[T]) -> dict[int, list[T]]:
-        out: dict[int, list[T]] = {}
-        for item in items:
-            out.setdefault(item.shard, []).append(item)
-        return out
 
     # ---- joining -------------------------------------------------------------------------------------
     def setup(self) -> None:
         self._each(StreamConsumer.setup)
         self.waiters.start()
 
-    def publish_fleet(self, info: FleetInfo, replace: bool = False) -> None:
-        self._each(lambda p: p.publish_fleet(info, replace))
-
     def recover(self) -> None:
         self._each(StreamConsumer.recover)
 
-    def heartbeat(self, status: dict) -> None:
-        self._each(lambda p: p.heartbeat(status))
-
-    def alive(self) -> None:
-        """Every shard's live-worker set; and (the lease keeper calls this every few seconds) the entries the
-        waiters read that the loop has not taken: renewed, or released once late (worker/transport/shard_waiters.py)."""
-        self._each(StreamConsumer.alive)
-        late, kept = self.waiters.age()
-        if late:
-            self.release(late, self.claim_idle_ms, count_delivery=False)
-        if kept:
-            self.refresh(kept, 0)
-
-    def clock_offset(self) -> float:
-        return self.parts[0].clock_offset()
-
-    def live_peers(self) -> int:
-        return self.parts[0].live_peers()
-
     def ping(self) -> None:
-        self.parts[0].ping()
+        self.parts[0].r.ping()  # the one client every shard shares
 
     # ---- reading -------------------------------------------------------------------------------------
     @_refused
@@ -130,100 +110,6 @@ class ShardedConsumer(Transport):
                 return [dataclasses.replace(e, shard=shard) for e in got]
         return []
 
-    @_refused
-    def reclaim(self, min_idle_ms: int, budget: int) -> list[Entry]:
-        """Every shard's lapsed leases, within ``budget``; an entry reclaimed here is no longer also offered by
-        the waiters (the loop would take it twice, and ack the running copy as a duplicate)."""
-        out: list[Entry] = []
-        for shard, part in enumerate(self.parts):
-            if budget - len(out) <= 0:
-                break
-            out += [dataclasses.replace(e, shard=shard) for e in part.reclaim(min_idle_ms, budget - len(out))]
-        if out:
-            self.waiters.drop({e.where for e in out})
-        return out
-
-    def cancels(self, waiting: bool = False) -> list[Cancel]:
-        return [c for part in self.parts for c in part.cancels(waiting)]
-
-    def marks(self, job_ids: list[str], reply_keys: list[str | None]) -> list[tuple[str | None, bool]]:
-        """A job's markers are on its inbox's shard (the client writes its cancels there, the reply writes its
-        ``done`` marker there): each shard is asked about its own jobs. A cancel from another inbox would be
-        elsewhere, but it is never honoured anyway; an entry without a valid reply key is rejected unread."""
-        out: list[tuple[str | None, bool]] = [(None, False)] * len(job_ids)
-        by_home: dict[int, list[int]] = {}
-        for i, key in enumerate(reply_keys):
-            home = self.keys.shard_of(key) if key is not None else None
-            if home is not None:
-                by_home.setdefault(home, []).append(i)
-        for home, idx in by_home.items():
-            for i, mark in zip(idx, self.parts[home].marks([job_ids[i] for i in idx], [reply_keys[i] for i in idx])):
-                out[i] = mark
-        return out
-
-    def flush_requested(self) -> bool:
-        return self.parts[0].flush_requested()
-
-    # ---- settling ------------------------------------------------------------------------------------
-    @_refused
-    def write_replies(self, replies: list[Reply]) -> list[bool]:
-        """Replies on their entries' shard where the inbox is there too (one script call settles both); the
-        others on their inbox's shard first, their entries acked on their own shard after."""
-        first = [False] * len(replies)
-        groups: dict[tuple[int, bool], list[int]] = {}
-        for i, rep in enumerate(replies):
-            home = self._home(rep)
-            groups.setdefault((home, home != rep.shard), []).append(i)
-        for (home, moved), idx in groups.items():
-            batch = [dataclasses.replace(replies[i], entry_id="") if moved else replies[i] for i in idx]
-            for i, ok in zip(idx, self.parts[home].write_replies(batch)):
-                first[i] = ok
-        for shard, entries in self._by_shard(r.settles for (_, moved), idx in groups.items() if moved
-                                             for r in (replies[i] for i in idx)).items():
-            self.parts[shard].settler.ack_all(entries)
-        return first
-
-    def _home(self, rep: Reply) -> int:
-        home = self.keys.shard_of(rep.reply_key)
-        return rep.shard if home is None else home
-
-    def write_deltas(self, deltas: list[tuple[str, str, bytes]]) -> None:
-        self.parts[0].write_deltas(deltas)  # plain XADDs: the cluster client sends each to its key's master
-
-    @_refused
-    def give_up(self, entry: Entry, reason: str, reply: Reply | None) -> None:
-        if reply is not None and self._home(reply) != entry.shard:
-            self.parts[self._home(reply)].write_replies([dataclasses.replace(reply, entry_id="")])
-            reply = None
-        self.parts[entry.shard].give_up(entry, reason, reply)
-
-    def ack(self, entry: Entry) -> None:
-        self.parts[entry.shard].ack(entry)
-
-    @_refused
-    def answered(self, entry: Entry, job_id: str, reply_key: str) -> None:
-        home = self.keys.shard_of(reply_key)
-        if home is None or home == entry.shard:
-            self.parts[entry.shard].answered(entry, job_id, reply_key)
-            return
-        self.parts[home].settler.answered(None, job_id, reply_key)  # the ring first, the ack after
-        self.parts[entry.shard].ack(entry)
-
-    def hand_back(self, entries: list[Entry]) -> None:
-        for shard, mine in self._by_shard(entries).items():
-            self.parts[shard].hand_back(mine)
-
-    def release(self, entries: list[Entry], idle_ms: int, count_delivery: bool = True) -> None:
-        for shard, mine in self._by_shard(entries).items():
-            self.parts[shard].release(mine, idle_ms, count_delivery)
-
-    def refresh(self, entries: list[Entry], min_idle_ms: int) -> None:
-        for shard, mine in self._by_shard(entries).items():
-            self.parts[shard].refresh(mine, min_idle_ms)
-
-    def prune_consumers(self, min_idle_ms: int) -> int:
-        return sum(part.prune_consumers(min_idle_ms) for part in self.parts)
-
     def log_batch(self, record: dict) -> None:
         self.parts[0].log_batch(record)
 
@@ -237,7 +123,7 @@ class ShardedConsumer(Transport):
         left = self.waiters.take()
         if left:  # released, not re-added: they stay pending on us, so our consumer name is kept too
             try:
-                self.release(left, self.claim_idle_ms, count_delivery=False)
+                self.pending.release(left, self.claim_idle_ms, count_delivery=False)
             except (*TRANSIENT, redis.RedisError) as exc:  # their leases lapse: another worker reclaims them
                 log.warning("could not release %d entries: %r", len(left), exc)
         if not stopped:  # one may still read an entry: keep our consumer names
@@ -245,3 +131,158 @@ class ShardedConsumer(Transport):
             return
         self._each(lambda p: p.close(disconnect=False))
         self.parts[0].r.close()  # the one client they share
+
+
+def by_shard(items: Iterable[T]) -> dict[int, list[T]]:
+    """``items`` grouped by the shard of their stream."""
+    out: dict[int, list[T]] = {}
+    for item in items:
+        out.setdefault(item.shard, []).append(item)
+    return out
+
+
+class ShardedSettler(Settling):
+    """Each settling write on the entry's shard; a reply on its inbox's home shard first (module docstring)."""
+
+    def __init__(self, parts: list[StreamConsumer], keys: Keys) -> None:
+        self.parts = parts
+        self.keys = keys
+
+    def write_replies(self, replies: list[Reply]) -> list[bool]:
+        """Replies on their entries' shard where the inbox is there too (one round trip settles both); the
+        others on their inbox's shard first, their entries acked on their own shard after."""
+        first = [False] * len(replies)
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for i, rep in enumerate(replies):
+            home = self._home(rep)
+            groups.setdefault((home, home != rep.shard), []).append(i)
+        for (home, moved), idx in groups.items():
+            batch = [dataclasses.replace(replies[i], entry_id="") if moved else replies[i] for i in idx]
+            for i, ok in zip(idx, self.parts[home].settler.write_replies(batch)):
+                first[i] = ok
+        for shard, entries in by_shard(r.settles for (_, moved), idx in groups.items() if moved
+                                       for r in (replies[i] for i in idx)).items():
+            self.parts[shard].settler.ack_all(entries)
+        return first
+
+    def _home(self, rep: Reply) -> int:
+        home = self.keys.shard_of(rep.reply_key)
+        return rep.shard if home is None else home
+
+    def write_deltas(self, deltas: list[tuple[str, str, bytes]]) -> None:
+        self.parts[0].settler.write_deltas(deltas)  # plain XADDs: the cluster client sends each to its key's master
+
+    def give_up(self, entry: Entry, reason: str, reply: Reply | None) -> None:
+        if reply is not None and self._home(reply) != entry.shard:
+            self.parts[self._home(reply)].settler.write_replies([dataclasses.replace(reply, entry_id="")])
+            reply = None
+        self.parts[entry.shard].settler.give_up(entry, reason, reply)
+
+    def ack(self, entry: Entry) -> None:
+        self.parts[entry.shard].settler.ack(entry)
+
+    def answered(self, entry: Entry, job_id: str, reply_key: str) -> None:
+        home = self.keys.shard_of(reply_key)
+        if home is None or home == entry.shard:
+            self.parts[entry.shard].settler.answered(entry, job_id, reply_key)
+            return
+        self.parts[home].settler.answered(None, job_id, reply_key)  # the ring first, the ack after
+        self.parts[entry.shard].settler.ack(entry)
+
+    def hand_back(self, entries: list[Entry]) -> None:
+        for shard, mine in by_shard(entries).items():
+            self.parts[shard].settler.hand_back(mine)
+
+
+class ShardedPending(Leases):
+    """Each shard's pending list, for the entries of that shard."""
+
+    def __init__(self, parts: list[StreamConsumer], waiters: Waiters) -> None:
+        self.parts = parts
+        self.waiters = waiters
+
+    def reclaim(self, min_idle_ms: int, budget: int) -> list[Entry]:
+        """Every shard's lapsed leases, within ``budget``; an entry reclaimed here is no longer also offered by
+        the waiters (the loop would take it twice, and ack the running copy as a duplicate)."""
+        out: list[Entry] = []
+        for shard, part in enumerate(self.parts):
+            if budget - len(out) <= 0:
+                break
+            out += [dataclasses.replace(e, shard=shard) for e in part.pending.reclaim(min_idle_ms, budget - len(out))]
+        if out:
+            self.waiters.drop({e.where for e in out})
+        return out
+
+    def release(self, entries: list[Entry], idle_ms: int, count_delivery: bool = True) -> None:
+        for shard, mine in by_shard(entries).items():
+            self.parts[shard].pending.release(mine, idle_ms, count_delivery)
+
+    def refresh(self, entries: list[Entry], min_idle_ms: int) -> None:
+        for shard, mine in by_shard(entries).items():
+            self.parts[shard].pending.refresh(mine, min_idle_ms)
+
+    def prune_consumers(self, min_idle_ms: int) -> int:
+        return sum(part.pending.prune_consumers(min_idle_ms) for part in self.parts)
+
+
+class ShardedPresence(Membership):
+    """Membership on every shard (each has its live-worker set); clock and peers as shard 0 sees them."""
+
+    def __init__(self, parts: list[StreamConsumer], waiters: Waiters, pending: ShardedPending,
+                 claim_idle_ms: int) -> None:
+        self.parts = parts
+        self.waiters = waiters
+        self.pending = pending
+        self.claim_idle_ms = claim_idle_ms
+
+    def join(self, info: FleetInfo, replace: bool = False) -> None:
+        for part in self.parts:
+            part.presence.join(info, replace)
+
+    def heartbeat(self, status: dict) -> None:
+        for part in self.parts:
+            part.presence.heartbeat(status)
+
+    def alive(self) -> None:
+        """Every shard's live-worker set; and (the lease keeper calls this every few seconds) the entries the
+        waiters read that the loop has not taken: renewed, or released once late (worker/transport/shard_waiters.py)."""
+        for part in self.parts:
+            part.presence.alive()
+        late, kept = self.waiters.age()
+        if late:
+            self.pending.release(late, self.claim_idle_ms, count_delivery=False)
+        if kept:
+            self.pending.refresh(kept, 0)
+
+    def clock_offset(self) -> float:
+        return self.parts[0].presence.clock_offset()
+
+    def live_peers(self) -> int:
+        return self.parts[0].presence.live_peers()
+
+
+class ShardedCancels(Cancelling):
+    """The cancels stream of every shard; each job's markers on its inbox's shard."""
+
+    def __init__(self, parts: list[StreamConsumer], keys: Keys) -> None:
+        self.parts = parts
+        self.keys = keys
+
+    def cancels(self, waiting: bool = False) -> list[Cancel]:
+        return [c for part in self.parts for c in part.cancel_watch.cancels(waiting)]
+
+    def marks(self, job_ids: list[str], reply_keys: list[str | None]) -> list[tuple[str | None, bool]]:
+        """A job's markers are on its inbox's shard (the client writes its cancels there, the reply writes its
+        ``done`` marker there): each shard is asked about its own jobs. A cancel from another inbox would be
+        elsewhere, but it is never honoured anyway; an entry without a valid reply key is rejected unread."""
+        out: list[tuple[str | None, bool]] = [(None, False)] * len(job_ids)
+        by_home: dict[int, list[int]] = {}
+        for i, key in enumerate(reply_keys):
+            home = self.keys.shard_of(key) if key is not None else None
+            if home is not None:
+                by_home.setdefault(home, []).append(i)
+        for home, idx in by_home.items():
+            got = self.parts[home].cancel_watch.marks([job_ids[i] for i in idx], [reply_keys[i] for i in idx])
+            for i, mark in zip(idx, got):
+                out[i] = mark
+        return out
