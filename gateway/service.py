@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from batchfleet.common.errors import GUIDE_FAILED, FleetUnavailable, JobFailed, PromptTooLong
 from batchfleet.common.wire.guided import GuideError
+from batchfleet.common.wire.params import Params
 from batchfleet.common.wire.protocol import Result
 from batchfleet.gateway.config import GatewayConfig
 from batchfleet.gateway.errors import APIError, api_error, invalid
@@ -25,6 +26,7 @@ from batchfleet.gateway.openai.chat.request import Job
 from batchfleet.gateway.openai.tools.parsers import Family, pick
 from batchfleet.gateway.sse import EventStream, job_events, wait_disconnect
 from batchfleet.producer import AsyncClient
+from batchfleet.producer.ask import Ask
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 2.0  # /health answers "unavailable" rather than hang on a frozen Redis
@@ -94,12 +96,11 @@ class Gateway:
         """Submit the job's ``n`` choices as streamed jobs (AsyncTokenStreams, one per choice). Submission
         errors (QueueFull, PromptTooLong, NoWorkers...) raise here, before any byte of the answer is sent;
         the choices already submitted are cancelled."""
-        params = await job_params(job, family)
+        asks = await job_asks(job, family)
         streams: list[Any] = []
         try:
-            for i, jid in enumerate(choice_ids(job, job_id)):
-                streams.append(await self.client.stream(job.prompt, timeout=job.timeout, job_id=jid,
-                                                        **choice_params(params, i)))
+            for jid, ask in zip(choice_ids(job, job_id), asks):
+                streams.append(await self.client.stream(job.prompt, timeout=job.timeout, job_id=jid, ask=ask))
         except BaseException as exc:
             await asyncio.shield(asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True))
             if isinstance(exc, PromptTooLong):
@@ -110,8 +111,8 @@ class Gateway:
     async def results(self, request: Request, job: Job, job_id: str, family: Family | None = None) -> list[Result]:
         """Submit the job's ``n`` choices and wait for their results (as ``streams``: a submission error
         raises before anything runs; a guide the fleet failed is a 400 naming the request's guide field)."""
-        params = await job_params(job, family)
-        jobs = [(jid, job.prompt, choice_params(params, i)) for i, jid in enumerate(choice_ids(job, job_id))]
+        asks = await job_asks(job, family)
+        jobs = [(jid, job.prompt, ask) for jid, ask in zip(choice_ids(job, job_id), asks)]
         try:
             return await self.run(request, jobs, job.timeout)
         except PromptTooLong as exc:
@@ -121,15 +122,15 @@ class Gateway:
                 raise api_error(exc, job.guide_param) from None
             raise
 
-    async def run(self, request: Request, jobs: list[tuple[str, Any, dict[str, Any]]], timeout: float) -> list[Result]:
-        """Submit ``jobs`` (job id, prompt, AsyncClient parameters) and wait for their results, in order,
+    async def run(self, request: Request, jobs: list[tuple[str, Any, Ask]], timeout: float) -> list[Result]:
+        """Submit ``jobs`` (job id, prompt, what it asks) and wait for their results, in order,
         within ``timeout`` s. A submission error raises before anything runs, the jobs already submitted
         cancelled; then as ``_wait``."""
         start = time.monotonic()
         submitted: list[str] = []
         try:
-            for jid, prompt, params in jobs:
-                await self.client.submit(prompt, timeout=timeout, job_id=jid, **params)
+            for jid, prompt, ask in jobs:
+                await self.client.submit(prompt, timeout=timeout, job_id=jid, ask=ask)
                 submitted.append(jid)
         except BaseException:
             await asyncio.shield(asyncio.gather(*(self.cancel(j) for j in submitted)))
@@ -191,20 +192,22 @@ class Gateway:
             return False
 
 
-async def job_params(job: Job, family: Family | None = None) -> dict[str, Any]:
-    """The job's AsyncClient parameters, its structured-output guide compiled (a 400 naming the field when
-    it does not compile); a forced tool call's guide is written in ``family``'s format (gateway/openai/tools/calling.py;
-    default: Hermes')."""
-    params = dict(job.params)
+async def job_asks(job: Job, family: Family | None = None, lane: str | None = None) -> list[Ask]:
+    """What the client is asked for each of the job's ``n`` choices: the job's own Params (checked once, when
+    the body was validated), choice i seeded ``seed + i`` when seeded; its structured-output guide compiled
+    here, off the event loop (a 400 naming the field when it does not compile). A forced tool call's guide is
+    made here, in ``family``'s format (gateway/openai/tools/calling.py; default: Hermes'). ``lane``: the class,
+    where the caller's overrides the body's (a batch's lines run in the batch class)."""
+    params = job.params
     if job.tools is not None and job.tools.constrained:  # a 400 naming the schema llguidance cannot compile
-        params["guide"] = await asyncio.to_thread(job.tools.guide, family or pick("auto", ""))
-    if job.guide is not None:
+        params = params.changed(guide=await asyncio.to_thread(job.tools.guide, family or pick("auto", "")))
+    elif params.guide is not None:
         try:  # compiling a large schema takes a while: not on the event loop
-            await asyncio.to_thread(job.guide.check)
+            await asyncio.to_thread(params.guide.check)
         except GuideError as exc:
             raise invalid(str(exc), job.guide_param) from None
-        params["guide"] = job.guide
-    return params
+    lane = lane or job.lane
+    return [Ask(choice_params(params, i), lane) for i in range(job.n)]
 
 
 def too_long(exc: PromptTooLong, job: Job) -> APIError:
@@ -232,11 +235,12 @@ def choice_ids(job: Job, job_id: str) -> list[str]:
     return [job_id] if job.n == 1 else [f"{job_id}-{i}" for i in range(job.n)]
 
 
-def choice_params(params: dict[str, Any], index: int) -> dict[str, Any]:
-    """Choice ``index``'s parameters: its own sampling stream, seeded ``seed + index`` when seeded."""
-    if index == 0 or params.get("seed") is None:
+def choice_params(params: Params, index: int) -> Params:
+    """Choice ``index``'s parameters: its own sampling stream, seeded ``seed + index`` when seeded (else the
+    same object)."""
+    if index == 0 or params.seed is None:
         return params
-    return {**params, "seed": (params["seed"] + index) % 2**63}
+    return params.changed(seed=(params.seed + index) % 2**63)
 
 
 def token_texts(tokenizer: Any) -> Callable[[int], str]:

@@ -18,10 +18,11 @@ from batchfleet.common.errors import (
 )
 from batchfleet.common.wire.protocol import Delta, Result
 from batchfleet.producer.aclient import AsyncClient
+from batchfleet.producer.ask import Ask
 from batchfleet.producer.chat import Chat
 from batchfleet.producer.client import Client, TokenStream
 from batchfleet.producer.stream import AsyncTokenStream
 
-__all__ = ["AsyncClient", "AsyncTokenStream", "Cancelled", "Chat", "Client", "Delta", "FleetUnavailable",
+__all__ = ["Ask", "AsyncClient", "AsyncTokenStream", "Cancelled", "Chat", "Client", "Delta", "FleetUnavailable",
            "InvalidRequest", "JobFailed", "NoWorkers", "PromptTooLong", "QueueFull", "RedisUnavailable", "Result",
            "Timeout", "TokenStream"]

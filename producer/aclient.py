@@ -26,11 +26,11 @@ from batchfleet.common.redis.clients import async_client, close_async
 from batchfleet.common.redis.fleetstate import live_workers_async
 from batchfleet.common.redis.functions import CANCELS_MAXLEN
 from batchfleet.common.wire.protocol import Result
+from batchfleet.producer.ask import Ask
 from batchfleet.producer.core import (
     INLINE_PROMPT_CHARS,
     LIVENESS_TRUST_S,
     RETRY_S,
-    Ask,
     Deadline,
     FleetView,
     Outgoing,
@@ -141,11 +141,12 @@ class AsyncClient:
             await self._fleet_view(deadline, require=False)
 
     async def submit(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
-                     stream: bool = False, **params: Any) -> str:
+                     stream: bool = False, ask: Ask | None = None, **params: Any) -> str:
         """Enqueue one prompt; returns its job id. Raises InvalidRequest / PromptTooLong / QueueFull /
         NoWorkers before anything runs. ``timeout`` (s) bounds this call and is the job's deadline. A ``job_id`` of
-        a job answered and taken within the reply TTL gets JobFailed (invalid_request): one answer per id."""
-        job = await self._submit(prompt, Deadline(timeout), job_id, stream, Ask.of(params))
+        a job answered and taken within the reply TTL gets JobFailed (invalid_request): one answer per id.
+        ``params`` (generation parameters, priority, kind: ``Ask.of``), or ``ask``, one made already, sent as is."""
+        job = await self._submit(prompt, Deadline(timeout), job_id, stream, Ask.called(ask, params))
         return job.id
 
     async def _submit(self, prompt: Prompt, deadline: Deadline, job_id: str | None, stream: bool,
@@ -225,12 +226,13 @@ class AsyncClient:
         ``result`` may still get it)."""
         return await self._result(job_id, Deadline(timeout), give_up)
 
-    async def generate(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Result:
+    async def generate(self, prompt: Prompt, *, timeout: float | None = None, ask: Ask | None = None,
+                       **params: Any) -> Result:
         """Submit and wait. ``timeout`` (s) bounds the whole call and is also the job's deadline. A call
         that ends without the answer (its timeout passed, or the awaiting task was cancelled: a web
         framework's timeout, ``asyncio.wait_for``) cancels the job and drops its answer."""
         deadline = Deadline(timeout)
-        job = await self._submit(prompt, deadline, None, False, Ask.of(params))
+        job = await self._submit(prompt, deadline, None, False, Ask.called(ask, params))
         return await self._result(job.id, deadline, give_up=True)
 
     async def _result(self, job_id: str, deadline: Deadline, give_up: bool = False) -> Result:
@@ -248,15 +250,15 @@ class AsyncClient:
             raise
 
     def stream(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
-               **params: Any) -> AsyncTokenStream:
+               ask: Ask | None = None, **params: Any) -> AsyncTokenStream:
         """``async for delta in client.stream(prompt)``: text deltas as they are generated, then
         ``stream.result``. Closing it early (``aclose``, leaving ``async with``) cancels the job."""
-        return AsyncTokenStream(self, prompt, timeout, job_id, params)
+        return AsyncTokenStream(self, prompt, timeout, job_id, Ask.called(ask, params))
 
-    async def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,
+    async def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None, ask: Ask | None = None,
                             **params: Any) -> list[Result]:
         """Validate every prompt first (nothing is sent if one is bad), enqueue all, gather in order."""
-        return await generate_many(self, prompts, Deadline(timeout), Ask.of(params))
+        return await generate_many(self, prompts, Deadline(timeout), Ask.called(ask, params))
 
     async def cancel(self, job_id: str, timeout: float | None = 5.0) -> None:
         """Ask the fleet to stop a job this client submitted: a queued job is skipped, a running one leaves

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from batchfleet.common.keys import Keys
 from batchfleet.common.wire.protocol import Delta, Result
 from batchfleet.producer.aclient import AsyncClient
+from batchfleet.producer.ask import Ask
 from batchfleet.producer.core import RETRY_S, FleetView, Prompt
 from batchfleet.producer.stream import AsyncTokenStream
 
@@ -119,26 +120,29 @@ class Client:
         return self._loop.run(self._async.fleet(timeout))
 
     def submit(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
-               stream: bool = False, **params: Any) -> str:
+               stream: bool = False, ask: Ask | None = None, **params: Any) -> str:
         """Enqueue one prompt; returns its job id (see AsyncClient.submit)."""
-        return self._loop.run(self._async.submit(prompt, timeout=timeout, job_id=job_id, stream=stream, **params))
+        return self._loop.run(self._async.submit(prompt, timeout=timeout, job_id=job_id, stream=stream, ask=ask,
+                                                 **params))
 
     def result(self, job_id: str, timeout: float | None = None, *, give_up: bool = False) -> Result:
         """Wait for a job's result (see AsyncClient.result)."""
         return self._loop.run(self._async.result(job_id, timeout, give_up=give_up))
 
-    def generate(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Result:
+    def generate(self, prompt: Prompt, *, timeout: float | None = None, ask: Ask | None = None,
+                 **params: Any) -> Result:
         """Submit and wait; ``timeout`` (s) bounds the call and is the job's deadline."""
-        return self._loop.run(self._async.generate(prompt, timeout=timeout, **params))
+        return self._loop.run(self._async.generate(prompt, timeout=timeout, ask=ask, **params))
 
-    def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None, **params: Any) -> list[Result]:
+    def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None, ask: Ask | None = None,
+                      **params: Any) -> list[Result]:
         """Submit all prompts at once (so they can share batches), then collect results in order."""
-        return self._loop.run(self._async.generate_many(prompts, timeout=timeout, **params))
+        return self._loop.run(self._async.generate_many(prompts, timeout=timeout, ask=ask, **params))
 
     def stream(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
-               **params: Any) -> TokenStream:
+               ask: Ask | None = None, **params: Any) -> TokenStream:
         """Text deltas as they are generated (see AsyncClient.stream); ``close()`` early cancels."""
-        return TokenStream(self._loop, self._async.stream(prompt, timeout=timeout, job_id=job_id, **params))
+        return TokenStream(self._loop, self._async.stream(prompt, timeout=timeout, job_id=job_id, ask=ask, **params))
 
     def cancel(self, job_id: str, timeout: float | None = 5.0) -> None:
         """Stop a job this client submitted (see AsyncClient.cancel)."""

@@ -1,5 +1,6 @@
-"""What the clients send and receive, without I/O: what a call asks (parameters and class), tokenizing and
-routing, building requests, what the enqueue function's answer means, decoding replies, deadlines.
+"""What the clients send and receive, without I/O: tokenizing and routing, building the wire request from what
+a call asks (producer/ask.py: its Params go into the Request as they are), what the enqueue function's answer
+means, decoding replies, deadlines.
 
 The clients own their connections (producer/aclient.py, producer/inbox.py); nothing here touches Redis.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -28,12 +29,10 @@ from batchfleet.common.errors import (
     Timeout,
 )
 from batchfleet.common.keys import Keys, valid_job_id
-from batchfleet.common.wire.guided import Guide, GuideError, from_options
-from batchfleet.common.wire.lanes import BATCH, INTERACTIVE, lane_of
-from batchfleet.common.wire.params import FIELDS, ParamError, Params, has_utf8
+from batchfleet.common.wire.lanes import BATCH, INTERACTIVE
+from batchfleet.common.wire.params import ParamError, has_utf8
 from batchfleet.common.wire.protocol import (
     MAX_PAYLOAD_BYTES,
-    REQUEST_KINDS,
     Delta,
     Error,
     FleetInfo,
@@ -41,6 +40,7 @@ from batchfleet.common.wire.protocol import (
     Result,
     decode_reply,
 )
+from batchfleet.producer.ask import Ask
 from batchfleet.producer.chat import Chat, is_messages, render
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]] | Chat  # text, token ids, chat messages (and tools)
@@ -71,69 +71,6 @@ class Deadline:
         """``seconds``, cut to what is left."""
         left = self.left()
         return seconds if left is None else min(seconds, left)
-
-
-STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-# OpenAI's (and the gateway's) names for what the client calls otherwise: an unknown-parameter error names ours
-CLIENT_NAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
-                "service_tier": "priority"}
-
-
-@dataclass(frozen=True)
-class Ask:
-    """What one generate/submit/stream call's keyword arguments ask: the generation parameters (the fleet's
-    one type, common/wire/params.py: checked before anything is sent) and the priority class (normalised once,
-    here: a class name, OpenAI's ``service_tier`` names or vLLM's integer ``priority``; common/wire/lanes.py).
-
-    Structured outputs: at most one of ``response_format`` (OpenAI's: ``{"type": "json_object"}`` or
-    ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``), ``guided_json`` (a JSON
-    schema), ``guided_regex``, ``guided_choice`` (a list of strings), ``guided_grammar`` (Lark or GBNF), as
-    vLLM names them, or ``guide`` (a ``batchfleet.common.wire.guided.Guide``), compiled here. ``logprobs`` = k
-    (0-20): each generated token's logprob and its k most likely alternatives, in ``Result.logprobs``.
-    ``kind="embed"``: an embed request (common/wire/protocol.py ``Request.kind``), answered with
-    ``Result.embedding``; it takes no generation parameter.
-    """
-
-    params: Params
-    lane: str = INTERACTIVE
-    kind: str = "generate"
-
-    @classmethod
-    def of(cls, kwargs: Mapping[str, Any]) -> Ask:
-        """From keyword arguments; an unknown name is an InvalidRequest (not a TypeError)."""
-        values = dict(kwargs)
-        unknown = set(values) - set(FIELDS) - set(STRUCTURED) - {"priority", "kind"}
-        if unknown:
-            named = [f"{k} (the client's name is {CLIENT_NAMES[k]})" if k in CLIENT_NAMES else k
-                     for k in sorted(unknown)]
-            raise InvalidRequest(f"unknown generation parameter(s): {', '.join(named)}")
-        kind = values.pop("kind", "generate")
-        if kind not in REQUEST_KINDS:
-            raise InvalidRequest(f"kind must be one of {', '.join(REQUEST_KINDS)}, got {kind!r}"[:200])
-        if kind == "embed":
-            if set(values) - {"priority"}:
-                raise InvalidRequest("an embed request takes no generation parameters, got "
-                                     f"{', '.join(sorted(set(values) - {'priority'}))}")
-            values["max_new_tokens"] = 1  # routing counts the prompt and one position
-        options = {k: values.pop(k) for k in STRUCTURED if k in values}
-        given = values.pop("guide", None)
-        priority = values.pop("priority", INTERACTIVE)
-        params = Params(**values)  # the numbers first: a bad one costs no grammar compile
-        try:
-            lane = lane_of(priority)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
-        try:
-            guide = from_options(**options)
-            if given is not None:
-                if guide is not None or not isinstance(given, Guide):
-                    raise GuideError("guide must be a Guide, and the only structured-output option given")
-                guide = Guide.from_wire(given.to_wire())
-            if guide is not None:
-                guide.check()
-        except GuideError as exc:
-            raise InvalidRequest(str(exc)) from None
-        return cls(params if guide is None else replace(params, guide=guide), lane, kind)
 
 
 def prompt_size(prompt: Prompt) -> int:

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from batchfleet.common.wire.protocol import Result
-from batchfleet.producer.core import Ask, Deadline, Outgoing, Prompt
+from batchfleet.producer.ask import Ask
+from batchfleet.producer.core import Deadline, Outgoing, Prompt
 
 
 async def generate_many(client: Any, prompts: Sequence[Prompt], deadline: Deadline, ask: Ask) -> list[Result]:

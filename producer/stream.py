@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 from batchfleet.common.errors import Timeout
 from batchfleet.common.wire.protocol import Delta, Result
-from batchfleet.producer.core import Ask, Deadline, Outgoing, Prompt
+from batchfleet.producer.ask import Ask
+from batchfleet.producer.core import Deadline, Outgoing, Prompt
 from batchfleet.producer.inbox import Inbox
 
 log = logging.getLogger("producer")
@@ -36,10 +36,10 @@ class AsyncTokenStream:
     """``async for delta in client.stream(prompt)``; ``.result`` once exhausted; ``aclose()`` cancels."""
 
     def __init__(self, client: _Submitter, prompt: Prompt, timeout: float | None, job_id: str | None,
-                 params: Mapping[str, Any]) -> None:
+                 ask: Ask) -> None:
         self._client = client
         self._prompt = prompt
-        self._params = Ask.of(params)
+        self._ask = ask
         self._deadline = Deadline(timeout)
         self.job_id: str | None = job_id
         self.result: Result | None = None
@@ -52,7 +52,7 @@ class AsyncTokenStream:
         """Submit the job (once); raises what ``submit`` raises (PromptTooLong, QueueFull, NoWorkers...)."""
         if not self._started:
             self._started = True
-            job = await self._client._submit(self._prompt, self._deadline, self.job_id, True, self._params)
+            job = await self._client._submit(self._prompt, self._deadline, self.job_id, True, self._ask)
             self.job_id = job.id
         return self
 

@@ -18,12 +18,12 @@ from batchfleet.gateway.batches.store import safe_name
 from batchfleet.gateway.cli.bulk import detect
 from batchfleet.gateway.cli.bulk_progress import EXIT_CODES, progress_line
 from batchfleet.gateway.errors import APIError
+from batchfleet.producer.ask import STRUCTURED
 from batchfleet.producer.bulk.file_run import Fingerprints, verdict
 from batchfleet.producer.bulk.files import RunChanged, read_back, run_record
 from batchfleet.producer.bulk.lines import LINE_KEYS, SHA_KEY, PromptFormat, line_sha
 from batchfleet.producer.bulk.report import why_failed
 from batchfleet.producer.bulk.work import Summary
-from batchfleet.producer.core import STRUCTURED
 
 pytestmark = pytest.mark.unit
 

@@ -10,8 +10,8 @@ import pytest
 import redis
 
 from batchfleet.common.keys import Keys
-from batchfleet.common.wire.protocol import FleetInfo
-from batchfleet.producer import Client, FleetUnavailable, InvalidRequest, NoWorkers, PromptTooLong, Timeout
+from batchfleet.common.wire.protocol import FleetInfo, Request
+from batchfleet.producer import Ask, Client, FleetUnavailable, InvalidRequest, NoWorkers, PromptTooLong, Timeout
 from batchfleet.producer.chat import render
 from batchfleet.worker.engine.tokenizer import PRESET_CHAT_TEMPLATE
 
@@ -41,6 +41,13 @@ def test_no_workers_fails_fast_unless_told_to_enqueue_anyway(redis_url, namespac
         assert [f[b"id"].decode() for _, f in r.xrange(keys.stream(32))] == [job]
         with pytest.raises(Timeout, match=r"within 0.5 s; no live worker"):
             client.result(job, timeout=0.5)
+        # an Ask made already (the gateway's) is sent as is: the entry's Request carries its very parameters
+        ask = Ask.of({"max_new_tokens": 2, "seed": 9, "guided_regex": "[ab]+", "priority": "batch"})
+        client.submit("hello", ask=ask)
+        ((_, entry),) = r.xrange(keys.stream(32, "batch"))
+        assert Request.decode(entry[b"p"]).params == ask.params
+        with pytest.raises(InvalidRequest, match="not both"):
+            client.submit("hello", ask=ask, seed=1)
 
 
 def test_invalid_parameters_raise_invalid_request_before_sending(start_worker, redis_url, namespace):
@@ -99,8 +106,6 @@ def test_a_too_short_timeout_is_the_requests_deadline_not_redis(redis_url, names
 
 @pytest.mark.unit
 def test_openai_parameter_names_point_to_the_clients():
-    from batchfleet.producer.core import Ask
-
     with pytest.raises(InvalidRequest, match=r"max_tokens \(the client's name is max_new_tokens\)"):
         Ask.of({"max_tokens": 5})
     with pytest.raises(InvalidRequest, match=r"unknown generation parameter\(s\): bogus$"):

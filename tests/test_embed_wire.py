@@ -17,7 +17,7 @@ from batchfleet.gateway.errors import APIError
 from batchfleet.gateway.openai.embeddings.request import embed_job, embedding_response
 from batchfleet.gateway.openai.responses.format import ResponseShape
 from batchfleet.gateway.openai.responses.request import parse_call
-from batchfleet.producer.core import Ask
+from batchfleet.producer.ask import Ask
 from batchfleet.worker.transport.fleet import fingerprint
 
 pytestmark = pytest.mark.unit
@@ -77,7 +77,7 @@ def test_embeddings_bodies():
     assert embed_job({"input": [[1, 2], [3]]}, 60).inputs == [[1, 2], [3]]
     assert embed_job({"input": [1, 2]}, 60).inputs == [[1, 2]]
     job = embed_job({"input": ["a", "b"], "encoding_format": "base64", "timeout": 1e9, "service_tier": "flex"}, 60)
-    assert job.timeout == 60 and job.lane == "batch" and job.params() == {"kind": "embed", "priority": "batch"}
+    assert job.timeout == 60 and job.ask == Ask.embed("batch") and job.ask.lane == "batch"
     for body, param in [({"input": "a", "dimensions": 2}, "dimensions"), ({"input": [""]}, "input"),
                         ({"input": ["a"] * 2049}, "input"), ({"input": "a", "priority": 1, "service_tier": "auto"},
                                                              "priority"), ({"input": 3}, "input")]:
@@ -97,8 +97,8 @@ def test_responses_bodies_become_chat_jobs_with_their_own_field_names():
                                                                                     "annotations": []}]}],
                        "instructions": "i", "max_output_tokens": 3, "seed": 4, "metadata": {"k": "v"}})
     job = call.job([{"role": "user", "content": "earlier"}], 60, 256)
-    assert [m["content"] for m in job.prompt] == ["i", "earlier", "d", "a"] and job.params["seed"] == 4
-    assert job.params["max_new_tokens"] == 3 and call.echo()["metadata"] == {"k": "v"}
+    assert [m["content"] for m in job.prompt] == ["i", "earlier", "d", "a"] and job.params.seed == 4
+    assert job.params.max_new_tokens == 3 and call.echo()["metadata"] == {"k": "v"}
     for body, param in [({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
                         ({"input": "x", "text": {"format": {"type": "json_schema", "schema": 1}}}, "text.format"),
                         ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role"), ({"input": "x", "n": 2}, "n")]:

@@ -17,8 +17,8 @@ from batchfleet.common.wire.params import Params
 from batchfleet.common.wire.protocol import Error, Request, Result
 from batchfleet.gateway.errors import APIError, api_error
 from batchfleet.gateway.openai.chat.request import request_job
-from batchfleet.gateway.service import job_params
-from batchfleet.producer.core import Ask
+from batchfleet.gateway.service import job_asks
+from batchfleet.producer.ask import Ask
 from batchfleet.worker.engine.base import Completion, GenRequest
 from batchfleet.worker.ledger import Ledger
 from batchfleet.worker.requests.replies import completion_reply
@@ -81,17 +81,17 @@ def test_the_gateway_answers_a_400_naming_the_guide_field(option, value, why):
         body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
         job = request_job(chat, {**body, option: value}, 60, 16)
         with pytest.raises(APIError) as exc:
-            asyncio.run(job_params(job))
+            asyncio.run(job_asks(job))
         assert (exc.value.status, exc.value.param, exc.value.type) == (400, option, "invalid_request_error")
         assert why in exc.value.message
     nested = {"structured_outputs": {option.removeprefix("guided_"): value}, "prompt": "hi"}
     with pytest.raises(APIError) as exc:
-        asyncio.run(job_params(request_job(False, nested, 60, 16)))
+        asyncio.run(job_asks(request_job(False, nested, 60, 16)))
     assert exc.value.param == "structured_outputs"
     if option == "guided_json":  # OpenAI's own spelling
         rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": value}}
         with pytest.raises(APIError) as exc:
-            asyncio.run(job_params(request_job(True, {"messages": [{"role": "user", "content": "hi"}],
+            asyncio.run(job_asks(request_job(True, {"messages": [{"role": "user", "content": "hi"}],
                                                       "response_format": rf}, 60, 16)))
         assert exc.value.param == "response_format"
 

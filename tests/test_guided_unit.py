@@ -13,7 +13,7 @@ from batchfleet.common.errors import InvalidRequest, ProtocolError
 from batchfleet.common.wire.guided import Guide, GuideError, from_options, from_response_format
 from batchfleet.common.wire.params import Params
 from batchfleet.common.wire.protocol import Delta, Request, Result, decode_reply
-from batchfleet.producer.core import Ask
+from batchfleet.producer.ask import Ask
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

@@ -17,7 +17,7 @@ from batchfleet.common.wire.params import FIELDS, ParamError, Params, doc_rows
 from batchfleet.common.wire.protocol import SCHEMA_VERSION, Request
 from batchfleet.gateway.errors import APIError
 from batchfleet.gateway.openai.chat.request import OPENAI_MAX_TEMPERATURE, request_job
-from batchfleet.producer.core import Ask
+from batchfleet.producer.ask import Ask
 
 pytestmark = pytest.mark.unit
 

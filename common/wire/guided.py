@@ -55,22 +55,25 @@ class Guide:
     kind: str
     spec: str = ""
 
+    def __post_init__(self) -> None:
+        """The shape check (kind, types, size), so every Guide has the wire's shape wherever it was made (a
+        client's argument, the gateway's request, a decoded Request); ``check()`` compiles it. GuideError."""
+        if self.kind not in GUIDE_KINDS:
+            raise GuideError(f"guide kind must be one of {', '.join(GUIDE_KINDS)}, got {self.kind!r}"[:200])
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_GUIDE_CHARS:
+            raise GuideError(f"guide spec must be a string of at most {MAX_GUIDE_CHARS} characters")
+        if self.kind != "json_object" and not self.spec:
+            raise GuideError(f"guide of kind {self.kind} needs a spec")
+
     def to_wire(self) -> dict[str, str]:
         return {"kind": self.kind, "spec": self.spec}
 
     @classmethod
     def from_wire(cls, obj: Any) -> Guide:
-        """Shape check only (kind, types, size); ``check()`` compiles it. Raises GuideError."""
+        """A decoded guide map as a Guide (shape-checked, not compiled). Raises GuideError."""
         if not isinstance(obj, dict) or set(obj) - {"kind", "spec"}:
             raise GuideError("guide must be a map with 'kind' and 'spec'")
-        kind, spec = obj.get("kind"), obj.get("spec", "")
-        if kind not in GUIDE_KINDS:
-            raise GuideError(f"guide kind must be one of {', '.join(GUIDE_KINDS)}, got {kind!r}"[:200])
-        if not isinstance(spec, str) or len(spec) > MAX_GUIDE_CHARS:
-            raise GuideError(f"guide spec must be a string of at most {MAX_GUIDE_CHARS} characters")
-        if kind != "json_object" and not spec:
-            raise GuideError(f"guide of kind {kind} needs a spec")
-        return cls(kind, spec)
+        return cls(obj.get("kind"), obj.get("spec", ""))  # type: ignore[arg-type]
 
     def grammar(self) -> str:
         """The llguidance grammar (its JSON text); raises GuideError when the spec does not parse."""

@@ -1,16 +1,19 @@
 """A request's generation parameters: ONE type (``Params``), ONE table of bounds (``FIELDS``), ONE check.
 
 Every side of the fleet uses this type, so a bound is written once and a value passes everywhere or
-nowhere: the clients' keyword arguments become a Params (producer/core.py), the gateway's request bodies
+nowhere: the clients' keyword arguments become a Params (producer/ask.py), the gateway's request bodies
 convert to one (gateway/openai/chat/request.py), the wire Request and the engine's GenRequest embed one
-(common/wire/protocol.py, worker/engine/base.py). docs/PROTOCOL.md's parameter table is the rows ``doc_rows``
-writes (tests/test_params.py checks it). A new option: a row in FIELDS, a field of Params, its use in the
-sampler (worker/engine/sampling.py), its row in the docs; the clients' keywords, the wire and the gateway (a
-request field of the same name: gateway/openai/chat/request.py FROM_TABLE) take it from the table. Pure: no I/O.
+(common/wire/protocol.py, worker/engine/base.py). A request's Params is made (checked) once, where the
+request is first read, and passed as that object to the wire: never a keyword dict made into a Params again.
+docs/PROTOCOL.md's parameter table is the rows ``doc_rows`` writes (tests/test_params.py checks it). A new
+option: a row in FIELDS, a field of Params, its use in the sampler (worker/engine/sampling.py), its row in the
+docs; the clients' keywords, the wire and the gateway (a request field of the same name:
+gateway/openai/chat/request.py FROM_TABLE) take it from the table. Pure: no I/O.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -157,8 +160,10 @@ def bias_pairs(value: Any) -> Any:
 @dataclass(frozen=True)
 class Params:
     """What to generate: length, sampling (vLLM's names and meanings), stop strings, structured output and
-    logprobs. Checked when made (``check``): every Params is valid. Numbers are stored as floats and ``stop``
-    as a tuple (a single string is one stop string)."""
+    logprobs. Checked when made (each field against its row of FIELDS, then the rules between fields): every
+    Params is valid, and is passed as is from where a request is first read to the wire (``changed`` checks
+    what it changes). Numbers are stored as floats and ``stop`` as a tuple (a single string is one stop
+    string)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -177,18 +182,22 @@ class Params:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        stop = self.stop
-        if stop is None or isinstance(stop, str):
-            stop = () if stop is None else (stop,)
-        if isinstance(stop, list):
-            stop = tuple(stop)
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
-        check(self)
-        for name, bound in FIELDS.items():  # ints given for numbers: floats, so the wire and == agree
-            if bound.kind == "number" and getattr(self, name) is not None:
-                object.__setattr__(self, name, float(getattr(self, name)))
-        object.__setattr__(self, "logit_bias", tuple((i, float(b)) for i, b in self.logit_bias))
+        for name in FIELDS:
+            object.__setattr__(self, name, _checked(name, getattr(self, name)))
+        _check_between(self)
+
+    def changed(self, **changes: Any) -> Params:
+        """A copy with ``changes`` (a choice's seed, a guide made later), each checked against its row as the
+        constructor checks it, and the rules between fields; the fields kept were checked when this one was
+        made and are not checked again. A name that is no field is a TypeError, as the constructor's."""
+        unknown = set(changes) - set(FIELDS)
+        if unknown:
+            raise TypeError(f"Params has no field(s) {', '.join(sorted(unknown))}")
+        out = copy.copy(self)
+        for name, value in changes.items():
+            object.__setattr__(out, name, _checked(name, value))
+        _check_between(out)
+        return out
 
     def keywords(self) -> dict[str, Any]:
         """The fields as keyword arguments (``Params(**p.keywords()) == p``)."""
@@ -225,11 +234,26 @@ class Params:
         return cls(**values)
 
 
-def check(params: Params) -> None:
-    """The one check: every field against its row of FIELDS, then the rules between fields. Raises a
-    ParamError naming the first bad field."""
-    for name, bound in FIELDS.items():
-        bound.check(name, getattr(params, name))
+def _checked(name: str, value: Any) -> Any:
+    """One field as Params stores it: shaped (a single stop string is one stop string, ``logit_bias`` sorted
+    pairs), checked against its row of FIELDS (a ParamError naming it), then ints given for numbers made
+    floats, so the wire and == agree. The one path of every field, in the constructor and ``changed``."""
+    bound = FIELDS[name]
+    if bound.kind == "stop":
+        value = () if value is None else (value,) if isinstance(value, str) else (
+            tuple(value) if isinstance(value, list) else value)
+    elif bound.kind == "bias":
+        value = bias_pairs(value)
+    bound.check(name, value)
+    if bound.kind == "number" and value is not None:
+        return float(value)
+    if bound.kind == "bias":
+        return tuple((i, float(b)) for i, b in value)
+    return value
+
+
+def _check_between(params: Params) -> None:
+    """The rules between fields (each field was checked alone first). Raises a ParamError naming one."""
     if params.min_tokens > params.max_new_tokens:
         raise ParamError("min_tokens", f"min_tokens ({params.min_tokens}) must be <= max_new_tokens "
                                        f"({params.max_new_tokens})")

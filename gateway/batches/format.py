@@ -36,7 +36,8 @@ from batchfleet.gateway.openai.embeddings.request import EmbedJob, embedding_res
 from batchfleet.gateway.openai.embeddings.request import too_long as input_too_long
 from batchfleet.gateway.openai.responses.format import ResponseShape
 from batchfleet.gateway.openai.tools.parsers import Family, pick
-from batchfleet.gateway.service import choice_params, job_params, token_texts, too_long, unknown_model
+from batchfleet.gateway.service import job_asks, token_texts, too_long, unknown_model
+from batchfleet.producer.ask import Ask
 from batchfleet.producer.bulk.lines import line_sha
 from batchfleet.producer.bulk.prefix_order import prefix_key
 from batchfleet.producer.bulk.work import Work
@@ -85,15 +86,15 @@ class OpenAIFormat:
         ids = [stem] if line.job.n == 1 else [f"{stem}-{i}" for i in range(line.job.n)]
         return Work(index, line, ids, line.job.prompt, prefix_key(line.job.prompt), line.job.timeout)
 
-    async def params(self, work: Work) -> list[dict[str, Any]]:
+    async def asks(self, work: Work) -> list[Ask]:
         job = work.line.job
         error = unknown_model(job.model, self.model_names, any_name=self.alias_any)
         if error is not None:
             raise error
+        # the batch class, whatever the body says
         if isinstance(job, EmbedJob):
-            return [{**job.params(), "priority": BATCH} for _ in job.inputs]
-        params = {**await job_params(job, self.family()), "priority": BATCH}  # the batch class, whatever the body says
-        return [choice_params(params, i) for i in range(job.n)]
+            return [Ask.embed(BATCH)] * len(job.inputs)
+        return await job_asks(job, self.family(), BATCH)
 
     def family(self) -> Family:
         """The served model's tool-call format, from the fleet's chat template (gateway/openai/tools/parsers.py)."""

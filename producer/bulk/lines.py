@@ -30,9 +30,9 @@ from batchfleet.common.keys import valid_job_id
 from batchfleet.common.wire.lanes import BATCH
 from batchfleet.common.wire.params import FIELDS
 from batchfleet.common.wire.protocol import Result
+from batchfleet.producer.ask import STRUCTURED, Ask
 from batchfleet.producer.bulk.prefix_order import prefix_key
 from batchfleet.producer.bulk.work import Work
-from batchfleet.producer.core import STRUCTURED
 
 MAX_LINE_BYTES = (4 << 20) + 4096  # a body the gateway takes (4 MiB) and the line around it
 TOO_LONG = b"<line too long>"  # what ``numbered`` yields in place of a longer line
@@ -203,9 +203,10 @@ class PromptFormat:
             job_id = f"{self.prefix}.h{digest(line.job_id, line.sha)}"
         return Work(index, line, [job_id], line.obj["prompt"], line.key, self.timeout)
 
-    async def params(self, work: Work) -> list[dict[str, Any]]:
+    async def asks(self, work: Work) -> list[Ask]:
+        """The line's parameters over the run's defaults (JSON values), checked once into what its job asks."""
         obj = work.line.obj
-        return [{"priority": BATCH, **self.defaults, **{k: obj[k] for k in PARAM_KEYS if k in obj}}]
+        return [Ask.of({"priority": BATCH, **self.defaults, **{k: obj[k] for k in PARAM_KEYS if k in obj}})]
 
     def answer(self, work: Work, results: list[Result]) -> dict:
         return work.line.answer(result=asdict(results[0]))

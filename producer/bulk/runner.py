@@ -121,14 +121,14 @@ class _Run:
             return True
         work.job_ids = await self.job_ids(work)
         try:
-            params = await self.fmt.params(work)
+            asks = await self.fmt.asks(work)
         except self.fmt.refused as exc:
             self.queue_error(work, self.fmt.failure(work, exc))
             return True
         sent: list[str] = []
         deadlines: list[Deadline] = []
         prompts = work.prompts or [work.prompt] * len(work.job_ids)
-        for jid, p, prompt in zip(work.job_ids, params, prompts):
+        for jid, ask, prompt in zip(work.job_ids, asks, prompts):
             deadlines.append(Deadline(work.timeout))  # from the job's submission: missing answers expire together
             while jid not in self.present:
                 if self.stop.is_set():
@@ -136,7 +136,7 @@ class _Run:
                     return False
                 try:
                     deadlines[-1] = Deadline(work.timeout)
-                    await self.client.submit(prompt, timeout=work.timeout, job_id=jid, **p)
+                    await self.client.submit(prompt, timeout=work.timeout, job_id=jid, ask=ask)
                 except QueueFull:  # make room: wait for an answer in flight, else a little, longer each time
                     if self.inflight:
                         await self.drain(once=True, wait=self.wait_s)

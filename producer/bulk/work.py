@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from batchfleet.common.wire.protocol import Result
+from batchfleet.producer.ask import Ask
 
 
 @dataclass
@@ -35,7 +36,7 @@ class LineFormat(Protocol):
     refused: tuple[type[BaseException], ...]  # submission errors that are the line's own (an error line)
 
     def parse(self, index: int, raw: bytes) -> Work: ...
-    async def params(self, work: Work) -> list[dict[str, Any]]: ...  # per job; ``refused`` errors: an error line
+    async def asks(self, work: Work) -> list[Ask]: ...  # what each job asks; ``refused`` errors: an error line
     def answer(self, work: Work, results: list[Result]) -> dict: ...
     def failure(self, work: Work, exc: BaseException) -> dict: ...
     def abandoned(self, index: int, line: Any, code: str, message: str) -> dict: ...  # line: raw or parsed

@@ -1,5 +1,6 @@
 """Request bodies of /v1/completions and /v1/chat/completions (OpenAI's field names), validated into one
-``Job``: what AsyncClient is asked for. Strict (gateway/strict.py has the rules): pydantic's strict mode
+``Job``: what AsyncClient is asked for (its ``Params``, built once here, is the object the wire Request
+encodes: gateway/service.py ``job_asks``). Strict (gateway/strict.py has the rules): pydantic's strict mode
 (no coercion: ``"0.5"`` or ``true`` is not a number), unknown fields forbidden, and the fields the fleet
 cannot honour accepted only at their neutral values; every refusal is a 400 naming the field.
 
@@ -41,10 +42,13 @@ TokenIds = list[StrictInt]
 
 @dataclass(frozen=True)
 class Job:
-    """One validated request: the prompt (text, token ids or chat messages) and AsyncClient's parameters."""
+    """One validated request: the prompt (text, token ids or chat messages), its generation parameters (the
+    fleet's one type, checked once, here: the client gets this object in an Ask, gateway/service.py ``job_asks``,
+    and the wire Request encodes it; its guide is compiled there, off the event loop) and its class."""
 
     prompt: str | list[int] | list[dict[str, str]]
-    params: dict[str, Any]
+    params: Params
+    lane: str
     stream: bool
     include_usage: bool
     timeout: float
@@ -52,10 +56,16 @@ class Job:
     prompt_field: str = "prompt"  # the fields a PromptTooLong names: the prompt's, or the length's
     max_tokens_field: str = "max_tokens"
     n: int = 1
-    guide: Guide | None = None  # structured output (compiled by the caller, off the event loop)
-    guide_param: str | None = None  # the request field it came from, for a 400
-    logprobs: int | None = None  # k alternatives per token (None: no logprobs)
+    guide_param: str | None = None  # the request field the guide came from, for a 400
     tools: ToolPlan | None = None  # a chat request's tools (gateway/openai/tools/calling.py)
+
+    @property
+    def guide(self) -> Guide | None:  # the body's structured output (a forced tool call's is made by job_asks)
+        return self.params.guide
+
+    @property
+    def logprobs(self) -> int | None:  # k alternatives per token (None: no logprobs)
+        return self.params.logprobs
 
 
 STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -154,9 +164,10 @@ class _Declared(BaseModel):
             raise invalid(str(exc), "structured_outputs" if self.structured_outputs else exc.param) from None
         return guide, ("structured_outputs" if self.structured_outputs else next(iter(options), None))
 
-    def params(self, max_tokens: int, logprobs: int | None, names: dict[str, str]) -> Params:
+    def params(self, max_tokens: int, logprobs: int | None, names: dict[str, str], guide: Guide | None) -> Params:
         """The request's generation parameters as the fleet's one type (common/wire/params.py), checked against
-        its table: a 400 naming the request's own field (``names``: the fleet's name -> the request's)."""
+        its table once, here: a 400 naming the request's own field (``names``: the fleet's name -> the
+        request's). ``guide``: the structured output (``guide()``), not compiled yet."""
         temperature = 1.0 if self.temperature is None else self.temperature  # OpenAI's default
         if temperature < MIN_TEMPERATURE:  # OpenAI accepts any t >= 0; the fleet's sampler, t = 0 or >= 1e-3
             temperature = 0.0  # which is what such a t means: the most likely token
@@ -164,7 +175,7 @@ class _Declared(BaseModel):
         try:  # vLLM's top_k -1 = off = the fleet's 0
             return Params(max_new_tokens=max_tokens, temperature=temperature, logprobs=logprobs,
                           top_k=max(self.top_k or 0, 0), stop=self.stop or (), logit_bias=self.logit_bias or (),
-                          **given)
+                          guide=guide, **given)
         except ParamError as exc:
             message = str(exc)
             for ours, theirs in names.items():
@@ -176,13 +187,11 @@ class _Declared(BaseModel):
             names: dict[str, str] | None = None) -> Job:
         refuse_non_neutral({k: getattr(self, k) for k in self.model_fields_set}, self.NEUTRAL)
         guide, guide_param = self.guide()
-        checked = self.params(max_tokens, logprobs, {"max_new_tokens": "max_tokens", **(names or {})})
-        params: dict[str, Any] = {**checked.keywords(), "priority": self.lane()}
-        del params["guide"]  # compiled by the caller, off the event loop (Job.guide)
-        return Job(prompt=prompt, params=params, stream=bool(self.stream),
+        params = self.params(max_tokens, logprobs, {"max_new_tokens": "max_tokens", **(names or {})}, guide)
+        return Job(prompt=prompt, params=params, lane=self.lane(), stream=bool(self.stream),
                    include_usage=bool(self.stream and self.stream_options and self.stream_options.include_usage),
                    timeout=min(self.timeout or timeout_cap, timeout_cap), model=self.model, n=self.n or 1,
-                   guide=guide, guide_param=guide_param, logprobs=logprobs)
+                   guide_param=guide_param)
 
 
 _Common = create_model("_Common", __base__=_Declared, **FROM_TABLE)  # type: ignore[call-overload]

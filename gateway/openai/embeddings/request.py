@@ -16,6 +16,7 @@ from batchfleet.common.wire.lanes import lane_of
 from batchfleet.common.wire.protocol import Result
 from batchfleet.gateway.errors import APIError, invalid
 from batchfleet.gateway.openai.chat.request import STRICT, Number, TokenIds, parse
+from batchfleet.producer.ask import Ask
 
 MAX_INPUTS = 2048  # OpenAI's limit per request
 
@@ -34,16 +35,14 @@ class EmbeddingRequest(BaseModel):
 
 @dataclass(frozen=True)
 class EmbedJob:
-    """A validated request: one prompt per input, and how to answer."""
+    """A validated request: one prompt per input, what each asks (one Ask, made here: an embed request in the
+    request's class) and how to answer."""
 
     inputs: list[str | list[int]]
     model: str | None
     encoding_format: str
     timeout: float
-    lane: str
-
-    def params(self) -> dict[str, Any]:
-        return {"kind": "embed", "priority": self.lane}
+    ask: Ask
 
 
 def embed_job(body: Any, timeout_cap: float) -> EmbedJob:
@@ -67,7 +66,7 @@ def embed_job(body: Any, timeout_cap: float) -> EmbedJob:
         raise invalid(f"priority {req.priority} contradicts service_tier {req.service_tier!r}", "priority")
     lane = lane_of(req.priority if req.priority is not None else req.service_tier or "auto")
     return EmbedJob(inputs, req.model, req.encoding_format or "float", min(req.timeout or timeout_cap, timeout_cap),
-                    lane)
+                    Ask.embed(lane))
 
 
 def embedding_response(results: list[Result], model: str, encoding_format: str) -> dict[str, Any]:

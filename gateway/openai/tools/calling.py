@@ -105,9 +105,10 @@ class ToolPlan:
             except GuideError as exc:
                 where = f"tools.{i}.parameters" if self.flat else f"tools.{i}.function.parameters"
                 raise invalid(f"{where} ({name}): {exc}"[:1000], where) from None
-        guide = Guide("grammar", family.grammar(self.functions(), self.parallel and self.forced is None))
-        if len(guide.spec) > MAX_GUIDE_CHARS:
+        grammar = family.grammar(self.functions(), self.parallel and self.forced is None)
+        if len(grammar) > MAX_GUIDE_CHARS:  # before the Guide, whose shape check would refuse it
             raise invalid(f"the tools' schemas are longer than {MAX_GUIDE_CHARS} characters together", "tools")
+        guide = Guide("grammar", grammar)
         try:
             guide.check()
         except GuideError as exc:

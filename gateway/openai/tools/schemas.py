@@ -85,8 +85,8 @@ def search(pattern: Any, text: str) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _string_grammar(pattern: str) -> str | None:
-    guide = Guide("json_schema", json.dumps({"type": "string", "pattern": pattern}))
-    try:
+    try:  # a pattern past the guide's size limit is refused when the Guide is made
+        guide = Guide("json_schema", json.dumps({"type": "string", "pattern": pattern}))
         guide.check()
         return guide.grammar()
     except GuideError:
