@@ -3,6 +3,8 @@ Pure: no Redis, no engine."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import msgpack
 import pytest
 
@@ -23,9 +25,9 @@ LATER = 1e12  # every batch has closed by age
 ROOM = {"interactive": 8, "batch": 8}
 
 
-def acc(job_id: str, bucket: int = 32, entry_id: str | None = None) -> Accepted:
-    req = Request(id=job_id, prompt=[1, 2], reply_key=INBOX, params=Params(max_new_tokens=2))
-    entry = Entry(bucket, entry_id or f"{job_id}-0", {b"id": job_id.encode(), b"r": INBOX.encode(), b"p": req.encode()})
+def acc(job_id: str, bucket: int = 32, entry_id: str | None = None, inbox: str = INBOX) -> Accepted:
+    req = Request(id=job_id, prompt=[1, 2], reply_key=inbox, params=Params(max_new_tokens=2))
+    entry = Entry(bucket, entry_id or f"{job_id}-0", {b"id": job_id.encode(), b"r": inbox.encode(), b"p": req.encode()})
     out = accept(entry, KEYS, Limits(max_seq_len=64, vocab_size=320), now=2.0)
     assert isinstance(out, Accepted)
     return out
@@ -92,6 +94,25 @@ def test_duplicate_check_covers_held_stages_but_not_the_outbox():
     assert [t.holds(j) for j in ("q", "s", "r", "o", "x")] == [True, True, True, False, False]
     assert t.take_alone().gen.id == "s"  # a request running alone is still held
     assert t.holds("s") and t.stage("s") is Stage.RUNNING and t.take_alone() is None
+
+
+def test_a_job_is_named_by_its_inbox_and_its_id_and_runs_under_a_run_id_of_its_own():
+    # two inboxes chose one job id: each is a job of its own, held at once (issue 54 item 1)
+    t = table()
+    other = KEYS.inbox("other0123456789abc")
+    a = acc("j")
+    t.queue(a)
+    assert t.run_of(INBOX, "j") == "j" and t.run_of(other, "j") is None
+    run = t.free_run_id("j")
+    assert run == "j~1" and not t.holds(run)
+    b = acc("j", entry_id="b-0", inbox=other)
+    b = replace(b, gen=replace(b.gen, id=run))
+    t.queue(b)
+    assert t.run_of(other, "j") == "j~1" and t.free_run_id("j") == "j~2" and t.free_run_id("k") == "k"
+    assert ids(t.take_batch(LATER, ROOM)) == ["j", "j~1"]
+    assert t.finish("j") is a and t.run_of(INBOX, "j") is None and t.run_of(other, "j") == "j~1"
+    assert t.free_run_id("j") == "j"  # free again: the other inbox's request keeps its own
+    assert t.drop("j~1") is b and t.run_of(other, "j") is None and t.snapshot == ()
 
 
 def test_failed_batch_members_run_alone_in_start_order():

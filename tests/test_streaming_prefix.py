@@ -43,7 +43,7 @@ def test_streamed_text_is_a_prefix_of_the_final_text(tokens: list[int], data) ->
     # the engine's progress as seen at each delta: growing prefixes of the output, in random steps
     cuts = sorted(set(data.draw(st.lists(st.integers(1, len(tokens)), max_size=len(tokens)))) | {len(tokens)})
     pub = StreamPublisher(decode, 0.0)
-    pub.track("j", "inbox", (), 0.0)
+    pub.track("j", "j", "inbox", (), 0.0)
     sent = ""
     for n in cuts:
         for _, _, payload in pub.deltas({"j": tokens[:n]}, float(n)):
@@ -59,7 +59,7 @@ def test_valid_text_is_not_held_back_at_the_end() -> None:
     text = "naïve 日本 🙂"
     tokens = [BYTE_OFFSET + b for b in text.encode()]
     pub = StreamPublisher(decode, 0.0)
-    pub.track("j", "inbox", (), 0.0)
+    pub.track("j", "j", "inbox", (), 0.0)
     sent = "".join(decode_reply(p).text for n in range(1, len(tokens) + 1)
                    for _, _, p in pub.deltas({"j": tokens[:n]}, float(n)))
     assert sent == text

@@ -28,7 +28,7 @@ def decode(ids: list[int]) -> str:
 def stream(tokens: list[int], stop: tuple[str, ...] = ()) -> list[str]:
     """Deltas when every step adds one token and a delta may go out after each."""
     pub = StreamPublisher(decode, 0.0)
-    pub.track("j", "inbox", stop, 0.0)
+    pub.track("j", "j", "inbox", stop, 0.0)
     out = []
     for n in range(1, len(tokens) + 1):
         out += [decode_reply(payload).text for _, _, payload in pub.deltas({"j": tokens[:n]}, float(n))]

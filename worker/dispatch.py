@@ -108,7 +108,8 @@ class Dispatcher:
         if self.streams is not None:
             for acc in items:
                 if acc.request.stream:
-                    self.streams.track(acc.gen.id, acc.reply_key, acc.gen.params.stop, time.time())
+                    self.streams.track(acc.gen.id, acc.request.id, acc.reply_key, acc.gen.params.stop,
+                                       time.time())
         # written once the step that runs it has returned: a lone request does not wait for the round trip
         self._logs.append({
             "worker": self.transport.name, "kind": kind, "bucket": items[0].entry.bucket,
@@ -192,17 +193,18 @@ class Dispatcher:
         key must match): a running job leaves the engine now, freeing its KV blocks; its batchmates are not
         touched. Answered once, with ``cancelled``."""
         for c in cancels:
-            acc = self.requests.get(c.job_id)
-            if acc is None or acc.reply_key != c.reply_key:
+            run = self.requests.run_of(c.reply_key, c.job_id)  # only the submitter's inbox names its job
+            acc = None if run is None else self.requests.get(run)
+            if run is None or acc is None:
                 continue  # not here (another worker's, or answered already), or not the submitter's
-            if self.requests.stage(c.job_id) is not Stage.RUNNING:
-                self.requests.drop(c.job_id)
+            if self.requests.stage(run) is not Stage.RUNNING:
+                self.requests.drop(run)
                 self.outbox.send([error_reply(acc, CANCELLED, "cancelled before it started")])
                 continue
-            self.engine.abort([c.job_id])
-            self.requests.finish(c.job_id)
+            self.engine.abort([run])
+            self.requests.finish(run)
             if self.streams is not None:
-                self.streams.forget(c.job_id)
+                self.streams.forget(run)
             self.outbox.send([error_reply(acc, CANCELLED, "cancelled while running")])
 
     def stream(self) -> None:

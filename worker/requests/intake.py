@@ -162,9 +162,13 @@ class Intake:
             if cancel_mark is not None and cancel_mark == outcome.reply_key:
                 self.outbox.send([error_reply(outcome, CANCELLED, "cancelled before it started")])
                 return
-            if self.requests.holds(outcome.gen.id):
+            if self.requests.run_of(outcome.reply_key, outcome.gen.id) is not None:
                 self.transport.settler.ack(entry)  # same job enqueued twice: the copy we hold answers for both
                 return
+            # a job is its inbox's and its id's: another inbox's job of this id held here runs beside it
+            run_id = self.requests.free_run_id(outcome.gen.id)
+            if run_id != outcome.gen.id:
+                outcome = replace(outcome, gen=replace(outcome.gen, id=run_id))
             guide = outcome.gen.params.guide
             if outcome.unchecked is None and guide is not None and not self.guides.ready(guide):
                 outcome = replace(outcome, unchecked=guide)  # known good, not compiled here: that is slow too
@@ -189,13 +193,13 @@ class Intake:
         given up stays pending and is reclaimed)."""
         rejected, faults = [], []
         for v in self.guides.done():
-            job = v.acc.gen.id
-            if self.requests.stage(job) is not Stage.VALIDATING or self.requests.get(job) is not v.acc:
+            run, job = v.acc.gen.id, v.acc.request.id
+            if self.requests.stage(run) is not Stage.VALIDATING or self.requests.get(run) is not v.acc:
                 continue  # cancelled, expired or handed back meanwhile: answered (or returned) already
             if not v.error and not v.fault:
                 self.requests.validated(v.acc)
                 continue
-            self.requests.drop(job)
+            self.requests.drop(run)
             if v.fault:
                 faults.append(v)
             else:

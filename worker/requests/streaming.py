@@ -24,6 +24,7 @@ MAX_HELD_TOKENS = 8  # a UTF-8 character spans at most 4 bytes; special tokens b
 class _Detok:
     """One streamed request's detokenization state."""
 
+    job_id: str  # what its deltas name (the publisher knows the request by its run id: worker/requests/table.py)
     reply_key: str
     stop_holdback: int  # chars kept back: longest stop string - 1
     prefix: int = 0  # window start (token index)
@@ -44,17 +45,18 @@ class StreamPublisher:
         self.interval_s = interval_s
         self._jobs: dict[str, _Detok] = {}
 
-    def __contains__(self, job_id: str) -> bool:
-        return job_id in self._jobs
+    def __contains__(self, run_id: str) -> bool:
+        return run_id in self._jobs
 
-    def track(self, job_id: str, reply_key: str, stop: tuple[str, ...], now: float) -> None:
-        """Start streaming a request that has just started running."""
+    def track(self, run_id: str, job_id: str, reply_key: str, stop: tuple[str, ...], now: float) -> None:
+        """Start streaming a request that has just started running (known by its run id; its deltas name
+        ``job_id``)."""
         holdback = max((len(s) for s in stop), default=1) - 1
-        self._jobs[job_id] = _Detok(reply_key, holdback, due_at=now)
+        self._jobs[run_id] = _Detok(job_id, reply_key, holdback, due_at=now)
 
-    def forget(self, job_id: str) -> None:
+    def forget(self, run_id: str) -> None:
         """The request finished, failed or was cancelled: its final reply carries the rest."""
-        self._jobs.pop(job_id, None)
+        self._jobs.pop(run_id, None)
 
     def due(self, now: float) -> list[str]:
         """Streamed requests whose next delta may be sent now."""
@@ -67,11 +69,11 @@ class StreamPublisher:
         return self.deltas(progress(due), now) if due else []
 
     def deltas(self, progress: dict[str, list[int]], now: float) -> list[tuple[str, str, bytes]]:
-        """(job id, reply key, encoded Delta) for each request in ``progress`` (its generated tokens so far)
-        whose text grew since its last delta."""
+        """(job id, reply key, encoded Delta) for each request in ``progress`` (run id -> its generated tokens
+        so far) whose text grew since its last delta."""
         out = []
-        for job_id, tokens in progress.items():
-            d = self._jobs.get(job_id)
+        for run_id, tokens in progress.items():
+            d = self._jobs.get(run_id)
             if d is None:
                 continue
             d.due_at = now + self.interval_s
@@ -82,9 +84,9 @@ class StreamPublisher:
             logprobs = getattr(tokens, "logprobs", None)  # sampling.Generated of a request that asked
             if logprobs is not None:
                 logprobs = list(logprobs[d.tokens_sent:len(tokens)])
-            delta = Delta(job_id, d.seq, d.sent, d.text[d.sent:safe], list(tokens[d.tokens_sent:]), logprobs)
+            delta = Delta(d.job_id, d.seq, d.sent, d.text[d.sent:safe], list(tokens[d.tokens_sent:]), logprobs)
             d.sent, d.tokens_sent, d.seq = safe, len(tokens), d.seq + 1
-            out.append((job_id, d.reply_key, delta.encode()))
+            out.append((d.job_id, d.reply_key, delta.encode()))
         return out
 
     def _advance(self, d: _Detok, tokens: list[int]) -> None:

@@ -11,9 +11,14 @@ A request read and validated is held in exactly one stage until it is answered:
 QUEUED requests also sit in the table's own ``Batcher`` (per-bucket order and batch deadlines); every
 operation here (queue, drop, requeue, expire, take a batch) changes both at once, so nothing outside can
 let them disagree. Answers wait in the outbox (stage OUTBOX) until the transport takes them; rejections
-and expiries enter the outbox directly. Held requests are keyed by job id (at most one per job: a
-duplicate entry is acked instead of held); the outbox may hold several replies for one job (the first
-write wins).
+and expiries enter the outbox directly.
+
+A job is named by its inbox and its job id together (docs/PROTOCOL.md: a job id names one job per inbox), so
+two inboxes may hold one job id at once: at most one request per (reply key, job id) is held (a duplicate
+entry is acked instead), and each held request has a **run id** (``Accepted.gen.id``), unique in this worker,
+that the engine, the batcher and every stage here know it by: its job id, or ``<job id>~<n>`` while another
+inbox's request of that job id is held (``~`` is no job id character, so a run id never names another job).
+The outbox may hold several replies for one job (the first write wins).
 
 ``snapshot`` is what the lease keeper renews: the entries of every held request and every reply not yet
 written. It is an immutable tuple replaced after each change, so the lease keeper's thread reads it
@@ -51,25 +56,39 @@ class RequestTable:
         self._held: dict[Stage, dict[str, Accepted]] = {stage: {} for stage in _HELD}
         self._outbox: list[Reply] = []
         self._alone: set[str] = set()  # VALIDATING requests that go to SOLO once their guide passes
+        self._runs: dict[tuple[str, str], str] = {}  # (reply key, job id) -> run id, for every held request
         self.snapshot: tuple[Entry, ...] = ()  # replaced, never mutated: read from the lease keeper's thread
 
     # ---- questions -------------------------------------------------------------------------------
-    def holds(self, job_id: str) -> bool:
-        """Whether a request of this job is queued, waiting to run alone or running (a duplicate is not)."""
-        return any(job_id in held for held in self._held.values())
+    def holds(self, run_id: str) -> bool:
+        """Whether the request of this run id is validating, queued, waiting to run alone or running."""
+        return any(run_id in held for held in self._held.values())
 
-    def stage(self, job_id: str) -> Stage | None:
-        """The job's stage: where it is held, else OUTBOX while a reply to it waits, else None."""
+    def run_of(self, reply_key: str, job_id: str) -> str | None:
+        """The run id of the held request of job ``job_id`` of inbox ``reply_key``, else None."""
+        return self._runs.get((reply_key, job_id))
+
+    def free_run_id(self, job_id: str) -> str:
+        """A run id for a new request of ``job_id``: the job id itself unless a held request (another inbox's
+        job of that id) has it, else the first free ``<job id>~<n>``."""
+        run_id, n = job_id, 0
+        while self.holds(run_id):
+            n += 1
+            run_id = f"{job_id}~{n}"
+        return run_id
+
+    def stage(self, run_id: str) -> Stage | None:
+        """The request's stage: where it is held, else OUTBOX while a reply to a job of that id waits, else None."""
         for stage, held in self._held.items():
-            if job_id in held:
+            if run_id in held:
                 return stage
-        return Stage.OUTBOX if any(rep.job_id == job_id for rep in self._outbox) else None
+        return Stage.OUTBOX if any(rep.job_id == run_id for rep in self._outbox) else None
 
-    def get(self, job_id: str) -> Accepted | None:
-        """The held request of this job (any stage but OUTBOX), else None."""
+    def get(self, run_id: str) -> Accepted | None:
+        """The held request of this run id (any stage but OUTBOX), else None."""
         for held in self._held.values():
-            if job_id in held:
-                return held[job_id]
+            if run_id in held:
+                return held[run_id]
         return None
 
     def of(self, stage: Stage) -> list[Accepted]:
@@ -128,6 +147,7 @@ class RequestTable:
     def queue(self, acc: Accepted, alone: bool = False) -> None:
         """Hold a new request: QUEUED in its bucket's batch or, ``alone``, SOLO."""
         assert not self.holds(acc.gen.id), "duplicates are acked, never held twice"
+        self._runs[_job(acc)] = acc.gen.id
         if alone:
             self._held[Stage.SOLO][acc.gen.id] = acc
         else:
@@ -138,6 +158,7 @@ class RequestTable:
     def validate(self, acc: Accepted, alone: bool = False) -> None:
         """Hold a new request whose guide is being checked: VALIDATING until ``validated`` (or dropped)."""
         assert not self.holds(acc.gen.id), "duplicates are acked, never held twice"
+        self._runs[_job(acc)] = acc.gen.id
         self._held[Stage.VALIDATING][acc.gen.id] = acc
         if alone:
             self._alone.add(acc.gen.id)
@@ -154,9 +175,10 @@ class RequestTable:
         self.queue(acc, alone=alone)
         return True
 
-    def finish(self, job_id: str) -> Accepted:
+    def finish(self, run_id: str) -> Accepted:
         """RUNNING -> answered (the caller puts its reply in the outbox). KeyError when not running."""
-        acc = self._held[Stage.RUNNING].pop(job_id)
+        acc = self._held[Stage.RUNNING].pop(run_id)
+        self._runs.pop(_job(acc), None)
         self._publish()
         return acc
 
@@ -175,14 +197,15 @@ class RequestTable:
             self._add(acc, arrival=False)
         self._publish()
 
-    def drop(self, job_id: str) -> Accepted | None:
+    def drop(self, run_id: str) -> Accepted | None:
         """Stop holding a request in any stage (expired, cancelled, released, given up); None when not held."""
         for stage, held in self._held.items():
-            if job_id in held:
-                acc = held.pop(job_id)
-                self._alone.discard(job_id)
+            if run_id in held:
+                acc = held.pop(run_id)
+                self._runs.pop(_job(acc), None)
+                self._alone.discard(run_id)
                 if stage is Stage.QUEUED:
-                    self._batcher.expire(lambda a: a.gen.id == job_id)
+                    self._batcher.expire(lambda a: a.gen.id == run_id)
                 self._publish()
                 return acc
         return None
@@ -195,6 +218,7 @@ class RequestTable:
         for acc in gone:
             for stage in _UNSTARTED:
                 self._held[stage].pop(acc.gen.id, None)
+            self._runs.pop(_job(acc), None)
             self._alone.discard(acc.gen.id)
         if gone:
             self._publish()
@@ -204,6 +228,8 @@ class RequestTable:
         """Drop every unstarted request (handed back on shutdown)."""
         self._batcher.expire(lambda a: True)
         for stage in _UNSTARTED:
+            for acc in self._held[stage].values():
+                self._runs.pop(_job(acc), None)
             self._held[stage].clear()
         self._alone.clear()
         self._publish()
@@ -233,3 +259,8 @@ class RequestTable:
         """Replace the lease snapshot (one attribute store: atomic for the reading thread)."""
         held = tuple(acc.entry for stage in _HELD for acc in self._held[stage].values())
         self.snapshot = held + tuple(rep.settles for rep in self._outbox)
+
+
+def _job(acc: Accepted) -> tuple[str, str]:
+    """What names a request's job: its inbox and its job id."""
+    return acc.reply_key, acc.request.id
