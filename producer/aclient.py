@@ -144,7 +144,9 @@ class AsyncClient:
                      stream: bool = False, ask: Ask | None = None, **params: Any) -> str:
         """Enqueue one prompt; returns its job id. Raises InvalidRequest / PromptTooLong / QueueFull /
         NoWorkers before anything runs. ``timeout`` (s) bounds this call and is the job's deadline. A ``job_id`` of
-        a job answered and taken within the reply TTL gets JobFailed (invalid_request): one answer per id.
+        a job answered and taken within the reply TTL gets JobFailed (invalid_request): one answer per id. A
+        ``job_id`` another call of this client has in flight joins that job when the request is the same (prompt,
+        parameters, ``stream``, class; the timeout may differ), and raises InvalidRequest at once otherwise.
         ``params`` (generation parameters, priority, kind: ``Ask.of``), or ``ask``, one made already, sent as is."""
         job = await self._submit(prompt, Deadline(timeout), job_id, stream, Ask.called(ask, params))
         return job.id
@@ -154,7 +156,9 @@ class AsyncClient:
         fleet = await self._fleet_view(deadline)
         job = await self._build(fleet, prompt, ask, deadline.left(), job_id, stream)
         job, shard = await self.router.route(job)
-        fresh = self.inbox.expect(job.id, stream)  # False: another call of this client waits on this id: keep it
+        # False: another call of this client waits on this id for the same request: keep its waiter (InvalidRequest
+        # for a different request under that id: nothing is sent)
+        fresh = self.inbox.expect(job.id, stream, job.fingerprint)
         # the live-worker check (the function's TIME + ZCOUNT) is skipped while an enqueue of this client found a
         # live worker within LIVENESS_TRUST_S, or while another enqueue's check is on its way (one at a time: on a
         # slow host, every enqueue of a burst would check otherwise)

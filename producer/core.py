@@ -7,10 +7,11 @@ The clients own their connections (producer/aclient.py, producer/inbox.py); noth
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -186,6 +187,14 @@ class Outgoing:
     @property
     def id(self) -> str:
         return self.request.id
+
+    @property
+    def fingerprint(self) -> bytes:
+        """What makes this request the one it is: its prompt, every parameter, ``stream``, its kind, bucket and
+        class; not its timeout (a retry has less time left) nor its shard (picked per enqueue). Two submits of
+        one job id in one client are one job only when their fingerprints are equal."""
+        what = replace(self.request, timeout_ms=None).encode() + f"\0{self.bucket}\0{self.lane}".encode()
+        return hashlib.blake2b(what, digest_size=16).digest()
 
     def args(self, require_workers: bool, live_ms: int) -> list:
         """ARGV of the enqueue function (KEYS: stream, live-worker set)."""

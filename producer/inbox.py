@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import redis
 
-from batchfleet.common.errors import INVALID_REQUEST, JobFailed, RedisUnavailable
+from batchfleet.common.errors import INVALID_REQUEST, InvalidRequest, JobFailed, RedisUnavailable
 from batchfleet.common.redis.clients import xread
 from batchfleet.common.redis.retry import TRANSIENT
 from batchfleet.common.wire.protocol import Delta, Result
@@ -57,12 +57,21 @@ class Inbox:
         self._deleting: asyncio.Task | None = None
         self._closing = False
 
-    def expect(self, job_id: str, stream: bool = False) -> bool:
-        """Register a job before it is enqueued, so no reply can arrive unseen; False: another call's waiter stays."""
+    def expect(self, job_id: str, stream: bool = False, fingerprint: bytes | None = None) -> bool:
+        """Register a job before it is enqueued, so no reply can arrive unseen; False: another call's waiter stays
+        (the same request: it joins that call's job). InvalidRequest, and nothing changes, when a call of this
+        client waits on ``job_id`` for a different request (``fingerprint``, ``Outgoing.fingerprint``): one job
+        id names one job per inbox, so both would get one request's answer."""
+        waiter = self._jobs.get(job_id)
+        if waiter is not None and fingerprint is not None:
+            if waiter.fingerprint is not None and waiter.fingerprint != fingerprint:
+                raise InvalidRequest(f"job id {job_id!r} is in flight in this client with a different request "
+                                     "(prompt or parameters): submit it under a new job id")
+            waiter.fingerprint = fingerprint
         self._abandoned.pop(job_id, None)
-        fresh = job_id not in self._jobs
+        fresh = waiter is None
         if fresh:
-            waiter = self._jobs[job_id] = Waiter(stream)
+            waiter = self._jobs[job_id] = Waiter(stream, fingerprint)
             if job_id in self._unclaimed:  # its answer came before anyone asked (a retry after an unknown outcome)
                 waiter.settle(self._unclaimed.pop(job_id))
         self.start()

@@ -18,8 +18,11 @@ class WaitExpired(Timeout):
 class Waiter:
     """One job's final reply, and its deltas when it streams."""
 
-    def __init__(self, stream: bool) -> None:
+    def __init__(self, stream: bool, fingerprint: bytes | None = None) -> None:
         self.final: asyncio.Future[Final] = asyncio.get_running_loop().create_future()
+        # the request submitted under this job id (``Outgoing.fingerprint``); None: no submit of this client
+        # named it yet (a result() of a job submitted under a reused inbox name)
+        self.fingerprint = fingerprint
         # streamed jobs: deltas in order, then None once ``final`` is set
         self.deltas: asyncio.Queue[Delta | None] | None = asyncio.Queue() if stream else None
 
