@@ -12,6 +12,9 @@ UNSUPPORTED_SCHEMA = "unsupported_schema"
 CANCELLED = "cancelled"
 GUIDE_FAILED = "guide_failed"  # the structured-output grammar library gave up on the request's guide at run time
 
+# A client's own code, never a worker's: the job's answer expired (the reply TTL) before this client read it
+ANSWER_EXPIRED = "answer_expired"
+
 ERROR_CODES = frozenset(
     {INVALID_REQUEST, PROMPT_TOO_LONG, ENGINE_ERROR, WORKER_FAILED, DEADLINE_EXCEEDED, UNSUPPORTED_SCHEMA, CANCELLED,
      GUIDE_FAILED}
@@ -81,3 +84,8 @@ class JobFailed(BatchfleetError):
 
 class Cancelled(JobFailed):
     """The job was cancelled (``cancel`` or a closed stream) before it finished; code ``cancelled``."""
+
+
+class AnswerExpired(JobFailed):
+    """The job was answered, but its answer expired (the workers' reply TTL) before this client read it; code
+    ``answer_expired``. Nothing more will come: submit again under a new job id."""

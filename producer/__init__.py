@@ -6,6 +6,7 @@
 """
 
 from batchfleet.common.errors import (
+    AnswerExpired,
     Cancelled,
     FleetUnavailable,
     InvalidRequest,
@@ -23,6 +24,6 @@ from batchfleet.producer.chat import Chat
 from batchfleet.producer.client import Client, TokenStream
 from batchfleet.producer.stream import AsyncTokenStream
 
-__all__ = ["Ask", "AsyncClient", "AsyncTokenStream", "Cancelled", "Chat", "Client", "Delta", "FleetUnavailable",
-           "InvalidRequest", "JobFailed", "NoWorkers", "PromptTooLong", "QueueFull", "RedisUnavailable", "Result",
-           "Timeout", "TokenStream"]
+__all__ = ["AnswerExpired", "Ask", "AsyncClient", "AsyncTokenStream", "Cancelled", "Chat", "Client", "Delta",
+           "FleetUnavailable", "InvalidRequest", "JobFailed", "NoWorkers", "PromptTooLong", "QueueFull",
+           "RedisUnavailable", "Result", "Timeout", "TokenStream"]

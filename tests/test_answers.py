@@ -6,10 +6,12 @@ gets its own answer and leaves the other's alone."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import redis
 
-from batchfleet.common.errors import INVALID_REQUEST, JobFailed, Timeout
+from batchfleet.common.errors import ANSWER_EXPIRED, INVALID_REQUEST, AnswerExpired, JobFailed, Timeout
 from batchfleet.common.keys import Keys
 from batchfleet.common.wire.protocol import Result
 from batchfleet.producer import Client
@@ -152,3 +154,55 @@ def test_a_reply_redis_refuses_for_memory_leaves_its_entry_pending():
         consumer.close()
     finally:
         server.stop()
+
+
+def test_a_caller_waiting_without_a_timeout_on_an_answer_that_expired_unread_gets_answer_expired(
+        start_worker, redis_url, namespace):
+    """Issue 54 item 10: the answer of a job expired (the reply TTL) before its client read it, while its ring
+    stayed (later writes to the inbox kept the inbox alive). A caller waiting without a timeout waited for ever:
+    the ring was deleted unread. It gets AnswerExpired, a JobFailed."""
+    start_worker(max_wait_ms=5, reply_ttl_s=2)
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    with Client(redis_url, namespace, inbox=TEST_INBOX) as client:  # a process that submits, then stops reading
+        job = client.submit([1, 10, 11], max_new_tokens=2, job_id="read-too-late")
+    inbox, answer = raw_inbox(keys), keys.done(job, raw_inbox(keys))
+    wait_until(lambda: r.exists(answer), 30, "the answer stored")
+    r.persist(inbox)  # what later answers to other jobs of this inbox do: its ring stays
+    wait_until(lambda: not r.exists(answer), 10, "the answer expired")
+    assert r.xlen(inbox) == 1
+    with Client(redis_url, namespace, inbox=TEST_INBOX) as client:  # back, it waits without a timeout
+        outcome: list = []
+        waiting = threading.Thread(target=lambda: outcome.append(_outcome(lambda: client.result(job))), daemon=True)
+        waiting.start()
+        waiting.join(30)
+        assert outcome and isinstance(outcome[0], AnswerExpired) and outcome[0].code == ANSWER_EXPIRED, outcome
+        assert isinstance(outcome[0], JobFailed) and "expired" in str(outcome[0])
+        wait_until(lambda: r.xlen(inbox) == 0, 10, "the ring deleted")
+        wait_until(lambda: client._async.inbox.held() == {"waiting": 0, "abandoned": 0, "unclaimed": 0,
+                                                          "to_delete": 0}, 10, "nothing held")
+
+
+def test_an_answer_stored_again_soon_after_a_ring_that_found_none_is_still_handed_over(redis_url, namespace):
+    """A worker whose answer write was refused (Redis full) while its ring was taken writes both again from its
+    outbox: the waiter gets that answer, not AnswerExpired (which waits for EXPIRED_GRACE_S)."""
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    inbox = raw_inbox(keys)
+    with Client(redis_url, namespace, inbox=TEST_INBOX) as client:
+        outcome: list = []
+        waiting = threading.Thread(target=lambda: outcome.append(_outcome(lambda: client.result("late"))),
+                                   daemon=True)
+        waiting.start()
+        r.xadd(inbox, {"id": "late", "done": "1"})  # the ring whose answer was refused
+        wait_until(lambda: r.xlen(inbox) == 0, 10, "the ring read")
+        stored = Result("late", [7], "written again", "length", 1, 1, 0.0, 0.0, 0.0, "w", 1)
+        r.set(keys.done("late", inbox), stored.encode(), nx=True, ex=60)
+        r.xadd(inbox, {"id": "late", "done": "1"})
+        waiting.join(30)
+        assert outcome and isinstance(outcome[0], Result) and outcome[0].text == "written again", outcome
+
+
+def _outcome(call):
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc
