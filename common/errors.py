@@ -68,6 +68,17 @@ class RedisUnavailable(BatchfleetError, ConnectionError):
     of its own (with one, ``Timeout`` is raised instead)."""
 
 
+class RedisRefused(BatchfleetError):
+    """Redis answered a command with an error of its own (a read-only replica, a missing permission, a script
+    error): nothing a retry of this call cures. The message gives Redis' reason, never the command's keys or
+    arguments (an inbox token is a secret: docs/SECURITY.md)."""
+
+
+class RedisFull(RedisRefused):
+    """Redis is full (``maxmemory`` reached under ``noeviction``): it refused the write, so nothing was written
+    (a refused enqueue enqueued nothing). Retry later: memory frees as workers answer and clients take answers."""
+
+
 class Timeout(BatchfleetError, TimeoutError):
     """No result arrived within the caller's timeout (or the request's deadline passed)."""
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis
+
 from batchfleet.common.errors import (
     CANCELLED,
     DEADLINE_EXCEEDED,
@@ -21,6 +23,8 @@ from batchfleet.common.errors import (
     NoWorkers,
     PromptTooLong,
     QueueFull,
+    RedisFull,
+    RedisRefused,
     RedisUnavailable,
     Timeout,
 )
@@ -75,6 +79,16 @@ def api_error(exc: BaseException, guide_param: str | None = None) -> APIError:
         return _retry_later(503, str(exc), "service_unavailable_error", "fleet_unavailable")
     if isinstance(exc, RedisUnavailable):
         return _retry_later(503, str(exc), "service_unavailable_error", "redis_unavailable")
+    if isinstance(exc, RedisFull):  # memory frees as answers are taken: the same request succeeds later
+        return _retry_later(503, str(exc), "service_unavailable_error", "redis_full")
+    if isinstance(exc, RedisRefused):  # an operator must act (permissions, a read-only node): not the client
+        return _retry_later(503, str(exc), "service_unavailable_error", "redis_refused")
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):  # the gateway's own stores: no command in the text
+        return _retry_later(503, "Redis is full (maxmemory reached); retry later", "service_unavailable_error",
+                            "redis_full")
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        return _retry_later(503, "Redis is unreachable; retry later", "service_unavailable_error",
+                            "redis_unavailable")
     if isinstance(exc, JobFailed):
         return _job_failed(exc, guide_param)
     if isinstance(exc, BatchfleetError):

@@ -14,6 +14,8 @@ from batchfleet.common.errors import (
     NoWorkers,
     PromptTooLong,
     QueueFull,
+    RedisFull,
+    RedisRefused,
     RedisUnavailable,
     Timeout,
 )
@@ -26,4 +28,4 @@ from batchfleet.producer.stream import AsyncTokenStream
 
 __all__ = ["AnswerExpired", "Ask", "AsyncClient", "AsyncTokenStream", "Cancelled", "Chat", "Client", "Delta",
            "FleetUnavailable", "InvalidRequest", "JobFailed", "NoWorkers", "PromptTooLong", "QueueFull",
-           "RedisUnavailable", "Result", "Timeout", "TokenStream"]
+           "RedisFull", "RedisRefused", "RedisUnavailable", "Result", "Timeout", "TokenStream"]

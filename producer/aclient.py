@@ -20,7 +20,7 @@ from typing import Any
 import redis
 
 from batchfleet.common.config import connection_from_env
-from batchfleet.common.errors import InvalidRequest, Timeout
+from batchfleet.common.errors import InvalidRequest, RedisFull, Timeout
 from batchfleet.common.keys import Keys, valid_inbox
 from batchfleet.common.redis.clients import async_client, close_async
 from batchfleet.common.redis.fleetstate import live_workers_async
@@ -33,12 +33,12 @@ from batchfleet.producer.core import (
     RETRY_S,
     Deadline,
     FleetView,
-    Outgoing,
     Prompt,
     prompt_size,
 )
 from batchfleet.producer.inbox import Inbox
 from batchfleet.producer.many import generate_many
+from batchfleet.producer.outgoing import Outgoing
 from batchfleet.producer.redis_calls import RedisCalls
 from batchfleet.producer.shards import Router
 from batchfleet.producer.stream import AsyncTokenStream
@@ -142,11 +142,10 @@ class AsyncClient:
 
     async def submit(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
                      stream: bool = False, ask: Ask | None = None, **params: Any) -> str:
-        """Enqueue one prompt; returns its job id. Raises InvalidRequest / PromptTooLong / QueueFull /
-        NoWorkers before anything runs. ``timeout`` (s) bounds this call and is the job's deadline. A ``job_id`` of
-        a job answered and taken within the reply TTL gets JobFailed (invalid_request): one answer per id. A
-        ``job_id`` another call of this client has in flight joins that job when the request is the same (prompt,
-        parameters, ``stream``, class; the timeout may differ), and raises InvalidRequest at once otherwise.
+        """Enqueue one prompt; returns its job id. Raises InvalidRequest / PromptTooLong / QueueFull / NoWorkers
+        before anything runs; RedisFull (nothing enqueued: retry later) or RedisRefused when Redis refuses it.
+        ``timeout`` (s) bounds this call and is the job's deadline. ``job_id``: one answered and taken within the
+        reply TTL gets JobFailed (invalid_request); one in flight here joins for the same request, else InvalidRequest.
         ``params`` (generation parameters, priority, kind: ``Ask.of``), or ``ask``, one made already, sent as is."""
         job = await self._submit(prompt, Deadline(timeout), job_id, stream, Ask.called(ask, params))
         return job.id
@@ -156,9 +155,7 @@ class AsyncClient:
         fleet = await self._fleet_view(deadline)
         job = await self._build(fleet, prompt, ask, deadline.left(), job_id, stream)
         job, shard = await self.router.route(job)
-        # False: another call of this client waits on this id for the same request: keep its waiter (InvalidRequest
-        # for a different request under that id: nothing is sent)
-        fresh = self.inbox.expect(job.id, stream, job.fingerprint)
+        fresh = self.inbox.expect(job.id, stream, job.fingerprint)  # False: another call's job, kept (same request)
         # the live-worker check (the function's TIME + ZCOUNT) is skipped while an enqueue of this client found a
         # live worker within LIVENESS_TRUST_S, or while another enqueue's check is on its way (one at a time: on a
         # slow host, every enqueue of a burst would check otherwise)
@@ -171,10 +168,10 @@ class AsyncClient:
             code = await self.calls.enqueue(job, shard.workers, check, deadline)
         except BaseException as exc:  # enqueued or not, nobody can tell: cancel it in case it was (a cancellation)
             cancelled = isinstance(exc, asyncio.CancelledError)  # or keep a late answer for a retry under caller's id
-            if fresh and (cancelled or job_id is None):
+            if fresh and (cancelled or job_id is None) and not isinstance(exc, RedisFull):
                 self._give_up_later(job.id, cancel=cancelled)
-            elif fresh:
-                self.inbox.forget(job.id)  # its answer, should it come, waits unclaimed for the retry's result()
+            elif fresh:  # its answer, should it come, waits unclaimed for a retry's result() (RedisFull: none comes)
+                self.inbox.forget(job.id)
             raise
         finally:
             if check:  # answered or not: the next enqueue may check again (or trusts what this one found)

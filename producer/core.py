@@ -7,12 +7,9 @@ The clients own their connections (producer/aclient.py, producer/inbox.py); noth
 
 from __future__ import annotations
 
-import hashlib
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -21,19 +18,16 @@ from batchfleet.common.errors import (
     CANCELLED,
     DEADLINE_EXCEEDED,
     Cancelled,
-    FleetUnavailable,
     InvalidRequest,
     JobFailed,
     NoWorkers,
     ProtocolError,
-    QueueFull,
     Timeout,
 )
 from batchfleet.common.keys import Keys, valid_job_id
-from batchfleet.common.wire.lanes import BATCH, INTERACTIVE
+from batchfleet.common.wire.lanes import BATCH
 from batchfleet.common.wire.params import ParamError, has_utf8
 from batchfleet.common.wire.protocol import (
-    MAX_PAYLOAD_BYTES,
     Delta,
     Error,
     FleetInfo,
@@ -43,6 +37,7 @@ from batchfleet.common.wire.protocol import (
 )
 from batchfleet.producer.ask import Ask
 from batchfleet.producer.chat import Chat, is_messages, render
+from batchfleet.producer.outgoing import Outgoing
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]] | Chat  # text, token ids, chat messages (and tools)
 FLEET_REFRESH_S = 30.0
@@ -169,63 +164,6 @@ class FleetView:
                       timeout_ms=None if timeout is None else int(timeout * 1000), kind=ask.kind)
         limit = self.info.batch_queue_len if ask.lane == BATCH else self.info.max_queue_len
         return Outgoing(bucket, keys.stream(bucket, ask.lane), req, limit, ask.lane)
-
-
-ADDED_PAST_LIMIT = 2  # an enqueue answer of the client's own: a plain add found the queue past its limit
-
-
-@dataclass(frozen=True)
-class Outgoing:
-    """One request ready to enqueue: the stream it goes to and the enqueue function's arguments."""
-
-    bucket: int
-    stream: str
-    request: Request
-    max_queue_len: int
-    lane: str = INTERACTIVE
-
-    @property
-    def id(self) -> str:
-        return self.request.id
-
-    @property
-    def fingerprint(self) -> bytes:
-        """What makes this request the one it is: its prompt, every parameter, ``stream``, its kind, bucket and
-        class; not its timeout (a retry has less time left) nor its shard (picked per enqueue). Two submits of
-        one job id in one client are one job only when their fingerprints are equal."""
-        what = replace(self.request, timeout_ms=None).encode() + f"\0{self.bucket}\0{self.lane}".encode()
-        return hashlib.blake2b(what, digest_size=16).digest()
-
-    def args(self, require_workers: bool, live_ms: int) -> list:
-        """ARGV of the enqueue function (KEYS: stream, live-worker set)."""
-        return [self.max_queue_len, self.request.id, self.request.reply_key, self.request.encode(),
-                MAX_PAYLOAD_BYTES, "1" if require_workers else "0", live_ms]
-
-    def fields(self) -> dict[str, Any]:
-        """The stream entry the enqueue function writes (docs/PROTOCOL.md), for a plain ``XADD``."""
-        return {"id": self.request.id, "r": self.request.reply_key, "p": self.request.encode()}
-
-    def appended(self, length: int) -> int:
-        """The answer for a plain ``XADD`` that left its stream ``length`` entries long: 1, or ADDED_PAST_LIMIT
-        (queue full; the entry is withdrawn, ``RedisCalls.enqueue``). The function checks before it adds; a plain
-        add can only check after, so concurrent adds at the limit may all be refused where the function would
-        have taken one of them."""
-        return ADDED_PAST_LIMIT if self.max_queue_len and length > self.max_queue_len else 1
-
-    def accepted(self, code: int, namespace: str, *, in_batch: bool = False) -> str:
-        """The job id when the function enqueued it; else the matching error."""
-        if code == 1:
-            return self.id
-        earlier = "; earlier prompts of this call were enqueued" if in_batch else ""
-        if code in (0, ADDED_PAST_LIMIT):
-            raise QueueFull(f"bucket {self.bucket} ({self.lane}) holds {self.max_queue_len} entries; "
-                            f"retry later{earlier}")
-        if code == -1:
-            raise NoWorkers(f"no live worker serves namespace {namespace!r} (none sent a heartbeat recently); "
-                            f"start one, or make the client with require_workers=False to enqueue anyway{earlier}")
-        if code == -2:
-            raise InvalidRequest(f"request of {len(self.request.encode())} bytes exceeds {MAX_PAYLOAD_BYTES}")
-        raise FleetUnavailable(f"unexpected enqueue answer {code!r}")
 
 
 def parse_reply(job_id: str, raw: bytes) -> Result | Delta:

@@ -17,15 +17,9 @@ from collections import OrderedDict
 
 import redis
 
-from batchfleet.common.errors import (
-    ANSWER_EXPIRED,
-    INVALID_REQUEST,
-    AnswerExpired,
-    InvalidRequest,
-    JobFailed,
-    RedisUnavailable,
-)
+from batchfleet.common.errors import INVALID_REQUEST, InvalidRequest, JobFailed, RedisUnavailable
 from batchfleet.common.redis.clients import xread
+from batchfleet.common.redis.refusals import reason
 from batchfleet.common.redis.retry import TRANSIENT
 from batchfleet.common.wire.protocol import Delta, Result
 from batchfleet.producer.answers import REUSED, Answers, job_id_of
@@ -39,9 +33,6 @@ MAX_UNCLAIMED = 100_000  # finals with no waiter kept for a later result(job_id)
 MAX_ABANDONED = 100_000  # ids whose answer is still to be dropped; the oldest are forgotten beyond it
 ABANDONED_TTL_S = 3600.0  # an answer later than this (the workers' default reply TTL) never comes
 READ_COUNT = 1024
-EXPIRED_GRACE_S = 5.0  # a ring whose answer is gone fails its waiter this long after, unless the answer comes
-EXPIRED = ("its answer expired (the workers' reply TTL) before this client read it; nothing more will come: "
-           "submit it again under a new job id")
 
 
 class Inbox:
@@ -222,7 +213,7 @@ class Inbox:
                 await asyncio.sleep(self.calls.backoff.failed(exc))
                 continue
             except redis.ResponseError as exc:  # NOPERM and the like: an operator must act; keep trying
-                log.error("cannot read inbox %s: %s", self.key, exc)
+                log.error("cannot read this client's inbox: %s", reason(exc))  # never the key: its token is secret
                 await asyncio.sleep(self.calls.backoff.failed(exc))
                 continue
             except (asyncio.CancelledError, KeyboardInterrupt):
@@ -258,7 +249,7 @@ class Inbox:
                             waiter.settle((entry_id, JobFailed(job_id, INVALID_REQUEST, REUSED)))
                         else:  # expired before it was read: nothing more comes (save a late first write)
                             self.consumed(entry_id)
-                            self._expired(job_id, waiter, entry_id)
+                            waiter.expired(job_id, entry_id)
                         continue
                     fields = {b"id": fields.get(b"id", b""), b"p": payload}
                 self._dispatch(entry_id, fields)
@@ -287,17 +278,6 @@ class Inbox:
             self._park(job_id, (entry_id, reply))
         else:
             self.consumed(entry_id)  # a second answer to one job (its done marker expired): drop it
-
-    def _expired(self, job_id: str, waiter: Waiter, entry_id: str) -> None:
-        """A ring of this waiter's job whose answer is gone: the answer expired (the reply TTL) before it was
-        read, so the waiter gets AnswerExpired instead of waiting for ever. Not at once: a worker whose answer
-        write was refused while its ring was taken (Redis full frees memory between the two commands of one
-        pipeline) writes both again from its outbox; an answer that comes within EXPIRED_GRACE_S wins."""
-        def give_up() -> None:
-            if self._jobs.get(job_id) is waiter and not waiter.final.done():
-                waiter.settle((entry_id, AnswerExpired(job_id, ANSWER_EXPIRED, EXPIRED)))
-
-        asyncio.get_running_loop().call_later(EXPIRED_GRACE_S, give_up)
 
     def _park(self, job_id: str, taken: Final) -> None:
         """Keep a final reply nobody waits on for a later result(job_id); the oldest forgotten past MAX_UNCLAIMED."""

@@ -8,7 +8,8 @@ from typing import Any
 
 from batchfleet.common.wire.protocol import Result
 from batchfleet.producer.ask import Ask
-from batchfleet.producer.core import Deadline, Outgoing, Prompt
+from batchfleet.producer.core import Deadline, Prompt
+from batchfleet.producer.outgoing import Outgoing
 
 
 async def generate_many(client: Any, prompts: Sequence[Prompt], deadline: Deadline, ask: Ask) -> list[Result]:

@@ -1,5 +1,6 @@
 """Every Redis call of one client, bounded: within the call's deadline (or ``retry_s`` without one),
-connection errors retried with capped backoff, a Redis function called by FCALL where Redis has it and by
+connection errors retried with capped backoff, Redis' own refusals raised as the fleet's types (RedisFull,
+RedisRefused: common/redis/refusals.py), a Redis function called by FCALL where Redis has it and by
 EVALSHA of the same body where it has not (6.2). The ``AsyncClient`` makes every call through one of these.
 """
 
@@ -18,10 +19,12 @@ from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.errors import RedisUnavailable, Timeout
 from batchfleet.common.redis.clients import WAIT_TIMEOUT_MS, require_replicas, same_node, write_acked
 from batchfleet.common.redis.functions import LIVE_WORKER_MS, Functions
+from batchfleet.common.redis.refusals import refused
 from batchfleet.common.redis.retry import TRANSIENT, Backoff, transient_reason
 from batchfleet.common.redis.url import redact_url
 from batchfleet.common.wire.protocol import MAX_PAYLOAD_BYTES
-from batchfleet.producer.core import ADDED_PAST_LIMIT, Deadline, Outgoing
+from batchfleet.producer.core import Deadline
+from batchfleet.producer.outgoing import ADDED_PAST_LIMIT, Outgoing
 
 log = logging.getLogger("producer")
 T = TypeVar("T")
@@ -71,6 +74,8 @@ class RedisCalls:
                     delay = min(delay, give_up - time.monotonic())
                 await asyncio.sleep(deadline.sooner(max(0.0, delay)))
                 continue
+            except redis.RedisError as exc:  # Redis' own refusal (full, read-only, no permission): the fleet's type,
+                raise refused(exc, what) from None  # its text without the command (an inbox token is a secret)
             self.backoff.ok()
             return out
 

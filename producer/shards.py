@@ -18,8 +18,8 @@ import time
 
 from batchfleet.common.keys import Keys
 from batchfleet.common.wire.protocol import FleetInfo
-from batchfleet.producer.core import Outgoing
 from batchfleet.producer.inbox import Inbox
+from batchfleet.producer.outgoing import Outgoing
 
 SAMPLE_S = 0.5
 SAMPLE_TIMEOUT_S = 1.0  # a sample that takes longer (a master failing over) gives way to the home shard

@@ -15,8 +15,9 @@ from typing import Protocol
 from batchfleet.common.errors import Timeout
 from batchfleet.common.wire.protocol import Delta, Result
 from batchfleet.producer.ask import Ask
-from batchfleet.producer.core import Deadline, Outgoing, Prompt
+from batchfleet.producer.core import Deadline, Prompt
 from batchfleet.producer.inbox import Inbox
+from batchfleet.producer.outgoing import Outgoing
 
 log = logging.getLogger("producer")
 

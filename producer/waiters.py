@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-from batchfleet.common.errors import Timeout
+from batchfleet.common.errors import ANSWER_EXPIRED, AnswerExpired, Timeout
 from batchfleet.common.wire.protocol import Delta, Result
 
 Final = tuple[str, Result | BaseException]  # (entry id, the Result or the error it stands for)
+EXPIRED_GRACE_S = 5.0  # a ring whose answer is gone fails its waiter this long after, unless the answer comes
+EXPIRED = ("its answer expired (the workers' reply TTL) before this client read it; nothing more will come: "
+           "submit it again under a new job id")
 
 
 class WaitExpired(Timeout):
@@ -31,6 +34,17 @@ class Waiter:
         self.final.set_result(final)
         if self.deltas is not None:
             self.deltas.put_nowait(None)
+
+    def expired(self, job_id: str, entry_id: str) -> None:
+        """A ring of this waiter's job (entry ``entry_id``) found its answer gone: it expired (the reply TTL)
+        before it was read, so the waiter gets AnswerExpired instead of waiting for ever. Not at once: a worker
+        whose answer write Redis refused while it took the ring (full: memory freed between the two commands of
+        one pipeline) writes both again from its outbox; an answer that comes within EXPIRED_GRACE_S wins."""
+        def give_up() -> None:
+            if not self.final.done():
+                self.settle((entry_id, AnswerExpired(job_id, ANSWER_EXPIRED, EXPIRED)))
+
+        asyncio.get_running_loop().call_later(EXPIRED_GRACE_S, give_up)
 
     def answer(self) -> Final | None:
         """The final reply it holds (None: none yet, or the wait was cancelled)."""

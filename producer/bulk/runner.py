@@ -33,14 +33,15 @@ import secrets
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from batchfleet.common.errors import FleetUnavailable, QueueFull, RedisUnavailable, Timeout
+from batchfleet.common.errors import FleetUnavailable, QueueFull, RedisRefused, RedisUnavailable, Timeout
 from batchfleet.producer.aclient import AsyncClient
 from batchfleet.producer.answers import Answers
 from batchfleet.producer.bulk.prefix_order import submission_order
 from batchfleet.producer.bulk.work import LineFormat, Sink, Spec, Summary, Work
 from batchfleet.producer.core import Deadline
 
-FATAL = (FleetUnavailable, RedisUnavailable)  # every later line would fail the same way: stop, resume later
+# every later line would fail the same way (Redis full or refusing too): stop, resume later
+FATAL = (FleetUnavailable, RedisUnavailable, RedisRefused)
 QUEUE_FULL_WAIT_S = (0.05, 2.0)
 CANCEL_GRACE_S = 5.0
 
