@@ -40,6 +40,7 @@ class RedisCalls:
         self.backoff = Backoff(log, "redis", min_s=0.05, max_s=2.0)  # shared with the inbox reader
         self.functions = Functions(r)
         self._lengths: dict[str, tuple[int, float]] = {}  # stream -> (its length after our last add, when)
+        self._probing: set[str] = set()  # streams seen near their limit with a plain add (a probe) on its way
 
     async def io(self, call: Callable[[], Awaitable[T]], deadline: Deadline, what: str) -> T:
         """``call()`` within the deadline, retrying connection errors with backoff (see the module doc)."""
@@ -118,20 +119,33 @@ class RedisCalls:
         and the add in one step) where the live-worker check is due or this client saw the stream at or past
         half its limit within LENGTH_TRUST_S; else a plain ``XADD`` + ``XLEN``, which checks the limit only
         after the add (``Outgoing.appended``): a queue at its limit refuses the function's way, so a refusal
-        costs Redis no entry, save one plain add per stream and LENGTH_TRUST_S that finds it full. That add is
+        costs Redis no entry, save one plain add per stream and LENGTH_TRUST_S that finds it full (one at a time:
+        while it is on its way, the other enqueues to that stream go through the function; a refusal by the
+        function renews the length seen). That add is
         withdrawn with ``XDEL``: gone unread, it is never answered, and a retry under the same job id is a job
         like any other (a cancel would answer the id ``cancelled``, the retry with it). A worker that read it
         first runs it: the answer of a retry under that id (the client keeps it as unclaimed)."""
         what = f"enqueue of job {job.id}"
         seen_len, seen_at = self._lengths.get(job.stream, (0, -math.inf))
         near = job.max_queue_len and seen_len >= job.max_queue_len * NEAR_LIMIT
-        if check or (near and time.monotonic() - seen_at < LENGTH_TRUST_S):
+        # near the limit, one plain add at a time probes a length no longer trusted: a burst of submits (all
+        # deciding before the first add answers) through the function otherwise, never a burst of plain adds
+        if check or (near and (time.monotonic() - seen_at < LENGTH_TRUST_S or job.stream in self._probing)):
             args = job.args(check, LIVE_WORKER_MS)
-            return await self.io(lambda: self.function("enqueue", [job.stream, workers], args), deadline, what)
+            code = await self.io(lambda: self.function("enqueue", [job.stream, workers], args), deadline, what)
+            if code == 0:  # the function found the queue full: that length stands for LENGTH_TRUST_S again
+                self._lengths[job.stream] = (job.max_queue_len, time.monotonic())
+            return code
         fields = job.fields()
         if len(fields["p"]) > MAX_PAYLOAD_BYTES:
             return -2
-        entry_id, length = await self.io(lambda: self.append(job.stream, fields), deadline, what)
+        if near:
+            self._probing.add(job.stream)
+        try:
+            entry_id, length = await self.io(lambda: self.append(job.stream, fields), deadline, what)
+        finally:
+            if near:
+                self._probing.discard(job.stream)
         self._lengths[job.stream] = (length, time.monotonic())
         code = job.appended(length)
         if code == ADDED_PAST_LIMIT:

@@ -3,6 +3,7 @@ queue limit), on real Redis with the real client: the queue limit still holds.""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -12,7 +13,7 @@ import redis
 from batchfleet.common.errors import QueueFull
 from batchfleet.common.keys import Keys
 from batchfleet.common.wire.protocol import Result
-from batchfleet.producer import Client
+from batchfleet.producer import AsyncClient, Client
 from tests.helpers.loops import request_fields, silent_fleet, wait_until
 
 
@@ -88,3 +89,28 @@ def test_an_add_a_worker_read_before_its_withdrawal_answers_a_retry_under_its_id
         job = client.submit([1, 2], max_new_tokens=1, job_id="raced")
         r.xadd(client.reply_key, {"id": "raced", "done": "1"})  # a worker finds the retry answered: rings again
         assert client.result(job, timeout=10).text == "the raced answer"
+
+
+def test_a_burst_of_submits_past_a_length_no_longer_trusted_adds_at_most_one_entry(redis_url, namespace):
+    """Issue 54 item 11 (test_cancel_holds.py::test_refused_submits_leave_nothing_in_memory failed under load):
+    a burst of submits to a full queue whose length the client saw over LENGTH_TRUST_S ago all decided on a plain
+    add before the first one answered, so every one of them added an entry (withdrawn at once, but a worker may
+    read it first and run it: there a static batch filled with such entries, ran, and emptied the queue for a
+    later submit). One plain add probes the length; the rest go through the function, which adds nothing."""
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    stream = keys.stream(32)
+
+    async def scenario() -> None:
+        async with AsyncClient(redis_url, namespace) as client:
+            await client.submit([1, 2], max_new_tokens=1)  # the live-worker check: through the function
+            await client.submit([1, 2], max_new_tokens=1)  # plain: the queue is full now (2 of 2)
+            await asyncio.sleep(1.1)  # that length no longer stands (nor does the live worker seen)
+            added = r.xinfo_stream(stream)["entries-added"]
+            refused = await asyncio.gather(*(client.submit([1, 2], max_new_tokens=1) for _ in range(200)),
+                                           return_exceptions=True)
+            assert all(isinstance(x, QueueFull) for x in refused), {type(x) for x in refused}
+            assert r.xinfo_stream(stream)["entries-added"] - added <= 1  # one probe at most
+            assert r.xlen(stream) == 2
+
+    with silent_fleet(redis_url, namespace, max_queue_len=2):
+        asyncio.run(scenario())
