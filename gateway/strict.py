@@ -13,7 +13,8 @@ No coercion anywhere: ``"temperature": "0.5"`` or ``true`` is a 400, as is ``"n"
 ``True == 1``: the comparison here also requires the same type). Bodies are decoded here too
 (``read_json``, ``strict_json``: strict JSON, bounded in size and depth), for the routes and for batch lines;
 a route's JSON body must say so (``Content-Type: application/json``, as every OpenAI client sends): any
-other media type, or none, is a 415.
+other media type, or none, is a 415. Query parameters too: ``limit`` is digits only (``1e3``, ``1.5``,
+empty: a 400), ``order`` exactly ``asc`` or ``desc`` (``query_limit``, ``query_order``), never a 500.
 """
 
 from __future__ import annotations
@@ -127,6 +128,28 @@ def strict_json(data: bytes | str) -> Any:
         raise invalid("the request body is not valid JSON") from None
     except RecursionError:
         raise invalid("the request body is nested too deeply") from None
+
+
+def query_limit(request: Any, default: int, most: int) -> int:
+    """A list route's ``limit`` query parameter: ``default`` when absent, else an integer written in digits
+    in [1, most]; anything else is a 400 naming it."""
+    raw = request.query_params.get("limit")
+    if raw is None:
+        return default
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= most:
+        raise invalid(f"limit must be an integer in [1, {most}]", "limit")
+    return int(raw)
+
+
+def query_order(request: Any, default: str = "desc") -> str:
+    """A list route's ``order`` query parameter: ``asc`` or ``desc`` (OpenAI's, lower case), ``default``
+    when absent; anything else is a 400 naming it."""
+    raw = request.query_params.get("order")
+    if raw is None:
+        return default
+    if raw not in ("asc", "desc"):
+        raise invalid(f"order must be 'asc' or 'desc', got {raw[:50]!r}", "order")
+    return raw
 
 
 def _no_constant(name: str) -> Any:
