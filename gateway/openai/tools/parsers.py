@@ -11,7 +11,7 @@ Each family parses what a model wrote (``parse``: the content and the calls, or 
 when it is no well-formed call of a given function: ``auto`` falls back to text), and writes the Lark grammar
 (llguidance) of its own format for ``tool_choice`` ``required`` or a named function: the model writes the
 call the way it was trained to, and each call's arguments are generated under that function's JSON schema,
-so they always validate. Pure: no I/O.
+so they always validate (JSON read as written: gateway/openai/tools/written.py). Pure: no I/O.
 
 A call's arguments are passed on as the model wrote them (their JSON text, never a re-serialization:
 Python's json would turn ``2E0017489145`` into inf and write it back as ``Infinity``, which no strict parser
@@ -22,16 +22,15 @@ range is marked (``Call.fits``) and refused by gateway/openai/tools/calling.py.
 from __future__ import annotations
 
 import json
-import math
 import re
 import secrets
 import string
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from batchfleet.common.wire.guided import JSON_OPTIONS
+from batchfleet.gateway.openai.tools.written import fits, listed, members, whole
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 MAX_CALLS = 8  # calls one constrained answer may hold (parallel_tool_calls): a random model stops in time
@@ -82,10 +81,10 @@ class Family:
         at = len(self.open) if text.startswith(self.open) else -1
         while at >= 0 and text.startswith(self.call_open, at):
             try:
-                members, at = _members(text, at + len(self.call_open))
+                obj, at = members(text, at + len(self.call_open))
             except (ValueError, RecursionError):
                 break
-            call = _call(members, self.key)
+            call = _call(obj, self.key)
             if call is None or call.name not in names or not text.startswith(self.call_close, at):
                 break
             calls.append(call)
@@ -125,90 +124,24 @@ def pick(option: str, template: str) -> Family:
     return FAMILIES["hermes"]
 
 
-def _int(text: str) -> int | float:
-    """A JSON integer; past 400 digits (far past a double's range, and near Python's own limit on int()) a
-    float, which is then infinite."""
-    return int(text) if len(text) <= 400 else float(text)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-MAX_DOUBLE = int(sys.float_info.max)
-# JSON as written (Python's json also reads NaN and Infinity, which no other parser does: refused)
-DECODER = json.JSONDecoder(parse_int=_int, parse_constant=_no_constant)
-BLANK = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
-
-
-def _members(text: str, at: int = 0) -> tuple[dict[str, tuple[Any, str]], int]:
-    """The JSON object at ``at`` (whitespace before it skipped): each member's value and its text as
-    written, and where the object ends. ValueError when there is none."""
-    at = BLANK.match(text, at).end()  # type: ignore[union-attr]
-    if not text.startswith("{", at):
-        raise ValueError("not a JSON object")
-    members: dict[str, tuple[Any, str]] = {}
-    at = BLANK.match(text, at + 1).end()  # type: ignore[union-attr]
-    if text.startswith("}", at):
-        return members, at + 1
-    while True:
-        key, at = DECODER.raw_decode(text, at)
-        if not isinstance(key, str):
-            raise ValueError("a member's name must be a string")
-        at = BLANK.match(text, at).end()  # type: ignore[union-attr]
-        if not text.startswith(":", at):
-            raise ValueError("':' expected")
-        start = BLANK.match(text, at + 1).end()  # type: ignore[union-attr]
-        value, at = DECODER.raw_decode(text, start)
-        members[key] = (value, text[start:at])
-        at = BLANK.match(text, at).end()  # type: ignore[union-attr]
-        if text.startswith("}", at):
-            return members, at + 1
-        if not text.startswith(",", at):
-            raise ValueError("',' or '}' expected")
-        at = BLANK.match(text, at + 1).end()  # type: ignore[union-attr]
-
-
-def _whole(text: str) -> dict[str, tuple[Any, str]] | None:
-    """The members of ``text`` when it is one JSON object (whitespace around it allowed), else None."""
-    try:
-        members, end = _members(text)
-    except (ValueError, RecursionError):
-        return None
-    return members if not text[end:].strip(" \t\n\r") else None
-
-
-def _call(members: dict[str, tuple[Any, str]] | None, key: str = "arguments") -> Call | None:
+def _call(obj: dict[str, tuple[Any, str]] | None, key: str = "arguments") -> Call | None:
     """A call from a JSON object's members {"name", "arguments" | "parameters"}, its arguments' text as
     the model wrote it; None when it is not one."""
-    if members is None or not isinstance(members.get("name", (None,))[0], str):
+    if obj is None or not isinstance(obj.get("name", (None,))[0], str):
         return None
-    args, written = members.get(key) or members.get("parameters" if key == "arguments" else "arguments") or ({}, "{}")
+    args, written = obj.get(key) or obj.get("parameters" if key == "arguments" else "arguments") or ({}, "{}")
     if isinstance(args, str):  # some models write the arguments as JSON text: that text is passed on
-        inner = _whole(args)
+        inner = whole(args)
         if inner is None:
             return None
         args, written = {k: v for k, (v, _) in inner.items()}, args
     if not isinstance(args, dict):
         return None
     try:
-        fits = _fits(args)
+        exact = fits(args)
     except RecursionError:
         return None
-    return Call(members["name"][0], written, fits)
-
-
-def _fits(value: Any) -> bool:
-    """Whether every number in a parsed JSON value fits a double (Python's json reads ``1e400`` as inf)."""
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, int):
-        return abs(value) <= MAX_DOUBLE
-    if isinstance(value, dict):
-        return all(_fits(v) for v in value.values())
-    if isinstance(value, list):
-        return all(_fits(v) for v in value)
-    return True
+    return Call(obj["name"][0], written, exact)
 
 
 HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
@@ -218,7 +151,7 @@ def _hermes(text: str) -> tuple[str, list[Call | None]]:
     start = text.find("<tool_call>")
     if start < 0:
         return text, []
-    return text[:start], [_call(_whole(m.group(1))) for m in HERMES.finditer(text, start)]
+    return text[:start], [_call(whole(m.group(1))) for m in HERMES.finditer(text, start)]
 
 
 def _llama3(text: str) -> tuple[str, list[Call | None]]:
@@ -230,10 +163,10 @@ def _llama3(text: str) -> tuple[str, list[Call | None]]:
     at = 0
     while at < len(body):
         try:
-            members, at = _members(body, at)
+            obj, at = members(body, at)
         except (ValueError, RecursionError):
             return text, [None]
-        calls.append(_call(members, "parameters"))
+        calls.append(_call(obj, "parameters"))
         rest = body[at:].lstrip()
         if not rest:
             break
@@ -252,40 +185,11 @@ def _mistral(text: str) -> tuple[str, list[Call | None]]:
         return text, []
     body = body.strip()
     if body.startswith("{"):  # one call, not in a list
-        return head, [_call(_whole(body))]
+        return head, [_call(whole(body))]
     try:
-        return head, _listed(body)
+        return head, listed(body, _call)
     except (ValueError, RecursionError):
         return text, [None]
-
-
-def _listed(text: str) -> list[Call | None]:
-    """The calls of a JSON list of call objects that is the whole ``text`` (None for an item that is no
-    call); ValueError when ``text`` is no such list."""
-    if not text.startswith("["):
-        raise ValueError("not a JSON list")
-    calls: list[Call | None] = []
-    at = BLANK.match(text, 1).end()  # type: ignore[union-attr]
-    if text.startswith("]", at):
-        at += 1  # an empty list: no call
-    else:
-        while True:
-            if text.startswith("{", at):
-                members, at = _members(text, at)
-                calls.append(_call(members))
-            else:
-                _, at = DECODER.raw_decode(text, at)
-                calls.append(None)
-            at = BLANK.match(text, at).end()  # type: ignore[union-attr]
-            if text.startswith("]", at):
-                at += 1
-                break
-            if not text.startswith(",", at):
-                raise ValueError("',' or ']' expected")
-            at = BLANK.match(text, at + 1).end()  # type: ignore[union-attr]
-    if text[at:].strip(" \t\n\r"):
-        raise ValueError("text after the list")
-    return calls
 
 
 def constraint(schema: dict[str, Any]) -> dict[str, Any]:
