@@ -24,8 +24,6 @@ from typing import Any
 
 from batchfleet.gateway.errors import APIError, invalid
 
-MAX_BODY_BYTES = 4 << 20  # far above any prompt a bucket holds; refuses a body meant to exhaust memory
-
 # fields whose value the fleet honours, per endpoint ("both" = completions and chat)
 HONOURED: dict[str, str] = {
     "model": "both", "prompt": "completions", "messages": "chat", "max_tokens": "both",
@@ -95,17 +93,26 @@ def _json(value: Any) -> str:
     return json.dumps(value)
 
 
-async def read_json(request: Any) -> Any:
-    """A starlette request's body as JSON, refusing a body over MAX_BODY_BYTES before reading all of it,
-    and any body not sent as JSON (415) before reading it."""
+async def read_json(request: Any, most: int) -> Any:
+    """A starlette request's body as JSON, refusing a body over ``most`` bytes (the gateway's
+    ``--max-body-kb``) before reading it (its Content-Length) or before reading all of it (a chunked one),
+    and any body not sent as JSON (415) before reading it. The first check of every request: a hostile
+    body is refused before it costs a parse, a template or the tokenizer."""
     check_json_type(request.headers.get("content-type"))
+    length = request.headers.get("content-length")
+    if length is not None and length.isascii() and length.isdigit() and int(length) > most:
+        raise too_large(most)
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error",
-                           "body_too_large")
+        if len(body) > most:
+            raise too_large(most)
     return strict_json(body)
+
+
+def too_large(most: int) -> APIError:
+    return APIError(413, f"request body over {most} bytes (the gateway's --max-body-kb)", "invalid_request_error",
+                    "body_too_large")
 
 
 def check_json_type(content_type: str | None) -> None:

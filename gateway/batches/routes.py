@@ -110,7 +110,7 @@ async def delete_file(file_id: str, owner: Owner, redis: Redis) -> Any:
 @router.post("/v1/batches")
 async def create_batch(request: Request, owner: Owner, redis: Redis) -> Any:
     files, batches = redis.files, redis.batches
-    body = parse(CreateBatch, await read_json(request))
+    body = parse(CreateBatch, await read_json(request, redis.config.max_body_bytes))
     if body.endpoint not in ENDPOINTS:
         raise invalid(f"endpoint must be one of {', '.join(ENDPOINTS)}", "endpoint")
     if body.metadata and any(len(k) > 64 or len(v) > 512 for k, v in body.metadata.items()):

@@ -40,8 +40,8 @@ Save = Callable[[dict[str, Any]], Awaitable[None]]
 
 @router.post("/v1/responses")
 async def create(request: Request, gateway: Service, redis: Redis, owner: Owner) -> Any:
-    call = parse_call(await read_json(request))
     config = gateway.config
+    call = parse_call(await read_json(request, config.max_body_bytes))
     history: list[dict[str, Any]] = []
     if call.request.previous_response_id is not None:
         record = await redis.responses.load(owner, call.request.previous_response_id, "previous_response_id")
