@@ -62,6 +62,9 @@ class GatewayConfig:
         "Directory of the files API (/v1/files: batch inputs, outputs and error files); every gateway and "
         "`batchfleet batches` process of a fleet must see the same one (a shared volume)."))
     max_file_mb: int = field(default=512, metadata=option("Largest file /v1/files accepts, in MiB."))
+    max_body_kb: int = field(default=2048, metadata=option(
+        "Largest JSON request body the API reads, in KiB: a larger one is a 413 before it is parsed, rendered "
+        "or tokenized (2 MiB holds a 128K-token prompt with room to spare; raise it for longer contexts)."))
     batch_runner: bool = field(default=True, metadata=option(
         "Run OpenAI batches (/v1/batches) in this process as well as serving the API; off: a dedicated "
         "`batchfleet batches` process runs them. A lease in Redis lets exactly one process run each batch."))
@@ -73,6 +76,10 @@ class GatewayConfig:
         "How long a stored Responses API response (/v1/responses with store: true, the default) stays "
         "retrievable and chainable by previous_response_id, in seconds (OpenAI's: 30 days).",
         flag="response-ttl"))
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.max_body_kb << 10
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", parse_api_keys(self.api_keys))
@@ -94,6 +101,8 @@ class GatewayConfig:
             raise ConfigError("files_dir must not be empty")
         if self.max_file_mb < 1:
             raise ConfigError(f"max_file_mb must be >= 1, got {self.max_file_mb}")
+        if self.max_body_kb < 1:
+            raise ConfigError(f"max_body_kb must be >= 1, got {self.max_body_kb}")
         if self.batch_window < 1:
             raise ConfigError(f"batch_window must be >= 1, got {self.batch_window}")
         if not (math.isfinite(self.batch_lease_s) and self.batch_lease_s >= 1):

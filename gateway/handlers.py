@@ -1,5 +1,8 @@
 """The app's exception handlers: whatever a route (or a dependency, such as the API-key check) raises is
-answered with an OpenAI error body (gateway/errors.py maps exceptions to statuses)."""
+answered with an OpenAI error body (gateway/errors.py maps exceptions to statuses). A request FastAPI
+itself refuses (a path or query parameter of the wrong type) is a 400, never a 500. Under ``/v1`` the API
+key comes first: an unknown path or method answers 401/403 to a caller without an API key (no key, a wrong
+one, an operator key), 404/405 only to one with a key, so the API's shape is no secret from a stranger."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from batchfleet.common.errors import BatchfleetError
-from batchfleet.gateway.errors import APIError, api_error
+from batchfleet.gateway.errors import APIError, api_error, invalid
 from batchfleet.gateway.service import CLIENT_CLOSED
 
 log = logging.getLogger("batchfleet.gateway.app")  # the name these logs always had
@@ -24,7 +27,7 @@ def add_error_handlers(app: FastAPI) -> None:
     for exc_type in (APIError, BatchfleetError, ValueError, Exception):
         app.add_exception_handler(exc_type, error_response)
     app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(RequestValidationError, error_response)
+    app.add_exception_handler(RequestValidationError, validation_error)
 
 
 async def error_response(request: Request, exc: Exception) -> Response:
@@ -41,12 +44,32 @@ async def http_error(request: Request, exc: Exception) -> Response:
     """Routing errors (404 unknown path, 405 wrong method) with an OpenAI error body; the message names the
     request (as OpenAI's ``Invalid URL (POST /v1/x)``) and the endpoints this gateway serves."""
     assert isinstance(exc, HTTPException)
+    if exc.status_code in (404, 405) and keyed(request.url.path):
+        try:
+            request.app.state.gateway.authorize(request)
+        except APIError as refused:
+            return await error_response(request, refused)
     message = str(exc.detail)
     if exc.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):
         what = "Invalid URL" if exc.status_code == 404 else "Method not allowed"
         message = f"{what} ({request.method} {request.url.path[:200]}); this gateway serves {served(request)}"
     err = APIError(exc.status_code, message, "invalid_request_error", None)
     return JSONResponse(err.body(), status_code=err.status, headers=dict(exc.headers or {}))
+
+
+async def validation_error(request: Request, exc: Exception) -> Response:
+    """A request FastAPI's own checks refused (the routes read their bodies and queries themselves: this is
+    the safety net): a 400 naming the first parameter at fault."""
+    assert isinstance(exc, RequestValidationError)
+    first = next(iter(exc.errors()), {})
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    message = f"{param or 'the request'}: {first.get('msg', 'invalid')}"[:300]
+    return await error_response(request, invalid(message, param))
+
+
+def keyed(path: str) -> bool:
+    """Whether ``path`` is under the API (``/v1``), whose every route is behind the API key."""
+    return path == "/v1" or path.startswith("/v1/")
 
 
 def served(request: Request) -> str:

@@ -27,6 +27,8 @@ from batchfleet.gateway.openai.tools.parsers import Family, pick
 from batchfleet.gateway.sse import EventStream, job_events, wait_disconnect
 from batchfleet.producer import AsyncClient
 from batchfleet.producer.ask import Ask
+from batchfleet.producer.core import Deadline
+from batchfleet.producer.many import submit_many
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 2.0  # /health answers "unavailable" rather than hang on a frozen Redis
@@ -125,13 +127,19 @@ class Gateway:
     async def run(self, request: Request, jobs: list[tuple[str, Any, Ask]], timeout: float) -> list[Result]:
         """Submit ``jobs`` (job id, prompt, what it asks) and wait for their results, in order,
         within ``timeout`` s. A submission error raises before anything runs, the jobs already submitted
-        cancelled; then as ``_wait``."""
+        cancelled; then as ``_wait``. Jobs that ask the same (an embeddings request's inputs, up to
+        2,048) go in one ``submit_many`` (producer/many.py): validated together, enqueued at once, not one
+        round trip each."""
         start = time.monotonic()
         submitted: list[str] = []
         try:
-            for jid, prompt, ask in jobs:
-                await self.client.submit(prompt, timeout=timeout, job_id=jid, ask=ask)
-                submitted.append(jid)
+            if len(jobs) > 1 and all(ask == jobs[0][2] for _, _, ask in jobs):
+                submitted = await submit_many(self.client, [prompt for _, prompt, _ in jobs],
+                                              [jid for jid, _, _ in jobs], Deadline(timeout), jobs[0][2])
+            else:
+                for jid, prompt, ask in jobs:
+                    await self.client.submit(prompt, timeout=timeout, job_id=jid, ask=ask)
+                    submitted.append(jid)
         except BaseException:
             await asyncio.shield(asyncio.gather(*(self.cancel(j) for j in submitted)))
             raise

@@ -13,7 +13,8 @@ No coercion anywhere: ``"temperature": "0.5"`` or ``true`` is a 400, as is ``"n"
 ``True == 1``: the comparison here also requires the same type). Bodies are decoded here too
 (``read_json``, ``strict_json``: strict JSON, bounded in size and depth), for the routes and for batch lines;
 a route's JSON body must say so (``Content-Type: application/json``, as every OpenAI client sends): any
-other media type, or none, is a 415.
+other media type, or none, is a 415. Query parameters too: ``limit`` is digits only (``1e3``, ``1.5``,
+empty: a 400), ``order`` exactly ``asc`` or ``desc`` (``query_limit``, ``query_order``), never a 500.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ import json
 from typing import Any
 
 from batchfleet.gateway.errors import APIError, invalid
-
-MAX_BODY_BYTES = 4 << 20  # far above any prompt a bucket holds; refuses a body meant to exhaust memory
 
 # fields whose value the fleet honours, per endpoint ("both" = completions and chat)
 HONOURED: dict[str, str] = {
@@ -94,17 +93,26 @@ def _json(value: Any) -> str:
     return json.dumps(value)
 
 
-async def read_json(request: Any) -> Any:
-    """A starlette request's body as JSON, refusing a body over MAX_BODY_BYTES before reading all of it,
-    and any body not sent as JSON (415) before reading it."""
+async def read_json(request: Any, most: int) -> Any:
+    """A starlette request's body as JSON, refusing a body over ``most`` bytes (the gateway's
+    ``--max-body-kb``) before reading it (its Content-Length) or before reading all of it (a chunked one),
+    and any body not sent as JSON (415) before reading it. The first check of every request: a hostile
+    body is refused before it costs a parse, a template or the tokenizer."""
     check_json_type(request.headers.get("content-type"))
+    length = request.headers.get("content-length")
+    if length is not None and length.isascii() and length.isdigit() and int(length) > most:
+        raise too_large(most)
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error",
-                           "body_too_large")
+        if len(body) > most:
+            raise too_large(most)
     return strict_json(body)
+
+
+def too_large(most: int) -> APIError:
+    return APIError(413, f"request body over {most} bytes (the gateway's --max-body-kb)", "invalid_request_error",
+                    "body_too_large")
 
 
 def check_json_type(content_type: str | None) -> None:
@@ -127,6 +135,28 @@ def strict_json(data: bytes | str) -> Any:
         raise invalid("the request body is not valid JSON") from None
     except RecursionError:
         raise invalid("the request body is nested too deeply") from None
+
+
+def query_limit(request: Any, default: int, most: int) -> int:
+    """A list route's ``limit`` query parameter: ``default`` when absent, else an integer written in digits
+    in [1, most]; anything else is a 400 naming it."""
+    raw = request.query_params.get("limit")
+    if raw is None:
+        return default
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= most:
+        raise invalid(f"limit must be an integer in [1, {most}]", "limit")
+    return int(raw)
+
+
+def query_order(request: Any, default: str = "desc") -> str:
+    """A list route's ``order`` query parameter: ``asc`` or ``desc`` (OpenAI's, lower case), ``default``
+    when absent; anything else is a 400 naming it."""
+    raw = request.query_params.get("order")
+    if raw is None:
+        return default
+    if raw not in ("asc", "desc"):
+        raise invalid(f"order must be 'asc' or 'desc', got {raw[:50]!r}", "order")
+    return raw
 
 
 def _no_constant(name: str) -> Any:

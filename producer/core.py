@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -36,6 +37,7 @@ from batchfleet.common.wire.protocol import (
     decode_reply,
 )
 from batchfleet.producer.ask import Ask
+from batchfleet.producer.bounded_tokens import bounded_ids
 from batchfleet.producer.chat import Chat, is_messages, render
 from batchfleet.producer.outgoing import Outgoing
 
@@ -121,7 +123,7 @@ class FleetView:
         if isinstance(prompt, str):
             if not has_utf8(prompt):  # the tokenizer would raise TypeError
                 raise InvalidRequest("the prompt is not valid Unicode (it holds a lone surrogate)")
-            return self._encode(prompt)
+            return bounded_ids(self._encoding, prompt, self.info.buckets[-1])
         if is_messages(prompt) or isinstance(prompt, Chat):
             info = self.info
             chat = prompt if isinstance(prompt, Chat) else Chat(prompt)  # type: ignore[arg-type]
@@ -129,20 +131,21 @@ class FleetView:
             if not has_utf8(text):
                 raise InvalidRequest("a message is not valid Unicode (it holds a lone surrogate)")
             # a template that writes the BOS itself must not get a second one from the tokenizer
-            return self._encode(text, add_special_tokens=not (info.bos_token and text.startswith(info.bos_token)))
+            own_bos = bool(info.bos_token and text.startswith(info.bos_token))
+            return bounded_ids(self._encoding, text, info.buckets[-1], add_special_tokens=not own_bos)
         ids = list(prompt)
         if not ids or not all(type(t) is int and 0 <= t < self.info.vocab_size for t in ids):
             raise InvalidRequest("a prompt is text, chat messages, or a non-empty list of token ids in "
                                  f"[0, {self.info.vocab_size})")
         return ids  # type: ignore[return-value]  # every item checked an int above
 
-    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``. A long text goes through ``encode_batch``, which releases the GIL while
-        it runs (``encode`` holds it: on a worker thread it would still stall the event loop's thread)."""
+    def _encoding(self, text: str, add_special_tokens: bool) -> Any:
+        """The tokenizer's Encoding of ``text`` (bounded_ids stops early). A long text goes through ``encode_batch``,
+        which releases the GIL while it runs (``encode`` holds it: on a worker thread it would still stall the loop)."""
         assert self.tokenizer is not None
         if len(text) <= INLINE_PROMPT_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def build(self, keys: Keys, reply_key: str, prompt: Prompt, ask: Ask, timeout: float | None,
               job_id: str | None, stream: bool = False) -> Outgoing:

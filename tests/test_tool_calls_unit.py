@@ -185,7 +185,8 @@ def test_answers_carry_tool_calls_and_openais_finish_reasons():
         shape = Shape(chat=True, job_id="x", model="m", created=0, tools=job.tools, family=hermes)
         message = shape.response([result("Sure. " + call)])["choices"][0]
         assert message["finish_reason"] == finish
-        assert message["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+        # the arguments as the model wrote them (compact here), never re-serialized
+        assert message["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a":1,"b":2}'}
     auto = request_job(True, {**CHAT, "tools": TOOLS}, 60, 16)
     shape = Shape(chat=True, job_id="x", model="m", created=0, tools=auto.tools, family=hermes)
     plain = shape.response([result("no call here", "eos")])["choices"][0]

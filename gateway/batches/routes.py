@@ -28,7 +28,7 @@ from batchfleet.gateway.batches.store import LIST_MAX, public, safe_name
 from batchfleet.gateway.deps import KEY_CHECKED, Owner, Redis
 from batchfleet.gateway.errors import APIError, invalid
 from batchfleet.gateway.openai.chat.request import STRICT, parse
-from batchfleet.gateway.strict import read_json
+from batchfleet.gateway.strict import query_limit, read_json
 
 WINDOW_RE = re.compile(r"([1-9][0-9]{0,5})([smh])")  # OpenAI accepts "24h"; shorter windows are ours
 WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600}
@@ -52,15 +52,6 @@ def window_seconds(window: str) -> int:
         raise invalid(f"completion_window must be like '24h' (at most 7 days), got {window[:50]!r}",
                       "completion_window")
     return seconds
-
-
-def limit_param(request: Request, default: int, most: int) -> int:
-    raw = request.query_params.get("limit")
-    if raw is None:
-        return default
-    if not raw.isdigit() or not 1 <= int(raw) <= most:
-        raise invalid(f"limit must be an integer in [1, {most}]", "limit")
-    return int(raw)
 
 
 router = APIRouter(dependencies=KEY_CHECKED)
@@ -92,7 +83,7 @@ async def upload_file(request: Request, owner: Owner, redis: Redis) -> Any:
 @router.get("/v1/files")
 async def list_files(request: Request, owner: Owner, redis: Redis) -> Any:
     return await redis.files.list(owner, request.query_params.get("purpose"), request.query_params.get("after"),
-                                  limit_param(request, FILES_LIST_MAX, FILES_LIST_MAX))
+                                  query_limit(request, FILES_LIST_MAX, FILES_LIST_MAX))
 
 
 @router.get("/v1/files/{file_id}")
@@ -119,7 +110,7 @@ async def delete_file(file_id: str, owner: Owner, redis: Redis) -> Any:
 @router.post("/v1/batches")
 async def create_batch(request: Request, owner: Owner, redis: Redis) -> Any:
     files, batches = redis.files, redis.batches
-    body = parse(CreateBatch, await read_json(request))
+    body = parse(CreateBatch, await read_json(request, redis.config.max_body_bytes))
     if body.endpoint not in ENDPOINTS:
         raise invalid(f"endpoint must be one of {', '.join(ENDPOINTS)}", "endpoint")
     if body.metadata and any(len(k) > 64 or len(v) > 512 for k, v in body.metadata.items()):
@@ -149,7 +140,7 @@ async def create_batch(request: Request, owner: Owner, redis: Redis) -> Any:
 
 @router.get("/v1/batches")
 async def list_batches(request: Request, owner: Owner, redis: Redis) -> Any:
-    return await redis.batches.list(owner, request.query_params.get("after"), limit_param(request, 20, LIST_MAX))
+    return await redis.batches.list(owner, request.query_params.get("after"), query_limit(request, 20, LIST_MAX))
 
 
 @router.get("/v1/batches/{batch_id}")

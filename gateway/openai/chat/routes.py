@@ -24,14 +24,16 @@ router = APIRouter(dependencies=KEY_CHECKED)
 @router.post("/v1/completions")
 async def completions(request: Request, gateway: Service) -> Any:
     config = gateway.config
-    job = request_job(False, await read_json(request), config.request_timeout_s, config.chat_max_tokens)
+    body = await read_json(request, config.max_body_bytes)
+    job = request_job(False, body, config.request_timeout_s, config.chat_max_tokens)
     return await gateway.complete(request, job, chat=False)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, gateway: Service) -> Any:
     config = gateway.config
-    job = request_job(True, await read_json(request), config.request_timeout_s, config.chat_max_tokens)
+    body = await read_json(request, config.max_body_bytes)
+    job = request_job(True, body, config.request_timeout_s, config.chat_max_tokens)
     return await gateway.complete(request, job, chat=True)
 
 

@@ -29,7 +29,7 @@ router = APIRouter(dependencies=KEY_CHECKED)
 
 @router.post("/v1/embeddings")
 async def embeddings(request: Request, gateway: Service) -> Any:
-    job = embed_job(await read_json(request), gateway.config.request_timeout_s)
+    job = embed_job(await read_json(request, gateway.config.max_body_bytes), gateway.config.request_timeout_s)
     model = await gateway.check_model(job.model)
     job_id = uuid.uuid4().hex
     ids = [job_id] if len(job.inputs) == 1 else [f"{job_id}-{i}" for i in range(len(job.inputs))]

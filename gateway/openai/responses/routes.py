@@ -19,7 +19,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter
 from starlette.requests import Request
@@ -31,7 +31,7 @@ from batchfleet.gateway.openai.responses.format import ResponseShape
 from batchfleet.gateway.openai.responses.items import answer_message, input_items
 from batchfleet.gateway.openai.responses.request import parse_call
 from batchfleet.gateway.sse import EventStream
-from batchfleet.gateway.strict import read_json
+from batchfleet.gateway.strict import query_limit, query_order, read_json
 
 router = APIRouter(dependencies=KEY_CHECKED)
 log = logging.getLogger(__name__)
@@ -40,8 +40,8 @@ Save = Callable[[dict[str, Any]], Awaitable[None]]
 
 @router.post("/v1/responses")
 async def create(request: Request, gateway: Service, redis: Redis, owner: Owner) -> Any:
-    call = parse_call(await read_json(request))
     config = gateway.config
+    call = parse_call(await read_json(request, config.max_body_bytes))
     history: list[dict[str, Any]] = []
     if call.request.previous_response_id is not None:
         record = await redis.responses.load(owner, call.request.previous_response_id, "previous_response_id")
@@ -73,11 +73,11 @@ async def retrieve(response_id: str, redis: Redis, owner: Owner) -> Any:
 
 
 @router.get("/v1/responses/{response_id}/input_items")
-async def list_input_items(response_id: str, redis: Redis, owner: Owner, limit: int = 20,
-                           order: Literal["asc", "desc"] = "desc", after: str | None = None) -> Any:
-    """OpenAI's cursor page of a stored response's input items (newest first by default)."""
-    if not 1 <= limit <= 100:
-        raise invalid("limit must be in [1, 100]", "limit")
+async def list_input_items(response_id: str, request: Request, redis: Redis, owner: Owner) -> Any:
+    """OpenAI's cursor page of a stored response's input items (newest first by default). The query is read
+    here, strictly (gateway/strict.py): a typed parameter would make FastAPI's validation error of a bad one."""
+    limit, order = query_limit(request, 20, 100), query_order(request)
+    after = request.query_params.get("after")
     record = await redis.responses.load(owner, response_id)
     items = input_items(response_id, record["messages"][:-1])  # the last message is the response's answer
     if order == "desc":

@@ -11,6 +11,9 @@ validated into one ``ToolPlan``, the constraint that makes a forced call valid, 
   each call's arguments to its function's ``parameters`` schema, so they always validate. A schema that
   llguidance cannot compile is a 400 naming ``tools.<i>.function.parameters``.
 * ``none``: a text answer (the tools are still rendered, as vLLM does by default).
+* A call's arguments are the model's JSON text, passed on as written. A number in them past a double's
+  range (``2E0017489145``: no strict parser reads it) makes an ``auto`` answer text, and a constrained one a
+  400 ``guide_failed`` (``unfit_call``), never ``Infinity``.
 * ``parallel_tool_calls`` false: at most one call.
 
 Answers carry ``message.tool_calls`` (``finish_reason`` ``tool_calls``; ``stop`` for a named function, as
@@ -25,8 +28,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
+from batchfleet.common.errors import GUIDE_FAILED
 from batchfleet.common.wire.guided import MAX_GUIDE_CHARS, Guide, GuideError, dump_schema
-from batchfleet.gateway.errors import invalid
+from batchfleet.gateway.errors import APIError, invalid
 from batchfleet.gateway.openai.tools.parsers import Call, Family, constraint
 from batchfleet.gateway.openai.tools.schemas import conforms, schema_error
 
@@ -127,6 +131,10 @@ class ToolPlan:
             content, calls = None, family.whole_calls(text, self.names)
         if not self.parallel:
             calls = calls[:1]
+        if not all(c.fits for c in calls):  # a number no strict parser reads: never passed on
+            if self.constrained:
+                raise unfit_call()
+            return text, []
         # a constrained answer was generated under the schemas (jsonschema's float arithmetic would refuse
         # some of its numbers: 0.3 as a multipleOf 0.1); an ``auto`` one is only read, so it is checked
         schemas = {t["function"]["name"]: t["function"].get("parameters") or NO_PARAMETERS for t in self.tools}
@@ -146,6 +154,14 @@ class ToolPlan:
         if not called or reason == "length":
             return reason
         return "stop" if self.forced is not None else "tool_calls"
+
+
+def unfit_call() -> APIError:
+    """The refusal of a forced call the model wrote with a number past a double's range (the grammar of a
+    ``{"type": "number"}`` allows any exponent: ``2E0017489145``): as a structured-output guide that failed at
+    run time, a 400 ``guide_failed`` naming the tools (bounding the number, ``minimum``/``maximum``, avoids it)."""
+    return invalid("the model wrote a tool call with a number that does not fit a double (no strict JSON parser "
+                   "reads it); bound the parameter's numbers with minimum/maximum", "tools", GUIDE_FAILED)
 
 
 def tool_call(family: Family, call: Call) -> dict[str, Any]:

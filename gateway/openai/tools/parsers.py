@@ -11,7 +11,12 @@ Each family parses what a model wrote (``parse``: the content and the calls, or 
 when it is no well-formed call of a given function: ``auto`` falls back to text), and writes the Lark grammar
 (llguidance) of its own format for ``tool_choice`` ``required`` or a named function: the model writes the
 call the way it was trained to, and each call's arguments are generated under that function's JSON schema,
-so they always validate. Pure: no I/O.
+so they always validate (JSON read as written: gateway/openai/tools/written.py). Pure: no I/O.
+
+A call's arguments are passed on as the model wrote them (their JSON text, never a re-serialization:
+Python's json would turn ``2E0017489145`` into inf and write it back as ``Infinity``, which no strict parser
+reads). A call whose arguments hold ``NaN`` or ``Infinity`` is no call; one with a number past a double's
+range is marked (``Call.fits``) and refused by gateway/openai/tools/calling.py.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchfleet.common.wire.guided import JSON_OPTIONS
+from batchfleet.gateway.openai.tools.written import fits, listed, members, whole
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 MAX_CALLS = 8  # calls one constrained answer may hold (parallel_tool_calls): a random model stops in time
@@ -32,10 +38,13 @@ MAX_CALLS = 8  # calls one constrained answer may hold (parallel_tool_calls): a 
 
 @dataclass(frozen=True)
 class Call:
-    """One tool call as parsed: the function's name and its arguments as JSON text."""
+    """One tool call as parsed: the function's name and its arguments' JSON text as the model wrote it;
+    ``fits``: every number in them fits a double (else a strict JSON parser cannot read them: such a call
+    is refused, never passed on)."""
 
     name: str
     arguments: str
+    fits: bool = True
 
 
 @dataclass(frozen=True)
@@ -68,11 +77,11 @@ class Family:
         """The calls of a constrained answer cut short (``max_tokens``), read as the grammar wrote it (``open``,
         then calls joined by ``sep``, each ``call_open`` + a JSON object + ``call_close``), in one pass: every
         whole call of a given function up to the first that is cut. Empty when not even the first is whole."""
-        decoder, calls = json.JSONDecoder(), []
+        calls: list[Call] = []
         at = len(self.open) if text.startswith(self.open) else -1
         while at >= 0 and text.startswith(self.call_open, at):
             try:
-                obj, at = decoder.raw_decode(text, at + len(self.call_open))
+                obj, at = members(text, at + len(self.call_open))
             except (ValueError, RecursionError):
                 break
             call = _call(obj, self.key)
@@ -115,26 +124,24 @@ def pick(option: str, template: str) -> Family:
     return FAMILIES["hermes"]
 
 
-def _call(obj: Any, key: str = "arguments") -> Call | None:
-    """A call from a parsed JSON object {"name", "arguments" | "parameters"}; None when it is not one."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+def _call(obj: dict[str, tuple[Any, str]] | None, key: str = "arguments") -> Call | None:
+    """A call from a JSON object's members {"name", "arguments" | "parameters"}, its arguments' text as
+    the model wrote it; None when it is not one."""
+    if obj is None or not isinstance(obj.get("name", (None,))[0], str):
         return None
-    args = obj.get(key, obj.get("parameters" if key == "arguments" else "arguments", {}))
-    if isinstance(args, str):  # some models write the arguments as JSON text
-        try:
-            args = json.loads(args)
-        except ValueError:
+    args, written = obj.get(key) or obj.get("parameters" if key == "arguments" else "arguments") or ({}, "{}")
+    if isinstance(args, str):  # some models write the arguments as JSON text: that text is passed on
+        inner = whole(args)
+        if inner is None:
             return None
+        args, written = {k: v for k, (v, _) in inner.items()}, args
     if not isinstance(args, dict):
         return None
-    return Call(obj["name"], json.dumps(args, ensure_ascii=False))
-
-
-def _loads(text: str) -> Any:
     try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
+        exact = fits(args)
+    except RecursionError:
         return None
+    return Call(obj["name"][0], written, exact)
 
 
 HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
@@ -144,7 +151,7 @@ def _hermes(text: str) -> tuple[str, list[Call | None]]:
     start = text.find("<tool_call>")
     if start < 0:
         return text, []
-    return text[:start], [_call(_loads(m.group(1))) for m in HERMES.finditer(text, start)]
+    return text[:start], [_call(whole(m.group(1))) for m in HERMES.finditer(text, start)]
 
 
 def _llama3(text: str) -> tuple[str, list[Call | None]]:
@@ -153,10 +160,10 @@ def _llama3(text: str) -> tuple[str, list[Call | None]]:
     if not body.startswith("{"):
         return text, []
     calls: list[Call | None] = []
-    decoder, at = json.JSONDecoder(), 0
+    at = 0
     while at < len(body):
         try:
-            obj, at = decoder.raw_decode(body, at)
+            obj, at = members(body, at)
         except (ValueError, RecursionError):
             return text, [None]
         calls.append(_call(obj, "parameters"))
@@ -176,12 +183,13 @@ def _mistral(text: str) -> tuple[str, list[Call | None]]:
     head, body = (text[:marker], text[marker + len("[TOOL_CALLS]"):]) if marker >= 0 else ("", text)
     if marker < 0 and not body.lstrip().startswith("[{"):
         return text, []
-    calls = _loads(body.strip())
-    if isinstance(calls, dict):
-        calls = [calls]
-    if not isinstance(calls, list):
+    body = body.strip()
+    if body.startswith("{"):  # one call, not in a list
+        return head, [_call(whole(body))]
+    try:
+        return head, listed(body, _call)
+    except (ValueError, RecursionError):
         return text, [None]
-    return head, [_call(c) for c in calls]
 
 
 def constraint(schema: dict[str, Any]) -> dict[str, Any]:
