@@ -20,7 +20,7 @@ from typing import IO, Any
 from batchfleet.common.errors import InvalidRequest
 from batchfleet.producer.aclient import AsyncClient
 from batchfleet.producer.bulk.files import KEY_SUFFIX, FileSink, Written, read_back, run_record
-from batchfleet.producer.bulk.lines import PromptFormat, line_sha, numbered, prompt_params
+from batchfleet.producer.bulk.lines import PromptFormat, numbered, prompt_params
 from batchfleet.producer.bulk.registry import RunReporter
 from batchfleet.producer.bulk.runner import run_lines
 from batchfleet.producer.bulk.work import LineFormat, Spec, Summary
@@ -29,16 +29,16 @@ __all__ = ["Summary", "bulk_file", "run_file", "throttled"]
 
 
 class Fingerprints:
-    """Every input line's fingerprint (``line_sha``), 8 bytes a line: what a rerun checks written lines
-    against (10 million lines: 80 MB)."""
+    """Every input line's fingerprint (the format's ``sha``: what the line asks), 8 bytes a line: what a rerun
+    checks written lines against (10 million lines: 80 MB)."""
 
     def __init__(self) -> None:
         self.data = bytearray()
         self.total = 0  # non-blank lines
 
-    def add(self, index: int, raw: bytes) -> None:
+    def add(self, index: int, sha: str) -> None:
         self.data.extend(bytes(8 * index + 8 - len(self.data)))
-        self.data[8 * index:8 * index + 8] = bytes.fromhex(line_sha(raw))
+        self.data[8 * index:8 * index + 8] = bytes.fromhex(sha)
         self.total += 1
 
     def get(self, index: int) -> str | None:
@@ -88,13 +88,13 @@ async def run_file(input_path: str | None, output_path: str | None, errors_path:
         fleet = await client.fleet()  # reachable, and a fleet to ask: before any file is touched
     finally:
         await client.aclose()
-    prints = Fingerprints()
-    with _input(input_path, text) as f:
-        for index, raw in numbered(f):  # the progress bar's length and the lines' fingerprints: one pass
-            prints.add(index, raw)
     record, resuming = run_record(output_path, resume is not False, params)
     names = record.names
     fmt = make_format(names.prefix, fleet)
+    prints = Fingerprints()
+    with _input(input_path, text) as f:
+        for index, raw in numbered(f):  # the progress bar's length and the lines' fingerprints: one pass
+            prints.add(index, fmt.sha(raw))
     separate = errors_path not in (None, output_path)
     kept = Written()
     if resuming:
