@@ -1,8 +1,10 @@
 """An answer is always its own line's (issue 54): a plain-text prompt's surrounding whitespace is part of the
-prompt, so an answer written (or in flight at a kill -9) never stands for a line edited only there."""
+prompt, so an answer written (or in flight at a kill -9) never stands for a line edited only there; a line
+carrying an "id" moved to another position gets its answer, never an error line "answered already"."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -18,7 +20,7 @@ from batchfleet.producer.bulk.lines import SHA_KEY, PromptFormat, line_sha
 from tests.conftest import TEST_BUCKETS
 from tests.helpers.loops import silent_fleet, wait_until
 from tests.test_bulk_runs import bulk_cli, last_line
-from tests.test_bulk_trust import read
+from tests.test_bulk_trust import check_attached, read
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,6 +36,15 @@ def test_a_text_prompts_fingerprint_and_job_are_its_exact_bytes():
     assert fmt.abandoned(1, b" hello\n", "cancelled", "m")[SHA_KEY] == works[1].line.sha
     # a JSON line: whitespace around the JSON text is no part of what it asks
     assert line_sha(b'  {"prompt": " a"}\r\n') == line_sha(b'{"prompt": " a"}')
+
+
+@pytest.mark.unit
+def test_a_line_with_an_id_names_its_jobs_after_its_position_too():
+    fmt = PromptFormat("bprefix")
+    raw = b'{"prompt": "a", "id": "doc-1"}\n'
+    at_0, at_3 = fmt.parse(0, raw), PromptFormat("bprefix").parse(3, raw)
+    assert at_0.line.sha == at_3.line.sha and at_0.job_ids != at_3.job_ids
+    assert "doc-1" in at_0.job_ids[0]  # still recognisable in the fleet's logs
 
 
 def text_lines(src: Path) -> dict[int, bytes]:
@@ -89,3 +100,18 @@ def test_a_text_line_in_flight_at_a_kill_and_edited_in_its_whitespace_is_not_giv
     assert again.returncode == 0, again.stderr[-2000:]
     assert "1 collected, 3 submitted" in last_line(again), again.stderr  # only the unchanged line's answer
     check_text(src, dst)
+
+
+def test_a_line_with_an_id_moved_where_nothing_is_written_gets_its_answer(start_worker, redis_url, namespace,
+                                                                         tmp_path):
+    start_worker(max_wait_ms=5)
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    line = {"a": {"id": "a", "prompt": "aaaa"}, "b": {"id": "b", "prompt": "bb"}, "c": {"id": "c", "prompt": "c"},
+            "n": {"id": "n", "prompt": "a new one"}}
+    src.write_text("".join(json.dumps(line[k]) + "\n" for k in "abc"))
+    assert bulk_cli(src, dst, redis_url, namespace).returncode == 0
+    src.write_text("".join(json.dumps(line[k]) + "\n" for k in "nbca"))  # "a" moved to a line never answered
+    again = bulk_cli(src, dst, redis_url, namespace)
+    assert again.returncode == 0, again.stderr[-2000:] + json.dumps(read(dst))
+    out = check_attached(src, dst)
+    assert all("result" in o for o in out) and {o["id"] for o in out} == set("nbca")

@@ -208,10 +208,14 @@ class PromptFormat:
             return Work(index, line, error=line.answer(error=line.error))
         assert line.job_id is not None and line.sha is not None
         # the job is named after the line's content too: a line changed since an interrupted run never
-        # collects the answer its old content left in the inbox
-        job_id = f"{line.job_id}.{line.sha}"
+        # collects the answer its old content left in the inbox. A line with an "id" is named after its
+        # position as well, as written answers are kept by position (``index``): moved to a line with no
+        # answer written, it runs under ids of its own, never under those its answer at the old position was
+        # given (the fleet answers an id once, so they would be refused as answered already)
+        name = line.job_id if "id" not in line.obj else f"{line.job_id}.l{index}"
+        job_id = f"{name}.{line.sha}"
         if not valid_job_id(job_id):
-            job_id = f"{self.prefix}.h{digest(line.job_id, line.sha)}"
+            job_id = f"{self.prefix}.h{digest(name, line.sha)}"
         return Work(index, line, [job_id], line.obj["prompt"], line.key, self.timeout)
 
     def sha(self, raw: bytes) -> str:
