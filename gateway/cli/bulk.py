@@ -67,12 +67,14 @@ def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int,
     OpenAI Batch API request lines); never aborts on a bad line.
 
     A rerun on the same OUTPUT resumes: answers whose input line is unchanged are kept, changed lines are
-    answered again; other run parameters are refused (--no-resume starts over). Ctrl-C or SIGTERM stops
-    submitting, writes what has arrived and leaves the jobs in flight to the next run of the same command.
-    Exit status: 0 every line answered with a result; 3 every line answered, some with an error line; 1 the
-    run could not start or stopped (no live worker, Redis unreachable; rerun to resume); 130 interrupted by
+    answered again; other run parameters are refused (--no-resume starts over). One run per OUTPUT at a
+    time: a second one is refused (OUTPUT.lock). Ctrl-C or SIGTERM stops submitting, writes what has arrived
+    and leaves the jobs in flight to the next run of the same command. Exit status: 0 every line answered
+    with a result; 3 every line answered, some with an error line; 1 the run could not start (another run
+    writes OUTPUT, no live worker, Redis unreachable) or stopped (rerun to resume); 130 interrupted by
     Ctrl-C, 143 by SIGTERM (rerun to resume); 2 a usage error (also: the run's parameters changed)."""
     from batchfleet.producer.bulk.files import RunChanged
+    from batchfleet.producer.bulk.lock import OutputBusy
 
     if window < 1:
         raise click.UsageError("--window must be >= 1")
@@ -100,6 +102,8 @@ def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int,
                      retry_errors, progress_every)
         except RunChanged as exc:
             raise click.UsageError(str(exc)) from None
+        except OutputBusy as exc:
+            raise click.ClickException(str(exc)) from None
     if s.changed or s.retried:
         click.echo(f"resumed: {s.kept} answers kept, {s.changed} dropped (their input line changed) and "
                    f"{s.retried} error lines retried", err=True)

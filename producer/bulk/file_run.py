@@ -14,13 +14,14 @@ import io
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import IO, Any
 
 from batchfleet.common.errors import InvalidRequest
 from batchfleet.producer.aclient import AsyncClient
 from batchfleet.producer.bulk.files import KEY_SUFFIX, FileSink, Written, read_back, run_record
 from batchfleet.producer.bulk.lines import PromptFormat, numbered, prompt_params
+from batchfleet.producer.bulk.lock import OutputLock
 from batchfleet.producer.bulk.registry import RunReporter
 from batchfleet.producer.bulk.runner import run_lines
 from batchfleet.producer.bulk.work import LineFormat, Spec, Summary
@@ -75,12 +76,14 @@ async def run_file(input_path: str | None, output_path: str | None, errors_path:
     """Run ``input_path`` (``text`` instead of reading it) into ``output_path`` (None: ``out``), error lines
     into ``errors_path`` (None: the output). ``make_format(job id prefix, fleet view)`` gives the lines' format.
 
-    ``resume`` None: resume when the output and its run record exist; False: start the output over (a new
-    run key). ``params``: the run's parameters (JSON values), kept in the record: a resumed run with others
-    raises RunChanged. A resumed run keeps only the answers whose input line is unchanged (``retry_errors``:
-    and drops the error lines), and runs the others again. Raises NoWorkers / RedisUnavailable when the run
-    cannot start; once started it stops instead (``Summary.error``): what is written stays, a rerun resumes.
-    The run reports its progress to the fleet's bulk-run registry (producer/bulk/registry.py) as it goes."""
+    One run per output at a time: another run writing ``output_path`` now raises OutputBusy before anything is
+    read or written (producer/bulk/lock.py). ``resume`` None: resume when the output and its run record exist;
+    False: start the output over (a new run key). ``params``: the run's parameters (JSON values), kept in the
+    record: a resumed run with others raises RunChanged. A resumed run keeps only the answers whose input line
+    is unchanged (``retry_errors``: and drops the error lines), and runs the others again. Raises NoWorkers /
+    RedisUnavailable when the run cannot start; once started it stops instead (``Summary.error``): what is
+    written stays, a rerun resumes. The run reports its progress to the fleet's bulk-run registry
+    (producer/bulk/registry.py) as it goes."""
     if window < 1:
         raise InvalidRequest("window must be >= 1")
     client = AsyncClient(redis_url, namespace, inbox=None)
@@ -88,6 +91,20 @@ async def run_file(input_path: str | None, output_path: str | None, errors_path:
         fleet = await client.fleet()  # reachable, and a fleet to ask: before any file is touched
     finally:
         await client.aclose()
+    with ExitStack() as held:
+        if output_path is not None:  # before the run record is read or written: the other run's it may be
+            held.enter_context(OutputLock(output_path))
+        return await _locked_run(input_path, output_path, errors_path, make_format, fleet, redis_url=redis_url,
+                                 namespace=namespace, window=window, resume=resume, stop=stop, progress=progress,
+                                 text=text, out=out, params=params, retry_errors=retry_errors)
+
+
+async def _locked_run(input_path: str | None, output_path: str | None, errors_path: str | None,
+                      make_format: Callable[[str, Any], LineFormat], fleet: Any, *, redis_url: str | None,
+                      namespace: str | None, window: int, resume: bool | None, stop: asyncio.Event | None,
+                      progress: Callable[[Summary], None] | None, text: str | None, out: IO[str] | None,
+                      params: dict[str, Any] | None, retry_errors: bool) -> Summary:
+    """``run_file`` once the output is this run's alone."""
     record, resuming = run_record(output_path, resume is not False, params)
     names = record.names
     fmt = make_format(names.prefix, fleet)
