@@ -72,7 +72,7 @@ async def run_file(input_path: str | None, output_path: str | None, errors_path:
                    namespace: str | None = None, window: int = 256, resume: bool | None = None,
                    stop: asyncio.Event | None = None, progress: Callable[[Summary], None] | None = None,
                    text: str | None = None, out: IO[str] | None = None, params: dict[str, Any] | None = None,
-                   retry_errors: bool = False) -> Summary:
+                   retry_errors: bool = False, drain_s: float = 0.0) -> Summary:
     """Run ``input_path`` (``text`` instead of reading it) into ``output_path`` (None: ``out``), error lines
     into ``errors_path`` (None: the output). ``make_format(job id prefix, fleet view)`` gives the lines' format.
 
@@ -82,10 +82,13 @@ async def run_file(input_path: str | None, output_path: str | None, errors_path:
     record: a resumed run with others raises RunChanged. A resumed run keeps only the answers whose input line
     is unchanged (``retry_errors``: and drops the error lines), and runs the others again. Raises NoWorkers /
     RedisUnavailable when the run cannot start; once started it stops instead (``Summary.error``): what is
-    written stays, a rerun resumes. The run reports its progress to the fleet's bulk-run registry
+    written stays, a rerun resumes. ``stop`` set: ``Spec.drain_s`` (``drain_s``) bounds the wait for the
+    answers of the lines in flight. The run reports its progress to the fleet's bulk-run registry
     (producer/bulk/registry.py) as it goes."""
     if window < 1:
         raise InvalidRequest("window must be >= 1")
+    if drain_s < 0:
+        raise InvalidRequest("drain_s must be >= 0")
     client = AsyncClient(redis_url, namespace, inbox=None)
     try:
         fleet = await client.fleet()  # reachable, and a fleet to ask: before any file is touched
@@ -96,14 +99,14 @@ async def run_file(input_path: str | None, output_path: str | None, errors_path:
             held.enter_context(OutputLock(output_path))
         return await _locked_run(input_path, output_path, errors_path, make_format, fleet, redis_url=redis_url,
                                  namespace=namespace, window=window, resume=resume, stop=stop, progress=progress,
-                                 text=text, out=out, params=params, retry_errors=retry_errors)
+                                 text=text, out=out, params=params, retry_errors=retry_errors, drain_s=drain_s)
 
 
 async def _locked_run(input_path: str | None, output_path: str | None, errors_path: str | None,
                       make_format: Callable[[str, Any], LineFormat], fleet: Any, *, redis_url: str | None,
                       namespace: str | None, window: int, resume: bool | None, stop: asyncio.Event | None,
                       progress: Callable[[Summary], None] | None, text: str | None, out: IO[str] | None,
-                      params: dict[str, Any] | None, retry_errors: bool) -> Summary:
+                      params: dict[str, Any] | None, retry_errors: bool, drain_s: float) -> Summary:
     """``run_file`` once the output is this run's alone."""
     record, resuming = run_record(output_path, resume is not False, params)
     names = record.names
@@ -144,7 +147,8 @@ async def _locked_run(input_path: str | None, output_path: str | None, errors_pa
         reporting = asyncio.ensure_future(reporter.every(finished))
         try:
             with _input(input_path, text) as f:
-                spec = Spec(window, kept.done, fresh={i: t for i, t in record.fresh.items() if i not in kept.done})
+                spec = Spec(window, kept.done, fresh={i: t for i, t in record.fresh.items() if i not in kept.done},
+                            drain_s=drain_s)
                 return await run_lines(client, numbered(f), fmt, FileSink(out, err), spec, stop, summary, progress)
         finally:
             finished.set()
