@@ -60,8 +60,10 @@ def bulk(input_path: str, output_path: str, window: int = 256, timeout: float | 
     Runs in the batch class unless ``priority`` is given. Idempotent: job ids and the reply inbox come from
     the run key kept beside the output (``<output>.run``), and an existing output is resumed, so a retried
     job (RQ ``Retry``, a requeue after its worker died) keeps the lines written, collects the answers of
-    jobs the killed attempt left in flight and submits only the rest: every line appears once. Progress
-    goes to ``job.meta`` (total, done, failed, submitted, collected) about once a second."""
+    jobs the killed attempt left in flight and submits only the rest: every line appears once. A job on an
+    output another run writes now fails at once with OutputBusy (producer/bulk/lock.py; RQ's Retry runs it
+    again later). Progress goes to ``job.meta`` (total, done, failed, submitted, collected) about once a
+    second."""
     from rq import get_current_job  # rq is needed only here, inside an RQ worker
 
     job = get_current_job()

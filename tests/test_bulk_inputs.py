@@ -63,7 +63,7 @@ def _result():
 def _written(tmp_path, lines: list[bytes], answers: list[dict]) -> tuple:
     prints = Fingerprints()
     for i, raw in enumerate(lines):
-        prints.add(i, raw)
+        prints.add(i, line_sha(raw))
     out = tmp_path / "out.jsonl"
     out.write_text("".join(json.dumps(a) + "\n" for a in answers) + '{"index": 9, "tru')  # a cut-off last line
     return prints, out

@@ -121,7 +121,7 @@ def test_interrupted_bulk_resumes_without_recomputing(fleet, start_worker, redis
         assert first.returncode in (1, -signal.SIGINT), err[-2000:]
         assert message.startswith("stopped (no live worker"), err[-2000:]
     assert "run the same command again to resume" in message
-    in_flight = int(message.split(" lines written, ")[1].split(" jobs")[0])
+    in_flight = int(message.split(" unanswered (")[1].split(" of them")[0])
     before = _lines(dst)
     written_before = len(before)
     assert 300 <= written_before < n and 0 <= in_flight <= 256, message

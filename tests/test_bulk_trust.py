@@ -118,7 +118,7 @@ def test_sigterm_stops_like_ctrl_c_with_a_resume_hint(redis_url, namespace, tmp_
         src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
         src.write_text(prompts(*(f"p{i}" for i in range(20))))
         proc = subprocess.Popen([sys.executable, "-m", "batchfleet.common.cli", "bulk", str(src), "-o", str(dst),
-                                 "--redis-url", redis_url, "--namespace", namespace], cwd=ROOT,
+                                 "--redis-url", redis_url, "--namespace", namespace, "--drain-timeout", "0"], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         r_end = time.monotonic() + 60

@@ -86,6 +86,9 @@ class OpenAIFormat:
         ids = [stem] if line.job.n == 1 else [f"{stem}-{i}" for i in range(line.job.n)]
         return Work(index, line, ids, line.job.prompt, prefix_key(line.job.prompt), line.job.timeout)
 
+    def sha(self, raw: bytes) -> str:
+        return line_sha(raw)  # a JSON line: its text is what it asks
+
     async def asks(self, work: Work) -> list[Ask]:
         job = work.line.job
         error = unknown_model(job.model, self.model_names, any_name=self.alias_any)

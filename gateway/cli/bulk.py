@@ -21,7 +21,7 @@ import click
 from batchfleet.common.cli import connection_options
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.wire.lanes import BATCH
-from batchfleet.gateway.cli.bulk_progress import run_stoppable
+from batchfleet.gateway.cli.bulk_progress import CLOSE_S, DRAIN_S, run_stoppable
 from batchfleet.producer.bulk.lines import PromptFormat, looks_like_batch, numbered, prompt_params
 from batchfleet.producer.bulk.report import why_failed
 from batchfleet.producer.cli import _params, check_reachable, generation_options, one_line_errors, priority_option
@@ -57,22 +57,29 @@ NOUNS = {"openai": "requests", "prompts": "prompts", "text": "prompts"}
               "with the served model (scripts written for OpenAI's models).")
 @click.option("--progress-every", type=float, default=10.0, show_default=True,
               help="Seconds between progress lines when standard error is not a terminal (a terminal gets a bar).")
+@click.option("--drain-timeout", "drain_s", type=click.FloatRange(min=0), default=DRAIN_S, show_default=True,
+              help="After Ctrl-C or SIGTERM: seconds the answers of the lines in flight are still written as they "
+                   "come (nothing more is submitted); the rest is left to the next run. The process ends at most "
+                   f"{CLOSE_S:g} s later whatever it waits on; a second signal ends it at once.")
 @generation_options
 @priority_option(BATCH)
 @one_line_errors
 def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int, resume: bool | None,
          retry_errors: bool, timeout: float | None, fmt: str, errors_path: str | None, model_names: str,
-         model_alias_any: bool, progress_every: float, **gen) -> None:
+         model_alias_any: bool, progress_every: float, drain_s: float, **gen) -> None:
     """Answer every line of a prompts file (JSON lines {"prompt": ..., "id"?: ..., params?}, plain text, or
     OpenAI Batch API request lines); never aborts on a bad line.
 
     A rerun on the same OUTPUT resumes: answers whose input line is unchanged are kept, changed lines are
-    answered again; other run parameters are refused (--no-resume starts over). Ctrl-C or SIGTERM stops
-    submitting, writes what has arrived and leaves the jobs in flight to the next run of the same command.
-    Exit status: 0 every line answered with a result; 3 every line answered, some with an error line; 1 the
-    run could not start or stopped (no live worker, Redis unreachable; rerun to resume); 130 interrupted by
-    Ctrl-C, 143 by SIGTERM (rerun to resume); 2 a usage error (also: the run's parameters changed)."""
+    answered again; other run parameters are refused (--no-resume starts over). One run per OUTPUT at a
+    time: a second one is refused (OUTPUT.lock). Ctrl-C or SIGTERM stops submitting, writes the answers of
+    the lines in flight that come within --drain-timeout and leaves the rest to the next run of the same
+    command. Exit status: 0 every line answered with a result; 3 every line answered, some with an error
+    line; 1 the run could not start (another run writes OUTPUT, no live worker, Redis unreachable) or
+    stopped (rerun to resume); 130 interrupted by Ctrl-C, 143 by SIGTERM (rerun to resume); 2 a usage error
+    (also: the run's parameters changed)."""
     from batchfleet.producer.bulk.files import RunChanged
+    from batchfleet.producer.bulk.lock import OutputBusy
 
     if window < 1:
         raise click.UsageError("--window must be >= 1")
@@ -97,9 +104,11 @@ def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int,
             params = prompt_params(defaults, timeout, text)
         try:
             s = _run(path, out_path, errors_path, make, NOUNS[fmt], redis_url, namespace, window, resume, params,
-                     retry_errors, progress_every)
+                     retry_errors, progress_every, drain_s)
         except RunChanged as exc:
             raise click.UsageError(str(exc)) from None
+        except OutputBusy as exc:
+            raise click.ClickException(str(exc)) from None
     if s.changed or s.retried:
         click.echo(f"resumed: {s.kept} answers kept, {s.changed} dropped (their input line changed) and "
                    f"{s.retried} error lines retried", err=True)
@@ -155,11 +164,11 @@ def _openai_format(timeout: float | None, model_names: tuple[str, ...], alias_an
 
 def _run(path: str, out_path: str | None, errors_path: str | None, make_format: Any, noun: str, redis_url: str,
          namespace: str, window: int, resume: bool | None, params: dict, retry_errors: bool,
-         progress_every: float) -> Any:
+         progress_every: float, drain_s: float) -> Any:
     """Run the file, shown and stoppable (gateway/cli/bulk_progress.py: an interrupted run exits there)."""
     from batchfleet.producer.bulk.file_run import run_file
 
     return run_stoppable(lambda stop, progress: run_file(
         path, out_path, errors_path, make_format, redis_url=redis_url, namespace=namespace, window=window,
-        resume=resume, stop=stop, progress=progress, out=sys.stdout, params=params, retry_errors=retry_errors),
-        noun, progress_every)
+        resume=resume, stop=stop, progress=progress, out=sys.stdout, params=params, retry_errors=retry_errors,
+        drain_s=drain_s), noun, progress_every, drain_s)

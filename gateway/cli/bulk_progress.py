@@ -1,12 +1,19 @@
 """How ``batchfleet bulk`` shows a run and stops it: a progress bar on a terminal, plain progress lines
 elsewhere (nohup, CI, a Kubernetes Job: a log file shows the count, rate and ETA every ``--progress-every``
 seconds), and Ctrl-C or SIGTERM (what ``timeout``, Kubernetes and systemd send) as a clean stop: nothing
-more is submitted, what has arrived is written, the jobs in flight are left to the next run.
+more is submitted, the answers of the lines in flight are written as they come for at most
+``--drain-timeout`` seconds, and the lines still in flight then are left to the next run.
+
+The exit is bounded whatever the run is waiting on (a fleet gone, Redis hanging, a task that ignores its
+cancellation): a watchdog thread ends the process CLOSE_S after the drain's bound, and a second signal ends it
+at once. Ending it so is safe: every answer line is flushed whole before its reply leaves the inbox, the lock
+on the output goes with the process, and a rerun resumes as after a kill -9 (producer/bulk/runner.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 import threading
@@ -19,6 +26,9 @@ import click
 from batchfleet.producer.bulk.work import Summary
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's number, as a shell reports it
+NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+DRAIN_S = 20.0  # --drain-timeout's default: with CLOSE_S, within Kubernetes' default 30 s grace period
+CLOSE_S = 10.0  # after the drain: the run closes (writes, cancels, its last report) within this, or is ended
 
 
 def duration(seconds: float) -> str:
@@ -68,13 +78,14 @@ class Progress:
 
 class Stopper:
     """While a bulk run runs: the first Ctrl-C or SIGTERM sets ``stop`` (a clean stop, also right after the
-    run ended: then it changes nothing) and is remembered (``exit_code``); a second one ends the process at
-    once. The handlers stay installed until ``restore()``, so a signal racing an interrupted run's exit never
-    becomes a traceback."""
+    run ended: then it changes nothing), is remembered (``exit_code``) and arms the watchdog: the process
+    ends ``drain_s`` + CLOSE_S later if it has not by then; a second one ends it at once. The handlers stay
+    installed until ``restore()``, so a signal racing an interrupted run's exit never becomes a traceback."""
 
-    def __init__(self, stop: asyncio.Event) -> None:
-        self.stop, self.loop, self.presses = stop, None, 0
+    def __init__(self, stop: asyncio.Event, drain_s: float = DRAIN_S) -> None:
+        self.stop, self.drain_s, self.loop, self.presses = stop, drain_s, None, 0
         self.signum: int = signal.SIGINT
+        self.watchdog: threading.Timer | None = None
         self.main = threading.current_thread() is threading.main_thread()  # signal handlers: main thread only
         self.previous = {sig: signal.signal(sig, self._pressed) for sig in EXIT_CODES} if self.main else {}
 
@@ -85,28 +96,51 @@ class Stopper:
     def _pressed(self, signum: int, frame: object) -> None:
         self.presses += 1
         if self.presses > 1:
-            raise KeyboardInterrupt
+            self.end_now(f"{NAMES.get(signum, 'a signal')} again")
         self.signum = signum
+        self.watchdog = threading.Timer(self.drain_s + CLOSE_S, self.end_now,
+                                        (f"the run did not end within {self.drain_s + CLOSE_S:g} s",))
+        self.watchdog.daemon = True
+        self.watchdog.start()
         if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.stop.set)
+            self.loop.call_soon_threadsafe(self._stopping)
+        else:  # the run has not started its loop yet: it sees the event set as it starts
+            self.stop.set()
+
+    def _stopping(self) -> None:
+        """On the loop: set ``stop`` and say what happens now (never from the handler itself, which may
+        interrupt a write to stderr)."""
+        self.stop.set()
+        name = NAMES.get(self.signum, "signal")
+        click.echo(f"\n{name}: stopping: nothing more is submitted, answers of the lines in flight are written for "
+                   f"up to {self.drain_s:g} s (--drain-timeout), the rest is left to the next run ({name} again: "
+                   "exit at once)", err=True)
+
+    def end_now(self, why: str) -> None:
+        """End the process now (a second signal, or the watchdog): safe at any instant (the module doc)."""
+        os.write(2, f"\nstopped at once ({why}): the lines written stay; run the same command again to "
+                    "resume\n".encode())
+        os._exit(self.exit_code)
 
     async def run(self, coro: Any) -> Any:
         self.loop = asyncio.get_running_loop()
         return await coro
 
     def restore(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.cancel()
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
 
 def run_stoppable(make_run: Callable[[asyncio.Event, Callable[[Summary], None]], Any], noun: str,
-                  every_s: float) -> Summary:
-    """Run ``make_run(stop, progress)`` with progress shown and Ctrl-C / SIGTERM as a clean stop; an
-    interrupted run exits here: 130 (Ctrl-C), 143 (SIGTERM), 1 (the fleet stopped it), after one line that
-    says how far it got and how to resume."""
+                  every_s: float, drain_s: float = DRAIN_S) -> Summary:
+    """Run ``make_run(stop, progress)`` with progress shown and Ctrl-C / SIGTERM as a clean stop (the run
+    drains for ``drain_s``: see the module doc); an interrupted run exits here: 130 (Ctrl-C), 143 (SIGTERM),
+    1 (the fleet stopped it), after one line that says how far it got and how to resume."""
     stop = asyncio.Event()
     progress = Progress(noun, every_s)
-    stopper = Stopper(stop)
+    stopper = Stopper(stop, drain_s)
     try:
         s = asyncio.run(stopper.run(make_run(stop, progress)))
     finally:
@@ -114,8 +148,8 @@ def run_stoppable(make_run: Callable[[asyncio.Event, Callable[[Summary], None]],
     if s.interrupted:  # our handlers stay: a signal racing this exit must not turn it into a traceback
         why = ("interrupted" if stopper.signum == signal.SIGINT else "stopped by SIGTERM") if s.error is None \
             else f"stopped ({' '.join(str(s.error).split())})"
-        click.echo(f"{why}: {s.done} of {s.total} lines written, {s.in_flight} jobs left in flight; run the "
-                   "same command again to resume", err=True)
+        click.echo(f"{why}: {s.done} of {s.total} lines written, {s.total - s.done} unanswered ({s.in_flight} of "
+                   "them in flight); run the same command again to resume", err=True)
         sys.exit(stopper.exit_code if s.error is None else 1)
     stopper.restore()
     return s

@@ -14,13 +14,14 @@ import io
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import IO, Any
 
 from batchfleet.common.errors import InvalidRequest
 from batchfleet.producer.aclient import AsyncClient
 from batchfleet.producer.bulk.files import KEY_SUFFIX, FileSink, Written, read_back, run_record
-from batchfleet.producer.bulk.lines import PromptFormat, line_sha, numbered, prompt_params
+from batchfleet.producer.bulk.lines import PromptFormat, numbered, prompt_params
+from batchfleet.producer.bulk.lock import OutputLock
 from batchfleet.producer.bulk.registry import RunReporter
 from batchfleet.producer.bulk.runner import run_lines
 from batchfleet.producer.bulk.work import LineFormat, Spec, Summary
@@ -29,16 +30,16 @@ __all__ = ["Summary", "bulk_file", "run_file", "throttled"]
 
 
 class Fingerprints:
-    """Every input line's fingerprint (``line_sha``), 8 bytes a line: what a rerun checks written lines
-    against (10 million lines: 80 MB)."""
+    """Every input line's fingerprint (the format's ``sha``: what the line asks), 8 bytes a line: what a rerun
+    checks written lines against (10 million lines: 80 MB)."""
 
     def __init__(self) -> None:
         self.data = bytearray()
         self.total = 0  # non-blank lines
 
-    def add(self, index: int, raw: bytes) -> None:
+    def add(self, index: int, sha: str) -> None:
         self.data.extend(bytes(8 * index + 8 - len(self.data)))
-        self.data[8 * index:8 * index + 8] = bytes.fromhex(line_sha(raw))
+        self.data[8 * index:8 * index + 8] = bytes.fromhex(sha)
         self.total += 1
 
     def get(self, index: int) -> str | None:
@@ -71,30 +72,49 @@ async def run_file(input_path: str | None, output_path: str | None, errors_path:
                    namespace: str | None = None, window: int = 256, resume: bool | None = None,
                    stop: asyncio.Event | None = None, progress: Callable[[Summary], None] | None = None,
                    text: str | None = None, out: IO[str] | None = None, params: dict[str, Any] | None = None,
-                   retry_errors: bool = False) -> Summary:
+                   retry_errors: bool = False, drain_s: float = 0.0) -> Summary:
     """Run ``input_path`` (``text`` instead of reading it) into ``output_path`` (None: ``out``), error lines
     into ``errors_path`` (None: the output). ``make_format(job id prefix, fleet view)`` gives the lines' format.
 
-    ``resume`` None: resume when the output and its run record exist; False: start the output over (a new
-    run key). ``params``: the run's parameters (JSON values), kept in the record: a resumed run with others
-    raises RunChanged. A resumed run keeps only the answers whose input line is unchanged (``retry_errors``:
-    and drops the error lines), and runs the others again. Raises NoWorkers / RedisUnavailable when the run
-    cannot start; once started it stops instead (``Summary.error``): what is written stays, a rerun resumes.
-    The run reports its progress to the fleet's bulk-run registry (producer/bulk/registry.py) as it goes."""
+    One run per output at a time: another run writing ``output_path`` now raises OutputBusy before anything is
+    read or written (producer/bulk/lock.py). ``resume`` None: resume when the output and its run record exist;
+    False: start the output over (a new run key). ``params``: the run's parameters (JSON values), kept in the
+    record: a resumed run with others raises RunChanged. A resumed run keeps only the answers whose input line
+    is unchanged (``retry_errors``: and drops the error lines), and runs the others again. Raises NoWorkers /
+    RedisUnavailable when the run cannot start; once started it stops instead (``Summary.error``): what is
+    written stays, a rerun resumes. ``stop`` set: ``Spec.drain_s`` (``drain_s``) bounds the wait for the
+    answers of the lines in flight. The run reports its progress to the fleet's bulk-run registry
+    (producer/bulk/registry.py) as it goes."""
     if window < 1:
         raise InvalidRequest("window must be >= 1")
+    if drain_s < 0:
+        raise InvalidRequest("drain_s must be >= 0")
     client = AsyncClient(redis_url, namespace, inbox=None)
     try:
         fleet = await client.fleet()  # reachable, and a fleet to ask: before any file is touched
     finally:
         await client.aclose()
-    prints = Fingerprints()
-    with _input(input_path, text) as f:
-        for index, raw in numbered(f):  # the progress bar's length and the lines' fingerprints: one pass
-            prints.add(index, raw)
+    with ExitStack() as held:
+        if output_path is not None:  # before the run record is read or written: the other run's it may be
+            held.enter_context(OutputLock(output_path))
+        return await _locked_run(input_path, output_path, errors_path, make_format, fleet, redis_url=redis_url,
+                                 namespace=namespace, window=window, resume=resume, stop=stop, progress=progress,
+                                 text=text, out=out, params=params, retry_errors=retry_errors, drain_s=drain_s)
+
+
+async def _locked_run(input_path: str | None, output_path: str | None, errors_path: str | None,
+                      make_format: Callable[[str, Any], LineFormat], fleet: Any, *, redis_url: str | None,
+                      namespace: str | None, window: int, resume: bool | None, stop: asyncio.Event | None,
+                      progress: Callable[[Summary], None] | None, text: str | None, out: IO[str] | None,
+                      params: dict[str, Any] | None, retry_errors: bool, drain_s: float) -> Summary:
+    """``run_file`` once the output is this run's alone."""
     record, resuming = run_record(output_path, resume is not False, params)
     names = record.names
     fmt = make_format(names.prefix, fleet)
+    prints = Fingerprints()
+    with _input(input_path, text) as f:
+        for index, raw in numbered(f):  # the progress bar's length and the lines' fingerprints: one pass
+            prints.add(index, fmt.sha(raw))
     separate = errors_path not in (None, output_path)
     kept = Written()
     if resuming:
@@ -127,7 +147,8 @@ async def run_file(input_path: str | None, output_path: str | None, errors_path:
         reporting = asyncio.ensure_future(reporter.every(finished))
         try:
             with _input(input_path, text) as f:
-                spec = Spec(window, kept.done, fresh={i: t for i, t in record.fresh.items() if i not in kept.done})
+                spec = Spec(window, kept.done, fresh={i: t for i, t in record.fresh.items() if i not in kept.done},
+                            drain_s=drain_s)
                 return await run_lines(client, numbered(f), fmt, FileSink(out, err), spec, stop, summary, progress)
         finally:
             finished.set()

@@ -2,8 +2,8 @@
 
 Naming (what makes a run resumable, and unguessable): a run draws a random key (256 bits) and keeps it in
 its run record ``<output>.run`` (0600) beside the output file. Its inbox token and every job id derive from
-that key (a prompt line's job id: ``b<key digest>.<line's "id">``, else its line number, then the line's
-fingerprint), so only who can read the record can compute them: no other producer can cancel the run's jobs
+that key (a prompt line's job id: ``b<key digest>.<line's "id">.l<line number>``, else its line number, then
+the line's fingerprint), so only who can read the record can compute them: no other producer can cancel the run's jobs
 or read its answers. A rerun on the same output reads the key back and asks the same questions under the
 same names; a run that starts the output over (no output yet, or ``--no-resume``) draws a new key, so
 answers of an earlier run never stand in for its own.

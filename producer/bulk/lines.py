@@ -85,10 +85,21 @@ def digest(*parts: str, n: int = 32) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:n]
 
 
-def line_sha(raw: bytes) -> str:
-    """An input line's fingerprint (16 hex digits of its SHA-256, surrounding whitespace aside): an answer
-    carries it, so a rerun keeps an answer only while its line is unchanged (producer/bulk/file_run.py)."""
-    return hashlib.sha256(raw.strip()).hexdigest()[:16]
+JSON_SPACE = b" \t\r\n"  # the whitespace JSON allows around a value (RFC 8259): no part of what a line asks
+
+
+def line_sha(raw: bytes, text: bool = False) -> str:
+    """An input line's fingerprint (16 hex digits of SHA-256) over exactly what the line asks: a JSON line's
+    text without the whitespace around it (which JSON ignores), a plain-text line (``text``) whole but for its
+    line end, as its prompt is sent (its leading and trailing spaces are part of it). An answer carries it, so
+    a rerun keeps an answer only while its line asks the same (producer/bulk/file_run.py); the run's own
+    parameters (defaults, timeout) are checked apart, by the run record (producer/bulk/files.py)."""
+    return hashlib.sha256(text_prompt(raw) if text else raw.strip(JSON_SPACE)).hexdigest()[:16]
+
+
+def text_prompt(raw: bytes) -> bytes:
+    """A plain-text line's prompt: the line without its line end (``\\n``, ``\\r\\n``)."""
+    return raw.rstrip(b"\r\n")
 
 
 @dataclass
@@ -121,13 +132,13 @@ def parse_line(raw: bytes | str, index: int, prefix: str, seen: dict[str, int], 
     ``<prefix>.l<line number>``; ``seen``: user ids met so far -> line number, extended here. ``text``: the
     line is the prompt itself (a plain-text prompts file), not JSON."""
     raw_bytes = raw.encode() if isinstance(raw, str) else raw
-    line = Line(index, sha=line_sha(raw_bytes))
+    line = Line(index, sha=line_sha(raw_bytes, text))
     if raw is TOO_LONG:
         line.error = {"code": INVALID_REQUEST, "message": f"line over {MAX_LINE_BYTES} bytes: split the prompt "
                       "or shorten it"}
         return line
     try:
-        obj = raw_bytes.rstrip(b"\r\n").decode() if text else json.loads(raw)
+        obj = text_prompt(raw_bytes).decode() if text else json.loads(raw)
     except UnicodeDecodeError:
         line.error = {"code": INVALID_REQUEST, "message": "not UTF-8 text: save the file as UTF-8"}
         return line
@@ -197,11 +208,18 @@ class PromptFormat:
             return Work(index, line, error=line.answer(error=line.error))
         assert line.job_id is not None and line.sha is not None
         # the job is named after the line's content too: a line changed since an interrupted run never
-        # collects the answer its old content left in the inbox
-        job_id = f"{line.job_id}.{line.sha}"
+        # collects the answer its old content left in the inbox. A line with an "id" is named after its
+        # position as well, as written answers are kept by position (``index``): moved to a line with no
+        # answer written, it runs under ids of its own, never under those its answer at the old position was
+        # given (the fleet answers an id once, so they would be refused as answered already)
+        name = line.job_id if "id" not in line.obj else f"{line.job_id}.l{index}"
+        job_id = f"{name}.{line.sha}"
         if not valid_job_id(job_id):
-            job_id = f"{self.prefix}.h{digest(line.job_id, line.sha)}"
+            job_id = f"{self.prefix}.h{digest(name, line.sha)}"
         return Work(index, line, [job_id], line.obj["prompt"], line.key, self.timeout)
+
+    def sha(self, raw: bytes) -> str:
+        return line_sha(raw, self.text)
 
     async def asks(self, work: Work) -> list[Ask]:
         """The line's parameters over the run's defaults (JSON values), checked once into what its job asks."""
@@ -215,7 +233,7 @@ class PromptFormat:
         return work.line.answer(error={"code": error_code(exc), "message": str(exc)})
 
     def abandoned(self, index: int, line: Any, code: str, message: str) -> dict:
-        answer = line.answer if isinstance(line, Line) else Line(index, sha=line_sha(line)).answer
+        answer = line.answer if isinstance(line, Line) else Line(index, sha=self.sha(line)).answer
         return answer(error={"code": code, "message": message})
 
     def index_of(self, obj: Any) -> int | None:

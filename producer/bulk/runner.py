@@ -11,18 +11,18 @@ lines need. Each line's jobs are waited for concurrently; answers are written in
 (``LineFormat.ordered``) or as they come. Every job's timeout runs from its own submission, so answers that
 never come expire together.
 
-Exactly once across a kill: job ids derive from the run's prefix and the line (its number or id); a reply is
-deleted from the run's inbox only after its line is on disk, and ``Spec.done`` (read back from the written
-files) skips what is written. A rerun collects the replies that came while no run read the inbox and submits
-the rest again: a job still queued or running answers once (the worker's ``done`` marker), nothing written
-is computed again. A job answered whose reply is neither in the inbox nor written (an output cut short by
-hand) runs again under a fresh id: the fleet drops a second answer under one id.
+Exactly once across a kill: job ids derive from the run's prefix, the line (its number, or its id and number)
+and its fingerprint; a reply is deleted from the run's inbox only after its line is on disk, and ``Spec.done``
+(read back from the written files) skips what is written. A rerun collects the replies that came while no run
+read the inbox and submits the rest again: a job still queued or running answers once (the worker's ``done``
+marker), nothing written is computed again. A job answered whose reply is neither in the inbox nor written
+(an output cut short by hand) runs again under a fresh id: the fleet drops a second answer under one id.
 
 Stopping (``stop`` set; a fleet-wide failure, no live worker or Redis unreachable, sets it too): nothing more
-is submitted and the answers already here are written. ``Spec.abandon`` None (Ctrl-C, a shutdown, a lost
-lease): the lines in flight stay for the next run. ``abandon`` set to (code, message) (cancel, expiry): what is
-in flight is cancelled, answers that still come within CANCEL_GRACE_S are written, and every line not
-answered gets an error line with that code.
+is submitted. ``Spec.abandon`` None (Ctrl-C, a shutdown, a lost lease): the answers of the lines in flight are
+written as they come for at most ``Spec.drain_s`` (none after a fleet-wide failure), the rest stay for the
+next run. ``abandon`` set to (code, message) (cancel, expiry): what is in flight is cancelled, answers that
+still come within CANCEL_GRACE_S are written, and every line not answered gets an error line with that code.
 """
 
 from __future__ import annotations
@@ -63,8 +63,7 @@ async def inbox_replies(client: AsyncClient) -> dict[str, str]:
 
 
 def retagged(job_ids: list[str], tag: str | None = None) -> list[str]:
-    """Fresh ids for a line's jobs (one tag for all, random by default): a line that runs again after an
-    answer."""
+    """Fresh ids for a line's jobs (one tag for all, random by default): a line that runs again after an answer."""
     tag = tag or secrets.token_hex(4)
     return [f"{j[:118]}.r{tag}" for j in job_ids]
 
@@ -208,6 +207,13 @@ class _Run:
             if once or not done:
                 return
 
+    async def drain_stopped(self, deadline: Deadline) -> None:
+        """After a stop: write the answers of the lines in flight as they come until ``deadline``."""
+        while self.inflight and (left := deadline.left()):
+            heads = [next(iter(self.inflight))] if self.fmt.ordered else list(self.inflight)
+            await asyncio.wait(heads, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            self.settle_done()
+
     async def submit_all(self, chunk: list[Work]) -> None:
         for work in submission_order(chunk, self.spec.window):
             while len(self.inflight) >= self.spec.window and not self.stop.is_set():
@@ -284,6 +290,8 @@ async def run_lines(client: AsyncClient, lines: Iterable[tuple[int, bytes]], fmt
         await run.submit_all(chunk)
         if not stop.is_set():
             await run.drain()
+        if stop.is_set() and spec.abandon is None:
+            await run.drain_stopped(Deadline(spec.drain_s))
     except FATAL as exc:
         summary.error = exc
         run.left = True

@@ -36,6 +36,7 @@ class LineFormat(Protocol):
     refused: tuple[type[BaseException], ...]  # submission errors that are the line's own (an error line)
 
     def parse(self, index: int, raw: bytes) -> Work: ...
+    def sha(self, raw: bytes) -> str: ...  # an input line's fingerprint: exactly what it asks (its ``Work``'s)
     async def asks(self, work: Work) -> list[Ask]: ...  # what each job asks; ``refused`` errors: an error line
     def answer(self, work: Work, results: list[Result]) -> dict: ...
     def failure(self, work: Work, exc: BaseException) -> dict: ...
@@ -55,12 +56,14 @@ class Spec:
     """How to run: at most ``window`` lines in flight, skipping ``done``; ``abandon``: see the module doc.
     ``fresh``: line -> tag of the lines whose earlier answer was dropped (changed since, or an error
     retried): their jobs run under ids with that tag, as the fleet answers one id once (the tags are kept in
-    the run record, so a run interrupted again collects them)."""
+    the run record, so a run interrupted again collects them). ``drain_s``: how long a stopped run (``abandon``
+    None) still writes the answers of the lines in flight before it leaves the rest to the next run."""
 
     window: int = 256
     done: set[int] = field(default_factory=set)
     abandon: tuple[str, str] | None = None
     fresh: dict[int, str] = field(default_factory=dict)
+    drain_s: float = 0.0
 
 
 @dataclass
