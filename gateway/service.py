@@ -27,8 +27,6 @@ from batchfleet.gateway.openai.tools.parsers import Family, pick
 from batchfleet.gateway.sse import EventStream, job_events, wait_disconnect
 from batchfleet.producer import AsyncClient
 from batchfleet.producer.ask import Ask
-from batchfleet.producer.core import Deadline
-from batchfleet.producer.many import submit_many
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 2.0  # /health answers "unavailable" rather than hang on a frozen Redis
@@ -128,14 +126,15 @@ class Gateway:
         """Submit ``jobs`` (job id, prompt, what it asks) and wait for their results, in order,
         within ``timeout`` s. A submission error raises before anything runs, the jobs already submitted
         cancelled; then as ``_wait``. Jobs that ask the same (an embeddings request's inputs, up to
-        2,048) go in one ``submit_many`` (producer/many.py): validated together, enqueued at once, not one
+        2,048) go in one ``AsyncClient.submit_many``: validated together, enqueued at once, not one
         round trip each."""
         start = time.monotonic()
         submitted: list[str] = []
         try:
             if len(jobs) > 1 and all(ask == jobs[0][2] for _, _, ask in jobs):
-                submitted = await submit_many(self.client, [prompt for _, prompt, _ in jobs],
-                                              [jid for jid, _, _ in jobs], Deadline(timeout), jobs[0][2])
+                submitted = await self.client.submit_many([prompt for _, prompt, _ in jobs],
+                                                          job_ids=[jid for jid, _, _ in jobs], timeout=timeout,
+                                                          ask=jobs[0][2])
             else:
                 for jid, prompt, ask in jobs:
                     await self.client.submit(prompt, timeout=timeout, job_id=jid, ask=ask)

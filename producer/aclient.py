@@ -37,7 +37,6 @@ from batchfleet.producer.core import (
     prompt_size,
 )
 from batchfleet.producer.inbox import Inbox
-from batchfleet.producer.many import generate_many
 from batchfleet.producer.outgoing import Outgoing
 from batchfleet.producer.redis_calls import RedisCalls
 from batchfleet.producer.shards import Router
@@ -256,10 +255,46 @@ class AsyncClient:
         ``stream.result``. Closing it early (``aclose``, leaving ``async with``) cancels the job."""
         return AsyncTokenStream(self, prompt, timeout, job_id, Ask.called(ask, params))
 
+    async def submit_many(self, prompts: Sequence[Prompt], *, job_ids: Sequence[str] | None = None,
+                          timeout: float | None = None, ask: Ask | None = None, **params: Any) -> list[str]:
+        """Submit every prompt, all or nothing: each is validated first (nothing is sent if one is bad), then
+        all are enqueued at once (concurrently, over the pool) rather than one round trip after another.
+        ``job_ids``: theirs (default new ones). Returns the job ids in order. When one is refused (QueueFull,
+        NoWorkers...), the others enqueued are given up (cancelled, their answers dropped) and its error
+        raised."""
+        return await self._submit_many(prompts, job_ids, Deadline(timeout), Ask.called(ask, params))
+
     async def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None, ask: Ask | None = None,
                             **params: Any) -> list[Result]:
-        """Validate every prompt first (nothing is sent if one is bad), enqueue all, gather in order."""
-        return await generate_many(self, prompts, Deadline(timeout), Ask.called(ask, params))
+        """``submit_many``, then the answers gathered in order; when one fails or the call is cancelled,
+        nobody waits for the others (each is given up: cancelled, its answer dropped)."""
+        deadline = Deadline(timeout)
+        submitted = await self._submit_many(prompts, None, deadline, Ask.called(ask, params))
+        waits = [asyncio.ensure_future(self._result(j, deadline, give_up=True)) for j in submitted]
+        try:
+            return list(await asyncio.gather(*waits))
+        except BaseException:
+            for w in waits:
+                w.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+            raise
+
+    async def _submit_many(self, prompts: Sequence[Prompt], job_ids: Sequence[str] | None, deadline: Deadline,
+                           ask: Ask) -> list[str]:
+        ids: Sequence[str | None] = [None] * len(prompts) if job_ids is None else job_ids
+        if len(ids) != len(prompts):
+            raise InvalidRequest(f"{len(ids)} job ids for {len(prompts)} prompts")
+        fleet = await self._fleet_view(deadline)
+        for prompt in prompts:  # raises before anything is sent (a long prompt tokenized on a worker thread)
+            await self._build(fleet, prompt, ask, None, None, False)
+        jobs = await asyncio.gather(*(self._submit(x, deadline, jid, False, ask) for x, jid in zip(prompts, ids)),
+                                    return_exceptions=True)
+        if failed := [j for j in jobs if isinstance(j, BaseException)]:
+            for j in jobs:
+                if isinstance(j, Outgoing):
+                    self._give_up_later(j.id)
+            raise failed[0]
+        return [j.id for j in jobs if isinstance(j, Outgoing)]  # all of them: none failed
 
     async def cancel(self, job_id: str, timeout: float | None = 5.0) -> None:
         """Ask the fleet to stop a job this client submitted: a queued job is skipped, a running one leaves

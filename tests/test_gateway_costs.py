@@ -94,15 +94,14 @@ def test_a_tool_with_a_200000_entry_enum_is_refused_after_a_bounded_prefix(tool_
     assert max(tokenizer.lengths) <= bound(2048)  # tool_served's largest bucket
 
 
-def test_embedding_inputs_are_submitted_together(start_worker, start_gateway, monkeypatch):
-    from batchfleet.gateway import service
+def test_embedding_inputs_are_submitted_together(start_worker, start_gateway):
 
     start_worker(max_wait_ms=5)
     gw = start_gateway(model_alias_any=True)
     client = gw.gateway.client
     submits, many = [], []
     in_flight, most = 0, 0
-    enqueue, submit, submit_many = client.calls.enqueue, client.submit, service.submit_many
+    enqueue, submit, submit_many = client.calls.enqueue, client.submit, client.submit_many
 
     async def counted_enqueue(*args: Any, **kw: Any) -> Any:
         nonlocal in_flight, most
@@ -118,12 +117,11 @@ def test_embedding_inputs_are_submitted_together(start_worker, start_gateway, mo
         submits.append(1)
         return await submit(*args, **kw)
 
-    async def counted_many(owner: Any, prompts: Any, *args: Any) -> Any:
+    async def counted_many(prompts: Any, **kw: Any) -> Any:
         many.append(len(prompts))
-        return await submit_many(owner, prompts, *args)
+        return await submit_many(prompts, **kw)
 
-    client.calls.enqueue, client.submit = counted_enqueue, counted_submit
-    monkeypatch.setattr(service, "submit_many", counted_many)
+    client.calls.enqueue, client.submit, client.submit_many = counted_enqueue, counted_submit, counted_many
     with httpx.Client(base_url=gw.url, timeout=120) as http:
         resp = http.post("/v1/embeddings", json={"model": "m", "input": [[5]] * 256, "encoding_format": "float"})
         assert resp.status_code == 200, resp.text

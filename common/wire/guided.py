@@ -26,8 +26,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from batchfleet.common.wire.schema_numbers import inexact_integer
-
 # json_object: any JSON object; json_schema: ``spec`` is the schema as JSON text; regex: a regular
 # expression (Rust regex syntax) the whole output matches; choice: ``spec`` is a JSON list of strings,
 # the output is exactly one of them; grammar: a Lark (or GBNF) grammar, as vLLM's guided_grammar
@@ -298,3 +296,33 @@ def _from_option(name: str, value: Any) -> Guide:
     if not isinstance(value, str) or not value or len(value) > MAX_GUIDE_CHARS:
         raise GuideError(f"{name} must be a non-empty string of at most {MAX_GUIDE_CHARS} characters")
     return Guide("regex" if name == "guided_regex" else "grammar", value)
+
+
+# JSON-schema numbers llguidance cannot hold: it reads a schema's numbers as 64-bit floats, so an integer bound,
+# ``const`` or ``enum`` value past 2^53 loses its value, and output generated under it would break the schema the
+# client sent (a 200 with invalid output). Such schemas are refused.
+EXACT = 2**53  # llguidance reads a schema's numbers as 64-bit floats: integers past this lose their value
+NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "const", "enum")
+
+
+def inexact_integer(schema: Any) -> int | None:
+    """An integer of a schema's numeric keywords (bounds, ``const``, ``enum``, at any depth) that a float
+    cannot hold exactly, or None. Walked without recursion (schemas may nest deeply)."""
+    todo: list[Any] = [schema]
+    values: list[Any] = []
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                (values if key in NUMERIC else todo).append(value)
+        elif isinstance(node, list):
+            todo.extend(node)
+    while values:  # everything inside a numeric keyword's value: const and enum may hold objects and lists
+        value = values.pop()
+        if isinstance(value, dict):
+            values.extend(value.values())
+        elif isinstance(value, list):
+            values.extend(value)
+        elif type(value) is int and abs(value) > EXACT:
+            return value
+    return None
