@@ -163,11 +163,12 @@ class WorkerConfig:
     reply_ttl_s: int = field(default=3600, metadata=option("Seconds a reply waits for its client.", flag="reply-ttl"))
     stream_interval_ms: float = field(default=20.0, metadata=option(
         "Streamed requests: at most one text delta per request this often (each costs one Redis write)."))
-    # per bucket and class; published so producers refuse (QueueFull) beyond it
+    # per bucket and priority; published so producers refuse (QueueFull) beyond it
     max_queue_len: int = field(default=10_000, metadata=option(
         "Per-bucket interactive queue length at which producers get QueueFull (0 = unbounded)."))
-    batch_queue_len: int = field(default=1_000_000, metadata=option(
-        "Per-bucket queue length of the batch class at which producers get QueueFull (0 = unbounded)."))
+    background_queue_len: int = field(default=1_000_000, metadata=option(
+        "Per-bucket background queue length at which producers get QueueFull (0 = unbounded).",
+        aliases=("batch-queue-len",)))
     name: str | None = field(default=None, metadata=option(
         "Consumer name, unique per worker (default host-pid-rand).", flag="worker-name", aliases=("name",)))
     claim_idle_ms: int = field(default=30_000, metadata=option(
@@ -208,8 +209,8 @@ class WorkerConfig:
             raise ConfigError("reply_ttl_s must be >= 1")
         if not self.stream_interval_ms >= 0:
             raise ConfigError("stream_interval_ms must be >= 0")
-        if self.max_queue_len < 0 or self.batch_queue_len < 0:
-            raise ConfigError("max_queue_len and batch_queue_len must be >= 0")
+        if self.max_queue_len < 0 or self.background_queue_len < 0:
+            raise ConfigError("max_queue_len and background_queue_len must be >= 0")
         if self.claim_idle_ms < 100:
             raise ConfigError("claim_idle_ms must be >= 100")
         if self.max_deliveries < 1:

@@ -23,9 +23,13 @@ from functools import lru_cache
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from batchfleet.common.wire.lanes import INTERACTIVE, LANES
+from batchfleet.common.wire.priority import BACKGROUND, INTERACTIVE, PRIORITIES
 
 DEFAULT_NAMESPACE = "bf"
+# The key suffix of background streams (``<ns>:stream:<bucket>:batch``): "batch" is the priority's old name,
+# kept in the key so work queued before the rename to "background" is still read after an upgrade (and the
+# KEDA manifests keep naming these streams). Nothing else says "batch" for the priority.
+BACKGROUND_STREAM_SUFFIX = "batch"
 # fullmatch everywhere: "$" would accept a trailing newline ("abc\n")
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 JOB_ID_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
@@ -114,19 +118,19 @@ class Keys:
         """Consumer group shared by every worker of the fleet."""
         return "workers"
 
-    def stream(self, bucket: int, lane: str = INTERACTIVE) -> str:
-        """The request stream of one prompt-length bucket and priority class: ``<ns>:stream:<bucket>`` for
-        interactive work, ``<ns>:stream:<bucket>:batch`` for batch work, so a worker finds interactive work
-        without reading past a batch backlog."""
-        if lane == INTERACTIVE:
+    def stream(self, bucket: int, priority: str = INTERACTIVE) -> str:
+        """The request stream of one prompt-length bucket and priority: ``<ns>:stream:<bucket>`` for
+        interactive work, ``<ns>:stream:<bucket>:batch`` (``BACKGROUND_STREAM_SUFFIX``) for background work, so
+        a worker finds interactive work without reading past a background backlog."""
+        if priority == INTERACTIVE:
             return f"{self.prefix}:stream:{bucket}"
-        if lane not in LANES:
-            raise ValueError(f"unknown priority class {lane!r}")
-        return f"{self.prefix}:stream:{bucket}:{lane}"
+        if priority != BACKGROUND:
+            raise ValueError(f"unknown priority {priority!r}")
+        return f"{self.prefix}:stream:{bucket}:{BACKGROUND_STREAM_SUFFIX}"
 
     def streams(self, buckets: tuple[int, ...] | list[int]) -> list[tuple[str, int, str]]:
-        """(stream, bucket, lane) of every request stream, interactive ones first."""
-        return [(self.stream(b, lane), b, lane) for lane in LANES for b in buckets]
+        """(stream, bucket, priority) of every request stream, interactive ones first."""
+        return [(self.stream(b, priority), b, priority) for priority in PRIORITIES for b in buckets]
 
     def inbox(self, token: str) -> str:
         """One client's reply stream: workers XADD every reply (and stream delta) of the client's jobs here;
@@ -252,7 +256,7 @@ class Keys:
 
     @property
     def history(self) -> str:
-        """Capped stream of fleet samples (queue depth per class, throughput, TTFT) for the dashboard's charts;
+        """Capped stream of fleet samples (queue depth per priority, throughput, TTFT) for the dashboard's charts;
         an entry's id is its sample slot (ms), so of several gateways sampling one slot only the first adds it."""
         return f"{self.prefix}:history"
 

@@ -24,14 +24,25 @@ from batchfleet.common.errors import ConfigError
 from batchfleet.common.keys import Keys
 from batchfleet.common.redis.clients import sync_client
 from batchfleet.common.redis.fleetstate import fleet_info, layout, live_workers, queue_stats
+from batchfleet.common.wire.priority import old_name
 
 log = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT_S = 2.0  # a scrape must answer even when Redis does not: queue gauges are then left out
 
+# Per-priority series carry the priority twice for one release: ``priority`` (interactive / background) and the
+# deprecated ``class`` (interactive / batch: its old name), so queries written for ``class`` keep working through
+# an upgrade (docs/CONFIGURATION.md, "Deprecated names"). Both labels name one series: nothing is counted twice.
+PRIORITY_LABELS = ["priority", "class"]
+
+
+def priority_labels(priority: str) -> list[str]:
+    """The label values of ``PRIORITY_LABELS`` for one priority."""
+    return [priority, old_name(priority)]
+
 
 class QueueCollector(Collector):
-    """batchfleet_queue_depth / _pending / _oldest_age_seconds {bucket, class} and batchfleet_workers_live,
+    """batchfleet_queue_depth / _pending / _oldest_age_seconds {bucket, priority} and batchfleet_workers_live,
     read from Redis per scrape.
 
     Has its own small connection pool with a short timeout, so a slow Redis delays a scrape by at most
@@ -49,11 +60,11 @@ class QueueCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         depth = GaugeMetricFamily("batchfleet_queue_depth", "Entries in a bucket stream not yet delivered to any "
-                                  "worker (consumer-group lag).", labels=["bucket", "class"])
+                                  "worker (consumer-group lag).", labels=["bucket", *PRIORITY_LABELS])
         pending = GaugeMetricFamily("batchfleet_queue_pending", "Entries delivered to a worker and not yet "
-                                    "answered (consumer-group pending list).", labels=["bucket", "class"])
+                                    "answered (consumer-group pending list).", labels=["bucket", *PRIORITY_LABELS])
         age = GaugeMetricFamily("batchfleet_queue_oldest_age_seconds", "Age of the oldest unanswered entry of a "
-                                "bucket stream, on Redis' clock (0 when empty).", labels=["bucket", "class"])
+                                "bucket stream, on Redis' clock (0 when empty).", labels=["bucket", *PRIORITY_LABELS])
         try:
             with self._lock:
                 buckets, keys = self.buckets, self.keys
@@ -67,9 +78,9 @@ class QueueCollector(Collector):
             log.debug("queue gauges not read: %r", exc)
             return
         for q in stats:
-            depth.add_metric([str(q.bucket), q.lane], q.depth)
-            pending.add_metric([str(q.bucket), q.lane], q.pending)
-            age.add_metric([str(q.bucket), q.lane], q.oldest_age_s)
+            depth.add_metric([str(q.bucket), *priority_labels(q.priority)], q.depth)
+            pending.add_metric([str(q.bucket), *priority_labels(q.priority)], q.pending)
+            age.add_metric([str(q.bucket), *priority_labels(q.priority)], q.oldest_age_s)
         yield depth
         yield pending
         yield age

@@ -24,7 +24,7 @@ from batchfleet.common import logs
 from batchfleet.common.config import ConnectionConfig, DynamicBatchingConfig, LogConfig, WorkerConfig
 from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.errors import ConfigError
-from batchfleet.common.optionspec import is_option, option_env, option_flag
+from batchfleet.common.optionspec import is_option, option_envs, option_flag
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -79,8 +79,9 @@ class _Parsed(click.ParamType):
 def _click_option(cls: type, f: dataclasses.Field, default: Any, **extra: Any) -> Callable[[F], F]:
     flag, meta = option_flag(f), f.metadata
     kind = _field_types(cls)[f.name]
-    kw: dict[str, Any] = {"envvar": option_env(f), "show_envvar": True, "help": meta["help"], "default": default,
-                          "show_default": default is not None, **extra}
+    envs = option_envs(f)  # a list only for an option with aliases: click reads the first one set
+    kw: dict[str, Any] = {"envvar": envs[0] if len(envs) == 1 else envs, "show_envvar": True, "help": meta["help"],
+                          "default": default, "show_default": default is not None, **extra}
     aliases = [f"--{a}" for a in meta.get("aliases", ())]
     if kind is bool:
         return click.option(f"--{flag}/--no-{flag}", f.name, **kw)

@@ -17,8 +17,10 @@ def option(help: str, *, flag: str | None = None, choices: tuple[str, ...] | Non
 
     ``flag`` overrides ``--<field-name>`` (without the dashes); the environment variable is always
     ``BATCHFLEET_<FLAG>`` (one rule, no exceptions: docs/CONFIGURATION.md and --help say so). ``choices`` restricts the
-    value, ``parse`` turns the command-line text into the field's value, ``aliases`` are older flag names
-    still accepted.
+    value, ``parse`` turns the command-line text into the field's value, ``aliases`` are the option's older
+    names, still accepted as flags and, by the same rule, as environment variables (``BATCHFLEET_<ALIAS>``;
+    the current name wins when both are set): a rename keeps old command lines and deployments working for a
+    release (docs/CONFIGURATION.md, "Deprecated names").
     """
     return {"help": help, "flag": flag, "choices": choices, "parse": parse, "aliases": aliases}
 
@@ -28,9 +30,19 @@ def option_flag(f: Field) -> str:
     return f.metadata["flag"] or f.name.replace("_", "-")
 
 
+def env_name(flag: str) -> str:
+    """The environment variable of a flag name (without dashes): ``BATCHFLEET_REPLY_TTL`` for ``reply-ttl``."""
+    return ENV_PREFIX + flag.upper().replace("-", "_")
+
+
 def option_env(f: Field) -> str:
     """The option's environment variable: ``BATCHFLEET_REPLY_TTL`` for ``reply_ttl_s``."""
-    return ENV_PREFIX + option_flag(f).upper().replace("-", "_")
+    return env_name(option_flag(f))
+
+
+def option_envs(f: Field) -> list[str]:
+    """Every environment variable the option reads, its own first (click takes the first one set)."""
+    return [option_env(f), *(env_name(a) for a in f.metadata.get("aliases", ()))]
 
 
 def is_option(f: Field) -> bool:

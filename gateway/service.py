@@ -199,12 +199,12 @@ class Gateway:
             return False
 
 
-async def job_asks(job: Job, family: Family | None = None, lane: str | None = None) -> list[Ask]:
+async def job_asks(job: Job, family: Family | None = None, priority: str | None = None) -> list[Ask]:
     """What the client is asked for each of the job's ``n`` choices: the job's own Params (checked once, when
     the body was validated), choice i seeded ``seed + i`` when seeded; its structured-output guide compiled
     here, off the event loop (a 400 naming the field when it does not compile). A forced tool call's guide is
-    made here, in ``family``'s format (gateway/openai/tools/calling.py; default: Hermes'). ``lane``: the class,
-    where the caller's overrides the body's (a batch's lines run in the batch class)."""
+    made here, in ``family``'s format (gateway/openai/tools/calling.py; default: Hermes'). ``priority``: the priority,
+    where the caller's overrides the body's (an OpenAI batch job's lines run at background priority)."""
     params = job.params
     if job.tools is not None and job.tools.constrained:  # a 400 naming the schema llguidance cannot compile
         params = params.changed(guide=await asyncio.to_thread(job.tools.guide, family or pick("auto", "")))
@@ -213,8 +213,8 @@ async def job_asks(job: Job, family: Family | None = None, lane: str | None = No
             await asyncio.to_thread(params.guide.check)
         except GuideError as exc:
             raise invalid(str(exc), job.guide_param) from None
-    lane = lane or job.lane
-    return [Ask(choice_params(params, i), lane) for i in range(job.n)]
+    priority = priority or job.priority
+    return [Ask(choice_params(params, i), priority) for i in range(job.n)]
 
 
 def too_long(exc: PromptTooLong, job: Job) -> APIError:

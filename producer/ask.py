@@ -14,8 +14,8 @@ from typing import Any
 
 from batchfleet.common.errors import InvalidRequest
 from batchfleet.common.wire.guided import Guide, GuideError, from_options
-from batchfleet.common.wire.lanes import INTERACTIVE, LANES, lane_of
 from batchfleet.common.wire.params import FIELDS, Params
+from batchfleet.common.wire.priority import INTERACTIVE, PRIORITIES, priority_of
 from batchfleet.common.wire.protocol import REQUEST_KINDS
 
 STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -31,7 +31,7 @@ EMBED_PARAMS = Params(max_new_tokens=1)  # an embed request's: routing counts th
 class Ask:
     """What one request asks, made once and passed as is to the wire: the generation parameters (the fleet's
     one type, common/wire/params.py: checked when made, its guide compiled before anything is sent; the wire
-    ``Request`` embeds this very object), the priority class (common/wire/lanes.py) and the kind (``embed``:
+    ``Request`` embeds this very object), the priority (common/wire/priority.py) and the kind (``embed``:
     an embed request, common/wire/protocol.py ``Request.kind``, answered with ``Result.embedding``; it takes
     no generation parameter).
 
@@ -41,28 +41,28 @@ class Ask:
     """
 
     params: Params
-    lane: str = INTERACTIVE
+    priority: str = INTERACTIVE
     kind: str = "generate"
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, Params):
             raise InvalidRequest(f"an Ask's params must be a Params, got {type(self.params).__name__}")
-        if self.lane not in LANES:
-            raise InvalidRequest(f"lane must be one of {', '.join(LANES)}, got {self.lane!r}"[:200])
+        if self.priority not in PRIORITIES:
+            raise InvalidRequest(f"priority must be one of {', '.join(PRIORITIES)}, got {self.priority!r}"[:200])
         if self.kind not in REQUEST_KINDS:
             raise InvalidRequest(f"kind must be one of {', '.join(REQUEST_KINDS)}, got {self.kind!r}"[:200])
         if self.kind == "embed" and self.params != EMBED_PARAMS:
             raise InvalidRequest("an embed request takes no generation parameters")
 
     @classmethod
-    def embed(cls, lane: str = INTERACTIVE) -> Ask:
+    def embed(cls, priority: str = INTERACTIVE) -> Ask:
         """An embed request's."""
-        return cls(EMBED_PARAMS, lane, "embed")
+        return cls(EMBED_PARAMS, priority, "embed")
 
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> Ask:
         """From a generate/submit/stream call's keyword arguments; an unknown name is an InvalidRequest (not
-        a TypeError). The fields of common/wire/params.py by name; ``priority``: a class name, OpenAI's
+        a TypeError). The fields of common/wire/params.py by name; ``priority``: a priority name, OpenAI's
         ``service_tier`` names or vLLM's integer ``priority``; ``kind``: ``generate`` or ``embed``.
 
         Structured outputs: at most one of ``response_format`` (OpenAI's: ``{"type": "json_object"}`` or
@@ -84,10 +84,10 @@ class Ask:
                                  f"{', '.join(sorted(set(values) - {'priority'}))}")
         options = {k: values.pop(k) for k in STRUCTURED if k in values}
         given = values.pop("guide", None)
-        priority = values.pop("priority", INTERACTIVE)
+        asked = values.pop("priority", INTERACTIVE)
         params = EMBED_PARAMS if kind == "embed" else Params(**values)  # first: a bad number costs no compile
         try:
-            lane = lane_of(priority)
+            priority = priority_of(asked)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         try:
@@ -100,7 +100,7 @@ class Ask:
                 guide.check()
         except GuideError as exc:
             raise InvalidRequest(str(exc)) from None
-        return cls(params if guide is None else params.changed(guide=guide), lane, kind)
+        return cls(params if guide is None else params.changed(guide=guide), priority, kind)
 
     @classmethod
     def called(cls, ask: Ask | None, kwargs: Mapping[str, Any]) -> Ask:

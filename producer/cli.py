@@ -22,7 +22,7 @@ from batchfleet.common.errors import BatchfleetError, RedisUnavailable
 from batchfleet.common.options import config_options, config_values, fatal
 from batchfleet.common.redis.clients import sync_client
 from batchfleet.common.redis.url import redact_url
-from batchfleet.common.wire.lanes import INTERACTIVE, LANES
+from batchfleet.common.wire.priority import DEPRECATED, INTERACTIVE, PRIORITIES, priority_of
 from batchfleet.producer.client import Client
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -95,11 +95,12 @@ def _params(max_new_tokens: int, temperature: float, top_p: float, top_k: int, s
 
 
 def priority_option(default: str):
-    """``--priority``: the priority class (common/wire/lanes.py); ``submit`` defaults to interactive, ``bulk`` to
-    batch."""
-    return click.option("--priority", type=click.Choice(LANES), default=default, show_default=True,
-                        help="Priority class: interactive work is read, batched and run first; batch work uses "
-                             "the spare capacity (docs/OPERATIONS.md).")
+    """``--priority``: the priority (common/wire/priority.py); ``submit`` defaults to interactive, ``bulk`` to
+    background. ``batch``, background's deprecated name, is still accepted (and means background)."""
+    return click.option("--priority", type=click.Choice((*PRIORITIES, *DEPRECATED)), default=default,
+                        show_default=True, callback=lambda ctx, param, value: priority_of(value),
+                        help="Priority: interactive work is read, batched and run first; background work uses "
+                             "the spare capacity (docs/OPERATIONS.md). batch: deprecated name of background.")
 
 
 def generation_options(fn):
@@ -151,7 +152,7 @@ def submit(redis_url: str, namespace: str, prompt: str, timeout: float | None, a
               help="--gateway: the read-only operator key (or an API key where the gateway sets no operator key).")
 def status(redis_url: str, namespace: str, as_json: bool, watch: float | None, gateway: str | None,
            operator_key: str | None) -> None:
-    """Queues per bucket and class, workers (alive or gone, load, KV use, tok/s), dead letters, batch jobs
+    """Queues per bucket and priority, workers (alive or gone, load, KV use, tok/s), dead letters, batch jobs
     (/v1/batches) and bulk runs (`batchfleet bulk`) of a namespace, read from Redis (no worker needed) or
     through a gateway (--gateway). The web view of the same: `batchfleet dashboard`, or /dashboard."""
     import time

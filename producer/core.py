@@ -26,7 +26,7 @@ from batchfleet.common.errors import (
     Timeout,
 )
 from batchfleet.common.keys import Keys, valid_job_id
-from batchfleet.common.wire.lanes import BATCH
+from batchfleet.common.wire.priority import BACKGROUND
 from batchfleet.common.wire.params import ParamError, has_utf8
 from batchfleet.common.wire.protocol import (
     Delta,
@@ -149,7 +149,7 @@ class FleetView:
 
     def build(self, keys: Keys, reply_key: str, prompt: Prompt, ask: Ask, timeout: float | None,
               job_id: str | None, stream: bool = False) -> Outgoing:
-        """Tokenize, route (raises PromptTooLong) and build the request; nothing is sent. The class picks
+        """Tokenize, route (raises PromptTooLong) and build the request; nothing is sent. The priority picks
         the stream (and its queue limit): the one place it travels."""
         assert self.info is not None
         ids = self.tokenize(prompt)
@@ -165,8 +165,8 @@ class FleetView:
             raise InvalidRequest("an embed request cannot stream")
         req = Request(id=job_id, prompt=ids, params=ask.params, reply_key=reply_key, stream=stream,
                       timeout_ms=None if timeout is None else int(timeout * 1000), kind=ask.kind)
-        limit = self.info.batch_queue_len if ask.lane == BATCH else self.info.max_queue_len
-        return Outgoing(bucket, keys.stream(bucket, ask.lane), req, limit, ask.lane)
+        limit = self.info.batch_queue_len if ask.priority == BACKGROUND else self.info.max_queue_len
+        return Outgoing(bucket, keys.stream(bucket, ask.priority), req, limit, ask.priority)
 
 
 def parse_reply(job_id: str, raw: bytes) -> Result | Delta:

@@ -57,7 +57,7 @@ def bulk(input_path: str, output_path: str, window: int = 256, timeout: float | 
          **params: Any) -> dict:
     """Run a JSONL prompt file into an answer file with ``batchfleet bulk`` semantics; returns the summary.
 
-    Runs in the batch class unless ``priority`` is given. Idempotent: job ids and the reply inbox come from
+    Runs at background priority unless ``priority`` is given. Idempotent: job ids and the reply inbox come from
     the run key kept beside the output (``<output>.run``), and an existing output is resumed, so a retried
     job (RQ ``Retry``, a requeue after its worker died) keeps the lines written, collects the answers of
     jobs the killed attempt left in flight and submits only the rest: every line appears once. A job on an

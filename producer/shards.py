@@ -1,6 +1,6 @@
 """Which shard of a sharded cluster fleet (common/keys.py) a producer sends a request to: by backlog.
 
-The backlog of a shard for one bucket and class is its stream's length (a worker deletes an entry when it
+The backlog of a shard for one bucket and priority is its stream's length (a worker deletes an entry when it
 answers it, so the length counts what is queued, held and running there), sampled with one ``XLEN`` per
 shard at most every ``SAMPLE_S`` per stream, plus what this producer sent there since the sample. The
 request goes to the producer's home shard (its inbox's) unless another is shorter by more than a slack
@@ -27,7 +27,7 @@ log = logging.getLogger("producer")
 
 
 class ShardPicker:
-    """Per (bucket, class) stream: the last sampled lengths and what was sent since (owned by one event loop)."""
+    """Per (bucket, priority) stream: the last sampled lengths and what was sent since (owned by one event loop)."""
 
     def __init__(self, r) -> None:
         self.r = r
@@ -35,18 +35,18 @@ class ShardPicker:
         self._turn = 0  # ties among the shortest go round
         self._lock = asyncio.Lock()
 
-    async def pick(self, keys: Keys, bucket: int, lane: str, home: int = 0) -> int:
-        """The shard for one request of ``bucket`` and class ``lane`` from a producer whose inbox is on ``home``."""
+    async def pick(self, keys: Keys, bucket: int, priority: str, home: int = 0) -> int:
+        """The shard for one request of ``bucket`` and ``priority`` from a producer whose inbox is on ``home``."""
         if keys.shards == 1:
             return 0
-        where = (bucket, lane)
+        where = (bucket, priority)
         seen = self._seen.get(where)
         if seen is None or len(seen[1]) != keys.shards or time.monotonic() - seen[0] > SAMPLE_S:
             async with self._lock:
                 seen = self._seen.get(where)
                 if seen is None or len(seen[1]) != keys.shards or time.monotonic() - seen[0] > SAMPLE_S:
                     try:
-                        lengths = await asyncio.wait_for(self._sample(keys, bucket, lane), SAMPLE_TIMEOUT_S)
+                        lengths = await asyncio.wait_for(self._sample(keys, bucket, priority), SAMPLE_TIMEOUT_S)
                     except Exception as exc:  # noqa: BLE001 - a master out of reach: the home shard, for now
                         log.debug("shard backlog not sampled: %r", exc)
                         lengths = [0] * keys.shards
@@ -63,12 +63,12 @@ class ShardPicker:
         backlog[shard] += 1
         return shard
 
-    async def _sample(self, keys: Keys, bucket: int, lane: str) -> list[int]:
+    async def _sample(self, keys: Keys, bucket: int, priority: str) -> list[int]:
         """Each shard's stream length (one pipeline: the cluster client sends one batch per master); a shard
         that could not be read counts as empty only if every one failed, else as the longest."""
         pipe = self.r.pipeline(transaction=False)
         for k in keys.every_shard:
-            pipe.xlen(k.stream(bucket, lane))
+            pipe.xlen(k.stream(bucket, priority))
         got = await pipe.execute(raise_on_error=False)
         lengths = [n if isinstance(n, int) else None for n in got]
         worst = max((n for n in lengths if n is not None), default=0)
@@ -98,5 +98,5 @@ class Router:
 
     async def route(self, job: Outgoing) -> tuple[Outgoing, Keys]:
         """``job`` aimed at the stream of the shard picked for it, and that shard's keys."""
-        shard = self.keys.of_shard(await self.picker.pick(self.keys, job.bucket, job.lane, self.home.shard))
-        return (dataclasses.replace(job, stream=shard.stream(job.bucket, job.lane)) if shard.shard else job), shard
+        shard = self.keys.of_shard(await self.picker.pick(self.keys, job.bucket, job.priority, self.home.shard))
+        return (dataclasses.replace(job, stream=shard.stream(job.bucket, job.priority)) if shard.shard else job), shard

@@ -9,7 +9,7 @@ and the share of the HBM roofline (bytes per decode step = weights + KV read, at
     python scripts/bench_gpu.py --device cpu --shape tiny --requests 8   # CPU smoke run (tests)
 
 ``--invariance``: instead, batch invariance on the device (scripts/benchlib/invariance.py): a small flood
-through the native engine with the device's defaults, each batch-class request compared with itself alone
+through the native engine with the device's defaults, each background request compared with itself alone
 (tokens and logprobs), in bf16 and fp32 on the ``small`` shape; prints how many differ.
 
     python scripts/bench_gpu.py --device cuda --shape small --invariance
@@ -146,7 +146,7 @@ def main(shape: str, modes: str, json_path: str | None, invariance: bool, native
 
 
 def check_invariance(shape: str, device: str, json_path: str | None, t0: float, native_kernel: bool) -> None:
-    """Print, per dtype, how many of the flood's batch-class requests differ from themselves alone."""
+    """Print, per dtype, how many of the flood's background requests differ from themselves alone."""
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         row = flood_vs_alone(build_model(shape, device, dtype), device, native_kernel)

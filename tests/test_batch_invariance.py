@@ -143,13 +143,13 @@ def test_batch_requests_under_a_flood_through_a_worker_match_them_alone(model_di
                      max_seq_len=256, max_batch_size=8, max_running=6, max_prefill_tokens=24, max_wait_ms=5,
                      kv_cache_gb=40 * 2 * 2 * 16 * 2 * 64 * (2 if dtype == "bfloat16" else 4) / 2**30)
     with Client(redis_url, namespace) as client:
-        batch = [client.submit(t, priority="batch", **p) for t, p in targets()]
+        batch = [client.submit(t, priority="background", **p) for t, p in targets()]
         inter = [client.submit(t, **p) for t, p in flood()]
         mixed = [client.result(j, timeout=300) for j in batch]
         for j in inter:
             client.result(j, timeout=300)
         stats = w.loop.engine.stats()
-        alone = [client.generate(t, priority="batch", timeout=300, **p) for t, p in targets()]  # the idle worker
+        alone = [client.generate(t, priority="background", timeout=300, **p) for t, p in targets()]  # the idle worker
     assert stats["prefix_cache_hits"] > 0  # preemptions depend on arrival timing here: the engine test forces them
     differ = [i for i, (a, b) in enumerate(zip(mixed, alone))
               if (a.token_ids, a.logprobs) != (b.token_ids, b.logprobs)]

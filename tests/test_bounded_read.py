@@ -150,17 +150,17 @@ def test_a_read_is_one_plain_xreadgroup_per_distinct_count():
         keys, r = Keys("br"), redis.Redis.from_url(server.url)
         for i in range(20):
             r.xadd(keys.stream(32), _fields(f"j{i}", 300))
-            r.xadd(keys.stream(64, "batch"), _fields(f"b{i}", 300))
+            r.xadd(keys.stream(64, "background"), _fields(f"b{i}", 300))
         before = {cmd: _calls(r, cmd) for cmd in ("xreadgroup", "evalsha")}
-        got = c.read(count=20, block_ms=None)  # every lane the same count: one command over the four streams
+        got = c.read(count=20, block_ms=None)  # every priority the same count: one command over the four streams
         assert [e.fields[b"id"] for e in got] == [f"j{i}".encode() for i in range(20)] + [
             f"b{i}".encode() for i in range(20)]  # interactive streams first
         assert all(e.oversize == 0 and len(e.fields[b"p"]) == 300 for e in got)
         assert _calls(r, "xreadgroup") - before["xreadgroup"] == 1
         for i in range(20, 30):
             r.xadd(keys.stream(32), _fields(f"j{i}", 300))
-            r.xadd(keys.stream(64, "batch"), _fields(f"b{i}", 300))
-        got = c.read(count={"interactive": 3, "batch": 5}, block_ms=None)  # two counts: two commands, one round trip
+            r.xadd(keys.stream(64, "background"), _fields(f"b{i}", 300))
+        got = c.read(count={"interactive": 3, "background": 5}, block_ms=None)  # two counts: two commands, 1 trip
         assert [e.fields[b"id"] for e in got] == [f"j{i}".encode() for i in range(20, 23)] + [
             f"b{i}".encode() for i in range(20, 25)]
         assert _calls(r, "xreadgroup") - before["xreadgroup"] == 3

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from batchfleet.common.keys import Keys
-from batchfleet.common.wire.lanes import BATCH
+from batchfleet.common.wire.priority import BACKGROUND
 from batchfleet.producer.bulk.files import RunNames, run_names
 from batchfleet.producer.bulk.lines import parse_lines
 from tests.conftest import TEST_BUCKETS, worker_config
@@ -132,9 +132,10 @@ def test_interrupted_bulk_resumes_without_recomputing(fleet, start_worker, redis
     second = _bulk(src, dst, redis_url, namespace)
     if gated is not None:
         r = redis.Redis.from_url(redis_url)
-        queued = sum(r.xlen(Keys(namespace).stream(b, BATCH)) for b in TEST_BUCKETS)
+        queued = sum(r.xlen(Keys(namespace).stream(b, BACKGROUND)) for b in TEST_BUCKETS)
         end = time.monotonic() + 60
-        while sum(r.xlen(Keys(namespace).stream(b, BATCH)) for b in TEST_BUCKETS) <= queued and time.monotonic() < end:
+        keys = Keys(namespace)
+        while sum(r.xlen(keys.stream(b, BACKGROUND)) for b in TEST_BUCKETS) <= queued and time.monotonic() < end:
             time.sleep(0.01)  # until the second run has enqueued more
         gated.loop.engine.gate.set()
     _, err2 = second.communicate(timeout=600)

@@ -1,7 +1,7 @@
 """What the engine did, reported (issue 30 item 3): a prompt whose prefix the native engine's cache holds
 comes back with ``usage.prompt_tokens_details.cached_tokens`` > 0 on completions, chat, streamed usage
 chunks and the Batch API's output lines, and the worker's metrics count cached prompt tokens and
-preemptions per class."""
+preemptions per priority."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_usage_carries_cached_tokens_and_the_fleet_view_preemptions():
     assert shape.usage_chunk([result(40, cached_tokens=32)])["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
 
 
-def test_cached_tokens_on_every_surface_and_per_class_metrics(start_worker, start_gateway, tmp_path):
+def test_cached_tokens_on_every_surface_and_per_priority_metrics(start_worker, start_gateway, tmp_path):
     port = free_port()
     w = start_worker(engine="native", mode="continuous", max_wait_ms=5, kv_cache_gb=0.02, metrics_port=port)
     gw = start_gateway(files_dir=str(tmp_path / "files"), served_model_names=("m",))
@@ -69,7 +69,7 @@ def test_cached_tokens_on_every_surface_and_per_class_metrics(start_worker, star
     events = asyncio.run(streamed_completion())
     assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached, events[-2]
 
-    # the Batch API's output lines (batch class): the same completion objects
+    # the Batch API's output lines (background priority): the same completion objects
     text = "".join(batch_line(f"r{i}", {"model": "m", "messages": messages, "max_tokens": 2, "temperature": 0})
                    for i in range(3))
     uploaded = client.files.create(file=("b.jsonl", io.BytesIO(text.encode())), purpose="batch")
@@ -82,9 +82,10 @@ def test_cached_tokens_on_every_surface_and_per_class_metrics(start_worker, star
         assert 0 < body["usage"]["prompt_tokens_details"]["cached_tokens"] <= body["usage"]["prompt_tokens"], body
 
     m = scrape(port)
-    interactive, batched = (one(m, "batchfleet_prompt_tokens_cached_total", **{"class": c})
-                            for c in ("interactive", "batch"))
+    interactive, batched = (one(m, "batchfleet_prompt_tokens_cached_total", priority=p)
+                            for p in ("interactive", "background"))
     assert interactive >= cached * 2 and batched > 0, (interactive, batched)
     assert interactive + batched == sum(w.loop.ledger.cached_tokens.values())
-    assert {dict(k)["class"] for k in m["batchfleet_request_preemptions_total"]} == {"interactive", "batch"}
+    assert {(dict(k)["priority"], dict(k)["class"]) for k in m["batchfleet_request_preemptions_total"]} == {
+        ("interactive", "interactive"), ("background", "batch")}  # "class": the deprecated label, one release
     assert json.dumps(w.loop.ledger.preemptions)  # plain counts (none expected in this light load)

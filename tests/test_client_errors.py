@@ -42,9 +42,9 @@ def test_no_workers_fails_fast_unless_told_to_enqueue_anyway(redis_url, namespac
         with pytest.raises(Timeout, match=r"within 0.5 s; no live worker"):
             client.result(job, timeout=0.5)
         # an Ask made already (the gateway's) is sent as is: the entry's Request carries its very parameters
-        ask = Ask.of({"max_new_tokens": 2, "seed": 9, "guided_regex": "[ab]+", "priority": "batch"})
+        ask = Ask.of({"max_new_tokens": 2, "seed": 9, "guided_regex": "[ab]+", "priority": "background"})
         client.submit("hello", ask=ask)
-        ((_, entry),) = r.xrange(keys.stream(32, "batch"))
+        ((_, entry),) = r.xrange(keys.stream(32, "background"))
         assert Request.decode(entry[b"p"]).params == ask.params
         with pytest.raises(InvalidRequest, match="not both"):
             client.submit("hello", ask=ask, seed=1)

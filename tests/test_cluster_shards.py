@@ -70,7 +70,7 @@ def test_requests_spread_over_the_shards_and_status_sums_them(redis_url, namespa
         client.generate([1, 2, 3], max_new_tokens=2, timeout=60)
         w.stop()
         jobs = [client.submit([10 + i, 11], max_new_tokens=4, timeout=120) for i in range(30)]
-        batch = [client.submit([20 + i, 21], max_new_tokens=3, timeout=120, priority="batch") for i in range(6)]
+        batch = [client.submit([20 + i, 21], max_new_tokens=3, timeout=120, priority="background") for i in range(6)]
         late = client.submit([7, 8], max_new_tokens=4, timeout=1.0)  # its deadline passes before any worker runs
         r = sync_client(redis_url)
         try:

@@ -51,8 +51,8 @@ def test_data_and_key_on_the_gateway_and_the_standalone_server(start_worker, red
     r = redis.Redis.from_url(redis_url)
     data = dashboard_data(r, keys)
     r.close()
-    assert [(q["bucket"], q["class"]) for q in data["queues"]] == [
-        (b, lane) for lane in ("interactive", "batch") for b in TEST_BUCKETS]  # a row per bucket and class
+    assert [(q["bucket"], q["priority"]) for q in data["queues"]] == [
+        (b, priority) for priority in ("interactive", "background") for b in TEST_BUCKETS]  # a row each
     (worker,) = data["workers"]
     assert worker["name"] == w.loop.transport.name and worker["alive"] and worker["completed"] == 3
     assert {b["bucket"] for b in data["batches"]} == {TEST_BUCKETS[0], TEST_BUCKETS[1]}
@@ -98,8 +98,8 @@ def test_chromium_shows_the_running_fleet(start_worker, redis_url: str, namespac
         locked = Dom(chromium(f"{gw.url}/dashboard"))  # no key: the page asks for one, shows no data
     assert "tiny" in dom.text["fleet"] and f"namespace {namespace}" in dom.text["fleet"]
     assert dom.text["live"] == "1 live worker" and not dom.text["error"].strip()
-    queues = [(int(row["data-bucket"]), row["data-class"]) for row in dom.rows if "data-bucket" in row]
-    assert queues == [(b, lane) for lane in ("interactive", "batch") for b in TEST_BUCKETS]
+    queues = [(int(row["data-bucket"]), row["data-priority"]) for row in dom.rows if "data-bucket" in row]
+    assert queues == [(b, priority) for priority in ("interactive", "background") for b in TEST_BUCKETS]
     (row,) = [row for row in dom.rows if "data-worker" in row]
     assert row["data-worker"] == name and row["data-alive"] == "true"
     workers = dom.text["workers"]

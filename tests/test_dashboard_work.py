@@ -108,7 +108,7 @@ def test_chromium_shows_a_running_batch_job_and_a_running_bulk_run(redis_url, na
         worker.stop(30)
         r.close()
     assert not dom.text["error"].strip() and dom.text["zone"] == "times in UTC"
-    for word in ("class", "prefill batch", "batch job", "bulk run"):
+    for word in ("priority", "prefill batch", "batch job", "bulk run"):
         assert word in dom.text["words"]
     (row,) = [row for row in dom.rows if "data-job" in row]
     assert row["data-job"] == job.id and row["data-status"] == "in_progress"

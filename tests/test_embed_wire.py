@@ -55,8 +55,8 @@ def test_a_bad_embedding_is_a_protocol_error():
 
 
 def test_the_clients_embed_kind_takes_no_generation_parameters():
-    ask = Ask.of({"kind": "embed", "priority": "batch"})
-    assert ask.kind == "embed" and ask.params.max_new_tokens == 1 and ask.lane == "batch"
+    ask = Ask.of({"kind": "embed", "priority": "background"})
+    assert ask.kind == "embed" and ask.params.max_new_tokens == 1 and ask.priority == "background"
     for bad in ({"kind": "embed", "temperature": 0.5}, {"kind": "other"}):
         with pytest.raises(InvalidRequest):
             Ask.of(bad)
@@ -77,7 +77,7 @@ def test_embeddings_bodies():
     assert embed_job({"input": [[1, 2], [3]]}, 60).inputs == [[1, 2], [3]]
     assert embed_job({"input": [1, 2]}, 60).inputs == [[1, 2]]
     job = embed_job({"input": ["a", "b"], "encoding_format": "base64", "timeout": 1e9, "service_tier": "flex"}, 60)
-    assert job.timeout == 60 and job.ask == Ask.embed("batch") and job.ask.lane == "batch"
+    assert job.timeout == 60 and job.ask == Ask.embed("background") and job.ask.priority == "background"
     for body, param in [({"input": "a", "dimensions": 2}, "dimensions"), ({"input": [""]}, "input"),
                         ({"input": ["a"] * 2049}, "input"), ({"input": "a", "priority": 1, "service_tier": "auto"},
                                                              "priority"), ({"input": 3}, "input")]:

@@ -163,7 +163,7 @@ def test_a_guide_failed_reply_is_a_400_naming_the_guide_at_the_gateway():
 
 @pytest.mark.unit
 def test_a_result_reports_what_the_engine_did():
-    entry = Entry(bucket=32, entry_id="1-0", fields={b"id": b"j"}, lane="batch")
+    entry = Entry(bucket=32, entry_id="1-0", fields={b"id": b"j"}, priority="background")
     acc = Accepted(entry, Request(id="j", prompt=[1] * 40, reply_key="inbox"),
                    GenRequest(id="j", prompt=[1] * 40, bucket=64), 0.0, None)
     ok = Completion(id="j", token_ids=[5], text="x", finish_reason="length", started_at=0.0, first_token_at=0.0,
@@ -176,5 +176,5 @@ def test_a_result_reports_what_the_engine_did():
     assert plain.message.extra == {"bucket": 32, "cached_tokens": 0, "preemptions": 0}  # hf: nothing cached
     ledger = Ledger()
     ledger.replied([reply, plain])
-    assert ledger.cached_tokens == {"interactive": 0, "batch": 32}
-    assert ledger.preemptions == {"interactive": 0, "batch": 2}
+    assert ledger.cached_tokens == {"interactive": 0, "background": 32}
+    assert ledger.preemptions == {"interactive": 0, "background": 2}

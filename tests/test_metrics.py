@@ -37,7 +37,7 @@ def scrape(port: int) -> dict[str, dict[tuple, float]]:
     return out
 
 
-IA = {"class": "interactive"}  # the queue gauges of interactive streams
+IA = {"priority": "interactive"}  # the series of interactive work
 
 
 def one(m: dict, name: str, **labels: str) -> float:
@@ -68,8 +68,9 @@ def test_worker_metrics_under_load(start_worker, redis_url: str, namespace: str)
             assert name + "_total" in m, name
         for name in HISTOGRAMS:
             assert name + "_count" in m and name + "_sum" in m and name + "_bucket" in m, name
-        assert {(dict(k)["bucket"], dict(k)["class"]) for k in m["batchfleet_queue_depth"]} == {
-            (str(b), c) for b in TEST_BUCKETS for c in ("interactive", "batch")}
+        # the priority, and for one release the deprecated label ``class`` with its old values, on one series
+        assert {(dict(k)["bucket"], dict(k)["priority"], dict(k)["class"]) for k in m["batchfleet_queue_depth"]} == {
+            (str(b), p, c) for b in TEST_BUCKETS for p, c in (("interactive", "interactive"), ("background", "batch"))}
         assert total(m, "batchfleet_queue_depth") == 0 and total(m, "batchfleet_queue_pending") == 0
         assert one(m, "batchfleet_requests_running") == 0 and one(m, "batchfleet_requests_waiting") == 0
         assert 0 <= one(m, "batchfleet_kv_cache_usage_ratio") <= 1
@@ -85,8 +86,9 @@ def test_worker_metrics_under_load(start_worker, redis_url: str, namespace: str)
         assert one(m, "batchfleet_generation_tokens_total") == sum(x.completion_tokens for x in results) > 0
         for name in ("batchfleet_time_to_first_token_seconds", "batchfleet_e2e_request_latency_seconds",
                      "batchfleet_request_queue_time_seconds"):
-            # every class exported from the start; these requests are all interactive (the default class)
-            assert one(m, name + "_count", **IA) == n and one(m, name + "_count", **{"class": "batch"}) == 0, name
+            # every priority exported from the start; these requests are all interactive (the default)
+            background = {"priority": "background", "class": "batch"}
+            assert one(m, name + "_count", **IA) == n and one(m, name + "_count", **background) == 0, name
         e2e = one(m, "batchfleet_e2e_request_latency_seconds_sum", **IA)
         assert e2e == pytest.approx(sum(x.total_ms for x in results) / 1000, rel=1e-3)
         assert one(m, "batchfleet_time_to_first_token_seconds_sum", **IA) <= e2e
@@ -168,5 +170,5 @@ def test_gateway_serves_the_fleet_queue_gauges(start_worker, redis_url, namespac
     finally:
         proc.terminate()
         proc.wait(10)
-    assert 'batchfleet_queue_depth{bucket="32",class="interactive"}' in body
+    assert 'batchfleet_queue_depth{bucket="32",priority="interactive",class="interactive"}' in body
     assert "batchfleet_gateway_requests_in_progress 0.0" in body  # and its own HTTP metrics, on the same port

@@ -34,7 +34,7 @@ TARGET_LABELS = {"instance", "job"}  # added by Prometheus to every scraped samp
 
 def selectors(expr: str) -> list[tuple[str, set[str]]]:
     """(metric name, label names matched or grouped by) of every vector selector in ``expr`` (raises on a
-    parse error): a ``sum by (class)`` over a metric without ``class`` silently merges what it should split."""
+    parse error): a ``sum by (priority)`` over a metric without ``priority`` silently merges what it should split."""
     found: list[tuple[str, set[str]]] = []
 
     def walk(node, grouped: frozenset[str]) -> None:
@@ -66,7 +66,7 @@ def test_dashboard_and_rules_parse_and_cover_the_issue():
     for e in exprs:
         assert selectors(e), e
     names = {r["alert"] for r in alert_rules()}
-    assert names == {"BatchfleetNoLiveWorkers", "BatchfleetInteractiveQueueTooOld", "BatchfleetBatchQueueTooOld",
+    assert names == {"BatchfleetNoLiveWorkers", "BatchfleetInteractiveQueueTooOld", "BatchfleetBackgroundQueueTooOld",
                      "BatchfleetWorkerStuck", "BatchfleetDeadLettersGrowing", "BatchfleetKVCacheSaturated",
                      "BatchfleetGateway5xx"}
     for r in alert_rules():
@@ -76,31 +76,31 @@ def test_dashboard_and_rules_parse_and_cover_the_issue():
     assert dash["uid"] == "batchfleet" and dash["templating"]["list"][0]["type"] == "datasource"
 
 
-BY_CLASS = ("batchfleet_queue_depth", "batchfleet_queue_pending", "batchfleet_queue_oldest_age_seconds",
+BY_PRIORITY = ("batchfleet_queue_depth", "batchfleet_queue_pending", "batchfleet_queue_oldest_age_seconds",
             "batchfleet_time_to_first_token_seconds_bucket", "batchfleet_e2e_request_latency_seconds_bucket",
             "batchfleet_request_queue_time_seconds_bucket")
 
 
 @pytest.mark.unit
-def test_grafana_splits_queues_and_latency_by_class_and_kv_full_means_capacity():
-    """Issue 32: a batch backlog merged into the interactive queue, or bulk latency into interactive latency,
+def test_grafana_splits_queues_and_latency_by_priority_and_kv_full_means_capacity():
+    """Issue 32: a background backlog merged into the interactive queue, or bulk latency into interactive latency,
     hides what an operator looks for; "preempted (KV full)" counted priority preemptions too."""
     dash = json.loads(GRAFANA.read_text())
     targets = [t for p in dash["panels"] for t in p.get("targets", [])]
     seen = set()
     for t in targets:
         for name, labels in selectors(t["expr"]):
-            if name in BY_CLASS:
+            if name in BY_PRIORITY:
                 seen.add(name)
-                assert "class" in labels and "{{class}}" in t["legendFormat"], t
+                assert "priority" in labels and "{{priority}}" in t["legendFormat"], t
         if "KV full" in t.get("legendFormat", ""):
             assert selectors(t["expr"]) == [("batchfleet_preemptions_total", {"reason"})]
             assert 'reason="capacity"' in t["expr"], t
-    assert seen == set(BY_CLASS)
-    for r in alert_rules():  # the alerts too: an age per class, saturation on capacity preemptions only
+    assert seen == set(BY_PRIORITY)
+    for r in alert_rules():  # the alerts too: an age per priority, saturation on capacity preemptions only
         for name, labels in selectors(r["expr"]):
             if name == "batchfleet_queue_oldest_age_seconds":
-                assert "class" in labels, r["alert"]
+                assert "priority" in labels, r["alert"]
             if name == "batchfleet_preemptions_total":
                 assert 'reason="capacity"' in r["expr"], r["alert"]
 
@@ -178,5 +178,5 @@ def test_every_metric_used_is_exported(start_worker, redis_url: str, namespace: 
     assert any(n.startswith("batchfleet_gateway_") for n in histograms)
     for name in ("batchfleet_time_to_first_token_seconds_bucket", "batchfleet_e2e_request_latency_seconds_bucket",
                  "batchfleet_request_queue_time_seconds_bucket"):  # bulk vs interactive latency, split in Grafana
-        assert "class" in worker[name], name
+        assert {"priority", "class"} <= worker[name], name  # "class": the deprecated label, kept one release
     assert "reason" in worker["batchfleet_preemptions_total"]

@@ -80,7 +80,7 @@ def test_a_chat_body_is_one_params_from_the_edge_to_the_wire(counts):
     job = request_job(True, body, 60, 16)
     assert type(job.params) is Params and job.params.guide is not None and counts["params"] == 1
     (ask,) = asyncio.run(job_asks(job))
-    assert ask.params is job.params and ask.lane == "batch" and Ask.called(ask, {}) is ask  # what submit(ask=) keeps
+    assert ask.params is job.params and ask.priority == "background" and Ask.called(ask, {}) is ask  # kept
     out = fleet().build(Keys("t"), "t:inbox:x", job.prompt, ask, 30.0, "j1")
     assert out.request.params is job.params
     payload = out.request.encode()
@@ -110,23 +110,23 @@ def test_a_forced_tool_call_changes_the_guide_alone(counts):
 
 def test_an_embeddings_body_and_batch_lines_hand_over_asks(counts):
     job = embed_job({"input": ["a", "b"], "service_tier": "flex"}, 60)
-    assert job.ask == Ask.embed("batch") and job.ask.kind == "embed"
+    assert job.ask == Ask.embed("background") and job.ask.kind == "embed"
     line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
             "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "seed": 1}}
     fmt = OpenAIFormat("p", Limits(60.0, 16), model_names=("m",))
     work = fmt.parse(0, json.dumps(line).encode())
     (ask,) = asyncio.run(fmt.asks(work))
-    assert ask.params is work.line.job.params and ask.lane == "batch"  # the batch class, whatever the body says
+    assert ask.params is work.line.job.params and ask.priority == "background"  # whatever the body says
     prompts = PromptFormat("q")
     work = prompts.parse(0, json.dumps({"prompt": "hi", "max_new_tokens": 2, "guided_regex": "[ab]"}).encode())
     (ask,) = asyncio.run(prompts.asks(work))
-    assert ask.params.guide == Guide("regex", "[ab]") and ask.lane == "batch"
+    assert ask.params.guide == Guide("regex", "[ab]") and ask.priority == "background"
 
 
 def test_the_clients_keywords_are_checked_once_and_a_guide_kept_as_given(counts):
     guide = Guide("json_schema", json.dumps(fresh_schema()))
-    ask = Ask.of({"guide": guide, "max_new_tokens": 3, "priority": "batch"})
-    assert ask.params.guide is guide and ask.lane == "batch"
+    ask = Ask.of({"guide": guide, "max_new_tokens": 3, "priority": "background"})
+    assert ask.params.guide is guide and ask.priority == "background"
     assert counts == {"params": 1, "compiled": 1, "serialised": 0}  # no guide re-serialised and re-parsed
     with pytest.raises(InvalidRequest, match="not both"):
         Ask.called(ask, {"temperature": 1.0})
@@ -134,8 +134,8 @@ def test_the_clients_keywords_are_checked_once_and_a_guide_kept_as_given(counts)
         Ask.called({"temperature": 1.0}, {})  # type: ignore[arg-type]
     with pytest.raises(InvalidRequest, match="no generation parameters"):
         Ask(Params(max_new_tokens=2), kind="embed")
-    with pytest.raises(InvalidRequest, match="lane"):
-        Ask(Params(), lane="urgent")
+    with pytest.raises(InvalidRequest, match="priority"):
+        Ask(Params(), priority="urgent")
 
 
 def test_every_guide_has_the_wires_shape_when_made():

@@ -44,10 +44,10 @@ def wait_until(client: openai.OpenAI, batch_id: str, statuses: tuple[str, ...], 
         time.sleep(0.2)
 
 
-def enqueued(redis_url: str, namespace: str, lane: str = "batch") -> int:
+def enqueued(redis_url: str, namespace: str, priority: str = "background") -> int:
     """Jobs ever enqueued in one class's streams (every bucket)."""
     r = redis.Redis.from_url(redis_url)
-    keys = [Keys(namespace).stream(b, lane) for b in TEST_BUCKETS]
+    keys = [Keys(namespace).stream(b, priority) for b in TEST_BUCKETS]
     return sum(r.xinfo_stream(k)["entries-added"] for k in keys if r.exists(k))
 
 
@@ -69,7 +69,7 @@ def test_batch_with_the_openai_client_and_bulk_on_the_same_file(start_worker, st
     src = tmp_path / "batch.jsonl"
     src.write_text(text)
     uploaded = a.files.create(file=("batch.jsonl", io.BytesIO(text.encode())), purpose="batch")
-    assert uploaded.bytes == len(text.encode()) and uploaded.purpose == "batch"
+    assert uploaded.bytes == len(text.encode()) and uploaded.purpose == "background"
     batch = a.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h",
                              metadata={"job": "nightly"})
     assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
@@ -149,7 +149,7 @@ def test_malformed_file_fails_whole_and_cancel_finalizes(start_worker, start_gat
     assert cancelled.request_counts.completed == len(out) and cancelled.request_counts.failed == len(errors)
     # the work stopped in the fleet: nothing of the batch is left queued or running
     r = redis.Redis.from_url(redis_url)
-    streams = [k for k in (Keys(namespace).stream(b, "batch") for b in TEST_BUCKETS) if r.exists(k)]
+    streams = [k for k in (Keys(namespace).stream(b, "background") for b in TEST_BUCKETS) if r.exists(k)]
     deadline = time.monotonic() + 30
     while any(g["pending"] or g["lag"] for k in streams for g in r.xinfo_groups(k)):
         assert time.monotonic() < deadline, [r.xinfo_groups(k) for k in streams]

@@ -1,5 +1,5 @@
 """Preemptions are exported by reason (issue 32): a KV cache too small for what runs preempts for capacity,
-which the saturation alert reads, never counted as the lanes' priority preemptions; a real worker on the
+which the saturation alert reads, never counted as the priorities' priority preemptions; a real worker on the
 native engine with a deliberately tiny KV pool, scraped over HTTP."""
 
 from __future__ import annotations

@@ -213,7 +213,7 @@ def test_document_matches_the_code():
     assert table_fields("### Error (`kind` = `error`)", 1) == ERROR_CODES
     k = Keys("bf")
     for key in (k.fleet, k.workers, k.stream(128).replace("128", "<bucket>"),
-                k.stream(128, "batch").replace("128", "<bucket>"), k.inbox("<token>"),
+                k.stream(128, "background").replace("128", "<bucket>"), k.inbox("<token>"),
                 k.cancel("<id>"), k.cancels, k.done("<id>", k.inbox("<token>")), k.worker("<name>"), k.batches,
                 k.dead, k.flush):
         assert f"`{key}`" in doc_section("## Keys"), key

@@ -118,21 +118,21 @@ def test_every_delivered_entry_is_recovered_once_in_every_lane(consumers):
     make, keys, r = consumers
     c = make("a")
     kinds = {}
-    for lane in ("interactive", "batch"):
+    for priority in ("interactive", "background"):
         for b in (32, 64):
-            stream = keys.stream(b, lane)
+            stream = keys.stream(b, priority)
             for kind, fields in (("s", _fields), ("h", _huge), ("m", _many), ("t", _fields)):
-                job = f"{kind}-{b}-{lane}"
+                job = f"{kind}-{b}-{priority}"
                 kinds[job] = kind
                 r.xadd(stream, fields(job))
-    got = _read_all(c, count={"interactive": 10, "batch": 10})
+    got = _read_all(c, count={"interactive": 10, "background": 10})
     ids = [e.fields[b"id"].decode() for e in got]
     assert sorted(ids) == sorted(kinds)  # each exactly once
     assert all((e.oversize > 0) == (kinds[e.fields[b"id"].decode()] in "hm") for e in got)
     assert all(len(v) <= bounded.KEEP_BYTES for e in got for v in e.fields.values())
     assert all(e.deliveries == 1 for e in got)  # the recovery is no second delivery
-    assert sum(r.xpending(keys.stream(b, lane), keys.group)["pending"]
-               for b in (32, 64) for lane in ("interactive", "batch")) == 16
+    assert sum(r.xpending(keys.stream(b, priority), keys.group)["pending"]
+               for b in (32, 64) for priority in ("interactive", "background")) == 16
 
 
 def test_entries_already_held_are_not_returned_again(consumers):

@@ -91,10 +91,10 @@ def test_a_cluster_client_and_a_cluster_workers_read():
         stream = c.keys.stream(32)
         c.r.xadd(stream, {"id": "huge", "p": b"\x00" * (16 << 20)})
         c.r.xadd(stream, {"id": "small", "p": b"x"})
-        c.r.xadd(c.keys.stream(64, "batch"), {"id": "batch", "p": b"x"})
-        got = c.read(count={"interactive": 4, "batch": 2}, block_ms=None)  # two counts: one command each
+        c.r.xadd(c.keys.stream(64, "background"), {"id": "batch", "p": b"x"})
+        got = c.read(count={"interactive": 4, "background": 2}, block_ms=None)  # two counts: one command each
         assert [(e.fields[b"id"], e.oversize > 0) for e in got] == [(b"huge", True), (b"small", False)]
-        assert [e.fields[b"id"] for e in c.read(count={"interactive": 4, "batch": 2}, block_ms=None)] == [b"batch"]
+        assert [e.fields[b"id"] for e in c.read(count={"interactive": 4, "background": 2}, block_ms=None)] == [b"batch"]
     finally:
         cluster.stop()
 

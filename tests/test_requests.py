@@ -9,8 +9,8 @@ import msgpack
 import pytest
 
 from batchfleet.common.keys import Keys
-from batchfleet.common.wire.lanes import LANES, RANK
 from batchfleet.common.wire.params import Params
+from batchfleet.common.wire.priority import LEVEL, PRIORITIES
 from batchfleet.common.wire.protocol import Error, Request
 from batchfleet.worker.batching.batcher import Batcher
 from batchfleet.worker.requests.table import RequestTable, Stage
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
 KEYS = Keys("t")
 INBOX = KEYS.inbox("client0123456789")
 LATER = 1e12  # every batch has closed by age
-ROOM = {"interactive": 8, "batch": 8}
+ROOM = {"interactive": 8, "background": 8}
 
 
 def acc(job_id: str, bucket: int = 32, entry_id: str | None = None, inbox: str = INBOX) -> Accepted:
@@ -38,10 +38,10 @@ def test_the_class_is_the_stream_an_entry_came_from():
     assert "priority" not in msgpack.unpackb(req.encode())  # carried once: by the stream
     older = msgpack.packb({**msgpack.unpackb(req.encode()), "priority": "interactive"})  # an older producer's
     for payload in (req.encode(), older):
-        for lane in LANES:
-            entry = Entry(32, "1-0", {b"id": b"j", b"r": INBOX.encode(), b"p": payload}, lane=lane)
+        for priority in PRIORITIES:
+            entry = Entry(32, "1-0", {b"id": b"j", b"r": INBOX.encode(), b"p": payload}, priority=priority)
             out = accept(entry, KEYS, Limits(max_seq_len=64, vocab_size=320), now=2.0)
-            assert isinstance(out, Accepted) and out.gen.priority == RANK[lane]
+            assert isinstance(out, Accepted) and out.gen.priority == LEVEL[priority]
             assert out.gen.params == req.params  # embedded as decoded, not copied field by field
 
 

@@ -49,9 +49,10 @@ def test_status_table_and_json(start_worker, redis_url: str, namespace: str):
     assert proc.returncode == 0, proc.stderr
     snap = json.loads(proc.stdout)
     assert snap["fleet"]["buckets"] == list(TEST_BUCKETS) and snap["dead_letters"] == 1
-    q = {x["bucket"]: x for x in snap["queues"] if x["class"] == "interactive"}
-    lanes = {(x["bucket"], x["class"]) for x in snap["queues"]}
-    assert lanes == {(b, c) for b in TEST_BUCKETS for c in ("interactive", "batch")}
+    q = {x["bucket"]: x for x in snap["queues"] if x["priority"] == "interactive"}
+    priorities = {(x["bucket"], x["priority"], x["class"]) for x in snap["queues"]}  # "class": deprecated key
+    assert priorities == {(b, p, c) for b in TEST_BUCKETS for p, c in (("interactive", "interactive"),
+                                                                          ("background", "batch"))}
     assert q[TEST_BUCKETS[0]]["depth"] == 1 and q[TEST_BUCKETS[0]]["pending"] == 0
     assert q[TEST_BUCKETS[0]]["oldest_age_s"] > 0 and q[TEST_BUCKETS[1]]["depth"] == 0
     w = {x["name"]: x for x in snap["workers"]}
@@ -90,18 +91,21 @@ def test_status_watch_until_interrupted(redis_url: str, namespace: str):
 
 
 @pytest.mark.unit
-def test_running_over_max_running_says_it_is_the_batch_reserve():
-    """Interactive work fills --max-running while the batch class keeps its reserve decoding: 'running' above
+def test_running_over_max_running_says_it_is_the_background_reserve():
+    """Interactive work fills --max-running while background work keeps its reserve decoding: 'running' above
     the limit is explained, not shown bare (issue 32)."""
     from batchfleet.producer.ops.status import _worker_row, render
 
     beat = {"name": "w1", "alive": True, "seen_s": 0.5, "engine": "native", "mode": "continuous", "active": 70,
-            "waiting": 3, "engine_running_limit": 64, "engine_batch_reserve": 6}
+            "waiting": 3, "engine_running_limit": 64, "engine_background_reserve": 6}
     row = _worker_row(beat)
-    assert (row["running"], row["running_limit"], row["batch_reserve"]) == (70, 64, 6)
+    assert (row["running"], row["running_limit"], row["background_reserve"]) == (70, 64, 6)
+    assert row["batch_reserve"] == 6  # the key's deprecated name, kept one release
+    older = {k: v for k, v in beat.items() if k != "engine_background_reserve"} | {"engine_batch_reserve": 5}
+    assert _worker_row(older)["background_reserve"] == 5  # an older worker's heartbeat still read
     snap = {"namespace": "bf", "fleet": None, "queues": [], "workers": [row], "dead_letters": 0}
     (line,) = [x for x in render(snap).splitlines() if x.startswith("w1")]
-    assert "70 (max-running 64 + batch reserve 6)" in line, line
+    assert "70 (max-running 64 + background reserve 6)" in line, line
     row = _worker_row({**beat, "active": 64})
     (line,) = [x for x in render({**snap, "workers": [row]}).splitlines() if x.startswith("w1")]
     assert " 64 " in line and "reserve" not in line, line

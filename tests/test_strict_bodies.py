@@ -29,8 +29,8 @@ def test_priority_is_refused_past_64_bits():
         for big in (2**63, 2**64, -(2**63) - 1, 10**30):
             err = refusal(chat, {**base, "priority": big})
             assert (err.status, err.param) == (400, "priority"), big
-        assert request_job(chat, {**base, "priority": 2**63 - 1}, 60, 16).lane == "batch"
-        assert request_job(chat, {**base, "priority": -(2**63)}, 60, 16).lane == "interactive"
+        assert request_job(chat, {**base, "priority": 2**63 - 1}, 60, 16).priority == "background"
+        assert request_job(chat, {**base, "priority": -(2**63)}, 60, 16).priority == "interactive"
 
 
 @pytest.mark.parametrize(("chat", "model"), [(False, CompletionRequest), (True, ChatCompletionRequest)])

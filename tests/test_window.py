@@ -64,16 +64,16 @@ def test_continuous_mode_holds_while_expected_arrivals_outnumber_the_waiting():
     w, b = adaptive(max_wait_ms=200.0)
     w.step_took(0.1)
     for i in range(50):  # 50 arrivals within a second: 50/s x 0.1 s = 5 expected per missed step
-        w.arrived(("batch", 256), 9.0 + i * 0.02)
+        w.arrived(("background", 256), 9.0 + i * 0.02)
     for i in range(4):
-        b.add(f"r{i}", 256, enqueued_at=10.0, lane="batch")
+        b.add(f"r{i}", 256, enqueued_at=10.0, priority="background")
     # 4 queued arrivals join the window's history: rate 54/s (inside the horizon), 5.4 > 4 waiting: hold
-    assert w.holds(("batch", 256), 4)
+    assert w.holds(("background", 256), 4)
     assert b.pop_batch(now=10.01) is None
     assert b.next_deadline() == pytest.approx(10.2)  # bounded by max_wait_ms
-    b.add("r4", 256, enqueued_at=10.01, lane="batch")
-    b.add("r5", 256, enqueued_at=10.01, lane="batch")
-    assert not w.holds(("batch", 256), 6)
+    b.add("r4", 256, enqueued_at=10.01, priority="background")
+    b.add("r5", 256, enqueued_at=10.01, priority="background")
+    assert not w.holds(("background", 256), 6)
     assert b.pop_batch(now=10.01) == (256, [f"r{i}" for i in range(6)])
 
 
@@ -112,7 +112,7 @@ def test_rate_counts_the_last_horizon_of_arrivals():
     for t in (0.0, 0.5, 1.2, 1.3):
         w.arrived(KEY, t)
     assert w.rate(KEY) == 3 / RATE_HORIZON_S  # 0.0 fell out when 1.2 arrived
-    assert w.rate(("batch", 128)) == 0.0
+    assert w.rate(("background", 128)) == 0.0
 
 
 def test_a_request_queued_again_is_not_counted_as_an_arrival():

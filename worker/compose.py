@@ -58,7 +58,7 @@ def fleet_info(cfg: WorkerConfig, loaded: LoadedModel) -> FleetInfo:
         buckets=cfg.batching.buckets, max_seq_len=cfg.batching.max_seq_len,
         max_batch_size=cfg.batching.max_batch_size, vocab_size=int(loaded.model.config.vocab_size),
         eos_token_ids=tuple(sorted(loaded.eos_ids)), max_queue_len=cfg.max_queue_len,
-        batch_queue_len=cfg.batch_queue_len,
+        batch_queue_len=cfg.background_queue_len,
         chat_template=chat_template_of(loaded.tokenizer), bos_token=loaded.tokenizer.bos_token or "",
         eos_token=loaded.tokenizer.eos_token or "", scale_to_zero=cfg.scale_to_zero, pooling=cfg.engine.pooling,
         shards=cfg.shards,

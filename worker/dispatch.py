@@ -18,7 +18,7 @@ import time
 from batchfleet.common.config import WorkerConfig
 from batchfleet.common.errors import CANCELLED
 from batchfleet.common.redis.retry import TRANSIENT
-from batchfleet.common.wire.lanes import INTERACTIVE, LANES, RANK
+from batchfleet.common.wire.priority import INTERACTIVE, LEVEL, PRIORITIES
 from batchfleet.worker.batching.window import Window
 from batchfleet.worker.engine.base import Completion, Engine
 from batchfleet.worker.ledger import Ledger
@@ -54,25 +54,25 @@ class Dispatcher:
         self._logs: list[dict] = []  # batch records not written yet (written after the next step)
 
     # ---- admission -------------------------------------------------------------------------------
-    def engine_full(self, lane: str = INTERACTIVE) -> bool:
-        """Whether the engine can start nothing more of ``lane`` now (no room for it, or a request runs or
+    def engine_full(self, priority: str = INTERACTIVE) -> bool:
+        """Whether the engine can start nothing more of ``priority`` now (no room for it, or a request runs or
         waits to run alone)."""
         return self.engine.has_work() and (self.alone or self.requests.count(Stage.SOLO) > 0
-                                           or self.engine.room(RANK[lane]) <= 0)
+                                           or self.engine.room(LEVEL[priority]) <= 0)
 
-    def room_now(self, lane: str) -> int:
-        """How many requests of ``lane`` the engine could start at its next admission (0 while full)."""
-        return 0 if self.engine_full(lane) else max(0, self.engine.room(RANK[lane]))
+    def room_now(self, priority: str) -> int:
+        """How many requests of ``priority`` the engine could start at its next admission (0 while full)."""
+        return 0 if self.engine_full(priority) else max(0, self.engine.room(LEVEL[priority]))
 
     def rooms(self) -> dict[str, int]:
-        """The engine's room per lane (interactive work may have room that batch work has not)."""
-        return {lane: self.engine.room(RANK[lane]) for lane in LANES}
+        """The engine's room per priority (interactive work may have room that background work has not)."""
+        return {priority: self.engine.room(LEVEL[priority]) for priority in PRIORITIES}
 
     def admit(self, now: float) -> None:
         """Start what may start: on an idle engine, a request waiting to run alone first; then closed
         batches, of any bucket, while the engine has room, interactive ones first (dynamic mode: its room is
         one batch when idle, none while it runs; continuous: up to max_running sequences, decoding all
-        buckets together, where an interactive batch has room that batch-class sequences hold: the engine
+        buckets together, where an interactive batch has room that background sequences hold: the engine
         preempts them)."""
         if self.engine.has_work():
             if self.alone or self.requests.count(Stage.SOLO):

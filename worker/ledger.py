@@ -3,7 +3,7 @@
 Outcomes are counted where every answer passes, from the typed replies themselves (``replied``): a
 ``Result`` is ``completed``, an ``Error`` coded ``cancelled`` is ``cancelled``, any other ``Error`` is
 one of ``errors`` (a ``Result`` also adds its ``cached_tokens`` and ``preemptions``, from ``extra``, to
-its class's totals); a dead-lettered entry (answered by the transport's dead-letter write, not the outbox)
+its priority's totals); a dead-lettered entry (answered by the transport's dead-letter write, not the outbox)
 is counted by ``dead_lettered``. Everything else is an event its part notes by name (``note``). Pure:
 no Redis, no torch; only the loop's thread writes it (other threads read whole ints).
 """
@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 
 from batchfleet.common.errors import CANCELLED, WORKER_FAILED
-from batchfleet.common.wire.lanes import LANES
+from batchfleet.common.wire.priority import PRIORITIES
 from batchfleet.common.wire.protocol import Result
 from batchfleet.worker.transport.base import Reply
 
@@ -32,9 +32,9 @@ class Ledger(Mapping[str, int]):
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.outcomes: Counter[str] = Counter()
-        # per class (lane) of answered requests: prompt tokens the prefix cache supplied, preemptions
-        self.cached_tokens: Counter[str] = Counter(dict.fromkeys(LANES, 0))
-        self.preemptions: Counter[str] = Counter(dict.fromkeys(LANES, 0))
+        # per priority (priority) of answered requests: prompt tokens the prefix cache supplied, preemptions
+        self.cached_tokens: Counter[str] = Counter(dict.fromkeys(PRIORITIES, 0))
+        self.preemptions: Counter[str] = Counter(dict.fromkeys(PRIORITIES, 0))
 
     def note(self, event: str, n: int = 1) -> None:
         """Count ``n`` of an event (one of ``EVENTS``)."""
@@ -50,8 +50,8 @@ class Ledger(Mapping[str, int]):
                 self.outcomes["ok"] += 1
                 self.prompt_tokens += msg.prompt_tokens
                 self.generation_tokens += msg.completion_tokens
-                self.cached_tokens[rep.lane] += _count(msg.extra.get("cached_tokens"))
-                self.preemptions[rep.lane] += _count(msg.extra.get("preemptions"))
+                self.cached_tokens[rep.priority] += _count(msg.extra.get("cached_tokens"))
+                self.preemptions[rep.priority] += _count(msg.extra.get("preemptions"))
             else:
                 self._n["cancelled" if msg.code == CANCELLED else "errors"] += 1
                 self.outcomes[msg.code] += 1

@@ -139,7 +139,7 @@ class WorkerLoop:
             self.dispatch.admit(time.time())
         if self.engine.has_work():
             # what the engine has no room for may be released to idle peers while the step runs
-            stuck = [acc for acc in self.requests.of(Stage.QUEUED) if self.dispatch.engine_full(acc.entry.lane)]
+            stuck = [acc for acc in self.requests.of(Stage.QUEUED) if self.dispatch.engine_full(acc.entry.priority)]
             self.readahead.stepping(stuck, engine_full=bool(stuck))
             try:
                 self.dispatch.step()

@@ -6,7 +6,7 @@ The loop calls its observer in four places: ``started`` (a prefill batch entered
 typed: every answer, results and errors alike, passes there; the latency histograms read the results)
 and ``status`` (the heartbeat). Counts are the ledger's (worker/ledger.py), the one owner: the observer
 only reads them. Gauges and counters are read at scrape time; per request the loop only observes the
-three latency histograms, by class (with ``--metrics-port``).
+three latency histograms, by priority (with ``--metrics-port``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from batchfleet.common.errors import ERROR_CODES
-from batchfleet.common.metrics import MetricsServer, queue_collector, registry_with, serve_metrics
-from batchfleet.common.wire.lanes import LANES
+from batchfleet.common.metrics import (
+    PRIORITY_LABELS,
+    MetricsServer,
+    priority_labels,
+    queue_collector,
+    registry_with,
+    serve_metrics,
+)
+from batchfleet.common.wire.priority import PRIORITIES
 from batchfleet.common.wire.protocol import Result
 from batchfleet.worker.ledger import Ledger
 from batchfleet.worker.requests.table import Stage
@@ -60,10 +67,10 @@ class LoopStats:
         for rep in replies:
             if isinstance(rep.message, Result):
                 self._ttfts.append((now, rep.message.ttft_ms))
-                self.observe(rep.message, rep.lane)
+                self.observe(rep.message, rep.priority)
 
-    def observe(self, result: Result, lane: str) -> None:
-        """Per-result hook (the Prometheus histograms); ``lane``: the request's priority class."""
+    def observe(self, result: Result, priority: str) -> None:
+        """Per-result hook (the Prometheus histograms); ``priority``: the request's priority."""
 
     def tokens_per_s(self, now: float) -> float:
         """Generated tokens per second over the last RATE_WINDOW_S (sampled at each heartbeat)."""
@@ -105,16 +112,16 @@ class WorkerMetrics(LoopStats):
         self.loop = loop
         self.queues = queue_collector(loop.cfg.connection, loop.cfg.batching.buckets, loop.cfg.keys)
         self.registry: CollectorRegistry = registry_with(self.queues, _LoopCollector(self), registry=registry)
-        # by class: "bulk work does not slow interactive work" is read per class, never from a mix
+        # by priority: "bulk work does not slow interactive work" is read per priority, never from a mix
         self.ttft = Histogram("batchfleet_time_to_first_token_seconds", "From enqueue to the first generated token.",
-                              ["class"], buckets=LATENCY_BUCKETS, registry=self.registry)
+                              PRIORITY_LABELS, buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("batchfleet_e2e_request_latency_seconds", "From enqueue to the final result.",
-                             ["class"], buckets=LATENCY_BUCKETS, registry=self.registry)
+                             PRIORITY_LABELS, buckets=LATENCY_BUCKETS, registry=self.registry)
         self.queue_time = Histogram("batchfleet_request_queue_time_seconds", "From enqueue to entering the engine.",
-                                    ["class"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        for lane in LANES:  # every class exported from the start (at 0), so per-class queries never miss one
+                                    PRIORITY_LABELS, buckets=LATENCY_BUCKETS, registry=self.registry)
+        for priority in PRIORITIES:  # each exported from the start (at 0), so per-priority queries never miss one
             for hist in (self.ttft, self.e2e, self.queue_time):
-                hist.labels(lane)
+                hist.labels(*priority_labels(priority))
         self.batch_size = Histogram("batchfleet_batch_size", "Requests per prefill batch.", ["bucket"],
                                     buckets=BATCH_BUCKETS, registry=self.registry)
         self.decode_step = Histogram("batchfleet_decode_step_seconds", "Duration of one engine step (a decode "
@@ -134,10 +141,11 @@ class WorkerMetrics(LoopStats):
     def stepped(self, seconds: float) -> None:
         self.decode_step.observe(seconds)
 
-    def observe(self, result: Result, lane: str) -> None:
-        self.ttft.labels(lane).observe(max(0.0, result.ttft_ms / 1000))
-        self.e2e.labels(lane).observe(max(0.0, result.total_ms / 1000))
-        self.queue_time.labels(lane).observe(max(0.0, result.queue_ms / 1000))
+    def observe(self, result: Result, priority: str) -> None:
+        labels = priority_labels(priority)
+        self.ttft.labels(*labels).observe(max(0.0, result.ttft_ms / 1000))
+        self.e2e.labels(*labels).observe(max(0.0, result.total_ms / 1000))
+        self.queue_time.labels(*labels).observe(max(0.0, result.queue_ms / 1000))
 
     def close(self) -> None:
         if self.server is not None:
@@ -186,13 +194,13 @@ class _LoopCollector(Collector):
         yield CounterMetricFamily("batchfleet_dead_letters", "Entries this worker dead-lettered.",
                                   value=ledger["dead_lettered"])
         # two causes, two meanings: "capacity" (the KV cache was full: trouble, the alert's signal) and
-        # "priority" (a batch sequence gave its slot to an interactive one: the lanes working as designed)
+        # "priority" (a background sequence gave its slot to an interactive one: priority working as designed)
         preemptions = CounterMetricFamily("batchfleet_preemptions", "Sequences the engine preempted, by reason: "
-                                          "capacity (KV cache full) or priority (a batch sequence made room for "
+                                          "capacity (KV cache full) or priority (a background sequence made room for "
                                           "an interactive one).", labels=["reason"])
-        priority = stats.get("priority_preemptions", 0)
-        preemptions.add_metric(["capacity"], max(0, stats.get("preemptions", 0) - priority))
-        preemptions.add_metric(["priority"], priority)
+        made_room = stats.get("priority_preemptions", 0)
+        preemptions.add_metric(["capacity"], max(0, stats.get("preemptions", 0) - made_room))
+        preemptions.add_metric(["priority"], made_room)
         yield preemptions
         # vLLM's prefix_cache_queries / prefix_cache_hits: hits / queries is the hit rate (in tokens)
         yield CounterMetricFamily("batchfleet_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
@@ -201,13 +209,13 @@ class _LoopCollector(Collector):
         yield CounterMetricFamily("batchfleet_prefix_cache_hits", "Of those, tokens whose KV came from the prefix "
                                   "cache (prefill not computed).", value=stats.get("prefix_cache_hits", 0))
         cached = CounterMetricFamily("batchfleet_prompt_tokens_cached", "Of the prompt tokens of answered requests, "
-                                     "those the prefix cache supplied (OpenAI's cached_tokens), by class.",
-                                     labels=["class"])
+                                     "those the prefix cache supplied (OpenAI's cached_tokens), by priority.",
+                                     labels=PRIORITY_LABELS)
         preempted = CounterMetricFamily("batchfleet_request_preemptions", "Preemptions of answered requests "
-                                        "(each one recomputed), by class.", labels=["class"])
-        for lane in sorted(ledger.cached_tokens):
-            cached.add_metric([lane], ledger.cached_tokens[lane])
-            preempted.add_metric([lane], ledger.preemptions[lane])
+                                        "(each one recomputed), by priority.", labels=PRIORITY_LABELS)
+        for priority in sorted(ledger.cached_tokens):
+            cached.add_metric(priority_labels(priority), ledger.cached_tokens[priority])
+            preempted.add_metric(priority_labels(priority), ledger.preemptions[priority])
         yield cached
         yield preempted
         yield CounterMetricFamily("batchfleet_reclaimed", "Entries taken over from silent workers.",

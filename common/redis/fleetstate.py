@@ -20,14 +20,14 @@ from batchfleet.common.wire.protocol import FleetInfo
 
 @dataclass(frozen=True)
 class QueueStats:
-    """One bucket stream of one priority class (``lane``: interactive or batch). ``depth``: entries not yet
+    """One bucket stream of one priority (``priority``: interactive or background). ``depth``: entries not yet
     delivered to any worker (the group's lag, or XLEN minus pending when Redis cannot say); ``pending``:
     delivered, not yet answered; ``lag``: Redis' own figure (None before Redis 7 or when deletions make it
     unknown); ``oldest_age_s``: age of the oldest entry still in the stream (queued or running), 0 when
     empty."""
 
     bucket: int
-    lane: str
+    priority: str
     length: int
     depth: int
     pending: int
@@ -77,7 +77,7 @@ def layout(keys: Keys, info: FleetInfo | None) -> Keys:
 
 
 def queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int]) -> list[QueueStats]:
-    """Depth, pending, lag and oldest age of every bucket stream of both classes, interactive first: summed
+    """Depth, pending, lag and oldest age of every bucket stream of both priorities, interactive first: summed
     over the shards of ``keys``' layout (the oldest age: the largest), one pipeline round trip per shard."""
     per_shard = [_queue_stats(r, k, buckets) for k in keys.every_shard]
     if len(per_shard) == 1:
@@ -85,7 +85,7 @@ def queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int]
     out = []
     for rows in zip(*per_shard):
         lags = [q.lag for q in rows]
-        out.append(QueueStats(rows[0].bucket, rows[0].lane, sum(q.length for q in rows), sum(q.depth for q in rows),
+        out.append(QueueStats(rows[0].bucket, rows[0].priority, sum(q.length for q in rows), sum(q.depth for q in rows),
                               sum(q.pending for q in rows), None if None in lags else sum(q or 0 for q in lags),
                               max(q.oldest_age_s for q in rows)))
     return out
@@ -103,7 +103,7 @@ def _queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int
     sec, usec = res[0]
     now_ms = int(sec) * 1000 + int(usec) // 1000
     out = []
-    for i, (_, b, lane) in enumerate(streams):
+    for i, (_, b, priority) in enumerate(streams):
         length, groups, first = res[1 + 3 * i: 4 + 3 * i]
         length = length if isinstance(length, int) else 0
         group: dict = {}
@@ -117,7 +117,7 @@ def _queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int
         if isinstance(first, list) and first:
             entry_ms = int(_decode(first[0][0]).split("-")[0])
             age = max(0.0, (now_ms - entry_ms) / 1000)
-        out.append(QueueStats(b, lane, length, depth, pending, lag, age))
+        out.append(QueueStats(b, priority, length, depth, pending, lag, age))
     return out
 
 

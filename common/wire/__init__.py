@@ -1,1 +1,1 @@
-"""What crosses the wire: request/reply types and their codec, generation parameters, guides, priority classes."""
+"""What crosses the wire: request/reply types and their codec, generation parameters, guides, priorities."""

@@ -14,7 +14,7 @@ import msgpack
 from batchfleet.common.errors import UNSUPPORTED_SCHEMA, ProtocolError
 
 # 2: per-client inbox streams, timeouts on Redis' clock
-# 3: priority classes (lanes), vLLM's sampling extensions (ignore_eos, min_tokens, repetition_penalty,
+# 3: priorities, vLLM's sampling extensions (ignore_eos, min_tokens, repetition_penalty,
 # min_p), structured outputs (guide) and logprobs (logprobs, Result/Delta.logprobs; common/wire/params.py): a v2
 # worker would ignore them and answer something else than asked, so it refuses v3 (unsupported_schema)
 # 4: OpenAI's presence_penalty, frequency_penalty and logit_bias (a v3 worker would ignore them)

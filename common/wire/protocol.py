@@ -58,7 +58,7 @@ class Request:
     ``params`` (common/wire/params.py) travel as flat entries of the map, as they always did. ``timeout_ms``
     counts from the enqueue as Redis stamped it (the stream entry id), so a producer's clock never matters.
     ``reply_key`` is the submitting client's inbox stream (``<ns>:inbox:<token>``); ``stream`` asks for
-    Delta entries there while the job runs. The job's priority class is the stream it is enqueued in, and
+    Delta entries there while the job runs. The job's priority is the stream it is enqueued in, and
     nothing else: a ``priority`` entry (older producers sent one) is ignored. ``kind``: "generate" (the
     default; absent on the wire means it) or "embed": a prefill-only job whose Result carries the prompt's
     pooled, normalised hidden state (``Result.embedding``) and no tokens; the worker keeps no KV for it.
@@ -224,7 +224,9 @@ class FleetInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_queue_len: int = 0  # per-bucket interactive stream length at which producers get QueueFull; 0 = unbounded
-    batch_queue_len: int = 0  # the same for the batch class's streams
+    # the same for the background streams; the wire keeps the name from before background was called so, as the
+    # streams keep their key suffix (common/keys.py): producers and workers of both releases share fleets
+    batch_queue_len: int = 0
     chat_template: str = ""  # Jinja2 chat template (HF semantics); producers render messages with it
     bos_token: str = ""  # the template's ``bos_token`` / ``eos_token`` variables
     eos_token: str = ""

@@ -2,7 +2,7 @@
 for the gateway's batches (gateway/batches/runner.py) and for ``batchfleet bulk --format openai``.
 
 A line is parsed with the gateway's own validation (gateway/batches/lines.py); its jobs are named
-``<prefix>.<line number>.<line fingerprint>`` (``-<choice>`` when ``n`` > 1), submitted in the batch class
+``<prefix>.<line number>.<line fingerprint>`` (``-<choice>`` when ``n`` > 1), submitted at background priority
 whatever the body says, and its answer is the response the gateway's route would give, in an OpenAI batch
 output line (status 200) or error line. Answers are written as they come: OpenAI's output order is not the
 input's. Written lines read back by their ``id``, which ends with the input line number and fingerprint.
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchfleet.common.errors import PromptTooLong
-from batchfleet.common.wire.lanes import BATCH
+from batchfleet.common.wire.priority import BACKGROUND
 from batchfleet.common.wire.protocol import Result
 from batchfleet.gateway.batches.lines import (
     BatchLine,
@@ -94,10 +94,10 @@ class OpenAIFormat:
         error = unknown_model(job.model, self.model_names, any_name=self.alias_any)
         if error is not None:
             raise error
-        # the batch class, whatever the body says
+        # background work, whatever the body says
         if isinstance(job, EmbedJob):
-            return [Ask.embed(BATCH)] * len(job.inputs)
-        return await job_asks(job, self.family(), BATCH)
+            return [Ask.embed(BACKGROUND)] * len(job.inputs)
+        return await job_asks(job, self.family(), BACKGROUND)
 
     def family(self) -> Family:
         """The served model's tool-call format, from the fleet's chat template (gateway/openai/tools/parsers.py)."""

@@ -7,7 +7,7 @@ exactly once and nothing written is computed again).
 
 A batch's life, as OpenAI's: ``validating`` (the whole input is read once, streamed: a line that is not a
 batch request for the batch's endpoint, or a repeated custom_id, fails the batch with the lines' errors) ->
-``in_progress`` (lines run in the batch class) -> ``finalizing`` (output and error files registered) ->
+``in_progress`` (lines run at background priority) -> ``finalizing`` (output and error files registered) ->
 ``completed``. A cancel (``cancelling``) stops submitting, cancels what is in flight and writes what still
 completes: ``cancelled``. Past ``expires_at``: the same, ``expired``; unanswered requests get error lines
 ``batch_cancelled`` / ``batch_expired``.

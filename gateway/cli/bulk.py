@@ -20,7 +20,7 @@ import click
 
 from batchfleet.common.cli import connection_options
 from batchfleet.common.config import ConnectionConfig
-from batchfleet.common.wire.lanes import BATCH
+from batchfleet.common.wire.priority import BACKGROUND
 from batchfleet.gateway.cli.bulk_progress import CLOSE_S, DRAIN_S, run_stoppable
 from batchfleet.producer.bulk.lines import PromptFormat, looks_like_batch, numbered, prompt_params
 from batchfleet.producer.bulk.report import why_failed
@@ -62,7 +62,7 @@ NOUNS = {"openai": "requests", "prompts": "prompts", "text": "prompts"}
                    "come (nothing more is submitted); the rest is left to the next run. The process ends at most "
                    f"{CLOSE_S:g} s later whatever it waits on; a second signal ends it at once.")
 @generation_options
-@priority_option(BATCH)
+@priority_option(BACKGROUND)
 @one_line_errors
 def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int, resume: bool | None,
          retry_errors: bool, timeout: float | None, fmt: str, errors_path: str | None, model_names: str,

@@ -166,7 +166,7 @@ async def bulk_file(input_path: str | None, output_path: str | None, *, redis_ur
                     progress: Callable[[Summary], None] | None = None, text: str | None = None,
                     out: IO[str] | None = None, plain: bool = False, retry_errors: bool = False) -> Summary:
     """Run a prompt file into ``output_path`` (``run_file``): answers in submission order, at most ``window``
-    jobs in flight, in the batch class unless ``defaults`` says otherwise; ``plain``: a plain-text file, one
+    jobs in flight, at background priority unless ``defaults`` says otherwise; ``plain``: a plain-text file, one
     prompt per line."""
     return await run_file(input_path, output_path, None,
                           lambda prefix, _fleet: PromptFormat(prefix, dict(defaults or {}), timeout, plain),

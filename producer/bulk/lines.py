@@ -27,8 +27,8 @@ from batchfleet.common.errors import (
     Timeout,
 )
 from batchfleet.common.keys import valid_job_id
-from batchfleet.common.wire.lanes import BATCH
 from batchfleet.common.wire.params import FIELDS
+from batchfleet.common.wire.priority import BACKGROUND
 from batchfleet.common.wire.protocol import Result
 from batchfleet.producer.ask import STRUCTURED, Ask
 from batchfleet.producer.bulk.prefix_order import prefix_key
@@ -37,7 +37,7 @@ from batchfleet.producer.bulk.work import Work
 MAX_LINE_BYTES = (4 << 20) + 4096  # a body the gateway takes (4 MiB) and the line around it
 TOO_LONG = b"<line too long>"  # what ``numbered`` yields in place of a longer line
 # every parameter the API takes: the one table's (common/wire/params.py; ``guide`` is an object, its JSON forms are
-# the structured-output options) and the priority class
+# the structured-output options) and the priority
 PARAM_KEYS = (*(k for k in FIELDS if k != "guide"), *STRUCTURED, "priority")
 LINE_KEYS = frozenset({"prompt", "id", *PARAM_KEYS})
 SHA_KEY = "input_sha256"  # an answer line's fingerprint of its input line (``line_sha``)
@@ -191,7 +191,7 @@ def prompt_params(defaults: dict | None, timeout: float | None, plain: bool) -> 
 @dataclass
 class PromptFormat:
     """The prompt line format for the runner (producer/bulk/work.py ``LineFormat``): one job per line, in the
-    batch class unless ``defaults`` says otherwise; answers written in submission order."""
+    background priority unless ``defaults`` says otherwise; answers written in submission order."""
 
     prefix: str
     defaults: dict = field(default_factory=dict)
@@ -224,7 +224,7 @@ class PromptFormat:
     async def asks(self, work: Work) -> list[Ask]:
         """The line's parameters over the run's defaults (JSON values), checked once into what its job asks."""
         obj = work.line.obj
-        return [Ask.of({"priority": BATCH, **self.defaults, **{k: obj[k] for k in PARAM_KEYS if k in obj}})]
+        return [Ask.of({"priority": BACKGROUND, **self.defaults, **{k: obj[k] for k in PARAM_KEYS if k in obj}})]
 
     def answer(self, work: Work, results: list[Result]) -> dict:
         return work.line.answer(result=asdict(results[0]))

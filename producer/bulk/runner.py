@@ -1,4 +1,4 @@
-"""The one bulk runner: input lines -> jobs in the fleet's batch class -> answer lines on disk, resumable.
+"""The one bulk runner: input lines -> jobs at the fleet's background priority -> answer lines on disk, resumable.
 
 ``batchfleet bulk`` (both formats, producer/bulk/file_run.py) and the gateway's batches (gateway/batches/runner.py) run
 their lines here; a ``LineFormat`` (producer/bulk/work.py) says what a line asks and how its answer reads

@@ -44,7 +44,7 @@ DATA_PATH = "/dashboard/data"
 SHOWN = 10  # recent batches and dead letters listed
 READ_TIMEOUT_S = 2.0  # a slow Redis makes one poll fail (the page says so), never hangs the server
 # polls DATA_PATH every ?refresh= s (default 2) and redraws; values go in with textContent (dead letters hold
-# hostile input); queue columns follow the rows' keys, so a priority `class` column shows once fleetstate has it
+# hostile input); queue columns follow the rows' keys, so a `priority` column shows once fleetstate has it
 PAGE = importlib.resources.files("batchfleet.producer.ops").joinpath("dashboard.html").read_text(encoding="utf-8")
 
 

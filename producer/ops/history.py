@@ -1,5 +1,5 @@
 """The fleet's recent history for the dashboard's charts: one sample every SAMPLE_S (queue depth and running
-requests per class, generated tokens/s, mean time to first token, results/min, live workers), the last
+requests per priority, generated tokens/s, mean time to first token, results/min, live workers), the last
 KEPT_S of them in a capped Redis stream (``keys.history``).
 
 Who samples: every gateway and ``batchfleet dashboard`` process runs a ``HistorySampler`` thread. A sample's
@@ -20,19 +20,19 @@ import redis
 
 from batchfleet.common.keys import Keys
 from batchfleet.common.redis.fleetstate import fleet_info, layout, queue_stats, redis_now_ms, worker_stats
-from batchfleet.common.wire.lanes import LANES
+from batchfleet.common.wire.priority import PRIORITIES
 
 log = logging.getLogger(__name__)
 
 SAMPLE_S = 10
 KEPT_S = 3600  # the page charts the last 15, 30 or 60 minutes
 MAXLEN = KEPT_S // SAMPLE_S
-FIELDS = ("live", "tok_s", "ttft_ms", "results_1m") + tuple(f"{k}_{lane}" for lane in LANES
+FIELDS = ("live", "tok_s", "ttft_ms", "results_1m") + tuple(f"{k}_{priority}" for priority in PRIORITIES
                                                                for k in ("queued", "running"))
 
 
 def take_sample(r: redis.Redis, keys: Keys) -> dict[str, float]:
-    """The fleet now, as one history sample (the reads of ``batchfleet status``): per class, requests queued
+    """The fleet now, as one history sample (the reads of ``batchfleet status``): per priority, requests queued
     (depth) and delivered but unanswered (running) summed over buckets; over live workers, tokens/s and the
     results of the last minute with their mean TTFT (weighted by results)."""
     every = worker_stats(r, keys)
@@ -46,11 +46,11 @@ def take_sample(r: redis.Redis, keys: Keys) -> dict[str, float]:
     sample["results_1m"] = results
     if results:
         sample["ttft_ms"] = round(weighted / results, 1)
-    for lane in LANES:
-        sample[f"queued_{lane}"] = sample[f"running_{lane}"] = 0
+    for priority in PRIORITIES:
+        sample[f"queued_{priority}"] = sample[f"running_{priority}"] = 0
     for q in queue_stats(r, layout(keys, info), buckets) if buckets else []:
-        sample[f"queued_{q.lane}"] += q.depth
-        sample[f"running_{q.lane}"] += q.pending
+        sample[f"queued_{q.priority}"] += q.depth
+        sample[f"running_{q.priority}"] += q.pending
     return sample
 
 

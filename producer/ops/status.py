@@ -1,9 +1,9 @@
-"""``batchfleet status``: the fleet at a glance (queues per bucket and class, workers, dead letters) and the
-work it runs (batch jobs: OpenAI ``/v1/batches``; bulk runs: ``batchfleet bulk``), as a table or as JSON for
+"""``batchfleet status``: the fleet at a glance (queues per bucket and priority, workers, dead letters) and the
+work it runs (OpenAI batch jobs: ``/v1/batches``; bulk runs: ``batchfleet bulk``), as a table or as JSON for
 scripts. Everything comes from Redis (common/redis/fleetstate.py, producer/ops/batch_jobs.py,
 producer/bulk/registry.py); no torch.
 
-Words, here and on the dashboard: a *class* is a priority class (interactive or batch); a *prefill batch*
+Words, here and on the dashboard: a *priority* is interactive or background; a *prefill batch*
 is requests a worker admitted into its engine together; a *batch job* is an OpenAI batch (/v1/batches); a
 *bulk run* is one ``batchfleet bulk`` file run."""
 
@@ -17,6 +17,7 @@ import redis
 from batchfleet.common.keys import Keys
 from batchfleet.common.redis.fleetstate import QueueStats, dead_letters, fleet_info, layout, queue_stats, worker_stats
 from batchfleet.common.redis.functions import LIVE_WORKER_MS
+from batchfleet.common.wire.priority import old_name
 from batchfleet.producer.bulk.registry import bulk_runs
 from batchfleet.producer.ops.batch_jobs import batch_jobs
 
@@ -47,19 +48,21 @@ def work(r: redis.Redis, keys: Keys) -> dict[str, Any]:
 
 def _queue_row(q: QueueStats) -> dict[str, Any]:
     row = asdict(q)
-    row["class"] = row.pop("lane")
+    row["class"] = old_name(q.priority)  # the key and value before "priority": one release
     return row
 
 
 def _worker_row(w: dict[str, Any]) -> dict[str, Any]:
+    reserve = w.get("engine_background_reserve", w.get("engine_batch_reserve"))
     total = w.get("engine_kv_blocks_total")
     kv = (w.get("engine_kv_blocks_used", 0) / total) if total else None
     queries = w.get("engine_prefix_cache_queries")
     hit_rate = (w.get("engine_prefix_cache_hits", 0) / queries) if queries else None
     return {"name": w["name"], "alive": w["alive"], "seen_s": round(w["seen_s"], 1),
             "engine": w.get("engine"), "mode": w.get("mode"), "running": w.get("active"),
-            # --max-running, and the batch reserve the engine keeps decoding on top of a full interactive load
-            "running_limit": w.get("engine_running_limit"), "batch_reserve": w.get("engine_batch_reserve"),
+            # --max-running, and the background reserve the engine keeps decoding on top of a full interactive load
+            # (an older worker's heartbeat names it engine_batch_reserve; "batch_reserve": this key's old name)
+            "running_limit": w.get("engine_running_limit"), "background_reserve": reserve, "batch_reserve": reserve,
             "waiting": w.get("waiting"), "kv_usage": None if kv is None else round(kv, 4),
             "prefix_hit_rate": None if hit_rate is None else round(hit_rate, 4),
             "tokens_per_s": w.get("tokens_per_s"), "last_batch_sizes": w.get("last_batch_sizes"),
@@ -95,11 +98,11 @@ def _dash(value: Any, fmt: str = "{}") -> str:
 
 
 def _running(w: dict[str, Any]) -> str:
-    """The running count; above --max-running it says that the excess is the batch reserve (batch sequences
+    """The running count; above --max-running it says that the excess is the background reserve (background sequences
     the engine keeps decoding while interactive work fills the limit), not a limit ignored."""
-    running, limit, reserve = w["running"], w.get("running_limit"), w.get("batch_reserve")
+    running, limit, reserve = w["running"], w.get("running_limit"), w.get("background_reserve")
     if isinstance(running, int) and isinstance(limit, int) and running > limit:
-        return f"{running} (max-running {limit} + batch reserve {reserve if reserve is not None else '?'})"
+        return f"{running} (max-running {limit} + background reserve {reserve if reserve is not None else '?'})"
     return _dash(running)
 
 
@@ -115,8 +118,8 @@ def render(snap: dict[str, Any]) -> str:
              f"max_seq_len {fleet['max_seq_len']}  {alive}" if fleet else
              f"namespace {snap['namespace']}  no fleet published: {alive} (queues of the buckets gone workers "
              "served)", ""]
-    lines += _table(["bucket", "class", "queued", "at workers", "oldest", "lag"],
-                    [[str(q["bucket"]), q["class"], str(q["depth"]), str(q["pending"]),
+    lines += _table(["bucket", "priority", "queued", "at workers", "oldest", "lag"],
+                    [[str(q["bucket"]), q["priority"], str(q["depth"]), str(q["pending"]),
                       _age(q["oldest_age_s"]) if q["length"] else "-", _dash(q["lag"])] for q in snap["queues"]])
     lines.append("")
     rows = []

@@ -1,8 +1,8 @@
 """Batch invariance on any device (scripts/bench_gpu.py --invariance): a small flood through the native engine,
-each batch-class request compared with itself alone, tokens and logprobs.
+each background request compared with itself alone, tokens and logprobs.
 
 The same shape of check as tests/test_batch_invariance_torch.py, on the engine's real scheduler with the
-device's defaults (on CUDA: padded prefill, the torch paged attention, static decode shapes): 9 batch-class
+device's defaults (on CUDA: padded prefill, the torch paged attention, static decode shapes): 9 background
 requests (a third seeded sampling, all with logprobs) under 18 interactive ones added in waves, prefill chunks
 of ``max_prefill_tokens``, a pool small enough to preempt, a shared system prompt (prefix-cache hits). Random
 weights: the point is bits, not text."""

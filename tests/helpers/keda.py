@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import redis
 
-from batchfleet.common.keys import Keys
+from batchfleet.common.keys import BACKGROUND_STREAM_SUFFIX, Keys
 
 SCALERS = ("redis-streams", "redis-cluster-streams")  # the types read here (the same XLEN / group arithmetic)
 
@@ -69,14 +69,15 @@ def desired_replicas(r: redis.Redis, scaled_object: dict) -> tuple[int, list[Tri
 def for_fleet(scaled_object: dict, keys: Keys, buckets: tuple[int, ...], max_replicas: int = 100) -> dict:
     """The shipped ScaledObject re-aimed at a test fleet: one trigger per stream of ``keys`` (its namespace;
     a hash tag on a cluster; every shard of a sharded one) and ``buckets``, each a copy of the shipped trigger
-    of the same class (its type, mode, target and activation)."""
+    of the same priority (its type, mode, target and activation)."""
     shipped = scaled_object["spec"]["triggers"]
-    by_class = {"batch": next(t for t in shipped if t["metadata"]["stream"].endswith(":batch")),
-                "interactive": next(t for t in shipped if not t["metadata"]["stream"].endswith(":batch"))}
+    background = f":{BACKGROUND_STREAM_SUFFIX}"
+    by_priority = {"background": next(t for t in shipped if t["metadata"]["stream"].endswith(background)),
+                   "interactive": next(t for t in shipped if not t["metadata"]["stream"].endswith(background))}
     out = copy.deepcopy(scaled_object)
     triggers = []
-    for stream, _bucket, lane in (x for k in keys.every_shard for x in k.streams(buckets)):
-        t = copy.deepcopy(by_class[lane])
+    for stream, _bucket, priority in (x for k in keys.every_shard for x in k.streams(buckets)):
+        t = copy.deepcopy(by_priority[priority])
         t["metadata"]["stream"] = stream
         triggers.append(t)
     out["spec"]["triggers"] = triggers

@@ -1,1 +1,2 @@
-"""When a batch closes: per-bucket, per-class queues (the batcher) and the batching window. Pure: no Redis, no torch."""
+"""When a batch closes: per-bucket, per-priority queues (the batcher) and the batching window. Pure: no Redis, no
+torch."""

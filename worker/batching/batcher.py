@@ -1,10 +1,10 @@
-"""Per-bucket, per-class queues and batch deadlines. Pure Python: no Redis, no torch; time is passed in.
+"""Per-bucket, per-priority queues and batch deadlines. Pure Python: no Redis, no torch; time is passed in.
 
-Rule (exact): a queue (one bucket of one priority class) closes its batch when it holds
+Rule (exact): a queue (one bucket of one priority) closes its batch when it holds
 ``max_batch_size`` entries, or when ``max_wait_ms`` has passed since its OLDEST entry was enqueued,
-whichever is first. Buckets never share a batch, nor do classes. Classes are served in order
-(``LANES``: interactive, then batch): a batch-class batch is taken only when no interactive one is
-closed (or the interactive class has no room). Within a class the next batch is the queue whose head
+whichever is first. Buckets never share a batch, nor do priorities. Priorities are served in order
+(``PRIORITIES``: interactive, then background): a background batch is taken only when no interactive one is
+closed (or interactive work has no room). Within a priority the next batch is the queue whose head
 has the earliest deadline, then the earliest arrival; within a queue, entries are taken in the same
 order (earliest deadline first, then arrival). ``max_wait_ms=None`` (or infinity) means "static": a
 batch closes only when full (or on ``flush``). When a partly filled batch closes by time is the window's
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from batchfleet.common.wire.lanes import INTERACTIVE, LANES
+from batchfleet.common.wire.priority import INTERACTIVE, PRIORITIES
 from batchfleet.worker.batching.window import Window
 
 T = TypeVar("T")
@@ -34,35 +34,35 @@ class Pending(Generic[T]):
 
 
 class Batcher(Generic[T]):
-    """Holds requests per (class, bucket) and decides which batch runs next."""
+    """Holds requests per (priority, bucket) and decides which batch runs next."""
 
     def __init__(self, buckets: Iterable[int], max_batch_size: int, max_wait_ms: float | None,
-                 lanes: tuple[str, ...] = LANES, window: Window | None = None) -> None:
+                 priorities: tuple[str, ...] = PRIORITIES, window: Window | None = None) -> None:
         self.max_batch_size = max_batch_size
         static = max_wait_ms is None or math.isinf(max_wait_ms)
         self.max_wait_s = None if static else max_wait_ms / 1000.0
         self.window = window if window is not None else Window(math.inf if static else max_wait_ms)
-        self.lanes = lanes
+        self.priorities = priorities
         # each queue sorted by (deadline, enqueued_at): Redis delivery order is near-sorted, so the
         # insertion point is almost always the end
-        self._queues: dict[tuple[str, int], list[Pending[T]]] = {(lane, b): [] for lane in lanes for b in buckets}
+        self._queues: dict[tuple[str, int], list[Pending[T]]] = {(p, b): [] for p in priorities for b in buckets}
         self._flush = False
 
-    def add(self, item: T, bucket: int, enqueued_at: float, lane: str = INTERACTIVE,
+    def add(self, item: T, bucket: int, enqueued_at: float, priority: str = INTERACTIVE,
             deadline: float | None = None, arrival: bool = True) -> None:
         """Queue ``item``; ``arrival=False`` for one queued again (it ran, and a failed step dropped it): not
         an arrival, so the window's arrival rate does not count it twice."""
         entry = Pending(math.inf if deadline is None else deadline, enqueued_at, item, bucket)
-        q = self._queues[(lane, bucket)]
+        q = self._queues[(priority, bucket)]
         q.insert(bisect.bisect(q, entry), entry)
         if arrival:
-            self.window.arrived((lane, bucket), enqueued_at)
+            self.window.arrived((priority, bucket), enqueued_at)
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
-    def pending(self, bucket: int, lane: str = INTERACTIVE) -> int:
-        return len(self._queues[(lane, bucket)])
+    def pending(self, bucket: int, priority: str = INTERACTIVE) -> int:
+        return len(self._queues[(priority, bucket)])
 
     @property
     def static(self) -> bool:
@@ -95,24 +95,25 @@ class Batcher(Generic[T]):
                   rooms: Mapping[str, int] | None = None) -> tuple[int, list[T]] | None:
         """Remove and return the next closed batch (bucket, items in order), or None.
 
-        ``limit`` caps the items taken (the engine's room); ``rooms`` gives it per class instead (a class
+        ``limit`` caps the items taken (the engine's room); ``rooms`` gives it per priority instead (a priority
         with no room is skipped). What is not taken stays queued, its batch still closed."""
-        for lane in self.lanes:
-            room = limit if rooms is None else rooms.get(lane, 0)
+        for priority in self.priorities:
+            room = limit if rooms is None else rooms.get(priority, 0)
             if room is not None and room <= 0:
                 continue
-            ready = [(q[0], key[1]) for key, q in self._queues.items() if key[0] == lane and self._ready(key, q, now)]
+            ready = [(q[0], key[1]) for key, q in self._queues.items()
+                     if key[0] == priority and self._ready(key, q, now)]
             if ready:
                 _, bucket = min(ready)
                 n = self.max_batch_size if room is None else min(room, self.max_batch_size)
-                return bucket, self.take(bucket, n, lane)
+                return bucket, self.take(bucket, n, priority)
         if self._flush and not len(self):
             self._flush = False
         return None
 
-    def take(self, bucket: int, n: int, lane: str = INTERACTIVE) -> list[T]:
+    def take(self, bucket: int, n: int, priority: str = INTERACTIVE) -> list[T]:
         """Remove up to n items of a queue, in its order."""
-        q = self._queues[(lane, bucket)]
+        q = self._queues[(priority, bucket)]
         taken, q[:] = q[:n], q[n:]
         return [p.item for p in taken]
 

@@ -33,7 +33,7 @@ EWMA_WEIGHT = 0.2  # weight of the newest step or run time in its moving average
 
 
 class Window:
-    """Closing times of partly filled batches, per queue (a hashable key per class and bucket)."""
+    """Closing times of partly filled batches, per queue (a hashable key per priority and bucket)."""
 
     def __init__(self, max_wait_ms: float, adaptive: bool = False, joins: bool = True,
                  ttft_slo_ms: float | None = None) -> None:

@@ -14,8 +14,8 @@ from collections import deque
 
 from batchfleet.common.config import bucket_for
 from batchfleet.common.keys import Keys
-from batchfleet.common.wire.lanes import INTERACTIVE
 from batchfleet.common.wire.params import Params
+from batchfleet.common.wire.priority import INTERACTIVE
 from batchfleet.common.wire.protocol import FleetInfo, Request, Result
 from batchfleet.producer.core import parse_reply
 from batchfleet.worker.transport.base import (

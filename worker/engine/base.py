@@ -19,14 +19,14 @@ from batchfleet.common.wire.params import DEFAULT, Params
 @dataclass
 class GenRequest:
     """One validated request as the engine sees it: the wire's parameters as they came (common/wire/params.py:
-    the sampler reads ``params``), the bucket and class of the stream it came from."""
+    the sampler reads ``params``), the bucket and priority of the stream it came from."""
 
     id: str
     prompt: list[int]
     bucket: int
     params: Params = DEFAULT
     enqueued_at: float = 0.0  # unix time, for bookkeeping only
-    priority: int = 0  # 0 = interactive, 1 = batch (common/wire/lanes.py RANK of its stream): lower is more urgent
+    priority: int = 0  # 0 = interactive, 1 = background (LEVEL of its stream, common/wire/priority.py): lower first
     embed: bool = False  # an embed request (worker/engine/embed.py): prefill only, answered with a vector
 
 
@@ -68,7 +68,7 @@ class Engine(Protocol):
 
     def room(self, priority: int = 0) -> int:
         """How many more requests of ``priority`` ``add`` may take now (0: wait for what runs to finish).
-        An engine that preempts may give interactive work room that batch work holds."""
+        An engine that preempts may give interactive work room that background work holds."""
 
     def failed_ids(self) -> list[str]:
         """After ``step`` raised: the ids of the requests that were in that step (each is retried alone);

@@ -19,7 +19,7 @@ from typing import Protocol
 from batchfleet.common.config import WorkerConfig
 from batchfleet.common.errors import CANCELLED, DEADLINE_EXCEEDED, INVALID_REQUEST
 from batchfleet.common.redis.retry import TRANSIENT
-from batchfleet.common.wire.lanes import LANES
+from batchfleet.common.wire.priority import PRIORITIES
 from batchfleet.common.wire.protocol import Error
 from batchfleet.worker.ledger import Ledger
 from batchfleet.worker.requests.guidecheck import GuideChecks
@@ -42,12 +42,12 @@ VERDICT_POLL_S = 0.02  # while guides are being checked, an idle loop looks for 
 class EngineRoom(Protocol):
     """What the intake asks of the engine's admission (the dispatcher, worker/dispatch.py) to bound its reads."""
 
-    def engine_full(self, lane: str) -> bool:
-        """Whether the engine can start nothing more of ``lane`` now."""
+    def engine_full(self, priority: str) -> bool:
+        """Whether the engine can start nothing more of ``priority`` now."""
         ...
 
-    def room_now(self, lane: str) -> int:
-        """How many requests of ``lane`` the engine could start at its next admission."""
+    def room_now(self, priority: str) -> int:
+        """How many requests of ``priority`` the engine could start at its next admission."""
         ...
 
 
@@ -69,19 +69,19 @@ class Intake:
         self.joins = cfg.engine.mode == "continuous"
         self.guides = guides or GuideChecks()  # checks new guides off this thread
 
-    def room(self, lane: str) -> int:
+    def room(self, priority: str) -> int:
         """Hold locally (queued or waiting to run alone) only what can start soon: leave the rest to peers
-        (worker/requests/readahead.py). Per lane, so batch work held here never keeps interactive work from being
-        read."""
-        cap = readahead_cap(self.cfg.batching.max_batch_size, self.engine.engine_full(lane), joins=self.joins,
-                            room=self.engine.room_now(lane) if self.joins else 0)
-        return cap - self.requests.waiting(lane)
+        (worker/requests/readahead.py). Per priority, so background work held here never keeps interactive work
+        from being read."""
+        cap = readahead_cap(self.cfg.batching.max_batch_size, self.engine.engine_full(priority), joins=self.joins,
+                            room=self.engine.room_now(priority) if self.joins else 0)
+        return cap - self.requests.waiting(priority)
 
     # ---- new entries -----------------------------------------------------------------------------
     def read(self, now: float, engine_busy: bool) -> None:
         """Read new entries. Blocks only while nothing can run (engine idle, nobody waiting to run alone),
         and never past the next batch deadline nor the next reclaim."""
-        rooms = {lane: max(0, self.room(lane)) for lane in LANES}
+        rooms = {priority: max(0, self.room(priority)) for priority in PRIORITIES}
         busy = engine_busy or self.requests.count(Stage.SOLO) > 0
         # a verdict does not wake a blocked read: wait for one at most VERDICT_POLL_S
         checking = self.requests.count(Stage.VALIDATING) > 0
@@ -104,9 +104,9 @@ class Intake:
                 block_ms = min(block_ms, int(VERDICT_POLL_S * 1000))
             if block_ms <= 0:
                 return
-        # COUNT applies per stream: split each lane's room so all its buckets together stay within it
+        # COUNT applies per stream: split each priority's room so all its buckets together stay within it
         n = len(self.cfg.batching.buckets)
-        per_stream = {lane: -(-room // n) for lane, room in rooms.items()}
+        per_stream = {priority: -(-room // n) for priority, room in rooms.items()}
         # no batch deadline to keep: one long blocking read, however late Redis ends it (worker/transport/consumer.py)
         exact = not busy and deadline is not None
         self._take_all(self.transport.read(count=per_stream, block_ms=block_ms, exact=exact), alone=lambda e: False)
@@ -119,7 +119,7 @@ class Intake:
         if now >= self.next_prune:
             self.next_prune = now + PRUNE_PERIOD_S
             self.transport.pending.prune_consumers(PRUNE_IDLE_MS)
-        room = min(sum(max(0, self.room(lane)) for lane in LANES), self.cfg.reclaim_budget)
+        room = min(sum(max(0, self.room(priority)) for priority in PRIORITIES), self.cfg.reclaim_budget)
         if room <= 0:
             return
         # entry ids are unique per stream only: two buckets often share "<ms>-0"

@@ -44,7 +44,7 @@ PEERS_CHECK_S = 1.0  # how often it asks Redis whether a live peer exists
 
 
 def cap(max_batch_size: int, engine_full: bool, joins: bool = False, room: int = 0) -> int:
-    """How many requests of a class a worker may hold waiting to start. ``joins``: the engine admits at
+    """How many requests of a priority a worker may hold waiting to start. ``joins``: the engine admits at
     every step, and ``room`` is how many it could take now; otherwise one batch ahead while the engine is
     full, two while it is idle."""
     if joins:

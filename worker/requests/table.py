@@ -99,9 +99,9 @@ class RequestTable:
         """How many requests are in ``stage`` (for OUTBOX: replies not written yet)."""
         return len(self._outbox) if stage is Stage.OUTBOX else len(self._held[stage])
 
-    def waiting(self, lane: str) -> int:
-        """How many requests of ``lane`` are held but not started (VALIDATING, QUEUED or SOLO)."""
-        return sum(acc.entry.lane == lane for stage in _UNSTARTED for acc in self._held[stage].values())
+    def waiting(self, priority: str) -> int:
+        """How many requests of ``priority`` are held but not started (VALIDATING, QUEUED or SOLO)."""
+        return sum(acc.entry.priority == priority for stage in _UNSTARTED for acc in self._held[stage].values())
 
     def unstarted(self) -> list[Entry]:
         """Entries of requests read but not started (QUEUED, then SOLO, then VALIDATING): what shutdown hands
@@ -128,7 +128,7 @@ class RequestTable:
         self._batcher.flush()
 
     def take_batch(self, now: float, rooms: Mapping[str, int]) -> list[Accepted] | None:
-        """QUEUED -> RUNNING for the next closed batch (interactive first; at most ``rooms[lane]``
+        """QUEUED -> RUNNING for the next closed batch (interactive first; at most ``rooms[priority]``
         requests; the caller hands them to the engine), or None when no batch with room is closed."""
         popped = self._batcher.pop_batch(now, rooms=rooms)
         if popped is None:
@@ -245,7 +245,7 @@ class RequestTable:
         self._publish()
 
     def _add(self, acc: Accepted, arrival: bool = True) -> None:
-        self._batcher.add(acc, acc.entry.bucket, acc.enqueued_at, acc.entry.lane, acc.deadline, arrival)
+        self._batcher.add(acc, acc.entry.bucket, acc.enqueued_at, acc.entry.priority, acc.deadline, arrival)
 
     def _run(self, accs: Iterable[Accepted]) -> None:
         """QUEUED or SOLO -> RUNNING (already out of the batcher)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from batchfleet.common.errors import INVALID_REQUEST, PROMPT_TOO_LONG, ProtocolError
 from batchfleet.common.keys import Keys, valid_job_id
 from batchfleet.common.wire.guided import Guide
-from batchfleet.common.wire.lanes import RANK
+from batchfleet.common.wire.priority import LEVEL
 from batchfleet.common.wire.protocol import Error, Request
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.transport.base import Entry
@@ -81,8 +81,8 @@ def entry_time(entry_id: str) -> float | None:
 
 
 def accept(entry: Entry, keys: Keys, limits: Limits, now: float, clock_offset: float = 0.0) -> Accepted | Rejected:
-    """Validate one entry against the wire schema, its stream's bucket and the model's limits; its class is
-    its stream's (``entry.lane``).
+    """Validate one entry against the wire schema, its stream's bucket and the model's limits; its priority is
+    its stream's (``entry.priority``).
 
     ``clock_offset``: Redis time minus this host's time (s); the entry id's timestamp minus it is when the
     request was enqueued on this host's clock, so no producer clock is ever trusted.
@@ -129,7 +129,7 @@ def accept(entry: Entry, keys: Keys, limits: Limits, now: float, clock_offset: f
     # unbiased estimate (its start would add 0.5 ms on average to every queue time measured from it)
     enqueued = now if stamped is None else min(stamped + 0.0005 - clock_offset, now)
     deadline = None if req.timeout_ms is None else enqueued + req.timeout_ms / 1000
-    # the class is the stream's: the one place it travels (an older producer's payload 'priority' is ignored)
+    # the priority is the stream's: the one place it travels (an older producer's payload 'priority' is ignored)
     gen = GenRequest(id=req.id, prompt=list(req.prompt), bucket=entry.bucket, params=req.params,
-                     enqueued_at=enqueued, priority=RANK[entry.lane], embed=req.embed)
+                     enqueued_at=enqueued, priority=LEVEL[entry.priority], embed=req.embed)
     return Accepted(entry, req, gen, enqueued, deadline, req.params.guide if verdict is None else None)

@@ -39,7 +39,7 @@ from typing import Protocol
 
 from batchfleet.common.errors import ENGINE_ERROR
 from batchfleet.common.keys import Keys
-from batchfleet.common.wire.lanes import INTERACTIVE
+from batchfleet.common.wire.priority import INTERACTIVE
 from batchfleet.common.wire.protocol import Error, FleetInfo, Result
 
 log = logging.getLogger(__name__)
@@ -55,13 +55,13 @@ class Entry:
     deliveries: int = 1  # times the transport has delivered it (each reclaim adds one)
     oversize: int = 0  # the entry's real size in bytes when it was too large to hold and ``fields`` were cut
     # short (worker/transport/bounded.py): it can only be answered or dead-lettered; 0 = ``fields`` are whole
-    lane: str = INTERACTIVE  # the priority class of its stream (common/wire/lanes.py)
+    priority: str = INTERACTIVE  # the priority of its stream (common/wire/priority.py)
     shard: int = 0  # the shard of its stream (a sharded cluster fleet, worker/transport/sharded.py)
 
     @property
     def where(self) -> tuple[int, str, str, int]:
-        """(bucket, lane, entry id, shard): unique per worker (an entry id is unique per stream only)."""
-        return self.bucket, self.lane, self.entry_id, self.shard
+        """(bucket, priority, entry id, shard): unique per worker (an entry id is unique per stream only)."""
+        return self.bucket, self.priority, self.entry_id, self.shard
 
 
 @dataclass(frozen=True)
@@ -73,18 +73,18 @@ class Reply:
     bucket: int  # the stream the answered entry sits in
     entry_id: str  # settled (acked and deleted) by the same write that stores the reply
     reply_key: str  # the submitting client's inbox stream
-    lane: str = INTERACTIVE  # with ``bucket`` and ``shard``: the stream the answered entry sits in
+    priority: str = INTERACTIVE  # with ``bucket`` and ``shard``: the stream the answered entry sits in
     shard: int = 0
 
     @classmethod
     def to(cls, entry: Entry, job_id: str, message: Result | Error, reply_key: str) -> Reply:
         """The reply that answers ``job_id`` and settles ``entry``."""
-        return cls(job_id, message, entry.bucket, entry.entry_id, reply_key, entry.lane, entry.shard)
+        return cls(job_id, message, entry.bucket, entry.entry_id, reply_key, entry.priority, entry.shard)
 
     @property
     def settles(self) -> Entry:
         """The entry this reply settles (its place only: no fields)."""
-        return Entry(self.bucket, self.entry_id, {}, lane=self.lane, shard=self.shard)
+        return Entry(self.bucket, self.entry_id, {}, priority=self.priority, shard=self.shard)
 
     def encode(self) -> bytes:
         """The wire bytes; an answer that cannot be encoded (e.g. text with a lone surrogate) becomes an
@@ -239,7 +239,7 @@ class Transport(Protocol):
     @abstractmethod
     def read(self, count: int | dict[str, int], block_ms: int | None, exact: bool = True) -> list[Entry]:
         """New entries of every bucket, interactive ones first: up to ``count`` per bucket (a dict: per
-        bucket of each lane, 0 = not that lane); blocks at most ``block_ms`` (capped by ``max_block_ms``);
+        bucket of each priority, 0 = not that priority); blocks at most ``block_ms`` (capped by ``max_block_ms``);
         ``None`` does not block. ``exact=False``: the wait ends at no deadline (an idle worker), so it may
         end up to one Redis cron tick early or late, for the fewest round trips."""
 

@@ -61,13 +61,13 @@ def fields_dict(flat: list) -> dict[bytes, bytes]:
     return {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}
 
 
-def entry_of(bucket: int, lane: str, raw: list) -> Entry | None:
+def entry_of(bucket: int, priority: str, raw: list) -> Entry | None:
     """An Entry from a script's {id, fields or false, oversize[, deliveries]}; None for one deleted while pending."""
     entry_id, flat, oversize = raw[0], raw[1], int(raw[2] or 0)
     if not isinstance(flat, list):
         return None
     deliveries = int(raw[3]) if len(raw) > 3 else 1
-    return Entry(bucket, as_str(entry_id), fields_dict(flat), deliveries, oversize=oversize, lane=lane)
+    return Entry(bucket, as_str(entry_id), fields_dict(flat), deliveries, oversize=oversize, priority=priority)
 
 
 def shrink(entry: Entry) -> Entry:
@@ -78,7 +78,7 @@ def shrink(entry: Entry) -> Entry:
     if size <= MAX_ENTRY_BYTES and len(flat) <= MAX_FIELDS:
         return entry
     kept = fields_dict([bytes(x[:KEEP_BYTES]) for x in flat[:KEEP_FIELDS]])
-    return Entry(entry.bucket, entry.entry_id, kept, entry.deliveries, oversize=max(size, 1), lane=entry.lane)
+    return Entry(entry.bucket, entry.entry_id, kept, entry.deliveries, oversize=max(size, 1), priority=entry.priority)
 
 
 def by_stream(resp: Any) -> list:
@@ -95,11 +95,11 @@ class BoundedReader:
 
     def __init__(self, r: Any, scripts: WorkerScripts, group: str, consumer: str,
                  streams: list[tuple[str, int, str]]) -> None:
-        """``streams``: (stream, bucket, lane), most urgent first (``Keys.streams``)."""
+        """``streams``: (stream, bucket, priority), most urgent first (``Keys.streams``)."""
         self.r = r
         self.group = group
         self.consumer = consumer
-        self.where = {s: (b, lane) for s, b, lane in streams}
+        self.where = {s: (b, priority) for s, b, priority in streams}
         self.streams = streams
         self._recover_script = scripts.recover
         # a cluster client pipelines by its own slot lookup (a round trip per command): one command at a time
@@ -110,12 +110,12 @@ class BoundedReader:
         self._quiet = False
 
     def read(self, counts: dict[str, int], block_ms: int | None) -> list[Entry]:
-        """Up to ``counts[lane]`` new entries per stream of each lane (interactive streams first), and first what
-        a cut-off read left owed. When there are none and ``block_ms`` is not None, waits for the first with a
-        ``XREADGROUP COUNT 1`` over the streams of lanes with room and returns it: the rest come with the next
+        """Up to ``counts[priority]`` new entries per stream of each priority (interactive streams first), and first
+        what a cut-off read left owed. When there are none and ``block_ms`` is not None, waits for the first with a
+        ``XREADGROUP COUNT 1`` over the streams of priorities with room and returns it: the rest come with the next
         call. Right after a blocking read that found nothing, goes straight to the blocking read (an idle
         worker's cycle is one command)."""
-        wanted = [s for s, _, lane in self.streams if counts.get(lane, 0) > 0]
+        wanted = [s for s, _, priority in self.streams if counts.get(priority, 0) > 0]
         quiet, self._quiet = self._quiet and not self.delivered.owes(), False
         out = [] if quiet and block_ms is not None and wanted else self.read_now(counts)
         if out or block_ms is None or not wanted:
@@ -127,26 +127,26 @@ class BoundedReader:
         return out
 
     def wait(self, counts: dict[str, int], block_ms: int, r: Any = None) -> list[Entry]:
-        """The blocking read alone: the first entry to arrive in a stream of a lane with room (``COUNT 1`` per
+        """The blocking read alone: the first entry to arrive in a stream of a priority with room (``COUNT 1`` per
         stream); ``r``: the client to block on (default this reader's)."""
-        wanted = [s for s, _, lane in self.streams if counts.get(lane, 0) > 0]
+        wanted = [s for s, _, priority in self.streams if counts.get(priority, 0) > 0]
         return self._read(r or self.r, [(1, wanted)], block_ms) if wanted else []
 
     def read_now(self, counts: dict[str, int]) -> list[Entry]:
-        """Up to ``counts[lane]`` new entries per stream, without blocking; too-large entries come cut short. While
-        a cut-off read's entries are owed, only those (its lanes had room for them when it read)."""
+        """Up to ``counts[priority]`` new entries per stream, without blocking; too-large entries come cut short. While
+        a cut-off read's entries are owed, only those (its priorities had room for them when it read)."""
         if self.delivered.owes():
             return self.recover_owed()
         plan: dict[int, list[str]] = {}
-        for stream, _, lane in self.streams:
-            if (n := counts.get(lane, 0)) > 0:
+        for stream, _, priority in self.streams:
+            if (n := counts.get(priority, 0)) > 0:
                 plan.setdefault(n, []).append(stream)
         return self._read(self.r, list(plan.items()), None) if plan else []
 
     def held(self, entries: list[Entry]) -> list[Entry]:
         """``entries`` taken another way (a reclaim), noted as handed over (never recovered as unseen)."""
-        streams = {(b, lane): s for s, b, lane in self.streams}
-        self.delivered.held([(streams[e.bucket, e.lane], e) for e in entries])
+        streams = {(b, priority): s for s, b, priority in self.streams}
+        self.delivered.held([(streams[e.bucket, e.priority], e) for e in entries])
         return entries
 
     def _read(self, r: Any, plan: list[tuple[int, list[str]]], block_ms: int | None) -> list[Entry]:
@@ -160,8 +160,9 @@ class BoundedReader:
             for resp in replies:
                 for stream, entries in by_stream(resp):
                     key = as_str(stream)
-                    bucket, lane = self.where[key]
-                    got[key] = [shrink(Entry(bucket, as_str(eid), fields or {}, lane=lane)) for eid, fields in entries]
+                    bucket, priority = self.where[key]
+                    got[key] = [shrink(Entry(bucket, as_str(eid), fields or {}, priority=priority))
+                                for eid, fields in entries]
             del replies  # the raw (maybe large) entries go now, not at the end of the call
         except ReplyTooLarge:
             tripped = True  # handled below, once this frame no longer holds the partial reply
@@ -209,8 +210,8 @@ class BoundedReader:
         got: list[tuple[str, Entry]] = []
         left: dict[str, str] = {}
         for key, (cursor, raws, done) in zip(keys, resp):
-            bucket, lane = self.where[key]
-            got += [(key, e) for raw in raws if (e := entry_of(bucket, lane, raw)) is not None]
+            bucket, priority = self.where[key]
+            got += [(key, e) for raw in raws if (e := entry_of(bucket, priority, raw)) is not None]
             if not int(done):
                 left[key] = as_str(cursor)
         self.delivered.owe(left)

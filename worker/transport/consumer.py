@@ -29,7 +29,7 @@ from batchfleet.common.redis.clients import sync_client
 from batchfleet.common.redis.functions import load_library
 from batchfleet.common.redis.retry import TRANSIENT, Backoff
 from batchfleet.common.redis.url import is_cluster
-from batchfleet.common.wire.lanes import LANES
+from batchfleet.common.wire.priority import PRIORITIES
 from batchfleet.worker.transport.base import Entry, FlushWatch, Transport
 from batchfleet.worker.transport.bounded import GUARDED, BoundedReader
 from batchfleet.worker.transport.cancels import CancelWatch
@@ -139,14 +139,14 @@ class StreamConsumer(Transport):
     @_refused
     def read(self, count: int | dict[str, int], block_ms: int | None, exact: bool = True) -> list[Entry]:
         """New entries of every bucket, interactive streams first: up to ``count`` per stream (a dict: per
-        stream of each lane, 0 = that lane is not read); blocks at most ``block_ms``.
+        stream of each priority, 0 = that priority is not read); blocks at most ``block_ms``.
 
         Redis only expires a BLOCK at its cron tick (1000/hz ms: 100 ms by default), so a 50 ms block
         would really last ~100 ms and every batch deadline would slip. Short waits therefore poll
         (non-blocking read, then a 2 ms sleep) and long ones block until ~BLOCK_SLACK_MS before the end.
         Without a deadline to keep (``exact=False``: an idle worker) one blocking read is the whole wait.
         """
-        counts = dict.fromkeys(LANES, count) if isinstance(count, int) else count
+        counts = dict.fromkeys(PRIORITIES, count) if isinstance(count, int) else count
         if block_ms is None:
             return self.reader.read(counts, None)
         if not exact:

@@ -32,7 +32,7 @@ class PendingList(Leases):
         self.reader = reader
         self.keys = keys
         self.name = name
-        self.streams = keys.streams(buckets)  # (stream, bucket, lane), interactive first
+        self.streams = keys.streams(buckets)  # (stream, bucket, priority), interactive first
         self._cursors: dict[str, str] = {}  # XAUTOCLAIM cursor per stream, kept while a budget cuts a scan
         self._autoclaim = scripts.autoclaim
         self._released: object = None  # the release counter at the last scan (a sentinel: scan first)
@@ -69,8 +69,8 @@ class PendingList(Leases):
         per_stream = self._autoclaim(keys=keys, args=[*autoclaim_args(self.keys.group, self.name, min_idle_ms, budget),
                                                       *(self._cursors.get(k, "0-0") for k in keys)])
         out: list[Entry] = []
-        for (stream, b, lane), (nxt, claimed, deleted) in zip(self.streams, per_stream):
-            claimed = [(as_str(raw[0]), entry_of(b, lane, raw)) for raw in claimed]
+        for (stream, b, priority), (nxt, claimed, deleted) in zip(self.streams, per_stream):
+            claimed = [(as_str(raw[0]), entry_of(b, priority, raw)) for raw in claimed]
             if any(e is None for _, e in claimed):  # Redis 6.2 reports deleted ones as nil
                 deleted += self._ack_deleted(stream, {eid for eid, e in claimed if e is not None})
             if deleted:
@@ -98,7 +98,7 @@ class PendingList(Leases):
             return []
         pipe = self.r.pipeline(transaction=False)
         for e in entries:
-            pipe.xpending_range(self.keys.stream(e.bucket, e.lane), self.keys.group, e.entry_id, e.entry_id, 1)
+            pipe.xpending_range(self.keys.stream(e.bucket, e.priority), self.keys.group, e.entry_id, e.entry_id, 1)
         counts = []
         for rows in pipe.execute():
             counts.append(int(rows[0]["times_delivered"]) if rows else 1)
@@ -116,7 +116,7 @@ class PendingList(Leases):
             self._queue_claims(pipe, entries, min_idle_ms=0, idle=idle_ms)
         else:
             for e in entries:
-                pipe.xclaim(self.keys.stream(e.bucket, e.lane), self.keys.group, self.name, 0, [e.entry_id],
+                pipe.xclaim(self.keys.stream(e.bucket, e.priority), self.keys.group, self.name, 0, [e.entry_id],
                             idle=idle_ms, retrycount=max(0, e.deliveries - 1), justid=True)
         if entries:
             pipe.execute_command("INCR", self.keys.released)  # redis-py's incr() sends INCRBY
@@ -139,7 +139,7 @@ class PendingList(Leases):
         """XCLAIM JUSTID of ``entries``, one command per stream, queued on ``pipe``."""
         by_stream: dict[str, list[str]] = {}
         for e in entries:
-            by_stream.setdefault(self.keys.stream(e.bucket, e.lane), []).append(e.entry_id)
+            by_stream.setdefault(self.keys.stream(e.bucket, e.priority), []).append(e.entry_id)
         for stream, ids in by_stream.items():
             pipe.xclaim(stream, self.keys.group, self.name, min_idle_ms, ids, idle=idle, justid=True)
 

@@ -84,7 +84,7 @@ class Settler(Settling):
         """One XACK + XDEL per stream of ``entries``."""
         by_stream: dict[str, list[str]] = {}
         for e in entries:
-            by_stream.setdefault(self.keys.stream(e.bucket, e.lane), []).append(e.entry_id)
+            by_stream.setdefault(self.keys.stream(e.bucket, e.priority), []).append(e.entry_id)
         for stream, ids in by_stream.items():
             pipe.xack(stream, self.keys.group, *ids)
             pipe.xdel(stream, *ids)
@@ -145,7 +145,7 @@ class Settler(Settling):
             return
         pipe = self.r.pipeline(transaction=True)
         for e in entries:
-            stream = self.keys.stream(e.bucket, e.lane)
+            stream = self.keys.stream(e.bucket, e.priority)
             pipe.xadd(stream, e.fields)
             pipe.xack(stream, self.keys.group, e.entry_id)
             pipe.xdel(stream, e.entry_id)

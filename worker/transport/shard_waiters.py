@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 
-from batchfleet.common.wire.lanes import LANES
+from batchfleet.common.wire.priority import PRIORITIES
 from batchfleet.worker.transport.base import Entry
 from batchfleet.worker.transport.consumer import StreamConsumer, connect
 
@@ -38,7 +38,7 @@ class Waiters:
         self._arms = 0
         self.stopped = threading.Event()
         self.failing = False  # a waiter's last read failed: the loop sweeps on every read until one works
-        self.counts: dict[str, int] = dict.fromkeys(LANES, 1)
+        self.counts: dict[str, int] = dict.fromkeys(PRIORITIES, 1)
         self.block_ms = parts[0].max_block_ms
         self._parts = parts
         self._threads: list[threading.Thread] = []
@@ -53,7 +53,7 @@ class Waiters:
             t.start()
 
     def wait(self, counts: dict[str, int], timeout_s: float) -> list[Entry]:
-        """Block the waiters on their shards (lanes with room in ``counts``) until one reads something or
+        """Block the waiters on their shards (priorities with room in ``counts``) until one reads something or
         ``timeout_s`` passes; what they read (loop's thread)."""
         self.counts = counts
         with self._cond:

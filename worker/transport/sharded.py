@@ -28,7 +28,7 @@ import redis
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.keys import Keys
 from batchfleet.common.redis.retry import TRANSIENT
-from batchfleet.common.wire.lanes import LANES
+from batchfleet.common.wire.priority import PRIORITIES
 from batchfleet.common.wire.protocol import FleetInfo
 from batchfleet.worker.transport.base import Cancel, Cancelling, Entry, Leases, Membership, Reply, Settling, Transport
 from batchfleet.worker.transport.consumer import StreamConsumer, connect
@@ -89,7 +89,7 @@ class ShardedConsumer(Transport):
     def read(self, count: int | dict[str, int], block_ms: int | None, exact: bool = True) -> list[Entry]:
         """What the waiters read, else one sweep over the shards, else (``block_ms``) wait for the waiters to
         read something (``exact`` needs no polling here: the wait is on a local condition)."""
-        counts = dict.fromkeys(LANES, count) if isinstance(count, int) else count
+        counts = dict.fromkeys(PRIORITIES, count) if isinstance(count, int) else count
         # right after a wait that found nothing, a blocking read skips the sweep (an idle worker's cycle is
         # the waiters' reads alone): an armed waiter's XREADGROUP ">" returns whatever arrived meanwhile
         quiet, self._quiet = self._quiet and not self.waiters.failing, False

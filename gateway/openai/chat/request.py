@@ -7,12 +7,12 @@ cannot honour accepted only at their neutral values; every refusal is a 400 nami
 Honoured beyond text: ``n`` (n jobs, choice i seeded ``seed + i``), ``logprobs``, ``response_format`` and
 vLLM's structured outputs (``guided_*`` or ``structured_outputs``). Extensions: ``timeout`` (s; at most
 --request-timeout, 504 past it), vLLM's ``top_k`` (0 or -1 = off), ``priority`` (a 64-bit integer: > 0 ->
-batch) and every other parameter of the fleet's table by its name (``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ...: ``FROM_TABLE``). OpenAI's ``service_tier`` picks the class: ``flex`` ->
-batch, ``auto`` / ``default`` -> interactive (common/wire/lanes.py). Chat messages: gateway/openai/chat/messages.py;
-chat
-``tools``, ``tool_choice``, ``parallel_tool_calls``: gateway/openai/tools/calling.py (a chat job's prompt is then a
-producer ``Chat``: the messages and the tools its template renders).
+background) and every other parameter of the fleet's table by its name (``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ...: ``FROM_TABLE``). OpenAI's ``service_tier`` picks the priority: ``flex``
+-> background, ``auto`` / ``default`` -> interactive (common/wire/priority.py). Chat messages:
+gateway/openai/chat/messages.py; chat ``tools``, ``tool_choice``, ``parallel_tool_calls``:
+gateway/openai/tools/calling.py (a chat job's prompt is then a producer ``Chat``: the messages and the tools its
+template renders).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from batchfleet.common.errors import PromptTooLong
 from batchfleet.common.wire.guided import Guide, GuideError, from_options
-from batchfleet.common.wire.lanes import lane_of
 from batchfleet.common.wire.params import FIELDS, MIN_TEMPERATURE, ParamError, Params
+from batchfleet.common.wire.priority import priority_of
 from batchfleet.gateway.errors import invalid
 from batchfleet.gateway.openai.chat.messages import Message, conversation
 from batchfleet.gateway.openai.tools.calling import Tool, ToolChoice, ToolPlan, plan
@@ -44,11 +44,11 @@ TokenIds = list[StrictInt]
 class Job:
     """One validated request: the prompt (text, token ids or chat messages), its generation parameters (the
     fleet's one type, checked once, here: the client gets this object in an Ask, gateway/service.py ``job_asks``,
-    and the wire Request encodes it; its guide is compiled there, off the event loop) and its class."""
+    and the wire Request encodes it; its guide is compiled there, off the event loop) and its priority."""
 
     prompt: str | list[int] | list[dict[str, str]]
     params: Params
-    lane: str
+    priority: str
     stream: bool
     include_usage: bool
     timeout: float
@@ -135,16 +135,17 @@ class _Declared(BaseModel):
     spaces_between_special_tokens: StrictBool | None = None
     include_stop_str_in_output: StrictBool | None = None
 
-    def lane(self) -> str:
-        """The class: ``priority`` (vLLM's) if given, else ``service_tier``, else interactive; a clash is a 400."""
-        tier = lane_of(self.service_tier or "auto")
+    def resolved_priority(self) -> str:
+        """The priority: from ``priority`` (vLLM's int, the body's field) if given, else from ``service_tier``,
+        else interactive; a clash is a 400."""
+        tier = priority_of(self.service_tier or "auto")
         if self.priority is None:
             return tier
-        lane = lane_of(self.priority)
-        if self.service_tier is not None and lane != tier:
-            raise invalid(f"priority {self.priority} (class {lane}) contradicts service_tier "
-                          f"{self.service_tier!r} (class {tier})", "priority")
-        return lane
+        priority = priority_of(self.priority)
+        if self.service_tier is not None and priority != tier:
+            raise invalid(f"priority {self.priority} ({priority}) contradicts service_tier "
+                          f"{self.service_tier!r} ({tier})", "priority")
+        return priority
 
     def guide(self) -> tuple[Guide | None, str | None]:
         """The structured output asked for (shape-checked, not compiled) and the field it came from."""
@@ -188,7 +189,7 @@ class _Declared(BaseModel):
         refuse_non_neutral({k: getattr(self, k) for k in self.model_fields_set}, self.NEUTRAL)
         guide, guide_param = self.guide()
         params = self.params(max_tokens, logprobs, {"max_new_tokens": "max_tokens", **(names or {})}, guide)
-        return Job(prompt=prompt, params=params, lane=self.lane(), stream=bool(self.stream),
+        return Job(prompt=prompt, params=params, priority=self.resolved_priority(), stream=bool(self.stream),
                    include_usage=bool(self.stream and self.stream_options and self.stream_options.include_usage),
                    timeout=min(self.timeout or timeout_cap, timeout_cap), model=self.model, n=self.n or 1,
                    guide_param=guide_param)

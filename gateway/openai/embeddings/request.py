@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, StrictInt, StrictStr
 
-from batchfleet.common.wire.lanes import lane_of
+from batchfleet.common.wire.priority import priority_of
 from batchfleet.common.wire.protocol import Result
 from batchfleet.gateway.errors import APIError, invalid
 from batchfleet.gateway.openai.chat.request import STRICT, Number, TokenIds, parse
@@ -36,7 +36,7 @@ class EmbeddingRequest(BaseModel):
 @dataclass(frozen=True)
 class EmbedJob:
     """A validated request: one prompt per input, what each asks (one Ask, made here: an embed request in the
-    request's class) and how to answer."""
+    request's priority) and how to answer."""
 
     inputs: list[str | list[int]]
     model: str | None
@@ -61,12 +61,12 @@ def embed_job(body: Any, timeout_cap: float) -> EmbedJob:
     if req.dimensions is not None:
         raise invalid("dimensions is not supported: the served model is not trained for shortened embeddings "
                       "(Matryoshka); leave it out to get the full vector", "dimensions")
-    if req.priority is not None and req.service_tier is not None and lane_of(req.priority) != lane_of(
+    if req.priority is not None and req.service_tier is not None and priority_of(req.priority) != priority_of(
             req.service_tier):
         raise invalid(f"priority {req.priority} contradicts service_tier {req.service_tier!r}", "priority")
-    lane = lane_of(req.priority if req.priority is not None else req.service_tier or "auto")
+    priority = priority_of(req.priority if req.priority is not None else req.service_tier or "auto")
     return EmbedJob(inputs, req.model, req.encoding_format or "float", min(req.timeout or timeout_cap, timeout_cap),
-                    Ask.embed(lane))
+                    Ask.embed(priority))
 
 
 def embedding_response(results: list[Result], model: str, encoding_format: str) -> dict[str, Any]:

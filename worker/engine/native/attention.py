@@ -181,7 +181,7 @@ def paged_attention(q: torch.Tensor, pool: torch.Tensor, layout: TileLayout, sca
     same function for a prefill's tokens and a decode step's; K/V read from the pool (the stored dtype) and
     computed in fp32; scores per split of SPLIT keys at absolute positions (bmm items of one shape); one
     softmax over the row, where keys past the row's context are -inf (exp 0: a wider table, or a split
-    another row of the tile reaches, adds exact zeros to the row's lanes); P @ V split by split, summed in
+    another row of the tile reaches, adds exact zeros to the row's SIMD lanes); P @ V split by split, summed in
     split order (a split past the row's context adds 0, so skipping it for a tile that does not reach it
     changes nothing). At most GROUP tiles per pass bound the memory (an item's bits do not depend on the
     item count)."""

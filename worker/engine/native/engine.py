@@ -20,7 +20,7 @@ from batchfleet.common.config import DynamicBatchingConfig
 from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.errors import ENGINE_ERROR, GUIDE_FAILED
 from batchfleet.common.wire.guided import GuideError
-from batchfleet.common.wire.lanes import batch_reserve
+from batchfleet.common.wire.priority import background_reserve
 from batchfleet.worker.engine.base import Completion, GenRequest
 from batchfleet.worker.engine.embed import EmbedQueue
 from batchfleet.worker.engine.guided import GuideCompiler
@@ -87,18 +87,18 @@ class NativeEngine:
         else:  # whole prompts, as many as fit (the reference behaviour)
             budget = max(max_prefill_tokens or 16384, batching.buckets[-1])
         self.joins = continuous  # dynamic mode: a batch runs to completion before the next is added
-        reserve = batch_reserve(running, cfg.batch_min_share) if continuous else 0
+        reserve = background_reserve(running, cfg.background_min_share) if continuous else 0
         self.scheduler = Scheduler(self.blocks, batching.max_batch_size, max_prefill_tokens=budget,
-                                   max_running=running, chunked=continuous, batch_reserve=reserve)
+                                   max_running=running, chunked=continuous, background_reserve=reserve)
         # (prefill?, ((id, bucket), ...)) of recent steps: which requests shared a step (tests, debugging)
         self.step_log: deque[tuple[bool, tuple[tuple[str, int], ...]]] = deque(maxlen=STEP_LOG_LEN)
         self._errors: list[Completion] = []
         # embed requests: a packed prefill of their own, no KV block ever taken (worker/engine/embed.py)
         self.embeds = EmbedQueue(self.runner.hidden_states, cfg.pooling, batching.max_batch_size, budget)
         self.last_step_ids: list[str] = []
-        # decode_slots_*: sequences per decode step by class, summed (the batch class's share under load)
+        # decode_slots_*: sequences per decode step by priority, summed (background's share under load)
         self._counters = dict(steps=0, prefill_steps=0, decode_steps=0, tokens_generated=0,
-                              decode_slots_interactive=0, decode_slots_batch=0, peak_contiguous_waste=0)
+                              decode_slots_interactive=0, decode_slots_background=0, peak_contiguous_waste=0)
 
     # -- Engine API -------------------------------------------------------------------------------
     def add(self, requests: Sequence[GenRequest]) -> None:
@@ -164,7 +164,7 @@ class NativeEngine:
 
     def room(self, priority: int = 0) -> int:
         """Sequences of ``priority`` that may still be added (``Scheduler.room``: interactive work may
-        displace batch work beyond its reserve); dynamic mode: one batch, when idle."""
+        displace background work beyond its reserve); dynamic mode: one batch, when idle."""
         if not self.joins:
             return 0 if self.has_work() else self.scheduler.max_running
         return max(0, self.scheduler.room(priority) - len(self._errors) - len(self.embeds))
@@ -187,8 +187,8 @@ class NativeEngine:
             "running": len(s.running),
             "embed_batches": self.embeds.batches,
             "running_limit": s.max_running,
-            # batch sequences kept decoding beside a full interactive load: running may exceed the limit by this
-            "batch_reserve": s.batch_reserve,
+            # background sequences kept decoding beside a full interactive load: running may exceed the limit by this
+            "background_reserve": s.background_reserve,
             "waiting": len(s.waiting),
             "preemptions": s.num_preemptions,
             "priority_preemptions": s.num_priority_preemptions,
@@ -246,9 +246,9 @@ class NativeEngine:
         c["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
         c["tokens_generated"] += len(batch.sampled)  # a partial prefill chunk generates nothing
         if not batch.is_prefill:
-            batch_slots = sum(1 for s in batch.seqs if s.priority > 0)
-            c["decode_slots_batch"] += batch_slots
-            c["decode_slots_interactive"] += len(batch.seqs) - batch_slots
+            background_slots = sum(1 for s in batch.seqs if s.priority > 0)
+            c["decode_slots_background"] += background_slots
+            c["decode_slots_interactive"] += len(batch.seqs) - background_slots
         waste = contiguous_waste((s.num_cached for s in self.scheduler.running), self.batching.max_seq_len)
         c["peak_contiguous_waste"] = max(c["peak_contiguous_waste"], waste)
 

@@ -1,15 +1,15 @@
 """Decides what runs each step: a prefill of newly admitted sequences, or one decode step of all
 running ones (pure Python, no torch). The policy in full: docs/NATIVE_ENGINE.md, "Scheduling and
 preemption policy". In short:
-- FIFO admission per priority class (0 interactive before 1 batch) within the step's sequence limit
+- FIFO admission per priority (0 interactive before 1 background) within the step's sequence limit
   (``max_batch_size``), ``max_running``, free blocks (one spare per running sequence) and the prefill
   token budget; a prefill step holds ONE bucket, a decode step every running sequence.
 - Unchunked (dynamic mode): a prefill step runs before decode whenever something can be admitted. Chunked
   (continuous mode): long prompts are prefilled in chunks, prefill and decode steps alternate.
-- Out of blocks: the least urgent running sequence (batch before interactive, then the most recently
+- Out of blocks: the least urgent running sequence (background before interactive, then the most recently
   admitted) is preempted, its blocks freed (kept in the prefix cache) and recomputed later.
-- While interactive work is active, the batch class keeps ``batch_reserve`` sequences decoding (the
-  others pause with their KV); interactive work preempts batch work beyond the reserve.
+- While interactive work is active, background work keeps ``background_reserve`` sequences decoding (the
+  others pause with their KV); interactive work preempts background work beyond the reserve.
 - Prefix cache: an admitted sequence starts with every cached full block of its tokens; blocks a prefill
   computes are registered when it is scheduled (a failed step unregisters them).
 """
@@ -28,18 +28,18 @@ class Scheduler:
     """Waiting queue, partly prefilled sequences and the decoding set, over one BlockManager."""
 
     def __init__(self, blocks: BlockManager, max_batch_size: int, max_prefill_tokens: int = 16384,
-                 max_running: int | None = None, chunked: bool = False, batch_reserve: int = 0) -> None:
+                 max_running: int | None = None, chunked: bool = False, background_reserve: int = 0) -> None:
         self.blocks = blocks
         self.max_batch_size = max_batch_size  # sequences per prefill step
         self.max_running = max_running or max_batch_size  # sequences holding KV (decoding + prefilling)
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked = chunked
-        self.batch_reserve = batch_reserve  # batch sequences kept running while interactive work is active
+        self.background_reserve = background_reserve  # background sequences kept running while interactive runs
         self.waiting: list[Sequence] = []  # ordered by (priority, arrival)
         self.prefilling: list[Sequence] = []  # admitted, prompt KV partly computed (chunked prefill)
         self.running: list[Sequence] = []  # prefill complete: decoding
         self.num_preemptions = 0
-        self.num_priority_preemptions = 0  # batch sequences preempted to make room for interactive ones
+        self.num_priority_preemptions = 0  # background sequences preempted to make room for interactive ones
         self._arrivals = 0
         self.peak_wasted = 0  # max over steps of allocated slots not holding a token
         self.peak_wasted_per_seq = 0.0  # max over steps of (wasted slots / live sequences)
@@ -59,13 +59,13 @@ class Scheduler:
         self._enqueue(seq)
 
     def room(self, priority: int) -> int:
-        """How many more sequences of ``priority`` may be added now. Interactive ones may displace batch
-        sequences beyond the reserve; batch ones always have room up to the reserve (never starved)."""
+        """How many more sequences of ``priority`` may be added now. Interactive ones may displace background
+        sequences beyond the reserve; background ones always have room up to the reserve (never starved)."""
         active_i = sum(1 for q in self._all() if q.priority == 0)
         active_b = self.num_active() - active_i
         if priority == 0:
-            return max(0, self.max_running - active_i - min(active_b, self.batch_reserve))
-        return max(0, self.max_running - active_i - active_b, self.batch_reserve - active_b)
+            return max(0, self.max_running - active_i - min(active_b, self.background_reserve))
+        return max(0, self.max_running - active_i - active_b, self.background_reserve - active_b)
 
     def abort(self, ids: Iterable[str]) -> list[Sequence]:
         """Drop sequences by id wherever they are, freeing their blocks; returns the ones found."""
@@ -116,7 +116,7 @@ class Scheduler:
         num_new: list[int] = []
         budget = self.max_prefill_tokens
         bucket = None
-        urgent = any(q.priority == 0 for q in self.waiting)  # interactive work queued: batch chunks wait
+        urgent = any(q.priority == 0 for q in self.waiting)  # interactive work queued: background chunks wait
         registered: list[int] = []
         for seq in self.prefilling:  # partly prefilled sequences go on first (they hold their blocks)
             if budget <= 0 or (bucket is not None and seq.bucket != bucket):
@@ -133,12 +133,12 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0 and len(chosen) < self.max_batch_size:
             seq = self.waiting[i]
             if seq.priority == 0 and self._holding(0) >= self.max_running - self._kept_for_batch():
-                i += 1  # the interactive class is at its share: the batch class may use its reserve
+                i += 1  # interactive work is at its share: background work may use its reserve
                 continue
             if bucket is not None and seq.bucket != bucket:
                 break
-            if seq.priority > 0 and self._interactive_active() and self._holding(1) >= self.batch_reserve:
-                break  # batch work keeps its reserve while interactive work is active, no more
+            if seq.priority > 0 and self._interactive_active() and self._holding(1) >= self.background_reserve:
+                break  # background work keeps its reserve while interactive work is active, no more
             hits = self._make_room(seq)  # cached leading blocks: their tokens are not computed
             if hits is None:
                 break
@@ -167,7 +167,7 @@ class Scheduler:
         """The prefix-cache hits ``seq`` is admitted with, when it can be admitted now: a slot within
         ``max_running`` and free blocks for the rest of its prompt (with one spare per holding sequence, a
         watermark against immediate preemption); None when it cannot. An interactive sequence preempts
-        batch sequences beyond the reserve until it fits (its hits are looked up again after each)."""
+        background sequences beyond the reserve until it fits (its hits are looked up again after each)."""
         while True:
             holding = len(self.running) + len(self.prefilling)
             hits = self.blocks.match(seq)
@@ -181,8 +181,8 @@ class Scheduler:
             self.num_priority_preemptions += 1
 
     def _schedule_decode(self) -> ScheduledBatch:
-        # while interactive work is active, batch sequences beyond the reserve keep their KV but pause
-        cap = self.batch_reserve if self._interactive_active() else len(self.running)
+        # while interactive work is active, background sequences beyond the reserve keep their KV but pause
+        cap = self.background_reserve if self._interactive_active() else len(self.running)
         batch_seqs = [q for q in self.running if q.priority > 0]
         paused = batch_seqs[cap:]
         queue = [q for q in self.running if q.priority == 0] + batch_seqs[:cap]
@@ -191,7 +191,7 @@ class Scheduler:
         while queue:
             seq = queue.pop(0)
             while not self.blocks.can_append(seq):
-                # least urgent first: paused batch sequences, then the tail of the step's own queue
+                # least urgent first: paused background sequences, then the tail of the step's own queue
                 victim = paused.pop() if paused else (self._least_urgent(queue) if queue else seq)
                 if victim in queue:
                     queue.remove(victim)
@@ -215,7 +215,7 @@ class Scheduler:
             self.requeue(seq)
 
     def requeue(self, seq: Sequence) -> None:
-        """Take an admitted sequence back to the front of its class in the queue, freeing its blocks."""
+        """Take an admitted sequence back to the front of its priority in the queue, freeing its blocks."""
         self._drop(seq)
         self.blocks.free(seq)
         seq.status = SeqStatus.WAITING
@@ -230,7 +230,7 @@ class Scheduler:
         self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
-        """Into the queue by (priority, arrival): a preempted sequence returns to the front of its class."""
+        """Into the queue by (priority, arrival): a preempted sequence returns to the front of its priority."""
         keys = [(q.priority, q.arrival) for q in self.waiting]
         self.waiting.insert(bisect.bisect(keys, (seq.priority, seq.arrival)), seq)
 
@@ -244,14 +244,14 @@ class Scheduler:
         return sum(1 for q in (*self.running, *self.prefilling) if q.priority == priority)
 
     def _kept_for_batch(self) -> int:
-        """Slots interactive work leaves to the batch class: its reserve, while it has that much work."""
-        return min(self.batch_reserve, sum(1 for q in self._all() if q.priority > 0))
+        """Slots interactive work leaves to background work: its reserve, while it has that much work."""
+        return min(self.background_reserve, sum(1 for q in self._all() if q.priority > 0))
 
     def _batch_victim(self) -> Sequence | None:
-        """The batch sequence to preempt for an interactive one: beyond the reserve, most recently admitted
+        """The background sequence to preempt for an interactive one: beyond the reserve, most recently admitted
         (a paused one when there is one), else None."""
         holding = [q for q in (*self.running, *self.prefilling) if q.priority > 0]
-        return max(holding, key=lambda q: q.arrival) if len(holding) > self.batch_reserve else None
+        return max(holding, key=lambda q: q.arrival) if len(holding) > self.background_reserve else None
 
     @staticmethod
     def _least_urgent(queue: list[Sequence]) -> Sequence:

@@ -38,7 +38,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
-    priority: int = 0  # 0 = interactive, 1 = batch (common/wire/lanes.py RANK): lower is more urgent
+    priority: int = 0  # 0 = interactive, 1 = background (common/wire/priority.py LEVEL): lower is more urgent
     arrival: int = 0  # the scheduler's admission counter: order within a priority, kept across preemptions
     block_hashes: list[bytes] = field(default_factory=list)  # one per full block of token_ids (as needed)
     num_committed: int = 0  # leading blocks of block_table already offered to the prefix cache

@@ -6,23 +6,23 @@ from __future__ import annotations
 
 import pytest
 
-from batchfleet.common.wire.lanes import batch_reserve
+from batchfleet.common.wire.priority import background_reserve
 from batchfleet.worker.engine.native.block_manager import BlockManager
 from batchfleet.worker.engine.native.scheduler import Scheduler
 from batchfleet.worker.engine.native.sequence import SeqStatus, Sequence
 
 pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
 
-INTERACTIVE, BATCH = 0, 1
+INTERACTIVE, BACKGROUND = 0, 1
 
 
-def seq(name: str, n: int = 4, max_new: int = 50, priority: int = BATCH, bucket: int = 16) -> Sequence:
+def seq(name: str, n: int = 4, max_new: int = 50, priority: int = BACKGROUND, bucket: int = 16) -> Sequence:
     return Sequence(id=name, token_ids=list(range(n)), max_new_tokens=max_new, priority=priority, bucket=bucket)
 
 
 def sched(max_running: int = 4, reserve: int = 1, blocks: int = 64) -> Scheduler:
     return Scheduler(BlockManager(num_blocks=blocks, block_size=4), max_batch_size=8, max_prefill_tokens=64,
-                     max_running=max_running, chunked=True, batch_reserve=reserve)
+                     max_running=max_running, chunked=True, background_reserve=reserve)
 
 
 def run(s: Scheduler, steps: int = 1) -> list[tuple[bool, list[str]]]:
@@ -47,7 +47,7 @@ def test_interactive_arrival_preempts_batch_beyond_the_reserve_and_pauses_the_re
     for i in range(4):
         s.add(seq(f"b{i}"))
     assert run(s, 2) == [(True, ["b0", "b1", "b2", "b3"]), (False, ["b0", "b1", "b2", "b3"])]
-    assert s.room(INTERACTIVE) == 3 and s.room(BATCH) == 0
+    assert s.room(INTERACTIVE) == 3 and s.room(BACKGROUND) == 0
     s.add(seq("i0", priority=INTERACTIVE))
     # no slot: the latest batch sequence is preempted (back to the front of the batch class)
     assert run(s, 1) == [(True, ["i0"])]
@@ -70,7 +70,7 @@ def test_batch_class_keeps_its_reserve_under_an_interactive_flood():
     s.add(seq("b1"))
     for i in range(6):
         s.add(seq(f"i{i}", priority=INTERACTIVE))
-    assert s.room(BATCH) == 0 and s.room(INTERACTIVE) == 0
+    assert s.room(BACKGROUND) == 0 and s.room(INTERACTIVE) == 0
     history = run(s, 12)
     decodes = [ids for prefill, ids in history if not prefill]
     # interactive sequences fill every slot but one; b0 (admitted as the reserve) decodes in every step
@@ -97,10 +97,10 @@ def test_batch_never_preempts_and_reserve_zero_means_no_share():
     s.add(seq("i1", priority=INTERACTIVE))
     run(s, 1)
     s.add(seq("b0"))
-    assert s.room(BATCH) == 0 and run(s, 2) == [(False, ["i0", "i1"]), (False, ["i0", "i1"])]
+    assert s.room(BACKGROUND) == 0 and run(s, 2) == [(False, ["i0", "i1"]), (False, ["i0", "i1"])]
     assert s.num_priority_preemptions == 0 and [q.id for q in s.waiting] == ["b0"]
 
 
-def test_batch_reserve_is_a_share_of_max_running_at_least_one():
-    assert [batch_reserve(64, 0.1), batch_reserve(4, 0.1), batch_reserve(64, 0.0), batch_reserve(10, 1.0)] == \
-        [7, 1, 0, 10]
+def test_background_reserve_is_a_share_of_max_running_at_least_one():
+    cases = [(64, 0.1), (4, 0.1), (64, 0.0), (10, 1.0)]
+    assert [background_reserve(n, share) for n, share in cases] == [7, 1, 0, 10]

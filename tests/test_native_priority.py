@@ -15,7 +15,7 @@ def loaded(tmp_path_factory):
 
 
 def test_interactive_preempts_batch_and_everything_stays_token_exact(loaded):
-    engine = make_engine(loaded, max_batch_size=4, max_running=4)  # batch_min_share 0.1: a reserve of 1
+    engine = make_engine(loaded, max_batch_size=4, max_running=4)  # background_min_share 0.1: a reserve of 1
     batch = [request(i, prompt(i, 12 + i), 40, priority=1) for i in range(4)]
     engine.add(batch)
     order: list[str] = []

@@ -3,15 +3,15 @@ job notice the web client? One worker at user defaults (native engine, continuou
 run, four phases:
 
 1. idle: a client sends ``--interactive`` short requests one after the other (16 new tokens): p50 idle;
-2. bulk alone: ``batchfleet bulk`` semantics (``bulk_file``, default window, batch class) over ``--prompts``
+2. bulk alone: ``batchfleet bulk`` semantics (``bulk_file``, default window, background priority) over ``--prompts``
    prompts (64 new tokens): its throughput alone;
 3. both: the same bulk again while the client (a process of its own, as a web backend) sends its requests
    one after the other: interactive p50 under bulk / idle p50 (target <= 1.5) and bulk throughput / the
    mean of the bulk alone before and after this phase (target >= 0.85); every line answered;
-4. flood: a batch backlog while ``--flood`` x max_running interactive clients send back to back (a flood at
-   80% of the engine's capacity): the batch class's share of decode slots (target >= --batch-min-share).
+4. flood: a background backlog while ``--flood`` x max_running interactive clients send back to back (a flood at
+   80% of the engine's capacity): background's share of decode slots (target >= --background-min-share).
 
-    python scripts/bench_lanes.py --json docs/bench/lanes.json
+    python scripts/bench_priority.py --json docs/bench/priority.json
 
 Writes JSON and prints a table. Not a test: run it on a quiet machine.
 """
@@ -90,11 +90,11 @@ def run_bulk(url: str, ns: str, prompts: int, tmp: Path, tag: str) -> dict:
 
 
 def flood(url: str, ns: str, concurrency: int, seconds: float, backlog: int) -> dict:
-    """A batch backlog, then ``concurrency`` interactive clients sending back to back for ``seconds``: the
-    decode slots each class got meanwhile (the engine's counters, read from the worker's heartbeat)."""
+    """A background backlog, then ``concurrency`` interactive clients sending back to back for ``seconds``: the
+    decode slots each priority got meanwhile (the engine's counters, read from the worker's heartbeat)."""
     with Client(url, ns) as client:
-        jobs = [client.submit(f"backlog item {i}", max_new_tokens=64, priority="batch") for i in range(backlog)]
-        time.sleep(3.0)  # the batch class fills the engine first
+        jobs = [client.submit(f"backlog item {i}", max_new_tokens=64, priority="background") for i in range(backlog)]
+        time.sleep(3.0)  # background work fills the engine first
         before = _engine_stats(url, ns)
         stop = threading.Event()
         counts = [0] * concurrency
@@ -114,9 +114,9 @@ def flood(url: str, ns: str, concurrency: int, seconds: float, backlog: int) -> 
         for j in jobs:
             client.cancel(j)
     slots = {c: after[f"engine_decode_slots_{c}"] - before[f"engine_decode_slots_{c}"]
-             for c in ("interactive", "batch")}
+             for c in ("interactive", "background")}
     return {"window_s": seconds, "concurrency": concurrency, "interactive_requests": sum(counts),
-            "decode_slots": slots, "batch_share": round(slots["batch"] / max(1, sum(slots.values())), 3)}
+            "decode_slots": slots, "background_share": round(slots["background"] / max(1, sum(slots.values())), 3)}
 
 
 @click.command(help=__doc__)
@@ -131,7 +131,7 @@ def flood(url: str, ns: str, concurrency: int, seconds: float, backlog: int) -> 
 def main(redis_url: str, prompts: int, interactive: int, flood_x: float, flood_s: float, worker_arg: tuple[str, ...],
          json_path: str | None) -> None:
     url, private = ensure_redis(redis_url)
-    ns = f"lanes-{uuid.uuid4().hex[:6]}"
+    ns = f"priorities-{uuid.uuid4().hex[:6]}"
     worker = spawn_worker(url, ns, list(worker_arg))
     out: dict = {"prompts": prompts, "interactive": interactive, "worker_args": list(worker_arg)}
     try:
@@ -149,7 +149,7 @@ def main(redis_url: str, prompts: int, interactive: int, flood_x: float, flood_s
             after = _engine_stats(url, ns)
             again = run_bulk(url, ns, prompts, tmp, "again")  # alone once more: what drifts between runs
             max_running = after["engine_running_limit"]
-            # a backlog the batch class cannot finish within the window, whatever share it gets
+            # a backlog background work cannot finish within the window, whatever share it gets
             fl = flood(url, ns, max(1, round(flood_x * max_running)), flood_s, backlog=3000)
         p50_idle, p50_bulk = statistics.median(idle), statistics.median(got) if got else float("nan")
         out.update({
@@ -174,8 +174,8 @@ def main(redis_url: str, prompts: int, interactive: int, flood_x: float, flood_s
           f"{again['seconds']} s, {alone['lines']} lines) | - |")
     print(f"| bulk with interactive | {both['tok_s']} tok/s ({out['bulk_ratio']}x the mean alone; all answered: "
           f"{both['all_answered']}; {out['priority_preemptions_during_both']} priority preemptions) | >= 0.85x |")
-    print(f"| flood ({fl['concurrency']} interactive clients): batch share of decode slots | "
-          f"{fl['batch_share']} | >= batch_min_share |")
+    print(f"| flood ({fl['concurrency']} interactive clients): background share of decode slots | "
+          f"{fl['background_share']} | >= background_min_share |")
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
 
