@@ -1,5 +1,5 @@
 """The shipped alert rules fire only on trouble, run by Prometheus' own rule evaluator (``promtool test rules``
-over deploy/prometheus/alerts_test.yml): normal mixed operation (interactive load, a draining batch backlog,
+over deploy/prometheus/alerts_test.yml): normal mixed operation (interactive load, a draining background backlog,
 a nearly full KV cache, priority preemptions) fires nothing; a stuck worker, a KV cache out of blocks and an
 interactive backlog each fire their own alert. Skipped, saying why, where promtool is not installed
 (.ci/run installs it with apt, best effort)."""
@@ -51,7 +51,7 @@ def test_alert_cases_cover_every_rule_and_each_trouble():
 @pytest.mark.integration
 @needs_promtool
 def test_alerts_test_fails_on_the_old_rules(tmp_path: Path):
-    """The cases have teeth: the rules of issue 32 (preemptions of any cause, age merged across classes)
+    """The cases have teeth: the rules of issue 32 (preemptions of any cause, age merged across priorities)
     fire in normal operation, and promtool says so."""
     groups = yaml.safe_load((PROM / "alerts.yml").read_text())
     for rule in groups["groups"][0]["rules"]:

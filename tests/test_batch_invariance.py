@@ -91,7 +91,7 @@ def _drain(engine: NativeEngine, waves: list[list[GenRequest]], every: int = 2) 
 
 def assert_flood_leaves_batch_requests_as_alone(fresh: Callable[..., NativeEngine], what: str) -> None:
     """Each target alone on ``fresh()`` (whole prompt, no neighbours, no preemption), then all of them under
-    the flood on one ``fresh(**tight)`` engine: waves of interactive requests joining the batch work, prompts
+    the flood on one ``fresh(**tight)`` engine: waves of interactive requests joining the background work, prompts
     cut into chunks of 24 tokens at whatever place the shared budget leaves, 16 blocks for 6 running sequences
     of up to 11 blocks (preemptions). Tokens and logprobs must be the same bits."""
     tg = [_req(f"t{i}", t, p, priority=1) for i, (t, p) in enumerate(targets())]

@@ -1,7 +1,7 @@
 """Batch invariance of the native engine's torch path (``--no-native-kernel``: what CUDA and NPU run), bf16
 and fp32, with both prefill layouts (``packed``, the CPU default; ``padded``, the CUDA/NPU default).
 
-The same flood as tests/test_batch_invariance.py (batch-class requests, a third seeded sampling, all with
+The same flood as tests/test_batch_invariance.py (background requests, a third seeded sampling, all with
 logprobs, under waves of interactive ones; prefill chunks of 24 tokens, a pool that forces preemptions, a
 shared system prompt), through the engine's real scheduler, each request compared with itself alone, token
 and logprob. Also the torch paged attention alone: a query's output is the same bits whatever else is in the

@@ -51,7 +51,7 @@ def test_rerun_after_deleting_the_output_or_with_no_resume_starts_over(start_wor
     assert sorted(o["index"] for o in out) == list(range(12)) and all("result" in o for o in out)
     kept = bulk_cli(src, dst, redis_url, namespace)  # resumes: nothing left to do
     assert kept.returncode == 0 and "12 kept from an earlier run" in last_line(kept)
-    batch_stream = Keys(namespace).stream(TEST_BUCKETS[0], BACKGROUND)  # bulk runs in the batch class
+    batch_stream = Keys(namespace).stream(TEST_BUCKETS[0], BACKGROUND)  # bulk runs at background priority
     assert redis.Redis.from_url(redis_url).xinfo_groups(batch_stream)[0]["entries-read"] == 36
 
 

@@ -82,8 +82,8 @@ def test_cached_tokens_on_every_surface_and_per_priority_metrics(start_worker, s
         assert 0 < body["usage"]["prompt_tokens_details"]["cached_tokens"] <= body["usage"]["prompt_tokens"], body
 
     m = scrape(port)
-    interactive, batched = (one(m, "batchfleet_prompt_tokens_cached_total", priority=p)
-                            for p in ("interactive", "background"))
+    interactive, batched = (one(m, "batchfleet_prompt_tokens_cached_total", priority=p, **{"class": c})
+                            for p, c in (("interactive", "interactive"), ("background", "batch")))
     assert interactive >= cached * 2 and batched > 0, (interactive, batched)
     assert interactive + batched == sum(w.loop.ledger.cached_tokens.values())
     assert {(dict(k)["priority"], dict(k)["class"]) for k in m["batchfleet_request_preemptions_total"]} == {

@@ -1,6 +1,6 @@
 """A fleet sharded over the masters of a real local Redis Cluster (``--shards 3``, common/keys.py): each
 shard's keys on its own master, requests spread over them by backlog, and the single-tag fleet's guarantees
-held across shards: answers, streaming, cancel, deadlines, both classes, status, the gateway, KEDA's count
+held across shards: answers, streaming, cancel, deadlines, both priorities, status, the gateway, KEDA's count
 (a worker killed -9, a master's failover and the ACL users run sharded in tests/test_cluster.py and
 tests/test_cluster_acl.py)."""
 
@@ -70,7 +70,8 @@ def test_requests_spread_over_the_shards_and_status_sums_them(redis_url, namespa
         client.generate([1, 2, 3], max_new_tokens=2, timeout=60)
         w.stop()
         jobs = [client.submit([10 + i, 11], max_new_tokens=4, timeout=120) for i in range(30)]
-        batch = [client.submit([20 + i, 21], max_new_tokens=3, timeout=120, priority="background") for i in range(6)]
+        background = [client.submit([20 + i, 21], max_new_tokens=3, timeout=120, priority="background")
+                      for i in range(6)]
         late = client.submit([7, 8], max_new_tokens=4, timeout=1.0)  # its deadline passes before any worker runs
         r = sync_client(redis_url)
         try:
@@ -79,13 +80,13 @@ def test_requests_spread_over_the_shards_and_status_sums_them(redis_url, namespa
         finally:
             r.close()
         assert sum(lengths) == 31 and min(lengths) >= 8, lengths  # the 30 and the late one
-        queued = {(q["bucket"], q["class"]): q for q in snap["queues"]}
+        queued = {(q["bucket"], q["priority"]): q for q in snap["queues"]}
         assert queued[32, "interactive"]["length"] == queued[32, "interactive"]["depth"] == 31
-        assert queued[32, "batch"]["length"] == 6
+        assert queued[32, "background"]["length"] == 6
         time.sleep(1.2)
         start_worker(**config)
         assert all(len(client.result(j, timeout=120).token_ids) == 4 for j in jobs)
-        assert all(len(client.result(j, timeout=120).token_ids) == 3 for j in batch)  # the batch class, every shard
+        assert all(len(client.result(j, timeout=120).token_ids) == 3 for j in background)  # background, every shard
         with pytest.raises(Timeout, match="deadline passed before the request was scheduled"):
             client.result(late, timeout=120)
 

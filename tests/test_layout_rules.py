@@ -90,7 +90,7 @@ def dataclass_fields(path: Path) -> dict[str, set[str]]:
 
 def test_generation_parameters_are_declared_once():
     """Only common/wire/params.py's Params declares the generation parameters; the wire Request and the engine's
-    GenRequest embed it, and the wire carries no priority (the stream an entry is on is its class)."""
+    GenRequest embed it, and the wire carries no priority (the stream an entry is on is its priority)."""
     from_table = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos"}
     for path in package_files():
         for cls, names in dataclass_fields(path).items():

@@ -37,7 +37,7 @@ def scrape(port: int) -> dict[str, dict[tuple, float]]:
     return out
 
 
-IA = {"priority": "interactive"}  # the series of interactive work
+IA = {"priority": "interactive", "class": "interactive"}  # the series of interactive work (both labels)
 
 
 def one(m: dict, name: str, **labels: str) -> float:
@@ -170,5 +170,5 @@ def test_gateway_serves_the_fleet_queue_gauges(start_worker, redis_url, namespac
     finally:
         proc.terminate()
         proc.wait(10)
-    assert 'batchfleet_queue_depth{bucket="32",priority="interactive",class="interactive"}' in body
+    assert 'batchfleet_queue_depth{bucket="32",class="interactive",priority="interactive"}' in body
     assert "batchfleet_gateway_requests_in_progress 0.0" in body  # and its own HTTP metrics, on the same port

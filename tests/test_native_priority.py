@@ -1,5 +1,5 @@
-"""Priority classes in the native engine (tiny Llama, fp32): an interactive request that finds the engine
-full of batch sequences preempts them and finishes first, and every output stays token-identical to
+"""Priorities in the native engine (tiny Llama, fp32): an interactive request that finds the engine
+full of background sequences preempts them and finishes first, and every output stays token-identical to
 transformers ``generate`` run alone (the preempted ones are recomputed)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def test_interactive_preempts_batch_and_everything_stays_token_exact(loaded):
     engine.add(batch)
     order: list[str] = []
     done = {}
-    for _ in range(6):  # every slot held by a batch sequence, decoding
+    for _ in range(6):  # every slot held by a background sequence, decoding
         for c in engine.step():
             order.append(c.id)
             done[c.id] = c
@@ -32,7 +32,7 @@ def test_interactive_preempts_batch_and_everything_stays_token_exact(loaded):
             order.append(c.id)
             done[c.id] = c
     stats = engine.stats()
-    assert order[0] == "r9", order  # the interactive request never waited for a batch sequence to finish
+    assert order[0] == "r9", order  # the interactive request never waited for a background sequence to finish
     assert stats["priority_preemptions"] == 1 and done["r3"].extra["preemptions"] == 1
     for req in [*batch, urgent]:
         assert done[req.id].token_ids == hf_greedy(loaded, req.prompt, req.params.max_new_tokens), req.id

@@ -113,7 +113,7 @@ def test_batch_with_the_openai_client_and_bulk_on_the_same_file(start_worker, st
     assert a.files.delete(uploaded.id).deleted
     with pytest.raises(openai.NotFoundError):
         a.files.retrieve(uploaded.id)
-    # batches run in the batch class: 7 jobs (n=1 x 6 and the request refused at submission: none) per run
+    # batches run at background priority: 7 jobs (n=1 x 6 and the request refused at submission: none) per run
     assert enqueued(redis_url, namespace) == 12 and enqueued(redis_url, namespace, "interactive") == 0
 
 

@@ -114,7 +114,7 @@ def test_medium_entries_past_the_budget_come_back_whole_a_budget_at_a_time(consu
     assert len(calls) == 3
 
 
-def test_every_delivered_entry_is_recovered_once_in_every_lane(consumers):
+def test_every_delivered_entry_is_recovered_once_at_every_priority(consumers):
     make, keys, r = consumers
     c = make("a")
     kinds = {}

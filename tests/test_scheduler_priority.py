@@ -1,5 +1,5 @@
-"""Scheduler priority classes, exactly (pure Python): interactive sequences are admitted first, preempt batch
-sequences beyond the batch reserve when the engine is full (slots or KV blocks), pause the rest of the batch
+"""Scheduler priorities, exactly (pure Python): interactive sequences are admitted first, preempt batch
+sequences beyond the background reserve when the engine is full (slots or KV blocks), pause the rest of the batch
 class without recomputing it, and never starve it."""
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ def test_interactive_arrival_preempts_batch_beyond_the_reserve_and_pauses_the_re
     assert run(s, 2) == [(True, ["b0", "b1", "b2", "b3"]), (False, ["b0", "b1", "b2", "b3"])]
     assert s.room(INTERACTIVE) == 3 and s.room(BACKGROUND) == 0
     s.add(seq("i0", priority=INTERACTIVE))
-    # no slot: the latest batch sequence is preempted (back to the front of the batch class)
+    # no slot: the latest background sequence is preempted (back to the front of background work)
     assert run(s, 1) == [(True, ["i0"])]
     assert s.num_priority_preemptions == 1 and [q.id for q in s.waiting] == ["b3"]
     assert s.waiting[0].status is SeqStatus.WAITING and s.waiting[0].num_cached == 0
-    # while i0 runs, the batch class decodes with its reserve (b0); b1, b2 keep their KV, paused
+    # while i0 runs, background work decodes with its reserve (b0); b1, b2 keep their KV, paused
     kv = {q.id: list(q.block_table) for q in s.running}
     assert run(s, 2) == [(False, ["b0", "i0"]), (False, ["b0", "i0"])]
     assert [q.id for q in s.running] == ["b0", "b1", "b2", "i0"]
