@@ -26,8 +26,8 @@ from batchfleet.common.errors import (
     Timeout,
 )
 from batchfleet.common.keys import Keys, valid_job_id
-from batchfleet.common.wire.priority import BACKGROUND
 from batchfleet.common.wire.params import ParamError, has_utf8
+from batchfleet.common.wire.priority import BACKGROUND
 from batchfleet.common.wire.protocol import (
     Delta,
     Error,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from batchfleet.common.errors import FleetUnavailable, InvalidRequest, NoWorkers, QueueFull
-from batchfleet.common.wire.lanes import INTERACTIVE
+from batchfleet.common.wire.priority import INTERACTIVE
 from batchfleet.common.wire.protocol import MAX_PAYLOAD_BYTES, Request
 
 ADDED_PAST_LIMIT = 2  # an enqueue answer of the client's own: a plain add found the queue past its limit
@@ -22,7 +22,7 @@ class Outgoing:
     stream: str
     request: Request
     max_queue_len: int
-    lane: str = INTERACTIVE
+    priority: str = INTERACTIVE
 
     @property
     def id(self) -> str:
@@ -31,9 +31,9 @@ class Outgoing:
     @property
     def fingerprint(self) -> bytes:
         """What makes this request the one it is: its prompt, every parameter, ``stream``, its kind, bucket and
-        class; not its timeout (a retry has less time left) nor its shard (picked per enqueue). Two submits of
+        priority; not its timeout (a retry has less time left) nor its shard (picked per enqueue). Two submits of
         one job id in one client are one job only when their fingerprints are equal."""
-        what = replace(self.request, timeout_ms=None).encode() + f"\0{self.bucket}\0{self.lane}".encode()
+        what = replace(self.request, timeout_ms=None).encode() + f"\0{self.bucket}\0{self.priority}".encode()
         return hashlib.blake2b(what, digest_size=16).digest()
 
     def args(self, require_workers: bool, live_ms: int) -> list:
@@ -58,7 +58,7 @@ class Outgoing:
             return self.id
         earlier = "; earlier prompts of this call were enqueued" if in_batch else ""
         if code in (0, ADDED_PAST_LIMIT):
-            raise QueueFull(f"bucket {self.bucket} ({self.lane}) holds {self.max_queue_len} entries; "
+            raise QueueFull(f"bucket {self.bucket} ({self.priority}) holds {self.max_queue_len} entries; "
                             f"retry later{earlier}")
         if code == -1:
             raise NoWorkers(f"no live worker serves namespace {namespace!r} (none sent a heartbeat recently); "

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from batchfleet.common.keys import Keys
-from batchfleet.common.wire.lanes import BATCH
+from batchfleet.common.wire.priority import BACKGROUND
 from batchfleet.producer.bulk.files import run_names
 from batchfleet.producer.bulk.lines import SHA_KEY, PromptFormat, line_sha
 from tests.conftest import TEST_BUCKETS
@@ -89,7 +89,7 @@ def test_a_text_line_in_flight_at_a_kill_and_edited_in_its_whitespace_is_not_giv
                                 "--redis-url", redis_url, "--namespace", namespace, "--format", "text",
                                 "--max-new-tokens", "2"], cwd=ROOT, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
-        wait_until(lambda: sum(r.xlen(keys.stream(b, BATCH)) for b in TEST_BUCKETS) == 4, 60, "4 lines enqueued")
+        wait_until(lambda: sum(r.xlen(keys.stream(b, BACKGROUND)) for b in TEST_BUCKETS) == 4, 60, "4 lines enqueued")
         run.send_signal(signal.SIGKILL)
         run.wait(30)
     inbox = keys.inbox(run_names(str(dst), resume=True)[0].inbox)

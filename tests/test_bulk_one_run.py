@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from batchfleet.common.keys import Keys
-from batchfleet.common.wire.lanes import BATCH
+from batchfleet.common.wire.priority import BACKGROUND
 from batchfleet.gateway.cli.bulk_progress import CLOSE_S
 from batchfleet.producer.bulk.lock import OutputBusy, OutputLock
 from tests.conftest import TEST_BUCKETS
@@ -48,7 +48,7 @@ def start_bulk(src: Path, dst: Path, redis_url: str, namespace: str, *extra: str
 
 def enqueued(redis_url: str, namespace: str) -> int:
     r = redis.Redis.from_url(redis_url)
-    return sum(r.xlen(Keys(namespace).stream(b, BATCH)) for b in TEST_BUCKETS)
+    return sum(r.xlen(Keys(namespace).stream(b, BACKGROUND)) for b in TEST_BUCKETS)
 
 
 def test_two_runs_started_together_on_one_output_one_is_refused(start_worker, redis_url, namespace, tmp_path):

@@ -70,8 +70,8 @@ def test_one_client_submitting_an_id_in_flight_with_another_request_is_refused_a
             assert first == "x" and isinstance(second, InvalidRequest), second
             assert "x" in str(second) and "different request" in str(second)
             for other in ({"max_new_tokens": 7}, {"max_new_tokens": 6, "temperature": 0.5},
-                          {"max_new_tokens": 6, "priority": "batch"}):
-                with pytest.raises(InvalidRequest):  # a parameter, or the class, makes another request too
+                          {"max_new_tokens": 6, "priority": "background"}):
+                with pytest.raises(InvalidRequest):  # a parameter, or the priority, makes another request too
                     await client.submit(PROMPTS[0], job_id="x", timeout=60, **other)
             # the same request (a retry: "did it go through?") joins the first, whatever its timeout
             assert await client.submit(PROMPTS[0], max_new_tokens=6, job_id="x", timeout=30) == "x"
