@@ -69,7 +69,7 @@ def test_batch_with_the_openai_client_and_bulk_on_the_same_file(start_worker, st
     src = tmp_path / "batch.jsonl"
     src.write_text(text)
     uploaded = a.files.create(file=("batch.jsonl", io.BytesIO(text.encode())), purpose="batch")
-    assert uploaded.bytes == len(text.encode()) and uploaded.purpose == "background"
+    assert uploaded.bytes == len(text.encode()) and uploaded.purpose == "batch"
     batch = a.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h",
                              metadata={"job": "nightly"})
     assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
