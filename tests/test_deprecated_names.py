@@ -80,3 +80,21 @@ def test_background_streams_keep_their_key():
     assert Keys("bf").stream(128) == "bf:stream:128"
     with pytest.raises(ValueError):
         Keys("bf").stream(128, "batch")  # the key's suffix, not a priority: callers normalise first
+
+
+@pytest.mark.unit
+def test_a_bulk_run_recorded_with_batch_resumes_after_the_upgrade(tmp_path):
+    """A run record written before the rename keeps ``"priority": "batch"`` in its defaults; the same run
+    resumed now asks for ``background``: the same parameters, not a RunChanged."""
+    import json
+
+    from batchfleet.producer.bulk.files import KEY_SUFFIX, run_record
+    from batchfleet.producer.bulk.lines import prompt_params
+
+    output = tmp_path / "answers.jsonl"
+    output.write_text("")
+    old = prompt_params({"max_new_tokens": 8, "priority": "batch"}, None, False)
+    (tmp_path / ("answers.jsonl" + KEY_SUFFIX)).write_text(json.dumps({"key": "ab" * 32, "params": old}))
+    now = prompt_params({"max_new_tokens": 8, "priority": BACKGROUND}, None, False)
+    record, resuming = run_record(str(output), True, now)
+    assert resuming and record.names.key == "ab" * 32 and record.params == now

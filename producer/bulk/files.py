@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from batchfleet.common.errors import InvalidRequest
+from batchfleet.common.wire.priority import DEPRECATED
 from batchfleet.producer.bulk.lines import digest
 from batchfleet.producer.bulk.work import LineFormat
 
@@ -75,8 +76,8 @@ class RunRecord:
             return cls(RunNames(text))
         try:
             obj = json.loads(text)
-            record = cls(RunNames(obj["key"]), obj.get("params"), {int(k): str(v) for k, v in
-                                                                   (obj.get("fresh") or {}).items()})
+            record = cls(RunNames(obj["key"]), _renamed(obj.get("params")), {int(k): str(v) for k, v in
+                                                                             (obj.get("fresh") or {}).items()})
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
         return record if _is_key(record.names.key) else None
@@ -89,6 +90,16 @@ class RunRecord:
             json.dump({"key": self.names.key, "params": self.params, "fresh": self.fresh}, f)
             f.write("\n")
         os.replace(tmp, path)
+
+
+def _renamed(params: Any) -> Any:
+    """A run's parameters with today's names: a record written before the priority rename keeps the
+    deprecated ``"priority": "batch"`` among its defaults, read as ``background``, so that run still resumes
+    after an upgrade (docs/CONFIGURATION.md, "Deprecated names")."""
+    defaults = params.get("defaults") if isinstance(params, dict) else None
+    if isinstance(defaults, dict) and defaults.get("priority") in DEPRECATED:
+        return {**params, "defaults": {**defaults, "priority": DEPRECATED[defaults["priority"]]}}
+    return params
 
 
 def _is_key(text: object) -> bool:
