@@ -203,8 +203,8 @@ async def job_asks(job: Job, family: Family | None = None, priority: str | None 
     """What the client is asked for each of the job's ``n`` choices: the job's own Params (checked once, when
     the body was validated), choice i seeded ``seed + i`` when seeded; its structured-output guide compiled
     here, off the event loop (a 400 naming the field when it does not compile). A forced tool call's guide is
-    made here, in ``family``'s format (gateway/openai/tools/calling.py; default: Hermes'). ``priority``: the priority,
-    where the caller's overrides the body's (an OpenAI batch job's lines run at background priority)."""
+    made here, in ``family``'s format (gateway/openai/tools/calling.py; default: Hermes'). ``priority``, when
+    given, overrides the body's (an OpenAI batch job's lines run at background priority)."""
     params = job.params
     if job.tools is not None and job.tools.constrained:  # a 400 naming the schema llguidance cannot compile
         params = params.changed(guide=await asyncio.to_thread(job.tools.guide, family or pick("auto", "")))

@@ -93,7 +93,7 @@ class _AsyncFleetCluster(acluster.RedisCluster):
 def sync_client(url: str, wrap_connection: Callable[[type], type] | None = None, **kw: Any) -> redis.Redis:
     """A redis-py client for ``url`` (plain, Sentinel or Cluster); ``kw`` go to every connection.
     ``wrap_connection``: applied to the connection class of every pool the client makes (the worker's reply guard,
-    worker/transport/reply_guard.py): the priority the URL picked (TCP, TLS, Unix socket, Sentinel-managed), or each
+    worker/transport/reply_guard.py): the class the URL picked (TCP, TLS, Unix socket, Sentinel-managed), or each
     cluster
     node's (redis-py's cluster client passes a ``connection_class`` on, but not a ``parser_class``)."""
     if is_cluster(url):

@@ -7,7 +7,7 @@ vector; it keeps no KV for it. ``encoding_format``: ``float`` (JSON numbers) or 
 float32 bytes, what the openai client asks for by default and decodes). ``dimensions``: the fleet's
 models are not trained for shortened embeddings (Matryoshka), so any value is a 400 naming it, as vLLM
 answers for such a model. Extensions as on the other routes: ``timeout`` (s), ``service_tier`` /
-``priority`` (the priority).
+``priority`` (which pick the priority).
 """
 
 from __future__ import annotations
