@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import os
 import random
+import re
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,9 @@ from .history import History, inbox_digest, read_events
 from .workload import CLIENT_OPS, Workload
 
 RETRYABLE = (Timeout, RedisUnavailable)  # the enqueue's fate is unknown: retry under the same job id
+# the client raises ``Timeout`` both when its caller's wait ends and for a worker's ``deadline_exceeded`` answer
+# (producer/core.py parse_reply: "job <id>: <message>"): the second is the job's one answer, a typed error
+DEADLINE_ANSWER = re.compile(r"job [A-Za-z0-9_.\-]+: ")
 MIN_CALL_S = 0.5  # less than this left of an operation's timeout: it ends as a timeout without another call
 
 
@@ -69,12 +73,13 @@ class Caller:
 
     def end_error(self, op: str, job_id: str | None, exc: BaseException, accepted: bool = False,
                   prompt: int = 0, mnt: int = 0) -> None:
-        if isinstance(exc, Timeout):
-            self.history.record("end", op, outcome="timeout", job_id=job_id, error_class="Timeout", typed=True)
+        if isinstance(exc, Timeout) and not DEADLINE_ANSWER.match(str(exc)):
+            self.history.record("end", op, outcome="timeout", job_id=job_id, error_class="Timeout", typed=True,
+                                message=str(exc)[:300])
             if accepted and job_id is not None:
                 self.timed_out[job_id] = (prompt, mnt)
             return
-        code = getattr(exc, "code", None)
+        code = "deadline_exceeded" if isinstance(exc, Timeout) else getattr(exc, "code", None)
         self.history.record("end", op, outcome="error", job_id=job_id, error_class=type(exc).__name__,
                             error_code=code, typed=isinstance(exc, BatchfleetError), message=str(exc)[:300])
         if job_id is not None:
