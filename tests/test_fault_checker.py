@@ -33,11 +33,11 @@ class Writer:
         self.h._file.flush()
 
     def op(self, kind: str, t0: float, t1: float | None, outcome: str | None, job_id: str | None = "j1",
-           prompt: int = 0, channel: str = "sync", accepted: bool = True, **end) -> str:
+           prompt: int = 0, channel: str = "sync", accepted: bool = True, of: str | None = None, **end) -> str:
         self.n += 1
         op = f"{self.client}.1.{self.n}"
         self.event("start", op, t0, kind=kind, job_id=job_id, inbox="in0", prompt=prompt, max_new_tokens=4,
-                   timeout=10.0, channel=channel)
+                   timeout=10.0, channel=channel, of=of)
         if accepted:
             self.event("accepted", op, t0 + 0.01, job_id=job_id)
         if outcome is not None:
@@ -80,6 +80,13 @@ def test_each_violation_kind_is_found(tmp_path: Path) -> None:
                      ("wrong_answer", "54.5"), ("waited_past_timeout", None), ("untyped_error", "54.6"),
                      ("untyped_error", None)}
     assert len(report.unexplained) == 5
+
+
+def test_a_recovered_join_is_attributed_as_a_join(tmp_path: Path) -> None:
+    w = Writer(tmp_path)
+    first = w.op("join", 0, None, None)  # its process was killed with it in flight
+    w.op("recover", 5, 6, "answer", prompt=1, tokens=[1, 2, 3, 4], of=first)
+    assert [(v["what"], v["item"]) for v in run_check(tmp_path).every] == [("wrong_answer", "54.5")]
 
 
 def test_concurrent_joins_of_one_prompt_may_share_an_answer(tmp_path: Path) -> None:

@@ -124,6 +124,14 @@ def check(history_dir: Path, references: dict[str, dict], bulk_rounds: list[dict
     report = Report()
     loose: list[dict[str, Any]] = []
     ops = load_ops(history_dir, loose)
+    by_id = {op.start["op"]: op for op in ops}
+
+    def origin(op: Op) -> str:
+        """The kind of operation a request began as (a ``recover`` settles one of a dead incarnation)."""
+        while op.start["kind"] == "recover" and op.start.get("of") in by_id:
+            op = by_id[op.start["of"]]
+        return op.start["kind"]
+
     for ev in loose:
         if ev["ev"] == "harness_error":
             report.violate("harness_error", client=ev["client"], op_kind=ev["kind"], error=ev["error"])
@@ -153,13 +161,13 @@ def check(history_dir: Path, references: dict[str, dict], bulk_rounds: list[dict
             got = end.get("tokens") if op.start["channel"] != "gateway" else end.get("text")
             want = None if ref is None else (ref["tokens"] if op.start["channel"] != "gateway" else ref["text"])
             if got != want:
-                report.violate("wrong_answer", "54.5" if op.start["kind"] == "join" else None, op=op.start["op"],
+                report.violate("wrong_answer", "54.5" if origin(op) == "join" else None, op=op.start["op"],
                                op_kind=op.start["kind"], job_id=end.get("job_id"),
                                prompt=op.start["prompt"], got=end.get("text"), want=(ref or {}).get("text"))
     for key, group in by_key.items():
         settled = [op for op in group if op.end and op.end["outcome"] in ("answer", "error")]
         if any(op.accepted for op in group) and not settled:
-            shared = group[0].start["kind"] == "shared"
+            shared = origin(group[0]) == "shared"
             report.violate("lost", "54.1" if shared else None, client=key[0], job_id=key[2],
                            ops=[op.start["op"] for op in group],
                            outcomes=[(op.end or {}).get("outcome") for op in group])
