@@ -27,15 +27,17 @@ class Writer:
         self.h = History(folder / f"{client}.jsonl", client, 1)
         self.client = client
         self.n = 0
+        self.inc = 1  # the client process's incarnation
 
     def event(self, ev: str, op: str, t: float, **fields) -> None:
-        self.h._file.write(json.dumps({"ev": ev, "client": self.client, "inc": 1, "op": op, "t": t, **fields}) + "\n")
+        line = {"ev": ev, "client": self.client, "inc": self.inc, "op": op, "t": t, **fields}
+        self.h._file.write(json.dumps(line) + "\n")
         self.h._file.flush()
 
     def op(self, kind: str, t0: float, t1: float | None, outcome: str | None, job_id: str | None = "j1",
            prompt: int = 0, channel: str = "sync", accepted: bool = True, of: str | None = None, **end) -> str:
         self.n += 1
-        op = f"{self.client}.1.{self.n}"
+        op = f"{self.client}.{self.inc}.{self.n}"
         self.event("start", op, t0, kind=kind, job_id=job_id, inbox="in0", prompt=prompt, max_new_tokens=4,
                    timeout=10.0, channel=channel, of=of)
         if accepted:
@@ -87,6 +89,17 @@ def test_a_recovered_join_is_attributed_as_a_join(tmp_path: Path) -> None:
     first = w.op("join", 0, None, None)  # its process was killed with it in flight
     w.op("recover", 5, 6, "answer", prompt=1, tokens=[1, 2, 3, 4], of=first)
     assert [(v["what"], v["item"]) for v in run_check(tmp_path).every] == [("wrong_answer", "54.5")]
+
+
+def test_shapes_found_by_this_test_are_attributed(tmp_path: Path) -> None:
+    w = Writer(tmp_path)
+    w.op("submit", 0, 1, "answer", tokens=[1, 2, 3, 4])
+    w.inc = 2  # the process was killed and started again with the same inbox
+    w.op("reuse", 5, 6, "answer", tokens=[1, 2, 3, 4])
+    setup = "  File \"compose.py\", in _build\n    transport.setup()\n_Refused: used memory > 'maxmemory'."
+    report = check(tmp_path, REFS, [], PROMPTS, [{"process": "w0g2", "exit": 1, "tail": setup}], 5.0)
+    assert sorted((v["what"], v["item"]) for v in report.every) == [("answered_twice", "new.A"),
+                                                                   ("process_crashed", "new.B")]
 
 
 def test_concurrent_joins_of_one_prompt_may_share_an_answer(tmp_path: Path) -> None:

@@ -56,7 +56,7 @@ class Supervisor(threading.Thread):
                 rc = w.popen.poll() if w.popen else None
                 if rc not in (None, -9) and not w.done:
                     w.done = True  # noted once; its slot gets a new worker
-                    self.crashes.append({"process": w.name, "exit": rc, "log": str(w.log)})
+                    self.crashes.append({"process": w.name, "exit": rc, "log": str(w.log), "tail": log_tail(w.log)})
                     self.fleet.replace_worker(slot)
             for c in self.fleet.clients.values():
                 rc = c.popen.poll() if c.popen else None
@@ -65,8 +65,16 @@ class Supervisor(threading.Thread):
                 elif rc not in (None, -9) and not c.done:
                     with c.lock:
                         if c.popen is not None and c.popen.poll() == rc:
-                            self.crashes.append({"process": c.name, "exit": rc, "log": str(c.log)})
+                            self.crashes.append({"process": c.name, "exit": rc, "log": str(c.log),
+                                                 "tail": log_tail(c.log)})
                             c.start()  # its open operations are settled by the next incarnation
+
+
+def log_tail(path: Path, size: int = 4000) -> str:
+    """The end of a process's log (its last traceback: logs of one slot or client are appended to)."""
+    with path.open("rb") as f:
+        f.seek(max(f.seek(0, 2) - size, 0))
+        return f.read().decode(errors="replace")
 
 
 def model_dir(cache: Path) -> Path:
