@@ -223,9 +223,10 @@ async def recover(c: Caller, events: list[dict[str, Any]]) -> None:
             else:
                 c.timed_out.pop(ev["job_id"], None)
     tasks = []
+    superseded = {s["of"] for s in starts.values() if s.get("kind") == "recover"}  # a later incarnation took it on
     for op, s in starts.items():
-        if op in ended or s.get("job_id") is None:
-            continue  # finished, or a generate whose id the dead process never learnt (it gave the job up)
+        if op in ended or op in superseded or s.get("job_id") is None:
+            continue  # finished, taken on already, or a generate whose id the dead process never learnt (given up)
         prompt, mnt, job_id = s["prompt"], s["max_new_tokens"], s["job_id"]
         new, deadline = c.start("recover", prompt, mnt, job_id, of=op)
         if op in accepted:
@@ -267,7 +268,9 @@ async def run_fleet_client(args: argparse.Namespace, history: History, workload:
 
     inbox = Path(args.inbox_file).read_text().strip()
     loop = asyncio.get_running_loop()
-    loop.set_default_executor(ThreadPoolExecutor(4 * args.callers + 4))
+    # the sync client's calls block a thread each: room for every caller, a join's pair, and the recoveries and
+    # collections of a process restarted many times (a queue here would count as the product's delay)
+    loop.set_default_executor(ThreadPoolExecutor(64))
     if args.kind == "sync":
         sync = Client(args.redis_url, args.namespace, inbox=inbox, max_connections=8)
 
