@@ -40,8 +40,8 @@ KNOWN = {
     "54.5": "two concurrent submits of one id with different prompts both get one prompt's answer",
     "54.6": "Redis full: raw OutOfMemoryError from the client, 500 from the gateway",
     # found by this test, in no item of issue 54 yet
-    "new.A": "an answer taken while Redis refused writes is not emptied (the SET of Answers.delete is refused and "
-             "the batch dropped): a restarted client with the same inbox that reuses the id gets it again",
+    "new.A": "an answer taken whose deletion never reached Redis (batched 20 ms later, dropped on a Redis error, "
+             "lost with a killed process) is answered again to the inbox's next process submitting that id again",
     "new.B": "a worker started while Redis refuses writes (maxmemory) exits 1 at setup (XGROUP CREATE refused)",
 }
 
