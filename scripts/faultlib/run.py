@@ -7,6 +7,7 @@ references.json, summary.json, and each process's log (worker<slot>.log, gateway
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 import uuid
@@ -14,11 +15,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .checker import check, wanted_references
+from .checker import Report, check, wanted_references
 from .fleet import Fleet
 from .nemesis import INTENSITIES, Nemesis
 from .reference import run_references
-from .workload import make_workload
+from .workload import Workload, make_workload
 
 
 @dataclass(frozen=True)
@@ -110,9 +111,11 @@ def run_once(plan: Plan, out: Path, model: Path, log=print) -> dict[str, Any]:
         nemesis.run(until)
         log(f"seed {plan.seed}: nemesis done ({sum(nemesis.counts.values())} faults); settling")
         heal(fleet, nemesis)
-        settle(fleet, plan)
+        stuck = settle(fleet, plan)
         supervisor.halt.set()
         supervisor.join()
+        supervisor.crashes += [{"process": name, "exit": None, "log": str(out / f"{name}.log"),
+                                "tail": "did not finish in time"} for name in stuck]
         reference_phase(fleet, workload, out)
         (out / "run.json").write_text(json.dumps({"bulk_rounds": fleet.bulk_rounds, "crashes": supervisor.crashes,
                                                   "slack_s": plan.slack_s}, indent=1) + "\n")
@@ -133,10 +136,8 @@ def run_once(plan: Plan, out: Path, model: Path, log=print) -> dict[str, Any]:
     return summary
 
 
-def recheck(out: Path):
+def recheck(out: Path) -> Report:
     """The checker over a finished run's directory (what ``run_once`` does last; also for a look afterwards)."""
-    from .workload import Workload
-
     run = json.loads((out / "run.json").read_text())
     references = json.loads((out / "references.json").read_text())
     faults = [json.loads(line) for line in (out / "faults.jsonl").read_text().splitlines()]
@@ -149,8 +150,6 @@ def recheck(out: Path):
 
 def heal(fleet: Fleet, nemesis: Nemesis) -> None:
     """Undo whatever fault is still on: Redis up and roomy, every process running, every worker slot filled."""
-    import signal
-
     with fleet.redis_lock:
         if fleet.redis.proc is None or fleet.redis.proc.poll() is not None:
             fleet.start_redis()
@@ -167,19 +166,20 @@ def heal(fleet: Fleet, nemesis: Nemesis) -> None:
                 c.start()
 
 
-def settle(fleet: Fleet, plan: Plan) -> None:
-    """Wait for every client process to exit (it collects what it is owed first) and the last bulk round."""
+def settle(fleet: Fleet, plan: Plan) -> list[str]:
+    """Wait for every client process to exit (it collects what it is owed first) and the last bulk round;
+    the names of the clients still running when the wait ends (the checker counts them as crashed)."""
     deadline = time.monotonic() + plan.timeout_s + plan.collect_s + 120
-    while time.monotonic() < deadline:
+    while True:
         fleet.tend_bulk(more=False)
-        clients_done = all(c.popen is not None and c.popen.poll() == 0 for c in fleet.clients.values())
-        bulk_done = fleet.bulk is None or fleet.bulk_rounds[-1]["finished"]
-        if clients_done and bulk_done:
-            return
+        stuck = [c.name for c in fleet.clients.values() if c.popen is None or c.popen.poll() != 0]
+        bulk_done = fleet.bulk is None or fleet.bulk_rounds[-1]["finished"]  # else: bulk_unfinished
+        if (not stuck and bulk_done) or time.monotonic() > deadline:
+            return stuck
         time.sleep(0.5)
 
 
-def reference_phase(fleet: Fleet, workload, out: Path) -> dict[str, dict]:
+def reference_phase(fleet: Fleet, workload: Workload, out: Path) -> dict[str, dict]:
     """Every worker stopped; one fresh worker answers each request alone."""
     for w in fleet.workers:
         w.stop(30)
