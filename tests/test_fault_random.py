@@ -1,0 +1,44 @@
+"""The randomized fault test (scripts/fault_test.py, scripts/faultlib/), short: one fixed seed, the mild
+nemesis for 30 s (one fault at a time, 3-6 s apart: worker kill -9 and SIGSTOP, Redis kill -9 on its AOF,
+SIGSTOP and full memory, client and bulk kill -9), two workers, a sync, an async and a gateway client process
+(3 callers each) and ``batchfleet bulk`` rounds; about 90 s in all.
+
+The checker's verdict is the test's: no violation passes. A violation that an open item of issue 54
+explains (checker.KNOWN: 54.1 shared job ids lost, 54.5 concurrent submits of one id get one prompt's
+answer, 54.6 a raw OutOfMemoryError / HTTP 500 while Redis is full) makes it an expected failure until those
+items are fixed; any other violation fails it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts.faultlib.checker import KNOWN
+from scripts.faultlib.run import Plan, run_once
+
+SEED = 7
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def test_randomized_faults_short_run(tiny_model_dir: Path, tmp_path: Path) -> None:
+    plan = Plan(seed=SEED, minutes=0.5, intensity="mild", sync_clients=1, async_clients=1, callers=3,
+                timeout_s=15.0, collect_s=15.0, slack_s=5.0)
+    out = tmp_path / "run"
+    summary = run_once(plan, out, tiny_model_dir)
+    print("\n" + json.dumps({k: v for k, v in summary.items() if k not in ("examples", "plan")}, indent=1))
+    ops = summary["operations_by_kind"]
+    # the run did what it says: every channel ran, the nemesis acted, answers came back
+    assert all(ops.get(kind, 0) > 0 for kind in ("sync/submit", "async/submit", "gateway/completion", "bulk/line")), ops
+    assert summary["faults"] >= 3, summary["faults_by_kind"]
+    assert summary["outcomes"].get("answer", 0) >= 100, summary["outcomes"]
+    violations = [json.loads(line) for line in (out / "violations.jsonl").read_text().splitlines()]
+    unexplained = [v for v in violations if v["item"] is None]
+    assert not unexplained, f"{len(unexplained)} violations no open issue item explains, e.g. {unexplained[:5]}"
+    if violations:
+        items = sorted({v["item"] for v in violations})
+        pytest.xfail(f"issue 54 items {items} still open ({'; '.join(KNOWN[i] for i in items)}): "
+                     f"{summary['violations_by_issue_item']}")
