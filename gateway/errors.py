@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import redis
-
 from batchfleet.common.errors import (
     CANCELLED,
     DEADLINE_EXCEEDED,
@@ -28,6 +26,7 @@ from batchfleet.common.errors import (
     RedisUnavailable,
     Timeout,
 )
+from batchfleet.common.redis.refusals import as_fleet_error
 
 NO_RETRY = {"x-should-retry": "false"}  # the official OpenAI clients honour it (they retry 5xx otherwise)
 RETRY_AFTER_S = 1  # what a 429 / 503 tells a client to wait: queues drain in about a batch's time
@@ -64,6 +63,7 @@ def api_error(exc: BaseException, guide_param: str | None = None) -> APIError:
     ``guide_param``: the request field its structured-output guide came from (named by a ``guide_failed``)."""
     if isinstance(exc, APIError):
         return exc
+    exc = as_fleet_error(exc)  # a raw Redis error of the gateway's own stores: no command in its text
     if isinstance(exc, Timeout):  # the job was cancelled: a retry would start it again past the timeout asked
         return APIError(504, str(exc), "timeout_error", "timeout", headers=NO_RETRY)
     if isinstance(exc, PromptTooLong):
@@ -83,12 +83,6 @@ def api_error(exc: BaseException, guide_param: str | None = None) -> APIError:
         return _retry_later(503, str(exc), "service_unavailable_error", "redis_full")
     if isinstance(exc, RedisRefused):  # an operator must act (permissions, a read-only node): not the client
         return _retry_later(503, str(exc), "service_unavailable_error", "redis_refused")
-    if isinstance(exc, redis.exceptions.OutOfMemoryError):  # the gateway's own stores: no command in the text
-        return _retry_later(503, "Redis is full (maxmemory reached); retry later", "service_unavailable_error",
-                            "redis_full")
-    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
-        return _retry_later(503, "Redis is unreachable; retry later", "service_unavailable_error",
-                            "redis_unavailable")
     if isinstance(exc, JobFailed):
         return _job_failed(exc, guide_param)
     if isinstance(exc, BatchfleetError):

@@ -13,7 +13,7 @@ import re
 
 import redis
 
-from batchfleet.common.errors import RedisFull, RedisRefused
+from batchfleet.common.errors import BatchfleetError, RedisFull, RedisRefused, RedisUnavailable
 
 _PIPELINE = re.compile(r"^Command # \d+ \(.*\) of pipeline caused error: ", re.S)
 _INBOX = re.compile(r"inbox:[A-Za-z0-9_-]+")
@@ -32,3 +32,13 @@ def refused(exc: redis.RedisError, what: str) -> RedisRefused:
         return RedisFull(f"{what}: Redis is full (maxmemory reached, noeviction) and refused it; nothing was "
                          f"written: retry later ({reason(exc)})")
     return RedisRefused(f"{what}: Redis refused it ({type(exc).__name__}: {reason(exc)})")
+
+
+def as_fleet_error(exc: BaseException) -> BaseException:
+    """A raw Redis error (one that did not go through a client's call: the gateway's own stores) as the
+    fleet's error type, without its command; any other exception as it is."""
+    if isinstance(exc, BatchfleetError) or not isinstance(exc, redis.RedisError):
+        return exc
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        return RedisUnavailable("Redis is unreachable; retry later")
+    return refused(exc, "a gateway store's call")
