@@ -12,6 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CONVENTION_SINCE = "c20bd8e"  # the first commit under the 72-character subject rule
 MAX_SUBJECT = 72
+# merged before this test saw them (history is not rewritten); nothing may be added here
+LONG_SUBJECTS_MERGED = {"12d1229", "051ff4a"}
 
 
 @pytest.mark.unit
@@ -31,9 +33,10 @@ def test_the_type_checker_covers_common_and_producer():
 
 def test_commit_subjects_are_at_most_72_characters():
     try:
-        out = subprocess.run(["git", "-C", str(ROOT), "log", "--format=%h %s", f"{CONVENTION_SINCE}^..HEAD"],
+        out = subprocess.run(["git", "-C", str(ROOT), "log", "--format=%H %s", f"{CONVENTION_SINCE}^..HEAD"],
                              capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         pytest.skip(f"no git history here ({e})")
-    long = [line for line in out.splitlines() if len(line.split(" ", 1)[1]) > MAX_SUBJECT]
+    long = [line for line in out.splitlines()
+            if len(line.split(" ", 1)[1]) > MAX_SUBJECT and line[:7] not in LONG_SUBJECTS_MERGED]
     assert not long, long
