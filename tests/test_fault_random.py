@@ -4,9 +4,9 @@ SIGSTOP and full memory, client and bulk kill -9), two workers, a sync, an async
 (3 callers each) and ``batchfleet bulk`` rounds; about 90 s in all.
 
 The checker's verdict is the test's: no violation passes. A violation that an open item of issue 54
-explains (checker.KNOWN: 54.1 shared job ids lost, 54.5 concurrent submits of one id get one prompt's
-answer, 54.6 a raw OutOfMemoryError / HTTP 500 while Redis is full) makes it an expected failure until those
-items are fixed; any other violation fails it.
+explains and that is still open (``STILL_OPEN``: new.A, an answer taken whose deletion never reached Redis
+answered again to the inbox's next process) makes it an expected failure until fixed; any other violation,
+the shapes of the fixed items 54.1, 54.5, 54.6 and new.B included, fails it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from scripts.faultlib.checker import KNOWN
 from scripts.faultlib.run import Plan, run_once
 
 SEED = 7
+# the attributed shapes still open: items 54.1, 54.5, 54.6 and new.B are fixed, so their shapes fail the run
+STILL_OPEN = {"new.A"}
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -36,8 +38,8 @@ def test_randomized_faults_short_run(tiny_model_dir: Path, tmp_path: Path) -> No
     assert summary["faults"] >= 3, summary["faults_by_kind"]
     assert summary["outcomes"].get("answer", 0) >= 100, summary["outcomes"]
     violations = [json.loads(line) for line in (out / "violations.jsonl").read_text().splitlines()]
-    unexplained = [v for v in violations if v["item"] is None]
-    assert not unexplained, f"{len(unexplained)} violations no open issue item explains, e.g. {unexplained[:5]}"
+    unexplained = [v for v in violations if v["item"] not in STILL_OPEN]
+    assert not unexplained, f"{len(unexplained)} violations no open item explains, e.g. {unexplained[:5]}"
     if violations:
         items = sorted({v["item"] for v in violations})
         pytest.xfail(f"issue 54 items {items} still open ({'; '.join(KNOWN[i] for i in items)}): "

@@ -87,3 +87,36 @@ def test_a_refusal_keeps_redis_reason_and_drops_the_command():
     assert isinstance(refused(exc, "enqueue of job b"), RedisFull)
     other = refused(redis.exceptions.ResponseError("NOPERM no permissions to access bf:inbox:abcdefghijklmnop1"), "x")
     assert type(other) is RedisRefused and "abcdefghijklmnop1" not in str(other) and "inbox:<token>" in str(other)
+
+
+def test_a_worker_started_while_redis_is_full_waits_and_then_serves(full_redis, tiny_model_dir, tmp_path):
+    """The fault test's new.B: a worker starting on a full Redis exited 1 at its first write (XGROUP CREATE
+    MKSTREAM refused); it waits the outage out as it waits for a Redis that is not up yet."""
+    import threading
+    import time
+
+    from batchfleet.common.options import option_args
+    from batchfleet.producer import Client
+    from batchfleet.worker.devtools import spawn_worker
+
+    url, r = full_redis
+    log = tmp_path / "worker.log"
+    r.config_set("maxmemory", 1)
+    refused = threading.Event()
+
+    def free_memory_once_refused() -> None:  # memory back once the worker has logged Redis' refusal
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not refused.is_set():
+            refused.set() if log.exists() and "maxmemory" in log.read_text(errors="replace") else time.sleep(0.1)
+        r.config_set("maxmemory", 0)
+
+    threading.Thread(target=free_memory_once_refused, daemon=True).start()
+    worker = spawn_worker(url, NS, option_args({
+        "model": str(tiny_model_dir), "engine": "hf", "mode": "dynamic", "dtype": "float32", "max_seq_len": 512,
+        "buckets": (32, 64), "max_wait_ms": 5}), log_path=str(log), wait_s=180)
+    try:
+        assert refused.is_set() and worker.proc.poll() is None  # it met the full Redis, and lived
+        with Client(url, NS) as client:
+            assert client.generate("Hi", max_new_tokens=2, timeout=60).completion_tokens == 2
+    finally:
+        worker.stop(10)

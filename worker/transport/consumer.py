@@ -92,8 +92,9 @@ class StreamConsumer(Transport):
         """Create the consumer group on every bucket stream (reading from the start of each stream) and
         take the flush counter's baseline (first call only).
 
-        At startup Redis may not be up yet (compose, k8s): connection errors are retried with capped
-        backoff for ``wait_s`` seconds, one log line per state change, then raised.
+        At startup Redis may not be up yet (compose, k8s), or full: connection errors and out-of-memory
+        refusals are retried with capped backoff for ``wait_s`` seconds, one log line per state change, then
+        raised.
         """
         outage = Backoff(log, "redis")
         deadline = time.monotonic() + wait_s
@@ -112,7 +113,9 @@ class StreamConsumer(Transport):
                 self.flush.start()
                 outage.ok()
                 return
-            except TRANSIENT as exc:
+            except (*TRANSIENT, redis.exceptions.OutOfMemoryError) as exc:
+                # a full Redis (noeviction) refuses the group's creation until answers are taken and memory
+                # frees: waited out like an outage, not an exit (a restart loop would not free any)
                 delay = outage.failed(exc)
                 if time.monotonic() + delay > deadline:
                     raise
