@@ -4,9 +4,11 @@ A worker stores a job's final reply under ``Keys.done`` (``SET NX``: the first w
 and rings for it with an inbox entry ``{id, done}``; several workers may ring for one job (a copy reclaimed
 from one that died after answering rings again). The inbox reader fetches the answers of one read's rings
 with one ``MGET`` and empties each (``SET "" XX KEEPTTL``: the empty answer keeps ruling out a second one
-until it expires) in the round trip that deletes its ring, once the caller has taken it: a client killed at
-any instant before that finds the answer again. An answer expires after the reply TTL, its ring with the
-inbox (whose TTL every write renews): a ring may outlive its answer.
+until it expires) before the caller's call returns it (``empty``; a bulk run's in the round trip that deletes
+its ring, once its line is written): a client killed at any instant before that finds the answer again, and
+one killed after it finds it taken (a later process of the inbox that submits the id again is refused). An
+answer expires after the reply TTL, its ring with the inbox (whose TTL every write renews): a ring may outlive
+its answer.
 """
 
 from __future__ import annotations
@@ -68,9 +70,20 @@ class Answers:
         if key is not None:
             self._owner.pop(key, None)
 
+    async def empty(self, r: Any, entry_id: str) -> None:
+        """Empty the answer rung for by ``entry_id`` (``SET "" XX KEEPTTL``), its ring left for ``delete``: the
+        record, in Redis, that the answer was handed over. Raises what Redis raises (nothing changes then)."""
+        key = self._keys.get(entry_id)
+        if key is None:  # no stored answer (not a ring, or emptied already)
+            return
+        await r.set(key, b"", xx=True, keepttl=True)
+        if self._keys.pop(entry_id, None) is not None:
+            self._emptied.append(key)
+
     async def delete(self, r: Any, inbox: str, ids: list[str]) -> None:
-        """XDEL ``ids`` from the inbox, first emptying the answers rung for by those that are rings."""
-        answers = [key for i in ids if (key := self._keys.pop(i, None)) is not None]
+        """XDEL ``ids`` from the inbox, first emptying the answers rung for by those that are rings and not
+        emptied yet. Raises what Redis raises; the answers stay to be emptied by a retry."""
+        answers = {i: key for i in ids if (key := self._keys.get(i)) is not None}
         if not answers:
             await r.xdel(inbox, *ids)
             return
@@ -78,10 +91,12 @@ class Answers:
             # the rings first: a crash in between leaves an answer stored with no ring, which a resumed bulk run
             # reads as answered and not collected (producer/bulk/runner.py), never a ring for an emptied answer
             pipe.xdel(inbox, *ids)
-            for key in answers:  # XX: an answer that expired meanwhile is not written again
+            for key in answers.values():  # XX: an answer that expired meanwhile is not written again
                 pipe.set(key, b"", xx=True, keepttl=True)
             await pipe.execute()
-        self._emptied += answers
+        for i, key in answers.items():
+            if self._keys.pop(i, None) is not None:
+                self._emptied.append(key)
 
 
 def job_id_of(fields: Fields) -> str:

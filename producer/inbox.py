@@ -119,6 +119,14 @@ class Inbox:
         """The job's Result (raises the error its reply stands for); Timeout when the deadline passes first
         (the job stays expected: a later call may still get it)."""
         entry_id, outcome = await self.take(job_id, deadline)
+        try:
+            await self._empty(job_id, entry_id, deadline)
+        except WaitExpired:
+            self._park(job_id, (entry_id, outcome))  # still not taken in Redis: a later result() gets it
+            raise
+        except BaseException:  # cancelled: nobody takes it now (as abandon)
+            self.consumed(entry_id)
+            raise
         self.consumed(entry_id)
         if isinstance(outcome, BaseException):
             raise outcome
@@ -153,8 +161,33 @@ class Inbox:
                     raise RedisUnavailable(f"no result for job {job_id}: Redis unreachable for "
                                            f"{silent:.0f} s") from None
 
+    async def _empty(self, job_id: str, entry_id: str, deadline: Deadline) -> None:
+        """Record in Redis that this answer is taken before the caller gets it (the fault test's new.A): taken
+        and then lost with this process (killed, or its delete refused by a full Redis), the answer was handed
+        again to the inbox's next process submitting the id, which must be refused. Retried through outages and
+        a full Redis (SET is refused then) until the deadline (WaitExpired) or, without one, ``retry_s``
+        (RedisUnavailable)."""
+        delay = 0.05
+        give_up = time.monotonic() + self.calls.retry_s
+        while True:
+            try:
+                async with asyncio.timeout(deadline.sooner(5.0)):
+                    await self._answers.empty(self.writer, entry_id)
+                return
+            except (TimeoutError, redis.RedisError) as exc:
+                if deadline.left() == 0:
+                    raise WaitExpired(f"job {job_id}: answered, but Redis did not record it as taken before the "
+                                      f"timeout ({reason(exc) if isinstance(exc, redis.RedisError) else 'no reply'})"
+                                      ) from None
+                if deadline.timeout is None and time.monotonic() > give_up:
+                    raise RedisUnavailable(f"job {job_id}: answered, but Redis did not record it as taken for "
+                                           f"{self.calls.retry_s:g} s") from None
+                await asyncio.sleep(deadline.sooner(delay))
+                delay = min(1.0, delay * 2)
+
     def consumed(self, entry_id: str) -> None:
-        """The caller has this entry: delete it from the inbox (batched, best effort; the TTL cleans up)."""
+        """The caller has this entry: delete it from the inbox (batched, retried while the process lives; the
+        TTL cleans up after a dead one)."""
         self._consumed.append(entry_id)
         if self._deleting is None or self._deleting.done():
             self._deleting = asyncio.get_running_loop().create_task(self._delete())
@@ -287,12 +320,21 @@ class Inbox:
 
     async def _delete(self) -> None:
         await asyncio.sleep(0.02)  # batch the deletes of one burst of replies
+        delay = 0.05
         while self._consumed:
-            ids, self._consumed = self._consumed[:1000], self._consumed[1000:]
+            ids = self._consumed[:1000]
             try:
                 await asyncio.wait_for(self._xdel(ids), 5.0)
             except (asyncio.TimeoutError, redis.RedisError):
-                return  # the inbox's TTL removes them
+                # kept and retried: a bulk run's answer not emptied would be handed again to the inbox's next
+                # process (and rings pile up); the inbox's TTL removes what a dying process leaves
+                if self._closing:
+                    return
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
+                continue
+            delay = 0.05
+            del self._consumed[:len(ids)]
 
     async def _xdel(self, ids: list[str]) -> None:
         await self._answers.delete(self.writer, self.key, ids)

@@ -206,3 +206,43 @@ def _outcome(call):
         return call()
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         return exc
+
+
+def test_an_answer_is_recorded_taken_in_redis_before_the_call_returns_it(redis_url, namespace):
+    """The fault test's new.A: the answer used to be emptied ~20 ms after result() returned it, so a process
+    killed in between (or whose emptying Redis refused) left it to be handed again to the inbox's next process."""
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    with Client(redis_url, namespace, inbox=TEST_INBOX) as client:
+        _store(r, keys, "taken-first")
+        r.xadd(raw_inbox(keys), {"id": "taken-first", "done": "1"})
+        assert client.result("taken-first", timeout=10).text == "stored answer"
+        assert r.get(keys.done("taken-first", raw_inbox(keys))) == b""  # at once: no wait
+        wait_until(lambda: r.xlen(raw_inbox(keys)) == 0, 10, "the ring deleted")
+
+
+def test_a_job_id_taken_by_a_process_killed_at_once_is_refused_to_the_inbox_next_process(start_worker, redis_url,
+                                                                                         namespace, tmp_path):
+    """new.A end to end: a process takes its answer and dies at once (os._exit: no deletion after it); the
+    inbox's next process (same token: the documented way to collect after a restart) submits the id again and
+    must get invalid_request, not the answer a second time."""
+    import subprocess
+    import sys
+
+    start_worker(max_wait_ms=5)
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    token = "killedatonce0123456789"
+    code = (
+        "import os, sys\n"
+        "from batchfleet.producer import Client\n"
+        f"c = Client({redis_url!r}, {namespace!r}, inbox={token!r})\n"
+        "res = c.result(c.submit([1, 10, 11], max_new_tokens=2, job_id='once'), timeout=60)\n"
+        "sys.stdout.write(res.text); sys.stdout.flush()\n"
+        "os._exit(0)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout, done.stderr
+    assert r.get(keys.done("once", keys.inbox(token))) == b""
+    with Client(redis_url, namespace, inbox=token) as again:
+        job = again.submit([1, 10, 11], max_new_tokens=2, job_id="once")
+        with pytest.raises(JobFailed) as err:
+            again.result(job, timeout=30)
+        assert err.value.code == INVALID_REQUEST and "answered in this inbox" in str(err.value)

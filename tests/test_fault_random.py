@@ -3,10 +3,8 @@ nemesis for 30 s (one fault at a time, 3-6 s apart: worker kill -9 and SIGSTOP, 
 SIGSTOP and full memory, client and bulk kill -9), two workers, a sync, an async and a gateway client process
 (3 callers each) and ``batchfleet bulk`` rounds; about 90 s in all.
 
-The checker's verdict is the test's: no violation passes. A violation that an open item of issue 54
-explains and that is still open (``STILL_OPEN``: new.A, an answer taken whose deletion never reached Redis
-answered again to the inbox's next process) makes it an expected failure until fixed; any other violation,
-the shapes of the fixed items 54.1, 54.5, 54.6 and new.B included, fails it.
+The checker's verdict is the test's: no violation passes, the shapes of issue 54's items (54.1, 54.5, 54.6)
+and of the two this test found (new.A, new.B) included: all are fixed.
 """
 
 from __future__ import annotations
@@ -16,12 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts.faultlib.checker import KNOWN
 from scripts.faultlib.run import Plan, run_once
 
 SEED = 7
-# the attributed shapes still open: items 54.1, 54.5, 54.6 and new.B are fixed, so their shapes fail the run
-STILL_OPEN = {"new.A"}
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -38,9 +33,5 @@ def test_randomized_faults_short_run(tiny_model_dir: Path, tmp_path: Path) -> No
     assert summary["faults"] >= 3, summary["faults_by_kind"]
     assert summary["outcomes"].get("answer", 0) >= 100, summary["outcomes"]
     violations = [json.loads(line) for line in (out / "violations.jsonl").read_text().splitlines()]
-    unexplained = [v for v in violations if v["item"] not in STILL_OPEN]
-    assert not unexplained, f"{len(unexplained)} violations no open item explains, e.g. {unexplained[:5]}"
-    if violations:
-        items = sorted({v["item"] for v in violations})
-        pytest.xfail(f"issue 54 items {items} still open ({'; '.join(KNOWN[i] for i in items)}): "
-                     f"{summary['violations_by_issue_item']}")
+    assert not violations, (f"{len(violations)} violations ({summary['violations_by_issue_item']}), e.g. "
+                            f"{violations[:5]}")

@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from batchfleet.common.errors import RedisFull, RedisRefused
+from batchfleet.common.keys import Keys
 from batchfleet.producer import AsyncClient
 from tests.helpers.acl import start_redis7
 from tests.helpers.gateway import gateways
@@ -120,3 +121,78 @@ def test_a_worker_started_while_redis_is_full_waits_and_then_serves(full_redis, 
             assert client.generate("Hi", max_new_tokens=2, timeout=60).completion_tokens == 2
     finally:
         worker.stop(10)
+
+
+def test_a_worker_joining_the_fleet_while_redis_is_full_waits_then_joins(full_redis, caplog):
+    """The rest of new.B (25-minute fault runs): a worker whose set-up passed and whose fleet join then met a
+    full Redis exited 1 (``presence.join`` refused in ``compose._build``). The join is waited out the same way."""
+    import dataclasses
+    import logging
+    import threading
+    import time
+
+    from batchfleet.common.config import ConnectionConfig
+    from batchfleet.common.wire.protocol import FleetInfo
+    from batchfleet.worker.transport import fleet
+    from batchfleet.worker.transport.consumer import StreamConsumer, refused_for_memory, wait_writable
+
+    url, r = full_redis
+    consumer = StreamConsumer(ConnectionConfig(redis_url=url, namespace=NS), (32, 64), "w1", 60)
+    consumer.setup()  # memory free: set up
+    info = fleet.with_fingerprint(dataclasses.replace(FleetInfo(
+        model="tiny", tokenizer_json="{}", buckets=(32, 64), max_seq_len=256, max_batch_size=8, vocab_size=320,
+        eos_token_ids=(2,))))
+    r.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(Exception) as refused:  # what the join raised before (the worker exited with it)
+            consumer.presence.join(info)
+        assert refused_for_memory(refused.value), repr(refused.value)
+
+        def free_memory_later() -> None:
+            time.sleep(1.0)
+            r.config_set("maxmemory", 0)
+
+        threading.Thread(target=free_memory_later, daemon=True).start()
+        with caplog.at_level(logging.WARNING):
+            wait_writable(lambda: consumer.presence.join(info), wait_s=60)
+        assert "redis unavailable" in caplog.text and "available again" in caplog.text, caplog.text
+        assert r.zscore(Keys(NS).workers, "w1") is not None  # joined: live
+    finally:
+        r.config_set("maxmemory", 0)
+        consumer.close()
+
+
+def test_an_answer_read_while_redis_is_full_is_handed_over_once_redis_records_it_taken(full_redis):
+    """new.A under a full Redis: the answer is read (reads pass) but emptying it is refused (SET). The call waits
+    until Redis records it taken, then returns it; past its timeout it raises Timeout and the answer stays for a
+    later result() (it was handed over before, its emptying dropped: a later process got it a second time)."""
+    import threading
+    import time
+
+    from batchfleet.common.errors import Timeout
+    from batchfleet.common.wire.protocol import Result
+    from batchfleet.producer import Client
+
+    url, r = full_redis
+    keys = Keys(NS)
+    with Client(url, NS, require_workers=False) as client:
+        for job in ("first", "second"):
+            r.set(keys.done(job, client.reply_key),
+                  Result(job, [7], "stored", "length", 1, 1, 0.0, 0.0, 0.0, "w", 1).encode(), ex=60)
+            r.xadd(client.reply_key, {"id": job, "done": "1"})
+        r.config_set("maxmemory", 1)
+        with pytest.raises(Timeout):
+            client.result("first", timeout=1.0)
+        assert r.get(keys.done("first", client.reply_key)) != b""  # not taken: kept for a later call
+
+        def free_memory_later() -> None:
+            time.sleep(1.5)
+            r.config_set("maxmemory", 0)
+
+        threading.Thread(target=free_memory_later, daemon=True).start()
+        started = time.monotonic()
+        assert client.result("second", timeout=30).text == "stored"
+        assert time.monotonic() - started > 1.0  # it waited for the full Redis
+        assert r.get(keys.done("second", client.reply_key)) == b""
+        assert client.result("first", timeout=10).text == "stored"
+        assert r.get(keys.done("first", client.reply_key)) == b""

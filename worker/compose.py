@@ -26,7 +26,7 @@ from batchfleet.worker.loop import WorkerLoop
 from batchfleet.worker.metrics import LoopStats, WorkerMetrics
 from batchfleet.worker.requests.validate import Limits
 from batchfleet.worker.transport.base import Transport
-from batchfleet.worker.transport.consumer import default_consumer_name
+from batchfleet.worker.transport.consumer import default_consumer_name, wait_writable
 from batchfleet.worker.transport.fleet import with_fingerprint
 from batchfleet.worker.transport.sharded import redis_transport
 
@@ -111,8 +111,10 @@ def _build(cfg: WorkerConfig, transport: Transport | None, loaded: LoadedModel |
         transport = redis_transport(cfg.connection, cfg.keys, cfg.batching.buckets,
                                     cfg.name or default_consumer_name(), cfg.reply_ttl_s, cfg.claim_idle_ms)
     transport.setup()
-    try:  # refuses (FleetConflict) when live workers serve another model, tokenizer or buckets
-        transport.presence.join(with_fingerprint(fleet_info(cfg, loaded)), replace=cfg.replace_fleet)
+    info = with_fingerprint(fleet_info(cfg, loaded))
+    try:  # refuses (FleetConflict) when live workers serve another model, tokenizer or buckets; a full Redis is
+        # waited out as in setup (the fault test's new.B: a worker that exits frees no memory)
+        wait_writable(lambda: transport.presence.join(info, replace=cfg.replace_fleet))
     except BaseException:
         transport.close()
         raise

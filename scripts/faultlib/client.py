@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from batchfleet.common.errors import BatchfleetError, RedisUnavailable, Timeout
+from batchfleet.common.errors import ERROR_CODES, BatchfleetError, RedisUnavailable, Timeout
 
 from .history import History, inbox_digest, read_events
 from .workload import CLIENT_OPS, Workload
@@ -318,11 +318,15 @@ def run_gateway_client(args: argparse.Namespace, history: History, workload: Wor
             except openai.APITimeoutError:
                 history.record("end", op, outcome="timeout", error_class="APITimeoutError", typed=True)
             except openai.APIStatusError as exc:
-                # a typed error is a status the API documents for it with an OpenAI error body; a 500 is not
+                # a typed error is a status the API documents for it with an OpenAI error body; a 500 is typed
+                # only with one of the fleet's error codes (a job whose workers died with it max_deliveries
+                # times: worker_failed, as JobFailed for the Python clients), never internal_error
                 body = exc.body if isinstance(exc.body, dict) else {}
-                typed = exc.status_code != 500 and isinstance(body.get("error", body), dict)
+                error = body.get("error", body)
+                code = error.get("code") if isinstance(error, dict) else None
+                typed = isinstance(error, dict) and (exc.status_code != 500 or code in ERROR_CODES)
                 history.record("end", op, outcome="error", error_class=f"HTTP {exc.status_code}", typed=typed,
-                               error_code=(body.get("error") or body).get("code") if typed else None,
+                               error_code=code if typed else None,
                                message=str(exc)[:300])
             except Exception as exc:  # noqa: BLE001 - a dropped connection to a live gateway is no typed error
                 history.record("end", op, outcome="error", error_class=type(exc).__name__, typed=False,

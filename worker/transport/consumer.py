@@ -20,6 +20,8 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
+from typing import TypeVar
 
 import redis
 
@@ -46,6 +48,40 @@ MAX_BLOCK_MS = 2_000  # also bounds how long SIGTERM waits for an idle blocking 
 BLOCK_SLACK_MS = 110  # Redis may end a BLOCK up to one cron tick (100 ms at hz 10) late
 POLL_S = 0.002
 STARTUP_WAIT_S = 60.0  # setup() waits this long for Redis to come up
+
+T = TypeVar("T")
+
+
+def refused_for_memory(exc: BaseException) -> bool:
+    """Whether Redis refused a write because it is full (``maxmemory`` under ``noeviction``): the raw
+    OutOfMemoryError, a script's OOM error, or the transport's own error raised from either."""
+    for e in (exc, exc.__cause__):
+        if isinstance(e, redis.exceptions.OutOfMemoryError) or (
+                isinstance(e, redis.ResponseError) and str(e).startswith("OOM ")):
+            return True
+    return False
+
+
+def wait_writable(call: Callable[[], T], wait_s: float = STARTUP_WAIT_S) -> T:
+    """``call()``, retried with capped backoff for ``wait_s`` seconds while Redis is unreachable or full, one
+    log line per state change, then raised. For start-up only (setup, the fleet join): Redis may not be up yet
+    (compose, k8s), or full until clients take their answers; a worker that exits instead frees no memory, and
+    a restart loop would meet the same refusal."""
+    outage = Backoff(log, "redis")
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            out = call()
+        except BaseException as exc:
+            if not (isinstance(exc, TRANSIENT) or refused_for_memory(exc)):
+                raise
+            delay = outage.failed(exc)
+            if time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            continue
+        outage.ok()
+        return out
 
 
 def connect(conn: ConnectionConfig) -> redis.Redis:
@@ -96,30 +132,20 @@ class StreamConsumer(Transport):
         refusals are retried with capped backoff for ``wait_s`` seconds, one log line per state change, then
         raised.
         """
-        outage = Backoff(log, "redis")
-        deadline = time.monotonic() + wait_s
-        while True:
+        wait_writable(self._setup_once, wait_s)
+
+    def _setup_once(self) -> None:
+        for stream, _, _ in self.keys.streams(self.buckets):
             try:
-                for stream, _, _ in self.keys.streams(self.buckets):
-                    try:
-                        self.r.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
-                    except redis.ResponseError as exc:
-                        if "BUSYGROUP" not in str(exc):
-                            raise
-                self._load_functions()
-                if is_cluster(self.conn.redis_url):  # pipelines on a cluster do not load a missing script
-                    self._scripts.load()
-                self.cancel_watch.start()
-                self.flush.start()
-                outage.ok()
-                return
-            except (*TRANSIENT, redis.exceptions.OutOfMemoryError) as exc:
-                # a full Redis (noeviction) refuses the group's creation until answers are taken and memory
-                # frees: waited out like an outage, not an exit (a restart loop would not free any)
-                delay = outage.failed(exc)
-                if time.monotonic() + delay > deadline:
+                self.r.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
                     raise
-                time.sleep(delay)
+        self._load_functions()
+        if is_cluster(self.conn.redis_url):  # pipelines on a cluster do not load a missing script
+            self._scripts.load()
+        self.cancel_watch.start()
+        self.flush.start()
 
     def _load_functions(self) -> None:
         """Load the producers' function library (Redis 7+). Without the permission (an admin loads it, see
