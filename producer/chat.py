@@ -139,15 +139,17 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
 
 
 def render(template: str, messages: Sequence[Mapping], bos_token: str = "", eos_token: str = "",
-           tools: Sequence[Mapping] | None = None) -> str:
+           tools: Sequence[Mapping] | None = None, add_generation_prompt: bool = True) -> str:
     """The prompt text for ``messages`` (and ``tools``, where the template renders them), ending with the
-    assistant turn's header (add_generation_prompt)."""
+    assistant turn's header (``add_generation_prompt``: what a generation needs; off only to count a
+    conversation's own tokens, vLLM's ``/tokenize``)."""
     if not template:
         raise InvalidRequest("the fleet's model has no chat template: send a text prompt instead")
     from jinja2.exceptions import TemplateError
 
     try:
-        return _compile(template).render(messages=check_messages(messages), add_generation_prompt=True,
+        return _compile(template).render(messages=check_messages(messages),
+                                         add_generation_prompt=add_generation_prompt,
                                          bos_token=bos_token, eos_token=eos_token,
                                          tools=None if not tools else [dict(t) for t in tools])
     except TemplateError as exc:

@@ -118,21 +118,30 @@ class FleetView:
                             "published); start a worker first")
         return self
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, *, add_special_tokens: bool | None = None, add_generation_prompt: bool = True,
+                 most: int | None = None) -> list[int]:
+        """A prompt's token ids: a text tokenized; chat messages rendered with the fleet's chat template
+        (``add_generation_prompt``: ending with the assistant's header, as a generation needs), then tokenized;
+        token ids checked against the vocabulary. ``add_special_tokens`` None: the fleet's rule (the tokenizer's
+        special tokens, for a chat unless its template wrote the BOS itself). PromptTooLong once a prefix holds
+        more than ``most`` tokens (default: the largest bucket). The one tokenization of the clients, the
+        gateway's requests and its ``/tokenize`` (vLLM's)."""
         assert self.info is not None and self.tokenizer is not None
+        most = self.info.buckets[-1] if most is None else most
         if isinstance(prompt, str):
             if not has_utf8(prompt):  # the tokenizer would raise TypeError
                 raise InvalidRequest("the prompt is not valid Unicode (it holds a lone surrogate)")
-            return bounded_ids(self._encoding, prompt, self.info.buckets[-1])
+            return bounded_ids(self._encoding, prompt, most, add_special_tokens=add_special_tokens is not False)
         if is_messages(prompt) or isinstance(prompt, Chat):
             info = self.info
             chat = prompt if isinstance(prompt, Chat) else Chat(prompt)  # type: ignore[arg-type]
-            text = render(info.chat_template, chat.messages, info.bos_token, info.eos_token, chat.tools)
+            text = render(info.chat_template, chat.messages, info.bos_token, info.eos_token, chat.tools,
+                          add_generation_prompt)
             if not has_utf8(text):
                 raise InvalidRequest("a message is not valid Unicode (it holds a lone surrogate)")
-            # a template that writes the BOS itself must not get a second one from the tokenizer
-            own_bos = bool(info.bos_token and text.startswith(info.bos_token))
-            return bounded_ids(self._encoding, text, info.buckets[-1], add_special_tokens=not own_bos)
+            if add_special_tokens is None:  # a template that writes the BOS itself must not get a second one
+                add_special_tokens = not (info.bos_token and text.startswith(info.bos_token))
+            return bounded_ids(self._encoding, text, most, add_special_tokens=add_special_tokens)
         ids = list(prompt)
         if not ids or not all(type(t) is int and 0 <= t < self.info.vocab_size for t in ids):
             raise InvalidRequest("a prompt is text, chat messages, or a non-empty list of token ids in "
