@@ -256,8 +256,8 @@ def check_operator_keys(api_keys: tuple[str, ...], operator_keys: tuple[str, ...
 
 
 OPERATOR_KEY_HELP = ("Read-only operator keys, comma-separated: they see the dashboard's data (and `batchfleet "
-                     "status --gateway`) and nothing else. Once set, only they do (an API key gets 403 there); "
-                     "none: the API keys do.")
+                     "status --gateway`) and the gateway's /metrics, nothing else. Once set, only they do (an API "
+                     "key gets 403 there); none: the API keys do.")
 
 
 @dataclass(frozen=True)

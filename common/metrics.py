@@ -58,6 +58,11 @@ class QueueCollector(Collector):
                              client_name=f"{self.keys.namespace}:metrics")
         self._lock = threading.Lock()  # the HTTP server may scrape from several threads
 
+    def describe(self) -> list[GaugeMetricFamily]:
+        """Nothing: a registry then registers it without a first read of Redis (a registry that describes
+        collectors by collecting would read Redis, and wait on a Redis that is down, at registration)."""
+        return []
+
     def collect(self) -> Iterator[GaugeMetricFamily]:
         depth = GaugeMetricFamily("batchfleet_queue_depth", "Entries in a bucket stream not yet delivered to any "
                                   "worker (consumer-group lag).", labels=["bucket", *PRIORITY_LABELS])

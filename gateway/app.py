@@ -5,7 +5,8 @@
     (gateway/openai/responses/routes.py)
     POST /v1/embeddings         embeddings on the same fleet (gateway/openai/embeddings/routes.py)
     /v1/files, /v1/batches      the OpenAI Batch API (gateway/batches/routes.py; run by gateway/batches/runner.py)
-    GET  /health                GET /dashboard, /dashboard/data               (gateway/dashboard.py)
+    POST /tokenize, /detokenize vLLM's tokenizer routes                       (gateway/openai/chat/tokenize.py)
+    GET  /health, /version      GET /dashboard, /dashboard/data, /metrics     (gateway/dashboard.py)
 
 The app holds no model: it validates, hands the job to the fleet through AsyncClient and shapes the
 answer. Its Redis connections (gateway/connections.py) are made in the lifespan (startup) and closed at
@@ -30,12 +31,14 @@ from batchfleet.gateway.connections import ClientFactory, GatewayRedis, producer
 from batchfleet.gateway.handlers import add_error_handlers, endpoints
 from batchfleet.gateway.metrics import HTTPMetrics, MetricsMiddleware
 from batchfleet.gateway.openai.chat import routes as inference
+from batchfleet.gateway.openai.chat import tokenize
 from batchfleet.gateway.openai.embeddings import routes as embeddings
 from batchfleet.gateway.openai.responses import routes as responses
 from batchfleet.gateway.service import Gateway
 from batchfleet.producer.ops.history import HistorySampler
 
-ROUTERS = (inference.router, responses.router, embeddings.router, batch_api.router, dashboard.router)
+ROUTERS = (inference.router, responses.router, embeddings.router, batch_api.router, tokenize.router,
+           dashboard.router)
 
 
 def create_app(config: GatewayConfig | None = None, client_factory: ClientFactory = producer_client,
@@ -56,9 +59,12 @@ def create_app(config: GatewayConfig | None = None, client_factory: ClientFactor
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Open the connections, start the batch runner (unless ``--no-batch-runner``) and the dashboard's history
-    sampler (producer/ops/history.py); undo them at shutdown."""
+    """Open the connections, register the fleet's queue gauges (gateway/metrics.py), start the batch runner
+    (unless ``--no-batch-runner``) and the dashboard's history sampler (producer/ops/history.py); undo them at
+    shutdown."""
     config: GatewayConfig = app.state.config
+    metrics: HTTPMetrics = app.state.metrics
+    await asyncio.to_thread(metrics.add_queue_gauges, config.connection)  # a cluster client connects: off the loop
     redis = app.state.redis = GatewayRedis(config, app.state.client_factory)
     app.state.gateway = Gateway(config, redis.client)
     runner = BatchRunner(config, redis.files, redis.batches) if config.batch_runner else None
@@ -72,3 +78,4 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             serving.cancel()
             await runner.close()
         await redis.aclose()
+        metrics.remove_queue_gauges()

@@ -1,38 +1,35 @@
-"""The operators' routes: ``GET /health`` and ``GET /dashboard`` (no key needed: the health check of a
-load balancer; the static page, which holds no data) and ``GET /dashboard/data`` (the JSON the page polls
-and ``batchfleet status --gateway`` reads; needs a read-only operator key when ``--operator-key`` is set,
-else an API key when keys are set: producer/ops/dashboard.py ``access``).
+"""The operators' routes: ``GET /health`` and ``GET /version`` (no key needed: a load balancer's health check;
+vLLM's ``{"version"}``, here batchfleet's), ``GET /dashboard`` (the static page, which holds no data), and
+the fleet's state: ``GET /dashboard/data`` (the JSON the page polls and ``batchfleet status --gateway``
+reads) and ``GET /metrics`` (Prometheus text, as vLLM serves it on its API port: what ``--metrics-port``
+serves too). Those two need a read-only operator key when ``--operator-key`` is set, else an API key when
+keys are set (gateway/deps.py ``operator``).
 
-The data is producer/ops/dashboard.py's (the same as ``batchfleet dashboard``): sync status reads, made on
-the dashboard's own small pool (gateway/connections.py) in a worker thread (``run_in_threadpool``),
-never on the event loop serving completions.
+Both read Redis with sync clients (the dashboard's data is producer/ops/dashboard.py's, the same as
+``batchfleet dashboard``, on the dashboard's own small pool, gateway/connections.py; the queue gauges on the
+metrics' own, common/metrics.py), so they run in a worker thread (``run_in_threadpool``), never on the event
+loop serving completions.
 """
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import APIRouter
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from batchfleet.common.errors import RedisUnavailable
-from batchfleet.gateway.deps import Redis, Service
+from batchfleet.gateway.deps import OPERATOR_CHECKED, Redis, Service
 from batchfleet.gateway.errors import APIError, invalid
-from batchfleet.producer.ops.dashboard import (
-    ACCESS_ERRORS,
-    DATA_PATH,
-    PAGE,
-    PAGE_PATH,
-    access,
-    dashboard_data,
-    history_after,
-)
+from batchfleet.producer.ops.dashboard import DATA_PATH, PAGE, PAGE_PATH, dashboard_data, history_after
 
 NO_STORE = {"Cache-Control": "no-store"}
 
-router = APIRouter()  # open to anyone: /dashboard/data checks its own keys (operator keys, not the API's)
+router = APIRouter()  # open to anyone: the fleet's state checks its own keys (operator keys, not the API's)
 
 
 @router.get("/health")
@@ -41,18 +38,21 @@ async def health(gateway: Service) -> Any:
     return JSONResponse(body, status_code=status)
 
 
+@router.get("/version")
+async def server_version() -> Any:
+    try:
+        return {"version": version("batchfleet")}
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return {"version": "unknown"}
+
+
 @router.get(PAGE_PATH)
 async def dashboard_page() -> Any:
     return HTMLResponse(PAGE, headers=NO_STORE)
 
 
-@router.get(DATA_PATH)
+@router.get(DATA_PATH, dependencies=OPERATOR_CHECKED)
 async def dashboard_json(request: Request, redis: Redis) -> Any:
-    status = access(request.headers.get("authorization"), redis.config.api_keys, redis.config.operator_keys)
-    if status != 200:
-        message, code = ACCESS_ERRORS[status]
-        raise APIError(status, message, "invalid_request_error" if status == 401 else "permission_error", code,
-                       headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
     try:
         after = history_after(request.query_params.get("history_after"))
     except ValueError as exc:
@@ -62,3 +62,11 @@ async def dashboard_json(request: Request, redis: Redis) -> Any:
     except RedisUnavailable as exc:
         raise APIError(503, str(exc), "service_unavailable", "redis_unavailable") from None
     return JSONResponse(body, headers=NO_STORE)
+
+
+@router.get("/metrics", dependencies=OPERATOR_CHECKED)
+async def metrics(request: Request) -> Any:
+    """The gateway's registry (gateway/metrics.py: its HTTP metrics and the fleet's queue gauges, read from
+    Redis at each scrape, at most common/metrics.py's SCRAPE_TIMEOUT_S)."""
+    body = await run_in_threadpool(generate_latest, request.app.state.metrics.registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST, headers=NO_STORE)

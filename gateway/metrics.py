@@ -1,4 +1,5 @@
-"""The gateway's own HTTP metrics (Prometheus), beside the fleet's queue gauges on ``--metrics-port``:
+"""The gateway's own HTTP metrics (Prometheus), beside the fleet's queue gauges (registered at the app's startup),
+served on the API port's ``/metrics`` (gateway/dashboard.py) and on ``--metrics-port``:
 
     batchfleet_gateway_requests_total{route, method, status}       requests answered
     batchfleet_gateway_request_duration_seconds{route, method}     latency histogram (a stream: until its last byte)
@@ -19,7 +20,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from batchfleet.common.config import ConnectionConfig
-from batchfleet.common.metrics import MetricsServer, queue_collector, registry_with, serve_metrics
+from batchfleet.common.metrics import MetricsServer, QueueCollector, queue_collector, serve_metrics
 
 CLIENT_CLOSED = 499
 # from a cached /v1/models (ms) to a long generation (minutes)
@@ -38,6 +39,19 @@ class HTTPMetrics:
                                  registry=self.registry)
         self.in_progress = Gauge("batchfleet_gateway_requests_in_progress", "Requests being served.",
                                  registry=self.registry)
+        self.queues: QueueCollector | None = None
+
+    def add_queue_gauges(self, conn: ConnectionConfig) -> None:
+        """Register the fleet's queue gauges and live-worker count (common/metrics.py, read from Redis at each
+        scrape). Blocking: a Redis Cluster client connects as it is made."""
+        self.queues = queue_collector(conn)
+        self.registry.register(self.queues)
+
+    def remove_queue_gauges(self) -> None:
+        if self.queues is not None:
+            self.registry.unregister(self.queues)
+            self.queues.close()
+            self.queues = None
 
 
 class MetricsMiddleware:
@@ -75,8 +89,8 @@ class MetricsMiddleware:
             self.metrics.latency.labels(route, method).observe(time.monotonic() - start)
 
 
-def serve_gateway_metrics(metrics: HTTPMetrics, conn: ConnectionConfig, port: int,
-                          host: str = "127.0.0.1") -> MetricsServer:
-    """Serve ``metrics`` and the fleet's queue gauges (and live-worker count) on http://host:port/metrics
-    (port 0: any free one). MetricsPortInUse when the port is taken."""
-    return serve_metrics(registry_with(queue_collector(conn), registry=metrics.registry), port, host)
+def serve_gateway_metrics(metrics: HTTPMetrics, port: int, host: str = "127.0.0.1") -> MetricsServer:
+    """Serve ``metrics`` (with the fleet's queue gauges once the app started) on http://host:port/metrics
+    (port 0: any free one), without a key: ``host`` decides who reaches it. MetricsPortInUse when the port
+    is taken."""
+    return serve_metrics(metrics.registry, port, host)

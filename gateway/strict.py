@@ -60,6 +60,14 @@ NEUTRAL_CHAT: dict[str, tuple[Any, ...]] = {
     "continue_final_message": (False,),  # vLLM
     "echo": (False,),  # vLLM's chat extension
 }
+# vLLM's /tokenize of chat messages (gateway/openai/chat/tokenize.py): no template but the fleet's, no media
+NEUTRAL_TOKENIZE_CHAT: dict[str, tuple[Any, ...]] = {
+    "continue_final_message": (False,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "mm_processor_kwargs": ({},),
+    "media_io_kwargs": ({},),
+}
 # per message of a chat request
 NEUTRAL_MESSAGE: dict[str, tuple[Any, ...]] = {
     "function_call": (),  # OpenAI's deprecated spelling of tool_calls

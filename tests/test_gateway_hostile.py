@@ -104,6 +104,11 @@ NEW_ROUTES = {
     "/v1/embeddings": ({"input": "Hi"}, ["input", "encoding_format", "dimensions", "user", "timeout", "model",
                                          "service_tier", "priority"]),
 }
+VLLM_ROUTES = {  # vLLM's tokenizer routes (issue 58): bodies from a generator of their own (the others' unchanged)
+    "/tokenize": ({"prompt": "Hi"}, ["prompt", "messages", "add_special_tokens", "add_generation_prompt", "tools",
+                                     "return_token_strs", "continue_final_message", "chat_template", "model"]),
+    "/detokenize": ({"tokens": [1, 2]}, ["tokens", "model"]),
+}
 NEW_VALUES = [[{"role": "user", "content": [{"type": "input_image"}]}], [{"type": "function_call"}], [{"role": "x"}],
               {"format": {"type": "json_schema", "schema": {"type": 3}}}, {"format": {"type": "json_schema"}},
               "resp_" + "0" * 32, "resp_../../x", [[2**64]], [[1] * 5000], ["a"] * 3000, {"k": "v" * 600},
@@ -117,14 +122,17 @@ NEW_VALUES = [[{"role": "user", "content": [{"type": "input_image"}]}], [{"type"
 
 def hostile_new_routes(rng: random.Random) -> list[tuple[str, bytes]]:
     out = [("/v1/responses", b'{"input": "\\ud800"}'), ("/v1/embeddings", b'{"input": ["\\udc00"]}'),
+           ("/tokenize", b'{"prompt": "\\ud800"}'), ("/detokenize", b'{"tokens": [4294967296, -1]}'),
+           ("/tokenize", b'{"messages": [{"role": "user", "content": "x\\ud83d"}], "return_token_strs": true}'),
            ("/v1/responses", nested(3000).encode()), ("/v1/embeddings", ('{"input": ' + nested(3000) + "}").encode())]
-    for _ in range(120):
-        path = rng.choice(list(NEW_ROUTES))
-        base, fields = NEW_ROUTES[path]
-        body = dict(base)
-        for _ in range(rng.randint(1, 3)):
-            body[rng.choice(fields + ["x-unknown"])] = rng.choice(VALUES + NEW_VALUES)
-        out.append((path, json.dumps(body).encode()))
+    for routes, count, draw in ((NEW_ROUTES, 120, rng), (VLLM_ROUTES, 120, random.Random(58))):
+        for _ in range(count):
+            path = draw.choice(list(routes))
+            base, fields = routes[path]
+            body = dict(base)
+            for _ in range(draw.randint(1, 3)):
+                body[draw.choice(fields + ["x-unknown"])] = draw.choice(VALUES + NEW_VALUES)
+            out.append((path, json.dumps(body).encode()))
     return out
 
 

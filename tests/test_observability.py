@@ -145,7 +145,7 @@ def test_every_metric_used_is_exported(start_worker, redis_url: str, namespace: 
     port = free_port()
     start_worker(metrics_port=port, metrics_host="127.0.0.1", max_wait_ms=20)
     gw = GatewayThread(redis_url, namespace)
-    server = serve_gateway_metrics(gw.app.state.metrics, gw.config.connection, 0, "127.0.0.1")
+    server = serve_gateway_metrics(gw.app.state.metrics, 0, "127.0.0.1")
     try:
         with httpx.Client(base_url=gw.url, timeout=60) as http:
             resp = http.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 4})

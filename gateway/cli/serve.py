@@ -25,8 +25,8 @@ def build_gateway_config(**values) -> GatewayConfig:
 @log_options
 def serve(**values) -> None:
     """Serve the fleet over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
-    /v1/models, /health, and the Batch API: /v1/files, /v1/batches). Holds no model: run workers with
-    `batchfleet worker`."""
+    /v1/models, /health, and the Batch API: /v1/files, /v1/batches; vLLM's /tokenize, /detokenize,
+    /version, /metrics). Holds no model: run workers with `batchfleet worker`."""
     # imported here: `batchfleet --help` lists this command on a client-only install (common/cli.py says
     # which extra to install before this runs)
     import uvicorn
@@ -43,7 +43,7 @@ def serve(**values) -> None:
         from batchfleet.gateway.metrics import serve_gateway_metrics
 
         try:
-            serve_gateway_metrics(app.state.metrics, config.connection, config.metrics_port, config.metrics_host)
+            serve_gateway_metrics(app.state.metrics, config.metrics_port, config.metrics_host)
         except MetricsPortInUse as exc:
             raise fatal(str(exc)) from None
     auth = f"{len(config.api_keys)} API key(s)" if config.api_keys else "no API key (anyone may call it)"

@@ -98,7 +98,8 @@ def access(header: str | None, api_keys: tuple[str, ...], operator_keys: tuple[s
 
 ACCESS_ERRORS = {401: ("missing or wrong key: an operator key (or an API key when no operator key is set)",
                        "invalid_api_key"),
-                 403: ("an API key cannot see the dashboard where operator keys are set: use an operator key",
+                 403: ("an API key cannot see the fleet's state (the dashboard's data, the gateway's /metrics) "
+                       "where operator keys are set: use an operator key",
                        "operator_key_required")}
 
 

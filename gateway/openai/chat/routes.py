@@ -50,6 +50,7 @@ async def model(model_id: str, gateway: Service) -> Any:
 
 
 def model_object(name: str, info: FleetInfo) -> dict[str, Any]:
-    """A model object in OpenAI's shape (plus vLLM's max_model_len and the largest prompt bucket)."""
-    return {"id": name, "object": "model", "created": 0, "owned_by": "batchfleet",
-            "max_model_len": info.max_seq_len, "max_prompt_tokens": info.buckets[-1]}
+    """A model object in OpenAI's shape (plus vLLM's ``root``: the model the fleet serves, ``parent``,
+    ``max_model_len``, and the largest prompt bucket)."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "batchfleet", "root": info.model,
+            "parent": None, "max_model_len": info.max_seq_len, "max_prompt_tokens": info.buckets[-1]}
