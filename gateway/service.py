@@ -10,6 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -89,8 +90,10 @@ class Gateway:
                       guide_param=job.guide_param, tools=job.tools, family=family)
         headers = {"x-request-id": job_id}
         if job.stream:
-            return EventStream(job_events(await self.streams(job, job_id, family), shape), headers=headers)
-        return JSONResponse(shape.response(await self.results(request, job, job_id, family)), headers=headers)
+            streams = await self.streams(job, job_id, family)  # the prompt checked: its echo can be written
+            return EventStream(job_events(streams, echoed(shape, job, fleet.tokenizer)), headers=headers)
+        results = await self.results(request, job, job_id, family)
+        return JSONResponse(echoed(shape, job, fleet.tokenizer).response(results), headers=headers)
 
     async def streams(self, job: Job, job_id: str, family: Family | None = None) -> list[Any]:
         """Submit the job's ``n`` choices as streamed jobs (AsyncTokenStreams, one per choice). Submission
@@ -263,6 +266,17 @@ def token_texts(tokenizer: Any) -> Callable[[int], str]:
         return cache[token_id]
 
     return text
+
+
+def echoed(shape: Shape, job: Job, tokenizer: Any) -> Shape:
+    """``shape`` with the prompt's text to echo, when the completion asked for it (``echo``): the prompt as
+    given, token ids decoded (special tokens kept: the text of what ran). Called once the prompt was
+    checked (its token ids in the vocabulary)."""
+    if not job.echo:
+        return shape
+    prompt = job.prompt
+    text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt, skip_special_tokens=False)
+    return replace(shape, echo=text)
 
 
 def _unauthorized(message: str) -> APIError:

@@ -96,6 +96,9 @@ async def job_events(streams: Sequence[Any], shape: Shape) -> AsyncIterator[byte
             if shape.chat:
                 for i in range(len(streams)):
                     yield event(shape.chunk("", index=i, first=True))
+            elif shape.echo:  # as vLLM's: the prompt's text first
+                for i in range(len(streams)):
+                    yield event(shape.chunk(shape.echo, index=i))
             sent = [0] * len(streams)  # characters of each choice sent so far
             readers = [shape.tool_stream() for _ in streams]  # tool calls read from each choice's text
             left = len(streams)

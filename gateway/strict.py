@@ -34,6 +34,7 @@ HONOURED: dict[str, str] = {
     "guided_regex": "both", "guided_choice": "both", "guided_grammar": "both", "structured_outputs": "both",
     "service_tier": "both", "priority": "both", "presence_penalty": "both", "frequency_penalty": "both",
     "logit_bias": "both", "tools": "chat", "tool_choice": "chat", "parallel_tool_calls": "chat",
+    "echo": "completions",  # chat's echo (vLLM's extension) is neutral only: NEUTRAL_CHAT
 }
 
 # neutral-only fields: the values accepted (null always is); each tuple is (value, ...) compared by type too
@@ -45,7 +46,6 @@ NEUTRAL_COMMON: dict[str, tuple[Any, ...]] = {
 }
 NEUTRAL_COMPLETIONS: dict[str, tuple[Any, ...]] = {
     **NEUTRAL_COMMON,
-    "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
 }

@@ -98,7 +98,8 @@ def test_auth_and_invalid_requests(start_worker, start_gateway):
         ({**body, "n": 0}, "n"), ({**body, "temperature": 3}, "temperature"), ({**body, "max_tokens": 0}, "max_tokens"),
         ({**body, "prompt": ["a", "b"]}, "prompt"), ({**body, "prompt": ""}, "prompt"), ({"max_tokens": 4}, "prompt"),
         ({**body, "logprobs": 21}, "logprobs"), ({**body, "stop": 3}, "stop"), ({**body, "stream": "yes"}, "stream"),
-        ({**body, "seed": -1}, None), ({**body, "prompt": [1, 10**9]}, None), ({**body, "echo": True}, "echo"),
+        ({**body, "seed": -1}, None), ({**body, "prompt": [1, 10**9]}, None),
+        ({**body, "echo": True, "logprobs": 1}, "echo"),
     ]
     for bad, param in cases:
         err = error_of(http.post("/v1/completions", json=bad), 400)

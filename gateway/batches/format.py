@@ -36,7 +36,7 @@ from batchfleet.gateway.openai.embeddings.request import EmbedJob, embedding_res
 from batchfleet.gateway.openai.embeddings.request import too_long as input_too_long
 from batchfleet.gateway.openai.responses.format import ResponseShape
 from batchfleet.gateway.openai.tools.parsers import Family, pick
-from batchfleet.gateway.service import job_asks, token_texts, too_long, unknown_model
+from batchfleet.gateway.service import echoed, job_asks, token_texts, too_long, unknown_model
 from batchfleet.producer.ask import Ask
 from batchfleet.producer.bulk.lines import line_sha
 from batchfleet.producer.bulk.prefix_order import prefix_key
@@ -121,7 +121,7 @@ class OpenAIFormat:
                       created=int(time.time()), fingerprint=self.fleet.info.fingerprint or None,
                       token_text=None if line.job.logprobs is None else self.texts, tools=line.job.tools,
                       family=self.family())
-        return self.refusal(line, 200, shape.response(results))
+        return self.refusal(line, 200, echoed(shape, line.job, self.fleet.tokenizer).response(results))
 
     def failure(self, work: Work, exc: BaseException) -> dict:
         line: BatchLine = work.line

@@ -49,7 +49,9 @@ def fleet_view(result: Result) -> dict[str, Any]:
 class Shape:
     """How the answers to one request look: its endpoint (chat or not), id, model and creation time;
     ``token_text`` (token id -> its text) when logprobs were asked for; ``guide_param``: the request field
-    its structured-output guide came from (a stream's ``guide_failed`` error names it)."""
+    its structured-output guide came from (a stream's ``guide_failed`` error names it); ``echo``: the prompt's
+    text, when a completion asked for it (whole: each choice's text starts with it; streamed: each choice's
+    first chunk is it)."""
 
     chat: bool
     job_id: str
@@ -62,6 +64,7 @@ class Shape:
     # a chat request's tools: answers are read for tool calls (gateway/openai/tools/calling.py)
     tools: ToolPlan | None = None
     family: Family | None = None  # the model family whose tool-call format they are read in
+    echo: str | None = None  # completions' echo: the prompt's text, which every choice's text starts with
 
     def tool_stream(self) -> ToolStream | None:
         """A streamed choice's tool-call reader, when answers are read for tool calls."""
@@ -116,7 +119,8 @@ class Shape:
                     finish = self.tools.finish(finish, bool(calls))
                 choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
             else:
-                choices.append({"index": index, "text": result.text, "logprobs": logprobs, "finish_reason": finish})
+                choices.append({"index": index, "text": (self.echo or "") + result.text, "logprobs": logprobs,
+                                "finish_reason": finish})
         view = fleet_view(results[0])
         if len(results) > 1:
             view["choices"] = [fleet_view(r) for r in results]

@@ -5,7 +5,8 @@ encodes: gateway/service.py ``job_asks``). Strict (gateway/strict.py has the rul
 cannot honour accepted only at their neutral values; every refusal is a 400 naming the field.
 
 Honoured beyond text: ``n`` (n jobs, choice i seeded ``seed + i``), ``logprobs``, ``response_format`` and
-vLLM's structured outputs (``guided_*`` or ``structured_outputs``). Extensions: ``timeout`` (s; at most
+vLLM's structured outputs (``guided_*`` or ``structured_outputs``), completions' ``echo`` (not with ``logprobs``:
+the prompt's log-probabilities are not computed). Extensions: ``timeout`` (s; at most
 --request-timeout, 504 past it), vLLM's ``top_k`` (0 or -1 = off), ``priority`` (a 64-bit integer: > 0 ->
 background) and every other parameter of the fleet's table by its name (``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ...: ``FROM_TABLE``). OpenAI's ``service_tier`` picks the priority: ``flex``
@@ -58,6 +59,7 @@ class Job:
     n: int = 1
     guide_param: str | None = None  # the request field the guide came from, for a 400
     tools: ToolPlan | None = None  # a chat request's tools (gateway/openai/tools/calling.py)
+    echo: bool = False  # completions: the answer's text starts with the prompt's
 
     @property
     def guide(self) -> Guide | None:  # the body's structured output (a forced tool call's is made by job_asks)
@@ -217,7 +219,10 @@ class CompletionRequest(_Common):  # type: ignore[misc,valid-type]
         if not prompt:
             raise invalid("prompt must not be empty", "prompt")
         max_tokens = OPENAI_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        return self.job(prompt, max_tokens, timeout_cap, self.logprobs)
+        if self.echo and self.logprobs is not None:  # OpenAI's echo + logprobs scores the prompt's tokens too
+            raise invalid("echo with logprobs is not supported: the fleet computes the log-probabilities of the "
+                          "tokens it generates, not of the prompt's; ask for one of them", "echo")
+        return replace(self.job(prompt, max_tokens, timeout_cap, self.logprobs), echo=bool(self.echo))
 
 
 class ChatCompletionRequest(_Common):  # type: ignore[misc,valid-type]
