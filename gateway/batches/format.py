@@ -32,7 +32,7 @@ from batchfleet.gateway.batches.lines import (
 )
 from batchfleet.gateway.errors import api_error
 from batchfleet.gateway.openai.chat.format import Shape
-from batchfleet.gateway.openai.embeddings.request import EmbedJob, embedding_response
+from batchfleet.gateway.openai.embeddings.request import EmbedJob, check_vocabulary, embedding_response
 from batchfleet.gateway.openai.embeddings.request import too_long as input_too_long
 from batchfleet.gateway.openai.responses.format import ResponseShape
 from batchfleet.gateway.openai.tools.parsers import Family, pick
@@ -96,6 +96,8 @@ class OpenAIFormat:
             raise error
         # background work, whatever the body says
         if isinstance(job, EmbedJob):
+            if self.fleet is not None:  # token ids of another vocabulary (tiktoken's): 400 naming input
+                check_vocabulary(job.inputs, self.fleet.info.vocab_size)
             return [Ask.embed(BACKGROUND)] * len(job.inputs)
         return await job_asks(job, self.family(), BACKGROUND)
 

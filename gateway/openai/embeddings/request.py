@@ -69,6 +69,22 @@ def embed_job(body: Any, timeout_cap: float) -> EmbedJob:
                     Ask.embed(priority))
 
 
+def check_vocabulary(inputs: list[str | list[int]], vocab_size: int) -> None:
+    """A 400 naming ``input`` for a token-id input with an id outside the served model's vocabulary: token ids
+    are the model's own. LangChain's ``OpenAIEmbeddings`` sends tiktoken's ids (OpenAI's vocabulary) unless
+    made with ``check_embedding_ctx_length=False``: the message says so."""
+    for i, item in enumerate(inputs):
+        if isinstance(item, str):
+            continue
+        bad = next((t for t in item if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            where = "input" if len(inputs) == 1 else f"input[{i}]"
+            raise invalid(f"{where} holds token id {bad}, outside the served model's vocabulary of {vocab_size} "
+                          f"tokens (ids 0 to {vocab_size - 1}): send text, or the served model's own token ids. "
+                          "LangChain's OpenAIEmbeddings sends OpenAI's tiktoken ids by default: create it with "
+                          "OpenAIEmbeddings(..., check_embedding_ctx_length=False) to send text", "input")
+
+
 def embedding_response(results: list[Result], model: str, encoding_format: str) -> dict[str, Any]:
     """OpenAI's embeddings list, one item per input, in input order."""
     if any(r.embedding is None for r in results):  # a worker from before embed requests generated instead
