@@ -2,7 +2,9 @@
 the default (tiny) built-in model.
 
 - Each ```python block of those documents runs unmodified; its ``Client()`` / ``AsyncClient()`` reads
-  BATCHFLEET_REDIS_URL / BATCHFLEET_NAMESPACE, which the test sets to the test Redis and namespace.
+  BATCHFLEET_REDIS_URL / BATCHFLEET_NAMESPACE, which the test sets to the test Redis and namespace. Two
+  substitutions: the gateway's URL (a free port here) and the RQ example's queue name (one of the test's own,
+  whose RQ keys are removed afterwards: tests/helpers/rq.py).
 - From every "Command line:" block, ``batchfleet submit``, ``bulk`` (on a prompts.jsonl made in a temporary
   working directory) and ``status`` run as subprocesses. Not run here: ``worker`` (the in-thread worker
   stands in for it; tests/test_cli.py and the fleet tests cover workers), ``bench`` (tests/test_bench.py;
@@ -62,6 +64,7 @@ def test_readme_has_examples():
 
 
 GATEWAY_URL = 'base_url="http://127.0.0.1:8000/v1"'  # blocks that talk to docs/GATEWAY.md's gateway
+RQ_QUEUE = 'Queue("llm"'  # docs/USAGE.md's RQ example's queue
 
 
 @pytest.mark.parametrize("index", range(len(python_blocks())),
@@ -81,12 +84,21 @@ def test_python_example_runs(index: int, start_worker, readme_env, redis_url, na
             {"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
              "body": {"messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": 4}}) + "\n"
             for i in range(3)))
+    rq_queue = None
+    if "from rq import" in code:  # RQ's keys lie outside the test namespace: a queue of the test's own
+        rq_queue = f"llm-{namespace}"
+        assert RQ_QUEUE in code, f"{doc}: the RQ example no longer makes {RQ_QUEUE}"
+        code = code.replace(RQ_QUEUE, f'Queue("{rq_queue}"')
     try:
         scope: dict = {"__name__": "readme_example"}
         exec(compile(code, f"{doc} python block {index}", "exec"), scope)
     finally:
         if gateway is not None:
             gateway.stop()
+        if rq_queue is not None:
+            from tests.helpers.rq import remove_rq_keys
+
+            remove_rq_keys(redis_url, rq_queue)
     if gateway is not None and "client.batches" in code:
         assert scope["batch"].status == "completed" and len(scope["answers"].splitlines()) == 3
 

@@ -1,7 +1,6 @@
 """RQ as the front door: real ``rq worker --burst`` processes (JSON serializer) against the real Redis and a
-real fleet worker; job functions enqueued by dotted name. RQ's keys are not under the test's namespace (RQ
-names them ``rq:...`` itself), so each test's queue removes every key of its own, its jobs' and its workers',
-and checks that none is left."""
+real fleet worker; job functions enqueued by dotted name. Each test's queue removes its RQ keys afterwards
+(tests/helpers/rq.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ import redis
 
 from batchfleet.common.keys import Keys
 from batchfleet.producer import Client
+from tests.helpers.rq import remove_rq_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,29 +47,6 @@ def test_rq_stays_optional():
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/", timeout=60)
 
 
-def rq_prefix() -> str:
-    """What RQ's key names start with: "rq" (newer RQ reads another from RQ_KEY_PREFIX)."""
-    from rq import defaults
-
-    return getattr(defaults, "RQ_KEY_PREFIX", "rq")
-
-
-def rq_keys_of(r: redis.Redis, queue: str) -> tuple[set[bytes], dict[bytes, set[bytes]]]:
-    """Every key RQ made for ``queue``: those naming it (the queue, its registries, its workers, which the
-    tests name after it) and those of its jobs (``origin`` the queue: the job, its results, its executions);
-    and ``queue``'s members of RQ's shared sets (every queue, every worker)."""
-    prefix = rq_prefix()
-    jobs = {key.split(b":job:", 1)[1] for key in r.scan_iter(f"{prefix}:job:*", _type="hash")
-            if r.hget(key, "origin") == queue.encode()}
-    ours = {key for key in r.scan_iter(f"{prefix}:*")
-            if queue.encode() in key or any(job in key for job in jobs)}
-    shared = {}
-    for key in (f"{prefix}:queues", f"{prefix}:workers"):
-        if members := {m for m in r.smembers(key) if queue.encode() in m}:
-            shared[key.encode()] = members
-    return ours, shared
-
-
 @pytest.fixture
 def queue(redis_url: str):
     """A queue of its own; afterwards every key of it, its jobs and its workers is deleted, and none is left."""
@@ -81,21 +58,13 @@ def queue(redis_url: str):
     q = Queue(f"bf-test-{uuid.uuid4().hex[:8]}", connection=r, serializer=JSONSerializer)
     yield q
     q.delete(delete_jobs=True)
-    ours, shared = rq_keys_of(r, q.name)
-    if ours:
-        r.delete(*ours)
-    for key, members in shared.items():
-        r.srem(key, *members)
-    # RQ's lock while a worker cleans job groups (no group here): ours, as no other RQ worker uses the test
-    # Redis; it expires by itself, but then minutes after the run
-    r.delete(f"{rq_prefix()}:clean_groups")
-    assert rq_keys_of(r, q.name) == (set(), {}), "RQ keys of this test left behind"
     r.close()
+    remove_rq_keys(redis_url, q.name)
 
 
 def _rq_worker(redis_url: str, namespace: str, queue, **kw) -> subprocess.Popen:
     """``rq worker --burst --serializer JSON`` in its own process group (a kill takes its work-horse too), named
-    after its queue (so the queue fixture finds its keys)."""
+    after its queue (its keys are found even once its own key has expired)."""
     return subprocess.Popen(
         [sys.executable, "-m", "rq.cli", "worker", "--burst", "--serializer", "rq.serializers.JSONSerializer",
          "--name", f"{queue.name}-{uuid.uuid4().hex[:6]}", "--url", redis_url, queue.name], cwd=ROOT,
