@@ -65,12 +65,14 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup)
-@log_options
-def main() -> None:
+@connection_options
+def main(redis_url: str, namespace: str) -> None:
     """batchfleet: a Redis-streams LLM inference fleet with dynamic batching.
 
     Every option of the fleet's configuration also reads BATCHFLEET_<OPTION> (shown in each command's
-    --help); --log-level and --log-format work here and on every command."""
+    --help). --redis-url, --namespace, --log-level and --log-format work here, for whichever command
+    follows, and on every command (the command's own option wins)."""
+    # nothing to do here: each subcommand's option takes the group's value (common/options.py _group_value)
 
 
 if __name__ == "__main__":

@@ -75,3 +75,13 @@ def configure(level: str | int | None = None, fmt: str | None = None) -> None:
     logging.captureWarnings(fmt == "json")
     if level is not None:
         root.setLevel(level.upper() if isinstance(level, str) else level)
+
+
+STARTUP_LOGGER = "batchfleet.startup"
+
+
+def startup_phase(message: str, *args: Any) -> None:
+    """Say what a starting worker does now, the slow steps before its first heartbeat (loading torch, building
+    or loading the model, compiling a kernel, probing the matmul kernels, joining the fleet): one INFO line
+    on the ``batchfleet.startup`` logger, which `batchfleet demo` relays while it waits for its worker."""
+    logging.getLogger(STARTUP_LOGGER).info(message, *args)

@@ -81,7 +81,8 @@ def _click_option(cls: type, f: dataclasses.Field, default: Any, **extra: Any) -
     kind = _field_types(cls)[f.name]
     envs = option_envs(f)  # a list only for an option with aliases: click reads the first one set
     kw: dict[str, Any] = {"envvar": envs[0] if len(envs) == 1 else envs, "show_envvar": True, "help": meta["help"],
-                          "default": default, "show_default": default is not None, **extra}
+                          "default": default, "show_default": default is not None, "callback": _group_value,
+                          **extra}
     aliases = [f"--{a}" for a in meta.get("aliases", ())]
     if kind is bool:
         return click.option(f"--{flag}/--no-{flag}", f.name, **kw)
@@ -116,6 +117,21 @@ def config_options(*classes: type, exclude: Iterable[str] = (),
         return fn
 
     return decorate
+
+
+def _group_value(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """A subcommand's option that the ``batchfleet`` group also takes (--redis-url, --namespace) and that was
+    given on the group's command line but not on the subcommand's: the group's value
+    (``batchfleet --redis-url URL status``). The subcommand's own command line wins, and the group's command
+    line beats the subcommand's environment variable and default, as any command line beats them."""
+    parent = ctx.parent
+    if parent is None or ctx.resilient_parsing or param.name not in parent.params:
+        return value
+    if ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE:
+        return value
+    if parent.get_parameter_source(param.name) is not ParameterSource.COMMANDLINE:
+        return value
+    return parent.params[param.name]
 
 
 def _apply_log_option(ctx: click.Context, param: click.Parameter, value: Any) -> Any:

@@ -105,9 +105,12 @@ def priority_option(default: str):
 
 def generation_options(fn):
     for opt in reversed([
-        click.option("--max-new-tokens", type=int, default=64, show_default=True),
+        click.option("--max-new-tokens", type=int, default=64, show_default=True,
+                     help="Most tokens to generate (fewer when a stop string or the end-of-text token comes first)."),
         click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
-        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--top-p", type=float, default=1.0, show_default=True,
+                     help="Nucleus sampling: only the most likely tokens whose probabilities add up to this "
+                          "(1.0 = off)."),
         click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
         click.option("--seed", type=int, default=None, help="Makes a sampled answer reproducible."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),

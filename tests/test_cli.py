@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -69,6 +70,32 @@ def test_demo_runs_end_to_end(redis_url):
     assert "throughput" in proc.stdout and "TTFT p50 / p99" in proc.stdout
     assert "8 from 4 client threads" in proc.stdout
     assert "Warning" not in proc.stderr, proc.stderr[-2000:]
+    # what it does before the table, each step with the seconds since it started: the worker's start-up phases
+    # (relayed from its log while the demo waits for it), then its own steps
+    steps = [re.match(r"^\[\s*(\d+\.\d) s\] (.*)$", line) for line in proc.stdout.split("\n| metric")[0].splitlines()
+             if line.strip()]
+    assert all(steps), proc.stdout
+    seconds, texts = [float(m[1]) for m in steps], [m[2] for m in steps]
+    assert seconds == sorted(seconds), proc.stdout
+    expected = ["starting worker", "worker: loading torch and transformers", "worker: loading the model",
+                "worker: building the native engine", "worker: choosing the weight matmul kernels",
+                "worker: joining the fleet", "worker ready", "warm-up request", "sending 8 prompts", "done"]
+    at = [next((i for i, text in enumerate(texts) if text.startswith(step)), None) for step in expected]
+    assert None not in at and at == sorted(at), proc.stdout
+
+
+@pytest.mark.unit
+def test_demo_relays_start_up_phases_and_warnings_of_either_log_format():
+    from batchfleet.worker.demo import phase_message
+
+    assert phase_message("2026-12-06 22:08:23,547 INFO batchfleet.startup: loading the model") == "loading the model"
+    assert phase_message(json.dumps({"time": "t", "level": "INFO", "logger": "batchfleet.startup",
+                                     "message": "joining the fleet", "worker": "w"})) == "joining the fleet"
+    assert phase_message("2026-12-06 22:08:23,547 WARNING batchfleet.worker.engine.native.cpu_kernel: no C compiler "
+                         "found: paged_decode.c unavailable") == "no C compiler found: paged_decode.c unavailable"
+    for other in ("2026-12-06 22:08:23,547 INFO batchfleet.worker.compose: worker w serving buckets (128,)",
+                  "Loading weights: 100%|##########| 21/21\r", "batchfleet worker w ready", "{not json", ""):
+        assert phase_message(other) is None, other
 
 
 def test_compose_file_structure():

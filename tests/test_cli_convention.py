@@ -1,11 +1,13 @@
 """One command-line convention (issue 19): every option that reads an environment variable reads
-BATCHFLEET_<ITS FLAG> and says so in --help, as docs/CONFIGURATION.md states; --log-level / --log-format work on every
-subcommand as on the group; JSON log mode writes nothing but JSON objects to stderr; no --help names a
-source file."""
+BATCHFLEET_<ITS FLAG> and says so in --help, as docs/CONFIGURATION.md states; --log-level / --log-format, --redis-url
+/ --namespace work on every subcommand as on the group (the subcommand's own option wins); JSON log mode writes
+nothing but JSON objects to stderr; no --help names a source file; every option has a help text; `serve --help`
+lists exactly the routes the gateway serves."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -91,3 +93,63 @@ def test_subcommand_log_level_takes_effect(namespace: str):
                            "--namespace", namespace], capture_output=True, text=True, timeout=60)
     levels = {json.loads(line)["level"] for line in proc.stderr.splitlines()}
     assert levels == {"ERROR"}, proc.stderr  # the subcommand's own level wins over the group's
+
+
+def all_commands() -> dict[str, click.Command]:
+    """The group and every subcommand, by the words that run it."""
+    return {"batchfleet": main, **{f"batchfleet {name}": command for name, command in commands().items()}}
+
+
+@pytest.mark.unit
+def test_every_option_has_help():
+    missing = [f"{name} {'/'.join(p.opts)}" for name, command in all_commands().items() for p in command.params
+               if isinstance(p, click.Option) and not (p.help or "").strip()]
+    assert not missing, f"options without a help text: {missing}"
+
+
+ROUTE = re.compile(r"\b((?:GET|POST|PUT|PATCH|DELETE)(?:\|(?:GET|POST|PUT|PATCH|DELETE))*) (/[^\s,]*)")
+
+
+@pytest.mark.unit
+def test_serve_help_lists_exactly_the_routes_the_gateway_serves():
+    from batchfleet.gateway.app import create_app
+
+    app = create_app()
+    # the app's routes as FastAPI publishes them, and as its 404 names them (a route kept out of the schema too)
+    served = {(method.upper(), path) for path, ops in app.openapi()["paths"].items() for method in ops}
+    served |= {(method, path) for line in app.state.endpoints for methods, path in [line.split(" ", 1)]
+               for method in methods.split("|")}
+    help_text = CliRunner().invoke(main, ["serve", "--help"], terminal_width=200).output
+    listed = {(method, path) for methods, path in ROUTE.findall(help_text) for method in methods.split("|")}
+    assert listed == served, f"serve --help lacks {sorted(served - listed)}, lists {sorted(listed - served)} too"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", sorted(_COMMANDS))
+def test_group_connection_options_reach_every_subcommand(name: str):
+    """--redis-url and --namespace on the group: every subcommand takes them (and so the group's value)."""
+    assert {"redis_url", "namespace"} <= {p.name for p in main.params}
+    assert {"redis_url", "namespace"} <= {p.name for p in commands()[name].params}, name
+
+
+def test_group_connection_options_are_the_subcommands_defaults(start_worker, redis_url: str, namespace: str):
+    """`batchfleet --redis-url URL --namespace NS status` (and submit) reach that Redis and namespace, over the
+    BATCHFLEET_* variables; the subcommand's own options win over the group's."""
+    start_worker(max_wait_ms=10)
+    unreachable = "redis://127.0.0.1:1/0"
+    env = {**os.environ, "BATCHFLEET_REDIS_URL": unreachable, "BATCHFLEET_NAMESPACE": "elsewhere"}
+
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "batchfleet.common.cli", *argv], env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    for argv in (["--redis-url", redis_url, "--namespace", namespace, "status"],
+                 ["--redis-url", unreachable, "--namespace", "other", "status", "--redis-url", redis_url,
+                  "--namespace", namespace]):
+        proc = cli(*argv)
+        assert proc.returncode == 0, (argv, proc.stderr)
+        assert "worker " in proc.stdout and f"namespace {namespace} " in proc.stdout, (argv, proc.stdout)
+    proc = cli("--redis-url", redis_url, "--namespace", namespace, "submit", "Hello", "--max-new-tokens", "4")
+    assert proc.returncode == 0 and "finish=" in proc.stderr, proc.stderr
+    proc = cli("--redis-url", redis_url, "--namespace", namespace, "status", "--redis-url", unreachable)
+    assert proc.returncode == 1 and "unreachable" in proc.stderr, proc.stderr  # the subcommand's own URL won

@@ -35,6 +35,33 @@ def test_readme_keeps_the_two_setup_commands():
         assert command in blocks, f"README lost its setup command {command!r}"
 
 
+VENV = "python3 -m venv .venv && . .venv/bin/activate"  # the prerequisite before them (docs/INSTALL.md)
+
+
+@pytest.mark.unit
+def test_readme_setup_is_the_venv_prerequisite_then_the_two_commands():
+    """Debian's and Ubuntu's own Python refuse `pip install` outside a virtual environment: the setup section
+    makes one first, as a prerequisite (not a third setup command), then keeps exactly the two commands."""
+    text = README.read_text()
+    section = text[text.index("## Setup on a fresh machine"):]
+    section = section[:section.index("\n## ")]
+    assert re.findall(r"^```bash\n(.*?)\n```", section, flags=re.S | re.M) == [VENV, *SETUP_COMMANDS]
+    before = " ".join(section[:section.index(VENV)].split())
+    assert "Prerequisite, not a set-up step" in before and "externally-managed-environment" in before
+
+
+@pytest.mark.unit
+def test_readme_and_configuration_name_every_preset():
+    from batchfleet.common.engine_config import PRESETS  # tests/test_cli.py: the same names as the model shapes
+
+    text = " ".join(README.read_text().split())
+    (listed,) = re.findall(r"The built-in presets \((.*?)\) are built locally", text)
+    assert re.findall(r"`(\w+)`:", listed) == list(PRESETS), listed
+    (row,) = [line for line in (DOCS / "CONFIGURATION.md").read_text().splitlines() if line.startswith("| `--preset`")]
+    named = set(re.findall(r"`(\w+)` \(", row))
+    assert named == set(PRESETS), f"docs/CONFIGURATION.md's --preset row names {sorted(named)}, not {PRESETS}"
+
+
 @pytest.mark.unit
 def test_docs_index_names_every_document():
     index = (DOCS / "README.md").read_text()

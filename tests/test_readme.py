@@ -2,13 +2,17 @@
 the default (tiny) built-in model.
 
 - Each ```python block of those documents runs unmodified; its ``Client()`` / ``AsyncClient()`` reads
-  BATCHFLEET_REDIS_URL / BATCHFLEET_NAMESPACE, which the test sets to the test Redis and namespace.
+  BATCHFLEET_REDIS_URL / BATCHFLEET_NAMESPACE, which the test sets to the test Redis and namespace. Two
+  substitutions: the gateway's URL (a free port here) and the RQ example's queue name (one of the test's own,
+  whose RQ keys are removed afterwards: tests/helpers/rq.py).
 - From every "Command line:" block, ``batchfleet submit``, ``bulk`` (on a prompts.jsonl made in a temporary
   working directory) and ``status`` run as subprocesses. Not run here: ``worker`` (the in-thread worker
   stands in for it; tests/test_cli.py and the fleet tests cover workers), ``bench`` (tests/test_bench.py;
   far too slow for this), ``dashboard`` (a server until Ctrl-C: tests/test_dashboard.py serves it and
   loads it in Chromium) and ``docker compose`` (no Docker on the test machines). Every other line of those
   blocks must be one of these, so a new example cannot be silently skipped.
+- docs/GATEWAY.md's Batch API polling loop, as written, also rides out a real restart of the gateway (the doc's
+  own ``batchfleet serve`` line, a subprocess, stopped while the batch waits and started again).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -58,6 +64,7 @@ def test_readme_has_examples():
 
 
 GATEWAY_URL = 'base_url="http://127.0.0.1:8000/v1"'  # blocks that talk to docs/GATEWAY.md's gateway
+RQ_QUEUE = 'Queue("llm"'  # docs/USAGE.md's RQ example's queue
 
 
 @pytest.mark.parametrize("index", range(len(python_blocks())),
@@ -77,12 +84,21 @@ def test_python_example_runs(index: int, start_worker, readme_env, redis_url, na
             {"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
              "body": {"messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": 4}}) + "\n"
             for i in range(3)))
+    rq_queue = None
+    if "from rq import" in code:  # RQ's keys lie outside the test namespace: a queue of the test's own
+        rq_queue = f"llm-{namespace}"
+        assert RQ_QUEUE in code, f"{doc}: the RQ example no longer makes {RQ_QUEUE}"
+        code = code.replace(RQ_QUEUE, f'Queue("{rq_queue}"')
     try:
         scope: dict = {"__name__": "readme_example"}
         exec(compile(code, f"{doc} python block {index}", "exec"), scope)
     finally:
         if gateway is not None:
             gateway.stop()
+        if rq_queue is not None:
+            from tests.helpers.rq import remove_rq_keys
+
+            remove_rq_keys(redis_url, rq_queue)
     if gateway is not None and "client.batches" in code:
         assert scope["batch"].status == "completed" and len(scope["answers"].splitlines()) == 3
 
@@ -111,3 +127,85 @@ def test_command_line_examples_run(start_worker, readme_env, tmp_path: Path):
         elif argv[1] == "status":
             assert "buckets" in proc.stdout and "worker " in proc.stdout, proc.stdout
     assert ran == RUN
+
+
+def batch_example() -> str:
+    """docs/GATEWAY.md's Batch API example (the one python block that polls a batch)."""
+    (code,) = [code for doc, code in python_blocks() if doc == "docs/GATEWAY.md" and "client.batches" in code]
+    return code
+
+
+def serve_as_documented(port: int, env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    """docs/GATEWAY.md's ``batchfleet serve`` line on ``port`` (files in ``cwd``), once /health answers."""
+    import httpx
+
+    (line,) = re.findall(r"^batchfleet serve .*$", TEXT["docs/GATEWAY.md"], flags=re.M)
+    argv = shlex.split(line, comments=True)
+    argv[argv.index("--port") + 1] = str(port)
+    proc = subprocess.Popen([sys.executable, "-m", "batchfleet.common.cli", *argv[1:]], env=env, cwd=cwd,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, f"batchfleet serve exited with {proc.returncode}"
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "batchfleet serve did not come up"
+        time.sleep(0.1)
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_batch_polling_example_rides_out_a_gateway_restart(start_worker, readme_env, tmp_path: Path, monkeypatch):
+    """The example's loop, as written, polls through a restart of the gateway: its retrieve fails with a connection
+    error while no gateway listens, and the loop polls again until the batch, resumed by the new gateway, completes.
+    No worker runs until the restart (the fleet scales to zero), so the batch cannot end before it."""
+    from batchfleet.worker.devtools import free_port
+
+    start_worker(scale_to_zero=True).stop()  # the fleet is described, no worker serves it: the batch waits
+    port = free_port()
+    code = batch_example().replace(GATEWAY_URL, f'base_url="http://127.0.0.1:{port}/v1"')
+    (tmp_path / "batch.jsonl").write_text("".join(json.dumps(
+        {"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": 4}}) + "\n" for i in range(3)))
+    monkeypatch.chdir(tmp_path)  # the example opens batch.jsonl from the working directory
+    printed: list[str] = []  # what the example prints: only its except branch does
+    scope: dict = {"__name__": "gateway_doc_example", "print": lambda *a, **_: printed.append(" ".join(map(str, a)))}
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            exec(compile(code, "docs/GATEWAY.md Batch API example", "exec"), scope)
+        except BaseException as exc:
+            failed.append(exc)
+
+    gateway = serve_as_documented(port, readme_env, tmp_path)
+    example = threading.Thread(target=run, daemon=True)
+    try:
+        example.start()
+        wait_for(lambda: "batch" in scope or failed, 120, "the example created no batch")
+        assert not failed, failed
+        gateway.terminate()  # a restart: SIGTERM, then a new process on the same port
+        gateway.wait(60)
+        wait_for(lambda: printed or failed, 120, "the example never polled the stopped gateway")
+        assert not failed, failed
+        assert "Connection error" in printed[0], printed
+        gateway = serve_as_documented(port, readme_env, tmp_path)
+        start_worker(scale_to_zero=True, max_wait_ms=10)
+        example.join(300)
+        assert not example.is_alive(), "the example still polls"
+        assert not failed, failed
+    finally:
+        gateway.terminate()
+        gateway.wait(60)
+    batch = scope["batch"]
+    assert batch.status == "completed" and batch.request_counts.completed == 3, batch
+    answers = [json.loads(line) for line in scope["answers"].splitlines()]
+    assert sorted(a["custom_id"] for a in answers) == ["q0", "q1", "q2"]

@@ -1,5 +1,6 @@
 """RQ as the front door: real ``rq worker --burst`` processes (JSON serializer) against the real Redis and a
-real fleet worker; job functions enqueued by dotted name."""
+real fleet worker; job functions enqueued by dotted name. Each test's queue removes its RQ keys afterwards
+(tests/helpers/rq.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import redis
 
 from batchfleet.common.keys import Keys
 from batchfleet.producer import Client
+from tests.helpers.rq import remove_rq_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,22 +49,26 @@ def test_rq_stays_optional():
 
 @pytest.fixture
 def queue(redis_url: str):
+    """A queue of its own; afterwards every key of it, its jobs and its workers is deleted, and none is left."""
     pytest.importorskip("rq")
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    q = Queue(f"bf-test-{uuid.uuid4().hex[:8]}", connection=redis.Redis.from_url(redis_url),
-              serializer=JSONSerializer)
+    r = redis.Redis.from_url(redis_url)
+    q = Queue(f"bf-test-{uuid.uuid4().hex[:8]}", connection=r, serializer=JSONSerializer)
     yield q
     q.delete(delete_jobs=True)
+    r.close()
+    remove_rq_keys(redis_url, q.name)
 
 
 def _rq_worker(redis_url: str, namespace: str, queue, **kw) -> subprocess.Popen:
-    """``rq worker --burst --serializer JSON`` in its own process group (a kill takes its work-horse too)."""
+    """``rq worker --burst --serializer JSON`` in its own process group (a kill takes its work-horse too), named
+    after its queue (its keys are found even once its own key has expired)."""
     return subprocess.Popen(
         [sys.executable, "-m", "rq.cli", "worker", "--burst", "--serializer", "rq.serializers.JSONSerializer",
-         "--url", redis_url, queue.name], cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+         "--name", f"{queue.name}-{uuid.uuid4().hex[:6]}", "--url", redis_url, queue.name], cwd=ROOT,
+        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "BATCHFLEET_REDIS_URL": redis_url, "BATCHFLEET_NAMESPACE": namespace}, **kw)
 
 

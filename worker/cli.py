@@ -6,9 +6,11 @@ The options, their defaults and env vars come from the config dataclasses (commo
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import click
 
+from batchfleet.common import logs
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.options import CONFIG_CLASSES, build_worker_config, config_options, fatal, log_options
 
@@ -28,6 +30,11 @@ def worker(**values) -> None:
     try:
         if cfg.metrics_port:  # checked first: a port in use stops this worker in a second, before torch loads
             server = reserve_metrics(cfg.metrics_port, cfg.metrics_host)
+        from batchfleet.worker.transport.consumer import default_consumer_name  # no torch
+
+        cfg = replace(cfg, name=cfg.name or default_consumer_name())
+        logs.set_context(worker=cfg.name)  # named from the first line on, as every line of a worker process
+        logs.startup_phase("loading torch and transformers")
         from batchfleet.worker.compose import run_worker
         from batchfleet.worker.transport.fleet import FleetConflict
 

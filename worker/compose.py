@@ -21,7 +21,7 @@ from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.metrics import MetricsServer, reserve_metrics
 from batchfleet.common.wire.protocol import FleetInfo
 from batchfleet.worker.engine.base import Engine
-from batchfleet.worker.engine.models import LoadedModel, load_model, make_preset
+from batchfleet.worker.engine.models import LoadedModel, load_model, make_preset, resolve_dtype
 from batchfleet.worker.loop import WorkerLoop
 from batchfleet.worker.metrics import LoopStats, WorkerMetrics
 from batchfleet.worker.requests.validate import Limits
@@ -102,7 +102,11 @@ def _build(cfg: WorkerConfig, transport: Transport | None, loaded: LoadedModel |
            wrap_engine: Callable[[Engine], Engine] | None,
            observe: Callable[[WorkerLoop], LoopStats] | None) -> WorkerLoop:
     if loaded is None:
-        loaded = load_model(resolve_model_path(cfg), cfg.engine.device, cfg.engine.dtype)
+        path = resolve_model_path(cfg)
+        dtype = str(resolve_dtype(cfg.engine.dtype, cfg.engine.device)).removeprefix("torch.")
+        logs.startup_phase("loading the model %s on %s (%s)", path.name, cfg.engine.device, dtype)
+        loaded = load_model(path, cfg.engine.device, cfg.engine.dtype)
+    logs.startup_phase("building the %s engine", cfg.engine.engine)
     engine = build_engine(cfg.engine, cfg.batching, loaded)
     guides = engine.guides  # type: ignore[attr-defined]  # both engines' GuideCompiler (before any wrapper)
     if wrap_engine is not None:
@@ -110,6 +114,7 @@ def _build(cfg: WorkerConfig, transport: Transport | None, loaded: LoadedModel |
     if transport is None:
         transport = redis_transport(cfg.connection, cfg.keys, cfg.batching.buckets,
                                     cfg.name or default_consumer_name(), cfg.reply_ttl_s, cfg.claim_idle_ms)
+    logs.startup_phase("joining the fleet (namespace %s)", cfg.connection.namespace)
     transport.setup()
     info = with_fingerprint(fleet_info(cfg, loaded))
     try:  # refuses (FleetConflict) when live workers serve another model, tokenizer or buckets; a full Redis is

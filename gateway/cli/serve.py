@@ -24,9 +24,22 @@ def build_gateway_config(**values) -> GatewayConfig:
 @config_options(ConnectionConfig, GatewayConfig)
 @log_options
 def serve(**values) -> None:
-    """Serve the fleet over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
-    /v1/models, /health, and the Batch API: /v1/files, /v1/batches; vLLM's /tokenize, /detokenize,
-    /version, /metrics). Holds no model: run workers with `batchfleet worker`."""
+    """Serve the fleet over an OpenAI-compatible HTTP API. Holds no model: run workers with
+    `batchfleet worker`. Every route it serves:
+
+    \b
+    completions, chat:  POST /v1/completions, POST /v1/chat/completions
+    models:             GET /v1/models, GET /v1/models/{model_id}
+    Responses API:      POST /v1/responses, GET|DELETE /v1/responses/{response_id},
+                        GET /v1/responses/{response_id}/input_items
+    embeddings:         POST /v1/embeddings
+    Batch API, files:   POST|GET /v1/files, GET|DELETE /v1/files/{file_id},
+                        GET /v1/files/{file_id}/content
+    Batch API, batches: POST|GET /v1/batches, GET /v1/batches/{batch_id},
+                        POST /v1/batches/{batch_id}/cancel
+    vLLM's:             POST /tokenize, POST /detokenize, GET /version, GET /metrics
+    operators:          GET /health, GET /dashboard, GET /dashboard/data
+    """
     # imported here: `batchfleet --help` lists this command on a client-only install (common/cli.py says
     # which extra to install before this runs)
     import uvicorn

@@ -40,10 +40,12 @@ def parse_range(text: str) -> tuple[int, int]:
                    "window), continuous (the default: continuous mode, adaptive window).")
 @click.option("--clients", type=int, default=32, show_default=True, help="Closed loop: concurrent clients.")
 @click.option("--rate", type=float, default=None, help="Open loop: Poisson arrivals, requests/s (overrides clients).")
-@click.option("--requests", "n_requests", type=int, default=32, show_default=True)
+@click.option("--requests", "n_requests", type=int, default=32, show_default=True,
+              help="Requests per strategy (the same workload for each).")
 @click.option("--prompt-len", default="32-512", show_default=True, help="Prompt tokens, uniform LO-HI.")
 @click.option("--max-new-tokens", "new_tokens", default="16-256", show_default=True, help="Uniform LO-HI.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the workload (prompt lengths, new tokens, arrivals): the same seed, the same load.")
 @click.option("--attach", is_flag=True, help="Use the fleet already serving --namespace instead of starting one.")
 @click.option("--overhead/--no-overhead", default=True, show_default=True,
               help="Also run --overhead-strategy in-process (no Redis) and report what the queue adds.")

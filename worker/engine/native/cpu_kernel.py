@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from batchfleet.common.logs import startup_phase
 from batchfleet.worker.engine.native.attention import write_kv
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ def _build(source: Path, flags: list[str], kernel_dir: Path) -> ctypes.CDLL | No
     target = Path(kernel_dir).expanduser() / f"{source.stem}-{key}.so"
     try:
         if not target.exists():
+            startup_phase("compiling %s for this CPU (once; kept in %s)", source.name, target.parent)
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
             os.close(fd)

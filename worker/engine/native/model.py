@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from batchfleet.common.logs import startup_phase
 from batchfleet.worker.engine.native.linear import Linear, LinearFactory
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # same block structure; others differ (qk-norm, ...)
@@ -102,6 +103,8 @@ class NativeModel:
         self.final_norm = inner.norm.weight
         self.lm_head = hf_model.get_output_embeddings().weight  # [V, hidden]
         make = linear if isinstance(linear, LinearFactory) else LinearFactory(linear)
+        startup_phase("choosing the weight matmul kernels of %d layers (--linear %s; each shape probed once)",
+                      self.num_layers, make.choice)
         self.linears = make
         self.lm_head_l = make(self.lm_head)
         self.layers: list[LayerWeights] = []
