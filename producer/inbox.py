@@ -17,9 +17,9 @@ from collections import OrderedDict
 
 import redis
 
-from batchfleet.common.errors import INVALID_REQUEST, InvalidRequest, JobFailed, RedisUnavailable
+from batchfleet.common.errors import INVALID_REQUEST, InvalidRequest, JobFailed, RedisRefused, RedisUnavailable
 from batchfleet.common.redis.clients import xread
-from batchfleet.common.redis.refusals import reason
+from batchfleet.common.redis.refusals import reason, refused
 from batchfleet.common.redis.retry import TRANSIENT
 from batchfleet.common.wire.protocol import Delta, Result
 from batchfleet.producer.answers import REUSED, Answers, job_id_of
@@ -121,7 +121,7 @@ class Inbox:
         entry_id, outcome = await self.take(job_id, deadline)
         try:
             await self._empty(job_id, entry_id, deadline)
-        except WaitExpired:
+        except (WaitExpired, RedisUnavailable, RedisRefused):
             self._park(job_id, (entry_id, outcome))  # still not taken in Redis: a later result() gets it
             raise
         except BaseException:  # cancelled: nobody takes it now (as abandon)
@@ -166,7 +166,7 @@ class Inbox:
         and then lost with this process (killed, or its delete refused by a full Redis), the answer was handed
         again to the inbox's next process submitting the id, which must be refused. Retried through outages and
         a full Redis (SET is refused then) until the deadline (WaitExpired) or, without one, ``retry_s``
-        (RedisUnavailable)."""
+        (RedisFull, or RedisUnavailable)."""
         delay = 0.05
         give_up = time.monotonic() + self.calls.retry_s
         while True:
@@ -180,8 +180,10 @@ class Inbox:
                                       f"timeout ({reason(exc) if isinstance(exc, redis.RedisError) else 'no reply'})"
                                       ) from None
                 if deadline.timeout is None and time.monotonic() > give_up:
-                    raise RedisUnavailable(f"job {job_id}: answered, but Redis did not record it as taken for "
-                                           f"{self.calls.retry_s:g} s") from None
+                    what = f"job {job_id}: recording its answer taken"
+                    if isinstance(exc, redis.RedisError) and not isinstance(exc, TRANSIENT):
+                        raise refused(exc, what) from None  # RedisFull: the answer stays for a later result()
+                    raise RedisUnavailable(f"{what}: Redis did not answer for {self.calls.retry_s:g} s") from None
                 await asyncio.sleep(deadline.sooner(delay))
                 delay = min(1.0, delay * 2)
 

@@ -196,3 +196,24 @@ def test_an_answer_read_while_redis_is_full_is_handed_over_once_redis_records_it
         assert r.get(keys.done("second", client.reply_key)) == b""
         assert client.result("first", timeout=10).text == "stored"
         assert r.get(keys.done("first", client.reply_key)) == b""
+
+
+def test_a_wait_without_timeout_on_an_answer_redis_cannot_record_taken_raises_redis_full(full_redis):
+    """Without a timeout the call waits the client's ``retry_s`` for Redis to record the answer taken, then raises
+    RedisFull (one of the fleet's types, no inbox token in it); the answer stays for a later result()."""
+    from batchfleet.common.wire.protocol import Result
+    from batchfleet.producer import Client
+
+    url, r = full_redis
+    keys = Keys(NS)
+    with Client(url, NS, retry_s=1.0, require_workers=False) as client:
+        r.set(keys.done("nowait", client.reply_key),
+              Result("nowait", [7], "stored", "length", 1, 1, 0.0, 0.0, 0.0, "w", 1).encode(), ex=60)
+        r.xadd(client.reply_key, {"id": "nowait", "done": "1"})
+        r.config_set("maxmemory", 1)
+        with pytest.raises(RedisFull) as err:
+            client.result("nowait")
+        assert token_of(client._async) not in str(err.value) and "retry later" in str(err.value), err.value
+        r.config_set("maxmemory", 0)
+        assert client.result("nowait", timeout=10).text == "stored"
+        assert r.get(keys.done("nowait", client.reply_key)) == b""
