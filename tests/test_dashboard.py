@@ -139,3 +139,35 @@ def test_ci_installs_chromium_then_runs_the_readme_test_command():
     assert ci[-1] == command
     install = next(i for i, line in enumerate(ci) if "apt-get install" in line and "chromium" in line)
     assert install < len(ci) - 1
+
+
+def history_sample(**fields: float) -> dict[str, float]:
+    base = {"live": 1, "tok_s": 40.0, "results_1m": 0, **{f"{k}_{p}": 0 for p in ("interactive", "background")
+                                                          for k in ("queued", "running", "results_1m")}}
+    return {**base, **fields}
+
+
+@needs_chromium
+def test_chromium_charts_time_to_first_token_per_priority(redis_url: str, namespace: str):
+    """Issue 58, item 3c: during a background backlog, background work waits ~45 s by design while interactive
+    requests answer in ~120 ms; the chart shows one line per priority, not their mean (which read 30 s)."""
+    from batchfleet.common.redis.fleetstate import redis_now_ms
+
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    slot = redis_now_ms(r) // 10_000 * 10_000
+    for i in range(6, 0, -1):  # a minute of samples as the gateways' samplers write them (producer/ops/history.py)
+        r.xadd(keys.history, history_sample(results_1m=30, ttft_ms=30_000 + i, results_1m_interactive=20,
+                                            ttft_ms_interactive=120 + i, results_1m_background=10,
+                                            ttft_ms_background=45_000 + i, queued_background=5_000),
+               id=f"{slot - i * 10_000}-0")
+    r.close()
+    server = DashboardServer(DashboardConfig(port=0), ConnectionConfig(redis_url, namespace)).start()
+    try:
+        dom = Dom(chromium(f"http://127.0.0.1:{server.port}/dashboard?span=15"))
+    finally:
+        server.close()
+    ttft = dom.charts["time to first token"]
+    assert ttft["data-series"] == "interactive,background" and int(ttft["data-points"]) == 6
+    assert dom.text["caption-time-to-first-token"] == ("time to first token (ms, 1-min mean per priority): "
+                                                       "interactive 121, background 45001")
+

@@ -201,6 +201,31 @@ def test_operator_keys_are_not_api_keys():
 @pytest.mark.unit
 def test_batch_job_row_progress_rate_and_eta():
     doc = {"id": "batch_1", "status": "in_progress", "in_progress_at": 1000, "created_at": 990,
+def test_history_samples_ttft_per_priority(start_worker, redis_url, namespace):
+    """Issue 58, item 3c: the heartbeat's one-minute TTFT mean per priority, and the history sample's, are the
+    means of the results each priority got (a background backlog no longer lifts the interactive figure)."""
+    start_worker(max_wait_ms=5)
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    with Client(redis_url, namespace) as client:
+        interactive = client.generate_many([[5] * 4, [6] * 30], max_new_tokens=2, timeout=60)
+        background = client.generate_many([[7] * 4, [8] * 8, [9] * 20], max_new_tokens=2, timeout=60,
+                                          priority="background")
+    wait_until(lambda: (take_sample(r, keys).get("results_1m_interactive"), take_sample(r, keys).get(
+        "results_1m_background")) == (2, 3), 30, "a heartbeat counting the results per priority", 0.2)
+    sample = take_sample(r, keys)
+
+    def mean(results) -> float:
+        return sum(res.ttft_ms for res in results) / len(results)
+
+    assert sample["ttft_ms_interactive"] == pytest.approx(mean(interactive), abs=0.06)
+    assert sample["ttft_ms_background"] == pytest.approx(mean(background), abs=0.06)
+    assert sample["results_1m"] == 5 and sample["ttft_ms"] == pytest.approx(mean(interactive + background), abs=0.06)
+    assert record_sample(r, keys)  # no other sampler runs here: this slot is ours
+    (row,) = history(r, keys)[-1:]
+    assert row["ttft_ms_interactive"] == sample["ttft_ms_interactive"] and row["results_1m_background"] == 3
+    r.close()
+
+
            "request_counts": {"total": 100, "completed": 15, "failed": 5}}
     row = batch_job_row(doc, None, now=1010)
     assert (row["completed"], row["failed"], row["total"], row["rate"], row["eta_s"]) == (15, 5, 100, 2.0, 40.0)
