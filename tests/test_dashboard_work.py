@@ -38,7 +38,7 @@ from tests.helpers.loops import wait_until
 from tests.test_status import run_status
 
 KEY, OPERATOR = "sk-model-0123456789", "op-readonly-0123456789"
-LINES = 400
+LINES = 2000  # neither ends before the freeze, which waits for the bulk run's measured rate (10 s or more)
 
 
 class BulkThread:
@@ -96,7 +96,10 @@ def test_chromium_shows_a_running_batch_job_and_a_running_bulk_run(redis_url, na
                           tmp_path / "out.jsonl")
         # both made progress (the job's counts are published every second, a bulk run reports every 5 s)
         wait_until(lambda: counts(r, keys, job.id).get("completed", 0) >= 1, 120, "the batch job's progress", 0.2)
-        wait_until(lambda: [b["done"] for b in bulk_runs(r, keys)][:1] >= [1], 120, "the bulk run's report", 0.2)
+        # the bulk run's rate and ETA once measured: MIN_ANSWERS answers over MIN_WINDOW_S after its first
+        # (producer/bulk/rate.py), told by its reports every 5 s
+        wait_until(lambda: [b["eta_s"] is not None for b in bulk_runs(r, keys)][:1] == [True], 120,
+                   "the bulk run's measured rate", 0.2)
         os.kill(worker.proc.pid, signal.SIGSTOP)  # the fleet stops answering: both stay running, part done
         try:
             dom = Dom(chromium(f"{gw.url}/dashboard?tz=utc#key={OPERATOR}"))

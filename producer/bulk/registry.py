@@ -19,19 +19,18 @@ import logging
 import os
 import socket
 import time
-from collections import deque
 from typing import Any
 
 import redis
 
 from batchfleet.common.keys import Keys
+from batchfleet.producer.bulk.rate import RecentRate
 from batchfleet.producer.bulk.work import Summary
 
 log = logging.getLogger(__name__)
 
 REPORT_EVERY_S = 5.0
 RUN_TTL_S = 300  # a run not heard from for this long is gone (killed, or finished that long ago)
-RATE_WINDOW_S = 60.0  # the rate (and so the ETA) is over the lines written in this last window
 SHOWN = 20  # runs read at most, newest report first
 
 
@@ -44,25 +43,17 @@ class RunReporter:
         self.base = {"id": run_id, "input": os.path.basename(input_path) if input_path else "-",
                      "output": os.path.basename(output_path) if output_path else "-",
                      "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time()}
-        self.samples: deque[tuple[float, int]] = deque()  # (monotonic, lines written by this run)
-
-    def rate(self, now: float) -> float | None:
-        """Lines written per second over the last RATE_WINDOW_S (None until two reports apart)."""
-        self.samples.append((now, self.summary.written))
-        while len(self.samples) > 2 and now - self.samples[1][0] >= RATE_WINDOW_S:
-            self.samples.popleft()
-        (t0, n0), (t1, n1) = self.samples[0], self.samples[-1]
-        return (n1 - n0) / (t1 - t0) if t1 > t0 else None
+        self.pace = RecentRate()  # of the lines this run wrote: no rate (nor ETA) until it is measured
 
     def doc(self, state: str) -> dict[str, Any]:
         s = self.summary
-        rate = self.rate(time.monotonic())
-        left = max(0, s.total - s.done)
-        eta = None if state != "running" or not rate else round(left / rate, 1)
+        self.pace.add(time.monotonic(), s.written)
+        rate = self.pace.rate()
+        eta = self.pace.eta(max(0, s.total - s.done)) if state == "running" else None
         error = None if s.error is None else str(s.error)[:300]
         return {**self.base, "state": state, "total": s.total, "done": s.done, "failed": s.failed_lines,
-                "kept": s.kept, "rate": None if rate is None else round(rate, 2), "eta_s": eta,
-                "updated_at": time.time(), "error": error}
+                "kept": s.kept, "rate": None if rate is None else round(rate, 2),
+                "eta_s": None if eta is None else round(eta, 1), "updated_at": time.time(), "error": error}
 
     async def report(self, state: str = "running") -> None:
         """Write the run's report now (best effort: a registry write never fails the run)."""
