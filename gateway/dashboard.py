@@ -1,5 +1,6 @@
-"""The operators' routes: ``GET /health`` and ``GET /dashboard`` (no key needed: the health check of a
-load balancer; the static page, which holds no data) and ``GET /dashboard/data`` (the JSON the page polls
+"""The operators' routes: ``GET /health``, ``GET /dashboard`` and ``GET /favicon.ico`` (no key needed: the
+health check of a load balancer; the static page, which holds no data; its icon) and ``GET /dashboard/data`` (the
+JSON the page polls
 and ``batchfleet status --gateway`` reads; needs a read-only operator key when ``--operator-key`` is set,
 else an API key when keys are set: producer/ops/dashboard.py ``access``).
 
@@ -15,7 +16,7 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from batchfleet.common.errors import RedisUnavailable
 from batchfleet.gateway.deps import Redis, Service
@@ -23,6 +24,10 @@ from batchfleet.gateway.errors import APIError, invalid
 from batchfleet.producer.ops.dashboard import (
     ACCESS_ERRORS,
     DATA_PATH,
+    FAVICON,
+    FAVICON_HEADERS,
+    FAVICON_PATH,
+    FAVICON_TYPE,
     PAGE,
     PAGE_PATH,
     access,
@@ -44,6 +49,11 @@ async def health(gateway: Service) -> Any:
 @router.get(PAGE_PATH)
 async def dashboard_page() -> Any:
     return HTMLResponse(PAGE, headers=NO_STORE)
+
+
+@router.get(FAVICON_PATH, include_in_schema=False)
+async def favicon() -> Any:
+    return Response(FAVICON, media_type=FAVICON_TYPE, headers=FAVICON_HEADERS)
 
 
 @router.get(DATA_PATH)
