@@ -1,4 +1,5 @@
-"""The gateway's own HTTP metrics (Prometheus), beside the fleet's queue gauges on ``--metrics-port``:
+"""The gateway's own HTTP metrics (Prometheus), beside the fleet's queue gauges and the work it runs
+(gateway/work_metrics.py) on ``--metrics-port``:
 
     batchfleet_gateway_requests_total{route, method, status}       requests answered
     batchfleet_gateway_request_duration_seconds{route, method}     latency histogram (a stream: until its last byte)
@@ -20,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.metrics import MetricsServer, queue_collector, registry_with, serve_metrics
+from batchfleet.gateway.work_metrics import WorkCollector
 
 CLIENT_CLOSED = 499
 # from a cached /v1/models (ms) to a long generation (minutes)
@@ -77,6 +79,8 @@ class MetricsMiddleware:
 
 def serve_gateway_metrics(metrics: HTTPMetrics, conn: ConnectionConfig, port: int,
                           host: str = "127.0.0.1") -> MetricsServer:
-    """Serve ``metrics`` and the fleet's queue gauges (and live-worker count) on http://host:port/metrics
-    (port 0: any free one). MetricsPortInUse when the port is taken."""
-    return serve_metrics(registry_with(queue_collector(conn), registry=metrics.registry), port, host)
+    """Serve ``metrics``, the fleet's queue gauges (and live-worker count), the work it runs (batch jobs and bulk
+    runs: gateway/work_metrics.py) and this process' standard metrics on http://host:port/metrics (port 0: any
+    free one). MetricsPortInUse when the port is taken."""
+    return serve_metrics(registry_with(queue_collector(conn), WorkCollector(conn), registry=metrics.registry),
+                         port, host)

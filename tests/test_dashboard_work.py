@@ -44,8 +44,9 @@ LINES = 2000  # neither ends before the freeze, which waits for the bulk run's m
 class BulkThread:
     """``bulk_file`` (what ``batchfleet bulk`` runs) in a thread with its own loop; ``stop`` ends it."""
 
-    def __init__(self, redis_url: str, namespace: str, text: str, out: Path) -> None:
+    def __init__(self, redis_url: str, namespace: str, text: str, out: Path, defaults: dict | None = None) -> None:
         self.args, self.ready = (redis_url, namespace, text, str(out)), threading.Event()
+        self.defaults = defaults
         self.summary: Summary | None = None
         self.thread = threading.Thread(target=asyncio.run, args=(self.main(),), daemon=True)
         self.thread.start()
@@ -55,7 +56,7 @@ class BulkThread:
         self.loop, self.stopping = asyncio.get_running_loop(), asyncio.Event()
         self.ready.set()
         self.summary = await bulk_file(None, out, text=text, redis_url=redis_url, namespace=namespace, window=2,
-                                       stop=self.stopping, plain=True)
+                                       stop=self.stopping, plain=True, defaults=self.defaults)
 
     def stop(self) -> None:
         self.ready.wait(30)
