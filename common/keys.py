@@ -251,8 +251,15 @@ class Keys:
         return f"{self.prefix}:bulk-runs"
 
     def bulk_run(self, run_id: str) -> str:
-        """One bulk run's last report (JSON; expires a few minutes after it, so a killed run disappears)."""
+        """One bulk run's last report (JSON): a running run's expires a few minutes after it, so a killed run
+        disappears; a finished (or stopped) run's stays while ``bulk_runs_finished`` lists it."""
         return f"{self.prefix}:bulk-run:{run_id}"
+
+    @property
+    def bulk_runs_finished(self) -> str:
+        """Sorted set of the last few finished (or stopped) bulk runs (score: when they ended, ms; capped by
+        the runs that write it, which delete the reports of the runs it drops), as ``openai_batches_finished``."""
+        return f"{self.prefix}:bulk-runs-finished"
 
     @property
     def history(self) -> str:

@@ -5,17 +5,22 @@ The queue gauges come from Redis, not from the process, so any one worker (or th
 bucket's queue of the whole fleet. Wiring a process takes one line::
 
     serve_metrics(registry_with(queue_collector(conn_config)), port)
+
+Whatever registry ``serve_metrics`` serves also gets the standard collectors of a Python process
+(prometheus_client's ``process_*``, ``python_gc_*``, ``python_info``): a private registry has none of them
+unless they are registered, and operators' dashboards and alerts expect them of every scraped process.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import redis
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -129,9 +134,26 @@ class MetricsServer:
         self.thread.join(5)
 
 
+_WITH_PROCESS: weakref.WeakSet[CollectorRegistry] = weakref.WeakSet()  # registries given the process collectors
+
+
+def with_process_metrics(registry: CollectorRegistry) -> CollectorRegistry:
+    """``registry`` plus this process' standard metrics (``process_resident_memory_bytes``,
+    ``process_cpu_seconds_total``, ``process_open_fds``, ... from /proc; ``python_gc_*``; ``python_info``),
+    registered once however often it is called."""
+    if registry not in _WITH_PROCESS:
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
+        _WITH_PROCESS.add(registry)
+    return registry
+
+
 def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1") -> MetricsServer:
-    """Serve ``registry`` on http://addr:port/metrics from a thread (port 0: any free port, see .port).
-    The port is bound here (MetricsPortInUse when it cannot be): a registry may be filled afterwards."""
+    """Serve ``registry`` (with this process' standard metrics: ``with_process_metrics``) on
+    http://addr:port/metrics from a thread (port 0: any free port, see .port). The port is bound here
+    (MetricsPortInUse when it cannot be): a registry may be filled afterwards."""
+    with_process_metrics(registry)
     try:
         server, thread = start_http_server(port, addr=addr, registry=registry)
     except OSError as exc:

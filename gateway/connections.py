@@ -10,6 +10,9 @@ hands them out; no other gateway module makes a client (each is built by common/
 * The dashboard's small sync pool, made at the first ``/dashboard/data``: its reads are the ones
   ``batchfleet dashboard`` and ``batchfleet status`` make (sync redis-py, common/redis/fleetstate.py and
   producer/ops/status.py), so the gateway runs them in a worker thread, never on the event loop.
+* With ``--metrics-port``, the work gauges' small sync pool (``metrics_client``, gateway/work_metrics.py): read
+  from the metrics server's thread at scrape time, with the short timeout of the queue gauges' own pool
+  (common/metrics.py), so a slow Redis delays a scrape, never a request.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.metrics import SCRAPE_TIMEOUT_S
+from batchfleet.common.redis.clients import sync_client
 from batchfleet.gateway.batches.store import BatchStore, FileStore
 from batchfleet.gateway.config import GatewayConfig
 from batchfleet.gateway.openai.responses.store import ResponseStore
@@ -24,6 +30,12 @@ from batchfleet.producer import AsyncClient
 from batchfleet.producer.ops.dashboard import dashboard_client
 
 ClientFactory = Callable[[GatewayConfig], AsyncClient]
+
+
+def metrics_client(conn: ConnectionConfig) -> Any:
+    """The work gauges' sync pool (two connections, SCRAPE_TIMEOUT_S timeouts)."""
+    return sync_client(conn.redis_url, socket_timeout=SCRAPE_TIMEOUT_S, socket_connect_timeout=SCRAPE_TIMEOUT_S,
+                       max_connections=2, client_name=f"{conn.namespace}:metrics-work")
 
 
 def producer_client(config: GatewayConfig, inbox: str | None = None) -> AsyncClient:

@@ -1,5 +1,6 @@
 """The operators' routes: ``GET /health`` and ``GET /version`` (no key needed: a load balancer's health check;
-vLLM's ``{"version"}``, here batchfleet's), ``GET /dashboard`` (the static page, which holds no data), and
+vLLM's ``{"version"}``, here batchfleet's), ``GET /dashboard`` and ``GET /favicon.ico`` (the static page, which
+holds no data, and its icon), and
 the fleet's state: ``GET /dashboard/data`` (the JSON the page polls and ``batchfleet status --gateway``
 reads) and ``GET /metrics`` (Prometheus text, as vLLM serves it on its API port: what ``--metrics-port``
 serves too). Those two need a read-only operator key when ``--operator-key`` is set, else an API key when
@@ -25,7 +26,17 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from batchfleet.common.errors import RedisUnavailable
 from batchfleet.gateway.deps import OPERATOR_CHECKED, Redis, Service
 from batchfleet.gateway.errors import APIError, invalid
-from batchfleet.producer.ops.dashboard import DATA_PATH, PAGE, PAGE_PATH, dashboard_data, history_after
+from batchfleet.producer.ops.dashboard import (
+    DATA_PATH,
+    FAVICON,
+    FAVICON_HEADERS,
+    FAVICON_PATH,
+    FAVICON_TYPE,
+    PAGE,
+    PAGE_PATH,
+    dashboard_data,
+    history_after,
+)
 
 NO_STORE = {"Cache-Control": "no-store"}
 
@@ -49,6 +60,11 @@ async def server_version() -> Any:
 @router.get(PAGE_PATH)
 async def dashboard_page() -> Any:
     return HTMLResponse(PAGE, headers=NO_STORE)
+
+
+@router.get(FAVICON_PATH, include_in_schema=False)
+async def favicon() -> Any:
+    return Response(FAVICON, media_type=FAVICON_TYPE, headers=FAVICON_HEADERS)
 
 
 @router.get(DATA_PATH, dependencies=OPERATOR_CHECKED)

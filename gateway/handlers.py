@@ -78,6 +78,7 @@ def served(request: Request) -> str:
 
 
 def endpoints(routers: Iterable[APIRouter]) -> tuple[str, ...]:
-    """``METHOD /path`` of every route of ``routers`` (HEAD left out: it comes with every GET)."""
+    """``METHOD /path`` of every route of ``routers`` (HEAD left out: it comes with every GET; routes left out
+    of the schema, such as the icon, too: an unknown route's 404 names the API)."""
     return tuple(f"{'|'.join(sorted(set(r.methods) - {'HEAD'}))} {r.path.replace(':path', '')}" for router in routers
-                 for r in router.routes if isinstance(r, APIRoute))
+                 for r in router.routes if isinstance(r, APIRoute) and r.include_in_schema)

@@ -1,5 +1,6 @@
-"""The gateway's own HTTP metrics (Prometheus), beside the fleet's queue gauges (registered at the app's startup),
-served on the API port's ``/metrics`` (gateway/dashboard.py) and on ``--metrics-port``:
+"""The gateway's own HTTP metrics (Prometheus), beside the fleet's queue gauges and the work it runs
+(gateway/work_metrics.py; both registered at the app's startup) and this process' standard metrics, served on the
+API port's ``/metrics`` (gateway/dashboard.py) and on ``--metrics-port``:
 
     batchfleet_gateway_requests_total{route, method, status}       requests answered
     batchfleet_gateway_request_duration_seconds{route, method}     latency histogram (a stream: until its last byte)
@@ -20,7 +21,14 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from batchfleet.common.config import ConnectionConfig
-from batchfleet.common.metrics import MetricsServer, QueueCollector, queue_collector, serve_metrics
+from batchfleet.common.metrics import (
+    MetricsServer,
+    QueueCollector,
+    queue_collector,
+    serve_metrics,
+    with_process_metrics,
+)
+from batchfleet.gateway.work_metrics import WorkCollector
 
 CLIENT_CLOSED = 499
 # from a cached /v1/models (ms) to a long generation (minutes)
@@ -39,19 +47,25 @@ class HTTPMetrics:
                                  registry=self.registry)
         self.in_progress = Gauge("batchfleet_gateway_requests_in_progress", "Requests being served.",
                                  registry=self.registry)
+        with_process_metrics(self.registry)  # process_*, python_gc_*, python_info: on both ports
         self.queues: QueueCollector | None = None
+        self.work: WorkCollector | None = None
 
     def add_queue_gauges(self, conn: ConnectionConfig) -> None:
-        """Register the fleet's queue gauges and live-worker count (common/metrics.py, read from Redis at each
-        scrape). Blocking: a Redis Cluster client connects as it is made."""
+        """Register the fleet's queue gauges and live-worker count (common/metrics.py) and the work it runs
+        (batch jobs and bulk runs: gateway/work_metrics.py), read from Redis at each scrape. Blocking: a Redis
+        Cluster client connects as it is made."""
         self.queues = queue_collector(conn)
         self.registry.register(self.queues)
+        self.work = WorkCollector(conn)
+        self.registry.register(self.work)
 
     def remove_queue_gauges(self) -> None:
-        if self.queues is not None:
-            self.registry.unregister(self.queues)
-            self.queues.close()
-            self.queues = None
+        for collector in (self.queues, self.work):
+            if collector is not None:
+                self.registry.unregister(collector)
+                collector.close()
+        self.queues = self.work = None
 
 
 class MetricsMiddleware:

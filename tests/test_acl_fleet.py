@@ -122,6 +122,16 @@ def test_batches_run_under_the_documented_gateway_user(tiny_model_dir, tmp_path,
             data = httpx.get(gw.url + "/dashboard/data", timeout=30).json()  # the dashboard's reads and history
             assert [(j["id"], j["status"], j["completed"]) for j in data["batch_jobs"]] == [(batch.id, "completed", 4)]
             assert data["workers"] and data["history"] and data["history"][0]["live"] == 1
+            # the gateway's work gauges (gateway/work_metrics.py) read the same records as gateway-a
+            from batchfleet.gateway.work_metrics import WorkCollector
+
+            work = WorkCollector(gw.config.connection)
+            try:
+                gauges = {s.name: s.value for fam in work.collect() for s in fam.samples
+                          if s.labels.get("status") == "completed"}
+            finally:
+                work.close()
+            assert gauges == {"batchfleet_batch_jobs": 1}  # a NOPERM would leave the gauges out
         finally:
             gw.stop()
             worker.stop()

@@ -123,7 +123,8 @@ def test_why_lines_failed_names_the_top_codes_with_a_hint():
 
 def test_progress_lines_say_count_rate_and_eta():
     s = Summary(total=10_000, kept=200, written=1000)
-    assert progress_line("prompts", s, 100.0) == "prompts: 1200/10000 (12%), 10.0/s, ETA 14m40s"
+    assert progress_line("prompts", s, 100.0, 10.0) == "prompts: 1200/10000 (12%), 10.0/s, ETA 14m40s"
+    assert progress_line("prompts", s, 100.0, None) == "prompts: 1200/10000 (12%), measuring the rate"
     assert EXIT_CODES == {2: 130, 15: 143}
 
 

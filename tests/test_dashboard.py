@@ -139,3 +139,70 @@ def test_ci_installs_chromium_then_runs_the_readme_test_command():
     assert ci[-1] == command
     install = next(i for i, line in enumerate(ci) if "apt-get install" in line and "chromium" in line)
     assert install < len(ci) - 1
+
+
+def history_sample(**fields: float) -> dict[str, float]:
+    base = {"live": 1, "tok_s": 40.0, "results_1m": 0, **{f"{k}_{p}": 0 for p in ("interactive", "background")
+                                                          for k in ("queued", "running", "results_1m")}}
+    return {**base, **fields}
+
+
+@needs_chromium
+def test_chromium_charts_time_to_first_token_per_priority(redis_url: str, namespace: str):
+    """Issue 58, item 3c: during a background backlog, background work waits ~45 s by design while interactive
+    requests answer in ~120 ms; the chart shows one line per priority, not their mean (which read 30 s)."""
+    from batchfleet.common.redis.fleetstate import redis_now_ms
+
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    slot = redis_now_ms(r) // 10_000 * 10_000
+    for i in range(6, 0, -1):  # a minute of samples as the gateways' samplers write them (producer/ops/history.py)
+        r.xadd(keys.history, history_sample(results_1m=30, ttft_ms=30_000 + i, results_1m_interactive=20,
+                                            ttft_ms_interactive=120 + i, results_1m_background=10,
+                                            ttft_ms_background=45_000 + i, queued_background=5_000),
+               id=f"{slot - i * 10_000}-0")
+    r.close()
+    server = DashboardServer(DashboardConfig(port=0), ConnectionConfig(redis_url, namespace)).start()
+    try:
+        dom = Dom(chromium(f"http://127.0.0.1:{server.port}/dashboard?span=15"))
+    finally:
+        server.close()
+    ttft = dom.charts["time to first token"]
+    assert ttft["data-series"] == "interactive,background" and int(ttft["data-points"]) == 6
+    assert dom.text["caption-time-to-first-token"] == ("time to first token (ms, 1-min mean per priority): "
+                                                       "interactive 121, background 45001")
+
+
+@needs_chromium
+def test_the_pages_have_an_icon_and_load_without_a_404(redis_url: str, namespace: str):
+    """Issue 58, item 3e: the page inlines its icon (no request), /favicon.ico answers 200 (what a browser asks
+    for on a page without one), and a page load makes no request that ends in 404, on the gateway (whose HTTP
+    metrics count none) and on `batchfleet dashboard`."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from batchfleet.producer.ops.dashboard import FAVICON
+    from tests.helpers.browser import chromium_requests
+    from tests.helpers.gateway import gateways
+
+    server = DashboardServer(DashboardConfig(port=0), ConnectionConfig(redis_url, namespace)).start()
+    try:
+        with gateways(redis_url, namespace) as start_gateway:
+            gw = start_gateway()
+            for base in (gw.url, f"http://127.0.0.1:{server.port}"):
+                dom, requests = chromium_requests(f"{base}/dashboard")
+                assert re.search(r'<link rel="icon" type="image/svg\+xml" href="data:image/svg\+xml,%3Csvg', dom)
+                ours = [(url.removeprefix(base), status) for url, status in requests if url.startswith(base)]
+                assert ("/dashboard", 200) in ours and ("/dashboard/data", 200) in ours, ours
+                assert all(status < 400 for _, status in ours), ours
+                _, plain = chromium_requests(f"{base}/health" if base == gw.url else f"{base}/dashboard/data")
+                assert (f"{base}/favicon.ico", 200) in plain  # a page without an icon: the browser asks there
+                with httpx.Client(base_url=base, timeout=30) as http:
+                    icon = http.get("/favicon.ico")
+                assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
+                assert icon.content == FAVICON and icon.content.startswith(b"<svg")
+            text = generate_latest(gw.app.state.metrics.registry).decode()
+    finally:
+        server.close()
+    statuses = {s.labels["status"] for fam in text_string_to_metric_families(text) for s in fam.samples
+                if s.name == "batchfleet_gateway_requests_total"}
+    assert "200" in statuses and not {"404"} & statuses, statuses

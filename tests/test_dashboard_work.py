@@ -27,7 +27,7 @@ from batchfleet.common.errors import ConfigError
 from batchfleet.common.keys import Keys
 from batchfleet.producer import Client
 from batchfleet.producer.bulk.file_run import bulk_file
-from batchfleet.producer.bulk.registry import RUN_TTL_S, RunReporter, bulk_runs
+from batchfleet.producer.bulk.registry import FINISHED_KEPT, RUN_TTL_S, SHOWN_FINISHED, RunReporter, bulk_runs
 from batchfleet.producer.bulk.work import Summary
 from batchfleet.producer.ops.batch_jobs import batch_job_row
 from batchfleet.producer.ops.history import history, record_sample, take_sample
@@ -38,14 +38,15 @@ from tests.helpers.loops import wait_until
 from tests.test_status import run_status
 
 KEY, OPERATOR = "sk-model-0123456789", "op-readonly-0123456789"
-LINES = 400
+LINES = 2000  # neither ends before the freeze, which waits for the bulk run's measured rate (10 s or more)
 
 
 class BulkThread:
     """``bulk_file`` (what ``batchfleet bulk`` runs) in a thread with its own loop; ``stop`` ends it."""
 
-    def __init__(self, redis_url: str, namespace: str, text: str, out: Path) -> None:
+    def __init__(self, redis_url: str, namespace: str, text: str, out: Path, defaults: dict | None = None) -> None:
         self.args, self.ready = (redis_url, namespace, text, str(out)), threading.Event()
+        self.defaults = defaults
         self.summary: Summary | None = None
         self.thread = threading.Thread(target=asyncio.run, args=(self.main(),), daemon=True)
         self.thread.start()
@@ -55,7 +56,7 @@ class BulkThread:
         self.loop, self.stopping = asyncio.get_running_loop(), asyncio.Event()
         self.ready.set()
         self.summary = await bulk_file(None, out, text=text, redis_url=redis_url, namespace=namespace, window=2,
-                                       stop=self.stopping, plain=True)
+                                       stop=self.stopping, plain=True, defaults=self.defaults)
 
     def stop(self) -> None:
         self.ready.wait(30)
@@ -96,7 +97,10 @@ def test_chromium_shows_a_running_batch_job_and_a_running_bulk_run(redis_url, na
                           tmp_path / "out.jsonl")
         # both made progress (the job's counts are published every second, a bulk run reports every 5 s)
         wait_until(lambda: counts(r, keys, job.id).get("completed", 0) >= 1, 120, "the batch job's progress", 0.2)
-        wait_until(lambda: [b["done"] for b in bulk_runs(r, keys)][:1] >= [1], 120, "the bulk run's report", 0.2)
+        # the bulk run's rate and ETA once measured: MIN_ANSWERS answers over MIN_WINDOW_S after its first
+        # (producer/bulk/rate.py), told by its reports every 5 s
+        wait_until(lambda: [b["eta_s"] is not None for b in bulk_runs(r, keys)][:1] == [True], 120,
+                   "the bulk run's measured rate", 0.2)
         os.kill(worker.proc.pid, signal.SIGSTOP)  # the fleet stops answering: both stay running, part done
         try:
             dom = Dom(chromium(f"{gw.url}/dashboard?tz=utc#key={OPERATOR}"))
@@ -128,24 +132,51 @@ def test_chromium_shows_a_running_batch_job_and_a_running_bulk_run(redis_url, na
     assert int(dom.charts["queued requests"]["data-points"]) >= 1
 
 
-def test_bulk_run_registry_reports_finishes_and_forgets(start_worker, redis_url, namespace, tmp_path):
+def test_bulk_run_registry_keeps_finished_runs_bounded_and_forgets_killed_ones(start_worker, redis_url, namespace,
+                                                                             tmp_path):
+    """Issue 58, item 3d: a finished bulk run stays listed as finished batch jobs do (not 5 minutes): its last
+    report has no TTL and the last FINISHED_KEPT ended runs are kept, the older ones' reports deleted."""
     start_worker(max_wait_ms=5)
     keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
     summary = asyncio.run(bulk_file(None, str(tmp_path / "o.jsonl"), text="a\nb\nc\n", redis_url=redis_url,
                                     namespace=namespace, plain=True))
     assert summary.written == 3
     (run,) = bulk_runs(r, keys)
-    assert (run["state"], run["done"], run["total"], run["failed"], run["output"]) == ("finished", 3, 3, 0, "o.jsonl")
-    assert run["eta_s"] is None and 0 < r.ttl(keys.bulk_run(run["id"])) <= RUN_TTL_S
+    assert (run["state"], run["done"], run["total"], run["failed"], run["output"], run["priority"]) == (
+        "finished", 3, 3, 0, "o.jsonl", "background")
+    assert run["eta_s"] is None and r.ttl(keys.bulk_run(run["id"])) == -1  # no TTL: kept while listed
+    assert r.zscore(keys.bulk_runs, run["id"]) is None and r.zscore(keys.bulk_runs_finished, run["id"]) is not None
     # a killed run: its report expired; the index entry left behind is skipped, then pruned by the next writer
-    r.delete(keys.bulk_run(run["id"]))
-    r.zadd(keys.bulk_runs, {run["id"]: int(time.time() * 1000) - (RUN_TTL_S + 1) * 1000})
-    assert bulk_runs(r, keys) == []
-    reporter = RunReporter(redis.asyncio.Redis.from_url(redis_url), keys, "other", "in.txt", None, Summary(total=9))
+    r.zadd(keys.bulk_runs, {"killed": int(time.time() * 1000) - (RUN_TTL_S + 1) * 1000})
+    assert [b["id"] for b in bulk_runs(r, keys)] == [run["id"]]
+    reporter = RunReporter(redis.asyncio.Redis.from_url(redis_url), keys, "other", "in.txt", None, Summary(total=9),
+                           "interactive")
     asyncio.run(reporter.report())
     assert [m.decode() for m in r.zrange(keys.bulk_runs, 0, -1)] == ["other"]
-    assert [(b["id"], b["state"], b["input"], b["total"]) for b in bulk_runs(r, keys)] == [("other", "running",
-                                                                                           "in.txt", 9)]
+    assert [(b["id"], b["state"], b["input"], b["total"], b["priority"]) for b in bulk_runs(r, keys)] == [
+        ("other", "running", "in.txt", 9, "interactive"), (run["id"], "finished", "-", 3, "background")]
+    # bounded: FINISHED_KEPT + 2 more runs end; the registry keeps the last FINISHED_KEPT and deletes the others
+    ended = [run["id"], *(f"r{i}" for i in range(FINISHED_KEPT + 2))]
+
+    async def end_all() -> None:
+        client = redis.asyncio.Redis.from_url(redis_url)
+        for i, run_id in enumerate(ended[1:]):
+            await RunReporter(client, keys, run_id, None, None, Summary(total=1, written=1)).report(
+                "stopped" if i % 2 else "finished")
+        await client.aclose()
+
+    asyncio.run(end_all())
+    kept = {m.decode() for m in r.zrange(keys.bulk_runs_finished, 0, -1)}
+    assert len(kept) == FINISHED_KEPT and ended[-1] in kept
+    assert {i for i in ended if r.exists(keys.bulk_run(i))} == kept  # no report outlives its index entry
+    listed = bulk_runs(r, keys)
+    assert [b["id"] for b in listed][:2] == ["other", ended[-1]] and len(listed) == 1 + SHOWN_FINISHED
+    assert {b["state"] for b in listed[1:]} == {"finished", "stopped"}
+    # a stopped run run again reports as running: out of the ended ones
+    asyncio.run(RunReporter(redis.asyncio.Redis.from_url(redis_url), keys, ended[-1], None, None,
+                            Summary(total=1)).report())
+    assert r.zscore(keys.bulk_runs_finished, ended[-1]) is None
+    assert [b["state"] for b in bulk_runs(r, keys) if b["id"] == ended[-1]] == ["running"]
     r.close()
 
 
@@ -168,6 +199,31 @@ def test_history_one_sample_per_slot_with_ttft_from_the_heartbeats(start_worker,
     assert history(a, keys, int(rows[-1]["t"] * 1000)) == []
     a.close()
     b.close()
+
+
+def test_history_samples_ttft_per_priority(start_worker, redis_url, namespace):
+    """Issue 58, item 3c: the heartbeat's one-minute TTFT mean per priority, and the history sample's, are the
+    means of the results each priority got (a background backlog no longer lifts the interactive figure)."""
+    start_worker(max_wait_ms=5)
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    with Client(redis_url, namespace) as client:
+        interactive = client.generate_many([[5] * 4, [6] * 30], max_new_tokens=2, timeout=60)
+        background = client.generate_many([[7] * 4, [8] * 8, [9] * 20], max_new_tokens=2, timeout=60,
+                                          priority="background")
+    wait_until(lambda: (take_sample(r, keys).get("results_1m_interactive"), take_sample(r, keys).get(
+        "results_1m_background")) == (2, 3), 30, "a heartbeat counting the results per priority", 0.2)
+    sample = take_sample(r, keys)
+
+    def mean(results) -> float:
+        return sum(res.ttft_ms for res in results) / len(results)
+
+    assert sample["ttft_ms_interactive"] == pytest.approx(mean(interactive), abs=0.06)
+    assert sample["ttft_ms_background"] == pytest.approx(mean(background), abs=0.06)
+    assert sample["results_1m"] == 5 and sample["ttft_ms"] == pytest.approx(mean(interactive + background), abs=0.06)
+    assert record_sample(r, keys)  # no other sampler runs here: this slot is ours
+    (row,) = history(r, keys)[-1:]
+    assert row["ttft_ms_interactive"] == sample["ttft_ms_interactive"] and row["results_1m_background"] == 3
+    r.close()
 
 
 def test_operator_key_sees_the_dashboard_and_status_and_cannot_call_the_model(redis_url, namespace, start_gateway):

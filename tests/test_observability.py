@@ -40,7 +40,7 @@ def selectors(expr: str) -> list[tuple[str, set[str]]]:
     def walk(node, grouped: frozenset[str]) -> None:
         if isinstance(node, promql_parser.VectorSelector):
             labels = {m.name for m in node.matchers.matchers} if node.matchers else set()
-            found.append((node.name, labels | (grouped - TARGET_LABELS)))
+            found.append((node.name, (labels | grouped) - TARGET_LABELS))  # job, instance: Prometheus' own
             return
         if isinstance(node, promql_parser.MatrixSelector):
             walk(node.vector_selector, grouped)
@@ -168,6 +168,15 @@ def test_every_metric_used_is_exported(start_worker, redis_url: str, namespace: 
     for name, labels in docs.items():
         sample = next(n for n in (name, name + "_count") if n in gateway)
         assert gateway[sample] - {"le"} == labels, f"OPERATIONS.md documents {name}{{{','.join(sorted(labels))}}}"
+    # the work gauges and the standard process metrics (issue 58): OPERATIONS.md's work table names exactly the
+    # families and labels the gateway exports; every process serves process_*
+    for prefix in ("batchfleet_batch_job", "batchfleet_bulk_"):
+        docs = documented(prefix)
+        assert docs and set(docs) == {n for n in gateway if n.startswith(prefix)}, prefix
+        for name, labels in docs.items():
+            assert gateway[name] == labels, f"OPERATIONS.md documents {name}{{{','.join(sorted(labels))}}}"
+    for scraped in (worker, gateway):
+        assert {"process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds"} <= set(scraped)
     used = [(where, name, labels) for where, exprs in (("grafana", grafana_exprs()),
                                                        ("alerts", [r["expr"] for r in alert_rules()]))
             for e in exprs for name, labels in selectors(e)]

@@ -1,6 +1,7 @@
 """How ``batchfleet bulk`` shows a run and stops it: a progress bar on a terminal, plain progress lines
 elsewhere (nohup, CI, a Kubernetes Job: a log file shows the count, rate and ETA every ``--progress-every``
-seconds), and Ctrl-C or SIGTERM (what ``timeout``, Kubernetes and systemd send) as a clean stop: nothing
+seconds; the rate and ETA only once the run's recent pace is measured, producer/bulk/rate.py), and Ctrl-C or
+SIGTERM (what ``timeout``, Kubernetes and systemd send) as a clean stop: nothing
 more is submitted, the answers of the lines in flight are written as they come for at most
 ``--drain-timeout`` seconds, and the lines still in flight then are left to the next run.
 
@@ -23,6 +24,7 @@ from typing import IO, Any
 
 import click
 
+from batchfleet.producer.bulk.rate import RecentRate
 from batchfleet.producer.bulk.work import Summary
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's number, as a shell reports it
@@ -39,36 +41,52 @@ def duration(seconds: float) -> str:
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-def progress_line(noun: str, s: Summary, elapsed: float) -> str:
-    """``prompts: 1200/10000 (12%), 35.2/s, ETA 4m10s``: the rate of this run's lines."""
+def progress_line(noun: str, s: Summary, elapsed: float, rate: float | None) -> str:
+    """One progress line, ``rate``: this run's recent lines/s (None: not measured yet, so no ETA either):
+
+    ``prompts: 1200/10000 (12%), 35.2/s, ETA 4m10s`` while measured; ``prompts: 3/10000 (0%), measuring the
+    rate`` before; at the end, ``prompts: 10000/10000 (100%) in 4m44s, 35.2/s`` (``elapsed``: since the run
+    started; the rate there is its average over the whole run)."""
     pct = 100 * s.done // s.total if s.total else 100
-    rate = s.written / elapsed if elapsed > 0 else 0.0
-    eta = duration((s.total - s.done) / rate) if rate > 0 else "?"
-    return f"{noun}: {s.done}/{s.total} ({pct}%), {rate:.1f}/s, ETA {eta}"
+    head = f"{noun}: {s.done}/{s.total} ({pct}%)"
+    if s.done >= s.total:
+        return f"{head} in {duration(elapsed)}, {s.written / elapsed if elapsed > 0 else 0.0:.1f}/s"
+    return f"{head}, {_pace(s, rate)}"
+
+
+def _pace(s: Summary, rate: float | None) -> str:
+    if rate is None:
+        return "measuring the rate"
+    return f"{rate:.1f}/s, ETA {duration((s.total - s.done) / rate) if rate > 0 else '-'}"
 
 
 class Progress:
     """The ``progress`` callback of a run: from the first answer on (an error before it stays the only line),
-    a bar when ``stream`` is a terminal, else a plain line every ``every_s`` seconds and at the end."""
+    a bar when ``stream`` is a terminal, else a plain line every ``every_s`` seconds and at the end; both say
+    the rate and ETA once measured (RecentRate)."""
 
-    def __init__(self, noun: str, every_s: float, stream: IO[str] | None = None) -> None:
-        self.noun, self.every_s, self.stream = noun, every_s, stream or sys.stderr
+    def __init__(self, noun: str, every_s: float, stream: IO[str] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.noun, self.every_s, self.stream, self.clock = noun, every_s, stream or sys.stderr, clock
         self.bar: Any = None
-        self.start = time.monotonic()
-        self.shown = 0.0  # when the last plain line was written
+        self.start = clock()
+        self.shown: float | None = None  # when the last plain line was written
         self.tty = self.stream.isatty()
+        self.pace = RecentRate()
 
     def __call__(self, s: Summary) -> None:
+        now = self.clock()
+        self.pace.add(now, s.written)
         if self.tty:
-            if self.bar is None:
-                self.bar = click.progressbar(length=s.total, label=self.noun, show_pos=True, file=self.stream)
+            if self.bar is None:  # click's own ETA would count the start-up time: ours is shown instead
+                self.bar = click.progressbar(length=s.total, label=self.noun, show_pos=True, show_eta=False,
+                                             item_show_func=lambda text: text, file=self.stream)
                 self.bar.__enter__()
-            self.bar.update(s.done - self.bar.pos)
+            self.bar.update(s.done - self.bar.pos, _pace(s, self.pace.rate()) if s.done < s.total else None)
             return
-        now = time.monotonic()
-        if now - self.shown >= self.every_s or s.done >= s.total:
+        if self.shown is None or now - self.shown >= self.every_s or s.done >= s.total:
             self.shown = now
-            self.stream.write(progress_line(self.noun, s, now - self.start) + "\n")
+            self.stream.write(progress_line(self.noun, s, now - self.start, self.pace.rate()) + "\n")
             self.stream.flush()
 
     def close(self) -> None:

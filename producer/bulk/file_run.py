@@ -22,7 +22,7 @@ from batchfleet.producer.aclient import AsyncClient
 from batchfleet.producer.bulk.files import KEY_SUFFIX, FileSink, Written, read_back, run_record
 from batchfleet.producer.bulk.lines import PromptFormat, numbered, prompt_params
 from batchfleet.producer.bulk.lock import OutputLock
-from batchfleet.producer.bulk.registry import RunReporter
+from batchfleet.producer.bulk.registry import RunReporter, run_priority
 from batchfleet.producer.bulk.runner import run_lines
 from batchfleet.producer.bulk.work import LineFormat, Spec, Summary
 
@@ -142,7 +142,8 @@ async def _locked_run(input_path: str | None, output_path: str | None, errors_pa
             assert errors_path is not None
             err = open(errors_path, mode, encoding="utf-8")
             opened.append(err)
-        reporter = RunReporter(client.r, client.keys, names.prefix, input_path, output_path, summary)
+        reporter = RunReporter(client.r, client.keys, names.prefix, input_path, output_path, summary,
+                               run_priority(params))
         finished = asyncio.Event()
         reporting = asyncio.ensure_future(reporter.every(finished))
         try:

@@ -1,13 +1,15 @@
 """The bulk-run registry: every ``batchfleet bulk`` run (producer/bulk/file_run.py ``run_file``, also the RQ ``bulk``
-job)
-reports its progress to Redis every REPORT_EVERY_S, so the dashboard and ``batchfleet status`` show the runs
-of the whole fleet, not only the terminal that started each.
+job) reports its progress to Redis every REPORT_EVERY_S, so the dashboard, ``batchfleet status`` and the
+gateway's metrics show the runs of the whole fleet, not only the terminal that started each.
 
-One JSON report per run under ``keys.bulk_run(run id)`` with a TTL of RUN_TTL_S, indexed by the sorted set
-``keys.bulk_runs`` (score: when it reported, ms). A killed run stops reporting: its key expires and the
-next writer prunes its index entry, so the registry holds only runs heard from within RUN_TTL_S (a finished
-run stays listed, as finished, that long). Redis cost: three commands per run every REPORT_EVERY_S, never
-per line. The run id is the run key kept beside the output, so a resumed run reports under the same entry.
+One JSON report per run under ``keys.bulk_run(run id)``. A running run's report has a TTL of RUN_TTL_S and is
+indexed by the sorted set ``keys.bulk_runs`` (score: when it reported, ms): a killed run stops reporting, its key
+expires and the next writer prunes its index entry. A run that ends (finished, or stopped: a rerun resumes it)
+writes its last report without a TTL and moves to ``keys.bulk_runs_finished``, which keeps the last FINISHED_KEPT
+ended runs as the batch store keeps the last finished batch jobs: the run that pushes one out deletes its report,
+so the registry stays bounded. Redis cost: three commands per run every REPORT_EVERY_S, never per line, and
+two short round trips when it ends. The run id is the run key kept beside the output, so a resumed run reports
+under the same entry.
 """
 
 from __future__ import annotations
@@ -19,60 +21,74 @@ import logging
 import os
 import socket
 import time
-from collections import deque
 from typing import Any
 
 import redis
 
 from batchfleet.common.keys import Keys
+from batchfleet.common.wire.priority import BACKGROUND, priority_of
+from batchfleet.producer.bulk.rate import RecentRate
 from batchfleet.producer.bulk.work import Summary
 
 log = logging.getLogger(__name__)
 
 REPORT_EVERY_S = 5.0
-RUN_TTL_S = 300  # a run not heard from for this long is gone (killed, or finished that long ago)
-RATE_WINDOW_S = 60.0  # the rate (and so the ETA) is over the lines written in this last window
-SHOWN = 20  # runs read at most, newest report first
+RUN_TTL_S = 300  # a running run not heard from for this long is gone (killed)
+SHOWN = 20  # running runs read at most, newest report first
+FINISHED_KEPT = 20  # ended runs kept (as gateway/batches/store.py keeps the last finished batch jobs)
+SHOWN_FINISHED = 5  # of those, listed by the dashboard and status (as producer/ops/batch_jobs.py)
+ENDED = ("finished", "stopped")
 
 
 class RunReporter:
     """Reports one run (``report``; ``every`` in a task until its event is set) through the run's async client."""
 
     def __init__(self, r: Any, keys: Keys, run_id: str, input_path: str | None, output_path: str | None,
-                 summary: Summary) -> None:
+                 summary: Summary, priority: str = BACKGROUND) -> None:
+        """``priority``: the run's (its lines' default; a line may ask for another)."""
         self.r, self.keys, self.id, self.summary = r, keys, run_id, summary
         self.base = {"id": run_id, "input": os.path.basename(input_path) if input_path else "-",
-                     "output": os.path.basename(output_path) if output_path else "-",
+                     "output": os.path.basename(output_path) if output_path else "-", "priority": priority,
                      "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time()}
-        self.samples: deque[tuple[float, int]] = deque()  # (monotonic, lines written by this run)
-
-    def rate(self, now: float) -> float | None:
-        """Lines written per second over the last RATE_WINDOW_S (None until two reports apart)."""
-        self.samples.append((now, self.summary.written))
-        while len(self.samples) > 2 and now - self.samples[1][0] >= RATE_WINDOW_S:
-            self.samples.popleft()
-        (t0, n0), (t1, n1) = self.samples[0], self.samples[-1]
-        return (n1 - n0) / (t1 - t0) if t1 > t0 else None
+        self.pace = RecentRate()  # of the lines this run wrote: no rate (nor ETA) until it is measured
+        self.reported = False  # the first report takes a resumed run out of the ended ones
 
     def doc(self, state: str) -> dict[str, Any]:
         s = self.summary
-        rate = self.rate(time.monotonic())
-        left = max(0, s.total - s.done)
-        eta = None if state != "running" or not rate else round(left / rate, 1)
+        self.pace.add(time.monotonic(), s.written)
+        rate = self.pace.rate()
+        eta = self.pace.eta(max(0, s.total - s.done)) if state == "running" else None
         error = None if s.error is None else str(s.error)[:300]
         return {**self.base, "state": state, "total": s.total, "done": s.done, "failed": s.failed_lines,
-                "kept": s.kept, "rate": None if rate is None else round(rate, 2), "eta_s": eta,
-                "updated_at": time.time(), "error": error}
+                "kept": s.kept, "rate": None if rate is None else round(rate, 2),
+                "eta_s": None if eta is None else round(eta, 1), "updated_at": time.time(), "error": error}
 
     async def report(self, state: str = "running") -> None:
-        """Write the run's report now (best effort: a registry write never fails the run)."""
+        """Write the run's report now (best effort: a registry write never fails the run); an ended ``state``
+        (ENDED) keeps it among the last FINISHED_KEPT ended runs."""
         now_ms = int(time.time() * 1000)
+        key, doc = self.keys.bulk_run(self.id), json.dumps(self.doc(state))
         try:
             async with self.r.pipeline(transaction=False) as p:
-                p.set(self.keys.bulk_run(self.id), json.dumps(self.doc(state)), ex=RUN_TTL_S)
-                p.zadd(self.keys.bulk_runs, {self.id: now_ms})
-                p.zremrangebyscore(self.keys.bulk_runs, "-inf", now_ms - RUN_TTL_S * 1000)
-                await p.execute()
+                if state in ENDED:
+                    p.set(key, doc)  # no TTL: kept while the ended index lists it
+                    p.zrem(self.keys.bulk_runs, self.id)
+                    p.zadd(self.keys.bulk_runs_finished, {self.id: now_ms})
+                    p.zrange(self.keys.bulk_runs_finished, 0, -FINISHED_KEPT - 1)  # the ones past the cap
+                else:
+                    p.set(key, doc, ex=RUN_TTL_S)
+                    p.zadd(self.keys.bulk_runs, {self.id: now_ms})
+                    p.zremrangebyscore(self.keys.bulk_runs, "-inf", now_ms - RUN_TTL_S * 1000)
+                    if not self.reported:  # resumed: running again
+                        p.zrem(self.keys.bulk_runs_finished, self.id)
+                done = await p.execute()
+            self.reported = True
+            dropped = [i.decode() if isinstance(i, bytes) else i for i in done[-1]] if state in ENDED else []
+            if dropped:  # exactly those: a run ending meanwhile stays
+                async with self.r.pipeline(transaction=False) as p:
+                    p.delete(*(self.keys.bulk_run(i) for i in dropped))
+                    p.zrem(self.keys.bulk_runs_finished, *dropped)
+                    await p.execute()
         except (redis.RedisError, OSError) as exc:
             log.debug("bulk run %s: report not written: %s", self.id, exc)
 
@@ -90,11 +106,24 @@ class RunReporter:
         return "stopped" if self.summary.interrupted or self.summary.error is not None else "finished"
 
 
-def bulk_runs(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
-    """The runs that reported within RUN_TTL_S, newest report first (sync: the dashboard's and status' read)."""
+def run_priority(params: dict[str, Any] | None) -> str:
+    """The priority a run's lines get unless a line asks for another: its ``defaults``' (as the run record keeps
+    them, producer/bulk/lines.py), else background."""
+    asked = ((params or {}).get("defaults") or {}).get("priority")
+    try:
+        return BACKGROUND if asked is None else priority_of(asked)
+    except ValueError:  # refused where the lines are made; the report still goes out
+        return BACKGROUND
+
+
+def bulk_runs(r: redis.Redis, keys: Keys, running: int = SHOWN,
+              finished: int = SHOWN_FINISHED) -> list[dict[str, Any]]:
+    """The last ``running`` running runs that reported within RUN_TTL_S (newest report first), then the last
+    ``finished`` ended ones (newest first) (sync: the dashboard's, status' and the gateway's metrics' read)."""
     since = int(time.time() * 1000) - RUN_TTL_S * 1000
-    ids = [i.decode() if isinstance(i, bytes) else i
-           for i in r.zrevrangebyscore(keys.bulk_runs, "+inf", since, start=0, num=SHOWN)]
+    live = r.zrevrangebyscore(keys.bulk_runs, "+inf", since, start=0, num=running) if running > 0 else []
+    ended = r.zrevrange(keys.bulk_runs_finished, 0, finished - 1) if finished > 0 else []
+    ids = list(dict.fromkeys(i.decode() if isinstance(i, bytes) else i for i in (*live, *ended)))
     raws = r.mget([keys.bulk_run(i) for i in ids]) if ids else []
     out = []
     for raw in raws:

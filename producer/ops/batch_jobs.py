@@ -42,11 +42,13 @@ def batch_job_row(doc: dict[str, Any], cancel: int | None, now: float) -> dict[s
             "expires_at": doc.get("expires_at")}
 
 
-def batch_jobs(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
-    """Unfinished jobs (oldest first), then the last finished ones (newest first)."""
-    due = r.zrange(keys.openai_batches_due, 0, SHOWN_RUNNING - 1)
-    finished = r.zrevrange(keys.openai_batches_finished, 0, SHOWN_FINISHED - 1)
-    ids = [i.decode() if isinstance(i, bytes) else i for i in (*due, *finished)]
+def batch_jobs(r: redis.Redis, keys: Keys, running: int = SHOWN_RUNNING,
+               finished: int = SHOWN_FINISHED) -> list[dict[str, Any]]:
+    """The first ``running`` unfinished jobs (oldest first), then the last ``finished`` finished ones (newest
+    first; the gateway keeps the last 20)."""
+    due = r.zrange(keys.openai_batches_due, 0, running - 1) if running > 0 else []
+    finished_ids = r.zrevrange(keys.openai_batches_finished, 0, finished - 1) if finished > 0 else []
+    ids = [i.decode() if isinstance(i, bytes) else i for i in (*due, *finished_ids)]
     pipe = r.pipeline(transaction=False)
     for batch_id in ids:
         pipe.hmget(keys.openai_batch(batch_id), "doc", "cancel")

@@ -1,6 +1,9 @@
 """The fleet's recent history for the dashboard's charts: one sample every SAMPLE_S (queue depth and running
-requests per priority, generated tokens/s, mean time to first token, results/min, live workers), the last
-KEPT_S of them in a capped Redis stream (``keys.history``).
+requests per priority, generated tokens/s, mean time to first token overall and per priority, results/min,
+live workers), the last KEPT_S of them in a capped Redis stream (``keys.history``).
+
+TTFT is charted per priority: during a background backlog the background mean is minutes by design while
+interactive requests are still served at once, and a mean of the two would read as trouble.
 
 Who samples: every gateway and ``batchfleet dashboard`` process runs a ``HistorySampler`` thread. A sample's
 stream id is its slot (Redis' clock rounded down to SAMPLE_S), and Redis refuses an id not above the last,
@@ -28,13 +31,16 @@ SAMPLE_S = 10
 KEPT_S = 3600  # the page charts the last 15, 30 or 60 minutes
 MAXLEN = KEPT_S // SAMPLE_S
 FIELDS = ("live", "tok_s", "ttft_ms", "results_1m") + tuple(f"{k}_{priority}" for priority in PRIORITIES
-                                                               for k in ("queued", "running"))
+                                                               for k in ("queued", "running", "ttft_ms",
+                                                                         "results_1m"))
 
 
 def take_sample(r: redis.Redis, keys: Keys) -> dict[str, float]:
     """The fleet now, as one history sample (the reads of ``batchfleet status``): per priority, requests queued
     (depth) and delivered but unanswered (running) summed over buckets; over live workers, tokens/s and the
-    results of the last minute with their mean TTFT (weighted by results)."""
+    results of the last minute with their mean TTFT (weighted by results), overall (``ttft_ms``,
+    ``results_1m``) and per priority (``ttft_ms_<priority>``, ``results_1m_<priority>``; absent from the
+    heartbeat of a worker older than the per-priority fields)."""
     every = worker_stats(r, keys)
     info = fleet_info(r, keys)  # no fleet key (no live worker): the queues of the buckets gone workers served
     buckets = list(info.buckets) if info else sorted({int(b) for w in every for b in w.get("buckets", ())})
@@ -48,6 +54,12 @@ def take_sample(r: redis.Redis, keys: Keys) -> dict[str, float]:
         sample["ttft_ms"] = round(weighted / results, 1)
     for priority in PRIORITIES:
         sample[f"queued_{priority}"] = sample[f"running_{priority}"] = 0
+        means = [((w.get("ttft_mean_ms_1m_by_priority") or {}).get(priority) or 0,
+                  int((w.get("results_1m_by_priority") or {}).get(priority) or 0)) for w in workers]
+        n = sum(c for _, c in means)
+        sample[f"results_1m_{priority}"] = n
+        if n:
+            sample[f"ttft_ms_{priority}"] = round(sum(m * c for m, c in means) / n, 1)
     for q in queue_stats(r, layout(keys, info), buckets) if buckets else []:
         sample[f"queued_{q.priority}"] += q.depth
         sample[f"running_{q.priority}"] += q.pending

@@ -14,12 +14,13 @@ from typing import Any
 
 import redis
 
+from batchfleet.common.errors import RedisUnavailable
 from batchfleet.common.keys import Keys
 from batchfleet.common.redis.fleetstate import QueueStats, dead_letters, fleet_info, layout, queue_stats, worker_stats
 from batchfleet.common.redis.functions import LIVE_WORKER_MS
 from batchfleet.common.wire.priority import old_name
 from batchfleet.producer.bulk.registry import bulk_runs
-from batchfleet.producer.ops.batch_jobs import batch_jobs
+from batchfleet.producer.ops.batch_jobs import SHOWN_FINISHED, SHOWN_RUNNING, batch_jobs
 
 
 def snapshot(r: redis.Redis, keys: Keys) -> dict[str, Any]:
@@ -40,10 +41,20 @@ def snapshot(r: redis.Redis, keys: Keys) -> dict[str, Any]:
             "dead_letters": dead_letters(r, layout(keys, info))}
 
 
-def work(r: redis.Redis, keys: Keys) -> dict[str, Any]:
-    """The work the fleet runs: ``batch_jobs`` (unfinished, then the last finished) and ``bulk_runs``
-    (heard from within a few minutes)."""
-    return {"batch_jobs": batch_jobs(r, keys), "bulk_runs": bulk_runs(r, keys)}
+def work(r: redis.Redis, keys: Keys, unfinished: int = SHOWN_RUNNING, ended: int = SHOWN_FINISHED) -> dict[str, Any]:
+    """The work the fleet runs: ``batch_jobs`` (the first ``unfinished`` unfinished, then the last ``ended``
+    finished) and ``bulk_runs`` (the ``unfinished`` running ones heard from within a few minutes, then the last
+    ``ended`` ended ones)."""
+    return {"batch_jobs": batch_jobs(r, keys, unfinished, ended), "bulk_runs": bulk_runs(r, keys, unfinished, ended)}
+
+
+def read_work(r: redis.Redis, keys: Keys, unfinished: int, ended: int) -> dict[str, Any]:
+    """``work``, for callers that import no redis (the gateway's work gauges, gateway/work_metrics.py): Redis
+    errors raise RedisUnavailable."""
+    try:
+        return work(r, keys, unfinished, ended)
+    except redis.RedisError as exc:
+        raise RedisUnavailable(f"Redis: {exc}"[:300]) from None
 
 
 def _queue_row(q: QueueStats) -> dict[str, Any]:

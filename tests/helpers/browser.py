@@ -1,11 +1,16 @@
-"""Headless Chromium for the dashboard tests (no tests here): the DOM after the page's script ran, and a
-small parser that finds rows by their data attributes and elements by id."""
+"""Headless Chromium for the dashboard tests (no tests here): the DOM after the page's script ran (and the HTTP
+requests the load made, from Chromium's own net log), and a small parser that finds rows by their data
+attributes and elements by id."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+import tempfile
 from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +26,30 @@ def chromium(url: str, *flags: str) -> str:
                           capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
+
+
+def chromium_requests(url: str, *flags: str) -> tuple[str, list[tuple[str, int]]]:
+    """The DOM (as ``chromium``) and every HTTP request the load made that got an answer: (url, status), in
+    order, read from Chromium's net log (``--log-net-log``), so the favicon request a browser makes on its own
+    is there too."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "net.json"
+        dom = chromium(url, f"--log-net-log={log}", *flags)
+        return dom, answered(json.loads(log.read_text()))
+
+
+def answered(net_log: dict[str, Any]) -> list[tuple[str, int]]:
+    """(url, HTTP status) of each request of a Chromium net log that got response headers."""
+    kinds = {v: k for k, v in net_log["constants"]["logEventTypes"].items()}
+    urls: dict[int, str] = {}
+    out = []
+    for event in net_log["events"]:
+        kind, params, source = kinds.get(event["type"]), event.get("params") or {}, event["source"]["id"]
+        if kind == "URL_REQUEST_START_JOB" and "url" in params:
+            urls[source] = params["url"]
+        elif kind == "HTTP_TRANSACTION_READ_RESPONSE_HEADERS" and source in urls:
+            out.append((urls[source], int(params["headers"][0].split()[1])))  # "HTTP/1.1 404 Not Found"
+    return out
 
 
 class Dom(HTMLParser):
