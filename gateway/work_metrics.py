@@ -50,13 +50,9 @@ LINE_STATES = ("completed", "failed", "remaining")
 def work_families(jobs: Iterable[dict[str, Any]], runs: Iterable[dict[str, Any]]) -> list[GaugeMetricFamily]:
     """The four gauges from the rows of ``batch_jobs`` and ``bulk_runs`` (pure)."""
     jobs, runs = list(jobs), list(runs)
-    statuses = Counter({s: 0 for s in BATCH_STATUSES})
-    statuses.update(j["status"] for j in jobs if j["status"] in statuses)
-    by_status = GaugeMetricFamily("batchfleet_batch_jobs", "OpenAI batch jobs (/v1/batches) by status: every "
-                                  "unfinished one; of the ended ones, those the gateway keeps (the last 20).",
-                                  labels=["status"])
-    for status, n in statuses.items():
-        by_status.add_metric([status], n)
+    by_status = _counted("batchfleet_batch_jobs", "OpenAI batch jobs (/v1/batches) by status: every unfinished "
+                         "one; of the ended ones, those the gateway keeps (the last 20).", "status", BATCH_STATUSES,
+                         (j["status"] for j in jobs))
     requests = _lines("batchfleet_batch_job_requests", "Requests of the unfinished OpenAI batch jobs, by state: "
                       "completed, failed, remaining (not answered yet). Batch jobs run at background priority.")
     counts = Counter()
@@ -68,13 +64,9 @@ def work_families(jobs: Iterable[dict[str, Any]], runs: Iterable[dict[str, Any]]
     for state in LINE_STATES:
         for priority in PRIORITIES:
             requests.add_metric([priority, state], counts[state] if priority == BACKGROUND else 0)
-    states = Counter({s: 0 for s in RUN_STATES})
-    states.update(b.get("state") for b in runs if b.get("state") in RUN_STATES)
-    by_state = GaugeMetricFamily("batchfleet_bulk_runs", "Bulk runs (batchfleet bulk) by state: running (reported "
-                                 "within 5 minutes); of the finished and stopped ones, those kept (the last 20).",
-                                 labels=["state"])
-    for state, n in states.items():
-        by_state.add_metric([state], n)
+    by_state = _counted("batchfleet_bulk_runs", "Bulk runs (batchfleet bulk) by state: running (reported within "
+                        "5 minutes); of the finished and stopped ones, those kept (the last 20).", "state", RUN_STATES,
+                        (b.get("state") for b in runs))
     lines = _lines("batchfleet_bulk_run_lines", "Lines of the running bulk runs, by state: completed, failed, "
                    "remaining (not answered yet); priority: each run's (its lines' default).")
     per = Counter()
@@ -89,6 +81,16 @@ def work_families(jobs: Iterable[dict[str, Any]], runs: Iterable[dict[str, Any]]
         for priority in PRIORITIES:
             lines.add_metric([priority, state], per[priority, state])
     return [by_status, requests, by_state, lines]
+
+
+def _counted(name: str, doc: str, label: str, values: Iterable[str], seen: Iterable[Any]) -> GaugeMetricFamily:
+    """A gauge of how many of ``seen`` have each of ``values`` (every value exported, 0 when none)."""
+    counts = Counter({v: 0 for v in values})
+    counts.update(v for v in seen if v in counts)
+    family = GaugeMetricFamily(name, doc, labels=[label])
+    for value, n in counts.items():
+        family.add_metric([value], n)
+    return family
 
 
 def _lines(name: str, doc: str) -> GaugeMetricFamily:

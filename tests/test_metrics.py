@@ -8,7 +8,6 @@ import urllib.request
 
 import pytest
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 
 from batchfleet.common.keys import Keys
 from batchfleet.common.metrics import queue_collector, registry_with, serve_metrics
@@ -16,6 +15,7 @@ from batchfleet.producer import Client
 from batchfleet.worker.devtools import free_port
 from tests.conftest import TEST_BUCKETS
 from tests.helpers.loops import raw_inbox, wait_until
+from tests.helpers.metrics import scrape
 
 GAUGES = ("batchfleet_queue_depth", "batchfleet_queue_pending", "batchfleet_queue_oldest_age_seconds",
           "batchfleet_requests_running", "batchfleet_requests_waiting", "batchfleet_kv_cache_usage_ratio")
@@ -24,17 +24,6 @@ COUNTERS = ("batchfleet_prompt_tokens", "batchfleet_generation_tokens", "batchfl
             "batchfleet_prompt_tokens_cached", "batchfleet_request_preemptions")
 HISTOGRAMS = ("batchfleet_time_to_first_token_seconds", "batchfleet_e2e_request_latency_seconds",
               "batchfleet_request_queue_time_seconds", "batchfleet_batch_size", "batchfleet_decode_step_seconds")
-
-
-def scrape(port: int) -> dict[str, dict[tuple, float]]:
-    """name (sample name, e.g. x_total, x_count) -> {sorted label items: value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, dict[tuple, float]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return out
 
 
 IA = {"priority": "interactive", "class": "interactive"}  # the series of interactive work (both labels)

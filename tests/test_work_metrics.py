@@ -9,13 +9,11 @@ import io
 import json
 import os
 import signal
-import urllib.request
 
 import openai
 import pytest
 import redis
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.parser import text_string_to_metric_families
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.keys import Keys
@@ -24,21 +22,11 @@ from batchfleet.gateway.work_metrics import BATCH_STATUSES, WorkCollector, work_
 from batchfleet.producer.bulk.registry import bulk_runs
 from batchfleet.worker.devtools import free_port
 from tests.helpers.loops import wait_until
+from tests.helpers.metrics import scrape
 from tests.test_dashboard_work import BulkThread, counts, worker_args
 
 LINES = 400  # neither ends before the freeze (the batch job waits behind the bulk run)
 WORK = ("batchfleet_batch_jobs", "batchfleet_batch_job_requests", "batchfleet_bulk_runs", "batchfleet_bulk_run_lines")
-
-
-def scrape(port: int) -> dict[str, dict[tuple, float]]:
-    """family -> {sorted label items: value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, dict[tuple, float]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return out
 
 
 def of(m: dict, name: str, **labels: str) -> float:
@@ -54,7 +42,6 @@ def expected(r: redis.Redis, keys: Keys, batch_id: str) -> dict[tuple, float]:
             ("requests", "completed"): job["completed"], ("requests", "failed"): job["failed"],
             ("requests", "remaining"): job["total"] - job["completed"] - job["failed"], ("runs", run["state"]): 1.0,
             **{("lines", k): v if run["state"] == "running" else 0 for k, v in lines.items()}}  # running runs'
-
 
 
 def seen(m: dict) -> dict[tuple, float]:
