@@ -86,7 +86,17 @@ def test_gateway_metrics_count_batch_jobs_and_bulk_runs(redis_url, namespace, ti
         os.kill(worker.proc.pid, signal.SIGSTOP)  # no more answers: both stay part done while scraped
         try:
             # answers already on their way land within a moment: wait until the scrape and Redis agree
-            wait_until(lambda: seen(scrape(server.port)) == expected(r, keys, job.id), 60, "the gauges", 0.2)
+            last: list = []
+
+            def agree() -> bool:
+                last[:] = [seen(scrape(server.port)), expected(r, keys, job.id)]
+                return last[0] == last[1]
+
+            try:
+                wait_until(agree, 60, "the gauges", 0.2)
+            except AssertionError:
+                raise AssertionError(f"scraped {last[0]} != in Redis {last[1]}; bulk runs {bulk_runs(r, keys)}, "
+                                     f"batch job {counts(r, keys, job.id)}") from None
             now = expected(r, keys, job.id)
             assert now[("batch_jobs", "in_progress")] == 1 and now[("runs", "running")] == 1
             assert 1 <= now[("requests", "completed")] and now[("requests", "remaining")] >= 1
