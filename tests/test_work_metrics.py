@@ -25,7 +25,8 @@ from tests.helpers.loops import wait_until
 from tests.helpers.metrics import scrape
 from tests.test_dashboard_work import BulkThread, counts, worker_args
 
-LINES = 400  # neither ends before the freeze (the batch job waits behind the bulk run)
+LINES = 400  # the batch job's: it does not end before the freeze (it waits behind the interactive bulk run)
+BULK_LINES = 2000  # the bulk run's: far more than it answers between its first written line and the freeze
 WORK = ("batchfleet_batch_jobs", "batchfleet_batch_job_requests", "batchfleet_bulk_runs", "batchfleet_bulk_run_lines")
 
 
@@ -80,11 +81,14 @@ def test_gateway_metrics_count_batch_jobs_and_bulk_runs(redis_url, namespace, ti
         job = api.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
         wait_until(lambda: counts(r, keys, job.id).get("completed", 0) >= 1, 120, "the batch job's progress", 0.2)
         # then an interactive bulk run: served first, it holds the background batch job back until the freeze
-        bulk = BulkThread(redis_url, namespace, "".join(f"prompt number {i}\n" for i in range(LINES)),
-                          tmp_path / "out.jsonl", defaults={"priority": "interactive", "max_new_tokens": 2})
-        wait_until(lambda: [b["done"] for b in bulk_runs(r, keys)][:1] >= [1], 120, "the bulk run's report", 0.2)
+        out = tmp_path / "out.jsonl"
+        bulk = BulkThread(redis_url, namespace, "".join(f"prompt number {i}\n" for i in range(BULK_LINES)), out,
+                          defaults={"priority": "interactive", "max_new_tokens": 2})
+        # frozen at its first written line, not at its first report (every 5 s): a short run could end before that
+        wait_until(lambda: out.exists() and out.stat().st_size > 0, 120, "the bulk run's first line", 0.02)
         os.kill(worker.proc.pid, signal.SIGSTOP)  # no more answers: both stay part done while scraped
         try:
+            wait_until(lambda: [b["done"] for b in bulk_runs(r, keys)][:1] >= [1], 30, "the bulk run's report", 0.2)
             # answers already on their way land within a moment: wait until the scrape and Redis agree
             last: list = []
 
