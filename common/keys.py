@@ -34,10 +34,18 @@ BACKGROUND_STREAM_SUFFIX = "batch"
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 JOB_ID_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 INBOX_RE = re.compile(r"[A-Za-z0-9_\-]{16,64}")  # a client's inbox token: unguessable (128 random bits)
+# A tenant's label (Request.tenant): a name an operator gives a customer or team, safe in keys and metric labels.
+# "" is the default tenant (requests that name none).
+TENANT_MAX_CHARS = 32
+TENANT_RE = re.compile(rf"[a-z0-9_\-]{{1,{TENANT_MAX_CHARS}}}")
 
 
 def valid_job_id(job_id: object) -> bool:
     return isinstance(job_id, str) and bool(JOB_ID_RE.fullmatch(job_id))
+
+
+def valid_tenant(label: object) -> bool:
+    return isinstance(label, str) and bool(TENANT_RE.fullmatch(label))
 
 
 def valid_inbox(token: object) -> bool:

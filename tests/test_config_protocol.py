@@ -137,3 +137,14 @@ def test_reply_roundtrip():
                      vocab_size=10, eos_token_ids=(2,), max_queue_len=5, chat_template="{{ x }}",
                      bos_token="<s>", eos_token="</s>", fingerprint="f")
     assert FleetInfo.decode(info.encode()) == info
+
+
+@pytest.mark.unit
+def test_a_request_carries_its_tenant_label_and_refuses_a_label_that_is_not_one():
+    req = Request(id="t1", prompt=[1, 2], tenant="acme-eu")
+    assert Request.decode(req.encode()).tenant == "acme-eu"
+    assert Request.decode(Request(id="t2", prompt=[1]).encode()).tenant == ""  # absent: the default tenant
+    raw = msgpack.unpackb(req.encode())
+    for bad in ("sk-Secret", "a" * 33, "x y", 7):
+        with pytest.raises(ProtocolError, match="tenant must be"):
+            Request.decode(msgpack.packb({**raw, "tenant": bad}))

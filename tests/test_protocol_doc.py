@@ -200,7 +200,8 @@ def test_document_matches_the_code():
     assert lua_blocks() == [ENQUEUE.strip(), CANCEL.strip()]
     assert f"name={LIBRARY_NAME}" in DOC.read_text()
     assert all(f"FCALL {name} 2" in DOC.read_text() for name in FUNCTION_NAMES.values())
-    full = Request(id="j", prompt=[1], params=Params(guide=Guide("json_object"), logprobs=0), kind="embed")
+    full = Request(id="j", prompt=[1], params=Params(guide=Guide("json_object"), logprobs=0), kind="embed",
+                   tenant="t")
     assert table_fields("### Request") | table_fields("### Request", 1) == fields(full)
     assert set(GUIDE_KINDS) == table_fields("### Request", 2)
     result = Result("j", [1], "a", "eos", 1, 1, 0.0, 0.0, 0.0, "w", 1, logprobs=[(-0.5, (1,), (-0.5,))],

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchfleet.common.errors import ProtocolError
-from batchfleet.common.keys import valid_job_id
+from batchfleet.common.keys import TENANT_MAX_CHARS, valid_job_id, valid_tenant
 from batchfleet.common.wire.codec import (  # noqa: F401 - SCHEMA_VERSION and the bounds are the protocol's names too
     MAX_BIN_BYTES,
     MAX_PAYLOAD_BYTES,
@@ -62,6 +62,8 @@ class Request:
     nothing else: a ``priority`` entry (older producers sent one) is ignored. ``kind``: "generate" (the
     default; absent on the wire means it) or "embed": a prefill-only job whose Result carries the prompt's
     pooled, normalised hidden state (``Result.embedding``) and no tokens; the worker keeps no KV for it.
+    ``tenant``: who sent the job, a configured label (common/keys.py ``valid_tenant``; never an API key);
+    "" (absent on the wire) is the default tenant. Workers share each class between tenants by it.
     """
 
     id: str
@@ -71,11 +73,16 @@ class Request:
     reply_key: str = ""
     stream: bool = False
     kind: str = "generate"
+    tenant: str = ""
 
     def encode(self) -> bytes:
         obj = {"id": self.id, "prompt": list(self.prompt), **self.params.to_wire(),
                "timeout_ms": self.timeout_ms, "reply_key": self.reply_key, "stream": self.stream}
-        return pack(obj if self.kind == "generate" else {**obj, "kind": self.kind})
+        if self.kind != "generate":
+            obj["kind"] = self.kind
+        if self.tenant:
+            obj["tenant"] = self.tenant
+        return pack(obj)
 
     @property
     def embed(self) -> bool:
@@ -99,8 +106,12 @@ class Request:
             raise ProtocolError(f"kind must be one of {', '.join(REQUEST_KINDS)}, got {kind!r}"[:200])
         if kind == "embed" and stream:
             raise ProtocolError("an embed request cannot stream")
+        tenant = obj.get("tenant", "")
+        if tenant != "" and not valid_tenant(tenant):
+            raise ProtocolError(f"tenant must be 1-{TENANT_MAX_CHARS} chars of [a-z0-9_-], got {tenant!r}"[:200])
         return cls(id=str(job_id), prompt=tokens_field(obj, "prompt", 1), params=Params.from_wire(obj),
-                   timeout_ms=timeout_ms, reply_key=str_field(obj, "reply_key"), stream=stream, kind=kind)
+                   timeout_ms=timeout_ms, reply_key=str_field(obj, "reply_key"), stream=stream, kind=kind,
+                   tenant=tenant)
 
 
 @dataclass(frozen=True)
