@@ -270,6 +270,20 @@ class Keys:
         return f"{self.prefix}:bulk-runs-finished"
 
     @property
+    def tenants(self) -> str:
+        """Hash of the configured tenants: field = tenant label (``valid_tenant``), value = JSON of its settings
+        (``{"weight": 1, "requests_per_minute": ..., "tokens_per_minute": ..., "tokens_per_day": ...}``; absent
+        means unlimited). Written by operators (``batchfleet tenants``); read by workers (weights) and by every
+        gateway and client that admits requests (limits). Never holds an API key."""
+        return f"{self.prefix}:tenants"
+
+    def usage(self, day: str = "") -> str:
+        """Hash of token and request counts per tenant, field ``<tenant>|<what>`` (``requests``, ``prompt_tokens``,
+        ``cached_tokens``, ``generated_tokens``; tenant "" is the default tenant): the fleet's total, or with
+        ``day`` (UTC ``YYYY-MM-DD``) that day's, which expires two days later (daily quotas read it)."""
+        return f"{self.prefix}:usage:{day}" if day else f"{self.prefix}:usage"
+
+    @property
     def history(self) -> str:
         """Capped stream of fleet samples (queue depth per priority, throughput, TTFT) for the dashboard's charts;
         an entry's id is its sample slot (ms), so of several gateways sampling one slot only the first adds it."""
