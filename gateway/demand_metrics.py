@@ -2,7 +2,8 @@
 from Redis at scrape time; what KEDA scales the workers on (deploy/k8s/keda.yaml):
 
     batchfleet_demand_requests{priority}   requests to answer: interactive; background, with the lines bulk
-                                           runs and batch jobs have not sent yet
+                                           runs and batch jobs have not sent yet (whatever their priority:
+                                           what KEDA's cap applies to)
     batchfleet_demand_unsent_lines         of those, the lines not sent yet
 
 Every gateway of a fleet exports the same fleet-wide figure: in PromQL use ``max`` across gateways, not

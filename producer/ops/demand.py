@@ -24,7 +24,8 @@ RedisUnavailable):
 
 ``Demand.workers`` is the autoscaler's arithmetic (the same as keda.yaml's ``scalingModifiers`` formula):
 ceil((interactive + min(background + unsent, cap * max_running)) / max_running) workers, the cap being
-``background_max_workers`` (None: no cap). Interactive demand is never capped.
+``background_max_workers`` (None: no cap). Interactive demand is never capped; the unsent lines are capped
+whatever their priority (a bulk run's backlog is bulk work even when its lines run at interactive priority).
 """
 
 from __future__ import annotations
