@@ -24,6 +24,7 @@ def test_workers_sums_both_priorities_and_caps_only_background():
     assert Demand(0, 256, 19_744).workers(64, 8) == 8  # background capped
     assert Demand(320, 256, 19_744).workers(64, 8) == 13  # interactive on top, never capped
     assert Demand(320, 0, 0).workers(64, 0) == 5
+    assert Demand(96, 64, 0).worker_equivalents(64, 0.5) == 2.0  # unrounded: what the HPA's tolerance compares
     with pytest.raises(ValueError):
         Demand(1, 0, 0).workers(0)
 

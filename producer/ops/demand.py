@@ -3,7 +3,8 @@ gateway's ``batchfleet_demand_requests`` gauge, gateway/demand_metrics.py; scrip
 
     read_demand(r: redis.Redis, keys: Keys, buckets: Iterable[int] | None = None) -> Demand
     Demand(interactive: int, background: int, unsent: int)
-    Demand.workers(max_running: int, background_max_workers: int | None = None) -> int
+    Demand.worker_equivalents(max_running: int, background_max_workers: float | None = None) -> float
+    Demand.workers(max_running: int, background_max_workers: float | None = None) -> int   (rounded up)
 
 What it counts, read from Redis (sync redis-py; a Redis Cluster client too; Redis errors raise
 RedisUnavailable):
@@ -23,7 +24,8 @@ RedisUnavailable):
   embedding inputs is several).
 
 ``Demand.workers`` is the autoscaler's arithmetic (the same as keda.yaml's ``scalingModifiers`` formula):
-ceil((interactive + min(background + unsent, cap * max_running)) / max_running) workers, the cap being
+ceil((interactive + min(background + unsent, cap * max_running)) / max_running) workers (``worker_equivalents``:
+the same unrounded, for a simulation that applies the HPA's tolerance itself), the cap being
 ``background_max_workers`` (None: no cap). Interactive demand is never capped; the unsent lines are capped
 whatever their priority (a bulk run's backlog is bulk work even when its lines run at interactive priority).
 """
@@ -61,15 +63,21 @@ class Demand:
         """The requests an operator's cap applies to: background ones and the lines not sent yet."""
         return self.background + self.unsent
 
-    def workers(self, max_running: int, background_max_workers: int | None = None) -> int:
-        """Workers of ``max_running`` sequences each that run it all at once; background work (``capped``)
-        claims at most ``background_max_workers`` of them (None: no cap). 0 only when nothing is asked."""
+    def worker_equivalents(self, max_running: int, background_max_workers: float | None = None) -> float:
+        """Workers of ``max_running`` sequences each that run it all at once, unrounded (KEDA's composed metric
+        over its target, before the HPA's tolerance and ceil); background work (``capped``) claims at most
+        ``background_max_workers`` of them (None: no cap)."""
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
-        background = self.capped
+        background = float(self.capped)
         if background_max_workers is not None:
             background = min(background, background_max_workers * max_running)
-        return math.ceil((self.interactive + background) / max_running)
+        return (self.interactive + background) / max_running
+
+    def workers(self, max_running: int, background_max_workers: float | None = None) -> int:
+        """``worker_equivalents`` rounded up: the replicas KEDA asks for (before min/maxReplicaCount). 0 only
+        when nothing is asked."""
+        return math.ceil(self.worker_equivalents(max_running, background_max_workers))
 
 
 def request_streams(r: redis.Redis, keys: Keys, buckets: Iterable[int] | None = None) -> list[tuple[str, str]]:
