@@ -1,5 +1,6 @@
 """The gateway's own HTTP metrics (Prometheus), beside the fleet's queue gauges and the work it runs
-(gateway/work_metrics.py; both registered at the app's startup) and this process' standard metrics, served on the
+(gateway/work_metrics.py) and its demand, what KEDA scales the workers on (gateway/demand_metrics.py; all registered
+at the app's startup) and this process' standard metrics, served on the
 API port's ``/metrics`` (gateway/dashboard.py) and on ``--metrics-port``:
 
     batchfleet_gateway_requests_total{route, method, status}       requests answered
@@ -28,6 +29,7 @@ from batchfleet.common.metrics import (
     serve_metrics,
     with_process_metrics,
 )
+from batchfleet.gateway.demand_metrics import DemandCollector
 from batchfleet.gateway.work_metrics import WorkCollector
 
 CLIENT_CLOSED = 499
@@ -50,6 +52,7 @@ class HTTPMetrics:
         with_process_metrics(self.registry)  # process_*, python_gc_*, python_info: on both ports
         self.queues: QueueCollector | None = None
         self.work: WorkCollector | None = None
+        self.demand: DemandCollector | None = None
 
     def add_queue_gauges(self, conn: ConnectionConfig) -> None:
         """Register the fleet's queue gauges and live-worker count (common/metrics.py) and the work it runs
@@ -59,13 +62,15 @@ class HTTPMetrics:
         self.registry.register(self.queues)
         self.work = WorkCollector(conn)
         self.registry.register(self.work)
+        self.demand = DemandCollector(conn)  # what KEDA scales the workers on (gateway/demand_metrics.py)
+        self.registry.register(self.demand)
 
     def remove_queue_gauges(self) -> None:
-        for collector in (self.queues, self.work):
+        for collector in (self.queues, self.work, self.demand):
             if collector is not None:
                 self.registry.unregister(collector)
                 collector.close()
-        self.queues = self.work = None
+        self.queues = self.work = self.demand = None
 
 
 class MetricsMiddleware:

@@ -107,14 +107,13 @@ def test_the_gateway_serves_a_sharded_fleet_to_the_openai_client(redis_url, name
 def test_kedas_triggers_over_every_shard_count_every_unanswered_request(redis_url, namespace, start_worker,
                                                                       tmp_path):
     """deploy/k8s rendered for a 3-shard cluster fleet (scripts/k8s_redis.py, BATCHFLEET_SHARDS 3): KEDA's
-    arithmetic over the per-shard triggers, re-aimed at this fleet with 8 requests a worker (a target of 3 per
-    shard), asks for >= 2 workers for 17 requests, counts each unanswered one (and, for a moment, answered
+    arithmetic over the demand the gateway exports (every shard's streams, producer/ops/demand.py), with 8
+    requests a worker, asks for >= 2 workers for 17 requests, counts each unanswered one (and, for a moment, answered
     ones whose entries are still being acked on another shard than their inbox's: one batch at most), 0 when
     all are answered."""
     import shutil
 
     from scripts.k8s_redis import write
-    from tests.conftest import TEST_BUCKETS
     from tests.helpers.deploy import K8S, render
     from tests.helpers.keda import for_fleet
     from tests.test_keda_signal import assert_backlog_counted
@@ -125,15 +124,12 @@ def test_kedas_triggers_over_every_shard_count_every_unanswered_request(redis_ur
     config.write_text(config.read_text().replace('BATCHFLEET_SHARDS: "1"', f'BATCHFLEET_SHARDS: "{SHARDS}"'))
     write(redis_url, k8s)
     (shipped,) = [d for d in render(k8s) if d["kind"] == "ScaledObject"]
-    keys = _layout(redis_url, namespace)
-    so = for_fleet(shipped, keys, TEST_BUCKETS)
-    assert len(so["spec"]["triggers"]) == SHARDS * 2 * len(TEST_BUCKETS)
-    for t in so["spec"]["triggers"]:
-        t["metadata"]["streamLength"] = str(-(-8 // SHARDS))
+    so = for_fleet(shipped)
+    so["spec"]["advanced"]["scalingModifiers"]["target"] = "8"
     start_worker(max_batch_size=4, max_running=4, shards=SHARDS)
     r = sync_client(redis_url)
     try:
-        assert_backlog_counted(redis_url, namespace, r, keys, so, 17, 200, settling=4)
+        assert_backlog_counted(redis_url, namespace, r, so, 17, 200, settling=4)
     finally:
         r.close()
 

@@ -12,7 +12,6 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from batchfleet.common.config import DEFAULT_BUCKETS
 from batchfleet.common.keys import Keys
 from batchfleet.common.optionspec import is_option, option_flag
 from batchfleet.gateway.config import GatewayConfig
@@ -156,31 +155,32 @@ def test_manifests_parse_with_the_expected_objects():
 
 
 @pytest.mark.unit
-def test_keda_triggers_match_streams_and_count_every_unanswered_request():
-    keys = Keys(configmap_env()["BATCHFLEET_NAMESPACE"])
+def test_keda_scales_on_the_fleets_demand_per_worker_capacity_with_the_background_cap():
+    """One demand figure (issue 56): the gateways' batchfleet_demand_requests gauge (gateway/demand_metrics.py),
+    its two priorities composed by scalingModifiers, interactive never capped, against the workers' capacity."""
     so = of_kind("ScaledObject")["batchfleet-worker"]
     assert so["spec"]["scaleTargetRef"]["name"] in of_kind("Deployment")
     assert so["spec"]["minReplicaCount"] == 0
-    triggers = so["spec"]["triggers"]
-    assert all(t["type"] == "redis-streams" for t in triggers)
-    assert sorted(t["metadata"]["stream"] for t in triggers) == sorted(s for s, _, _ in keys.streams(DEFAULT_BUCKETS))
-    redis_url = urlsplit(shipped_redis_url())
-    capacity = int(configmap_env()["BATCHFLEET_MAX_RUNNING"])
-    for t in triggers:
+    env, scaling = configmap_env(), of_kind("ConfigMap")["batchfleet-scaling"]["data"]
+    capacity, cap = env["BATCHFLEET_MAX_RUNNING"], scaling["BACKGROUND_MAX_WORKERS"]
+    triggers = {t["name"]: t for t in so["spec"]["triggers"]}
+    assert sorted(triggers) == ["background", "interactive"]
+    for name, t in triggers.items():
         md = t["metadata"]
-        # no consumerGroup: KEDA reads XLEN (queued + held + running: entries are deleted when answered), not
-        # the group's lag (undelivered only) nor its pending list (delivered only)
-        assert "consumerGroup" not in md and "lagCount" not in md and "pendingEntriesCount" not in md
-        assert int(md["streamLength"]) == capacity and int(md["activationLagCount"]) == 0
-        host, port = md["address"].rsplit(":", 1)
-        assert host == redis_url.hostname and int(port) == redis_url.port
-        assert int(md.get("databaseIndex", 0)) == int(redis_url.path.strip("/") or 0)
+        assert t["type"] == "prometheus" and md["serverAddress"] == scaling["PROMETHEUS_URL"]
+        # every gateway exports the same fleet-wide figure: max, never sum; this namespace's gateways only
+        assert md["query"] == f'max(batchfleet_demand_requests{{namespace="batchfleet",priority="{name}"}})'
+        assert md["threshold"] == capacity and md["activationThreshold"] == "0" and md["ignoreNullValues"] == "false"
+    mod = so["spec"]["advanced"]["scalingModifiers"]
+    assert mod["formula"] == f"interactive + min(background, {capacity} * {cap} )"
+    assert mod["target"] == capacity and mod["activationTarget"] == "0" and mod["metricType"] == "AverageValue"
+    assert all(d["metadata"]["namespace"] == "batchfleet" for d in manifests() if d["kind"] != "Namespace")
 
 
 @pytest.mark.unit
 def test_redis_manifest_aof_always_and_service_port():
     redis_url = urlsplit(shipped_redis_url())
-    name, namespace, *svc_domain = redis_url.hostname.split(".")  # fully qualified: KEDA resolves it too
+    name, namespace, *svc_domain = redis_url.hostname.split(".")  # fully qualified: any pod resolves it
     assert svc_domain == ["svc", "cluster", "local"] and namespace == "batchfleet"
     svc = of_kind("Service")[name]
     assert [p["port"] for p in svc["spec"]["ports"]] == [redis_url.port]

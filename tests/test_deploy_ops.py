@@ -9,13 +9,10 @@ import json
 import re
 import shutil
 import subprocess
-from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
-from batchfleet.common.config import DEFAULT_BUCKETS
-from batchfleet.common.keys import Keys
 from tests.helpers.deploy import (
     GATEWAY_PORT,
     K8S,
@@ -160,22 +157,21 @@ def test_service_monitor_scrapes_workers_and_gateway():
 
 
 @pytest.mark.unit
-def test_keda_reads_redis_and_prefix_from_the_workers_configmap():
-    """The raw keda.yaml holds placeholders for the prefix and capacity (kustomize's replacements write the
-    ConfigMap's values in) and nothing about Redis: redis-target/ adds that, for the URL it was written from."""
+def test_keda_reads_capacity_and_cap_from_the_configmaps_and_no_redis():
+    """The raw keda.yaml holds placeholders for the capacity, the cap and Prometheus' address (kustomize's
+    replacements write the ConfigMaps' values in) and nothing about Redis: KEDA reads the gateways' gauge."""
     raw = [d for d in yaml.safe_load_all((K8S / "keda.yaml").read_text()) if d][0]
-    assert all("address" not in t["metadata"] for t in raw["spec"]["triggers"])
+    assert raw["spec"]["advanced"]["scalingModifiers"]["formula"].split(" ")[3:6] == [
+        "MAX_RUNNING", "*", "BACKGROUND_MAX_WORKERS"]
     assert "BATCHFLEET_REDIS_URL" not in configmap_env(), "the URL may hold a password: it is in the Secret"
     env = configmap_env()
-    url, keys = urlsplit(shipped_redis_url()), Keys(env["BATCHFLEET_NAMESPACE"])
     so = of_kind("ScaledObject")["batchfleet-worker"]
     assert so["spec"]["minReplicaCount"] == 0
     assert env["BATCHFLEET_SCALE_TO_ZERO"] == "true", "workers keep the fleet description at zero replicas"
     for t in so["spec"]["triggers"]:
-        md = t["metadata"]
-        assert md["address"] == f"{url.hostname}:{url.port}" and md["databaseIndex"] == url.path.strip("/")
-    assert sorted(t["metadata"]["stream"] for t in so["spec"]["triggers"]) == sorted(
-        s for s, _, _ in keys.streams(DEFAULT_BUCKETS))
+        assert not {"address", "addresses", "stream", "password"} & set(t["metadata"]) and "authenticationRef" not in t
+    assert not [d for d in manifests() if d["kind"] == "TriggerAuthentication"]
+    assert so["metadata"]["annotations"]["batchfleet.io/redis-url"] == shipped_redis_url()
 
 
 @pytest.mark.unit
@@ -197,7 +193,7 @@ def test_kubectl_kustomize_renders_what_these_tests_check():
     out = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60, check=True)
     rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
     (so,) = [d for d in rendered if d["kind"] == "ScaledObject"]
-    assert so["spec"]["triggers"] == of_kind("ScaledObject")["batchfleet-worker"]["spec"]["triggers"]
+    assert so["spec"] == of_kind("ScaledObject")["batchfleet-worker"]["spec"]  # replacements: formula words too
     (entry,) = kustomization()["images"]
     for d in rendered:
         if d["kind"] == "Deployment":

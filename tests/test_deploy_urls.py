@@ -1,9 +1,9 @@
 """The Kubernetes manifests apply anywhere (issue 32): every Redis URL form the fleet accepts (no database, a
-database, a password, user and password, rediss://, Sentinel, Cluster) gives KEDA triggers as KEDA's
-redis-streams, redis-sentinel-streams and redis-cluster-streams scalers document them (a cluster's streams named
-as its keys are, the namespace a hash tag), with the credentials in the Secret and a TriggerAuthentication,
-never in the ScaledObject; `kubectl kustomize` renders each (skipped, saying why, without kubectl). Also what
-restricted Pod Security asks of every pod, the probes, and the non-root image."""
+database, a password, user and password, rediss://, Sentinel, Cluster, a sharded Cluster) renders with
+`kubectl kustomize` (skipped, saying why, without kubectl), the URL and its credentials in the Secret only, never
+in what is applied; KEDA reads no Redis (issue 56: it scales on the gateways' demand gauge), so its ScaledObject
+is the same for every form. Also what restricted Pod Security asks of every pod, the probes, and the non-root
+image."""
 
 from __future__ import annotations
 
@@ -17,68 +17,42 @@ import pytest
 import redis
 import yaml
 
-from batchfleet.common.config import DEFAULT_BUCKETS
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.keys import Keys
-from batchfleet.common.redis.url import parse_cluster_url, parse_sentinel_url, redact_url
-from scripts.k8s_redis import SECRET, URL_ANNOTATION, trigger_fields, write
-from tests.helpers.deploy import K8S, ROOT, configmap_env, container, of_kind
+from batchfleet.common.redis.url import redact_url
+from scripts.k8s_redis import SECRET, URL_ANNOTATION, secret_keys, write
+from tests.helpers.deploy import K8S, ROOT, container, of_kind
 
-# (URL, the credentials it carries, the KEDA metadata it must give)
+# (URL, the credentials it carries)
 FORMS = [
-    ("redis://redis.example:6379", {}, {"address": "redis.example:6379", "databaseIndex": "0", "enableTLS": "false"}),
-    ("redis://redis.example/3", {}, {"address": "redis.example:6379", "databaseIndex": "3", "enableTLS": "false"}),
-    ("redis://:s3cret@redis.example:6380/2", {"password": "s3cret"},
-     {"address": "redis.example:6380", "databaseIndex": "2", "enableTLS": "false"}),
-    ("redis://bf-user:p%40ss@redis.example:6379/1", {"username": "bf-user", "password": "p@ss"},
-     {"address": "redis.example:6379", "databaseIndex": "1", "enableTLS": "false"}),
-    ("rediss://:s3cret@redis.example:6380/0", {"password": "s3cret"},
-     {"address": "redis.example:6380", "databaseIndex": "0", "enableTLS": "true"}),
-    ("redis+sentinel://sentinel-0.sentinel:26379,sentinel-1.sentinel:26379/mymaster/0", {},
-     {"addresses": "sentinel-0.sentinel:26379, sentinel-1.sentinel:26379", "sentinelMaster": "mymaster",
-      "databaseIndex": "0", "enableTLS": "false"}),
+    ("redis://redis.example:6379", {}),
+    ("redis://redis.example/3", {}),
+    ("redis://:s3cret@redis.example:6380/2", {"password": "s3cret"}),
+    ("redis://bf-user:p%40ss@redis.example:6379/1", {"username": "bf-user", "password": "p@ss"}),
+    ("rediss://:s3cret@redis.example:6380/0", {"password": "s3cret"}),
+    ("redis+sentinel://sentinel-0.sentinel:26379,sentinel-1.sentinel:26379/mymaster/0", {}),
     ("redis+sentinel://:s3cret@s0:26379,s1/mymaster/2?sentinel_password=sentpw",
-     {"password": "s3cret", "sentinelPassword": "sentpw"},
-     {"addresses": "s0:26379, s1:26379", "sentinelMaster": "mymaster", "databaseIndex": "2", "enableTLS": "false"}),
-    ("redis+cluster://r0.redis:6379,r1.redis:6380", {}, {"addresses": "r0.redis:6379, r1.redis:6380",
-                                                          "enableTLS": "false"}),
-    ("redis+cluster://bf-user:s3cret@r0:7000,r1,r2:7002/0", {"username": "bf-user", "password": "s3cret"},
-     {"addresses": "r0:7000, r1:6379, r2:7002", "enableTLS": "false"}),
+     {"password": "s3cret", "sentinelPassword": "sentpw"}),
+    ("redis+cluster://r0.redis:6379,r1.redis:6380", {}),
+    ("redis+cluster://bf-user:s3cret@r0:7000,r1,r2:7002/0", {"username": "bf-user", "password": "s3cret"}),
 ]
 IDS = ["no-db", "db-no-port", "password", "user-password", "rediss", "sentinel", "sentinel-passwords", "cluster",
        "cluster-user-password"]
-KINDS = {"redis+sentinel": "redis-sentinel-streams", "redis+cluster": "redis-cluster-streams"}  # else redis-streams
-
-
-def scaler(url: str) -> str:
-    return KINDS.get(url.split("://")[0], "redis-streams")
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("url,creds,meta", FORMS, ids=IDS)
-def test_each_url_form_gives_keda_fields_as_redis_py_reads_it(url: str, creds: dict, meta: dict):
-    kind, got, secret = trigger_fields(url)
-    assert kind == scaler(url) and got == meta and secret == {"BATCHFLEET_REDIS_URL": url, **creds}
-    if kind == "redis-cluster-streams":  # the seed nodes and credentials the workers' cluster client starts from
-        c = parse_cluster_url(url)
-        assert got["addresses"].split(", ") == [f"{h}:{p}" for h, p in c.nodes]
-        assert {k: v for k, v in (("username", c.username), ("password", c.password)) if v} == creds
-    elif kind == "redis-streams":  # the same host, port, db and credentials the workers' redis-py connects with
-        kw = redis.connection.parse_url(url)
-        assert got["address"] == f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}"
-        assert int(got["databaseIndex"]) == kw.get("db", 0)
-        assert {k: kw[k] for k in ("username", "password") if kw.get(k)} == creds
-    else:
-        s = parse_sentinel_url(url)
-        assert kind == "redis-sentinel-streams" and got["addresses"].split(", ") == [f"{h}:{p}" for h, p in s.sentinels]
+@pytest.mark.parametrize("url,creds", FORMS, ids=IDS)
+def test_each_url_form_goes_to_the_secret_whole(url: str, creds: dict):
+    assert secret_keys(url) == {"BATCHFLEET_REDIS_URL": url}
+    assert all(v not in redact_url(url) for k, v in creds.items() if k != "username")
 
 
 @pytest.mark.unit
 def test_a_unix_socket_or_junk_url_is_refused_clearly():
-    with pytest.raises(ConfigError, match="KEDA's operator runs in another pod"):
-        trigger_fields("unix:///run/redis.sock")
+    with pytest.raises(ConfigError, match="pods on other hosts"):
+        secret_keys("unix:///run/redis.sock")
     with pytest.raises(ConfigError, match="malformed") as exc:
-        trigger_fields("redis://:hunter2@host:notaport/0")
+        secret_keys("redis://:hunter2@host:notaport/0")
     assert "hunter2" not in str(exc.value)
 
 
@@ -120,42 +94,23 @@ needs_kustomize = pytest.mark.skipif(kustomize_version() < (4, 1),
 
 @pytest.mark.integration
 @needs_kustomize
-@pytest.mark.parametrize("url,creds,meta", FORMS, ids=IDS)
-def test_kubectl_kustomize_renders_valid_triggers_for_each_url(tmp_path: Path, url: str, creds: dict, meta: dict):
+@pytest.mark.parametrize("url,creds", FORMS, ids=IDS)
+def test_kubectl_kustomize_renders_each_url_form(tmp_path: Path, url: str, creds: dict):
     k8s = tmp_path / "k8s"
     shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns("secret.env"))
     out = write(url, k8s)
     secret_file = out / "secret.env"
     assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
     secret = dict(line.split("=", 1) for line in secret_file.read_text().splitlines())
-    assert secret == {"BATCHFLEET_REDIS_URL": url, **creds}
+    assert secret == {"BATCHFLEET_REDIS_URL": url}
     rendered = kustomize(k8s)
     text = yaml.safe_dump_all(rendered)
     for key, value in creds.items():  # no password anywhere in what is applied: only in the Secret (secret.env)
         assert key == "username" or value not in text  # (a user name shows in the redacted URL annotation)
     (so,) = [d for d in rendered if d["kind"] == "ScaledObject"]
     assert so["metadata"]["annotations"][URL_ANNOTATION] == redact_url(url)
-    kind = scaler(url)  # a cluster's keys carry the namespace as a hash tag: {ns}:stream:<bucket>
-    env, keys = configmap_env(), Keys(configmap_env()["BATCHFLEET_NAMESPACE"], hashtag=kind == "redis-cluster-streams")
-    streams = []
-    for t in so["spec"]["triggers"]:
-        md = t["metadata"]
-        assert t["type"] == kind and {k: md[k] for k in meta} == meta, t
-        assert md["streamLength"] == env["BATCHFLEET_MAX_RUNNING"] and "consumerGroup" not in md
-        assert not {"password", "username", "sentinelPassword"} & set(md) and "@" not in str(md)
-        streams.append(md["stream"])
-        if creds:
-            assert t["authenticationRef"] == {"name": SECRET}
-        else:
-            assert "authenticationRef" not in t
-    assert sorted(streams) == sorted(s for s, _, _ in keys.streams(DEFAULT_BUCKETS))
-    auths = [d for d in rendered if d["kind"] == "TriggerAuthentication"]
-    if creds:
-        (ta,) = auths
-        refs = {r["parameter"]: (r["name"], r["key"]) for r in ta["spec"]["secretTargetRef"]}
-        assert refs == {k: (SECRET, k) for k in creds} and ta["metadata"]["name"] == SECRET
-    else:
-        assert not auths
+    assert so["spec"] == of_kind("ScaledObject")["batchfleet-worker"]["spec"]  # KEDA reads no Redis
+    assert not [d for d in rendered if d["kind"] == "TriggerAuthentication"]
     for d in rendered:  # every pod reads the URL from the same Secret
         if d["kind"] in ("Deployment",):
             assert {"secretRef": {"name": SECRET}} in container(d)["envFrom"]
@@ -163,24 +118,16 @@ def test_kubectl_kustomize_renders_valid_triggers_for_each_url(tmp_path: Path, u
 
 @pytest.mark.integration
 @needs_kustomize
-def test_a_sharded_cluster_fleet_gets_a_trigger_per_stream_of_every_shard(tmp_path: Path):
-    """BATCHFLEET_SHARDS 3 (config.yaml): one trigger per stream of each shard (common/keys.py's tags), each
-    against a third of a worker's capacity (rounded up), so the fullest shard's ask covers the whole backlog."""
+def test_a_sharded_fleet_needs_a_cluster_url_and_renders_with_one(tmp_path: Path):
+    """BATCHFLEET_SHARDS 3 (config.yaml): the demand KEDA reads counts every shard (producer/ops/demand.py reads
+    the layout from the fleet description), so the manifests are the same; only a Cluster URL is accepted."""
     k8s = tmp_path / "k8s"
     shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns("secret.env"))
     config = k8s / "config.yaml"
     config.write_text(config.read_text().replace('BATCHFLEET_SHARDS: "1"', 'BATCHFLEET_SHARDS: "3"'))
     write("redis+cluster://r0:6379,r1:6379", k8s)
     (so,) = [d for d in kustomize(k8s) if d["kind"] == "ScaledObject"]
-    env = configmap_env()
-    layout = Keys(env["BATCHFLEET_NAMESPACE"], hashtag=True, shards=3)
-    triggers = so["spec"]["triggers"]
-    assert sorted(t["metadata"]["stream"] for t in triggers) == \
-        sorted(s for k in layout.every_shard for s, _, _ in k.streams(DEFAULT_BUCKETS))
-    capacity = int(env["BATCHFLEET_MAX_RUNNING"])
-    assert {t["metadata"]["streamLength"] for t in triggers} == {str(-(-capacity // 3))}
-    assert all(t["type"] == "redis-cluster-streams" and t["metadata"]["activationLagCount"] == "0" for t in triggers)
-    config.write_text(config.read_text().replace('BATCHFLEET_SHARDS: "3"', 'BATCHFLEET_SHARDS: "2"'))
+    assert so["spec"] == of_kind("ScaledObject")["batchfleet-worker"]["spec"]
     with pytest.raises(ConfigError, match="Cluster"):
         write("redis://r0:6379/0", k8s)
 
@@ -241,7 +188,6 @@ def test_liveness_fails_only_on_a_stale_heartbeat_never_on_a_redis_outage(redis_
                                                                          monkeypatch: pytest.MonkeyPatch):
     """The worker's liveness probe (`health --live`): a heartbeat a minute old restarts the pod; a Redis that
     does not answer does not (restarting every worker would only add model loads to the outage)."""
-    import redis
 
     from batchfleet.worker import health
     from batchfleet.worker.devtools import free_port

@@ -170,7 +170,7 @@ def test_every_metric_used_is_exported(start_worker, redis_url: str, namespace: 
         assert gateway[sample] - {"le"} == labels, f"OPERATIONS.md documents {name}{{{','.join(sorted(labels))}}}"
     # the work gauges and the standard process metrics (issue 58): OPERATIONS.md's work table names exactly the
     # families and labels the gateway exports; every process serves process_*
-    for prefix in ("batchfleet_batch_job", "batchfleet_bulk_"):
+    for prefix in ("batchfleet_batch_job", "batchfleet_bulk_", "batchfleet_demand_"):  # demand: issue 56
         docs = documented(prefix)
         assert docs and set(docs) == {n for n in gateway if n.startswith(prefix)}, prefix
         for name, labels in docs.items():

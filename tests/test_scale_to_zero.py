@@ -39,7 +39,7 @@ def test_last_worker_stops_request_waits_next_worker_answers(start_worker, redis
             post.start()
             client.fleet()  # the description the producers cached is the kept one
             assert r.xlen(keys.stream(32)) >= 1
-            start_worker(scale_to_zero=True)  # what KEDA does when the lag rises above activationLagCount
+            start_worker(scale_to_zero=True)  # what KEDA does when the demand rises above activationTarget
             result = client.result(job, timeout=120)
             post.join(120)
             assert result.completion_tokens == 3 and result.worker != first.loop.transport.name

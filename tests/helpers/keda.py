@@ -1,85 +1,102 @@
-"""KEDA's arithmetic over a ScaledObject's redis-streams triggers (redis-cluster-streams: the same over a
-cluster client), read from a live Redis (tests only).
+"""KEDA's arithmetic over the shipped ScaledObject (deploy/k8s/keda.yaml): its prometheus triggers' queries, its
+``advanced.scalingModifiers`` formula, target and activation, and the HPA's replica count (tests only).
 
-As KEDA's redis-streams scaler (pkg/scalers/redis_streams_scaler.go) and the HPA compute it: a trigger
-without ``consumerGroup`` reads XLEN against ``streamLength``; with one, the group's lag against
-``lagCount`` (Redis 7) or its pending count against ``pendingEntriesCount``. A trigger is active when its
-metric exceeds ``activationLagCount``. The HPA's AverageValue target asks ceil(metric / target) replicas
-per trigger and takes the largest; KEDA scales to ``minReplicaCount`` (0) only when no trigger is active,
-and to at least 1 when one is; the result is capped by ``maxReplicaCount``.
+As KEDA and the HPA compute it: each prometheus trigger's metric is its query's single value (an empty answer is an
+error with ``ignoreNullValues: "false"``); with scalingModifiers the formula composes the triggers' metrics (by
+trigger name) into one metric, active when it exceeds ``activationTarget``; the HPA's AverageValue target asks
+ceil(metric / target) replicas; KEDA scales to ``minReplicaCount`` (0) only when inactive and to at least 1 when
+active; ``maxReplicaCount`` caps it.
+
+A query is answered either by a real Prometheus over HTTP (``PrometheusQuery``) or, where a test samples faster
+than any scrape interval, by evaluating it on one exposition text (``scraped``) with prometheus_client's parser:
+that evaluator knows the shipped queries' one form, ``max(name{label="value", ...})``, and adds the labels the
+scrape would (the ServiceMonitor's ``namespace``). The formula is evaluated as Python: the shipped formula uses
+``+``, ``*`` and ``min``, which mean the same in expr-lang (KEDA's formula language).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
+import re
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import redis
+from prometheus_client.parser import text_string_to_metric_families
 
-from batchfleet.common.keys import BACKGROUND_STREAM_SUFFIX, Keys
+QUERY_RE = re.compile(r'max\((?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)\{(?P<labels>[^}]*)\}\)')
+LABEL_RE = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"([^"]*)"\s*,?')
 
-SCALERS = ("redis-streams", "redis-cluster-streams")  # the types read here (the same XLEN / group arithmetic)
+Query = Callable[[str], float]  # a PromQL query -> its single value (raises when there is none)
 
 
 @dataclass(frozen=True)
-class TriggerReading:
-    stream: str
-    metric: int
-    target: int
+class Reading:
+    metrics: dict[str, float]  # trigger name -> its query's value
+    composed: float  # the formula's value
     active: bool
-
-    @property
-    def replicas(self) -> int:
-        return math.ceil(self.metric / self.target)
+    desired: int
 
 
-def _group_row(r: redis.Redis, stream: str, group: str) -> dict | None:
-    try:
-        rows = r.xinfo_groups(stream)
-    except redis.ResponseError:  # no such stream: nothing waits
-        return None
-    return next((row for row in rows if row["name"] in (group, group.encode())), None)
+def scrape_labels(scaled_object: dict) -> dict[str, str]:
+    """The labels Prometheus adds to what it scrapes from the gateways: the ServiceMonitor's ``namespace``
+    (the ScaledObject's own, as the gateways')."""
+    return {"namespace": scaled_object["metadata"]["namespace"]}
 
 
-def read_trigger(r: redis.Redis, metadata: dict) -> TriggerReading:
-    """One trigger's metric and target, as the scaler reads them."""
-    stream, group = metadata["stream"], metadata.get("consumerGroup")
-    if not group:
-        metric, target = r.xlen(stream), int(metadata.get("streamLength", 5))
-    else:
-        row = _group_row(r, stream, group)
-        if "lagCount" in metadata:
-            metric, target = int((row or {}).get("lag") or 0), int(metadata["lagCount"])
-        else:
-            metric, target = int((row or {}).get("pending") or 0), int(metadata.get("pendingEntriesCount", 5))
-    return TriggerReading(stream, metric, target, metric > int(metadata.get("activationLagCount", 0)))
+def scraped(text: str, labels: dict[str, str]) -> Query:
+    """A query evaluated on one scrape's exposition ``text`` (the form of QUERY_RE only), each sample carrying
+    ``labels`` too."""
+    samples = [(s.name, {**s.labels, **labels}, s.value)
+               for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+    def query(q: str) -> float:
+        m = QUERY_RE.fullmatch(q.strip())
+        assert m, f"not a query this evaluator knows: {q!r}"
+        want = dict(LABEL_RE.findall(m["labels"]))
+        values = [v for name, got, v in samples if name == m["name"] and all(got.get(k) == x for k, x in want.items())]
+        if not values:
+            raise LookupError(f"{q}: no series (KEDA's prometheus scaler errors: ignoreNullValues false)")
+        return max(values)
+    return query
 
 
-def desired_replicas(r: redis.Redis, scaled_object: dict) -> tuple[int, list[TriggerReading]]:
-    """The replica count KEDA and the HPA would set now, and each trigger's reading."""
+class PrometheusQuery:
+    """Queries a real Prometheus over its HTTP API (/api/v1/query), as KEDA's prometheus scaler does."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def __call__(self, q: str) -> float:
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': q})}",
+                                    timeout=10) as resp:
+            body = json.loads(resp.read())
+        result = body["data"]["result"]
+        if not result:
+            raise LookupError(f"{q}: no series")
+        assert len(result) == 1, result  # KEDA: the query must return a single element
+        return float(result[0]["value"][1])
+
+
+def desired_replicas(query: Query, scaled_object: dict) -> Reading:
+    """The replica count KEDA and the HPA would set now, with the values it came from."""
     spec = scaled_object["spec"]
-    readings = [read_trigger(r, t["metadata"]) for t in spec["triggers"] if t["type"] in SCALERS]
+    mod = spec["advanced"]["scalingModifiers"]
+    assert mod.get("metricType", "AverageValue") == "AverageValue"
+    metrics = {t["name"]: query(t["metadata"]["query"]) for t in spec["triggers"]}
+    composed = float(eval(mod["formula"], {"__builtins__": {}}, {"min": min, "max": max, **metrics}))  # noqa: S307
+    active = composed > float(mod.get("activationTarget", 0))
     lo, hi = int(spec.get("minReplicaCount", 0)), int(spec.get("maxReplicaCount", 100))
-    if not any(t.active for t in readings):
-        return lo, readings
-    return min(hi, max(lo, 1, *(t.replicas for t in readings))), readings
+    desired = min(hi, max(lo, 1, math.ceil(composed / float(mod["target"])))) if active else lo
+    return Reading(metrics, composed, active, desired)
 
 
-def for_fleet(scaled_object: dict, keys: Keys, buckets: tuple[int, ...], max_replicas: int = 100) -> dict:
-    """The shipped ScaledObject re-aimed at a test fleet: one trigger per stream of ``keys`` (its namespace;
-    a hash tag on a cluster; every shard of a sharded one) and ``buckets``, each a copy of the shipped trigger
-    of the same priority (its type, mode, target and activation)."""
-    shipped = scaled_object["spec"]["triggers"]
-    background = f":{BACKGROUND_STREAM_SUFFIX}"
-    by_priority = {"background": next(t for t in shipped if t["metadata"]["stream"].endswith(background)),
-                   "interactive": next(t for t in shipped if not t["metadata"]["stream"].endswith(background))}
+def for_fleet(scaled_object: dict, max_replicas: int = 100) -> dict:
+    """The shipped ScaledObject with room to ask for more workers than a small cluster's maxReplicaCount: what
+    the tests check is the ask."""
     out = copy.deepcopy(scaled_object)
-    triggers = []
-    for stream, _bucket, priority in (x for k in keys.every_shard for x in k.streams(buckets)):
-        t = copy.deepcopy(by_priority[priority])
-        t["metadata"]["stream"] = stream
-        triggers.append(t)
-    out["spec"]["triggers"] = triggers
     out["spec"]["maxReplicaCount"] = max_replicas
     return out
