@@ -305,3 +305,23 @@ def read_usage(r: Any, keys: Keys, day: str | None = None) -> tuple[dict[str, Te
     pipe.hgetall(keys.usage(day or utc_day()))
     tenants, total, today = pipe.execute()
     return decode_tenants(tenants), usage_rows(total), usage_rows(today)
+
+
+def read_table(r: Any, keys: Keys, day: str | None = None) -> list[dict[str, Any]]:
+    """``usage_table`` read with a sync client, each limited tenant's row with what its sliding minute holds now
+    (``minute_requests``, ``minute_tokens``: admitted within the last minute, at their estimates; None when not
+    limited): the dashboard's and ``batchfleet usage``'s rows."""
+    tenants, total, today = read_usage(r, keys, day)
+    rows = usage_table(tenants, total, today)
+    limited = [label for label, t in sorted(tenants.items()) if t.limited]
+    pipe = r.pipeline(transaction=False)
+    cutoff = int(time.time() * 1000) - WINDOW_MS  # this host's clock: a display, not an admission
+    for label in limited:
+        pipe.zcount(keys.limit_window(label), cutoff, "+inf")
+        pipe.get(f"{keys.limit_window(label)}:tokens")
+    answers = pipe.execute() if limited else []
+    minute = {label: (int(answers[2 * i]), int(answers[2 * i + 1] or 0)) for i, label in enumerate(limited)}
+    for row in rows:
+        requests, tokens = minute.get(row["tenant"], (None, None))
+        row["minute_requests"], row["minute_tokens"] = requests, tokens
+    return rows

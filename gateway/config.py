@@ -100,7 +100,7 @@ class GatewayConfig:
                 raise ConfigError(f"each --tenant-key is LABEL:KEY with a label of 1-{TENANT_MAX_CHARS} chars of "
                                   f"[a-z0-9_-]; got one with label {label[:40]!r}" if sep else
                                   "each --tenant-key is LABEL:KEY (no ':' found in one)")
-        keyed = tuple(self.key_tenants)
+        keyed = tuple(entry.partition(":")[2] for entry in self.tenant_keys)
         check_api_keys(keyed)
         if len(keyed) != len(set(keyed)):
             raise ConfigError("a key must not be given to two tenants (--tenant-key)")

@@ -62,7 +62,7 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# KEYS: a tenant's window (zset: member "<job id>:<ms>|<tokens>", score = admission ms), its tokens in the window
+# KEYS: a tenant's window (zset: member "<job id>:<ms>:<n>|<tokens>", score = admission ms), its tokens in the window
 # (string), the fleet's usage of today (hash, the workers': Keys.usage(day)). ARGV: requests per minute, tokens per
 # minute, tokens per day (0 = no such limit), tenant label, job id, the request's estimated tokens, window ms.
 # Admits (adds to the window) when every limit holds; returns {admitted 1/0, refused limit (0, 1 requests, 2 tokens
@@ -122,7 +122,8 @@ elseif tpd > 0 and finished + used + tokens > tpd then
   end
 end
 if refused == 0 then
-  redis.call('ZADD', KEYS[1], now, ARGV[5] .. ':' .. string.format('%.0f', now) .. '|' .. tokens)
+  -- the count makes a member unique even for one job id admitted twice within a millisecond
+  redis.call('ZADD', KEYS[1], now, ARGV[5] .. ':' .. string.format('%.0f', now) .. ':' .. count .. '|' .. tokens)
   redis.call('INCRBY', KEYS[2], tokens)
   count, used = count + 1, used + tokens
 end
