@@ -114,8 +114,11 @@ def read_tenants_file(path: str | Path) -> list[Tenant]:
 
             data = tomllib.loads(text)
         elif suffix in (".yaml", ".yml"):
-            import yaml
-
+            try:
+                import yaml  # type: ignore[import-untyped]  # an extra's (dev): JSON and TOML need nothing
+            except ImportError:
+                raise ConfigError(f"{path.name}: a YAML tenants file needs PyYAML (pip install pyyaml); "
+                                  "JSON and TOML files need nothing more") from None
             data = yaml.safe_load(text)
         else:
             raise ConfigError(f"{path.name}: a tenants file is .json, .toml, .yaml or .yml")
