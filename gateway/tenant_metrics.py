@@ -4,7 +4,7 @@ from Redis at scrape time (``Keys.usage``, ``Keys.tenants``: common/tenants.py),
     batchfleet_fleet_tenant_requests{tenant}        requests the fleet finished for the tenant (the workers count)
     batchfleet_fleet_tenant_tokens{tenant, kind}    their tokens: prompt, cached (of the prompt), generated
     batchfleet_fleet_tenant_limit{tenant, limit}    the configured weight and limits (a limit absent: not exported)
-    batchfleet_gateway_rate_limited_total{tenant, limit}   requests this gateway refused with a 429, by limit
+    batchfleet_rate_limited_requests_total{tenant, limit}   requests this gateway refused with a 429, by limit
 
 ``tenant``: the configured tenants' labels, ``default`` (requests naming none) and ``other`` (every tenant not
 configured, added up): a bounded label set whatever clients send. The usage gauges are the fleet's totals, the
@@ -84,5 +84,5 @@ class TenantCollector(Collector):
 
 
 def refusals_counter(registry: CollectorRegistry) -> Counter:
-    return Counter("batchfleet_gateway_rate_limited", "Requests this gateway refused with a 429 because their "
+    return Counter("batchfleet_rate_limited_requests", "Requests this gateway refused with a 429 because their "
                    "tenant was over a limit, by tenant and limit.", ["tenant", "limit"], registry=registry)

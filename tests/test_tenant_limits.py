@@ -87,7 +87,7 @@ def test_two_gateways_share_a_tenants_requests_per_minute(start_worker, start_ga
             assert key.encode() not in name and key.encode() not in (r.dump(name) or b""), name
     metrics = httpx.get(gws[0].url + "/metrics", headers={"Authorization": f"Bearer {key}"}).text
     assert key not in metrics
-    assert 'batchfleet_gateway_rate_limited_total{limit="requests_per_minute",tenant="acme"}' in metrics
+    assert 'batchfleet_rate_limited_requests_total{limit="requests_per_minute",tenant="acme"}' in metrics
     assert 'batchfleet_fleet_tenant_limit{limit="requests_per_minute",tenant="acme"} 20.0' in metrics
 
 
