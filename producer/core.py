@@ -172,9 +172,9 @@ class FleetView:
             raise InvalidRequest("job_id must be 1-128 chars of [A-Za-z0-9_.-]")
         if stream and ask.kind == "embed":
             raise InvalidRequest("an embed request cannot stream")
+        tenant = ask.tenant or tenant  # the call's own (Ask.tenant), else the client's
         req = Request(id=job_id, prompt=ids, params=ask.params, reply_key=reply_key, stream=stream,
-                      timeout_ms=None if timeout is None else int(timeout * 1000), kind=ask.kind,
-                      tenant=ask.tenant or tenant)
+                      timeout_ms=None if timeout is None else int(timeout * 1000), kind=ask.kind, tenant=tenant)
         limit = self.info.batch_queue_len if ask.priority == BACKGROUND else self.info.max_queue_len
         return Outgoing(bucket, keys.stream(bucket, ask.priority), req, limit, ask.priority)
 
