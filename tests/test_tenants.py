@@ -129,3 +129,12 @@ def test_a_refusal_is_a_429_with_openais_headers():
     assert err.status == 429 and err.body()["error"]["code"] == "rate_limit_exceeded"
     assert err.type == "requests" and err.headers["Retry-After"] == "2"
     assert err.headers["x-ratelimit-remaining-requests"] == "0" and err.headers["x-ratelimit-reset-requests"] == "1.5s"
+
+
+def test_a_call_names_its_tenant_checked_like_a_label():
+    from batchfleet.common.errors import InvalidRequest
+    from batchfleet.producer.ask import Ask
+
+    assert Ask.of({"tenant": "acme", "max_new_tokens": 4}).tenant == "acme" and Ask.of({}).tenant == ""
+    with pytest.raises(InvalidRequest, match="tenant must be"):
+        Ask.of({"tenant": "sk-Secret Key"})
