@@ -117,3 +117,24 @@ def test_the_client_raises_rate_limited_and_bulk_waits_it_out(start_worker, redi
                                     namespace=namespace, timeout=120, tenant="bulk"))
     assert summary.done == 5 and summary.failed_lines == 0
     assert time.monotonic() - started >= 3.5  # 5 admissions at 2 per 2 s need two more windows at least
+
+
+def test_a_batch_runs_on_its_keys_tenant(start_worker, start_gateway, redis_url: str, namespace: str, tmp_path):
+    """The lines of a batch count against the limits of the key that created it (a line over one waits: the bulk
+    runner's, tested above), in the same window as the key's own requests."""
+    from tests.helpers.batches import run_batch
+
+    key = "sk-tenant-batch-0123456789abcdef"
+    keys = Keys(namespace)
+    with redis.Redis.from_url(redis_url) as r:
+        write_tenants(r, keys, [Tenant("nightly", requests_per_minute=5)])
+    start_worker()
+    gw = start_gateway(tenant_keys=f"nightly:{key}", model_alias_any=True, files_dir=str(tmp_path / "files"))
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=120)
+    batch = run_batch(client, "/v1/completions", {f"l{i}": {"model": "x", "prompt": f"hi {i}", "max_tokens": 1}
+                                                  for i in range(5)})
+    assert batch.status == "completed" and batch.request_counts.completed == 5 and batch.request_counts.failed == 0
+    with redis.Redis.from_url(redis_url) as r:
+        assert r.zcard(keys.limit_window("nightly")) == 5
+    with pytest.raises(openai.RateLimitError):  # the batch used the key's minute
+        client.completions.create(model="x", prompt="one more", max_tokens=1)
