@@ -20,6 +20,8 @@ _COMMANDS = {
     "serve": "batchfleet.gateway.cli.serve:serve",
     "batches": "batchfleet.gateway.cli.serve:batches",
     "dashboard": "batchfleet.producer.cli:dashboard",
+    "tenants": "batchfleet.producer.ops.tenants:tenants",
+    "usage": "batchfleet.producer.ops.tenants:usage",
 }
 
 # `pip install batchfleet` is the client only: a command that needs an extra's packages says which

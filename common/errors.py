@@ -54,6 +54,19 @@ class QueueFull(BatchfleetError):
     """The bucket's queue holds max_queue_len entries; nothing was enqueued."""
 
 
+class RateLimited(BatchfleetError):
+    """The tenant is over one of its limits (common/tenants.py): nothing was enqueued. ``limit`` names it
+    (``requests_per_minute``, ``tokens_per_minute``, ``tokens_per_day``); ``retry_after_s``: seconds until the
+    same request would fit; ``window``: the tenant's limits as they stood (a ``common.tenants.Window``: what the
+    gateway's ``x-ratelimit-*`` headers say)."""
+
+    def __init__(self, message: str, limit: str, retry_after_s: float, window: object = None) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        self.window = window
+
+
 class FleetUnavailable(BatchfleetError):
     """No worker has published the fleet's tokenizer and limits under this namespace."""
 

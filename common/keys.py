@@ -277,6 +277,11 @@ class Keys:
         gateway and client that admits requests (limits). Never holds an API key."""
         return f"{self.prefix}:tenants"
 
+    def limit_window(self, tenant: str) -> str:
+        """A limited tenant's sliding minute (zset of its admissions, common/redis/functions.py ``ADMIT``); with
+        ``:tokens`` appended, the tokens those admissions were counted at. Both expire a minute after the last."""
+        return f"{self.prefix}:limit:{tenant}"
+
     def usage(self, day: str = "") -> str:
         """Hash of token and request counts per tenant, field ``<tenant>|<what>`` (``requests``, ``prompt_tokens``,
         ``cached_tokens``, ``generated_tokens``; tenant "" is the default tenant): the fleet's total, or with

@@ -123,15 +123,16 @@ def _group_value(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     """A subcommand's option that the ``batchfleet`` group also takes (--redis-url, --namespace) and that was
     given on the group's command line but not on the subcommand's: the group's value
     (``batchfleet --redis-url URL status``). The subcommand's own command line wins, and the group's command
-    line beats the subcommand's environment variable and default, as any command line beats them."""
+    line beats the subcommand's environment variable and default, as any command line beats them. A command of a
+    subgroup (``batchfleet tenants set``) takes the nearest command line's that gave it."""
+    if ctx.resilient_parsing or ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE:
+        return value
     parent = ctx.parent
-    if parent is None or ctx.resilient_parsing or param.name not in parent.params:
-        return value
-    if ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE:
-        return value
-    if parent.get_parameter_source(param.name) is not ParameterSource.COMMANDLINE:
-        return value
-    return parent.params[param.name]
+    while parent is not None:
+        if param.name in parent.params and parent.get_parameter_source(param.name) is ParameterSource.COMMANDLINE:
+            return parent.params[param.name]
+        parent = parent.parent
+    return value
 
 
 def _apply_log_option(ctx: click.Context, param: click.Parameter, value: Any) -> Any:

@@ -18,6 +18,7 @@ from batchfleet.common.config import (
     parse_api_keys,
 )
 from batchfleet.common.errors import ConfigError
+from batchfleet.common.keys import TENANT_MAX_CHARS, valid_tenant
 from batchfleet.common.optionspec import option
 
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")  # gateway/openai/tools/parsers.py
@@ -37,6 +38,11 @@ class GatewayConfig:
         flag="api-key", parse=parse_api_keys))
     operator_keys: tuple[str, ...] = field(default=(), metadata=option(
         OPERATOR_KEY_HELP, flag="operator-key", parse=parse_api_keys))
+    tenant_keys: tuple[str, ...] = field(default=(), metadata=option(
+        "API keys of tenants, comma-separated LABEL:KEY (docs/TENANTS.md): each KEY is accepted as an API key and "
+        "its requests run on tenant LABEL's account (its weight and limits); the label, never the key, goes to "
+        "Redis, metrics and logs. Keys of --api-key run as the default tenant.", flag="tenant-key",
+        parse=parse_api_keys))
     served_model_names: tuple[str, ...] = field(default=(), metadata=option(
         "Model ids the API lists and accepts, comma-separated (as vLLM's); answers report the first. "
         "Default: the fleet's model name.", flag="served-model-name", parse=parse_api_keys))
@@ -81,8 +87,25 @@ class GatewayConfig:
     def max_body_bytes(self) -> int:
         return self.max_body_kb << 10
 
+    @property
+    def key_tenants(self) -> dict[str, str]:
+        """API key -> its tenant's label (``--tenant-key``); a key absent is the default tenant's."""
+        return {key: label for label, _, key in (entry.partition(":") for entry in self.tenant_keys)}
+
     def __post_init__(self) -> None:
-        object.__setattr__(self, "api_keys", parse_api_keys(self.api_keys))
+        object.__setattr__(self, "tenant_keys", parse_api_keys(self.tenant_keys))
+        for entry in self.tenant_keys:
+            label, sep, key = entry.partition(":")
+            if not sep or not valid_tenant(label):  # the message never shows the key
+                raise ConfigError(f"each --tenant-key is LABEL:KEY with a label of 1-{TENANT_MAX_CHARS} chars of "
+                                  f"[a-z0-9_-]; got one with label {label[:40]!r}" if sep else
+                                  "each --tenant-key is LABEL:KEY (no ':' found in one)")
+        keyed = tuple(entry.partition(":")[2] for entry in self.tenant_keys)
+        check_api_keys(keyed)
+        if len(keyed) != len(set(keyed)):
+            raise ConfigError("a key must not be given to two tenants (--tenant-key)")
+        # a tenant's key is an API key: every check of API keys (authorization, operator keys) covers it
+        object.__setattr__(self, "api_keys", tuple(dict.fromkeys((*parse_api_keys(self.api_keys), *keyed))))
         object.__setattr__(self, "operator_keys", parse_api_keys(self.operator_keys))
         object.__setattr__(self, "served_model_names", parse_api_keys(self.served_model_names))
         if not self.host:

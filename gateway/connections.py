@@ -38,9 +38,10 @@ def metrics_client(conn: ConnectionConfig) -> Any:
                        max_connections=2, client_name=f"{conn.namespace}:metrics-work")
 
 
-def producer_client(config: GatewayConfig, inbox: str | None = None) -> AsyncClient:
-    """An AsyncClient on the gateway's fleet (``inbox``: a batch's own; default: a fresh one)."""
-    return AsyncClient(config.connection.redis_url, config.connection.namespace, inbox=inbox)
+def producer_client(config: GatewayConfig, inbox: str | None = None, tenant: str = "") -> AsyncClient:
+    """An AsyncClient on the gateway's fleet (``inbox``: a batch's own; default: a fresh one; ``tenant``: a batch's,
+    whose limits its lines wait out)."""
+    return AsyncClient(config.connection.redis_url, config.connection.namespace, inbox=inbox, tenant=tenant)
 
 
 class GatewayRedis:

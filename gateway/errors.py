@@ -6,6 +6,7 @@ official clients raise their usual exception types (BadRequestError, RateLimitEr
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from batchfleet.common.errors import (
@@ -21,6 +22,7 @@ from batchfleet.common.errors import (
     NoWorkers,
     PromptTooLong,
     QueueFull,
+    RateLimited,
     RedisFull,
     RedisRefused,
     RedisUnavailable,
@@ -58,6 +60,16 @@ def _retry_later(status: int, message: str, type: str, code: str) -> APIError:
     return APIError(status, message, type, code, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def rate_limited(exc: RateLimited) -> APIError:
+    """OpenAI's 429 for a tenant over a limit: type ``requests`` or ``tokens``, code ``rate_limit_exceeded``, its
+    ``x-ratelimit-*`` headers and ``Retry-After`` (whole seconds, at least 1)."""
+    window = exc.window
+    headers = window.headers() if hasattr(window, "headers") else {}
+    headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    kind = "requests" if exc.limit == "requests_per_minute" else "tokens"
+    return APIError(429, str(exc), kind, "rate_limit_exceeded", headers=headers)
+
+
 def api_error(exc: BaseException, guide_param: str | None = None) -> APIError:
     """The answer for an exception raised while serving a request (order matters: subclasses first);
     ``guide_param``: the request field its structured-output guide came from (named by a ``guide_failed``)."""
@@ -71,6 +83,8 @@ def api_error(exc: BaseException, guide_param: str | None = None) -> APIError:
     if isinstance(exc, (InvalidRequest, ValueError)):  # the client's parameter checks (pydantic's too)
         field = getattr(exc, "field", None)  # a ParamError names its field (logit_bias past the vocabulary)
         return invalid(str(exc), field if isinstance(field, str) else None)
+    if isinstance(exc, RateLimited):
+        return rate_limited(exc)
     if isinstance(exc, QueueFull):
         return _retry_later(429, str(exc), "rate_limit_error", "queue_full")
     if isinstance(exc, NoWorkers):

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from batchfleet.common.errors import BatchfleetError
+from batchfleet.common.errors import BatchfleetError, RateLimited
 from batchfleet.gateway.errors import APIError, api_error, invalid
 from batchfleet.gateway.service import CLIENT_CLOSED
 
@@ -35,6 +35,9 @@ async def error_response(request: Request, exc: Exception) -> Response:
         log.debug("%s %s: client disconnected before sending its body", request.method, request.url.path)
         return Response(status_code=CLIENT_CLOSED)
     err = api_error(exc)
+    if isinstance(exc, RateLimited):  # only a configured tenant has limits: a bounded label
+        request.app.state.metrics.rate_limited.labels(getattr(request.state, "tenant", "") or "default",
+                                                      exc.limit).inc()
     if err.status == 500:
         log.error("%s %s failed: %r", request.method, request.url.path, exc, exc_info=exc)
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)

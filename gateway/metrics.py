@@ -1,7 +1,7 @@
 """The gateway's own HTTP metrics (Prometheus), beside the fleet's queue gauges and the work it runs
-(gateway/work_metrics.py) and its demand, what KEDA scales the workers on (gateway/demand_metrics.py; all registered
-at the app's startup) and this process' standard metrics, served on the
-API port's ``/metrics`` (gateway/dashboard.py) and on ``--metrics-port``:
+(gateway/work_metrics.py), its demand, what KEDA scales the workers on (gateway/demand_metrics.py), and its usage
+per tenant (gateway/tenant_metrics.py; all registered at the app's startup) and this process' standard metrics,
+served on the API port's ``/metrics`` (gateway/dashboard.py) and on ``--metrics-port``:
 
     batchfleet_gateway_requests_total{route, method, status}       requests answered
     batchfleet_gateway_request_duration_seconds{route, method}     latency histogram (a stream: until its last byte)
@@ -30,6 +30,7 @@ from batchfleet.common.metrics import (
     with_process_metrics,
 )
 from batchfleet.gateway.demand_metrics import DemandCollector
+from batchfleet.gateway.tenant_metrics import TenantCollector, refusals_counter
 from batchfleet.gateway.work_metrics import WorkCollector
 
 CLIENT_CLOSED = 499
@@ -49,10 +50,12 @@ class HTTPMetrics:
                                  registry=self.registry)
         self.in_progress = Gauge("batchfleet_gateway_requests_in_progress", "Requests being served.",
                                  registry=self.registry)
+        self.rate_limited = refusals_counter(self.registry)
         with_process_metrics(self.registry)  # process_*, python_gc_*, python_info: on both ports
         self.queues: QueueCollector | None = None
         self.work: WorkCollector | None = None
         self.demand: DemandCollector | None = None
+        self.tenants: TenantCollector | None = None
 
     def add_queue_gauges(self, conn: ConnectionConfig) -> None:
         """Register the fleet's queue gauges and live-worker count (common/metrics.py) and the work it runs
@@ -64,13 +67,15 @@ class HTTPMetrics:
         self.registry.register(self.work)
         self.demand = DemandCollector(conn)  # what KEDA scales the workers on (gateway/demand_metrics.py)
         self.registry.register(self.demand)
+        self.tenants = TenantCollector(conn)
+        self.registry.register(self.tenants)
 
     def remove_queue_gauges(self) -> None:
-        for collector in (self.queues, self.work, self.demand):
+        for collector in (self.queues, self.work, self.demand, self.tenants):
             if collector is not None:
                 self.registry.unregister(collector)
                 collector.close()
-        self.queues = self.work = self.demand = None
+        self.queues = self.work = self.demand = self.tenants = None
 
 
 class MetricsMiddleware:

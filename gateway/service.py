@@ -43,10 +43,19 @@ class Gateway:
         self.client = client
         self._keys = [k.encode() for k in config.api_keys]
         self._operator_keys = [k.encode() for k in config.operator_keys]
+        self._tenants = config.key_tenants
+
+    def rate_headers(self, request: Request) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-*`` headers of a successful answer: the request's tenant's limits as this
+        gateway's latest admission for it left them (none for a tenant without limits)."""
+        window = self.client.limits.last(tenant_of(request))
+        return window.headers() if window is not None else {}
 
     def authorize(self, request: Request) -> None:
         """401 unless keys are configured off or the request carries one (``Authorization: Bearer <key>``);
-        403 for an operator key (read-only: the dashboard's data only)."""
+        403 for an operator key (read-only: the dashboard's data only). Sets the request's tenant (``tenant_of``):
+        its key's label (``--tenant-key``), else the default tenant."""
+        request.state.tenant = ""
         if not self._keys:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
@@ -60,6 +69,7 @@ class Gateway:
                                "--gateway`, it cannot call the model (use an API key)", "permission_error",
                                "operator_key_read_only")
             raise _unauthorized("incorrect API key provided")
+        request.state.tenant = self._tenants.get(key.strip(), "")
 
     async def model_names(self) -> tuple[str, ...]:
         """--served-model-name, else the name the fleet publishes (FleetUnavailable -> 503 before any
@@ -90,16 +100,18 @@ class Gateway:
                       guide_param=job.guide_param, tools=job.tools, family=family)
         headers = {"x-request-id": job_id}
         if job.stream:
-            streams = await self.streams(job, job_id, family)  # the prompt checked: its echo can be written
-            return EventStream(job_events(streams, echoed(shape, job, fleet.tokenizer)), headers=headers)
+            streams = await self.streams(job, job_id, family, tenant_of(request))  # prompt checked: echo can be written
+            return EventStream(job_events(streams, echoed(shape, job, fleet.tokenizer)),
+                               headers={**headers, **self.rate_headers(request)})
         results = await self.results(request, job, job_id, family)
-        return JSONResponse(echoed(shape, job, fleet.tokenizer).response(results), headers=headers)
+        return JSONResponse(echoed(shape, job, fleet.tokenizer).response(results),
+                            headers={**headers, **self.rate_headers(request)})
 
-    async def streams(self, job: Job, job_id: str, family: Family | None = None) -> list[Any]:
-        """Submit the job's ``n`` choices as streamed jobs (AsyncTokenStreams, one per choice). Submission
-        errors (QueueFull, PromptTooLong, NoWorkers...) raise here, before any byte of the answer is sent;
-        the choices already submitted are cancelled."""
-        asks = await job_asks(job, family)
+    async def streams(self, job: Job, job_id: str, family: Family | None = None, tenant: str = "") -> list[Any]:
+        """Submit the job's ``n`` choices as streamed jobs (AsyncTokenStreams, one per choice) on ``tenant``'s
+        account. Submission errors (QueueFull, PromptTooLong, NoWorkers, RateLimited...) raise here, before any
+        byte of the answer is sent; the choices already submitted are cancelled."""
+        asks = await job_asks(job, family, tenant=tenant)
         streams: list[Any] = []
         try:
             for jid, ask in zip(choice_ids(job, job_id), asks):
@@ -133,6 +145,8 @@ class Gateway:
         round trip each."""
         start = time.monotonic()
         submitted: list[str] = []
+        tenant = tenant_of(request)  # on the account of the request's key (an Ask naming one keeps its own)
+        jobs = [(jid, prompt, ask if ask.tenant else replace(ask, tenant=tenant)) for jid, prompt, ask in jobs]
         try:
             if len(jobs) > 1 and all(ask == jobs[0][2] for _, _, ask in jobs):
                 submitted = await self.client.submit_many([prompt for _, prompt, _ in jobs],
@@ -202,7 +216,13 @@ class Gateway:
             return False
 
 
-async def job_asks(job: Job, family: Family | None = None, priority: str | None = None) -> list[Ask]:
+def tenant_of(request: Request) -> str:
+    """The tenant a request runs for (set by ``Gateway.authorize``: its API key's label; "" the default)."""
+    return getattr(request.state, "tenant", "")
+
+
+async def job_asks(job: Job, family: Family | None = None, priority: str | None = None,
+                   tenant: str = "") -> list[Ask]:
     """What the client is asked for each of the job's ``n`` choices: the job's own Params (checked once, when
     the body was validated), choice i seeded ``seed + i`` when seeded; its structured-output guide compiled
     here, off the event loop (a 400 naming the field when it does not compile). A forced tool call's guide is
@@ -217,7 +237,7 @@ async def job_asks(job: Job, family: Family | None = None, priority: str | None 
         except GuideError as exc:
             raise invalid(str(exc), job.guide_param) from None
     priority = priority or job.priority
-    return [Ask(choice_params(params, i), priority) for i in range(job.n)]
+    return [Ask(choice_params(params, i), priority, tenant=tenant) for i in range(job.n)]
 
 
 def too_long(exc: PromptTooLong, job: Job) -> APIError:

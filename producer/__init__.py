@@ -14,6 +14,7 @@ from batchfleet.common.errors import (
     NoWorkers,
     PromptTooLong,
     QueueFull,
+    RateLimited,
     RedisFull,
     RedisRefused,
     RedisUnavailable,
@@ -28,4 +29,4 @@ from batchfleet.producer.stream import AsyncTokenStream
 
 __all__ = ["AnswerExpired", "Ask", "AsyncClient", "AsyncTokenStream", "Cancelled", "Chat", "Client", "Delta",
            "FleetUnavailable", "InvalidRequest", "JobFailed", "NoWorkers", "PromptTooLong", "QueueFull",
-           "RedisFull", "RedisRefused", "RedisUnavailable", "Result", "Timeout", "TokenStream"]
+           "RateLimited", "RedisFull", "RedisRefused", "RedisUnavailable", "Result", "Timeout", "TokenStream"]

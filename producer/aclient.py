@@ -21,10 +21,11 @@ import redis
 
 from batchfleet.common.config import connection_from_env
 from batchfleet.common.errors import InvalidRequest, RedisFull, Timeout
-from batchfleet.common.keys import Keys, valid_inbox
+from batchfleet.common.keys import TENANT_MAX_CHARS, Keys, valid_inbox, valid_tenant
 from batchfleet.common.redis.clients import async_client, close_async
 from batchfleet.common.redis.fleetstate import live_workers_async
 from batchfleet.common.redis.functions import CANCELS_MAXLEN
+from batchfleet.common.tenants import estimated_tokens
 from batchfleet.common.wire.protocol import Result
 from batchfleet.producer.ask import Ask
 from batchfleet.producer.core import (
@@ -37,6 +38,7 @@ from batchfleet.producer.core import (
     prompt_size,
 )
 from batchfleet.producer.inbox import Inbox
+from batchfleet.producer.limits import Limits
 from batchfleet.producer.outgoing import Outgoing
 from batchfleet.producer.redis_calls import RedisCalls
 from batchfleet.producer.shards import Router
@@ -65,11 +67,18 @@ class AsyncClient:
             publishes that, and every client then enqueues without live workers (a worker started later,
             e.g. by KEDA, answers).
         max_connections: the pool's size (the inbox reader has one more connection of its own).
+        tenant: on whose account this client's requests run (a label an operator configured: docs/TENANTS.md;
+            a call's ``tenant=`` wins); "" the default tenant. A limited tenant's request over its limits raises
+            ``RateLimited`` (with ``retry_after_s``) before anything is enqueued.
     """
 
     def __init__(self, redis_url: str | None = None, namespace: str | None = None, retry_s: float = RETRY_S,
-                 *, inbox: str | None = None, require_workers: bool = True, max_connections: int = 4) -> None:
+                 *, inbox: str | None = None, require_workers: bool = True, max_connections: int = 4,
+                 tenant: str = "") -> None:
         self.conn = connection_from_env(redis_url, namespace)
+        if tenant != "" and not valid_tenant(tenant):
+            raise InvalidRequest(f"tenant must be 1-{TENANT_MAX_CHARS} chars of [a-z0-9_-], got {str(tenant)[:40]!r}")
+        self.tenant = tenant
         token = inbox or secrets.token_urlsafe(24)
         if not valid_inbox(token):
             raise InvalidRequest("inbox must be 16-64 chars of [A-Za-z0-9_-]")
@@ -85,6 +94,7 @@ class AsyncClient:
         reader = async_client(self.conn.redis_url, max_connections=1, **kwargs)
         self.calls = RedisCalls(self.r, self.conn, retry_s)
         self.router = Router(self.conn.keys, token, self.r)
+        self.limits = Limits(self.calls, lambda: self.keys)
         self.functions = self.calls.functions  # shared with the gateway's batch store (gateway/connections.py)
         # the reader blocks at most half the socket timeout, so a healthy idle wait never times out
         self.inbox = Inbox(reader, self.r, self.keys.inbox(token), int(self.conn.socket_timeout_s * 500),
@@ -142,7 +152,8 @@ class AsyncClient:
     async def submit(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
                      stream: bool = False, ask: Ask | None = None, **params: Any) -> str:
         """Enqueue one prompt; returns its job id. Raises InvalidRequest / PromptTooLong / QueueFull / NoWorkers
-        before anything runs; RedisFull (nothing enqueued: retry later) or RedisRefused when Redis refuses it.
+        / RateLimited before anything runs; RedisFull (nothing enqueued: retry later) or RedisRefused when Redis
+        refuses it.
         ``timeout`` (s) bounds this call and is the job's deadline. ``job_id``: one answered and taken within the
         reply TTL gets JobFailed (invalid_request); one in flight here joins for the same request, else InvalidRequest.
         ``params`` (generation parameters, priority, kind: ``Ask.of``), or ``ask``, one made already, sent as is."""
@@ -150,9 +161,11 @@ class AsyncClient:
         return job.id
 
     async def _submit(self, prompt: Prompt, deadline: Deadline, job_id: str | None, stream: bool,
-                      ask: Ask) -> Outgoing:
+                      ask: Ask, admit: bool = True) -> Outgoing:
         fleet = await self._fleet_view(deadline)
         job = await self._build(fleet, prompt, ask, deadline.left(), job_id, stream)
+        if admit:  # a limited tenant's request: counted in its window, or RateLimited (before anything is sent)
+            await self.limits.admit(job.request.tenant, job.id, self._estimate(job), deadline)
         job, shard = await self.router.route(job)
         fresh = self.inbox.expect(job.id, stream, job.fingerprint)  # False: another call's job, kept (same request)
         # the live-worker check (the function's TIME + ZCOUNT) is skipped while an enqueue of this client found a
@@ -192,9 +205,14 @@ class AsyncClient:
         so one multi-MB prompt or thousand-message chat never stalls the event loop (and every other
         request of a web backend with it)."""
         if prompt_size(prompt) <= INLINE_PROMPT_CHARS:  # small: a thread hop would cost more than it saves
-            return fleet.build(self.keys, self.inbox.key, prompt, ask, timeout, job_id, stream)
+            return fleet.build(self.keys, self.inbox.key, prompt, ask, timeout, job_id, stream, self.tenant)
         return await asyncio.to_thread(fleet.build, self.keys, self.inbox.key, prompt, ask, timeout, job_id,
-                                       stream)
+                                       stream, self.tenant)
+
+    @staticmethod
+    def _estimate(job: Outgoing) -> int:
+        """The tokens a request counts at admission (common/tenants.py ``estimated_tokens``)."""
+        return estimated_tokens(len(job.request.prompt), job.request.params.max_new_tokens)
 
     def _give_up_later(self, job_id: str, cancel: bool = True) -> None:
         """Nobody will wait for this job: drop its answer when it comes and (``cancel``) stop it in the
@@ -285,10 +303,13 @@ class AsyncClient:
         if len(ids) != len(prompts):
             raise InvalidRequest(f"{len(ids)} job ids for {len(prompts)} prompts")
         fleet = await self._fleet_view(deadline)
+        built = []
         for prompt in prompts:  # raises before anything is sent (a long prompt tokenized on a worker thread)
-            await self._build(fleet, prompt, ask, None, None, False)
-        jobs = await asyncio.gather(*(self._submit(x, deadline, jid, False, ask) for x, jid in zip(prompts, ids)),
-                                    return_exceptions=True)
+            built.append(await self._build(fleet, prompt, ask, None, None, False))
+        if built:  # one call is one request against its tenant's limits, with every prompt's tokens
+            await self.limits.admit(built[0].request.tenant, built[0].id, sum(map(self._estimate, built)), deadline)
+        jobs = await asyncio.gather(*(self._submit(x, deadline, jid, False, ask, admit=False)
+                                      for x, jid in zip(prompts, ids)), return_exceptions=True)
         if failed := [j for j in jobs if isinstance(j, BaseException)]:
             for j in jobs:
                 if isinstance(j, Outgoing):

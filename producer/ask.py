@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchfleet.common.errors import InvalidRequest
+from batchfleet.common.keys import TENANT_MAX_CHARS, valid_tenant
 from batchfleet.common.wire.guided import Guide, GuideError, from_options
 from batchfleet.common.wire.params import FIELDS, Params
 from batchfleet.common.wire.priority import INTERACTIVE, PRIORITIES, priority_of
@@ -43,8 +44,12 @@ class Ask:
     params: Params
     priority: str = INTERACTIVE
     kind: str = "generate"
+    tenant: str = ""  # on whose account (common/tenants.py); "": the client's own (``AsyncClient(tenant=)``)
 
     def __post_init__(self) -> None:
+        if self.tenant != "" and not valid_tenant(self.tenant):
+            raise InvalidRequest(f"tenant must be 1-{TENANT_MAX_CHARS} chars of [a-z0-9_-], got "
+                                 f"{str(self.tenant)[:40]!r}")
         if not isinstance(self.params, Params):
             raise InvalidRequest(f"an Ask's params must be a Params, got {type(self.params).__name__}")
         if self.priority not in PRIORITIES:
@@ -62,8 +67,9 @@ class Ask:
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> Ask:
         """From a generate/submit/stream call's keyword arguments; an unknown name is an InvalidRequest (not
-        a TypeError). The fields of common/wire/params.py by name; ``priority``: a priority name, OpenAI's
-        ``service_tier`` names or vLLM's integer ``priority``; ``kind``: ``generate`` or ``embed``.
+        a TypeError). The fields of common/wire/params.py by name; ``tenant``: on whose account; ``priority``: a
+        priority name, OpenAI's ``service_tier`` names or vLLM's integer ``priority``; ``kind``: ``generate`` or
+        ``embed``.
 
         Structured outputs: at most one of ``response_format`` (OpenAI's: ``{"type": "json_object"}`` or
         ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``), ``guided_json`` (a JSON
@@ -71,12 +77,13 @@ class Ask:
         vLLM names them, or ``guide`` (a ``batchfleet.common.wire.guided.Guide``), compiled here. ``logprobs`` =
         k (0-20): each generated token's logprob and its k most likely alternatives, in ``Result.logprobs``."""
         values = dict(kwargs)
-        unknown = set(values) - set(FIELDS) - set(STRUCTURED) - {"priority", "kind"}
+        unknown = set(values) - set(FIELDS) - set(STRUCTURED) - {"priority", "kind", "tenant"}
         if unknown:
             named = [f"{k} (the client's name is {CLIENT_NAMES[k]})" if k in CLIENT_NAMES else k
                      for k in sorted(unknown)]
             raise InvalidRequest(f"unknown generation parameter(s): {', '.join(named)}")
         kind = values.pop("kind", "generate")
+        tenant = values.pop("tenant", None) or ""
         if kind not in REQUEST_KINDS:
             raise InvalidRequest(f"kind must be one of {', '.join(REQUEST_KINDS)}, got {kind!r}"[:200])
         if kind == "embed" and set(values) - {"priority"}:
@@ -100,7 +107,7 @@ class Ask:
                 guide.check()
         except GuideError as exc:
             raise InvalidRequest(str(exc)) from None
-        return cls(params if guide is None else params.changed(guide=guide), priority, kind)
+        return cls(params if guide is None else params.changed(guide=guide), priority, kind, tenant)
 
     @classmethod
     def called(cls, ask: Ask | None, kwargs: Mapping[str, Any]) -> Ask:

@@ -93,12 +93,13 @@ class Client:
     semantics as ``AsyncClient`` (see its docstring), blocking."""
 
     def __init__(self, redis_url: str | None = None, namespace: str | None = None, retry_s: float = RETRY_S,
-                 *, inbox: str | None = None, require_workers: bool = True, max_connections: int = 4) -> None:
+                 *, inbox: str | None = None, require_workers: bool = True, max_connections: int = 4,
+                 tenant: str = "") -> None:
         self._loop = _Loop()
 
         async def make() -> AsyncClient:  # built on its loop (asyncio objects belong to one loop)
             return AsyncClient(redis_url, namespace, retry_s, inbox=inbox, require_workers=require_workers,
-                               max_connections=max_connections)
+                               max_connections=max_connections, tenant=tenant)
 
         try:
             self._async = self._loop.run(make())
@@ -106,6 +107,7 @@ class Client:
             self._loop.stop()
             raise
         self.conn = self._async.conn
+        self.tenant = self._async.tenant
         self.client_name = self._async.client_name
 
     @property

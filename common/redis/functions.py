@@ -1,5 +1,6 @@
 """The server-side code of the producer side, as Lua run inside Redis: enqueue and cancel (every
-producer), and the compare-and-renew / compare-and-release of a batch lease (the gateway's batch runner).
+producer), a tenant's admission under its limits (producers of a limited tenant), and the compare-and-renew /
+compare-and-release of a batch lease (the gateway's batch runner).
 
 On Redis 7+ a worker (or an admin, see docs/SECURITY.md) loads them once as the function library
 ``batchfleet`` and producers call them with ``FCALL``, so a producer's ACL user needs no ``EVAL``: it can
@@ -61,13 +62,88 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+# KEYS: a tenant's window (zset: member "<job id>:<ms>:<n>|<tokens>", score = admission ms), its tokens in the window
+# (string), the fleet's usage of today (hash, the workers': Keys.usage(day)). ARGV: requests per minute, tokens per
+# minute, tokens per day (0 = no such limit), tenant label, job id, the request's estimated tokens, window ms.
+# Admits (adds to the window) when every limit holds; returns {admitted 1/0, refused limit (0, 1 requests, 2 tokens
+# per minute, 3 tokens per day), ms until it would fit, requests in the window, tokens in the window, ms until
+# the oldest request leaves, the same for tokens, tokens of today (used + window)}. Clock: Redis', shared by every
+# gateway and client. Today's tokens = the workers' count of finished jobs + the window's estimates (a job admitted
+# within the minute is counted at its estimate, possibly twice once it finished: the quota errs on the safe side).
+ADMIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local window = tonumber(ARGV[7])
+local function tokens_of(member) return tonumber(string.match(member, '|(%d+)$')) or 0 end
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - window)
+if #expired > 0 then
+  local freed = 0
+  for _, m in ipairs(expired) do freed = freed + tokens_of(m) end
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
+  redis.call('DECRBY', KEYS[2], freed)
+end
+local count = redis.call('ZCARD', KEYS[1])
+local used = tonumber(redis.call('GET', KEYS[2]) or '0')
+if count == 0 and used ~= 0 then
+  redis.call('DEL', KEYS[2])
+  used = 0
+end
+local rpm, tpm, tpd, tokens = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[6])
+local finished = 0
+if tpd > 0 then
+  local u = redis.call('HMGET', KEYS[3], ARGV[4] .. '|prompt_tokens', ARGV[4] .. '|generated_tokens')
+  finished = (tonumber(u[1]) or 0) + (tonumber(u[2]) or 0)
+end
+local function leaves(i)
+  local e = redis.call('ZRANGE', KEYS[1], i, i, 'WITHSCORES')
+  if #e == 0 then return 0 end
+  return math.max(0, tonumber(e[2]) + window - now)
+end
+local function frees(need)
+  local freed = 0
+  local e = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+  for i = 1, #e, 2 do
+    freed = freed + tokens_of(e[i])
+    if freed >= need then return math.max(0, tonumber(e[i + 1]) + window - now) end
+  end
+  return window
+end
+local refused, wait = 0, 0
+if rpm > 0 and count + 1 > rpm then
+  refused, wait = 1, leaves(count - rpm)
+elseif tpm > 0 and used + tokens > tpm then
+  refused, wait = 2, frees(used + tokens - tpm)
+elseif tpd > 0 and finished + used + tokens > tpd then
+  refused = 3
+  if finished + tokens <= tpd then
+    wait = frees(finished + used + tokens - tpd)
+  else
+    wait = 86400000 - now % 86400000
+  end
+end
+if refused == 0 then
+  -- the count makes a member unique even for one job id admitted twice within a millisecond
+  redis.call('ZADD', KEYS[1], now, ARGV[5] .. ':' .. string.format('%.0f', now) .. ':' .. count .. '|' .. tokens)
+  redis.call('INCRBY', KEYS[2], tokens)
+  count, used = count + 1, used + tokens
+end
+redis.call('PEXPIRE', KEYS[1], window + 1000)
+redis.call('PEXPIRE', KEYS[2], window + 1000)
+local reset = leaves(0)
+local reset_requests, reset_tokens = reset, reset
+if refused == 1 then reset_requests = wait elseif refused > 1 then reset_tokens = wait end
+return {refused == 0 and 1 or 0, refused, wait, count, used, reset_requests, reset_tokens, finished + used}
+"""
+
 BODIES = {"enqueue": ENQUEUE, "cancel": CANCEL}  # the client protocol's (docs/PROTOCOL.md): any producer
 LEASE_BODIES = {"lease_renew": LEASE_RENEW, "lease_release": LEASE_RELEASE}  # the gateway's batch leases
+LIMIT_BODIES = {"admit": ADMIT}  # a tenant's rate limits (common/tenants.py): any client admitting work for one
 # bump a name's version with an incompatible body change
 FUNCTION_NAMES = {name: f"bf_{name}_v1" for name in BODIES}
 LEASE_FUNCTION_NAMES = {name: f"bf_{name}_v1" for name in LEASE_BODIES}
-ALL_BODIES = {**BODIES, **LEASE_BODIES}
-ALL_FUNCTION_NAMES = {**FUNCTION_NAMES, **LEASE_FUNCTION_NAMES}
+LIMIT_FUNCTION_NAMES = {name: f"bf_{name}_v1" for name in LIMIT_BODIES}
+ALL_BODIES = {**BODIES, **LEASE_BODIES, **LIMIT_BODIES}
+ALL_FUNCTION_NAMES = {**FUNCTION_NAMES, **LEASE_FUNCTION_NAMES, **LIMIT_FUNCTION_NAMES}
 
 
 def library_code() -> str:

@@ -28,6 +28,7 @@ from batchfleet.gateway.batches.store import LIST_MAX, public, safe_name
 from batchfleet.gateway.deps import KEY_CHECKED, Owner, Redis
 from batchfleet.gateway.errors import APIError, invalid
 from batchfleet.gateway.openai.chat.request import STRICT, parse
+from batchfleet.gateway.service import tenant_of
 from batchfleet.gateway.strict import query_limit, read_json
 
 WINDOW_RE = re.compile(r"([1-9][0-9]{0,5})([smh])")  # OpenAI accepts "24h"; shorter windows are ours
@@ -133,7 +134,7 @@ async def create_batch(request: Request, owner: Owner, redis: Redis) -> Any:
            "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.metadata,
            "model": None, "usage": None}
     run = {"output": files.new_id(), "errors": files.new_id(), "prefix": "q" + secrets.token_hex(8),
-           "inbox": secrets.token_urlsafe(24), "output_expires_s": output_expires_s}
+           "inbox": secrets.token_urlsafe(24), "output_expires_s": output_expires_s, "tenant": tenant_of(request)}
     await batches.create(owner, doc, run)
     return public(doc)
 

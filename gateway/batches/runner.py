@@ -205,7 +205,8 @@ class BatchJob:
         if not os.path.exists(files.path(doc["input_file_id"])):  # deleted since: what was written is kept
             doc["errors"] = {"object": "list", "data": [FILE_GONE]}
             return await self.finish(doc, "failed", run)
-        client = producer_client(self.config, inbox=run["inbox"])
+        # the lines run on the account of the key that created the batch (older batches: the default tenant)
+        client = producer_client(self.config, inbox=run["inbox"], tenant=run.get("tenant", ""))
         spec = Spec(self.config.batch_window, kept.done)
         if cancelled or time.time() >= doc["expires_at"]:  # stopped before this turn began: only finish it
             spec.abandon = CANCELLED if cancelled else EXPIRED

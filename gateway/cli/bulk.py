@@ -20,6 +20,7 @@ import click
 
 from batchfleet.common.cli import connection_options
 from batchfleet.common.config import ConnectionConfig
+from batchfleet.common.keys import TENANT_MAX_CHARS, valid_tenant
 from batchfleet.common.wire.priority import BACKGROUND
 from batchfleet.gateway.cli.bulk_progress import CLOSE_S, DRAIN_S, run_stoppable
 from batchfleet.producer.bulk.lines import PromptFormat, looks_like_batch, numbered, prompt_params
@@ -61,12 +62,15 @@ NOUNS = {"openai": "requests", "prompts": "prompts", "text": "prompts"}
               help="After Ctrl-C or SIGTERM: seconds the answers of the lines in flight are still written as they "
                    "come (nothing more is submitted); the rest is left to the next run. The process ends at most "
                    f"{CLOSE_S:g} s later whatever it waits on; a second signal ends it at once.")
+@click.option("--tenant", default="", envvar="BATCHFLEET_TENANT", show_envvar=True,
+              help="Run every line on this tenant's account (docs/TENANTS.md): its weight and limits; a line over "
+                   "a limit waits until it fits. Default: the default tenant.")
 @generation_options
 @priority_option(BACKGROUND)
 @one_line_errors
 def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int, resume: bool | None,
          retry_errors: bool, timeout: float | None, fmt: str, errors_path: str | None, model_names: str,
-         model_alias_any: bool, progress_every: float, drain_s: float, **gen) -> None:
+         model_alias_any: bool, progress_every: float, drain_s: float, tenant: str, **gen) -> None:
     """Answer every line of a prompts file (JSON lines {"prompt": ..., "id"?: ..., params?}, plain text, or
     OpenAI Batch API request lines); never aborts on a bad line.
 
@@ -83,6 +87,8 @@ def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int,
 
     if window < 1:
         raise click.UsageError("--window must be >= 1")
+    if tenant and not valid_tenant(tenant):
+        raise click.UsageError(f"--tenant must be 1-{TENANT_MAX_CHARS} chars of [a-z0-9_-]")
     out_path = None if output == "-" else output
     with _input_file(prompts) as path:
         if fmt == "auto":
@@ -104,7 +110,7 @@ def bulk(redis_url: str, namespace: str, prompts: str, output: str, window: int,
             params = prompt_params(defaults, timeout, text)
         try:
             s = _run(path, out_path, errors_path, make, NOUNS[fmt], redis_url, namespace, window, resume, params,
-                     retry_errors, progress_every, drain_s)
+                     retry_errors, progress_every, drain_s, tenant)
         except RunChanged as exc:
             raise click.UsageError(str(exc)) from None
         except OutputBusy as exc:
@@ -164,11 +170,11 @@ def _openai_format(timeout: float | None, model_names: tuple[str, ...], alias_an
 
 def _run(path: str, out_path: str | None, errors_path: str | None, make_format: Any, noun: str, redis_url: str,
          namespace: str, window: int, resume: bool | None, params: dict, retry_errors: bool,
-         progress_every: float, drain_s: float) -> Any:
+         progress_every: float, drain_s: float, tenant: str = "") -> Any:
     """Run the file, shown and stoppable (gateway/cli/bulk_progress.py: an interrupted run exits there)."""
     from batchfleet.producer.bulk.file_run import run_file
 
     return run_stoppable(lambda stop, progress: run_file(
         path, out_path, errors_path, make_format, redis_url=redis_url, namespace=namespace, window=window,
         resume=resume, stop=stop, progress=progress, out=sys.stdout, params=params, retry_errors=retry_errors,
-        drain_s=drain_s), noun, progress_every, drain_s)
+        drain_s=drain_s, tenant=tenant), noun, progress_every, drain_s)

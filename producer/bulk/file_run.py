@@ -72,7 +72,7 @@ async def run_file(input_path: str | None, output_path: str | None, errors_path:
                    namespace: str | None = None, window: int = 256, resume: bool | None = None,
                    stop: asyncio.Event | None = None, progress: Callable[[Summary], None] | None = None,
                    text: str | None = None, out: IO[str] | None = None, params: dict[str, Any] | None = None,
-                   retry_errors: bool = False, drain_s: float = 0.0) -> Summary:
+                   retry_errors: bool = False, drain_s: float = 0.0, tenant: str = "") -> Summary:
     """Run ``input_path`` (``text`` instead of reading it) into ``output_path`` (None: ``out``), error lines
     into ``errors_path`` (None: the output). ``make_format(job id prefix, fleet view)`` gives the lines' format.
 
@@ -83,13 +83,14 @@ async def run_file(input_path: str | None, output_path: str | None, errors_path:
     is unchanged (``retry_errors``: and drops the error lines), and runs the others again. Raises NoWorkers /
     RedisUnavailable when the run cannot start; once started it stops instead (``Summary.error``): what is
     written stays, a rerun resumes. ``stop`` set: ``Spec.drain_s`` (``drain_s``) bounds the wait for the
-    answers of the lines in flight. The run reports its progress to the fleet's bulk-run registry
+    answers of the lines in flight. ``tenant``: on whose account every line runs (its limits: a line over one
+    waits until it fits, never fails for it). The run reports its progress to the fleet's bulk-run registry
     (producer/bulk/registry.py) as it goes."""
     if window < 1:
         raise InvalidRequest("window must be >= 1")
     if drain_s < 0:
         raise InvalidRequest("drain_s must be >= 0")
-    client = AsyncClient(redis_url, namespace, inbox=None)
+    client = AsyncClient(redis_url, namespace, inbox=None, tenant=tenant)
     try:
         fleet = await client.fleet()  # reachable, and a fleet to ask: before any file is touched
     finally:
@@ -99,14 +100,15 @@ async def run_file(input_path: str | None, output_path: str | None, errors_path:
             held.enter_context(OutputLock(output_path))
         return await _locked_run(input_path, output_path, errors_path, make_format, fleet, redis_url=redis_url,
                                  namespace=namespace, window=window, resume=resume, stop=stop, progress=progress,
-                                 text=text, out=out, params=params, retry_errors=retry_errors, drain_s=drain_s)
+                                 text=text, out=out, params=params, retry_errors=retry_errors, drain_s=drain_s,
+                                 tenant=tenant)
 
 
 async def _locked_run(input_path: str | None, output_path: str | None, errors_path: str | None,
                       make_format: Callable[[str, Any], LineFormat], fleet: Any, *, redis_url: str | None,
                       namespace: str | None, window: int, resume: bool | None, stop: asyncio.Event | None,
                       progress: Callable[[Summary], None] | None, text: str | None, out: IO[str] | None,
-                      params: dict[str, Any] | None, retry_errors: bool, drain_s: float) -> Summary:
+                      params: dict[str, Any] | None, retry_errors: bool, drain_s: float, tenant: str = "") -> Summary:
     """``run_file`` once the output is this run's alone."""
     record, resuming = run_record(output_path, resume is not False, params)
     names = record.names
@@ -131,7 +133,7 @@ async def _locked_run(input_path: str | None, output_path: str | None, errors_pa
                       retried=sum(w == "retry" for w in kept.dropped.values()))
     mode = "a" if resuming else "w"
     opened: list[IO[str]] = []
-    client = AsyncClient(redis_url, namespace, inbox=names.inbox)
+    client = AsyncClient(redis_url, namespace, inbox=names.inbox, tenant=tenant)
     try:
         if output_path is not None:
             out = open(output_path, mode, encoding="utf-8")
@@ -165,15 +167,16 @@ async def bulk_file(input_path: str | None, output_path: str | None, *, redis_ur
                     namespace: str | None = None, window: int = 256, defaults: dict | None = None,
                     timeout: float | None = None, resume: bool | None = None, stop: asyncio.Event | None = None,
                     progress: Callable[[Summary], None] | None = None, text: str | None = None,
-                    out: IO[str] | None = None, plain: bool = False, retry_errors: bool = False) -> Summary:
+                    out: IO[str] | None = None, plain: bool = False, retry_errors: bool = False,
+                    tenant: str = "") -> Summary:
     """Run a prompt file into ``output_path`` (``run_file``): answers in submission order, at most ``window``
     jobs in flight, at background priority unless ``defaults`` says otherwise; ``plain``: a plain-text file, one
-    prompt per line."""
+    prompt per line; ``tenant``: on whose account."""
     return await run_file(input_path, output_path, None,
                           lambda prefix, _fleet: PromptFormat(prefix, dict(defaults or {}), timeout, plain),
                           redis_url=redis_url, namespace=namespace, window=window, resume=resume, stop=stop,
                           progress=progress, text=text, out=out, retry_errors=retry_errors,
-                          params=prompt_params(defaults, timeout, plain))
+                          params=prompt_params(defaults, timeout, plain), tenant=tenant)
 
 
 

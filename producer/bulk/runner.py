@@ -33,7 +33,7 @@ import secrets
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from batchfleet.common.errors import FleetUnavailable, QueueFull, RedisRefused, RedisUnavailable, Timeout
+from batchfleet.common.errors import FleetUnavailable, QueueFull, RateLimited, RedisRefused, RedisUnavailable, Timeout
 from batchfleet.producer.aclient import AsyncClient
 from batchfleet.producer.answers import Answers
 from batchfleet.producer.bulk.prefix_order import submission_order
@@ -143,6 +143,13 @@ class _Run:
                     else:
                         await asyncio.wait({self.stopper}, timeout=self.wait_s)
                     self.wait_s = min(2 * self.wait_s, QUEUE_FULL_WAIT_S[1])
+                    continue
+                except RateLimited as exc:  # the tenant's limit: wait until it fits (writing answers meanwhile)
+                    wait = max(QUEUE_FULL_WAIT_S[0], exc.retry_after_s)
+                    if self.inflight:
+                        await self.drain(once=True, wait=wait)
+                    else:
+                        await asyncio.wait({self.stopper}, timeout=wait)
                     continue
                 except FATAL:
                     await self.give_up(sent)

@@ -35,6 +35,7 @@ from batchfleet.common.errors import RedisUnavailable
 from batchfleet.common.keys import Keys
 from batchfleet.common.redis.clients import sync_client
 from batchfleet.common.redis.fleetstate import dead_letter_entries, recent_batches
+from batchfleet.common.tenants import read_table
 from batchfleet.producer.ops.history import HistorySampler, history
 from batchfleet.producer.ops.status import snapshot, work
 
@@ -65,7 +66,8 @@ def dashboard_client(conn: ConnectionConfig) -> redis.Redis:
 
 def dashboard_data(r: redis.Redis, keys: Keys, history_after_ms: int | None = None) -> dict[str, Any]:
     """What the page shows: ``batchfleet status --json``'s snapshot (fleet, queues, workers, dead_letters,
-    batch_jobs, bulk_runs) plus ``batches`` (prefill batches) and ``dead_letter_entries`` (newest first),
+    batch_jobs, bulk_runs) plus ``batches`` (prefill batches), ``dead_letter_entries`` (newest first), ``tenants``
+    (usage, share, weight and limits per tenant: common/tenants.py ``read_table``),
     ``history`` (the samples after ``history_after_ms``, all kept ones when None) and ``time`` (this
     server's clock, s). Redis errors raise RedisUnavailable (callers need not import redis)."""
     try:
@@ -81,6 +83,7 @@ def _read(r: redis.Redis, keys: Keys, history_after_ms: int | None) -> dict[str,
     shards = snap["fleet"]["shards"] if snap["fleet"] else 1  # a sharded fleet: every shard's dead letters
     snap["dead_letter_entries"] = dead_letter_entries(r, keys.with_shards(shards), SHOWN)
     snap["history"] = history(r, keys, history_after_ms)
+    snap["tenants"] = read_table(r, keys)
     snap["time"] = time.time()
     return snap
 

@@ -45,4 +45,5 @@ async def embeddings(request: Request, gateway: Service) -> Any:
         results = await gateway.run(request, [(jid, x, job.ask) for jid, x in zip(ids, job.inputs)], job.timeout)
     except PromptTooLong as exc:
         raise too_long(exc) from None
-    return JSONResponse(embedding_response(results, model, job.encoding_format), headers={"x-request-id": job_id})
+    return JSONResponse(embedding_response(results, model, job.encoding_format),
+                        headers={"x-request-id": job_id, **gateway.rate_headers(request)})

@@ -30,6 +30,7 @@ from batchfleet.gateway.errors import api_error, invalid
 from batchfleet.gateway.openai.responses.format import ResponseShape
 from batchfleet.gateway.openai.responses.items import answer_message, input_items
 from batchfleet.gateway.openai.responses.request import parse_call
+from batchfleet.gateway.service import tenant_of
 from batchfleet.gateway.sse import EventStream
 from batchfleet.gateway.strict import query_limit, query_order, read_json
 
@@ -59,12 +60,13 @@ async def create(request: Request, gateway: Service, redis: Redis, owner: Owner)
 
     headers = {"x-request-id": job_id}
     if job.stream:
-        (stream,) = await gateway.streams(job, job_id, family)
-        return EventStream(response_events(stream, shape, save, job.guide_param), headers=headers)
+        (stream,) = await gateway.streams(job, job_id, family, tenant_of(request))
+        return EventStream(response_events(stream, shape, save, job.guide_param),
+                           headers={**headers, **gateway.rate_headers(request)})
     (result,) = await gateway.results(request, job, job_id, family)
     done = shape.response(result)
     await save(done)
-    return JSONResponse(done, headers=headers)
+    return JSONResponse(done, headers={**headers, **gateway.rate_headers(request)})
 
 
 @router.get("/v1/responses/{response_id}")
