@@ -11,23 +11,25 @@ only. Sizes are tiny: the interpreter runs each program in numpy."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
 
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (pip install triton: its interpreter runs the kernels on CPU)",
+                allow_module_level=True)
 _before = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"  # while triton and the kernels are decorated (triton.jit reads it) and run
-pytest.importorskip("triton", reason="triton is not installed (pip install triton: its interpreter runs on CPU)")
+try:
+    import torch
+    import triton.language.standard
 
-import torch  # noqa: E402
-import triton.language.standard  # noqa: E402
-
-from batchfleet.worker.engine.native import attention as A  # noqa: E402
-from batchfleet.worker.engine.native import triton_attention, triton_ops, triton_support  # noqa: E402
-from tests.helpers.native import build_model, make_engine, prompt, request, run_all  # noqa: E402
-
-# other tests (workers this process starts later) see the environment as it was
-os.environ.pop("TRITON_INTERPRET") if _before is None else os.environ.update(TRITON_INTERPRET=_before)
+    from batchfleet.worker.engine.native import attention as A
+    from batchfleet.worker.engine.native import triton_attention, triton_ops, triton_support
+    from tests.helpers.native import build_model, make_engine, prompt, request, run_all
+finally:  # other tests (workers this process starts later) see the environment as it was
+    os.environ.pop("TRITON_INTERPRET") if _before is None else os.environ.update(TRITON_INTERPRET=_before)
 if not all(type(f).__name__ == "InterpretedFunction"
            for f in (triton_attention._tile_kernel, triton_ops._rope_kernel, triton.language.standard.max)):
     pytest.skip("triton was imported before this module without TRITON_INTERPRET: run this file on its own",
