@@ -19,6 +19,9 @@ Paths (measured numbers in docs/NATIVE_ENGINE.md):
   from the pool in fixed splits of SPLIT tokens; every matmul has a fixed per-item shape (below).
 - ``decode_attention_gather``: index_select the sequence's blocks into a dense [B, Hkv, T, D] view and run
   SDPA with a length mask (the reference the C kernel is tested against; no longer an engine path).
+- ``paged_attention`` on CUDA (where Triton is importable: triton_support.py): the same tiles and fixed splits in
+  Triton kernels that read K/V in place through the block table (triton_attention.py); the torch code below is
+  its reference and its fallback.
 - decode on NPU: torch_npu's paged attention (``npu_incre_flash_attention`` with a block table),
   chosen at runtime; untested (no NPU available here).
 """
@@ -30,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from batchfleet.worker.engine.native import triton_support
 
 # Positions per query tile, and keys per split of the torch paged attention. Fixed (not per batch) so that
 # every bmm item has one shape whatever the step holds: [TILE * G, D] x [D, SPLIT] and [TILE * G, SPLIT] x
@@ -189,6 +194,12 @@ def paged_attention(q: torch.Tensor, pool: torch.Tensor, layout: TileLayout, sca
     R = layout.ctx.shape[0]
     qt = q.new_zeros(R * TILE, H, D)
     qt[layout.idx] = q
+    if triton_support.runs_on(q.device):
+        from batchfleet.worker.engine.native import triton_attention  # imports triton: only where it runs
+
+        # one tile per sequence (decode): a program per split, so a short batch of long contexts fills the GPU
+        return triton_attention.tiles(qt, pool, layout.tables, layout.seq, layout.ctx, scale, SPLIT_DEVICE,
+                                      split_grid=R <= layout.tables.shape[0])[layout.idx]
     out = torch.empty(R * TILE, H * D, dtype=torch.float32, device=q.device)
     for a in range(0, R, GROUP):
         b = min(a + GROUP, R)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from batchfleet.common.logs import startup_phase
+from batchfleet.worker.engine.native import triton_support
 from batchfleet.worker.engine.native.linear import Linear, LinearFactory
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # same block structure; others differ (qk-norm, ...)
@@ -124,15 +126,26 @@ class NativeModel:
         # x2 * -sin == -x2 * sin exactly, so the result is bit-identical to transformers'
         half = self.head_dim // 2
         self.sin_rot = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1).contiguous()
+        # the small ops as Triton kernels (triton_ops.py) where they run (CUDA), the residual add fused into the
+        # RMSNorm that follows it; elsewhere the torch ops below
+        self.fused: ModuleType | None = None
+        if triton_support.runs_on(self.device):
+            from batchfleet.worker.engine.native import triton_ops  # imports triton: only where it runs
+
+            self.fused = triton_ops
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """transformers' LlamaRMSNorm, op for op (fp32 statistics, weight applied in model dtype)."""
+        if self.fused is not None:
+            return self.fused.rms_norm(x, w, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * xf.to(x.dtype)
 
     def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The MLP's act(gate) * up of the fused gate/up projection [..., 2 * inter] -> [..., inter]."""
+        if self.fused is not None and self.hidden_act == "silu":
+            return self.fused.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         if self.hidden_act == "silu" and gate.dtype == torch.float32:
             # torch's fp32 SiLU computes the tail of each thread's range with another exp than its vector body
@@ -141,9 +154,16 @@ class NativeModel:
             return gate / (1 + torch.exp(-gate)) * up
         return self.act(gate) * up
 
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, rms_norm(h)) with h = residual + x, in one Triton kernel (only where ``self.fused`` is set)."""
+        assert self.fused is not None
+        return self.fused.add_rms_norm(x, residual, w, self.eps)
+
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> torch.Tensor:
         """x: [B, S, heads, D]; cos/sin_rot: [B, S, 1, D] (rotate-half convention; sin_rot: rows of
         ``self.sin_rot``, the sign of rotate-half folded in)."""
+        if self.fused is not None:
+            return self.fused.rope(x, cos, sin_rot)
         half = x.shape[-1] // 2
         rot = torch.cat((x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rot * sin_rot
@@ -162,18 +182,31 @@ class NativeModel:
         if rope_attn is None:
             cos = self.cos[positions].unsqueeze(2)  # [B, S, 1, D]
             sin = self.sin_rot[positions].unsqueeze(2)
+        # fused: each residual add in one kernel with the RMSNorm after it (the down projection's output waits
+        # in ``delta`` for the next layer's input norm); else the add in the matmul (add_to), the norm apart
+        add_norm = self._add_norm if self.fused is not None and norm == self.rms_norm else None
+        delta = None  # [B, S, hidden] not yet added to h
         h = F.embedding(tokens, self.embed)  # [B, S, hidden]
         for i, lw in enumerate(self.layers):
-            x = norm(h, lw.in_norm)
+            if delta is not None and add_norm is not None:
+                h, x = add_norm(delta, h, lw.in_norm)
+            else:
+                x = norm(h, lw.in_norm)
             if rope_attn is not None:
                 o = rope_attn(i, lw.qkv_l(x))  # [B, S, H * D]
             else:
                 qkv = lw.qkv_l(x).view(B, S, H + 2 * Hkv, D)
                 qk = self.rope(qkv[:, :, : H + Hkv], cos, sin)  # [B, S, H + Hkv, D]
                 o = attn(i, qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv :])  # [B, S, H * D]
-            h = lw.o_l.add_to(o, h)
-            x = norm(h, lw.post_norm)
-            h = lw.down_l.add_to(act_mul(lw.gate_up_l(x)), h)
+            if add_norm is not None:
+                h, x = add_norm(lw.o_l(o), h, lw.post_norm)
+                delta = lw.down_l(act_mul(lw.gate_up_l(x)))
+            else:
+                h = lw.o_l.add_to(o, h)
+                x = norm(h, lw.post_norm)
+                h = lw.down_l.add_to(act_mul(lw.gate_up_l(x)), h)
+        if delta is not None:
+            h = h + delta
         if hidden:
             return norm(h.reshape(B * S, -1), self.final_norm)  # [B * S, hidden]
         h = h[:, -1] if last_idx is None else h.reshape(B * S, -1)[last_idx]  # [R, hidden]
