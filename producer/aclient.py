@@ -94,6 +94,7 @@ class AsyncClient:
         self._checking = -math.inf  # time.monotonic() the last live-worker check was sent (one at a time)
         self._fleet_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()  # cancels of given-up jobs (a reference keeps them alive)
+        self.tenant = ""  # the tenant its requests name (Request.tenant; "" the default tenant)
 
     @property
     def retry_s(self) -> float:
@@ -164,7 +165,7 @@ class AsyncClient:
         if check:
             self._checking = asked_at
         try:
-            code = await self.calls.enqueue(job, shard.workers, check, deadline)
+            code = await self.calls.enqueue(job, shard.workers, check, deadline, shard.queued_tenants, shard.group)
         except BaseException as exc:  # enqueued or not, nobody can tell: cancel it in case it was (a cancellation)
             cancelled = isinstance(exc, asyncio.CancelledError)  # or keep a late answer for a retry under caller's id
             if fresh and (cancelled or job_id is None) and not isinstance(exc, RedisFull):
@@ -192,9 +193,9 @@ class AsyncClient:
         so one multi-MB prompt or thousand-message chat never stalls the event loop (and every other
         request of a web backend with it)."""
         if prompt_size(prompt) <= INLINE_PROMPT_CHARS:  # small: a thread hop would cost more than it saves
-            return fleet.build(self.keys, self.inbox.key, prompt, ask, timeout, job_id, stream)
+            return fleet.build(self.keys, self.inbox.key, prompt, ask, timeout, job_id, stream, self.tenant)
         return await asyncio.to_thread(fleet.build, self.keys, self.inbox.key, prompt, ask, timeout, job_id,
-                                       stream)
+                                       stream, self.tenant)
 
     def _give_up_later(self, job_id: str, cancel: bool = True) -> None:
         """Nobody will wait for this job: drop its answer when it comes and (``cancel``) stop it in the

@@ -157,9 +157,9 @@ class FleetView:
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def build(self, keys: Keys, reply_key: str, prompt: Prompt, ask: Ask, timeout: float | None,
-              job_id: str | None, stream: bool = False) -> Outgoing:
+              job_id: str | None, stream: bool = False, tenant: str = "") -> Outgoing:
         """Tokenize, route (raises PromptTooLong) and build the request; nothing is sent. The priority picks
-        the stream (and its queue limit): the one place it travels."""
+        the stream (and its queue limit): the one place it travels; so does ``tenant`` (its own streams)."""
         assert self.info is not None
         ids = self.tokenize(prompt)
         biased = ask.params.logit_bias
@@ -173,9 +173,9 @@ class FleetView:
         if stream and ask.kind == "embed":
             raise InvalidRequest("an embed request cannot stream")
         req = Request(id=job_id, prompt=ids, params=ask.params, reply_key=reply_key, stream=stream,
-                      timeout_ms=None if timeout is None else int(timeout * 1000), kind=ask.kind)
+                      timeout_ms=None if timeout is None else int(timeout * 1000), kind=ask.kind, tenant=tenant)
         limit = self.info.batch_queue_len if ask.priority == BACKGROUND else self.info.max_queue_len
-        return Outgoing(bucket, keys.stream(bucket, ask.priority), req, limit, ask.priority)
+        return Outgoing(bucket, keys.stream(bucket, ask.priority, tenant), req, limit, ask.priority)
 
 
 def parse_reply(job_id: str, raw: bytes) -> Result | Delta:

@@ -23,9 +23,12 @@ LIBRARY_NAME = "batchfleet"
 LIVE_WORKER_MS = 30_000  # a worker whose last heartbeat (Redis time) is older than this is gone
 CANCELS_MAXLEN = 10_000
 
-# KEYS: stream, workers (zset). ARGV: max_len (0 = unbounded), job id, reply key, payload, max payload bytes,
-# require workers ('1'/'0'), live worker window (ms).
+# KEYS: stream, workers (zset)[, queued tenants (set)]. ARGV: max_len (0 = unbounded), job id, reply key, payload,
+# max payload bytes, require workers ('1'/'0'), live worker window (ms)[, tenant, consumer group].
 # Returns 1 enqueued, 0 queue full, -1 no live worker, -2 payload too large. The entry's id is Redis' clock.
+# A named tenant's stream (common/keys.py ``Keys.stream``) is made here with the workers' group (from the start)
+# and the tenant added to the set workers read (``Keys.queued_tenants``), so its first entry is read; the limit
+# counts that stream alone: a tenant that fills its queue is refused, not the others.
 ENQUEUE = """
 if string.len(ARGV[4]) > tonumber(ARGV[5]) then return -2 end
 if ARGV[6] == '1' then
@@ -35,6 +38,12 @@ if ARGV[6] == '1' then
 end
 local max_len = tonumber(ARGV[1])
 if max_len > 0 and redis.call('XLEN', KEYS[1]) >= max_len then return 0 end
+if KEYS[3] and ARGV[8] and ARGV[8] ~= '' then
+  if redis.call('EXISTS', KEYS[1]) == 0 then
+    redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[9], '0', 'MKSTREAM')
+  end
+  redis.call('SADD', KEYS[3], ARGV[8])
+end
 redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'r', ARGV[3], 'p', ARGV[4])
 return 1
 """
