@@ -100,7 +100,7 @@ class RedisCalls:
         # keys[0]: every library function has keys; a cluster sends the WAIT to the master of their slot
         return await self.functions.call(name, keys, args, send=lambda cmd: write_acked(self.r, n, cmd, keys[0]))
 
-    async def append(self, stream: str, fields: dict[str, Any]) -> tuple[Any, int]:
+    async def append(self, stream: str, fields: dict[str, Any], queued: str = "", tenant: str = "") -> tuple[Any, int]:
         """``XADD`` then ``XLEN`` of ``stream`` in one round trip (then WAIT, as ``function``): the new entry's id and
         the stream's length with it. Plain commands, as the enqueue function's own: through the function Redis
         spends ~4x the XADD's time on the entry (issue 29)."""
@@ -108,11 +108,13 @@ class RedisCalls:
         async with self.r.pipeline(transaction=False) as pipe:  # gives its connection back however it ends
             pipe.xadd(stream, fields)
             pipe.xlen(stream)
+            if tenant:  # a named tenant's: workers read it even if Redis lost the set since its first add
+                pipe.sadd(queued, tenant)
             if n > 0:
                 pipe.execute_command("WAIT", n, WAIT_TIMEOUT_MS, **same_node(self.r, stream))
             out = await pipe.execute()
         if n > 0:
-            require_replicas(out[2], n, f"enqueue to {stream}")
+            require_replicas(out[-1], n, f"enqueue to {stream}")
         return out[0], int(out[1])
 
     async def enqueue(self, job: Outgoing, workers: str, check: bool, deadline: Deadline, queued: str = "",
@@ -156,7 +158,8 @@ class RedisCalls:
         if near:
             self._probing.add(job.stream)
         try:
-            entry_id, length = await self.io(lambda: self.append(job.stream, fields), deadline, what)
+            entry_id, length = await self.io(lambda: self.append(job.stream, fields, queued, job.tenant), deadline,
+                                              what)
         finally:
             if near:
                 self._probing.discard(job.stream)

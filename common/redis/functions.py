@@ -48,6 +48,21 @@ redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'r', ARGV[3], 'p', ARGV[4])
 return 1
 """
 
+# bf_enqueue_v1's body, still registered for producers of before tenants (they call it by name; an ACL user
+# without EVAL has no fallback): KEYS and ARGV as ENQUEUE's without the tenant's.
+ENQUEUE_V1 = """
+if string.len(ARGV[4]) > tonumber(ARGV[5]) then return -2 end
+if ARGV[6] == '1' then
+  local t = redis.call('TIME')
+  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if redis.call('ZCOUNT', KEYS[2], now_ms - tonumber(ARGV[7]), '+inf') == 0 then return -1 end
+end
+local max_len = tonumber(ARGV[1])
+if max_len > 0 and redis.call('XLEN', KEYS[1]) >= max_len then return 0 end
+redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'r', ARGV[3], 'p', ARGV[4])
+return 1
+"""
+
 # KEYS: cancel marker, cancels stream. ARGV: job id, reply key, ttl seconds, cancels maxlen.
 # The marker stops a worker that reads the job later; the stream entry reaches workers already holding it.
 # Workers honour a cancel only when its reply key is the job's own (only the submitter knows it).
@@ -72,8 +87,11 @@ return 0
 
 BODIES = {"enqueue": ENQUEUE, "cancel": CANCEL}  # the client protocol's (docs/PROTOCOL.md): any producer
 LEASE_BODIES = {"lease_renew": LEASE_RENEW, "lease_release": LEASE_RELEASE}  # the gateway's batch leases
-# bump a name's version with an incompatible body change
-FUNCTION_NAMES = {name: f"bf_{name}_v1" for name in BODIES}
+# bump a name's version with a body change: a worker of an older version loads its library over a newer one's
+# (FUNCTION LOAD REPLACE), and a caller then falls back to EVALSHA of its own body rather than run an older one
+# (enqueue v2: a named tenant's stream, its group and the queued-tenants set)
+FUNCTION_NAMES = {"enqueue": "bf_enqueue_v2", "cancel": "bf_cancel_v1"}
+LEGACY_BODIES = {"bf_enqueue_v1": ENQUEUE_V1}  # registered for older callers; nobody here calls them
 LEASE_FUNCTION_NAMES = {name: f"bf_{name}_v1" for name in LEASE_BODIES}
 ALL_BODIES = {**BODIES, **LEASE_BODIES}
 ALL_FUNCTION_NAMES = {**FUNCTION_NAMES, **LEASE_FUNCTION_NAMES}
@@ -85,6 +103,9 @@ def library_code() -> str:
     for name, body in ALL_BODIES.items():
         parts.append(f"local function {name}(KEYS, ARGV)\n{body.strip()}\nend")
         parts.append(f"redis.register_function('{ALL_FUNCTION_NAMES[name]}', {name})")
+    for fname, body in LEGACY_BODIES.items():
+        parts.append(f"local function {fname}(KEYS, ARGV)\n{body.strip()}\nend")
+        parts.append(f"redis.register_function('{fname}', {fname})")
     return "\n".join(parts) + "\n"
 
 
