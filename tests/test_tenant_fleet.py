@@ -12,7 +12,9 @@ import redis
 
 from batchfleet.common.errors import QueueFull
 from batchfleet.common.keys import Keys
+from batchfleet.common.redis.fleetstate import queue_stats
 from batchfleet.producer import Client
+from batchfleet.producer.ops.demand import request_streams
 from batchfleet.worker.devtools import free_port
 from tests.helpers.loops import wait_until
 
@@ -75,6 +77,9 @@ def test_a_full_queue_refuses_the_tenant_that_fills_it(start_worker, redis_url, 
         assert refused > 0, "a never filled its queue"
         ours = [b.submit([30 + i, 31], max_new_tokens=2) for i in range(10)]  # none refused while a's is full
         assert r.xlen(keys.stream(32, tenant="a")) >= 15  # a's queue still (nearly) full when b's were taken
+        # demand (what KEDA scales on) and the queue gauges count every tenant's streams
+        assert {keys.stream(32, tenant="a"), keys.stream(32, tenant="b")} <= {s for s, _ in request_streams(r, keys)}
+        assert sum(q.length for q in queue_stats(r, keys, (32,))) >= r.xlen(keys.stream(32, tenant="a"))
         assert all(b.result(j, timeout=120).completion_tokens == 2 for j in ours)
         assert all(a.result(j, timeout=300).completion_tokens == 32 for j in accepted)
     usage = {k.decode(): int(v) for k, v in r.hgetall(keys.usage()).items()}
