@@ -165,9 +165,9 @@ class WorkerConfig:
         "Streamed requests: at most one text delta per request this often (each costs one Redis write)."))
     # per bucket and priority; published so producers refuse (QueueFull) beyond it
     max_queue_len: int = field(default=10_000, metadata=option(
-        "Per-bucket interactive queue length at which producers get QueueFull (0 = unbounded)."))
+        "Per-bucket (and tenant) interactive queue length at which producers get QueueFull (0 = unbounded)."))
     background_queue_len: int = field(default=1_000_000, metadata=option(
-        "Per-bucket background queue length at which producers get QueueFull (0 = unbounded).",
+        "Per-bucket (and tenant) background queue length at which producers get QueueFull (0 = unbounded).",
         aliases=("batch-queue-len",)))
     name: str | None = field(default=None, metadata=option(
         "Consumer name, unique per worker (default host-pid-rand).", flag="worker-name", aliases=("name",)))

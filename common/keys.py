@@ -30,6 +30,8 @@ DEFAULT_NAMESPACE = "bf"
 # kept in the key so work queued before the rename to "background" is still read after an upgrade (and the
 # KEDA manifests keep naming these streams). Nothing else says "batch" for the priority.
 BACKGROUND_STREAM_SUFFIX = "batch"
+# A named tenant's request streams end in ``:t:<tenant>`` (``Keys.stream``); the default tenant's have no suffix.
+TENANT_STREAM_SUFFIX = ":t:"
 # fullmatch everywhere: "$" would accept a trailing newline ("abc\n")
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 JOB_ID_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
@@ -126,19 +128,39 @@ class Keys:
         """Consumer group shared by every worker of the fleet."""
         return "workers"
 
-    def stream(self, bucket: int, priority: str = INTERACTIVE) -> str:
-        """The request stream of one prompt-length bucket and priority: ``<ns>:stream:<bucket>`` for
+    def stream(self, bucket: int, priority: str = INTERACTIVE, tenant: str = "") -> str:
+        """The request stream of one prompt-length bucket, priority and tenant: ``<ns>:stream:<bucket>`` for
         interactive work, ``<ns>:stream:<bucket>:batch`` (``BACKGROUND_STREAM_SUFFIX``) for background work, so
-        a worker finds interactive work without reading past a background backlog."""
+        a worker finds interactive work without reading past a background backlog; a named tenant's (``tenant``
+        not "") end in ``:t:<tenant>``, so a worker reads each tenant's work apart and shares a class between them
+        (worker/transport/fair_share.py) without reading past another tenant's backlog."""
         if priority == INTERACTIVE:
-            return f"{self.prefix}:stream:{bucket}"
-        if priority != BACKGROUND:
+            base = f"{self.prefix}:stream:{bucket}"
+        elif priority == BACKGROUND:
+            base = f"{self.prefix}:stream:{bucket}:{BACKGROUND_STREAM_SUFFIX}"
+        else:
             raise ValueError(f"unknown priority {priority!r}")
-        return f"{self.prefix}:stream:{bucket}:{BACKGROUND_STREAM_SUFFIX}"
+        if not tenant:
+            return base
+        if not valid_tenant(tenant):
+            raise ValueError(f"invalid tenant {tenant!r}")
+        return f"{base}{TENANT_STREAM_SUFFIX}{tenant}"
 
-    def streams(self, buckets: tuple[int, ...] | list[int]) -> list[tuple[str, int, str]]:
-        """(stream, bucket, priority) of every request stream, interactive ones first."""
-        return [(self.stream(b, priority), b, priority) for priority in PRIORITIES for b in buckets]
+    def streams(self, buckets: tuple[int, ...] | list[int], tenants: tuple[str, ...] | list[str] | set[str] = (),
+                ) -> list[tuple[str, int, str]]:
+        """(stream, bucket, priority) of every request stream: the default tenant's and those of ``tenants``
+        (the named tenants that ever queued work here: ``SMEMBERS`` of ``queued_tenants``, as
+        common/redis/fleetstate.py ``request_streams`` reads it), interactive ones first. The one enumeration of
+        request streams: whoever counts or scans them all passes the tenants."""
+        named = sorted(t for t in set(tenants) if t)
+        return [(self.stream(b, priority, t), b, priority) for priority in PRIORITIES for t in ("", *named)
+                for b in buckets]
+
+    @property
+    def queued_tenants(self) -> str:
+        """Set of the named tenants that have queued work on this shard (the enqueue function adds the tenant
+        when it creates its stream): workers read these tenants' streams (``streams``)."""
+        return f"{self.prefix}:queued-tenants"
 
     def inbox(self, token: str) -> str:
         """One client's reply stream: workers XADD every reply (and stream delta) of the client's jobs here;

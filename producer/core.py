@@ -159,7 +159,8 @@ class FleetView:
     def build(self, keys: Keys, reply_key: str, prompt: Prompt, ask: Ask, timeout: float | None,
               job_id: str | None, stream: bool = False, tenant: str = "") -> Outgoing:
         """Tokenize, route (raises PromptTooLong) and build the request; nothing is sent. The priority picks
-        the stream (and its queue limit): the one place it travels. The tenant: the Ask's, else ``tenant``."""
+        the stream (and its queue limit): the one place it travels; so does the tenant (its own streams): the Ask's,
+        else ``tenant``."""
         assert self.info is not None
         ids = self.tokenize(prompt)
         biased = ask.params.logit_bias
@@ -176,7 +177,7 @@ class FleetView:
         req = Request(id=job_id, prompt=ids, params=ask.params, reply_key=reply_key, stream=stream,
                       timeout_ms=None if timeout is None else int(timeout * 1000), kind=ask.kind, tenant=tenant)
         limit = self.info.batch_queue_len if ask.priority == BACKGROUND else self.info.max_queue_len
-        return Outgoing(bucket, keys.stream(bucket, ask.priority), req, limit, ask.priority)
+        return Outgoing(bucket, keys.stream(bucket, ask.priority, tenant), req, limit, ask.priority)
 
 
 def parse_reply(job_id: str, raw: bytes) -> Result | Delta:

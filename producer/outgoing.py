@@ -36,10 +36,17 @@ class Outgoing:
         what = replace(self.request, timeout_ms=None).encode() + f"\0{self.bucket}\0{self.priority}".encode()
         return hashlib.blake2b(what, digest_size=16).digest()
 
-    def args(self, require_workers: bool, live_ms: int) -> list:
-        """ARGV of the enqueue function (KEYS: stream, live-worker set)."""
-        return [self.max_queue_len, self.request.id, self.request.reply_key, self.request.encode(),
+    @property
+    def tenant(self) -> str:
+        """Who sent it ("" the default tenant): a named tenant's stream is its own (common/keys.py ``stream``)."""
+        return self.request.tenant
+
+    def args(self, require_workers: bool, live_ms: int, group: str = "") -> list:
+        """ARGV of the enqueue function (KEYS: stream, live-worker set[, queued tenants]); a named tenant's add
+        also names the tenant and the workers' ``group`` (the function makes the stream)."""
+        args = [self.max_queue_len, self.request.id, self.request.reply_key, self.request.encode(),
                 MAX_PAYLOAD_BYTES, "1" if require_workers else "0", live_ms]
+        return [*args, self.tenant, group] if self.tenant else args
 
     def fields(self) -> dict[str, Any]:
         """The stream entry the enqueue function writes (docs/PROTOCOL.md), for a plain ``XADD``."""
@@ -58,7 +65,8 @@ class Outgoing:
             return self.id
         earlier = "; earlier prompts of this call were enqueued" if in_batch else ""
         if code in (0, ADDED_PAST_LIMIT):
-            raise QueueFull(f"bucket {self.bucket} ({self.priority}) holds {self.max_queue_len} entries; "
+            whose = f" of tenant {self.tenant}" if self.tenant else ""
+            raise QueueFull(f"bucket {self.bucket} ({self.priority}){whose} holds {self.max_queue_len} entries; "
                             f"retry later{earlier}")
         if code == -1:
             raise NoWorkers(f"no live worker serves namespace {namespace!r} (none sent a heartbeat recently); "

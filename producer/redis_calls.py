@@ -39,6 +39,7 @@ class RedisCalls:
         self.r, self.conn, self.retry_s = r, conn, retry_s
         self.backoff = Backoff(log, "redis", min_s=0.05, max_s=2.0)  # shared with the inbox reader
         self.functions = Functions(r)
+        self._made: set[str] = set()  # named tenants' streams this client added to through the function
         self._lengths: dict[str, tuple[int, float]] = {}  # stream -> (its length after our last add, when)
         self._probing: set[str] = set()  # streams seen near their limit with a plain add (a probe) on its way
 
@@ -99,7 +100,7 @@ class RedisCalls:
         # keys[0]: every library function has keys; a cluster sends the WAIT to the master of their slot
         return await self.functions.call(name, keys, args, send=lambda cmd: write_acked(self.r, n, cmd, keys[0]))
 
-    async def append(self, stream: str, fields: dict[str, Any]) -> tuple[Any, int]:
+    async def append(self, stream: str, fields: dict[str, Any], queued: str = "", tenant: str = "") -> tuple[Any, int]:
         """``XADD`` then ``XLEN`` of ``stream`` in one round trip (then WAIT, as ``function``): the new entry's id and
         the stream's length with it. Plain commands, as the enqueue function's own: through the function Redis
         spends ~4x the XADD's time on the entry (issue 29)."""
@@ -107,14 +108,17 @@ class RedisCalls:
         async with self.r.pipeline(transaction=False) as pipe:  # gives its connection back however it ends
             pipe.xadd(stream, fields)
             pipe.xlen(stream)
+            if tenant:  # a named tenant's: workers read it even if Redis lost the set since its first add
+                pipe.sadd(queued, tenant)
             if n > 0:
                 pipe.execute_command("WAIT", n, WAIT_TIMEOUT_MS, **same_node(self.r, stream))
             out = await pipe.execute()
         if n > 0:
-            require_replicas(out[2], n, f"enqueue to {stream}")
+            require_replicas(out[-1], n, f"enqueue to {stream}")
         return out[0], int(out[1])
 
-    async def enqueue(self, job: Outgoing, workers: str, check: bool, deadline: Deadline) -> int:
+    async def enqueue(self, job: Outgoing, workers: str, check: bool, deadline: Deadline, queued: str = "",
+                      group: str = "workers") -> int:
         """The enqueue function's answer for ``job`` (``Outgoing.accepted``). Through the function (the checks
         and the add in one step) where the live-worker check is due or this client saw the stream at or past
         half its limit within LENGTH_TRUST_S; else a plain ``XADD`` + ``XLEN``, which checks the limit only
@@ -124,8 +128,20 @@ class RedisCalls:
         function renews the length seen). That add is
         withdrawn with ``XDEL``: gone unread, it is never answered, and a retry under the same job id is a job
         like any other (a cancel would answer the id ``cancelled``, the retry with it). A worker that read it
-        first runs it: the answer of a retry under that id (the client keeps it as unclaimed)."""
+        first runs it: the answer of a retry under that id (the client keeps it as unclaimed).
+
+        A named tenant's first add to a stream goes through the function (``queued``: the shard's
+        ``Keys.queued_tenants``; ``group``: the workers'), which makes the stream with the workers' group and tells
+        the workers of the tenant; plain adds may follow."""
         what = f"enqueue of job {job.id}"
+        if job.tenant and (check or job.stream not in self._made):
+            args = job.args(check, LIVE_WORKER_MS, group)
+            code = await self.io(lambda: self.function("enqueue", [job.stream, workers, queued], args), deadline, what)
+            if code == 1:
+                self._made.add(job.stream)
+            elif code == 0:
+                self._lengths[job.stream] = (job.max_queue_len, time.monotonic())
+            return code
         seen_len, seen_at = self._lengths.get(job.stream, (0, -math.inf))
         near = job.max_queue_len and seen_len >= job.max_queue_len * NEAR_LIMIT
         # near the limit, one plain add at a time probes a length no longer trusted: a burst of submits (all
@@ -142,7 +158,8 @@ class RedisCalls:
         if near:
             self._probing.add(job.stream)
         try:
-            entry_id, length = await self.io(lambda: self.append(job.stream, fields), deadline, what)
+            entry_id, length = await self.io(lambda: self.append(job.stream, fields, queued, job.tenant), deadline,
+                                              what)
         finally:
             if near:
                 self._probing.discard(job.stream)

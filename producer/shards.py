@@ -99,4 +99,6 @@ class Router:
     async def route(self, job: Outgoing) -> tuple[Outgoing, Keys]:
         """``job`` aimed at the stream of the shard picked for it, and that shard's keys."""
         shard = self.keys.of_shard(await self.picker.pick(self.keys, job.bucket, job.priority, self.home.shard))
-        return (dataclasses.replace(job, stream=shard.stream(job.bucket, job.priority)) if shard.shard else job), shard
+        if not shard.shard:
+            return job, shard
+        return dataclasses.replace(job, stream=shard.stream(job.bucket, job.priority, job.tenant)), shard

@@ -35,6 +35,8 @@ class Ledger(Mapping[str, int]):
         # per priority (priority) of answered requests: prompt tokens the prefix cache supplied, preemptions
         self.cached_tokens: Counter[str] = Counter(dict.fromkeys(PRIORITIES, 0))
         self.preemptions: Counter[str] = Counter(dict.fromkeys(PRIORITIES, 0))
+        # per (tenant, what) of answered requests: requests, prompt, cached and generated tokens (Reply.usage)
+        self.usage: Counter[tuple[str, str]] = Counter()
 
     def note(self, event: str, n: int = 1) -> None:
         """Count ``n`` of an event (one of ``EVENTS``)."""
@@ -44,6 +46,8 @@ class Ledger(Mapping[str, int]):
     def replied(self, replies: Iterable[Reply]) -> None:
         """Count final replies as they enter the outbox (results and errors alike)."""
         for rep in replies:
+            for what, n in rep.usage.items():
+                self.usage[rep.tenant, what] += n
             msg = rep.message
             if isinstance(msg, Result):
                 self._n["completed"] += 1

@@ -12,10 +12,12 @@ three latency histograms, by priority (with ``--metrics-port``).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter, deque
 from typing import Any
 
+import redis
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -162,12 +164,55 @@ class WorkerMetrics(LoopStats):
         self.queues.close()
 
 
+TENANTS_READ_S = 10.0
+TENANT_USAGE = {"requests": "Requests answered, by tenant (configured label, default or other).",
+                "prompt_tokens": "Prompt tokens of answered requests, by tenant.",
+                "cached_tokens": "Of those, tokens the prefix cache supplied, by tenant.",
+                "generated_tokens": "Generated tokens of answered requests, by tenant."}
+
+
+def tenant_label(tenant: str, configured: frozenset[str]) -> str:
+    """The metric label of a tenant: ``default`` for the default tenant (""), its own label when configured
+    (``Keys.tenants``), else ``other`` (a bounded label set)."""
+    if not tenant:
+        return "default"
+    return tenant if tenant in configured else "other"
+
+
 class _LoopCollector(Collector):
     """Gauges and counters read from the loop's state at scrape time (no work in the loop)."""
 
     def __init__(self, metrics: WorkerMetrics) -> None:
         self.metrics = metrics
         self._engine: dict[str, Any] = {}
+        self._configured: tuple[float, frozenset[str]] = (-math.inf, frozenset())  # (monotonic, tenants configured)
+
+    def _tenants(self) -> frozenset[str]:
+        """The configured tenants (``Keys.tenants``' labels), read at most every TENANTS_READ_S: the tenant label
+        set of the usage counters is these, ``default`` and ``other``, however many labels requests name."""
+        at, known = self._configured
+        if time.monotonic() - at > TENANTS_READ_S:
+            queues = self.metrics.queues
+            try:
+                with queues._lock:
+                    known = frozenset(t.decode() if isinstance(t, bytes) else t
+                                      for t in queues.r.hkeys(queues.keys.tenants))
+            except redis.RedisError as exc:
+                log.debug("tenants not read: %r", exc)
+            self._configured = (time.monotonic(), known)
+        return known
+
+    def _tenant_usage(self, ledger: Ledger):
+        """Usage counters by tenant label (bounded: ``_tenants``)."""
+        known = self._tenants()
+        sums: Counter[tuple[str, str]] = Counter()
+        for (tenant, what), n in list(ledger.usage.items()):
+            sums[tenant_label(tenant, known), what] += n
+        for what, text in TENANT_USAGE.items():
+            family = CounterMetricFamily(f"batchfleet_tenant_{what}", text, labels=["tenant"])
+            for label in sorted({label for label, _ in sums} | {"default"}):
+                family.add_metric([label], sums[label, what])
+            yield family
 
     def _engine_stats(self) -> dict[str, Any]:
         try:  # read from the scrape thread while the loop runs: on a race keep the last good figures
@@ -228,3 +273,4 @@ class _LoopCollector(Collector):
         yield preempted
         yield CounterMetricFamily("batchfleet_reclaimed", "Entries taken over from silent workers.",
                                   value=ledger["reclaimed"])
+        yield from self._tenant_usage(ledger)

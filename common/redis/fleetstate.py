@@ -91,8 +91,29 @@ def queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int]
     return out
 
 
+def queued_tenants(r: redis.Redis, keys: Keys) -> list[str]:
+    """The named tenants that ever queued work on ``keys``' shard (``Keys.queued_tenants``)."""
+    return sorted(t for t in (_decode(m) for m in r.smembers(keys.queued_tenants)) if isinstance(t, str) and t)
+
+
+def request_streams(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int]) -> list[tuple[str, int, str]]:
+    """Every request stream of ``keys``' shard, every tenant's (``Keys.streams``): one SMEMBERS."""
+    return keys.streams(buckets, queued_tenants(r, keys))
+
+
 def _queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int]) -> list[QueueStats]:
-    streams = keys.streams(buckets)
+    """One row per bucket and priority, summed over the tenants' streams (the oldest age: the largest)."""
+    rows = _stream_stats(r, keys, request_streams(r, keys, buckets))
+    merged: dict[tuple[int, str], QueueStats] = {}
+    for q in rows:
+        m = merged.get((q.bucket, q.priority))
+        merged[q.bucket, q.priority] = q if m is None else QueueStats(
+            q.bucket, q.priority, m.length + q.length, m.depth + q.depth, m.pending + q.pending,
+            None if None in (m.lag, q.lag) else (m.lag or 0) + (q.lag or 0), max(m.oldest_age_s, q.oldest_age_s))
+    return list(merged.values())
+
+
+def _stream_stats(r: redis.Redis, keys: Keys, streams: list[tuple[str, int, str]]) -> list[QueueStats]:
     pipe = r.pipeline(transaction=False)
     pipe.execute_command("TIME", **same_node(r, keys.workers))  # the clock that stamps the entry ids
     for stream, _, _ in streams:

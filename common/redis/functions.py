@@ -24,10 +24,34 @@ LIBRARY_NAME = "batchfleet"
 LIVE_WORKER_MS = 30_000  # a worker whose last heartbeat (Redis time) is older than this is gone
 CANCELS_MAXLEN = 10_000
 
-# KEYS: stream, workers (zset). ARGV: max_len (0 = unbounded), job id, reply key, payload, max payload bytes,
-# require workers ('1'/'0'), live worker window (ms).
+# KEYS: stream, workers (zset)[, queued tenants (set)]. ARGV: max_len (0 = unbounded), job id, reply key, payload,
+# max payload bytes, require workers ('1'/'0'), live worker window (ms)[, tenant, consumer group].
 # Returns 1 enqueued, 0 queue full, -1 no live worker, -2 payload too large. The entry's id is Redis' clock.
+# A named tenant's stream (common/keys.py ``Keys.stream``) is made here with the workers' group (from the start)
+# and the tenant added to the set workers read (``Keys.queued_tenants``), so its first entry is read; the limit
+# counts that stream alone: a tenant that fills its queue is refused, not the others.
 ENQUEUE = """
+if string.len(ARGV[4]) > tonumber(ARGV[5]) then return -2 end
+if ARGV[6] == '1' then
+  local t = redis.call('TIME')
+  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if redis.call('ZCOUNT', KEYS[2], now_ms - tonumber(ARGV[7]), '+inf') == 0 then return -1 end
+end
+local max_len = tonumber(ARGV[1])
+if max_len > 0 and redis.call('XLEN', KEYS[1]) >= max_len then return 0 end
+if KEYS[3] and ARGV[8] and ARGV[8] ~= '' then
+  if redis.call('EXISTS', KEYS[1]) == 0 then
+    redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[9], '0', 'MKSTREAM')
+  end
+  redis.call('SADD', KEYS[3], ARGV[8])
+end
+redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'r', ARGV[3], 'p', ARGV[4])
+return 1
+"""
+
+# bf_enqueue_v1's body, still registered for producers of before tenants (they call it by name; an ACL user
+# without EVAL has no fallback): KEYS and ARGV as ENQUEUE's without the tenant's.
+ENQUEUE_V1 = """
 if string.len(ARGV[4]) > tonumber(ARGV[5]) then return -2 end
 if ARGV[6] == '1' then
   local t = redis.call('TIME')
@@ -138,8 +162,11 @@ return {refused == 0 and 1 or 0, refused, wait, count, used, reset_requests, res
 BODIES = {"enqueue": ENQUEUE, "cancel": CANCEL}  # the client protocol's (docs/PROTOCOL.md): any producer
 LEASE_BODIES = {"lease_renew": LEASE_RENEW, "lease_release": LEASE_RELEASE}  # the gateway's batch leases
 LIMIT_BODIES = {"admit": ADMIT}  # a tenant's rate limits (common/tenants.py): any client admitting work for one
-# bump a name's version with an incompatible body change
-FUNCTION_NAMES = {name: f"bf_{name}_v1" for name in BODIES}
+# bump a name's version with a body change: a worker of an older version loads its library over a newer one's
+# (FUNCTION LOAD REPLACE), and a caller then falls back to EVALSHA of its own body rather than run an older one
+# (enqueue v2: a named tenant's stream, its group and the queued-tenants set)
+FUNCTION_NAMES = {"enqueue": "bf_enqueue_v2", "cancel": "bf_cancel_v1"}
+LEGACY_BODIES = {"bf_enqueue_v1": ENQUEUE_V1}  # registered for older callers; nobody here calls them
 LEASE_FUNCTION_NAMES = {name: f"bf_{name}_v1" for name in LEASE_BODIES}
 LIMIT_FUNCTION_NAMES = {name: f"bf_{name}_v1" for name in LIMIT_BODIES}
 ALL_BODIES = {**BODIES, **LEASE_BODIES, **LIMIT_BODIES}
@@ -152,6 +179,9 @@ def library_code() -> str:
     for name, body in ALL_BODIES.items():
         parts.append(f"local function {name}(KEYS, ARGV)\n{body.strip()}\nend")
         parts.append(f"redis.register_function('{ALL_FUNCTION_NAMES[name]}', {name})")
+    for fname, body in LEGACY_BODIES.items():
+        parts.append(f"local function {fname}(KEYS, ARGV)\n{body.strip()}\nend")
+        parts.append(f"redis.register_function('{fname}', {fname})")
     return "\n".join(parts) + "\n"
 
 

@@ -41,7 +41,7 @@ import redis
 from batchfleet.common.config import DEFAULT_BUCKETS
 from batchfleet.common.errors import RedisUnavailable
 from batchfleet.common.keys import Keys
-from batchfleet.common.redis.fleetstate import fleet_info, layout
+from batchfleet.common.redis.fleetstate import fleet_info, layout, queued_tenants
 from batchfleet.common.wire.priority import BACKGROUND, INTERACTIVE, PRIORITIES
 from batchfleet.producer.bulk.registry import bulk_runs
 from batchfleet.producer.ops.batch_jobs import batch_jobs
@@ -82,12 +82,12 @@ class Demand:
 
 def request_streams(r: redis.Redis, keys: Keys, buckets: Iterable[int] | None = None) -> list[tuple[str, str]]:
     """(stream, priority) of every request stream the fleet may hold work in: the buckets of the fleet
-    description, DEFAULT_BUCKETS and ``buckets``, both priorities, on every shard of the fleet's layout. The one
-    list every demand reader counts: a kind of stream added later (per tenant) is added here."""
+    description, DEFAULT_BUCKETS and ``buckets``, both priorities, every tenant's (``Keys.queued_tenants``, one
+    SMEMBERS per shard), on every shard of the fleet's layout. The one list every demand reader counts."""
     info = fleet_info(r, keys)
     every = sorted({*DEFAULT_BUCKETS, *(buckets or ()), *(info.buckets if info is not None else ())})
     return [(stream, priority) for shard in layout(keys, info).every_shard
-            for stream, _, priority in shard.streams(every)]
+            for stream, _, priority in shard.streams(every, queued_tenants(r, shard))]
 
 
 def read_demand(r: redis.Redis, keys: Keys, buckets: Iterable[int] | None = None) -> Demand:

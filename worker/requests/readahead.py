@@ -69,7 +69,7 @@ class ReadAhead:
         self._since: dict[str, float] = {}  # job id -> monotonic time first seen queued (loop thread only)
         self._queued: tuple[tuple[Accepted, float], ...] = ()  # what waits during the current step
         self._stepping = False
-        self._released: dict[tuple[int, str, str], Accepted] = {}  # released, not yet dropped by the loop
+        self._released: dict[tuple[int, str, str, int, str], Accepted] = {}  # released, not yet dropped by the loop
         self._peers = (0, -math.inf)  # (live peers, monotonic time asked)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="read-ahead", daemon=True)

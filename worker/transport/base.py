@@ -57,11 +57,17 @@ class Entry:
     # short (worker/transport/bounded.py): it can only be answered or dead-lettered; 0 = ``fields`` are whole
     priority: str = INTERACTIVE  # the priority of its stream (common/wire/priority.py)
     shard: int = 0  # the shard of its stream (a sharded cluster fleet, worker/transport/sharded.py)
+    tenant: str = ""  # the tenant of its stream ("" the default tenant's; common/keys.py ``Keys.stream``)
 
     @property
-    def where(self) -> tuple[int, str, str, int]:
-        """(bucket, priority, entry id, shard): unique per worker (an entry id is unique per stream only)."""
-        return self.bucket, self.priority, self.entry_id, self.shard
+    def stream_of(self) -> tuple[int, str, str]:
+        """(bucket, priority, tenant): which of its shard's streams holds it (``Keys.stream``'s arguments)."""
+        return self.bucket, self.priority, self.tenant
+
+    @property
+    def where(self) -> tuple[int, str, str, int, str]:
+        """(bucket, priority, entry id, shard, tenant): unique per worker (an entry id is unique per stream only)."""
+        return self.bucket, self.priority, self.entry_id, self.shard, self.tenant
 
 
 @dataclass(frozen=True)
@@ -73,18 +79,30 @@ class Reply:
     bucket: int  # the stream the answered entry sits in
     entry_id: str  # settled (acked and deleted) by the same write that stores the reply
     reply_key: str  # the submitting client's inbox stream
-    priority: str = INTERACTIVE  # with ``bucket`` and ``shard``: the stream the answered entry sits in
+    priority: str = INTERACTIVE  # with ``bucket``, ``shard`` and ``tenant``: the stream the answered entry sits in
     shard: int = 0
+    tenant: str = ""  # who sent the job (its usage is counted per tenant)
 
     @classmethod
     def to(cls, entry: Entry, job_id: str, message: Result | Error, reply_key: str) -> Reply:
         """The reply that answers ``job_id`` and settles ``entry``."""
-        return cls(job_id, message, entry.bucket, entry.entry_id, reply_key, entry.priority, entry.shard)
+        return cls(job_id, message, entry.bucket, entry.entry_id, reply_key, entry.priority, entry.shard, entry.tenant)
 
     @property
     def settles(self) -> Entry:
         """The entry this reply settles (its place only: no fields)."""
-        return Entry(self.bucket, self.entry_id, {}, priority=self.priority, shard=self.shard)
+        return Entry(self.bucket, self.entry_id, {}, priority=self.priority, shard=self.shard, tenant=self.tenant)
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """What this answer adds to its tenant's usage (``Keys.usage`` fields after ``<tenant>|``): a result its
+        request, prompt, cached and generated tokens; an error its request alone."""
+        msg = self.message
+        if not isinstance(msg, Result):
+            return {"requests": 1}
+        cached = msg.extra.get("cached_tokens")
+        return {"requests": 1, "prompt_tokens": msg.prompt_tokens, "generated_tokens": msg.completion_tokens,
+                "cached_tokens": cached if type(cached) is int and cached > 0 else 0}
 
     def encode(self) -> bytes:
         """The wire bytes; an answer that cannot be encoded (e.g. text with a lone surrogate) becomes an

@@ -26,14 +26,19 @@ Redis itself builds a too-large reply whole in its output buffer until the conne
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from typing import Any
 
 import redis
 
+from batchfleet.common.keys import Keys
 from batchfleet.common.redis.clients import xread, xread_args
+from batchfleet.common.wire.priority import PRIORITIES
 from batchfleet.common.wire.protocol import MAX_PAYLOAD_BYTES
 from batchfleet.worker.transport.base import Entry
 from batchfleet.worker.transport.delivered import Delivered
+from batchfleet.worker.transport.fair_share import FairShare
 from batchfleet.worker.transport.reply_guard import ELEMENT_BYTES, ReplyTooLarge, guard, one_budget
 from batchfleet.worker.transport.scripts import WorkerScripts
 
@@ -61,13 +66,14 @@ def fields_dict(flat: list) -> dict[bytes, bytes]:
     return {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}
 
 
-def entry_of(bucket: int, priority: str, raw: list) -> Entry | None:
+def entry_of(bucket: int, priority: str, raw: list, tenant: str = "") -> Entry | None:
     """An Entry from a script's {id, fields or false, oversize[, deliveries]}; None for one deleted while pending."""
     entry_id, flat, oversize = raw[0], raw[1], int(raw[2] or 0)
     if not isinstance(flat, list):
         return None
     deliveries = int(raw[3]) if len(raw) > 3 else 1
-    return Entry(bucket, as_str(entry_id), fields_dict(flat), deliveries, oversize=oversize, priority=priority)
+    return Entry(bucket, as_str(entry_id), fields_dict(flat), deliveries, oversize=oversize, priority=priority,
+                 tenant=tenant)
 
 
 def shrink(entry: Entry) -> Entry:
@@ -78,7 +84,7 @@ def shrink(entry: Entry) -> Entry:
     if size <= MAX_ENTRY_BYTES and len(flat) <= MAX_FIELDS:
         return entry
     kept = fields_dict([bytes(x[:KEEP_BYTES]) for x in flat[:KEEP_FIELDS]])
-    return Entry(entry.bucket, entry.entry_id, kept, entry.deliveries, oversize=max(size, 1), priority=entry.priority)
+    return dataclasses.replace(entry, fields=kept, oversize=max(size, 1))
 
 
 def by_stream(resp: Any) -> list:
@@ -91,16 +97,23 @@ def by_stream(resp: Any) -> list:
 
 
 class BoundedReader:
-    """``XREADGROUP`` of a consumer over its bucket streams, guarded and recovered (module docstring)."""
+    """``XREADGROUP`` of a consumer over its request streams (every tenant's), guarded and recovered (module
+    docstring); how much of each tenant's streams a read asks for is their fair share (``shares``, one per
+    priority: worker/transport/fair_share.py)."""
 
-    def __init__(self, r: Any, scripts: WorkerScripts, group: str, consumer: str,
-                 streams: list[tuple[str, int, str]]) -> None:
-        """``streams``: (stream, bucket, priority), most urgent first (``Keys.streams``)."""
+    def __init__(self, r: Any, scripts: WorkerScripts, group: str, consumer: str, keys: Keys,
+                 buckets: tuple[int, ...]) -> None:
         self.r = r
         self.group = group
         self.consumer = consumer
-        self.where = {s: (b, priority) for s, b, priority in streams}
-        self.streams = streams
+        self.keys = keys
+        self.buckets = buckets
+        self.shares = {priority: FairShare() for priority in PRIORITIES}
+        self._shares_lock = threading.Lock()  # shard waiters read (and charge) on their own threads
+        self.streams: list[tuple[str, int, str]] = []  # (stream, bucket, priority), most urgent first
+        self.where: dict[str, tuple[int, str, str]] = {}  # stream -> (bucket, priority, tenant)
+        self.tenants: tuple[str, ...] = ("",)
+        self.set_tenants(())
         self._recover_script = scripts.recover
         # a cluster client pipelines by its own slot lookup (a round trip per command): one command at a time
         self._one_by_one = hasattr(r, "get_node_from_key")
@@ -108,6 +121,30 @@ class BoundedReader:
         # the last read was a blocking one that found nothing: whatever is there now arrived since, and a
         # blocking XREADGROUP returns it at once, so the next read goes straight to the blocking read
         self._quiet = False
+
+    def set_tenants(self, named: tuple[str, ...] | list[str] | set[str]) -> bool:
+        """Read the streams of the default tenant and of ``named`` (``Keys.queued_tenants``) from now on; True when
+        that added streams."""
+        tenants = ("", *sorted(t for t in set(named) if t))
+        if tenants == self.tenants and self.streams:
+            return False
+        # ``where`` first: a shard waiter's thread (worker/transport/shard_waiters.py) may read with the new streams
+        self.where = {self.keys.stream(b, priority, t): (b, priority, t)
+                      for priority in PRIORITIES for t in tenants for b in self.buckets}
+        self.streams = self.keys.streams(self.buckets, tenants)
+        self.tenants = tenants
+        return True
+
+    def served(self, replies: list) -> None:
+        """Replies written (``Reply``s of this shard's entries): their real cost corrects their tenants' charges."""
+        with self._shares_lock:
+            for rep in replies:
+                tokens = getattr(rep.message, "prompt_tokens", 0) + getattr(rep.message, "completion_tokens", 0)
+                self.shares[rep.priority].done(rep.tenant, int(tokens))
+
+    def _entry(self, key: str, entry_id: Any, fields: Any) -> Entry:
+        bucket, priority, tenant = self.where[key]
+        return shrink(Entry(bucket, as_str(entry_id), fields or {}, priority=priority, tenant=tenant))
 
     def read(self, counts: dict[str, int], block_ms: int | None) -> list[Entry]:
         """Up to ``counts[priority]`` new entries per stream of each priority (interactive streams first), and first
@@ -138,15 +175,16 @@ class BoundedReader:
         if self.delivered.owes():
             return self.recover_owed()
         plan: dict[int, list[str]] = {}
+        with self._shares_lock:
+            shares = {priority: self.shares[priority].plan(n, self.tenants) for priority, n in counts.items() if n > 0}
         for stream, _, priority in self.streams:
-            if (n := counts.get(priority, 0)) > 0:
+            if (n := shares.get(priority, {}).get(self.where[stream][2], 0)) > 0:
                 plan.setdefault(n, []).append(stream)
         return self._read(self.r, list(plan.items()), None) if plan else []
 
     def held(self, entries: list[Entry]) -> list[Entry]:
         """``entries`` taken another way (a reclaim), noted as handed over (never recovered as unseen)."""
-        streams = {(b, priority): s for s, b, priority in self.streams}
-        self.delivered.held([(streams[e.bucket, e.priority], e) for e in entries])
+        self.delivered.held([(self.keys.stream(*e.stream_of), e) for e in entries])
         return entries
 
     def _read(self, r: Any, plan: list[tuple[int, list[str]]], block_ms: int | None) -> list[Entry]:
@@ -160,9 +198,7 @@ class BoundedReader:
             for resp in replies:
                 for stream, entries in by_stream(resp):
                     key = as_str(stream)
-                    bucket, priority = self.where[key]
-                    got[key] = [shrink(Entry(bucket, as_str(eid), fields or {}, priority=priority))
-                                for eid, fields in entries]
+                    got[key] = [self._entry(key, eid, fields) for eid, fields in entries]
             del replies  # the raw (maybe large) entries go now, not at the end of the call
         except ReplyTooLarge:
             tripped = True  # handled below, once this frame no longer holds the partial reply
@@ -174,7 +210,22 @@ class BoundedReader:
             self.delivered.owe(since)
             self.delivered.end(token, [])
             return self.recover_owed()
+        self._charge(plan, got)
         return self.delivered.end(token, [(s, e) for s, _, _ in self.streams for e in got.get(s, ())])
+
+    def _charge(self, plan: list[tuple[int, list[str]]], got: dict[str, list[Entry]]) -> None:
+        """Tell each tenant's share what a read gave: how many, and whether one of its streams came back full."""
+        seen: dict[tuple[str, str], list[int]] = {}  # (priority, tenant) -> [entries, full]
+        for n, streams in plan:
+            for s in streams:
+                _, priority, tenant = self.where[s]
+                k = len(got.get(s, ()))
+                row = seen.setdefault((priority, tenant), [0, 0])
+                row[0] += k
+                row[1] |= k >= n
+        with self._shares_lock:
+            for (priority, tenant), (k, full) in seen.items():
+                self.shares[priority].got(tenant, k, bool(full))
 
     def _xreadgroup(self, r: Any, plan: list[tuple[int, list[str]]], block_ms: int | None) -> list:
         if len(plan) == 1 or self._one_by_one:
@@ -210,8 +261,8 @@ class BoundedReader:
         got: list[tuple[str, Entry]] = []
         left: dict[str, str] = {}
         for key, (cursor, raws, done) in zip(keys, resp):
-            bucket, priority = self.where[key]
-            got += [(key, e) for raw in raws if (e := entry_of(bucket, priority, raw)) is not None]
+            bucket, priority, tenant = self.where[key]
+            got += [(key, e) for raw in raws if (e := entry_of(bucket, priority, raw, tenant)) is not None]
             if not int(done):
                 left[key] = as_str(cursor)
         self.delivered.owe(left)

@@ -15,7 +15,9 @@ sent it, never a bare ``redis.ResponseError``.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import socket
 import time
@@ -28,6 +30,7 @@ import redis
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.keys import Keys
 from batchfleet.common.redis.clients import sync_client
+from batchfleet.common.redis.fleetstate import queued_tenants
 from batchfleet.common.redis.functions import load_library
 from batchfleet.common.redis.retry import TRANSIENT, Backoff
 from batchfleet.common.redis.url import is_cluster
@@ -48,6 +51,7 @@ MAX_BLOCK_MS = 2_000  # also bounds how long SIGTERM waits for an idle blocking 
 BLOCK_SLACK_MS = 110  # Redis may end a BLOCK up to one cron tick (100 ms at hz 10) late
 POLL_S = 0.002
 STARTUP_WAIT_S = 60.0  # setup() waits this long for Redis to come up
+TENANTS_CHECK_S = 1.0  # how often a worker looks for new tenants' streams and the tenants' weights
 
 T = TypeVar("T")
 
@@ -114,9 +118,10 @@ class StreamConsumer(Transport):
         scripts = WorkerScripts(self.r)  # registered once for this connection, shared by every part
         self._scripts = scripts
         # reads are capped while parsed, then cut down (or recovered in Redis): memory never follows entry sizes
-        self.reader = BoundedReader(self.r, scripts, self.keys.group, name, self.keys.streams(buckets))
+        self.reader = BoundedReader(self.r, scripts, self.keys.group, name, self.keys, buckets)
+        self._tenants_at = -float("inf")  # time.monotonic() of the last look at the tenants (follow_tenants)
         self.presence = Presence(self.r, scripts, self.keys, name)
-        self.settler = Settler(self.r, self.keys, conn.wait_replicas, name, reply_ttl_s)
+        self.settler = Settler(self.r, self.keys, conn.wait_replicas, name, reply_ttl_s, served=self.reader.served)
         self.cancel_watch = CancelWatch(self.r, scripts, self.keys)
         self.pending = PendingList(self.r, scripts, self.keys, name, buckets, self.reader)
         self.flush = FlushWatch(_refused(self._flush_counter))  # baseline taken by setup()
@@ -134,8 +139,29 @@ class StreamConsumer(Transport):
         """
         wait_writable(self._setup_once, wait_s)
 
+    def follow_tenants(self, force: bool = False) -> None:
+        """At most every TENANTS_CHECK_S: read the streams of the tenants that queued work here since
+        (``Keys.queued_tenants``) and take the configured weights (``Keys.tenants``, on the fleet's shard 0) into
+        the fair share. One round trip; an unreadable weight counts as 1."""
+        now = time.monotonic()
+        if not force and now - self._tenants_at < TENANTS_CHECK_S:
+            return
+        self._tenants_at = now
+        self.reader.set_tenants(queued_tenants(self.r, self.keys))
+        weights: dict[str, float] = {}
+        for label, raw in self.r.hgetall(self.keys.of_shard(0).tenants).items():
+            try:
+                w = float(json.loads(raw).get("weight", 1))
+            except (ValueError, TypeError, AttributeError):
+                continue
+            if math.isfinite(w) and w > 0:
+                weights[label.decode() if isinstance(label, bytes) else label] = w
+        for share in self.reader.shares.values():
+            share.weigh(weights)
+
     def _setup_once(self) -> None:
-        for stream, _, _ in self.keys.streams(self.buckets):
+        self.follow_tenants(force=True)
+        for stream, _, _ in self.reader.streams:
             try:
                 self.r.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
             except redis.ResponseError as exc:
@@ -176,6 +202,7 @@ class StreamConsumer(Transport):
         Without a deadline to keep (``exact=False``: an idle worker) one blocking read is the whole wait.
         """
         counts = dict.fromkeys(PRIORITIES, count) if isinstance(count, int) else count
+        self.follow_tenants()
         if block_ms is None:
             return self.reader.read(counts, None)
         if not exact:
@@ -217,7 +244,7 @@ class StreamConsumer(Transport):
             self.r.delete(self.keys.worker(self.name))
             if self.presence.leave():  # the last live worker: producers now get NoWorkers
                 log.info("last live worker of %r stopped: fleet description deleted", self.keys.namespace)
-            for stream, _, _ in self.keys.streams(self.buckets):
+            for stream, _, _ in self.reader.streams:
                 if not self.r.xpending_range(stream, self.keys.group, "-", "+", 1, consumername=self.name):
                     self.r.xgroup_delconsumer(stream, self.keys.group, self.name)  # would drop its PEL: empty
         except redis.RedisError:

@@ -32,11 +32,15 @@ class PendingList(Leases):
         self.reader = reader
         self.keys = keys
         self.name = name
-        self.streams = keys.streams(buckets)  # (stream, bucket, priority), interactive first
         self._cursors: dict[str, str] = {}  # XAUTOCLAIM cursor per stream, kept while a budget cuts a scan
         self._autoclaim = scripts.autoclaim
         self._released: object = None  # the release counter at the last scan (a sentinel: scan first)
         self._next_scan = 0.0  # time.monotonic() of the next full scan without a release
+
+    @property
+    def streams(self) -> list[tuple[str, int, str]]:
+        """(stream, bucket, priority) of every request stream the reader reads (every tenant's), interactive first."""
+        return self.reader.streams
 
     def reset(self) -> None:
         """Forget the reclaim cursors (the streams were re-created: old positions mean nothing)."""
@@ -65,12 +69,14 @@ class PendingList(Leases):
         self._released, self._next_scan = released, now + scan_period_s(min_idle_ms)
         # one script call over every stream (1 + streams commands), through the bounded reads: too-large
         # entries come back cut short (worker/transport/bounded.py)
-        keys = [stream for stream, _, _ in self.streams]
+        streams = self.streams
+        keys = [stream for stream, _, _ in streams]
         per_stream = self._autoclaim(keys=keys, args=[*autoclaim_args(self.keys.group, self.name, min_idle_ms, budget),
                                                       *(self._cursors.get(k, "0-0") for k in keys)])
         out: list[Entry] = []
-        for (stream, b, priority), (nxt, claimed, deleted) in zip(self.streams, per_stream):
-            claimed = [(as_str(raw[0]), entry_of(b, priority, raw)) for raw in claimed]
+        for (stream, b, priority), (nxt, claimed, deleted) in zip(streams, per_stream):
+            tenant = self.reader.where[stream][2]
+            claimed = [(as_str(raw[0]), entry_of(b, priority, raw, tenant)) for raw in claimed]
             if any(e is None for _, e in claimed):  # Redis 6.2 reports deleted ones as nil
                 deleted += self._ack_deleted(stream, {eid for eid, e in claimed if e is not None})
             if deleted:
@@ -98,7 +104,7 @@ class PendingList(Leases):
             return []
         pipe = self.r.pipeline(transaction=False)
         for e in entries:
-            pipe.xpending_range(self.keys.stream(e.bucket, e.priority), self.keys.group, e.entry_id, e.entry_id, 1)
+            pipe.xpending_range(self.keys.stream(*e.stream_of), self.keys.group, e.entry_id, e.entry_id, 1)
         counts = []
         for rows in pipe.execute():
             counts.append(int(rows[0]["times_delivered"]) if rows else 1)
@@ -116,7 +122,7 @@ class PendingList(Leases):
             self._queue_claims(pipe, entries, min_idle_ms=0, idle=idle_ms)
         else:
             for e in entries:
-                pipe.xclaim(self.keys.stream(e.bucket, e.priority), self.keys.group, self.name, 0, [e.entry_id],
+                pipe.xclaim(self.keys.stream(*e.stream_of), self.keys.group, self.name, 0, [e.entry_id],
                             idle=idle_ms, retrycount=max(0, e.deliveries - 1), justid=True)
         if entries:
             pipe.execute_command("INCR", self.keys.released)  # redis-py's incr() sends INCRBY
@@ -139,7 +145,7 @@ class PendingList(Leases):
         """XCLAIM JUSTID of ``entries``, one command per stream, queued on ``pipe``."""
         by_stream: dict[str, list[str]] = {}
         for e in entries:
-            by_stream.setdefault(self.keys.stream(e.bucket, e.priority), []).append(e.entry_id)
+            by_stream.setdefault(self.keys.stream(*e.stream_of), []).append(e.entry_id)
         for stream, ids in by_stream.items():
             pipe.xclaim(stream, self.keys.group, self.name, min_idle_ms, ids, idle=idle, justid=True)
 

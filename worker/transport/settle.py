@@ -11,6 +11,9 @@ so a rewrite is harmless.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import redis
 
 from batchfleet.common.keys import Keys
@@ -20,12 +23,18 @@ from batchfleet.worker.transport.refused import REFUSALS, refused
 
 DEAD_LETTER_MAXLEN = 10_000
 _DEAD_FIELDS = {b"reason", b"bucket", b"worker", b"entry_id", b"deliveries"}
+DAY_S = 86_400
+USAGE_DAYS_KEPT = 2  # a day's usage hash expires this many days after the day ends
+
 
 
 class Settler(Settling):
     """The reply, dead-letter, ack and hand-back writes of one worker (``name``)."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, wait_replicas: int, name: str, reply_ttl_s: int) -> None:
+    def __init__(self, r: redis.Redis, keys: Keys, wait_replicas: int, name: str, reply_ttl_s: int,
+                 served: Callable[[list[Reply]], None] | None = None) -> None:
+        """``served``: told of the replies written first (the tenants' fair share takes their real cost)."""
+        self.served = served
         self.r = r
         self.keys = keys  # one shard's: every key a call touches is on it (worker/transport/sharded.py splits the rest)
         self.wait_replicas = wait_replicas
@@ -57,13 +66,38 @@ class Settler(Settling):
                     raise x
             if wanted:  # too few: NotReplicated (transient) keeps the replies in the outbox; rewrites are idempotent
                 require_replicas(out[-1], wanted, f"{len(replies)} replies")
+            first = [bool(x) for x in out[:2 * len(replies):2]]
             entries = [rep.settles for rep in replies if rep.entry_id]
-            if entries:
+            counted = [rep for rep, new in zip(replies, first) if new]
+            if entries or counted:
                 pipe = self.r.pipeline(transaction=False)
                 self._ack(pipe, entries)
+                self._count_usage(pipe, counted)
                 # an ack refused (a stream or group lost with Redis' data) must not fail the replies written before
                 pipe.execute(raise_on_error=False)
-        return [bool(x) for x in out[:2 * len(replies):2]]
+        if self.served is not None and counted:
+            self.served(counted)
+        return first
+
+    def _count_usage(self, pipe, replies: list[Reply]) -> None:
+        """HINCRBY each answered job's counts into its tenant's usage, the fleet's total and today's (UTC; on the
+        fleet's shard 0). Only first writes count: a re-run's copy is not used twice. Best effort with the acks."""
+        if not replies:
+            return
+        sums: dict[str, int] = {}
+        for rep in replies:
+            for what, n in rep.usage.items():
+                if n:
+                    field = f"{rep.tenant}|{what}"
+                    sums[field] = sums.get(field, 0) + n
+        now = time.time()
+        day_start = int(now // DAY_S) * DAY_S
+        home = self.keys.of_shard(0)
+        day = home.usage(time.strftime("%Y-%m-%d", time.gmtime(now)))
+        for key in (home.usage(), day):
+            for field, n in sums.items():
+                pipe.hincrby(key, field, n)
+        pipe.expireat(day, day_start + (1 + USAGE_DAYS_KEPT) * DAY_S)
 
     def _answer(self, pipe, rep: Reply) -> None:
         """Store the reply as its job's answer (first writer wins), then ring for it."""
@@ -84,7 +118,7 @@ class Settler(Settling):
         """One XACK + XDEL per stream of ``entries``."""
         by_stream: dict[str, list[str]] = {}
         for e in entries:
-            by_stream.setdefault(self.keys.stream(e.bucket, e.priority), []).append(e.entry_id)
+            by_stream.setdefault(self.keys.stream(*e.stream_of), []).append(e.entry_id)
         for stream, ids in by_stream.items():
             pipe.xack(stream, self.keys.group, *ids)
             pipe.xdel(stream, *ids)
@@ -145,7 +179,7 @@ class Settler(Settling):
             return
         pipe = self.r.pipeline(transaction=True)
         for e in entries:
-            stream = self.keys.stream(e.bucket, e.priority)
+            stream = self.keys.stream(*e.stream_of)
             pipe.xadd(stream, e.fields)
             pipe.xack(stream, self.keys.group, e.entry_id)
             pipe.xdel(stream, e.entry_id)

@@ -58,6 +58,8 @@ class ShardedConsumer(Transport):
         self.claim_idle_ms = claim_idle_ms  # how idle a released entry is made (any reclaim takes it at once)
         r = connect(conn)
         self.parts = [StreamConsumer(conn, buckets, name, reply_ttl_s, keys=k, r=r) for k in keys.every_shard]
+        for part in self.parts:  # a reply may be written on its inbox's shard: its cost goes to its entry's shard
+            part.settler.served = self._served
         self.max_block_ms = self.parts[0].max_block_ms
         self._next = 0  # the shard the next sweep starts with
         self._quiet = False  # the last read waited and found nothing
@@ -68,6 +70,11 @@ class ShardedConsumer(Transport):
         self.presence = ShardedPresence(self.parts, self.waiters, self.pending, claim_idle_ms)
         self.cancel_watch = ShardedCancels(self.parts, keys)
         self.flush = self.parts[0].flush
+
+    def _served(self, replies: list[Reply]) -> None:
+        """Replies written first: each to the fair share of its entry's shard (worker/transport/fair_share.py)."""
+        for shard, group in by_shard(replies).items():
+            self.parts[shard].reader.served(group)
 
     def _each(self, call: Callable[[StreamConsumer], object]) -> None:
         for part in self.parts:
