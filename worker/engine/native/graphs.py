@@ -58,12 +58,14 @@ class StepInputs:
     tokens: torch.Tensor
     positions: torch.Tensor
     tables: torch.Tensor
+    staging: torch.Tensor | None  # pinned host copy of ``flat`` (CUDA): the upload runs asynchronously
 
     @classmethod
     def empty(cls, rows: int, width: int, device: torch.device) -> StepInputs:
         flat = torch.zeros(rows * (2 + width), dtype=torch.int64, device=device)
+        staging = torch.empty_like(flat, device="cpu").pin_memory() if device.type == "cuda" else None
         return cls(flat, flat[:rows].view(rows, 1), flat[rows:2 * rows].view(rows, 1),
-                   flat[2 * rows:].view(rows, width))
+                   flat[2 * rows:].view(rows, width), staging)
 
 
 def eager_capture(fn: Callable[[], Outputs]) -> Replay:
@@ -113,7 +115,6 @@ class DecodeGraphs:
         self.step, self.sizes, self.max_width, self.trash = step, batch_sizes(max_rows), max_width, trash
         self.device, self.capture = device, capture
         self.buckets: dict[tuple[int, int], tuple[StepInputs, Replay]] = {}
-        self.pinned = device.type == "cuda"  # host staging in pinned memory: the copy runs asynchronously
 
     def fits(self, rows: int) -> bool:
         return rows <= self.sizes[-1]
@@ -136,9 +137,12 @@ class DecodeGraphs:
             values.extend([self.trash] * (W - len(t)))
         values.extend([self.trash] * (W * pad))
         host = torch.frombuffer(values, dtype=torch.int64)
-        if self.pinned:
-            host = host.pin_memory()
-        inputs.flat.copy_(host, non_blocking=self.pinned)
+        if inputs.staging is None:
+            inputs.flat.copy_(host)
+            return
+        # the previous upload from this staging buffer is done: its step's tokens were read back since
+        inputs.staging.copy_(host)
+        inputs.flat.copy_(inputs.staging, non_blocking=True)
 
     def run(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> Outputs:
         """One decode step of n = len(tokens) sequences (each row: its last token, its position, its block
