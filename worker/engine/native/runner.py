@@ -115,7 +115,8 @@ class ModelRunner:
         if self.kernel is not None and attn == "kernel":
             m = self.model
             attn = f"kernel {cpu_kernel.isa(self.kernel, self.dtype, m.head_dim, m.num_heads // m.num_kv_heads)}"
-        graphs = self.graphs and {"rows": list(self.graphs.sizes), "captured": sorted(self.graphs.buckets)}
+        graphs = self.graphs and {"rows": list(self.graphs.sizes),  # buckets: rows x table width, captured so far
+                                  "captured": [f"{b}x{w}" for b, w in sorted(list(self.graphs.buckets))]}
         return {"linear_kernels": self.model.linears.describe(), "decode_attention": attn,
                 "decode_graphs": graphs or "off", "batch_invariant": self.batch_invariant,
                 "decode_small_ops": ("C: rms_norm rope_kv" + " silu_mul" * self.c_silu + " argmax") if self.ops
