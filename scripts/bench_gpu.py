@@ -14,7 +14,8 @@ No downloads: models are built from a config directly on the device with random 
   and strategy (continuous and the fixed 10/50/200 ms windows): tok/s, TTFT p50/p99, mean batch and the share
   of the HBM roofline (bytes per decode step = weights + the KV read so far, at the device's HBM bandwidth).
 - ``profile``: one 7B decode step at 32 sequences: ms per step eager and replayed from its graph, the roofline's
-  step time, and a torch.profiler table of the eager step's ops by device time.
+  step time, and a torch.profiler table of the eager step's ops by device time; then a lone sequence's step
+  (its tok/s: the issue's >= 150 target).
 - ``summary``: every phase's JSON under ``--out-dir`` in one table and ``summary.json``.
 
     python scripts/bench_gpu.py --phase bench --device cuda --shape 7b       # what scripts/bench_gpu.sh runs
@@ -24,6 +25,7 @@ No downloads: models are built from a config directly on the device with random 
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -59,6 +61,7 @@ PHASES = ("bench", "correctness", "invariance", "profile", "summary")
 HBM_TBS = (("H200", 4.8), ("H100 PCIe", 2.0), ("H100", 3.35), ("A100", 2.0))  # by device name; first match
 PROMPT_TOKENS = 128
 PROFILE_ROWS = 25  # ops in the profile table
+KV_CACHE_GB = 16.0  # the bench's KV pool on a GPU (default; --kv-cache-gb)
 
 
 def build_model(shape: str, device: str, dtype: torch.dtype, head_scale: float = 1.0) -> LoadedModel:
@@ -119,8 +122,18 @@ class Load:
 
 
 def engine_config(args: Load, mode: str, max_running: int = 64) -> EngineConfig:
-    return EngineConfig(engine=args.engine, mode=mode, device=args.device, block_size=16, kv_cache_gb=args.kv_cache_gb,
+    # a fixed pool on the GPU (64 sequences x 256 tokens of the 7B shape take 8.6 GB): sized from free memory, each
+    # run's pool would depend on what the previous run left unfreed
+    kv_gb = args.kv_cache_gb or (KV_CACHE_GB if args.device.startswith("cuda") else None)
+    return EngineConfig(engine=args.engine, mode=mode, device=args.device, block_size=16, kv_cache_gb=kv_gb,
                         max_running=max_running, enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant)
+
+
+def release(device: str) -> None:
+    """Free the last run's engine (KV pool, graphs) before the next one is built."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 def run(loaded: LoadedModel, strategy: str, clients: int, args: Load) -> dict:
@@ -140,6 +153,8 @@ def run(loaded: LoadedModel, strategy: str, clients: int, args: Load) -> dict:
     result = closed_loop(client, load, clients)
     loop.stopping.set()
     thread.join(120)
+    del loop, thread
+    release(args.device)
     row = summarize(strategy, result)
     batch = row["mean_batch_size"] or 1
     step_bytes = bytes_per_step(loaded, batch, PROMPT_TOKENS + args.new_tokens / 2)
@@ -294,11 +309,8 @@ def _ms_per_step(engine: NativeEngine, device: str, steps: int) -> float:
     return 1000 * (time.perf_counter() - t) / steps
 
 
-def profile_step(shape: str, args: Load, json_path: str | None, t0: float, batch: int = 32, steps: int = 5) -> None:
-    """One decode step of ``batch`` sequences at context ~PROMPT_TOKENS: eager and graph ms per step, and the
-    eager step's ops by device time (torch.profiler)."""
-    device, cuda = args.device, args.device.startswith("cuda")
-    loaded = build_model(shape, device, torch.bfloat16)
+def _decoding_engine(loaded: LoadedModel, args: Load, shape: str, batch: int, steps: int) -> NativeEngine:
+    """An engine with ``batch`` sequences of PROMPT_TOKENS prefilled, decoding (room for 4 * steps + 16 tokens)."""
     batching = DynamicBatchingConfig(max_batch_size=batch, max_seq_len=1024, buckets=(128, 256))
     engine = NativeEngine(loaded, batching, engine_config(args, "continuous"), max_prefill_tokens=batch * PROMPT_TOKENS)
     g = torch.Generator().manual_seed(0)
@@ -307,11 +319,26 @@ def profile_step(shape: str, args: Load, json_path: str | None, t0: float, batch
                            bucket=128, params=Params(max_new_tokens=4 * steps + 16)) for i in range(batch)])
     while engine.scheduler.waiting or engine.scheduler.prefilling:
         engine.step()
+    return engine
+
+
+def _step_ms(engine: NativeEngine, device: str, steps: int) -> tuple[float, float | None]:
+    """ms per decode step eager, then replayed from its graph (None without graphs)."""
     graphs = engine.runner.graphs
     engine.runner.graphs = None
     eager_ms = _ms_per_step(engine, device, steps)
     engine.runner.graphs = graphs
-    graph_ms = _ms_per_step(engine, device, steps) if graphs is not None else None
+    return eager_ms, (_ms_per_step(engine, device, steps) if graphs is not None else None)
+
+
+def profile_step(shape: str, args: Load, json_path: str | None, t0: float, batch: int = 32, steps: int = 5) -> None:
+    """One decode step of ``batch`` sequences at context ~PROMPT_TOKENS: eager and graph ms per step, and the
+    eager step's ops by device time (torch.profiler); then a lone sequence's step (its tok/s)."""
+    device, cuda = args.device, args.device.startswith("cuda")
+    loaded = build_model(shape, device, torch.bfloat16)
+    engine = _decoding_engine(loaded, args, shape, batch, steps)
+    graphs = engine.runner.graphs
+    eager_ms, graph_ms = _step_ms(engine, device, steps)
     step_bytes = bytes_per_step(loaded, batch, PROMPT_TOKENS + 2 * steps)
     roofline_ms = 1000 * step_bytes / (hbm_tbs(device, args.hbm_tbs) * 1e12)
     engine.runner.graphs = None  # profile the eager step: the ops one by one (a replay is one graph launch)
@@ -338,6 +365,14 @@ def profile_step(shape: str, args: Load, json_path: str | None, t0: float, batch
     print("| op | calls | device ms | cpu ms |\n|---|---:|---:|---:|")
     for o in ops:
         print(f"| {o['op'][:60]} | {o['calls']} | {o['device_ms']:.3f} | {o['cpu_ms']:.3f} |")
+    del engine, graphs
+    release(device)
+    lone_eager, lone_graph = _step_ms(_decoding_engine(loaded, args, shape, 1, steps), device, steps)
+    doc.update(lone_eager_ms_per_step=round(lone_eager, 3), lone_graph_ms_per_step=lone_graph and round(lone_graph, 3),
+               lone_tok_s=round(1000 / (lone_graph or lone_eager), 1), total_s=round(time.perf_counter() - t0, 1))
+    write(json_path, doc)
+    print(f"a lone sequence: eager {lone_eager:.2f} ms, graph {'-' if lone_graph is None else f'{lone_graph:.2f}'} "
+          f"ms per step -> {doc['lone_tok_s']} tok/s")
 
 
 # -- summary -------------------------------------------------------------------------------------------------------
@@ -361,7 +396,8 @@ def summary(out: Path) -> None:
                          f"{r['differ']}/{r['targets']} differ ({r['tokens_differ']} in tokens) |")
         if "ops" in doc:
             lines.append(f"| {name} | decode step, {doc['batch']} seqs | eager {doc['eager_ms_per_step']} ms, graph "
-                         f"{doc['graph_ms_per_step']} ms, roofline {doc['roofline_ms_per_step']} ms |")
+                         f"{doc['graph_ms_per_step']} ms, roofline {doc['roofline_ms_per_step']} ms; a lone "
+                         f"sequence {doc.get('lone_tok_s', '-')} tok/s |")
     table = "| phase | what | result |\n|---|---|---|\n" + "\n".join(lines)
     print(table)
     (out / "summary.json").write_text(json.dumps({"phases": docs, "table": table}, indent=2) + "\n")
