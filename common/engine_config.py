@@ -63,6 +63,13 @@ class EngineConfig:
         "(batch-invariant output); fastest = per weight shape and row count the faster of F.linear and oneDNN, "
         "measured at load (not batch-invariant); default = F.linear; onednn = as auto, oneDNN on AMX too.",
         choices=LINEAR_CHOICES))
+    enforce_eager: bool = field(default=False, metadata=option(
+        "Native engine: run every decode step op by op (vLLM's name). Default: on CUDA each decode step replays a "
+        "CUDA graph captured once per padded batch size; CPU and NPU always run eagerly."))
+    batch_invariant: bool = field(default=False, metadata=option(
+        "Native engine on CUDA: a request's tokens and logprobs do not depend on what runs beside it (weight "
+        "matmuls in fixed 128-row calls, no reduced-precision cuBLAS reductions; its cost is not measured yet). "
+        "CPU is batch-invariant by default."))
     prefix_cache: bool = field(default=True, metadata=option(
         "Native engine: keep the KV of full prompt blocks and reuse it for every later prompt starting with the "
         "same tokens (a shared system prompt is computed once); cached blocks are evicted least recently used."))

@@ -71,6 +71,29 @@ def test_gpu_bench_script_runs_on_cpu(tmp_path):
     assert doc["rows"][0]["throughput_tok_s"] > 0 and "roofline_share" in doc["rows"][0]
 
 
+def test_gpu_bench_phases_run_on_cpu(tmp_path):
+    """scripts/bench_gpu.sh's phases on this CPU (tiny shape, tiny counts) so they cannot rot before a GPU runs
+    them: correctness (the graph path run eagerly, the eager path and the CPU reference agree), the profile of one
+    decode step and the summary table of both."""
+    def phase(*args: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, "scripts/bench_gpu.py", "--device", "cpu", "--shape", "tiny", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc
+
+    phase("--phase", "correctness", "--prompts", "3", "--check-tokens", "3", "--json", str(tmp_path / "c.json"))
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert [r["dtype"] for r in rows] == ["bfloat16", "float32"]
+    assert all(r["graph_vs_eager"] == {"identical": 3, "of": 3, "first_difference_at": []} for r in rows), rows
+    assert rows[1]["graph_vs_cpu"]["of"] == 3
+    phase("--phase", "profile", "--batch", "2", "--json", str(tmp_path / "p.json"))
+    prof = json.loads((tmp_path / "p.json").read_text())
+    assert prof["eager_ms_per_step"] > 0 and prof["ops"] and prof["graph_ms_per_step"] is None  # no graphs on CPU
+    table = phase("--phase", "summary", "--out-dir", str(tmp_path)).stdout
+    assert "graph = eager: 3/3" in table and "decode step, 2 seqs" in table
+    assert (tmp_path / "summary.json").exists()
+
+
 def test_gpu_bench_invariance_check_runs_on_cpu(tmp_path):
     """bench_gpu.py --invariance (the GPU session's batch-invariance check) on this CPU, on the path a GPU runs
     (--no-native-kernel; the tiny shape: head dim 32, MHA, gate/up 352 wide), bf16 and fp32: 0 of the flood's

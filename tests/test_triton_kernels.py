@@ -141,3 +141,23 @@ def test_tiny_model_greedy_tokens_are_the_same_through_triton_and_torch(prefill,
     engine = make_engine(loaded, decode="gather", prefill=prefill)
     assert engine.runner.model.fused is triton_ops
     assert tokens() == ref
+
+
+def test_graph_decode_on_triton_gives_the_eager_steps_tokens(tmp_path, monkeypatch):
+    """The CUDA graph's decode step (graphs.py: rows padded to a bucket, tables to a power-of-two width, layout and
+    slots computed from the persistent inputs), run eagerly on the Triton kernels, against the eager Triton decode
+    of exactly n rows: the same greedy tokens (fp32) and logprobs. What the device replays, short of the capture."""
+    loaded = build_model("qwen2", tmp_path)
+    monkeypatch.setattr(triton_support, "DEVICES", {"cuda", "cpu"})
+    toks = [prompt(0, 20), prompt(1, 9), prompt(2, 35)]
+
+    def tokens(graph: str) -> dict:
+        engine = make_engine(loaded, decode="gather", prefill="packed", max_batch_size=4)
+        engine.runner.graphs = engine.runner._graphs(graph, 4)
+        waves = [[request(0, toks[0], 5, logprobs=1), request(1, toks[1], 5, logprobs=1)],
+                 [request(2, toks[2], 5, logprobs=1)]]
+        out = {k: (c.token_ids, c.logprobs) for k, c in run_all(engine, waves, join_every=2).items()}
+        assert engine.runner.model.fused is triton_ops and (graph == "off" or engine.runner.graphs.buckets)
+        return out
+
+    assert tokens("eager") == tokens("off")

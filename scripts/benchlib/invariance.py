@@ -47,10 +47,11 @@ def _requests(vocab: int) -> tuple[list[GenRequest], list[GenRequest]]:
     return [req(*t) for t in targets], [req(*f) for f in flood]
 
 
-def _engine(loaded: LoadedModel, device: str, native_kernel: bool, **kw) -> NativeEngine:
+def _engine(loaded: LoadedModel, device: str, native_kernel: bool, batch_invariant: bool = False,
+            **kw) -> NativeEngine:
     batching = DynamicBatchingConfig(max_batch_size=8, max_seq_len=256, buckets=BUCKETS)
     cfg = EngineConfig(engine="native", mode="continuous", device=device, block_size=16, kv_cache_gb=0.05,
-                       native_kernel=native_kernel)
+                       native_kernel=native_kernel, batch_invariant=batch_invariant)
     return NativeEngine(loaded, batching, cfg, **kw)
 
 
@@ -67,15 +68,17 @@ def _drain(engine: NativeEngine, waves: list[list[GenRequest]]) -> dict:
     return done
 
 
-def flood_vs_alone(loaded: LoadedModel, device: str, native_kernel: bool = True) -> dict:
+def flood_vs_alone(loaded: LoadedModel, device: str, native_kernel: bool = True, batch_invariant: bool = False) -> dict:
     """Run the flood and each target alone on ``loaded``; the count of targets whose tokens or logprobs differ.
-    ``native_kernel``: False runs the torch path on CPU too (on CUDA/NPU it is the only one)."""
+    ``native_kernel``: False runs the torch path on CPU too (on CUDA/NPU it is the only one); ``batch_invariant``:
+    the engine's ``--batch-invariant`` mode (CUDA only; CPU is invariant without it)."""
     vocab = loaded.model.config.vocab_size
     tg, fl = _requests(vocab)
     alone = {}
     for r in tg:
-        alone.update(_drain(_engine(loaded, device, native_kernel), [[r]]))
-    engine = _engine(loaded, device, native_kernel, max_prefill_tokens=24, max_running=6, num_blocks=16)
+        alone.update(_drain(_engine(loaded, device, native_kernel, batch_invariant), [[r]]))
+    engine = _engine(loaded, device, native_kernel, batch_invariant, max_prefill_tokens=24, max_running=6,
+                     num_blocks=16)
     mixed = _drain(engine, [tg[:3] + fl[:4], fl[4:8], tg[3:6] + fl[8:11], fl[11:14], tg[6:] + fl[14:]])
     stats = engine.stats()
     differ = [r.id for r in tg if mixed[r.id] != alone[r.id]]
@@ -83,4 +86,5 @@ def flood_vs_alone(loaded: LoadedModel, device: str, native_kernel: bool = True)
     return {"dtype": str(loaded.dtype).removeprefix("torch."), "targets": len(tg), "differ": len(differ),
             "tokens_differ": len(tokens_differ), "differ_ids": differ, "preemptions": stats["preemptions"],
             "prefix_cache_hits": stats["prefix_cache_hits"], "steps": stats["steps"],
-            "attention": engine.runner.describe()["decode_attention"], "prefill": engine.runner.prefill_mode}
+            "attention": engine.runner.describe()["decode_attention"], "prefill": engine.runner.prefill_mode,
+            "batch_invariant": engine.runner.batch_invariant, "decode_graphs": engine.runner.graphs is not None}

@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from batchfleet.worker.engine.native import attention as A
-from batchfleet.worker.engine.native import cpu_kernel, hugepages, memlimit, small_ops
+from batchfleet.worker.engine.native import cpu_kernel, hugepages, invariance, memlimit, small_ops
 from batchfleet.worker.engine.native.block_manager import blocks_for
+from batchfleet.worker.engine.native.graphs import MODES, CudaCapture, DecodeGraphs, StepInputs, eager_capture
 from batchfleet.worker.engine.native.model import NativeModel
 from batchfleet.worker.engine.native.step import ScheduledBatch
 from batchfleet.worker.engine.sampling import sample, token_logprobs
@@ -37,6 +38,11 @@ def free_memory_bytes(device: torch.device) -> int:
     return int(free)
 
 
+def _precomputed(logits: torch.Tensor, greedy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)``, taken from ``greedy`` (the graph's argmax of ``logits``) when ``x`` is those logits."""
+    return greedy.clone() if x is logits else x.argmax(dim=-1)
+
+
 class ModelRunner:
     """Runs prefill and decode steps of the engine's own forward over a paged KV pool."""
 
@@ -44,13 +50,20 @@ class ModelRunner:
                  kv_cache_gb: float | None = None, buckets: tuple[int, ...] = (), padding: str = "bucket",
                  num_blocks: int | None = None, prefill: str = "auto", decode: str = "auto",
                  kernel_dir: Path | None = cpu_kernel.DEFAULT_KERNEL_DIR, static_decode: bool | None = None,
-                 linear: str = "auto") -> None:
+                 linear: str = "auto", graph: str = "auto", batch_invariant: bool = False) -> None:
         """prefill: "padded" (per ``padding``), "packed" (varlen) or "auto" (packed on CPU);
         decode: "kernel" (C kernel, CPU), "gather" (gather + SDPA), "npu" or "auto";
         kernel_dir: where the C kernel is built (None: never use it);
         static_decode: pad decode steps to a few shapes (None: on CUDA/NPU, where a new shape recompiles);
-        linear: the weight matmuls' kernel ("auto": measured per shape at load; see linear.py)."""
+        linear: the weight matmuls' kernel ("auto": measured per shape at load; see linear.py);
+        graph: decode steps through graphs.py: "captured" (CUDA graphs), "eager" (the same padded buckets and
+        persistent inputs, the capture replaced by a plain call: CPU tests), "off" (``--enforce-eager``) or
+        "auto" (captured on CUDA where the decode path allows it, else off);
+        batch_invariant: on CUDA, the settings and fixed-row matmuls of invariance.py (CPU: already invariant)."""
+        if graph not in MODES:
+            raise ValueError(f"graph must be one of {MODES}, not {graph!r}")
         self.model = NativeModel(hf_model, max_positions=max_seq_len, linear=linear)
+        self.batch_invariant = invariance.enable(self.model) if batch_invariant else False
         self.device, self.dtype = self.model.device, self.model.dtype
         self.block_size = block_size
         self.max_seq_len = max_seq_len
@@ -89,6 +102,7 @@ class ModelRunner:
         self.static_decode = (not cpu) if static_decode is None else static_decode
         self.decode_shapes: set[tuple[int, int]] = set()  # (rows, table width) of every decode step run
         self.num_threads = torch.get_num_threads()  # read once; never changed here
+        self.graphs = self._graphs(graph, max_batch_size)
         log.info("KV pool: %d blocks x %d slots (%.1f MiB); prefill %s, decode %s", self.num_blocks, block_size,
                  self.kv.numel() * elem / 2**20, self.prefill_mode, self.decode_mode)
         log.info("weight matmuls (measured in %.1f s): %s", m.linears.seconds, m.linears.describe())
@@ -101,7 +115,10 @@ class ModelRunner:
         if self.kernel is not None and attn == "kernel":
             m = self.model
             attn = f"kernel {cpu_kernel.isa(self.kernel, self.dtype, m.head_dim, m.num_heads // m.num_kv_heads)}"
+        graphs = self.graphs and {"rows": list(self.graphs.sizes),  # buckets: rows x table width, captured so far
+                                  "captured": [f"{b}x{w}" for b, w in sorted(list(self.graphs.buckets))]}
         return {"linear_kernels": self.model.linears.describe(), "decode_attention": attn,
+                "decode_graphs": graphs or "off", "batch_invariant": self.batch_invariant,
                 "decode_small_ops": ("C: rms_norm rope_kv" + " silu_mul" * self.c_silu + " argmax") if self.ops
                 else "torch"}
 
@@ -118,14 +135,19 @@ class ModelRunner:
         """Compute one step for ``batch``; return one sampled token per ``batch.sampled`` sequence (and,
         for those that asked, append its logprobs entry to its StopChecker's, which the token then joins)."""
         # a step of partial prefill chunks only writes KV: logits [0, V], nothing sampled
-        logits = self._prefill(batch) if batch.is_prefill else self._decode(batch)  # [len(sampled), V]
-        argmax = None
-        if self.ops is not None:  # loaded only for the CPU kernel decode path
-            # exact in C on the model dtype: no fp32 copy of the logits (sampled rows and logprobs upcast
-            # their own rows); 96 us at 32 x 32000 bf16 where torch's argmax takes 1.9 ms
-            argmax = partial(small_ops.argmax, self.ops, num_threads=self.num_threads)
+        if not batch.is_prefill and self.graphs is not None and self.graphs.fits(len(batch.seqs)):
+            logits, greedy = self._decode_graph(batch)  # fp32 [n, V], [n]: the step's argmax, from the graph
+            # the graph's argmax where sample() takes the argmax of these logits (a grammar masks a copy)
+            argmax = partial(_precomputed, logits, greedy)
         else:
-            logits = logits.float()  # like transformers' generate; argmax is also ~4x faster than on bf16
+            logits = self._prefill(batch) if batch.is_prefill else self._decode(batch)  # [len(sampled), V]
+            argmax = None
+            if self.ops is not None:  # loaded only for the CPU kernel decode path
+                # exact in C on the model dtype: no fp32 copy of the logits (sampled rows and logprobs upcast
+                # their own rows); 96 us at 32 x 32000 bf16 where torch's argmax takes 1.9 ms
+                argmax = partial(small_ops.argmax, self.ops, num_threads=self.num_threads)
+            else:
+                logits = logits.float()  # like transformers' generate; argmax is also ~4x faster than on bf16
         payloads = [s.payload for s in batch.sampled]
         reqs = [p.req for p in payloads]
         tokens = sample(logits, reqs, [p.gen for p in payloads], [p.checker for p in payloads], argmax)
@@ -242,6 +264,59 @@ class ModelRunner:
             return o.view(B, S, -1)
 
         return m.forward(tokens, positions, attn, last_idx=last)
+
+    def _graphs(self, graph: str, max_rows: int) -> DecodeGraphs | None:
+        """The decode graphs for ``graph`` (None: every decode step eagerly, as ``_decode``)."""
+        capturable = self.decode_mode == "gather"  # the torch paths; the C kernel is CPU-only, NPU takes host lists
+        if graph == "auto":
+            graph = "captured" if capturable and self.device.type == "cuda" else "off"
+        if graph == "off":
+            return None
+        if not capturable:
+            raise ValueError(f"decode graphs need the torch decode path (decode 'gather'), not {self.decode_mode!r}")
+        if graph == "captured" and self.device.type != "cuda":
+            raise ValueError(f"captured decode graphs need CUDA, not {self.device} (graph 'eager' runs them eagerly)")
+        capture = CudaCapture() if graph == "captured" else eager_capture
+        return DecodeGraphs(self._graph_step, max_rows, blocks_for(self.max_seq_len, self.block_size),
+                            self.trash_block, self.device, capture)
+
+    def _decode_graph(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step through the graphs: (logits [n, V] fp32, greedy tokens [n])."""
+        assert self.graphs is not None
+        seqs = batch.seqs
+        tables = [s.block_table for s in seqs]
+        self.decode_shapes.add(self.graphs.bucket(len(seqs), max(len(t) for t in tables)))
+        return self.graphs.run([s.token_ids[-1] for s in seqs], [s.num_cached for s in seqs], tables)
+
+    def _graph_step(self, inp: StepInputs) -> torch.Tensor:
+        """The decode step a graph captures: everything from the bucket's inputs, static shapes, no host sync
+        (graphs.py). -> fp32 logits [B, V]. Tokens identical to ``_decode``'s: the same attention per row (the
+        torch paged attention with every split computed: a split past a row's context adds exact zeros)."""
+        m, bs = self.model, self.block_size
+        B, W = inp.tables.shape
+        pos = inp.positions.view(B)
+        slots = inp.tables.gather(1, (pos // bs).view(B, 1)).view(B) * bs + pos % bs  # [B] flat pool slots
+        if self.attention == "paged":
+            # one tile per row in row order (A.tile_layout's, for a decode step), every tile reaching all W blocks:
+            # the bmm shapes depend on (B, W) only
+            sub = pos % A.TILE
+            ctx = torch.ones(B, A.TILE, dtype=torch.int64, device=pos.device).scatter_(1, sub.view(B, 1),
+                                                                                         (pos + 1).view(B, 1))
+            rows = torch.arange(B, device=pos.device)
+            layout = A.TileLayout(rows * A.TILE + sub, inp.tables, rows, ctx, [W * bs] * B)
+        else:
+            mask = A.decode_mask(pos + 1, W * bs)
+
+        def attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # q: [B, 1, H, D]; k, v: [B, 1, Hkv, D]
+            pool = self.kv[i]
+            A.write_kv(pool, slots, k[:, 0], v[:, 0])
+            q1 = q[:, 0].contiguous()  # [B, H, D]
+            if self.attention == "paged":
+                return A.paged_attention(q1, pool, layout, m.scale).view(B, 1, -1)
+            return A.decode_attention_gather(q1, pool, inp.tables, mask, m.scale).view(B, 1, -1)
+
+        return m.forward(inp.tokens, inp.positions, attn).float()
 
     def decode_shape(self, rows: int, width: int) -> tuple[int, int]:
         """(rows, block-table width) a decode step of ``rows`` sequences needing ``width`` blocks runs at."""
