@@ -240,7 +240,8 @@ class _Run:
         for work in submission_order(chunk, self.spec.window):
             while len(self.inflight) >= self.spec.window and not self.stop.is_set():
                 await self.drain(once=True)
-            await self.room()
+            if work.error is None:  # an error line sends nothing
+                await self.room()
             if not self.stop.is_set() and await self.submit(work):
                 continue
             if self.spec.abandon is not None:
