@@ -154,9 +154,10 @@ def test_malformed_file_fails_whole_and_cancel_finalizes(start_worker, start_gat
     while any(g["pending"] or g["lag"] for k in streams for g in r.xinfo_groups(k)):
         assert time.monotonic() < deadline, [r.xinfo_groups(k) for k in streams]
         time.sleep(0.2)
-    # ... and the worker computed only what was written: every other job it skipped or stopped, cancelled
+    # ... and the worker computed only what was written: every other job it skipped or stopped, cancelled; the
+    # lines never sent (a run queues only what the fleet reads next, producer/bulk/queued.py) cost it nothing
     assert worker.loop.ledger["completed"] == len(out)
-    assert worker.loop.ledger["cancelled"] == len(errors) == enqueued(redis_url, namespace) - len(out)
+    assert worker.loop.ledger["cancelled"] == enqueued(redis_url, namespace) - len(out) <= len(errors)
 
 
 def test_killed_runner_is_taken_over_and_every_request_appears_once(start_worker, start_gateway, redis_url,
