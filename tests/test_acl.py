@@ -156,6 +156,8 @@ def test_enqueue_and_cancel_functions_run_as_the_producer(server, producer):
     # a bulk run reads its background streams' group position (producer/bulk/queued.py): ids and counts only
     enqueue(producer, K.stream(256, "background"))
     assert producer.xinfo_groups(K.stream(256, "background")) == []  # no group yet: none made by the producer
+    with pytest.raises(redis.ResponseError, match="no such key"):  # a tenant's too: allowed, not there yet
+        producer.xinfo_groups(K.stream(256, "background", "acme"))
 
 
 def test_the_gateway_takes_renews_and_releases_a_batch_lease(server):
