@@ -103,14 +103,15 @@ class Queued:
         be full); False when off."""
         if not self.on or not self.unread or self.unread < await self.limit():
             return False
-        if time.monotonic() - self.polled >= MIN_POLL_S:
-            await self.poll()
+        if time.monotonic() - self.polled >= MIN_POLL_S and not await self.poll():
+            return False  # Redis did not answer: the next submit meets the outage (and stops the run), not a wait
         return self.on and self.unread >= await self.limit()
 
-    async def poll(self) -> None:
-        """Drop the jobs a worker has read: per stream, ``TIME`` bounds the jobs placed so far, and the group's
-        ``last-delivered-id`` past a bound tells them read."""
+    async def poll(self) -> bool:
+        """Drop the jobs a worker has read (by time and by count, module docstring); False: a stream could not
+        be polled."""
         self.polled = time.monotonic()
+        answered = True
         r, group = self.client.r, self.client.keys.group
         for stream, jobs in list(self.streams.items()):
             if not jobs:
@@ -126,9 +127,10 @@ class Queued:
                 self.on = False
                 self.streams.clear()
                 self.stream_of.clear()
-                return
-            except (redis.RedisError, OSError) as exc:  # unknown: ask again next poll; the submits meet an outage
+                return True
+            except (redis.RedisError, OSError) as exc:
                 log.debug("background share: %s not polled: %r", stream, exc)
+                answered = False
                 continue
             now_ms = int(sec) * 1000 + int(usec) // 1000
             for jid in fresh:
@@ -144,6 +146,7 @@ class Queued:
                     break
                 del jobs[jid]
                 self.stream_of.pop(jid, None)
+        return answered
 
     async def _groups(self, stream: str) -> list[dict]:
         try:
