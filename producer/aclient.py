@@ -14,7 +14,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -150,14 +150,19 @@ class AsyncClient:
             await self._fleet_view(deadline, require=False)
 
     async def submit(self, prompt: Prompt, *, timeout: float | None = None, job_id: str | None = None,
-                     stream: bool = False, ask: Ask | None = None, **params: Any) -> str:
+                     stream: bool = False, ask: Ask | None = None, placed: Callable[[str, str], None] | None = None,
+                     **params: Any) -> str:
         """Enqueue one prompt; returns its job id. Raises InvalidRequest / PromptTooLong / QueueFull / NoWorkers
         / RateLimited before anything runs; RedisFull (nothing enqueued: retry later) or RedisRefused when Redis
         refuses it.
         ``timeout`` (s) bounds this call and is the job's deadline. ``job_id``: one answered and taken within the
         reply TTL gets JobFailed (invalid_request); one in flight here joins for the same request, else InvalidRequest.
-        ``params`` (generation parameters, priority, kind: ``Ask.of``), or ``ask``, one made already, sent as is."""
+        ``params`` (generation parameters, priority, kind: ``Ask.of``), or ``ask``, one made already, sent as is.
+        ``placed(job id, stream key)``: called once the job is in a stream (a bulk run counts what waits unread,
+        producer/bulk/queued.py)."""
         job = await self._submit(prompt, Deadline(timeout), job_id, stream, Ask.called(ask, params))
+        if placed is not None:
+            placed(job.id, job.stream)
         return job.id
 
     async def _submit(self, prompt: Prompt, deadline: Deadline, job_id: str | None, stream: bool,

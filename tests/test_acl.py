@@ -79,7 +79,9 @@ REFUSED = [
     # finding inboxes: key listing, monitoring, and every key whose content names one
     ("KEYS", "*"), ("SCAN", 0), ("SCAN", 0, "MATCH", "a:inbox:*"), ("RANDOMKEY",), ("MONITOR",),
     ("CLIENT", "LIST"), ("CLIENT", "KILL", "TYPE", "normal"), ("DEBUG", "OBJECT", INBOX), ("INFO",),
-    ("TYPE", INBOX), ("EXISTS", INBOX), ("XINFO", "STREAM", K.stream(128)), ("OBJECT", "ENCODING", INBOX),
+    ("TYPE", INBOX), ("EXISTS", INBOX), ("XINFO", "STREAM", K.stream(128)),
+    ("XINFO", "STREAM", K.stream(128, "background")), ("XINFO", "GROUPS", K.stream(128)), ("XINFO", "GROUPS", INBOX),
+    ("OBJECT", "ENCODING", INBOX),
     ("XRANGE", K.stream(128), "-", "+"), ("XREVRANGE", K.stream(128), "+", "-"),
     ("XREAD", "STREAMS", K.stream(128), 0), ("XREADGROUP", "GROUP", "workers", "x", "STREAMS", K.stream(128), ">"),
     ("XREAD", "STREAMS", K.cancels, 0), ("XRANGE", K.cancels, "-", "+"), ("GET", K.cancel("job1")),
@@ -151,6 +153,11 @@ def test_enqueue_and_cancel_functions_run_as_the_producer(server, producer):
     assert producer.xread({INBOX: 0}, block=10) == [] and producer.xdel(INBOX, "1-1") == 0
     assert producer.get(K.fleet) is None  # readable, not published yet
     assert producer.execute_command("TIME")
+    # a bulk run reads its background streams' group position (producer/bulk/queued.py): ids and counts only
+    enqueue(producer, K.stream(256, "background"))
+    assert producer.xinfo_groups(K.stream(256, "background")) == []  # no group yet: none made by the producer
+    with pytest.raises(redis.ResponseError, match="no such key"):  # a tenant's too: allowed, not there yet
+        producer.xinfo_groups(K.stream(256, "background", "acme"))
 
 
 def test_the_gateway_takes_renews_and_releases_a_batch_lease(server):

@@ -54,7 +54,9 @@ def enqueued(redis_url: str, namespace: str) -> int:
 def test_two_runs_started_together_on_one_output_one_is_refused(start_worker, redis_url, namespace, tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text(prompts(*(f"prompt {i}" for i in range(30))))
-    with silent_fleet(redis_url, namespace):  # no answer comes: the run that got the output holds it
+    # no answer comes: the run that got the output holds it; a max_batch_size past the lines lets it queue them
+    # all (a run queues at most max_batch_size x live workers unread, producer/bulk/queued.py)
+    with silent_fleet(redis_url, namespace, max_batch_size=64):
         runs = [start_bulk(src, dst, redis_url, namespace, "--drain-timeout", "1") for _ in range(2)]
         wait_until(lambda: any(p.poll() is not None for p in runs), 60, "one run refused")
         refused = next(p for p in runs if p.poll() is not None)
@@ -79,7 +81,7 @@ def test_sigterm_with_no_live_worker_exits_within_the_drain_bound_and_a_rerun_fi
         start_worker, redis_url, namespace, tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text(prompts(*(f"p{i}" for i in range(20))))
-    with silent_fleet(redis_url, namespace):
+    with silent_fleet(redis_url, namespace, max_batch_size=64):  # every line queued at once (as above)
         run = start_bulk(src, dst, redis_url, namespace, "--drain-timeout", "3")
         wait_until(lambda: enqueued(redis_url, namespace) == 20, 60, "every line enqueued")
     # the "worker" went away (its heartbeat and the fleet description with it): no answer will come

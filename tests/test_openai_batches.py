@@ -154,9 +154,10 @@ def test_malformed_file_fails_whole_and_cancel_finalizes(start_worker, start_gat
     while any(g["pending"] or g["lag"] for k in streams for g in r.xinfo_groups(k)):
         assert time.monotonic() < deadline, [r.xinfo_groups(k) for k in streams]
         time.sleep(0.2)
-    # ... and the worker computed only what was written: every other job it skipped or stopped, cancelled
+    # ... and the worker computed only what was written: every other job it skipped or stopped, cancelled; the
+    # lines never sent (a run queues only what the fleet reads next, producer/bulk/queued.py) cost it nothing
     assert worker.loop.ledger["completed"] == len(out)
-    assert worker.loop.ledger["cancelled"] == len(errors) == enqueued(redis_url, namespace) - len(out)
+    assert worker.loop.ledger["cancelled"] == enqueued(redis_url, namespace) - len(out) <= len(errors)
 
 
 def test_killed_runner_is_taken_over_and_every_request_appears_once(start_worker, start_gateway, redis_url,
@@ -279,7 +280,8 @@ def test_an_input_deleted_while_its_batch_waits_fails_it_keeping_what_was_writte
     files_dir = str(tmp_path / "files")
     api = start_gateway(served_model_names=("tiny",), files_dir=files_dir, batch_runner=False)
     client = openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    many = "".join(batch_line(f"r{i}", chat(f"q {i}", max_tokens=50, ignore_eos=True)) for i in range(100))
+    # slower than the test even on a quiet machine (a run queuing only the fleet's next read measured faster)
+    many = "".join(batch_line(f"r{i}", chat(f"q {i}", max_tokens=50, ignore_eos=True)) for i in range(300))
     f = client.files.create(file=("many.jsonl", io.BytesIO(many.encode())), purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     runner = start_gateway(files_dir=files_dir, served_model_names=("tiny",))

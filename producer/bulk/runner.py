@@ -4,7 +4,9 @@
 their lines here; a ``LineFormat`` (producer/bulk/work.py) says what a line asks and how its answer reads
 (producer/bulk/lines.py: prompts; gateway/batches/format.py: OpenAI batch lines), so this module knows neither.
 
-Lines are read one at a time (never the whole input) and submitted with at most ``window`` lines in flight.
+Lines are read one at a time (never the whole input) and submitted with at most ``window`` lines in flight,
+and at most the fleet's next read of jobs queued unread (producer/bulk/queued.py): runs that share the background
+class then take turns in its streams instead of one run's window waiting behind another's.
 Within each run of ``window`` lines, those whose prompts start alike go one after another
 (producer/bulk/prefix_order.py), so one worker's batch shares its prefix and its prefix cache keeps what the next
 lines need. Each line's jobs are waited for concurrently; answers are written in submission order
@@ -37,6 +39,7 @@ from batchfleet.common.errors import FleetUnavailable, QueueFull, RateLimited, R
 from batchfleet.producer.aclient import AsyncClient
 from batchfleet.producer.answers import Answers
 from batchfleet.producer.bulk.prefix_order import submission_order
+from batchfleet.producer.bulk.queued import POLL_S, Queued
 from batchfleet.producer.bulk.work import LineFormat, Sink, Spec, Summary, Work
 from batchfleet.producer.core import Deadline
 
@@ -78,6 +81,7 @@ class _Run:
         self.stopper = asyncio.ensure_future(stop.wait())
         self.wait_s = QUEUE_FULL_WAIT_S[0]
         self.left = False  # a line was left unanswered for the next run
+        self.queued = Queued(client, spec.share)
 
     def write(self, line: dict, ok: bool) -> None:
         self.sink.write(line, ok)
@@ -136,7 +140,8 @@ class _Run:
                     return False
                 try:
                     deadlines[-1] = Deadline(work.timeout)
-                    await self.client.submit(prompt, timeout=work.timeout, job_id=jid, ask=ask)
+                    await self.client.submit(prompt, timeout=work.timeout, job_id=jid, ask=ask,
+                                             placed=self.queued.placed)
                 except QueueFull:  # make room: wait for an answer in flight, else a little, longer each time
                     if self.inflight:
                         await self.drain(once=True, wait=self.wait_s)
@@ -167,6 +172,7 @@ class _Run:
         return True
 
     async def give_up(self, job_ids: list[str]) -> None:
+        self.queued.settled(job_ids)
         for jid in job_ids:
             await self.client.give_up(jid)
 
@@ -181,6 +187,7 @@ class _Run:
     def settle(self, future: asyncio.Future) -> None:
         """Write a finished line's answer, then delete its replies from the inbox (only once on disk)."""
         work = self.inflight.pop(future)
+        self.queued.settled(work.job_ids)
         if work.error is not None:
             self.write(work.error, False)
             return
@@ -221,10 +228,20 @@ class _Run:
             await asyncio.wait(heads, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             self.settle_done()
 
+    async def room(self) -> None:
+        """Wait while this run's jobs queued unread are what the fleet reads next (producer/bulk/queued.py),
+        writing the answers that come meanwhile; a stop ends it."""
+        while not self.stop.is_set() and await self.queued.full():
+            running = [f for f in self.inflight if not f.done()]
+            await asyncio.wait([*running, self.stopper], timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            self.settle_done()
+
     async def submit_all(self, chunk: list[Work]) -> None:
         for work in submission_order(chunk, self.spec.window):
             while len(self.inflight) >= self.spec.window and not self.stop.is_set():
                 await self.drain(once=True)
+            if work.error is None:  # an error line sends nothing
+                await self.room()
             if not self.stop.is_set() and await self.submit(work):
                 continue
             if self.spec.abandon is not None:

@@ -57,13 +57,16 @@ class Spec:
     ``fresh``: line -> tag of the lines whose earlier answer was dropped (changed since, or an error
     retried): their jobs run under ids with that tag, as the fleet answers one id once (the tags are kept in
     the run record, so a run interrupted again collects them). ``drain_s``: how long a stopped run (``abandon``
-    None) still writes the answers of the lines in flight before it leaves the rest to the next run."""
+    None) still writes the answers of the lines in flight before it leaves the rest to the next run.
+    ``share``: keep at most the fleet's next read of jobs queued unread (producer/bulk/queued.py), so runs
+    beside this one keep getting answers; False (benchmarks' before) queues the whole window at once."""
 
     window: int = 256
     done: set[int] = field(default_factory=set)
     abandon: tuple[str, str] | None = None
     fresh: dict[int, str] = field(default_factory=dict)
     drain_s: float = 0.0
+    share: bool = True
 
 
 @dataclass

@@ -158,7 +158,8 @@ def dead_letters(r: redis.Redis, keys: Keys) -> list[dict[bytes, bytes]]:
 @contextlib.contextmanager
 def silent_fleet(redis_url: str, namespace: str, **info: object) -> Iterator[None]:
     """A live "worker" that publishes the fleet (the tiny preset's tokenizer; ``info``: other FleetInfo fields)
-    and never reads: enqueues are accepted and no answer ever comes."""
+    and never reads: enqueues are accepted and no answer ever comes. A bulk run queues at most its
+    ``max_batch_size`` (8 unless ``info`` says) unread (producer/bulk/queued.py)."""
     from batchfleet.common.config import ConnectionConfig
     from batchfleet.common.wire.protocol import FleetInfo
     from batchfleet.worker.engine.tokenizer import byte_level_tokenizer
@@ -168,9 +169,9 @@ def silent_fleet(redis_url: str, namespace: str, **info: object) -> Iterator[Non
     probe = StreamConsumer(ConnectionConfig(redis_url=redis_url, namespace=namespace), TEST_BUCKETS,
                            f"probe-{uuid.uuid4().hex[:6]}", reply_ttl_s=60)
     probe.setup()
+    fields: dict = {"max_batch_size": 8, **info}
     probe.presence.join(FleetInfo(model="none", tokenizer_json=byte_level_tokenizer().backend_tokenizer.to_str(),
-                                  buckets=TEST_BUCKETS, max_seq_len=512, max_batch_size=8, vocab_size=320,
-                                  eos_token_ids=(2,), **info))
+                                  buckets=TEST_BUCKETS, max_seq_len=512, vocab_size=320, eos_token_ids=(2,), **fields))
     try:
         yield
     finally:
