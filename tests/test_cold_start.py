@@ -6,7 +6,6 @@ serves (a worker process: ready implies it answers)."""
 from __future__ import annotations
 
 import json
-import logging
 import subprocess
 import sys
 import time
@@ -17,7 +16,6 @@ import redis
 import torch
 
 from batchfleet.common.keys import Keys
-from batchfleet.common.startup import Phases
 from batchfleet.worker.engine.native.kernel_cache import KernelChoices, entry_key
 from batchfleet.worker.engine.native.linear import LinearFactory, onednn_available
 from batchfleet.worker.health import ready
@@ -108,27 +106,6 @@ def test_the_fleet_keeps_the_choices_in_redis(redis_url: str, namespace: str, ti
     assert third.choices.measured == 1
     assert json.loads(r.get(Keys(namespace).kernel_choices(FP)))["entries"] == first.choices.entries
     r.close()
-
-
-@pytest.mark.unit
-def test_phases_add_up_and_are_logged(caplog):
-    now = [0.0]
-    phases = Phases(clock=lambda: now[0])
-    caplog.set_level(logging.INFO, logger="batchfleet.startup")
-    with phases.phase("engine", "building"):
-        now[0] += 2
-        with phases.phase("kernels"):
-            now[0] += 5
-    with phases.phase("engine"):  # a name run again adds up
-        now[0] += 1
-    out = phases.report(started=time.time() - 10, note="n")
-    assert list(out) == ["engine", "kernels", "other", "total"]
-    assert (out["engine"], out["kernels"]) == (3, 5), "each phase its own seconds"
-    assert abs(out["other"] - 2) < 0.5 and abs(out["engine"] + out["kernels"] + out["other"] - out["total"]) < 0.01
-    lines = [rec.getMessage() for rec in caplog.records]
-    assert lines[0] == "building" and [ln.split()[2] for ln in lines[1:4]] == ["engine", "kernels", "other"]
-    assert lines[-1].startswith("start total ") and lines[-1].endswith("(n)")
-    assert phases.seconds == {}
 
 
 def _spawn(redis_url: str, namespace: str, model: Path, cache: Path, name: str, log: Path) -> subprocess.Popen:
