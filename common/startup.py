@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,29 +34,38 @@ def process_started() -> float:
         return _IMPORTED
 
 
+@dataclass(eq=False)  # identity: list.remove finds this very phase
+class _Open:
+    """A phase under way: its start (clock) and the seconds of the phases that ran inside it so far."""
+
+    name: str
+    start: float
+    inner: float = 0.0
+
+
 class Phases:
     """Seconds per named phase (a name run twice adds up), each phase's own: nested phases are subtracted."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self.seconds: dict[str, float] = {}
-        self._open: list[list[Any]] = []  # [name, start, seconds of the phases inside it]
+        self._open: list[_Open] = []  # innermost last
 
     @contextmanager
     def phase(self, name: str, message: str = "", *args: Any) -> Iterator[None]:
         if message:
             startup_phase(message, *args)
         self.seconds.setdefault(name, 0.0)  # reported in the order the phases began
-        entry = [name, self.clock(), 0.0]
+        entry = _Open(name, self.clock())
         self._open.append(entry)
         try:
             yield
         finally:
             self._open.remove(entry)
-            took = self.clock() - entry[1]
-            self.seconds[name] += took - entry[2]
+            took = self.clock() - entry.start
+            self.seconds[name] += took - entry.inner
             if self._open:
-                self._open[-1][2] += took
+                self._open[-1].inner += took
 
     def report(self, started: float | None = None, note: str = "") -> dict[str, float]:
         """Log one line per phase, "other" (the time in none of them, the interpreter's start included) and the

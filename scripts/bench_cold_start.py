@@ -127,12 +127,12 @@ def main(presets: str, runs: int, redis_url: str, models_dir: str, worker_python
         shutil.rmtree(work, ignore_errors=True)
     names = [p for p in ("imports", "preset", "model", "cache", "compile", "kernels", "engine", "redis", "join",
                          "loop", "other") if any(p in r["phases"] for r in rows)]
-    click.echo(f"| label | model | start | load 1m | ready (s) | first answer (s) | {' | '.join(names)} |")
+    click.echo("| label | model | start | load 1m | ready (s) | first answer (s) |" + "".join(f" {p} |" for p in names))
     click.echo("|---|---|---|---:|---:|---:|" + "---:|" * len(names))
     for r in rows:
-        cells = " | ".join(f"{r['phases'][p]:.2f}" if p in r["phases"] else "" for p in names)
+        cells = "".join(f" {r['phases'][p]:.2f} |" if p in r["phases"] else " |" for p in names)
         click.echo(f"| {r['label']} | {r['preset']} | {r['mode']} | {r['load_avg_1m']} | {r['ready_s']} | "
-                   f"{r['first_answer_s']} | {cells} |")
+                   f"{r['first_answer_s']} |{cells}")
     if json_path:
         write_json(json_path, {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
