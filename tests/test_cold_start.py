@@ -150,3 +150,25 @@ def test_a_ready_worker_answers_and_the_next_start_measures_nothing(redis_url: s
     measured = [int(text.split("found cached, ")[1].split()[0]) for text in logs]
     assert measured[0] > 0 and measured[1] == 0, logs
     r.close()
+
+
+def test_a_joined_worker_is_live_but_not_ready_until_its_loop_serves(redis_url: str, namespace: str,
+                                                                       tiny_model_dir: Path):
+    """build_worker joins the fleet (a fresh heartbeat) without serving: the readiness probe says not ready, the
+    liveness check live; the loop's first heartbeat (its status) makes it ready. A status left under the name by
+    an earlier process does not count: joining drops it."""
+    from batchfleet.worker.compose import build_worker
+
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(namespace)
+    cfg = worker_config(redis_url, namespace, tiny_model_dir, name="joined-0")
+    r.set(keys.worker("joined-0"), b"left by a process that died", ex=30)
+    loop = build_worker(cfg)
+    try:
+        assert ready(r, keys, "joined-0", serving=False) and not ready(r, keys, "joined-0")
+        loop._heartbeat()  # what run() does first, once its read-ahead thread reads the streams
+        assert ready(r, keys, "joined-0")
+    finally:
+        loop.observer.close()
+        loop.transport.close()
+        r.close()
