@@ -46,6 +46,16 @@ PHASE_RE = re.compile(r"start phase (\S+)\s+([0-9.]+) s")
 MEASURED_RE = re.compile(r"(\d+) found cached, (\d+) measured")
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds ``pid`` and its waited-for children (the C compiler) used so far (Linux): on a loaded machine
+    closer than the wall clock to what an idle one would take, for the serial part of a start."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return round(sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK"), 2)  # utime stime cutime cstime
+
+
 def start_once(redis_url: str, ns: str, model: Path, cache: Path, python: str, pythonpath: str | None,
                extra: list[str], timeout_s: float) -> dict:
     """One worker process: seconds to ready and to its first answer, its phases, then stopped."""
@@ -66,6 +76,7 @@ def start_once(redis_url: str, ns: str, model: Path, cache: Path, python: str, p
                 raise click.ClickException(f"worker {name} did not get ready: {log.read_text()[-2000:]}")
             time.sleep(0.02)
         t_ready = time.monotonic() - t0
+        cpu = cpu_seconds(proc.pid)
         with Client(redis_url, ns) as client:
             client.generate([5, 6, 7, 8], max_new_tokens=2, timeout=timeout_s)
         t_answer = time.monotonic() - t0
@@ -84,7 +95,8 @@ def start_once(redis_url: str, ns: str, model: Path, cache: Path, python: str, p
             phases[m.group(1)] = float(m.group(2))
         if m := MEASURED_RE.search(message):
             kernels = {"kernel_choices_found": int(m.group(1)), "kernel_choices_measured": int(m.group(2))}
-    return {"ready_s": round(t_ready, 2), "first_answer_s": round(t_answer, 2), "load_avg_1m": load,
+    return {"ready_s": round(t_ready, 2), "first_answer_s": round(t_answer, 2), "cpu_s_to_ready": cpu,
+            "load_avg_1m": load,
             "phases": phases, **kernels}
 
 
@@ -127,12 +139,13 @@ def main(presets: str, runs: int, redis_url: str, models_dir: str, worker_python
         shutil.rmtree(work, ignore_errors=True)
     names = [p for p in ("imports", "preset", "model", "cache", "compile", "kernels", "engine", "redis", "join",
                          "loop", "other") if any(p in r["phases"] for r in rows)]
-    click.echo("| label | model | start | load 1m | ready (s) | first answer (s) |" + "".join(f" {p} |" for p in names))
-    click.echo("|---|---|---|---:|---:|---:|" + "---:|" * len(names))
+    click.echo("| label | model | start | load 1m | ready (s) | first answer (s) | CPU s to ready |"
+               + "".join(f" {p} |" for p in names))
+    click.echo("|---|---|---|---:|---:|---:|---:|" + "---:|" * len(names))
     for r in rows:
         cells = "".join(f" {r['phases'][p]:.2f} |" if p in r["phases"] else " |" for p in names)
         click.echo(f"| {r['label']} | {r['preset']} | {r['mode']} | {r['load_avg_1m']} | {r['ready_s']} | "
-                   f"{r['first_answer_s']} |{cells}")
+                   f"{r['first_answer_s']} | {r['cpu_s_to_ready']} |{cells}")
     if json_path:
         write_json(json_path, {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
