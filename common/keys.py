@@ -211,6 +211,11 @@ class Keys:
         """Heartbeat/status of one worker (expires when the worker stops refreshing it)."""
         return f"{self.prefix}:worker:{name}"
 
+    def kernel_choices(self, fingerprint: str) -> str:
+        """JSON of the weight matmuls' kernel choices measured on one CPU kind (worker/engine/native/kernel_cache.py):
+        written by the first worker of that kind, read by every later one instead of measuring (30-day TTL)."""
+        return f"{self.prefix}:kernels:{fingerprint}"
+
     @property
     def batches(self) -> str:
         """Capped stream of batch records (bucket, ids, size) written by workers, for audit and tests."""

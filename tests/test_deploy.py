@@ -264,8 +264,9 @@ def test_gateways_share_the_batch_files_volume():
         "matchLabels"]
 
 
-def test_health_check_sees_a_fresh_heartbeat(redis_url: str, namespace: str):
-    """The readiness check the compose healthcheck and the k8s probes run, against the real Redis."""
+def test_health_check_sees_a_fresh_heartbeat_and_a_status(redis_url: str, namespace: str):
+    """The readiness check the compose healthcheck and the k8s probes run, against the real Redis: ready = a
+    fresh heartbeat and the status only a serving loop publishes; live (``serving=False``) = the heartbeat."""
     import redis
 
     from batchfleet.worker.health import ready
@@ -276,6 +277,10 @@ def test_health_check_sees_a_fresh_heartbeat(redis_url: str, namespace: str):
     sec, usec = r.time()
     now = sec * 1000 + usec // 1000
     r.zadd(keys.workers, {"podhost-12-abc": now, "other-1-x": now, "podhost-9-old": now - 60_000})
+    assert not ready(r, keys, host="podhost") and not ready(r, keys, name="other-1-x"), "joined, not serving"
+    assert ready(r, keys, host="podhost", serving=False) and ready(r, keys, name="other-1-x", serving=False)
+    for name in ("podhost-12-abc", "other-1-x", "podhost-9-old"):
+        r.set(keys.worker(name), b"status", ex=30)
     assert ready(r, keys, host="podhost") and ready(r, keys, name="other-1-x")
     assert not ready(r, keys, name="podhost-9-old") and not ready(r, keys, host="nohost")
 

@@ -13,6 +13,7 @@ import click
 from batchfleet.common import logs
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.options import CONFIG_CLASSES, build_worker_config, config_options, fatal, log_options
+from batchfleet.common.startup import PHASES
 
 
 @click.command()
@@ -34,9 +35,9 @@ def worker(**values) -> None:
 
         cfg = replace(cfg, name=cfg.name or default_consumer_name())
         logs.set_context(worker=cfg.name)  # named from the first line on, as every line of a worker process
-        logs.startup_phase("loading torch and transformers")
-        from batchfleet.worker.compose import run_worker
-        from batchfleet.worker.transport.fleet import FleetConflict
+        with PHASES.phase("imports", "loading torch and transformers"):
+            from batchfleet.worker.compose import run_worker
+            from batchfleet.worker.transport.fleet import FleetConflict
 
         try:
             code = run_worker(cfg, metrics_server=server)

@@ -19,9 +19,13 @@ from batchfleet.common import logs
 from batchfleet.common.config import DynamicBatchingConfig, WorkerConfig
 from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.metrics import MetricsServer, reserve_metrics
+from batchfleet.common.startup import PHASES
 from batchfleet.common.wire.protocol import FleetInfo
 from batchfleet.worker.engine.base import Engine
 from batchfleet.worker.engine.models import LoadedModel, load_model, make_preset, resolve_dtype
+from batchfleet.worker.engine.native.kernel_cache import KernelChoices
+from batchfleet.worker.engine.native.linear import process_choices
+from batchfleet.worker.kernel_store import KernelStore
 from batchfleet.worker.loop import WorkerLoop
 from batchfleet.worker.metrics import LoopStats, WorkerMetrics
 from batchfleet.worker.requests.validate import Limits
@@ -41,15 +45,17 @@ def resolve_model_path(cfg: WorkerConfig) -> Path:
                        max_seq_len=cfg.batching.max_seq_len)
 
 
-def build_engine(cfg: EngineConfig, batching: DynamicBatchingConfig, loaded: LoadedModel) -> Engine:
-    """Construct the configured engine around an already loaded model."""
+def build_engine(cfg: EngineConfig, batching: DynamicBatchingConfig, loaded: LoadedModel,
+                 kernel_choices: KernelChoices | None = None) -> Engine:
+    """Construct the configured engine around an already loaded model (``kernel_choices``: the native engine's
+    measured kernel choices to look up first and add to; default: this process's)."""
     if cfg.engine == "hf":
         from batchfleet.worker.engine.hf import HFEngine
 
         return HFEngine(loaded, batching, cfg.pooling)
     from batchfleet.worker.engine.native.engine import NativeEngine
 
-    return NativeEngine(loaded, batching, cfg)
+    return NativeEngine(loaded, batching, cfg, kernel_choices=kernel_choices)
 
 
 def fleet_info(cfg: WorkerConfig, loaded: LoadedModel) -> FleetInfo:
@@ -104,31 +110,41 @@ def _build(cfg: WorkerConfig, transport: Transport | None, loaded: LoadedModel |
     if loaded is None:
         path = resolve_model_path(cfg)
         dtype = str(resolve_dtype(cfg.engine.dtype, cfg.engine.device)).removeprefix("torch.")
-        logs.startup_phase("loading the model %s on %s (%s)", path.name, cfg.engine.device, dtype)
-        loaded = load_model(path, cfg.engine.device, cfg.engine.dtype)
-    logs.startup_phase("building the %s engine", cfg.engine.engine)
-    engine = build_engine(cfg.engine, cfg.batching, loaded)
+        with PHASES.phase("model", "loading the model %s on %s (%s)", path.name, cfg.engine.device, dtype):
+            loaded = load_model(path, cfg.engine.device, cfg.engine.dtype)
+    store = None
+    if cfg.engine.engine == "native" and loaded.device.type == "cpu":  # the kernel choices are measured on CPU only
+        store = KernelStore(cfg, process_choices(), fleet=transport is None)
+        with PHASES.phase("cache", "reading the kernel choices kept for this CPU kind"):
+            store.read()
+    with PHASES.phase("engine", "building the %s engine", cfg.engine.engine):
+        engine = build_engine(cfg.engine, cfg.batching, loaded, store and store.choices)
+    if store is not None:
+        with PHASES.phase("cache"):
+            store.write()
     guides = engine.guides  # type: ignore[attr-defined]  # both engines' GuideCompiler (before any wrapper)
     if wrap_engine is not None:
         engine = wrap_engine(engine)
     if transport is None:
         transport = redis_transport(cfg.connection, cfg.keys, cfg.batching.buckets,
                                     cfg.name or default_consumer_name(), cfg.reply_ttl_s, cfg.claim_idle_ms)
-    logs.startup_phase("joining the fleet (namespace %s)", cfg.connection.namespace)
-    transport.setup()
+    with PHASES.phase("redis", "setting up the streams (namespace %s)", cfg.connection.namespace):
+        transport.setup()
     info = with_fingerprint(fleet_info(cfg, loaded))
     try:  # refuses (FleetConflict) when live workers serve another model, tokenizer or buckets; a full Redis is
         # waited out as in setup (the fault test's new.B: a worker that exits frees no memory)
-        wait_writable(lambda: transport.presence.join(info, replace=cfg.replace_fleet))
+        with PHASES.phase("join", "joining the fleet (namespace %s)", cfg.connection.namespace):
+            wait_writable(lambda: transport.presence.join(info, replace=cfg.replace_fleet))
     except BaseException:
         transport.close()
         raise
     try:
         limits = Limits(max_seq_len=cfg.batching.max_seq_len, vocab_size=int(loaded.model.config.vocab_size))
         tokenizer = loaded.tokenizer
-        return WorkerLoop(cfg, engine, transport, limits,
-                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), observe=observe,
-                          guides=guides)
+        with PHASES.phase("loop"):
+            return WorkerLoop(cfg, engine, transport, limits,
+                              decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), observe=observe,
+                              guides=guides)
     except BaseException:
         transport.close()  # joined: leave the live set now, not LIVE_WORKER_MS later
         raise
@@ -159,6 +175,8 @@ def run_worker(cfg: WorkerConfig, metrics_server: MetricsServer | None = None) -
     log.info("worker %s serving buckets %s (engine %s, mode %s, max_wait_ms %s, max_batch_size %d)",
              loop.transport.name, cfg.batching.buckets, cfg.engine.engine, cfg.engine.mode,
              cfg.batching.max_wait_ms, cfg.batching.max_batch_size)
+    choices = process_choices()
+    PHASES.report(note=f"kernel choices: {choices.hits} found cached, {choices.measured} measured")
     if logs.current_format() != "json":  # JSON mode: the log line above says it; nothing else is printed
         print(f"batchfleet worker {loop.transport.name} ready", flush=True)
     try:

@@ -1,8 +1,10 @@
 """Readiness and liveness checks for containers: exit 0 when a worker of THIS host sent a heartbeat recently.
 
 ``python -m batchfleet.worker.health`` is the compose healthcheck and the Kubernetes readiness probe
-of a worker: a worker is ready once its model is loaded and its heartbeat is in ``<ns>:workers``
-(scored with Redis' own clock), so dependants never race the first model build with a sleep. Reads
+of a worker: a worker is ready once it serves: its heartbeat is fresh in ``<ns>:workers`` (scored with Redis'
+own clock) and its status ``<ns>:worker:<name>`` is there, which only its loop publishes, once the model is
+loaded, the kernels chosen, the fleet joined and its read-ahead thread reading the streams (joining alone makes
+a worker live, not ready). Dependants never race the first model build with a sleep. Reads
 BATCHFLEET_REDIS_URL / BATCHFLEET_NAMESPACE / BATCHFLEET_WORKER_NAME like the worker; imports no torch.
 
 ``--live`` is the liveness probe: it fails only when Redis answers and this worker's heartbeat is older than
@@ -29,12 +31,13 @@ LIVE_MS = 60_000  # the lease keeper beats every 2.5 s even during a long engine
 
 
 def ready(r: redis.Redis, keys: Keys, name: str | None = None, host: str | None = None,
-          within_ms: int = FRESH_MS) -> bool:
+          within_ms: int = FRESH_MS, serving: bool = True) -> bool:
     """Whether the worker ``name`` (or, without a name, any worker named ``<host>-...``, the default
-    consumer name) has a fresh heartbeat."""
+    consumer name) has a fresh heartbeat and (``serving``) has published its status: its loop runs."""
     prefix = f"{host or socket.gethostname()}-"
     live = live_workers(r, keys, within_ms)
-    return (name in live) if name else any(w.startswith(prefix) for w in live)
+    names = [w for w in live if (w == name if name else w.startswith(prefix))]
+    return any(not serving or r.exists(keys.worker(w)) for w in names)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         r = sync_client(conn.redis_url, socket_timeout=5, socket_connect_timeout=5)
         ok = ready(r, conn.keys, os.environ.get("BATCHFLEET_WORKER_NAME") or None,
-                   within_ms=LIVE_MS if live else FRESH_MS)
+                   within_ms=LIVE_MS if live else FRESH_MS, serving=not live)
     except (redis.RedisError, OSError) as exc:
         if live:
             print(f"live (not judged: Redis did not answer: {exc})", file=sys.stderr)
@@ -51,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"not ready: {exc}", file=sys.stderr)
         return 1
     if not ok:
-        print(f"not {'live' if live else 'ready'}: no fresh heartbeat from this host's worker", file=sys.stderr)
+        print(f"not {'live' if live else 'ready'}: no fresh heartbeat{'' if live else ' and status'} from this "
+              "host's worker", file=sys.stderr)
     return 0 if ok else 1
 
 

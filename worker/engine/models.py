@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
-from batchfleet.common.logs import startup_phase
+from batchfleet.common.startup import PHASES
 from batchfleet.worker.engine.tokenizer import BOS_ID, EOS_ID, PAD_ID, byte_level_tokenizer
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,12 @@ def make_preset(preset: str, cache_dir: str | Path, seed: int = 0, max_seq_len: 
     target = Path(cache_dir).expanduser() / f"{preset}-v{PRESET_VERSION}-seed{seed}"
     if (target / "config.json").exists():
         return target
-    startup_phase("building the built-in preset %s (random weights; once, into %s)", preset, target.parent)
+    with PHASES.phase("preset", "building the built-in preset %s (random weights; once, into %s)", preset,
+                      target.parent):
+        return _build_preset(preset, target, seed, max_seq_len)
+
+
+def _build_preset(preset: str, target: Path, seed: int, max_seq_len: int) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(**PRESETS[preset], max_position_embeddings=max(max_seq_len, 4096), rms_norm_eps=1e-5,
                          bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,

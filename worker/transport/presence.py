@@ -48,9 +48,11 @@ class Presence(Membership):
     @refused
     def join(self, info: FleetInfo, replace: bool = False) -> None:
         """Publish the fleet description with a TTL (FleetConflict when live workers serve another fingerprint,
-        unless ``replace``) and mark this worker live; kept for ``rejoin``."""
+        unless ``replace``) and mark this worker live; kept for ``rejoin``. A status left by an earlier process of
+        this name is dropped: this one is ready (worker/health.py) only once its loop publishes its own."""
         fleet.join(self.r, self.scripts, self.keys, info, self.name, replace)
         self.info = info
+        self.r.delete(self.keys.worker(self.name))
         self.beat(b"")
 
     def rejoin(self) -> None:

@@ -15,7 +15,8 @@ from typing import Any
 import redis
 from redis.cluster import ClusterPipeline
 
-# KEYS: workers (zset), status key, fleet key. ARGV: name, status blob ('' = keep), status ttl, fleet ttl (0:
+# KEYS: workers (zset), status key, fleet key. ARGV: name, status blob ('' = keep the status there is, its TTL
+# renewed: a long engine step keeps the worker's last status, so it stays ready), status ttl, fleet ttl (0:
 # none: a fleet that scales to zero), prune ('1': drop names silent for a day; only every few beats, since the
 # set only grows by a restart).
 # Redis' own clock scores liveness, so no host clock matters. Returns TIME (for this host's clock offset)
@@ -25,7 +26,8 @@ local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZADD', KEYS[1], now_ms, ARGV[1])
 if ARGV[5] == '1' then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms - 86400000) end
-if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'EX', tonumber(ARGV[3])) end
+if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'EX', tonumber(ARGV[3]))
+else redis.call('EXPIRE', KEYS[2], tonumber(ARGV[3])) end
 local kept
 if tonumber(ARGV[4]) > 0 then kept = redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
 else kept = redis.call('EXISTS', KEYS[3]) end  -- a fleet that scales to zero: no TTL

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from batchfleet.common.logs import startup_phase
+from batchfleet.common.startup import PHASES
 from batchfleet.worker.engine.native.attention import write_kv
 
 log = logging.getLogger(__name__)
@@ -65,17 +65,17 @@ def _build(source: Path, flags: list[str], kernel_dir: Path) -> ctypes.CDLL | No
     target = Path(kernel_dir).expanduser() / f"{source.stem}-{key}.so"
     try:
         if not target.exists():
-            startup_phase("compiling %s for this CPU (once; kept in %s)", source.name, target.parent)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
-            os.close(fd)
-            try:
-                subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], check=True, capture_output=True,
-                               timeout=120)
-                os.replace(tmp, target)  # atomic: concurrent workers never load a half-written file
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            with PHASES.phase("compile", "compiling %s for this CPU (once; kept in %s)", source.name, target.parent):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+                os.close(fd)
+                try:
+                    subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], check=True, capture_output=True,
+                                   timeout=120)
+                    os.replace(tmp, target)  # atomic: concurrent workers never load a half-written file
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("%s unavailable (%s)", source.name, exc)

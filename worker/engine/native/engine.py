@@ -26,6 +26,8 @@ from batchfleet.worker.engine.embed import EmbedQueue
 from batchfleet.worker.engine.guided import GuideCompiler
 from batchfleet.worker.engine.models import LoadedModel
 from batchfleet.worker.engine.native.block_manager import BlockManager
+from batchfleet.worker.engine.native.kernel_cache import KernelChoices
+from batchfleet.worker.engine.native.linear import LinearFactory
 from batchfleet.worker.engine.native.runner import ModelRunner
 from batchfleet.worker.engine.native.scheduler import Scheduler
 from batchfleet.worker.engine.native.sequence import Sequence as Seq
@@ -65,11 +67,12 @@ class NativeEngine:
     def __init__(self, loaded: LoadedModel, batching: DynamicBatchingConfig, cfg: EngineConfig, *,
                  num_blocks: int | None = None, max_prefill_tokens: int | None = None,
                  max_running: int | None = None, prefill: str = "auto", decode: str = "auto",
-                 graph: str | None = None) -> None:
+                 graph: str | None = None, kernel_choices: KernelChoices | None = None) -> None:
         """Dynamic mode: prefill steps take whole prompts (up to max(16384, largest bucket) tokens) and
         ``max_batch_size`` sequences run at once. Continuous mode: up to ``max_running`` sequences of any
         bucket decode together, prefills are chunked to ``max_prefill_tokens`` and alternate with decodes.
-        ``graph``: the runner's decode graphs (runner.py; default: "off" with ``cfg.enforce_eager``, else "auto")."""
+        ``graph``: the runner's decode graphs (runner.py; default: "off" with ``cfg.enforce_eager``, else "auto").
+        ``kernel_choices``: the weight matmuls' measured choices to look up and add to (kernel_cache.py)."""
         self.loaded = loaded
         self.batching = batching
         self.cfg = cfg
@@ -82,7 +85,7 @@ class NativeEngine:
                                   kv_cache_gb=cfg.kv_cache_gb, buckets=batching.buckets,
                                   padding=batching.padding, num_blocks=num_blocks, prefill=prefill, decode=decode,
                                   kernel_dir=Path(cfg.cache_dir) / "kernels" if cfg.native_kernel else None,
-                                  linear=cfg.linear, batch_invariant=cfg.batch_invariant,
+                                  linear=LinearFactory(cfg.linear, kernel_choices), batch_invariant=cfg.batch_invariant,
                                   graph=graph or ("off" if cfg.enforce_eager else "auto"))
         self.blocks = BlockManager(self.runner.num_blocks, cfg.block_size, enable_caching=cfg.prefix_cache)
         if continuous:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from batchfleet.worker.engine.native import amx
+from batchfleet.worker.engine.native.kernel_cache import KernelChoices, entry_key
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,20 @@ PROBE_ROWS = (1, 4, 16, 64, 256, 1024)
 PROBE_MAX_FLOP = 2e9  # skip probes costlier than this (larger row counts take the largest probe's choice)
 PROBE_REPS = 3  # timed calls per (kernel, rows) after one warm-up; the minimum is kept (noise only adds)
 _MAX_BITS = 64
-# measured plans of this process, (out, in, dtype, threads) -> Plan: a second engine reuses them
-_MEASURED: dict[tuple[int, int, str, int], Plan] = {}
 BLOCK_PROBE_ROWS = 64  # invariant_block checks every call of 2 .. this many rows
-_BLOCKS: dict[tuple[int, int, str, int], int | None] = {}  # the same per process: (out, in, dtype, threads)
+# what this process measured (a second engine reuses it), where the worker passes no KernelChoices of its own
+_PROCESS_CHOICES: list[KernelChoices] = []
+
+
+def process_choices() -> KernelChoices:
+    if not _PROCESS_CHOICES:
+        _PROCESS_CHOICES.append(KernelChoices())
+    return _PROCESS_CHOICES[0]
+
+
+def valid_block(value: object) -> bool:
+    """What ``invariant_block`` returns: None, or a row count 1 .. BLOCK_PROBE_ROWS - 1."""
+    return value is None or (type(value) is int and 1 <= value < BLOCK_PROBE_ROWS)
 
 
 def onednn_available() -> bool:
@@ -73,6 +84,18 @@ class Plan:
 
     by_probe: dict[int, str]  # probe rows -> kernel
     gflops: dict[int, dict[str, float]] = field(default_factory=dict)  # probe rows -> kernel -> GFLOP/s
+
+    def to_json(self) -> dict:
+        return {"by_probe": {str(r): k for r, k in self.by_probe.items()},
+                "gflops": {str(r): g for r, g in self.gflops.items()}}
+
+    @staticmethod
+    def from_json(doc: dict) -> Plan:
+        """The plan ``to_json`` wrote; ValueError (or TypeError, KeyError) for anything else."""
+        by_probe = {int(r): k for r, k in doc["by_probe"].items()}
+        if not by_probe or not set(by_probe) <= set(PROBE_ROWS) or not set(by_probe.values()) <= set(KERNELS):
+            raise ValueError(f"not a plan: {doc!r}")
+        return Plan(by_probe, {int(r): dict(g) for r, g in doc.get("gflops", {}).items()})
 
     def table(self) -> list[str]:
         """Kernel per ``rows.bit_length()`` (index 0..64): the nearest probe in log scale."""
@@ -218,12 +241,14 @@ class LinearFactory:
     """Builds ``Linear`` layers, measuring each distinct (out, in, dtype) shape once.
 
     choice: ``auto`` or ``onednn`` (prepacked everywhere it can be, default where it cannot: batch-invariant),
-    ``fastest`` (measure per shape and row count) or ``default`` (F.linear everywhere)."""
+    ``fastest`` (measure per shape and row count) or ``default`` (F.linear everywhere).
+    ``choices``: where measurements are looked up first and kept (kernel_cache.py; default: this process's)."""
 
-    def __init__(self, choice: str = "auto") -> None:
+    def __init__(self, choice: str = "auto", choices: KernelChoices | None = None) -> None:
         if choice not in CHOICES:
             raise ValueError(f"linear kernel must be one of {CHOICES}, not {choice!r}")
         self.choice = choice
+        self.choices = choices if choices is not None else process_choices()
         self.plans: dict[tuple[int, int, str], Plan | None] = {}  # None: default only (no oneDNN here)
         self.blocks: dict[tuple[int, int, str], int | None] = {}  # auto/onednn: rows per call (invariant_block)
         self.seconds = 0.0  # spent measuring
@@ -246,12 +271,7 @@ class LinearFactory:
             if self.choice in ("auto", "onednn"):
                 self.plans[key] = Plan({r: "onednn" for r in PROBE_ROWS})
             else:
-                cached = (*key, torch.get_num_threads())
-                if cached not in _MEASURED:
-                    t = time.perf_counter()
-                    _MEASURED[cached] = measure(weight, packed)
-                    self.seconds += time.perf_counter() - t
-                self.plans[key] = _MEASURED[cached]
+                self.plans[key] = self._plan(key, weight, packed)
         return self._blocked(key, Linear(weight, bias, self.plans[key], packed))
 
     def _amx(self, weight: torch.Tensor, bias: torch.Tensor | None) -> amx.AmxLinear | None:
@@ -260,12 +280,9 @@ class LinearFactory:
         if not amx.fits(weight, bias) or (lib := amx.library()) is None:
             return None
         key = (weight.shape[0], weight.shape[1], "bfloat16")
-        lin, cached = amx.AmxLinear(weight, lib), (*key, amx.KERNEL, torch.get_num_threads())
-        if cached not in _BLOCKS:
-            t = time.perf_counter()
-            _BLOCKS[cached] = invariant_block(lin)
-            self.seconds += time.perf_counter() - t
-        if _BLOCKS[cached] is not None:  # never seen: the sums do not depend on the row count by construction
+        lin = amx.AmxLinear(weight, lib)
+        # never seen: the sums do not depend on the row count by construction
+        if self._block(f"block-{amx.KERNEL}", key, lin) is not None:
             log.warning("AMX linear %s: rows change with the row count; oneDNN instead", key)
             return None
         self.plans[key], self.blocks[key] = Plan({r: amx.KERNEL for r in PROBE_ROWS}), None
@@ -275,16 +292,36 @@ class LinearFactory:
         """``lin`` with its rows per call, where batch invariance is asked for (auto, onednn) on the CPU."""
         if self.choice not in ("auto", "onednn") or lin.weight.device.type != "cpu":
             return lin
-        cached = (*key, torch.get_num_threads())
-        if cached not in _BLOCKS:
-            t = time.perf_counter()
-            _BLOCKS[cached] = invariant_block(lin)
-            self.seconds += time.perf_counter() - t
-            if _BLOCKS[cached] is not None:
-                log.info("weight %s: a row's bits change with the row count above %d rows here; calls cut into "
-                         "blocks of %d rows (batch invariance)", key, _BLOCKS[cached], _BLOCKS[cached])
-        lin.block = self.blocks[key] = _BLOCKS[cached]
+        lin.block = self.blocks[key] = self._block("block", key, lin)
         return lin
+
+    def _block(self, kind: str, key: tuple[int, int, str], lin: Linear | amx.AmxLinear) -> int | None:
+        """``invariant_block(lin)``, measured once per shape and thread count (then found in ``choices``)."""
+        name = entry_key(kind, *key, torch.get_num_threads())
+        found, block = self.choices.get(name, valid_block)
+        if not found:
+            t = time.perf_counter()
+            block = invariant_block(lin)
+            self.seconds += time.perf_counter() - t
+            self.choices.measured += 1
+            self.choices.put(name, block)
+            if block is not None:
+                log.info("weight %s: a row's bits change with the row count above %d rows here; calls cut into "
+                         "blocks of %d rows (batch invariance)", key, block, block)
+        return block
+
+    def _plan(self, key: tuple[int, int, str], weight: torch.Tensor, packed: torch.Tensor) -> Plan:
+        """``measure``'s plan for ``fastest``, measured once per shape and thread count (then found in ``choices``)."""
+        name = entry_key("plan", *key, torch.get_num_threads())
+        found, doc = self.choices.get(name, Plan.from_json)
+        if found:
+            return Plan.from_json(doc)
+        t = time.perf_counter()
+        plan = measure(weight, packed)
+        self.seconds += time.perf_counter() - t
+        self.choices.measured += 1
+        self.choices.put(name, plan.to_json())
+        return plan
 
     def describe(self) -> dict[str, str]:
         """Per shape ``"in->out dtype"``: the kernel per probed row count, e.g. ``"1:default 4:onednn ..."``."""

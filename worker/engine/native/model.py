@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from batchfleet.common.logs import startup_phase
+from batchfleet.common.startup import PHASES
 from batchfleet.worker.engine.native import triton_support
 from batchfleet.worker.engine.native.linear import Linear, LinearFactory
 
@@ -105,22 +105,22 @@ class NativeModel:
         self.final_norm = inner.norm.weight
         self.lm_head = hf_model.get_output_embeddings().weight  # [V, hidden]
         make = linear if isinstance(linear, LinearFactory) else LinearFactory(linear)
-        startup_phase("choosing the weight matmul kernels of %d layers (--linear %s; each shape probed once)",
-                      self.num_layers, make.choice)
-        self.linears = make
-        self.lm_head_l = make(self.lm_head)
-        self.layers: list[LayerWeights] = []
-        for layer in inner.layers:
-            a, m = layer.self_attn, layer.mlp
-            qkv, qkv_b = _fuse([a.q_proj, a.k_proj, a.v_proj])
-            gate_up, gu_b = _fuse([m.gate_proj, m.up_proj])
-            o, o_b, down, down_b = a.o_proj.weight, a.o_proj.bias, m.down_proj.weight, m.down_proj.bias
-            self.layers.append(LayerWeights(
-                in_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_b,
-                o=o, o_bias=o_b, post_norm=layer.post_attention_layernorm.weight,
-                gate_up=gate_up, gate_up_bias=gu_b, down=down, down_bias=down_b,
-                qkv_l=make(qkv, qkv_b), o_l=make(o, o_b), gate_up_l=make(gate_up, gu_b), down_l=make(down, down_b),
-            ))
+        with PHASES.phase("kernels", "choosing the weight matmul kernels of %d layers (--linear %s; each shape "
+                          "probed once, or found cached for this CPU kind)", self.num_layers, make.choice):
+            self.linears = make
+            self.lm_head_l = make(self.lm_head)
+            self.layers: list[LayerWeights] = []
+            for layer in inner.layers:
+                a, m = layer.self_attn, layer.mlp
+                qkv, qkv_b = _fuse([a.q_proj, a.k_proj, a.v_proj])
+                gate_up, gu_b = _fuse([m.gate_proj, m.up_proj])
+                o, o_b, down, down_b = a.o_proj.weight, a.o_proj.bias, m.down_proj.weight, m.down_proj.bias
+                self.layers.append(LayerWeights(
+                    in_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_b,
+                    o=o, o_bias=o_b, post_norm=layer.post_attention_layernorm.weight,
+                    gate_up=gate_up, gate_up_bias=gu_b, down=down, down_bias=down_b,
+                    qkv_l=make(qkv, qkv_b), o_l=make(o, o_b), gate_up_l=make(gate_up, gu_b), down_l=make(down, down_b),
+                ))
         self.cos, self.sin = _rope_tables(inner.rotary_emb, max_positions, self.device, self.dtype)
         # sin with rotate-half's sign folded in (first half negated): rope needs no separate negation, and
         # x2 * -sin == -x2 * sin exactly, so the result is bit-identical to transformers'

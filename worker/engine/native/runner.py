@@ -14,6 +14,7 @@ from batchfleet.worker.engine.native import attention as A
 from batchfleet.worker.engine.native import cpu_kernel, hugepages, invariance, memlimit, small_ops
 from batchfleet.worker.engine.native.block_manager import blocks_for
 from batchfleet.worker.engine.native.graphs import MODES, CudaCapture, DecodeGraphs, StepInputs, eager_capture
+from batchfleet.worker.engine.native.linear import LinearFactory
 from batchfleet.worker.engine.native.model import NativeModel
 from batchfleet.worker.engine.native.step import ScheduledBatch
 from batchfleet.worker.engine.sampling import sample, token_logprobs
@@ -50,12 +51,12 @@ class ModelRunner:
                  kv_cache_gb: float | None = None, buckets: tuple[int, ...] = (), padding: str = "bucket",
                  num_blocks: int | None = None, prefill: str = "auto", decode: str = "auto",
                  kernel_dir: Path | None = cpu_kernel.DEFAULT_KERNEL_DIR, static_decode: bool | None = None,
-                 linear: str = "auto", graph: str = "auto", batch_invariant: bool = False) -> None:
+                 linear: str | LinearFactory = "auto", graph: str = "auto", batch_invariant: bool = False) -> None:
         """prefill: "padded" (per ``padding``), "packed" (varlen) or "auto" (packed on CPU);
         decode: "kernel" (C kernel, CPU), "gather" (gather + SDPA), "npu" or "auto";
         kernel_dir: where the C kernel is built (None: never use it);
         static_decode: pad decode steps to a few shapes (None: on CUDA/NPU, where a new shape recompiles);
-        linear: the weight matmuls' kernel ("auto": measured per shape at load; see linear.py);
+        linear: the weight matmuls' kernel ("auto": measured per shape at load; see linear.py), or a LinearFactory;
         graph: decode steps through graphs.py: "captured" (CUDA graphs), "eager" (the same padded buckets and
         persistent inputs, the capture replaced by a plain call: CPU tests), "off" (``--enforce-eager``) or
         "auto" (captured on CUDA where the decode path allows it, else off);
