@@ -40,7 +40,7 @@ def _prompt(rng: random.Random) -> list[int]:
 
 async def _interactive(spec: LoadSpec, t0: float) -> dict:
     rng = random.Random(7)
-    samples: list[tuple[float, float]] = []  # (sent wall - t0, queue_ms wall)
+    samples: list[tuple[float, float, float]] = []  # (sent wall - t0, queue_ms, total_ms: wall)
     errors: list[str] = []
     async with AsyncClient(spec.url, spec.namespace, max_connections=32) as client:
         async def one(at: float) -> None:
@@ -50,7 +50,7 @@ async def _interactive(spec: LoadSpec, t0: float) -> dict:
             except Exception as exc:  # lost: counted, never retried (a retry would hide a loss)
                 errors.append(f"{type(exc).__name__}: {exc}"[:200])
                 return
-            samples.append((at, res.queue_ms))
+            samples.append((at, res.queue_ms, res.total_ms))
 
         await asyncio.gather(*(one(at) for at in spec.arrivals_wall))
     return {"sent": len(spec.arrivals_wall), "samples": samples, "errors": errors}
