@@ -43,7 +43,7 @@ from batchfleet.common.keys import Keys
 from batchfleet.worker.devtools import PrivateRedis, free_port
 from benchlib.daytrace import DayShape, Plan, Trace, make_trace, oracle_schedule
 from benchlib.keda import Autoscaler, ScaledObject
-from benchlib.simdemand import worker_equivalents
+from benchlib.simdemand import read_demand, worker_equivalents
 from benchlib.simhost import BUCKETS, HostSpec, host_main
 from benchlib.simload import LoadSpec, load_main
 
@@ -215,7 +215,9 @@ def run_policy(policy: str, trace: Trace, plan: Plan, setup: Setup, so: ScaledOb
             if policy == "keda":
                 replicas = scaler.advance(now, metric)
             else:
-                replicas = plan.replicas_at(now)
+                d = read_demand(r, keys, BUCKETS)
+                bulk_left = now < trace.bulk_at_s + 600 or d.background + d.unsent > 0  # 600 s: the run registers
+                replicas = plan.replicas_at(now, bulk_left)
                 if now > trace.end_s and metric > 0:
                     replicas = max(replicas, 1)  # past the plan's last interval: never strand a request
             if now >= next_kill and now < trace.end_s and any(p.ready is not None for p in fleet.live()):
@@ -363,6 +365,8 @@ def main(hours: float, speed: float, peak_rps: float, night_rps: float, bulk_lin
             plan = oracle_schedule(trace, setup.service_s * slowdown, setup.bulk_service_s * slowdown, max_running,
                                    60.0, start_delay_s, background_cap)
         runs[policy] = run_policy(policy, trace, plan, setup, so, redis_server)
+        if json_path:  # each run as it ends: a later one that fails leaves the earlier ones
+            Path(json_path).write_text(json.dumps({"runs": runs}) + "\n")
         print(f"{policy}: done, load average {runs[policy]['load_avg_after']}", file=sys.stderr, flush=True)
     if oracle_from and "oracle" not in runs:
         runs["oracle"] = json.loads(Path(oracle_from).read_text())["runs"]["oracle"]

@@ -76,15 +76,22 @@ class Plan:
     bulk: list[int] = field(default_factory=list)
     bulk_done_s: float = 0.0
     worker_seconds: float = 0.0
+    bulk_at_s: float | None = None
+    background_cap: int = 0
 
     def workers(self, i: int) -> int:
         return self.interactive[i] + self.bulk[i] if 0 <= i < len(self.interactive) else 0
 
-    def replicas_at(self, t: float) -> int:
-        """What the oracle runs at ``t``: the workers needed one start delay later are already starting."""
+    def replicas_at(self, t: float, bulk_left: bool) -> int:
+        """What the oracle runs at ``t``: the workers needed one start delay later are already starting. The
+        bulk job keeps its ``background_cap`` workers from one start delay before it arrives while it has lines
+        left (``bulk_left``: the oracle knows when its last line is answered, which the planned waves only
+        estimate)."""
         i0 = int(t // self.interval_s)
         i1 = int((t + self.start_delay_s) // self.interval_s)
-        return max(self.workers(i) for i in range(i0, i1 + 1))
+        interactive = max(self.interactive[i] if 0 <= i < len(self.interactive) else 0 for i in range(i0, i1 + 1))
+        arrived = self.bulk_at_s is not None and t + self.start_delay_s >= self.bulk_at_s
+        return interactive + (self.background_cap if arrived and bulk_left else 0)
 
 
 def oracle_schedule(trace: Trace, service_s: float, bulk_service_s: float, max_running: int, interval_s: float,
@@ -95,7 +102,8 @@ def oracle_schedule(trace: Trace, service_s: float, bulk_service_s: float, max_r
         bulk_done = trace.bulk_at_s + waves * bulk_service_s
     # past the trace's end: the last requests still run
     n = math.ceil(max(trace.end_s + service_s, bulk_done) / interval_s)
-    plan = Plan(interval_s, start_delay_s, [0] * n, [0] * n, bulk_done)
+    plan = Plan(interval_s, start_delay_s, [0] * n, [0] * n, bulk_done,
+                bulk_at_s=trace.bulk_at_s if trace.shape.bulk_lines else None, background_cap=background_cap)
     # the peak of requests in service within each interval: a sweep over +1 (arrival) and -1 (finish) events
     events = sorted([(a, 1) for a in trace.arrivals] + [(a + service_s, -1) for a in trace.arrivals],
                     key=lambda e: (e[0], e[1]))
