@@ -134,4 +134,6 @@ def test_request_cost_bench_measures_a_real_worker(tmp_path, cache_dir):
                    check=True, timeout=300)
     row = json.loads(out.read_text())
     assert row["label"] == "test" and row["requests"] == 40
-    assert 3 <= row["calls_per_req"] <= 10 and row["usec_per_req"] > 0 and "xadd" in row["by_command"]
+    # <= 12: issue 29's <= 10, plus the tenants' usage counts (worker/transport/settle.py ``_count_usage``): one
+    # HINCRBY per tenant and count in the total and today's hash, and one EXPIREAT, per batch of replies, not per reply
+    assert 3 <= row["calls_per_req"] <= 12 and row["usec_per_req"] > 0 and "xadd" in row["by_command"]

@@ -35,7 +35,7 @@ def test_rope_kv_is_bit_identical_to_rope_then_write_kv(dtype, shape):
     pool_ref = torch.randn(2, nb, bs, Hkv, D, generator=g).to(dtype)
     pool = pool_ref.clone()
 
-    model = types.SimpleNamespace()  # NativeModel.rope reads nothing from self
+    model = types.SimpleNamespace(fused=None)  # NativeModel.rope reads only whether the CUDA kernels are in use
     view = qkv.view(B, 1, H + 2 * Hkv, D)
     qk = NativeModel.rope(model, view[:, :, : H + Hkv], cos[pos].view(B, 1, 1, D), sin_rot[pos].view(B, 1, 1, D))
     A.write_kv(pool_ref, slots, qk[:, 0, H:], view[:, 0, H + Hkv :])
@@ -99,7 +99,7 @@ def test_rms_norm_matches_the_torch_ops(dtype, shape):
     g = torch.Generator().manual_seed(shape[-1])
     x = (torch.randn(*shape, generator=g) * 5).to(dtype)
     w = torch.randn(shape[-1], generator=g).to(dtype)
-    model = types.SimpleNamespace(eps=1e-6)
+    model = types.SimpleNamespace(eps=1e-6, fused=None)
     ref = NativeModel.rms_norm(model, x, w)
     out = small_ops.rms_norm(ops, x, w, 1e-6)
     # the sum of squares in another order: ~1 ulp of fp32 in the scale, at most one bf16 rounding step
@@ -113,7 +113,7 @@ def test_silu_mul_matches_the_torch_ops(dtype):
     g = torch.Generator().manual_seed(1)
     gate_up = (torch.randn(32, 1, 2 * 2048, generator=g) * 6).to(dtype)
     gate_up[0, 0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.0, -90.0])  # range ends and zeros
-    model = types.SimpleNamespace(act=torch.nn.functional.silu, hidden_act="silu")
+    model = types.SimpleNamespace(act=torch.nn.functional.silu, hidden_act="silu", fused=None)
     ref = NativeModel.act_mul(model, gate_up)
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=2**-7)
     torch.testing.assert_close(small_ops.silu_mul(ops, gate_up), ref, **tol)
