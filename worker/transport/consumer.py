@@ -22,7 +22,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import redis
@@ -216,6 +216,9 @@ class StreamConsumer(Transport):
                 return out
             if block is None:
                 time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))
+
+    def admission_order(self, priority: str, waiting: Mapping[str, int], n: int) -> list[str] | None:
+        return self.reader.order(priority, waiting, n)
 
     def log_batch(self, record: dict) -> None:
         """Append a batch record (worker, bucket, ids, size) to the capped audit stream; best effort: the

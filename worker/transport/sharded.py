@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
 import redis
@@ -116,6 +116,11 @@ class ShardedConsumer(Transport):
                 self._next = (shard + 1) % n
                 return [dataclasses.replace(e, shard=shard) for e in got]
         return []
+
+    def admission_order(self, priority: str, waiting: Mapping[str, int], n: int) -> list[str] | None:
+        """One shard's fair share; None over several (each shard's share counts only its own entries, so
+        tenants are ordered there by deadline, then arrival, as without tenants)."""
+        return self.parts[0].admission_order(priority, waiting, n) if len(self.parts) == 1 else None
 
     def log_batch(self, record: dict) -> None:
         self.parts[0].log_batch(record)
