@@ -244,6 +244,9 @@ class Transport(Protocol):
     presence: Membership
     cancel_watch: Cancelling
     flush: FlushWatch
+    # whose held entries start next: (priority, tenant -> entries held not started, n) -> the tenants of the next n
+    # admissions by the fair share (worker/transport/fair_share.py); None: deadline, then arrival, across tenants
+    admission_order: Callable[[str, Mapping[str, int], int], list[str]] | None = None
 
     @abstractmethod
     def setup(self) -> None:
@@ -260,12 +263,6 @@ class Transport(Protocol):
         bucket of each priority, 0 = not that priority); blocks at most ``block_ms`` (capped by ``max_block_ms``);
         ``None`` does not block. ``exact=False``: the wait ends at no deadline (an idle worker), so it may
         end up to one Redis cron tick early or late, for the fewest round trips."""
-
-    def admission_order(self, priority: str, waiting: Mapping[str, int], n: int) -> list[str] | None:
-        """Whose held entries of ``priority`` start next (``waiting``: tenant -> entries held, not started): the
-        tenants of the next ``n`` admissions by the fair share (worker/transport/fair_share.py), or None where
-        this transport keeps none (then deadline, then arrival, across tenants)."""
-        return None
 
     @abstractmethod
     def log_batch(self, record: dict) -> None:

@@ -22,7 +22,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TypeVar
 
 import redis
@@ -119,6 +119,7 @@ class StreamConsumer(Transport):
         self._scripts = scripts
         # reads are capped while parsed, then cut down (or recovered in Redis): memory never follows entry sizes
         self.reader = BoundedReader(self.r, scripts, self.keys.group, name, self.keys, buckets)
+        self.admission_order = self.reader.order  # the reader's fair share also orders what is held
         self._tenants_at = -float("inf")  # time.monotonic() of the last look at the tenants (follow_tenants)
         self.presence = Presence(self.r, scripts, self.keys, name)
         self.settler = Settler(self.r, self.keys, conn.wait_replicas, name, reply_ttl_s, served=self.reader.served)
@@ -216,9 +217,6 @@ class StreamConsumer(Transport):
                 return out
             if block is None:
                 time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))
-
-    def admission_order(self, priority: str, waiting: Mapping[str, int], n: int) -> list[str] | None:
-        return self.reader.order(priority, waiting, n)
 
     def log_batch(self, record: dict) -> None:
         """Append a batch record (worker, bucket, ids, size) to the capped audit stream; best effort: the

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import redis
@@ -61,6 +61,9 @@ class ShardedConsumer(Transport):
         for part in self.parts:  # a reply may be written on its inbox's shard: its cost goes to its entry's shard
             part.settler.served = self._served
         self.max_block_ms = self.parts[0].max_block_ms
+        # one shard's fair share; none over several (each shard's counts only its own entries: tenants are then
+        # ordered by deadline, then arrival, as without tenants)
+        self.admission_order = self.parts[0].admission_order if len(self.parts) == 1 else None
         self._next = 0  # the shard the next sweep starts with
         self._quiet = False  # the last read waited and found nothing
         self.waiters = Waiters(self.parts)
@@ -116,11 +119,6 @@ class ShardedConsumer(Transport):
                 self._next = (shard + 1) % n
                 return [dataclasses.replace(e, shard=shard) for e in got]
         return []
-
-    def admission_order(self, priority: str, waiting: Mapping[str, int], n: int) -> list[str] | None:
-        """One shard's fair share; None over several (each shard's share counts only its own entries, so
-        tenants are ordered there by deadline, then arrival, as without tenants)."""
-        return self.parts[0].admission_order(priority, waiting, n) if len(self.parts) == 1 else None
 
     def log_batch(self, record: dict) -> None:
         self.parts[0].log_batch(record)
