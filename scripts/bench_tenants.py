@@ -3,9 +3,11 @@ get their weights' share of the tokens? One worker at user defaults (native engi
 one run, four phases, each with tenants of its own (labels ``<phase>-a`` / ``<phase>-b``):
 
 1. idle: B sends ``--b-requests`` requests at ``--b-rate`` per second (16 new tokens): B's TTFT p50 on an idle fleet;
-2. flood: A submits ``--flood`` interactive requests at once (16 new tokens) while B sends the same requests at the
-   same rate: how many of B's were refused (target 0; A, whose queue fills at the worker's queue limit, gets the
-   ``QueueFull``), B's TTFT p50 / idle (target <= 1.3);
+2. flood: A submits ``--flood`` interactive requests at once (16 new tokens), then keeps its queue full (submitting
+   again as it is served) while B sends the same requests at the same rate: how many of B's were refused (target 0;
+   A, whose queue fills at the worker's queue limit, gets the ``QueueFull``), B's TTFT p50 / idle (target <= 1.3),
+   over B's requests sent while A had work waiting (a fast worker drains a flood of the limit alone within B's
+   phase: those after it would measure an idle fleet);
 3. even: A and B each keep ``--backlog`` requests (32 new tokens, EOS ignored) queued, weights 1:1: each tenant's
    share of the tokens generated while both still had work (read from ``Keys.usage``; target 50/50 +- 10%);
 4. weighted: the same with A's weight 3 (``Keys.tenants``): target 75/25 +- 10%.
@@ -22,6 +24,7 @@ import statistics
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -44,13 +47,17 @@ def tenant_client(url: str, ns: str, tenant: str) -> Client:
     return client
 
 
-def paced(client: Client, n: int, rate: float, tag: str) -> dict:
-    """``n`` requests at ``rate`` per second, each awaited in a thread of its own; TTFTs (ms) and refusals."""
+def paced(client: Client, n: int, rate: float, tag: str, busy: Callable[[], bool] | None = None) -> dict:
+    """``n`` requests at ``rate`` per second, each awaited in a thread of its own; TTFTs (ms) and refusals.
+    ``busy``: asked as each is sent (whether another tenant has work waiting); the TTFTs of those sent while it
+    had are also given apart."""
     ttfts: list[float] = []
+    during: list[float] = []
     refused = [0]
     lock = threading.Lock()
 
     def one(i: int) -> None:
+        flooded = busy is not None and busy()
         try:
             res = client.generate(f"{PROMPT} ({tag} {i})", max_new_tokens=16, timeout=300)
         except QueueFull:
@@ -59,6 +66,8 @@ def paced(client: Client, n: int, rate: float, tag: str) -> dict:
             return
         with lock:
             ttfts.append(res.ttft_ms)
+            if flooded:
+                during.append(res.ttft_ms)
 
     threads = []
     t0 = time.monotonic()
@@ -68,9 +77,24 @@ def paced(client: Client, n: int, rate: float, tag: str) -> dict:
         threads[-1].start()
     for t in threads:
         t.join()
-    return {"requests": n, "answered": len(ttfts), "refused": refused[0],
-            "ttft_p50_ms": round(statistics.median(ttfts), 1) if ttfts else None,
-            "ttft_max_ms": round(max(ttfts), 1) if ttfts else None}
+    out = {"requests": n, "answered": len(ttfts), "refused": refused[0],
+           "ttft_p50_ms": round(statistics.median(ttfts), 1) if ttfts else None,
+           "ttft_max_ms": round(max(ttfts), 1) if ttfts else None}
+    if busy is not None:
+        out["sent_while_busy"] = len(during)
+        out["ttft_p50_while_busy_ms"] = round(statistics.median(during), 1) if during else None
+    return out
+
+
+def keep_full(client: Client, tag: str, stop: threading.Event, jobs: list[str], **params) -> None:
+    """Submit until ``stop``, waiting a little whenever the queue is full: the tenant's queue stays at its limit."""
+    i = 0
+    while not stop.is_set():
+        try:
+            jobs.append(client.submit(f"{PROMPT} ({tag} more {i})", **params))
+            i += 1
+        except QueueFull:
+            stop.wait(0.05)
 
 
 def flood(client: Client, n: int, tag: str, **params) -> tuple[list[str], int]:
@@ -154,11 +178,22 @@ def main(redis_url: str, flood_n: int, queue_limit: int, b_requests: int, b_rate
             submit_s = time.monotonic() - t0
             out["flood_phase"] = {"a_accepted": len(jobs), "a_refused": a_refused, "a_submit_s": round(submit_s, 1),
                                   "a_waiting_when_b_began": _waiting(r, keys, "flood-a")}
-            out["flood_phase"]["b"] = paced(b, b_requests, b_rate, "flood")
+            stop, more = threading.Event(), []
+            filler = threading.Thread(target=keep_full, args=(a, "flood", stop, more), kwargs={"max_new_tokens": 16},
+                                      daemon=True)
+            filler.start()
+            try:
+                out["flood_phase"]["b"] = paced(b, b_requests, b_rate, "flood",
+                                                busy=lambda: _waiting(r, keys, "flood-a") > 0)
+            finally:
+                stop.set()
+                filler.join()
             out["flood_phase"]["a_waiting_when_b_ended"] = _waiting(r, keys, "flood-a")
+            out["flood_phase"]["a_added_during_b"] = len(more)
+            jobs += more
             for j in jobs:
                 a.result(j, timeout=900)
-        idle, during = out["idle"]["ttft_p50_ms"], out["flood_phase"]["b"]["ttft_p50_ms"]
+        idle, during = out["idle"]["ttft_p50_ms"], out["flood_phase"]["b"]["ttft_p50_while_busy_ms"]
         out["b_ttft_ratio"] = round(during / idle, 2) if idle and during else None
         out["even"] = share_phase(url, ns, r, keys, "even", 1, backlog)
         out["weighted"] = share_phase(url, ns, r, keys, "weighted", 3, backlog)
@@ -172,8 +207,9 @@ def main(redis_url: str, flood_n: int, queue_limit: int, b_requests: int, b_rate
     print(f"| B's TTFT p50, idle fleet ({out['idle']['answered']} requests at {b_rate}/s) | "
           f"{out['idle']['ttft_p50_ms']} ms | - |")
     print(f"| B's TTFT p50 during A's flood of {flood_n} ({fl['a_waiting_when_b_began']} of A's waiting when B "
-          f"began) | {fl['b']['ttft_p50_ms']} ms ({out['b_ttft_ratio']}x idle; max {fl['b']['ttft_max_ms']} ms) "
-          f"| <= 1.3x |")
+          f"began, kept full: {fl['a_added_during_b']} more; {fl['b']['sent_while_busy']} of B's sent while A "
+          f"waited) | {fl['b']['ttft_p50_while_busy_ms']} ms ({out['b_ttft_ratio']}x idle; max "
+          f"{fl['b']['ttft_max_ms']} ms) | <= 1.3x |")
     print(f"| B's requests refused during the flood | {fl['b']['refused']} of {fl['b']['requests']} | 0 |")
     print(f"| A's requests refused (queue limit {queue_limit}) | {fl['a_refused']} of {flood_n} | the filler |")
     print(f"| tokens A/B, weights 1:1 (both saturating, {ev['window_s']} s) | {ev['share_a']:.1%} / "

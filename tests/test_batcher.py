@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from batchfleet.common.wire.priority import INTERACTIVE
 from batchfleet.worker.batching.batcher import Batcher
+from batchfleet.worker.transport.fair_share import FairShare
 
 pytestmark = pytest.mark.unit  # pure: no Redis, no model, no subprocess
 
@@ -102,3 +104,24 @@ def test_expire_removes_matching_items():
     b.add(3, 256, 1.2)
     assert b.expire(lambda item: item % 2 == 1) == [1, 3]
     assert len(b) == 1 and b.pop_batch(now=100.0) == (128, [2])
+
+
+def test_with_an_order_the_tenant_furthest_behind_its_share_starts_first():
+    share = FairShare()
+    share.got("a", 10, full=True)  # a far ahead of its share, b behind
+    share.got("b", 2, full=False)
+    fair = Batcher((128, 256), 4, 0.0, order=lambda priority, waiting, n: share.order(waiting, n))
+    plain = Batcher((128, 256), 4, 0.0)
+    for b in (fair, plain):
+        for i in range(3):
+            b.add(f"a{i}", 128, enqueued_at=float(i), tenant="a")
+        b.add("a-due", 128, enqueued_at=3.0, deadline=50.0, tenant="a")  # a's earliest deadline: first of a's
+        b.add("b0", 256, enqueued_at=5.0, tenant="b")
+        b.add("b1", 128, enqueued_at=6.0, tenant="b")
+    rooms = {INTERACTIVE: 2}
+    assert plain.pop_batch(now=10.0, rooms=rooms) == (128, ["a-due", "a0"])  # deadline, then arrival
+    assert fair.pop_batch(now=10.0, rooms=rooms) == (256, ["b0"])  # the queue holding b's first entry
+    assert fair.pop_batch(now=10.0, rooms=rooms) == (128, ["b1", "a-due"])
+    assert fair.pop_batch(now=10.0, rooms=rooms) == (128, ["a0", "a1"])
+    assert fair.pop_batch(now=10.0, rooms=rooms) == (128, ["a2"])
+    assert len(fair) == 0

@@ -87,3 +87,24 @@ def test_without_a_busy_tenant_the_room_is_split_evenly():
     share = FairShare()
     assert share.plan(8, ["", "a", "b"]) == {"": 3, "a": 3, "b": 3}
     assert share.plan(0, ["a"]) == {}
+
+
+def test_held_entries_start_with_the_tenant_furthest_behind_its_share():
+    share = FairShare()
+    share.got("a", 10, full=True)  # a flood: a's virtual time 10 x 256
+    share.got("b", 1, full=False)  # b's one request: b starts the credit behind a, then is charged for it
+    assert (share.tenants["a"].served, share.tenants["b"].served) == (2560.0, 2560.0 - CREDIT_TOKENS + 256)
+    assert share.order({"a": 3, "b": 2}, 5) == ["b", "b", "a", "a", "a"]
+    assert share.order({"a": 3, "b": 2}, 1) == ["b"]
+    assert share.order({"a": 3}, 5) == ["a", "a", "a"]  # no more than is waiting
+    assert share.order({"a": 3, "b": 0}, 2) == ["a", "a"]
+
+
+def test_held_entries_of_busy_tenants_start_by_weight_ties_by_name():
+    share = FairShare()
+    share.weigh({"a": 3})
+    share.state("a"), share.state("b")  # both known before either is busy: both start at 0
+    share.got("a", 1, full=True)
+    share.got("b", 1, full=True)
+    assert (share.tenants["a"].served, share.tenants["b"].served) == (256 / 3, 256.0)
+    assert share.order({"a": 8, "b": 8}, 8) == ["a", "a", "a", "b", "a", "a", "a", "b"]

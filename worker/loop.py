@@ -70,7 +70,9 @@ class WorkerLoop:
         joins = cfg.engine.mode == "continuous"
         # when partly filled batches close (worker/batching/window.py): the dispatcher tells it what steps and runs cost
         self.window = Window(b.max_wait_ms, adaptive=b.window == "adaptive", joins=joins, ttft_slo_ms=b.ttft_slo_ms)
-        self.requests = RequestTable(Batcher(b.buckets, b.max_batch_size, b.max_wait_ms, window=self.window))
+        # between tenants, the fair share picks whose held entry starts next (worker/transport/fair_share.py)
+        self.requests = RequestTable(Batcher(b.buckets, b.max_batch_size, b.max_wait_ms, window=self.window,
+                                             order=transport.admission_order))
         self.ledger = Ledger()
         self.observer = (observe or _loop_stats)(self)
         self.stopping = threading.Event()

@@ -6,7 +6,11 @@ whichever is first. Buckets never share a batch, nor do priorities. Priorities a
 (``PRIORITIES``: interactive, then background): a background batch is taken only when no interactive one is
 closed (or interactive work has no room). Within a priority the next batch is the queue whose head
 has the earliest deadline, then the earliest arrival; within a queue, entries are taken in the same
-order (earliest deadline first, then arrival). ``max_wait_ms=None`` (or infinity) means "static": a
+order (earliest deadline first, then arrival). With an ``order`` (the fair share between tenants,
+worker/transport/fair_share.py) and several tenants waiting in a priority, the tenants come first: each
+entry taken is the next of the tenant ``order`` names (the one furthest behind its share), deadline then
+arrival still ordering each tenant's own entries, and the next batch is the queue holding the first one.
+``max_wait_ms=None`` (or infinity) means "static": a
 batch closes only when full (or on ``flush``). When a partly filled batch closes by time is the window's
 decision (worker/batching/window.py): fixed (``max_wait_ms`` after the oldest entry, the default here) or adaptive.
 """
@@ -31,14 +35,21 @@ class Pending(Generic[T]):
     enqueued_at: float  # seconds, same clock as `now`: then arrival order
     item: T = field(compare=False)
     bucket: int = field(compare=False)
+    tenant: str = field(default="", compare=False)
+
+
+# (priority, tenant -> entries waiting, n) -> the tenants of the next n entries taken, or None (no tenant order)
+Order = Callable[[str, Mapping[str, int], int], "list[str] | None"]
 
 
 class Batcher(Generic[T]):
     """Holds requests per (priority, bucket) and decides which batch runs next."""
 
     def __init__(self, buckets: Iterable[int], max_batch_size: int, max_wait_ms: float | None,
-                 priorities: tuple[str, ...] = PRIORITIES, window: Window | None = None) -> None:
+                 priorities: tuple[str, ...] = PRIORITIES, window: Window | None = None,
+                 order: Order | None = None) -> None:
         self.max_batch_size = max_batch_size
+        self.order = order  # between tenants (module docstring); None: deadline, then arrival
         static = max_wait_ms is None or math.isinf(max_wait_ms)
         self.max_wait_s = None if static else max_wait_ms / 1000.0
         self.window = window if window is not None else Window(math.inf if static else max_wait_ms)
@@ -49,10 +60,10 @@ class Batcher(Generic[T]):
         self._flush = False
 
     def add(self, item: T, bucket: int, enqueued_at: float, priority: str = INTERACTIVE,
-            deadline: float | None = None, arrival: bool = True) -> None:
+            deadline: float | None = None, arrival: bool = True, tenant: str = "") -> None:
         """Queue ``item``; ``arrival=False`` for one queued again (it ran, and a failed step dropped it): not
         an arrival, so the window's arrival rate does not count it twice."""
-        entry = Pending(math.inf if deadline is None else deadline, enqueued_at, item, bucket)
+        entry = Pending(math.inf if deadline is None else deadline, enqueued_at, item, bucket, tenant)
         q = self._queues[(priority, bucket)]
         q.insert(bisect.bisect(q, entry), entry)
         if arrival:
@@ -105,6 +116,11 @@ class Batcher(Generic[T]):
                      if key[0] == priority and self._ready(key, q, now)]
             if ready:
                 _, bucket = min(ready)
+                first = self._tenants(priority, [self._queues[(priority, b)] for _, b in ready], 1)
+                if first:  # the queue holding the first entry of the tenant furthest behind its share
+                    heads = [(next(p for p in self._queues[(priority, b)] if p.tenant == first[0]), b)
+                             for _, b in ready if any(p.tenant == first[0] for p in self._queues[(priority, b)])]
+                    _, bucket = min(heads)
                 n = self.max_batch_size if room is None else min(room, self.max_batch_size)
                 return bucket, self.take(bucket, n, priority)
         if self._flush and not len(self):
@@ -114,8 +130,28 @@ class Batcher(Generic[T]):
     def take(self, bucket: int, n: int, priority: str = INTERACTIVE) -> list[T]:
         """Remove up to n items of a queue, in its order."""
         q = self._queues[(priority, bucket)]
-        taken, q[:] = q[:n], q[n:]
+        tenants = self._tenants(priority, [q], n)
+        if not tenants:
+            taken, q[:] = q[:n], q[n:]
+            return [p.item for p in taken]
+        own: dict[str, list[Pending[T]]] = {}
+        for p in q:
+            own.setdefault(p.tenant, []).append(p)
+        taken = [own[t].pop(0) for t in tenants]
+        ids = {id(p) for p in taken}
+        q[:] = [p for p in q if id(p) not in ids]
         return [p.item for p in taken]
+
+    def _tenants(self, priority: str, queues: list[list[Pending[T]]], n: int) -> list[str] | None:
+        """The tenants of the next ``n`` entries taken from ``queues`` (``order``), or None when there is no
+        order to keep (no ``order``, or one tenant alone)."""
+        waiting: dict[str, int] = {}
+        for q in queues:
+            for p in q:
+                waiting[p.tenant] = waiting.get(p.tenant, 0) + 1
+        if self.order is None or len(waiting) < 2:
+            return None
+        return self.order(priority, waiting, n)
 
     def expire(self, is_expired: Callable[[T], bool]) -> list[T]:
         """Remove and return every queued item for which ``is_expired(item)`` is true."""

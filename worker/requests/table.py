@@ -245,7 +245,8 @@ class RequestTable:
         self._publish()
 
     def _add(self, acc: Accepted, arrival: bool = True) -> None:
-        self._batcher.add(acc, acc.entry.bucket, acc.enqueued_at, acc.entry.priority, acc.deadline, arrival)
+        self._batcher.add(acc, acc.entry.bucket, acc.enqueued_at, acc.entry.priority, acc.deadline, arrival,
+                          acc.entry.tenant)
 
     def _run(self, accs: Iterable[Accepted]) -> None:
         """QUEUED or SOLO -> RUNNING (already out of the batcher)."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -244,6 +244,9 @@ class Transport(Protocol):
     presence: Membership
     cancel_watch: Cancelling
     flush: FlushWatch
+    # whose held entries start next: (priority, tenant -> entries held not started, n) -> the tenants of the next n
+    # admissions by the fair share (worker/transport/fair_share.py); None: deadline, then arrival, across tenants
+    admission_order: Callable[[str, Mapping[str, int], int], list[str]] | None = None
 
     @abstractmethod
     def setup(self) -> None:

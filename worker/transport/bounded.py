@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import redis
@@ -141,6 +142,11 @@ class BoundedReader:
             for rep in replies:
                 tokens = getattr(rep.message, "prompt_tokens", 0) + getattr(rep.message, "completion_tokens", 0)
                 self.shares[rep.priority].done(rep.tenant, int(tokens))
+
+    def order(self, priority: str, waiting: Mapping[str, int], n: int) -> list[str]:
+        """The tenants of the next ``n`` admissions of ``priority`` (``FairShare.order``)."""
+        with self._shares_lock:
+            return self.shares[priority].order(waiting, n)
 
     def _entry(self, key: str, entry_id: Any, fields: Any) -> Entry:
         bucket, priority, tenant = self.where[key]

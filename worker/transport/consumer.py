@@ -119,6 +119,7 @@ class StreamConsumer(Transport):
         self._scripts = scripts
         # reads are capped while parsed, then cut down (or recovered in Redis): memory never follows entry sizes
         self.reader = BoundedReader(self.r, scripts, self.keys.group, name, self.keys, buckets)
+        self.admission_order = self.reader.order  # the reader's fair share also orders what is held
         self._tenants_at = -float("inf")  # time.monotonic() of the last look at the tenants (follow_tenants)
         self.presence = Presence(self.r, scripts, self.keys, name)
         self.settler = Settler(self.r, self.keys, conn.wait_replicas, name, reply_ttl_s, served=self.reader.served)

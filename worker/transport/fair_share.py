@@ -93,6 +93,24 @@ class FairShare:
         out.update({t: n for t, n in given.items() if n})
         return out
 
+    def order(self, waiting: Mapping[str, int], n: int) -> list[str]:
+        """Whose entries start next: the tenants of the next ``n`` admissions (``waiting``: tenant -> entries held,
+        not started), each to the tenant with an entry left whose start tag (as in ``plan``) is the smallest, ties
+        by name. Every tenant with work counts here, busy or not: what a worker holds was charged when read."""
+        left = {t: k for t, k in waiting.items() if k > 0}
+        for t in left:
+            self.state(t)
+        given = dict.fromkeys(left, 0)
+        out: list[str] = []
+        while left and len(out) < n:
+            pick = min(left, key=lambda t: (self._tag(t, given[t]), t))
+            out.append(pick)
+            given[pick] += 1
+            left[pick] -= 1
+            if not left[pick]:
+                del left[pick]
+        return out
+
     def _tag(self, tenant: str, given: int) -> float:
         st = self.tenants[tenant]
         return st.served + given * st.estimate / st.weight

@@ -61,6 +61,9 @@ class ShardedConsumer(Transport):
         for part in self.parts:  # a reply may be written on its inbox's shard: its cost goes to its entry's shard
             part.settler.served = self._served
         self.max_block_ms = self.parts[0].max_block_ms
+        # one shard's fair share; none over several (each shard's counts only its own entries: tenants are then
+        # ordered by deadline, then arrival, as without tenants)
+        self.admission_order = self.parts[0].admission_order if len(self.parts) == 1 else None
         self._next = 0  # the shard the next sweep starts with
         self._quiet = False  # the last read waited and found nothing
         self.waiters = Waiters(self.parts)
