@@ -14,20 +14,11 @@ value (``ignoreNullValues: "false"``: an error, so the fleet keeps its size rath
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections.abc import Iterator
-
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
-from batchfleet.common.config import ConnectionConfig
-from batchfleet.common.errors import RedisUnavailable
 from batchfleet.common.wire.priority import BACKGROUND, INTERACTIVE
-from batchfleet.gateway.connections import metrics_client
+from batchfleet.gateway.scraped import ScrapedCollector
 from batchfleet.producer.ops.demand import Demand, read_demand
-
-log = logging.getLogger(__name__)
 
 
 def demand_families(demand: Demand) -> list[GaugeMetricFamily]:
@@ -44,22 +35,10 @@ def demand_families(demand: Demand) -> list[GaugeMetricFamily]:
     return [requests, lines]
 
 
-class DemandCollector(Collector):
+class DemandCollector(ScrapedCollector):
     """The gauges of ``demand_families``, read from Redis per scrape (the fleet of ``conn``'s namespace)."""
 
-    def __init__(self, conn: ConnectionConfig) -> None:
-        self.keys = conn.keys
-        self.r = metrics_client(conn)
-        self._lock = threading.Lock()  # the HTTP server may scrape from several threads
+    what = "demand gauges"
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        try:
-            with self._lock:
-                demand = read_demand(self.r, self.keys)
-        except RedisUnavailable as exc:
-            log.debug("demand gauges not read: %s", exc)
-            return
-        yield from demand_families(demand)
-
-    def close(self) -> None:
-        self.r.close()
+    def read(self) -> list[GaugeMetricFamily]:
+        return demand_families(read_demand(self.r, self.keys))

@@ -14,19 +14,12 @@ grow); the workers export their own per-tenant counters of what each worker ran.
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections.abc import Iterator
-
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
-from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.tenants import DEFAULT_LABEL, LIMITS, OTHER_LABEL, Tenant, metric_label, read_usage
-from batchfleet.gateway.connections import metrics_client
+from batchfleet.gateway.scraped import ScrapedCollector
 
-log = logging.getLogger(__name__)
 TOKEN_KINDS = ("prompt", "cached", "generated")
 
 
@@ -60,25 +53,16 @@ def tenant_families(tenants: dict[str, Tenant], total: dict[str, dict[str, int]]
     return [req, tok, lim]
 
 
-class TenantCollector(Collector):
-    """``tenant_families`` read from Redis per scrape; a scrape still answers without them when Redis does not."""
+class TenantCollector(ScrapedCollector):
+    """``tenant_families`` read from Redis per scrape."""
 
-    def __init__(self, conn: ConnectionConfig) -> None:
-        self.keys = conn.keys
-        self.r = metrics_client(conn)
-        self._lock = threading.Lock()
+    what = "tenant gauges"
+    # Redis down or refusing: the usage reads raise redis-py's own errors (no sync redis import in the gateway)
+    unavailable = (Exception,)
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        try:
-            with self._lock:
-                tenants, total, _ = read_usage(self.r, self.keys)
-        except Exception as exc:  # noqa: BLE001 - Redis down or refusing (no sync redis import in the gateway)
-            log.debug("tenant gauges not read: %s", exc)
-            return
-        yield from tenant_families(tenants, total)
-
-    def close(self) -> None:
-        self.r.close()
+    def read(self) -> list[GaugeMetricFamily]:
+        tenants, total, _ = read_usage(self.r, self.keys)
+        return tenant_families(tenants, total)
 
 
 def refusals_counter(registry: CollectorRegistry) -> Counter:

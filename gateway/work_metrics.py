@@ -17,26 +17,19 @@ count the ended jobs and runs the registries keep (the last 20 of each); the unf
 
 from __future__ import annotations
 
-import logging
-import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
-from batchfleet.common.config import ConnectionConfig
-from batchfleet.common.errors import RedisUnavailable
 from batchfleet.common.wire.priority import BACKGROUND, PRIORITIES
 from batchfleet.gateway.batches.store import FINISHED_KEPT
-from batchfleet.gateway.connections import metrics_client
+from batchfleet.gateway.scraped import ScrapedCollector
 from batchfleet.producer.bulk.registry import ENDED
 from batchfleet.producer.bulk.registry import FINISHED_KEPT as RUNS_KEPT
 from batchfleet.producer.ops.batch_jobs import TERMINAL
 from batchfleet.producer.ops.status import read_work
-
-log = logging.getLogger(__name__)
 
 READ_MAX = 1000  # unfinished batch jobs and running bulk runs read per scrape at most (one pipelined read each)
 # OpenAI's batch statuses, in a job's order (``cancelling``: a cancel was asked, the job has not ended yet)
@@ -97,23 +90,12 @@ def _lines(name: str, doc: str) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=["priority", "state"])
 
 
-class WorkCollector(Collector):
+class WorkCollector(ScrapedCollector):
     """The gauges of ``work_families``, read from Redis per scrape (batch jobs and bulk runs of ``conn``'s
     namespace)."""
 
-    def __init__(self, conn: ConnectionConfig) -> None:
-        self.keys = conn.keys
-        self.r = metrics_client(conn)
-        self._lock = threading.Lock()  # the HTTP server may scrape from several threads
+    what = "work gauges"
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        try:
-            with self._lock:
-                work = read_work(self.r, self.keys, READ_MAX, KEPT)
-        except RedisUnavailable as exc:  # Redis down: the scrape still answers, without these gauges
-            log.debug("work gauges not read: %s", exc)
-            return
-        yield from work_families(work["batch_jobs"], work["bulk_runs"])
-
-    def close(self) -> None:
-        self.r.close()
+    def read(self) -> list[GaugeMetricFamily]:
+        work = read_work(self.r, self.keys, READ_MAX, KEPT)
+        return work_families(work["batch_jobs"], work["bulk_runs"])

@@ -30,7 +30,7 @@ CANCELS_MAXLEN = 10_000
 # A named tenant's stream (common/keys.py ``Keys.stream``) is made here with the workers' group (from the start)
 # and the tenant added to the set workers read (``Keys.queued_tenants``), so its first entry is read; the limit
 # counts that stream alone: a tenant that fills its queue is refused, not the others.
-ENQUEUE = """
+_ENQUEUE_CHECKS = """\
 if string.len(ARGV[4]) > tonumber(ARGV[5]) then return -2 end
 if ARGV[6] == '1' then
   local t = redis.call('TIME')
@@ -39,30 +39,25 @@ if ARGV[6] == '1' then
 end
 local max_len = tonumber(ARGV[1])
 if max_len > 0 and redis.call('XLEN', KEYS[1]) >= max_len then return 0 end
+"""
+_ENQUEUE_TENANT = """\
 if KEYS[3] and ARGV[8] and ARGV[8] ~= '' then
   if redis.call('EXISTS', KEYS[1]) == 0 then
     redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[9], '0', 'MKSTREAM')
   end
   redis.call('SADD', KEYS[3], ARGV[8])
 end
+"""
+_ENQUEUE_ADD = """\
 redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'r', ARGV[3], 'p', ARGV[4])
 return 1
 """
+# one copy of each part: the current body and v1 (below) differ only by the tenant's part
+ENQUEUE = "\n" + _ENQUEUE_CHECKS + _ENQUEUE_TENANT + _ENQUEUE_ADD
 
 # bf_enqueue_v1's body, still registered for producers of before tenants (they call it by name; an ACL user
 # without EVAL has no fallback): KEYS and ARGV as ENQUEUE's without the tenant's.
-ENQUEUE_V1 = """
-if string.len(ARGV[4]) > tonumber(ARGV[5]) then return -2 end
-if ARGV[6] == '1' then
-  local t = redis.call('TIME')
-  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  if redis.call('ZCOUNT', KEYS[2], now_ms - tonumber(ARGV[7]), '+inf') == 0 then return -1 end
-end
-local max_len = tonumber(ARGV[1])
-if max_len > 0 and redis.call('XLEN', KEYS[1]) >= max_len then return 0 end
-redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'r', ARGV[3], 'p', ARGV[4])
-return 1
-"""
+ENQUEUE_V1 = "\n" + _ENQUEUE_CHECKS + _ENQUEUE_ADD
 
 # KEYS: cancel marker, cancels stream. ARGV: job id, reply key, ttl seconds, cancels maxlen.
 # The marker stops a worker that reads the job later; the stream entry reaches workers already holding it.
