@@ -12,11 +12,12 @@ SIGKILLed every ``--kill-every-h`` so their workers' entries are reclaimed by th
 The trace (scripts/benchlib/daytrace.py): interactive arrivals on a diurnal curve with bursts, a bulk job at
 night. A simulated request is a scale model of real work: ``--tokens`` steps of ``--step-s`` simulated seconds.
 
-Policies: ``keda`` (the ScaledObject from the options) and ``oracle`` (the fewest workers per interval that start
-every interactive request on arrival, started one start delay ahead; the bulk job on ``--background-cap``
-workers). Each runs the same trace on a fresh Redis. Reported per policy: workers over time, interactive queue
-time (enqueue -> its batch started: TTFT less one step) p50/p99, the bulk job's finish, worker-seconds, and
-exactly-once counts (sent, answered, lost; bulk lines answered twice).
+Policies: ``keda`` (the ScaledObject from the options, scaling on deploy/k8s/keda.yaml's formula with the
+interactive utilization the manifests ship, ``--interactive-utilization`` to try another) and ``oracle`` (the
+fewest workers per interval that start every interactive request on arrival, started one start delay ahead; the
+bulk job on ``--background-cap`` workers). Each runs the same trace on a fresh Redis. Reported per policy:
+workers over time, interactive queue time (enqueue -> its batch started: TTFT less one step) p50/p99, the bulk
+job's finish, worker-seconds, and exactly-once counts (sent, answered, lost; bulk lines answered twice).
 
     nice -n 19 python scripts/autoscale_sim.py --json docs/bench/autoscale_day.json --plot docs/bench/autoscale_day.png
     python scripts/autoscale_sim.py --hours 1 --speed 60 --peak-rps 0.3 --bulk-lines 100   # a quick look
@@ -43,6 +44,7 @@ from batchfleet.common.keys import Keys
 from batchfleet.worker.devtools import PrivateRedis, free_port
 from benchlib.daytrace import DayShape, Plan, Trace, make_trace, oracle_schedule
 from benchlib.keda import Autoscaler, ScaledObject
+from benchlib.shipped import shipped
 from benchlib.simdemand import read_demand, worker_equivalents
 from benchlib.simhost import BUCKETS, HostSpec, host_main
 from benchlib.simload import LoadSpec, load_main
@@ -64,6 +66,7 @@ class Setup:
     kill_every_h: float
     tick_s: float
     claim_idle_s: float
+    interactive_utilization: float = 1.0  # keda.yaml's formula: interactive / u
 
     @property
     def service_s(self) -> float:
@@ -211,7 +214,8 @@ def run_policy(policy: str, trace: Trace, plan: Plan, setup: Setup, so: ScaledOb
         while result is None:
             now = (time.time() - t0) * S
             fleet.drain_events(t0)
-            metric = worker_equivalents(r, keys, BUCKETS, setup.max_running, setup.background_cap)
+            metric = worker_equivalents(r, keys, BUCKETS, setup.max_running, setup.background_cap,
+                                        setup.interactive_utilization if policy == "keda" else 1.0)
             if policy == "keda":
                 replicas = scaler.advance(now, metric)
             else:
@@ -288,7 +292,7 @@ def plot(path: str, trace: Trace, runs: dict, plan: Plan) -> None:
                  label=f"{name}: workers (paid)")
         if name == "keda":
             top.plot([t[0] / 3600 for t in tl], [t[1] for t in tl], color="tab:orange", lw=0.8, alpha=0.8,
-                     label="demand (worker-equivalents)")
+                     label="KEDA's metric: demand, interactive / utilization (worker-equivalents)")
     top.set_ylabel("workers")
     top.legend(loc="upper left", fontsize=8)
     top.set_title(f"A simulated day: {len(trace.arrivals):,} interactive requests, a {trace.shape.bulk_lines:,}-line "
@@ -321,12 +325,16 @@ def plot(path: str, trace: Trace, runs: dict, plan: Plan) -> None:
 @click.option("--start-delay-s", type=float, default=60.0, show_default=True, help="A new worker's start delay.")
 @click.option("--background-cap", type=int, default=100, show_default=True,
               help="Workers background work alone may claim (worker-equivalents).")
-@click.option("--polling-interval-s", type=float, default=5.0, show_default=True)
-@click.option("--cooldown-s", type=float, default=300.0, show_default=True)
-@click.option("--down-window-s", type=float, default=300.0, show_default=True, help="HPA scale-down stabilization.")
+@click.option("--polling-interval-s", type=float, default=None, help="[default: keda.yaml's pollingInterval]")
+@click.option("--cooldown-s", type=float, default=None, help="[default: keda.yaml's cooldownPeriod]")
+@click.option("--down-window-s", type=float, default=None,
+              help="HPA scale-down stabilization [default: keda.yaml's behavior, else Kubernetes' 300 s].")
 @click.option("--min-replicas", type=int, default=0, show_default=True)
 @click.option("--target", type=float, default=1.0, show_default=True,
               help="Worker-equivalents per replica (AverageValue); below 1 keeps headroom.")
+@click.option("--interactive-utilization", type=float, default=None,
+              help="KEDA's formula: interactive demand over this (headroom for bursts) "
+                   "[default: deploy/k8s/config.yaml's INTERACTIVE_UTILIZATION, what ships].")
 @click.option("--max-replicas", type=int, default=200, show_default=True)
 @click.option("--hosts", type=int, default=4, show_default=True, help="Processes hosting the worker threads.")
 @click.option("--kill-every-h", type=float, default=6.0, show_default=True,
@@ -340,12 +348,20 @@ def plot(path: str, trace: Trace, runs: dict, plan: Plan) -> None:
 @click.option("--redis-server", default=DEFAULT_SERVER, show_default=True)
 def main(hours: float, speed: float, peak_rps: float, night_rps: float, bulk_lines: int, bulk_at_h: float, seed: int,
          max_running: int, step_s: float, tokens: int, bulk_tokens: int, start_delay_s: float, background_cap: int,
-         polling_interval_s: float, cooldown_s: float, down_window_s: float, min_replicas: int, target: float,
-         max_replicas: int, hosts: int, kill_every_h: float, claim_idle_s: float, policies: str,
-         oracle_from: str | None, json_path: str | None,
+         polling_interval_s: float | None, cooldown_s: float | None, down_window_s: float | None,
+         min_replicas: int, target: float,
+         interactive_utilization: float | None, max_replicas: int, hosts: int, kill_every_h: float,
+         claim_idle_s: float, policies: str, oracle_from: str | None, json_path: str | None,
          plot_path: str | None, redis_server: str) -> None:
+    ships = shipped()  # what deploy/k8s ships, for every KEDA setting not given
+    polling_interval_s = ships.polling_interval_s if polling_interval_s is None else polling_interval_s
+    cooldown_s = ships.cooldown_period_s if cooldown_s is None else cooldown_s
+    down_window_s = ships.down_window_s if down_window_s is None else down_window_s
+    if interactive_utilization is None:
+        interactive_utilization = ships.interactive_utilization
     setup = Setup(speed, max_running, step_s, tokens, bulk_tokens, start_delay_s, background_cap, hosts, kill_every_h,
-                  tick_s=polling_interval_s, claim_idle_s=claim_idle_s)
+                  tick_s=polling_interval_s, claim_idle_s=claim_idle_s,
+                  interactive_utilization=interactive_utilization)
     so = ScaledObject(polling_interval_s=polling_interval_s, cooldown_period_s=cooldown_s, min_replicas=min_replicas,
                       max_replicas=max_replicas, down_window_s=down_window_s, target=target)
     trace = make_trace(DayShape(hours=hours, peak_rps=peak_rps, night_rps=night_rps, bulk_lines=bulk_lines,

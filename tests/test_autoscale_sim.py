@@ -13,6 +13,8 @@ import pytest
 
 from scripts.benchlib.daytrace import DayShape, make_trace, oracle_schedule
 from scripts.benchlib.keda import Autoscaler, ScaledObject, run_series
+from scripts.benchlib.shipped import shipped
+from tests.helpers.deploy import of_kind
 
 ROOT = Path(__file__).resolve().parents[1]
 SO = ScaledObject(polling_interval_s=5, cooldown_period_s=300, max_replicas=10)
@@ -53,6 +55,16 @@ def test_hpa_tolerance_keeps_replicas_within_ten_percent() -> None:
     assert scaler.advance(30, 4.6) == 5  # 0.92
     assert scaler.advance(45, 5.6) == 6  # 1.12: ceil(5.6)
     assert scaler.advance(60, 0.0) == 5  # min_replicas holds; never 0 with min_replicas > 0
+
+
+@pytest.mark.unit
+def test_simulation_defaults_are_the_scaled_object_the_manifests_ship() -> None:
+    so = of_kind("ScaledObject")["batchfleet-worker"]["spec"]  # as kustomize renders it
+    ships = shipped()
+    assert so["advanced"]["scalingModifiers"]["formula"].startswith(f"interactive / {ships.interactive_utilization:g} ")
+    assert (ships.polling_interval_s, ships.cooldown_period_s) == (so["pollingInterval"], so["cooldownPeriod"])
+    down = so["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"]
+    assert ships.down_window_s == down
 
 
 @pytest.mark.unit

@@ -30,6 +30,19 @@ def test_workers_sums_both_priorities_and_caps_only_background():
 
 
 @pytest.mark.unit
+def test_interactive_utilization_asks_headroom_for_interactive_demand_only():
+    assert Demand(192, 0, 0).workers(64, 8, 0.75) == 4  # 192 requests on 48 of 64 slots a worker
+    assert Demand(256, 0, 0).workers(64, 8, 0.8) == 5
+    assert Demand(672, 0, 0).workers(64, 8, 0.7) == 15  # exactly 960 slots: no worker more for float noise
+    assert Demand(0, 256, 19_744).workers(64, 8, 0.75) == 8  # background: no headroom, capped
+    assert Demand(96, 64, 0).worker_equivalents(64, None, 0.75) == 3.0
+    assert Demand(0, 0, 0).workers(64, 8, 0.75) == 0
+    for u in (0.0, 1.5):
+        with pytest.raises(ValueError):
+            Demand(1, 0, 0).workers(64, 8, u)
+
+
+@pytest.mark.unit
 def test_unsent_lines_are_the_unanswered_ones_less_what_the_streams_of_their_priority_hold():
     runs = [{"state": "running", "priority": "background", "total": 20_000, "done": 1_000},
             {"state": "running", "priority": "interactive", "total": 100, "done": 0},

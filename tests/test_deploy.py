@@ -163,6 +163,7 @@ def test_keda_scales_on_the_fleets_demand_per_worker_capacity_with_the_backgroun
     assert so["spec"]["minReplicaCount"] == 0
     env, scaling = configmap_env(), of_kind("ConfigMap")["batchfleet-scaling"]["data"]
     capacity, cap = env["BATCHFLEET_MAX_RUNNING"], scaling["BACKGROUND_MAX_WORKERS"]
+    u = scaling["INTERACTIVE_UTILIZATION"]
     triggers = {t["name"]: t for t in so["spec"]["triggers"]}
     assert sorted(triggers) == ["background", "interactive"]
     for name, t in triggers.items():
@@ -172,7 +173,8 @@ def test_keda_scales_on_the_fleets_demand_per_worker_capacity_with_the_backgroun
         assert md["query"] == f'max(batchfleet_demand_requests{{namespace="batchfleet",priority="{name}"}})'
         assert md["threshold"] == capacity and md["activationThreshold"] == "0" and md["ignoreNullValues"] == "false"
     mod = so["spec"]["advanced"]["scalingModifiers"]
-    assert mod["formula"] == f"interactive + min(background, {capacity} * {cap} )"
+    # headroom for interactive demand only (0 < u <= 1); background work asks for its slots, capped
+    assert mod["formula"] == f"interactive / {u} + min(background, {capacity} * {cap} )" and 0 < float(u) <= 1
     assert mod["target"] == capacity and mod["activationTarget"] == "0" and mod["metricType"] == "AverageValue"
     assert all(d["metadata"]["namespace"] == "batchfleet" for d in manifests() if d["kind"] != "Namespace")
 

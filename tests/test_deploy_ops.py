@@ -161,8 +161,8 @@ def test_keda_reads_capacity_and_cap_from_the_configmaps_and_no_redis():
     """The raw keda.yaml holds placeholders for the capacity, the cap and Prometheus' address (kustomize's
     replacements write the ConfigMaps' values in) and nothing about Redis: KEDA reads the gateways' gauge."""
     raw = [d for d in yaml.safe_load_all((K8S / "keda.yaml").read_text()) if d][0]
-    assert raw["spec"]["advanced"]["scalingModifiers"]["formula"].split(" ")[3:6] == [
-        "MAX_RUNNING", "*", "BACKGROUND_MAX_WORKERS"]
+    words = raw["spec"]["advanced"]["scalingModifiers"]["formula"].split(" ")
+    assert [words[2], *words[5:8]] == ["INTERACTIVE_UTILIZATION", "MAX_RUNNING", "*", "BACKGROUND_MAX_WORKERS"]
     assert "BATCHFLEET_REDIS_URL" not in configmap_env(), "the URL may hold a password: it is in the Secret"
     env = configmap_env()
     so = of_kind("ScaledObject")["batchfleet-worker"]

@@ -30,7 +30,7 @@ from batchfleet.common.keys import Keys
 from batchfleet.gateway.demand_metrics import DemandCollector
 from batchfleet.gateway.metrics import serve_gateway_metrics
 from batchfleet.producer import Client
-from batchfleet.producer.ops.demand import read_demand
+from batchfleet.producer.ops.demand import Demand, read_demand
 from batchfleet.worker.devtools import spawn_worker
 from tests.conftest import TEST_BUCKETS
 from tests.helpers.deploy import configmap_env, of_kind
@@ -40,6 +40,7 @@ from tests.helpers.prometheus import BINARY, prometheus
 
 CAPACITY = int(configmap_env()["BATCHFLEET_MAX_RUNNING"])  # the shipped target per worker
 CAP = int(of_kind("ConfigMap")["batchfleet-scaling"]["data"]["BACKGROUND_MAX_WORKERS"])
+UTILIZATION = float(of_kind("ConfigMap")["batchfleet-scaling"]["data"]["INTERACTIVE_UTILIZATION"])
 SO = for_fleet(of_kind("ScaledObject")["batchfleet-worker"])
 needs_prometheus = pytest.mark.skipif(BINARY is None, reason="no prometheus binary (Debian: apt install prometheus)")
 WORKER_ARGS = ["--buckets", ",".join(map(str, TEST_BUCKETS)), "--max-seq-len", "512", "--dtype", "float32",
@@ -127,7 +128,7 @@ def test_320_interactive_requests_over_several_streams_ask_for_5_workers(redis_u
             desired = settle(query, lambda d: d >= 5, ">= 5 workers for 320 requests")
     finally:
         w.kill()
-    assert desired == 320 // CAPACITY
+    assert desired == Demand(320, 0, 0).workers(CAPACITY, CAP, UTILIZATION)  # keda.yaml's formula, headroom too
 
 
 @needs_prometheus

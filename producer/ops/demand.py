@@ -3,8 +3,10 @@ gateway's ``batchfleet_demand_requests`` gauge, gateway/demand_metrics.py; scrip
 
     read_demand(r: redis.Redis, keys: Keys, buckets: Iterable[int] | None = None) -> Demand
     Demand(interactive: int, background: int, unsent: int)
-    Demand.worker_equivalents(max_running: int, background_max_workers: float | None = None) -> float
-    Demand.workers(max_running: int, background_max_workers: float | None = None) -> int   (rounded up)
+    Demand.worker_equivalents(max_running: int, background_max_workers: float | None = None,
+                              interactive_utilization: float = 1.0) -> float
+    Demand.workers(max_running: int, background_max_workers: float | None = None,
+                   interactive_utilization: float = 1.0) -> int   (rounded up)
 
 What it counts, read from Redis (sync redis-py; a Redis Cluster client too; Redis errors raise
 RedisUnavailable):
@@ -24,9 +26,11 @@ RedisUnavailable):
   embedding inputs is several).
 
 ``Demand.workers`` is the autoscaler's arithmetic (the same as keda.yaml's ``scalingModifiers`` formula):
-ceil((interactive + min(background + unsent, cap * max_running)) / max_running) workers (``worker_equivalents``:
-the same unrounded, for a simulation that applies the HPA's tolerance itself), the cap being
-``background_max_workers`` (None: no cap). Interactive demand is never capped; the unsent lines are capped
+ceil((interactive / u + min(background + unsent, cap * max_running)) / max_running) workers
+(``worker_equivalents``: the same unrounded, for a simulation that applies the HPA's tolerance itself), the cap
+being ``background_max_workers`` (None: no cap) and u ``interactive_utilization`` (keda.yaml's
+INTERACTIVE_UTILIZATION: interactive demand asks for 1/u workers' worth, so the fleet keeps spare slots for a
+burst while new workers start; 1: none). Interactive demand is never capped; the unsent lines are capped
 whatever their priority (a bulk run's backlog is bulk work even when its lines run at interactive priority).
 """
 
@@ -63,21 +67,27 @@ class Demand:
         """The requests an operator's cap applies to: background ones and the lines not sent yet."""
         return self.background + self.unsent
 
-    def worker_equivalents(self, max_running: int, background_max_workers: float | None = None) -> float:
+    def worker_equivalents(self, max_running: int, background_max_workers: float | None = None,
+                           interactive_utilization: float = 1.0) -> float:
         """Workers of ``max_running`` sequences each that run it all at once, unrounded (KEDA's composed metric
         over its target, before the HPA's tolerance and ceil); background work (``capped``) claims at most
-        ``background_max_workers`` of them (None: no cap)."""
+        ``background_max_workers`` of them (None: no cap); interactive work asks for its slots at
+        ``interactive_utilization`` (0 < u <= 1: 0.75 asks 4 slots for every 3 interactive requests)."""
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
+        if not 0 < interactive_utilization <= 1:
+            raise ValueError(f"interactive_utilization must be in (0, 1], got {interactive_utilization}")
         background = float(self.capped)
         if background_max_workers is not None:
             background = min(background, background_max_workers * max_running)
-        return (self.interactive + background) / max_running
+        return (self.interactive / interactive_utilization + background) / max_running
 
-    def workers(self, max_running: int, background_max_workers: float | None = None) -> int:
+    def workers(self, max_running: int, background_max_workers: float | None = None,
+                interactive_utilization: float = 1.0) -> int:
         """``worker_equivalents`` rounded up: the replicas KEDA asks for (before min/maxReplicaCount). 0 only
         when nothing is asked."""
-        return math.ceil(self.worker_equivalents(max_running, background_max_workers))
+        return math.ceil(self.worker_equivalents(max_running, background_max_workers, interactive_utilization)
+                         - 1e-9)  # 672 / 0.7 is 960.0000000000001: float noise must not ask one worker more
 
 
 def request_streams(r: redis.Redis, keys: Keys, buckets: Iterable[int] | None = None) -> list[tuple[str, str]]:
