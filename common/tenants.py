@@ -104,7 +104,10 @@ def parse_tenants(data: Any) -> list[Tenant]:
 def read_tenants_file(path: str | Path) -> list[Tenant]:
     """Tenants from a .json, .toml or .yaml/.yml file (``parse_tenants``)."""
     path = Path(path)
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:  # missing, unreadable or not text: one line naming the file
+        raise ConfigError(f"{path.name} cannot be read as UTF-8 text: {exc}"[:300]) from None
     suffix = path.suffix.lower()
     try:
         if suffix == ".json":

@@ -55,6 +55,9 @@ def test_tenants_files_in_every_format(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ConfigError, match="bad.json is not valid JSON"):
         read_tenants_file(tmp_path / "bad.json")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe{")  # not UTF-8: one clear error, not a traceback
+    with pytest.raises(ConfigError, match="binary.json cannot be read as UTF-8 text"):
+        read_tenants_file(tmp_path / "binary.json")
     with pytest.raises(ConfigError, match="tenant beta: weight"):
         parse_tenants({"beta": {"weight": -1}})
 
