@@ -15,7 +15,14 @@ from batchfleet.common.errors import ANSWER_EXPIRED, INVALID_REQUEST, AnswerExpi
 from batchfleet.common.keys import Keys
 from batchfleet.common.wire.protocol import Result
 from batchfleet.producer import Client
-from tests.helpers.loops import TEST_INBOX, inbox_replies, raw_inbox, request_fields, wait_until
+from tests.helpers.loops import (
+    TEST_INBOX,
+    inbox_replies,
+    raw_inbox,
+    request_fields,
+    wait_inbox_holds_nothing,
+    wait_until,
+)
 
 
 def test_a_copy_of_a_job_answered_but_never_rung_for_rings_and_the_client_gets_it(start_worker, redis_url,
@@ -46,9 +53,7 @@ def test_every_ring_of_one_job_gives_the_client_one_answer_and_leaves_nothing(st
         for _ in range(3):  # late rings (copies of the job answered already) for a job the caller has taken
             r.xadd(client.reply_key, {"id": job, "done": "1"})
         wait_until(lambda: r.xlen(client.reply_key) == 0, 10, "the late rings deleted unread")
-        # the inbox's reader clears its own record of a deletion after Redis answered it: wait for that too
-        nothing = {"waiting": 0, "abandoned": 0, "unclaimed": 0, "to_delete": 0}
-        wait_until(lambda: client._async.inbox.held() == nothing, 10, "the inbox holds nothing")
+        wait_inbox_holds_nothing(client._async.inbox)
     assert first.completion_tokens == 2 and r.get(answer) == b""
 
 
@@ -82,7 +87,7 @@ def test_a_request_reusing_a_job_id_answered_in_its_inbox_gets_an_error_instead_
             client.result(job, timeout=30)
         assert err.value.code == INVALID_REQUEST and "new job id" in err.value.message
         wait_until(lambda: r.xlen(client.reply_key) == 0, 10, "the ring taken with the error")
-        assert client._async.inbox.held() == {"waiting": 0, "abandoned": 0, "unclaimed": 0, "to_delete": 0}
+        wait_inbox_holds_nothing(client._async.inbox)
         fresh = client.result(client.submit([1, 10, 12], max_new_tokens=3), timeout=30)  # the client goes on
     assert fresh.completion_tokens == 3 and r.get(answer) == b""
 
@@ -105,7 +110,7 @@ def test_a_second_ring_read_before_the_taken_answer_is_emptied_is_no_second_answ
         assert client.result("twice-rung", timeout=10).text == "stored answer"
         r.xadd(inbox, {"id": "twice-rung", "done": "1"})  # at once: the client empties the answer ~20 ms later
         wait_until(lambda: r.xlen(inbox) == 0, 10, "both rings deleted")
-        assert client._async.inbox.held() == {"waiting": 0, "abandoned": 0, "unclaimed": 0, "to_delete": 0}
+        wait_inbox_holds_nothing(client._async.inbox)
         with pytest.raises(Timeout):
             client.result("twice-rung", timeout=0.5)
         assert r.get(keys.done("twice-rung", inbox)) == b""
@@ -180,8 +185,7 @@ def test_a_caller_waiting_without_a_timeout_on_an_answer_that_expired_unread_get
         assert outcome and isinstance(outcome[0], AnswerExpired) and outcome[0].code == ANSWER_EXPIRED, outcome
         assert isinstance(outcome[0], JobFailed) and "expired" in str(outcome[0])
         wait_until(lambda: r.xlen(inbox) == 0, 10, "the ring deleted")
-        wait_until(lambda: client._async.inbox.held() == {"waiting": 0, "abandoned": 0, "unclaimed": 0,
-                                                          "to_delete": 0}, 10, "nothing held")
+        wait_inbox_holds_nothing(client._async.inbox)
 
 
 def test_an_answer_stored_again_soon_after_a_ring_that_found_none_is_still_handed_over(redis_url, namespace):

@@ -18,7 +18,7 @@ from batchfleet.common.keys import Keys
 from batchfleet.common.redis.clients import async_client
 from batchfleet.common.wire.protocol import Result
 from batchfleet.producer import Client
-from tests.helpers.loops import request_fields, silent_fleet, wait_until
+from tests.helpers.loops import request_fields, silent_fleet, wait_inbox_holds_nothing, wait_until
 
 
 class SlowReplies:
@@ -94,7 +94,7 @@ def test_a_submit_retried_under_its_id_after_its_reply_came_too_late_gets_the_an
         got = client.result(client.submit([1, 10, 12], max_new_tokens=3, job_id="order-42", timeout=30), timeout=30)
         assert got.id == "order-42" and got.completion_tokens == 3
         wait_until(lambda: r.xlen(client.reply_key) == 0, 10, "every ring deleted")
-        assert inbox.held() == {"waiting": 0, "abandoned": 0, "unclaimed": 0, "to_delete": 0}
+        wait_inbox_holds_nothing(inbox)
         assert r.get(keys.done("order-42", client.reply_key)) == b""
 
 
@@ -118,8 +118,7 @@ def test_an_answer_read_before_its_submit_raised_waits_for_the_retry(start_worke
         wait_until(lambda: inbox.held()["unclaimed"] == 1, 30, "the answer kept for a retry")
         got = client.result(client.submit([1, 10, 12], max_new_tokens=3, job_id="slow-1", timeout=30), timeout=30)
         assert got.id == "slow-1" and got.completion_tokens == 3
-        wait_until(lambda: inbox.held() == {"waiting": 0, "abandoned": 0, "unclaimed": 0, "to_delete": 0}, 10,
-                   "nothing held")
+        wait_inbox_holds_nothing(inbox)
 
 
 def test_a_refused_retry_of_a_job_leaves_the_caller_waiting_on_it_its_answer(redis_url, namespace):

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import redis
 
@@ -149,6 +150,15 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, every_s: f
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(every_s)
     return time.monotonic() - t0
+
+
+HOLDS_NOTHING = {"waiting": 0, "abandoned": 0, "unclaimed": 0, "to_delete": 0}
+
+
+def wait_inbox_holds_nothing(inbox: Any) -> None:
+    """Wait until a client's inbox holds nothing. Its reader drops a ring from its to-delete record only after Redis
+    answered the XDEL, a moment after the ring left the stream: checking at once fails under load."""
+    wait_until(lambda: inbox.held() == HOLDS_NOTHING, 10, "the inbox holding nothing")
 
 
 def dead_letters(r: redis.Redis, keys: Keys) -> list[dict[bytes, bytes]]:
