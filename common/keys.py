@@ -162,6 +162,12 @@ class Keys:
         when it creates its stream): workers read these tenants' streams (``streams``)."""
         return f"{self.prefix}:queued-tenants"
 
+    @property
+    def tenant_bell(self) -> str:
+        """Stream rung (an entry ``t`` = the tenant) when a tenant joins ``queued_tenants``: every worker's read
+        includes it, so the worker it wakes reads the new tenant's streams at once (common/redis/functions.py)."""
+        return f"{self.prefix}:tenant-bell"
+
     def inbox(self, token: str) -> str:
         """One client's reply stream: workers XADD every reply (and stream delta) of the client's jobs here;
         the client reads it with one connection and deletes what it consumed (expires after the reply TTL)."""

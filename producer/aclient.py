@@ -182,7 +182,8 @@ class AsyncClient:
         if check:
             self._checking = asked_at
         try:
-            code = await self.calls.enqueue(job, shard.workers, check, deadline, shard.queued_tenants, shard.group)
+            code = await self.calls.enqueue(job, shard.workers, check, deadline, shard.queued_tenants, shard.group,
+                                            shard.tenant_bell)
         except BaseException as exc:  # enqueued or not, nobody can tell: cancel it in case it was (a cancellation)
             cancelled = isinstance(exc, asyncio.CancelledError)  # or keep a late answer for a retry under caller's id
             if fresh and (cancelled or job_id is None) and not isinstance(exc, RedisFull):

@@ -18,7 +18,7 @@ import redis
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.errors import RedisUnavailable, Timeout
 from batchfleet.common.redis.clients import WAIT_TIMEOUT_MS, require_replicas, same_node, write_acked
-from batchfleet.common.redis.functions import LIVE_WORKER_MS, Functions
+from batchfleet.common.redis.functions import BELL_MAXLEN, LIVE_WORKER_MS, Functions
 from batchfleet.common.redis.refusals import refused
 from batchfleet.common.redis.retry import TRANSIENT, Backoff, transient_reason
 from batchfleet.common.redis.url import redact_url
@@ -100,7 +100,8 @@ class RedisCalls:
         # keys[0]: every library function has keys; a cluster sends the WAIT to the master of their slot
         return await self.functions.call(name, keys, args, send=lambda cmd: write_acked(self.r, n, cmd, keys[0]))
 
-    async def append(self, stream: str, fields: dict[str, Any], queued: str = "", tenant: str = "") -> tuple[Any, int]:
+    async def append(self, stream: str, fields: dict[str, Any], queued: str = "", tenant: str = "",
+                     bell: str = "") -> tuple[Any, int]:
         """``XADD`` then ``XLEN`` of ``stream`` in one round trip (then WAIT, as ``function``): the new entry's id and
         the stream's length with it. Plain commands, as the enqueue function's own: through the function Redis
         spends ~4x the XADD's time on the entry (issue 29)."""
@@ -115,10 +116,12 @@ class RedisCalls:
             out = await pipe.execute()
         if n > 0:
             require_replicas(out[-1], n, f"enqueue to {stream}")
+        if tenant and bell and out[2] == 1:  # new to the set again (Redis lost it, or it was retired): ring, as the
+            await self.r.xadd(bell, {"t": tenant}, maxlen=BELL_MAXLEN, approximate=True)  # function does
         return out[0], int(out[1])
 
     async def enqueue(self, job: Outgoing, workers: str, check: bool, deadline: Deadline, queued: str = "",
-                      group: str = "workers") -> int:
+                      group: str = "workers", bell: str = "") -> int:
         """The enqueue function's answer for ``job`` (``Outgoing.accepted``). Through the function (the checks
         and the add in one step) where the live-worker check is due or this client saw the stream at or past
         half its limit within LENGTH_TRUST_S; else a plain ``XADD`` + ``XLEN``, which checks the limit only
@@ -131,12 +134,13 @@ class RedisCalls:
         first runs it: the answer of a retry under that id (the client keeps it as unclaimed).
 
         A named tenant's first add to a stream goes through the function (``queued``: the shard's
-        ``Keys.queued_tenants``; ``group``: the workers'), which makes the stream with the workers' group and tells
-        the workers of the tenant; plain adds may follow."""
+        ``Keys.queued_tenants``; ``group``: the workers'; ``bell``: ``Keys.tenant_bell``), which makes the stream with
+        the workers' group and tells the workers of the tenant; plain adds may follow."""
         what = f"enqueue of job {job.id}"
         if job.tenant and (check or job.stream not in self._made):
             args = job.args(check, LIVE_WORKER_MS, group)
-            code = await self.io(lambda: self.function("enqueue", [job.stream, workers, queued], args), deadline, what)
+            keys = [job.stream, workers, queued, bell] if bell else [job.stream, workers, queued]
+            code = await self.io(lambda: self.function("enqueue", keys, args), deadline, what)
             if code == 1:
                 self._made.add(job.stream)
             elif code == 0:
@@ -158,8 +162,8 @@ class RedisCalls:
         if near:
             self._probing.add(job.stream)
         try:
-            entry_id, length = await self.io(lambda: self.append(job.stream, fields, queued, job.tenant), deadline,
-                                              what)
+            entry_id, length = await self.io(lambda: self.append(job.stream, fields, queued, job.tenant, bell),
+                                              deadline, what)
         finally:
             if near:
                 self._probing.discard(job.stream)

@@ -53,6 +53,7 @@ def paced(client: Client, n: int, rate: float, tag: str, busy: Callable[[], bool
     had are also given apart."""
     ttfts: list[float] = []
     during: list[float] = []
+    each: list[tuple[int, float | None]] = []  # (request number, TTFT ms or None when refused), as answered
     refused = [0]
     lock = threading.Lock()
 
@@ -63,9 +64,11 @@ def paced(client: Client, n: int, rate: float, tag: str, busy: Callable[[], bool
         except QueueFull:
             with lock:
                 refused[0] += 1
+                each.append((i, None))
             return
         with lock:
             ttfts.append(res.ttft_ms)
+            each.append((i, round(res.ttft_ms, 1)))
             if flooded:
                 during.append(res.ttft_ms)
 
@@ -79,7 +82,7 @@ def paced(client: Client, n: int, rate: float, tag: str, busy: Callable[[], bool
         t.join()
     out = {"requests": n, "answered": len(ttfts), "refused": refused[0],
            "ttft_p50_ms": round(statistics.median(ttfts), 1) if ttfts else None,
-           "ttft_max_ms": round(max(ttfts), 1) if ttfts else None}
+           "ttft_max_ms": round(max(ttfts), 1) if ttfts else None, "ttfts_ms": [t for _, t in sorted(each)]}
     if busy is not None:
         out["sent_while_busy"] = len(during)
         out["ttft_p50_while_busy_ms"] = round(statistics.median(during), 1) if during else None

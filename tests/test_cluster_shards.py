@@ -161,3 +161,24 @@ def test_an_entry_a_waiter_reads_after_the_loop_stopped_waiting_is_taken_or_rele
     finally:
         t.close()
         r.close()
+
+
+def test_new_tenants_on_every_shard_are_heard_at_once(redis_url, namespace, start_worker, monkeypatch):
+    """The tenant bell of each shard wakes the worker's waiter on it (worker/transport/shard_waiters.py): with the
+    periodic look at the tenants' sets switched off, new tenants' requests, spread over the shards, are answered."""
+    from batchfleet.worker.transport import consumer
+
+    monkeypatch.setattr(consumer, "TENANTS_CHECK_S", 3600.0)
+    start_worker(max_wait_ms=5, shards=SHARDS)
+    with Client(redis_url, namespace) as client:
+        assert client.generate([1, 10, 11], max_new_tokens=2, timeout=60).completion_tokens == 2
+        for i in range(6):
+            client._async.tenant = f"new{i}"  # the client's own parameter is the edge's; the core takes it here
+            assert client.generate([1, 12 + i, 13], max_new_tokens=2, timeout=30).completion_tokens == 2
+    r = sync_client(redis_url)
+    try:
+        keys = _layout(redis_url, namespace)
+        heard = {t for k in keys.every_shard for t in r.smembers(k.queued_tenants)}
+        assert heard == {f"new{i}".encode() for i in range(6)}
+    finally:
+        r.close()

@@ -83,7 +83,7 @@ class DocClient:
         job = fields.pop("id", uuid.uuid4().hex)
         request = {"v": 5, "id": job, "prompt": ids, "reply_key": self.inbox, **fields}
         payload = msgpack.packb(request, use_bin_type=True)
-        ok = self._call("bf_enqueue_v2", self.enqueue_body, [f"{self.ns}:stream:{bucket}", f"{self.ns}:workers"],
+        ok = self._call("bf_enqueue_v3", self.enqueue_body, [f"{self.ns}:stream:{bucket}", f"{self.ns}:workers"],
                         [fleet["max_queue_len"], job, self.inbox, payload, 1 << 20, 1, 30_000])
         assert ok == 1, ok
         return job
@@ -148,7 +148,7 @@ def test_the_documents_example_runs_as_written(doc_client, redis_url, namespace,
     example = example.replace("r = redis.Redis()", f"r = redis.Redis.from_url({redis_url!r})", 1)
     example = example.replace('ns = "bf"', f"ns = {namespace!r}", 1)
     if not doc_client.functions:  # Redis < 7: EVAL of the same body, as the document says
-        example = example.replace('r.fcall("bf_enqueue_v2", 2,', f"r.eval({doc_client.enqueue_body!r}, 2,", 1)
+        example = example.replace('r.fcall("bf_enqueue_v3", 2,', f"r.eval({doc_client.enqueue_body!r}, 2,", 1)
     exec(compile(example, str(DOC), "exec"), {})
     printed = capsys.readouterr().out
 

@@ -23,13 +23,17 @@ from batchfleet.common.redis.clients import same_node
 LIBRARY_NAME = "batchfleet"
 LIVE_WORKER_MS = 30_000  # a worker whose last heartbeat (Redis time) is older than this is gone
 CANCELS_MAXLEN = 10_000
+BELL_MAXLEN = 1_000  # rings kept unread at most (``Keys.tenant_bell``): workers delete what they read
 
-# KEYS: stream, workers (zset)[, queued tenants (set)]. ARGV: max_len (0 = unbounded), job id, reply key, payload,
-# max payload bytes, require workers ('1'/'0'), live worker window (ms)[, tenant, consumer group].
-# Returns 1 enqueued, 0 queue full, -1 no live worker, -2 payload too large. The entry's id is Redis' clock.
+# KEYS: stream, workers (zset)[, queued tenants (set), tenant bell (stream)]. ARGV: max_len (0 = unbounded), job
+# id, reply key, payload, max payload bytes, require workers ('1'/'0'), live worker window (ms)[, tenant, consumer
+# group]. Returns 1 enqueued, 0 queue full, -1 no live worker, -2 payload too large. The entry's id is Redis' clock.
 # A named tenant's stream (common/keys.py ``Keys.stream``) is made here with the workers' group (from the start)
 # and the tenant added to the set workers read (``Keys.queued_tenants``), so its first entry is read; the limit
-# counts that stream alone: a tenant that fills its queue is refused, not the others.
+# counts that stream alone: a tenant that fills its queue is refused, not the others. A tenant new to the set
+# rings the bell (``Keys.tenant_bell``), a stream every worker's read includes: an idle worker blocked on the
+# streams it knows wakes and reads the new tenant's at once, instead of at its next look at the set (up to
+# seconds later). Capped: workers delete the rings they read, and one ring a tenant is all it takes.
 _ENQUEUE_CHECKS = """\
 if string.len(ARGV[4]) > tonumber(ARGV[5]) then return -2 end
 if ARGV[6] == '1' then
@@ -45,6 +49,17 @@ if KEYS[3] and ARGV[8] and ARGV[8] ~= '' then
   if redis.call('EXISTS', KEYS[1]) == 0 then
     redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[9], '0', 'MKSTREAM')
   end
+  if redis.call('SADD', KEYS[3], ARGV[8]) == 1 and KEYS[4] then
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', '""" + str(BELL_MAXLEN) + """', '*', 't', ARGV[8])
+  end
+end
+"""
+# bf_enqueue_v2's tenant part: the same without the bell
+_ENQUEUE_TENANT_V2 = """\
+if KEYS[3] and ARGV[8] and ARGV[8] ~= '' then
+  if redis.call('EXISTS', KEYS[1]) == 0 then
+    redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[9], '0', 'MKSTREAM')
+  end
   redis.call('SADD', KEYS[3], ARGV[8])
 end
 """
@@ -52,11 +67,12 @@ _ENQUEUE_ADD = """\
 redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'r', ARGV[3], 'p', ARGV[4])
 return 1
 """
-# one copy of each part: the current body and v1 (below) differ only by the tenant's part
+# one copy of each part: the current body, v2 and v1 (below) differ only by the tenant's part
 ENQUEUE = "\n" + _ENQUEUE_CHECKS + _ENQUEUE_TENANT + _ENQUEUE_ADD
 
-# bf_enqueue_v1's body, still registered for producers of before tenants (they call it by name; an ACL user
-# without EVAL has no fallback): KEYS and ARGV as ENQUEUE's without the tenant's.
+# the older bodies, still registered for producers of before (they call them by name; an ACL user without EVAL
+# has no fallback): v2's KEYS and ARGV are ENQUEUE's without the bell; v1's without the tenant's
+ENQUEUE_V2 = "\n" + _ENQUEUE_CHECKS + _ENQUEUE_TENANT_V2 + _ENQUEUE_ADD
 ENQUEUE_V1 = "\n" + _ENQUEUE_CHECKS + _ENQUEUE_ADD
 
 # KEYS: cancel marker, cancels stream. ARGV: job id, reply key, ttl seconds, cancels maxlen.
@@ -159,9 +175,10 @@ LEASE_BODIES = {"lease_renew": LEASE_RENEW, "lease_release": LEASE_RELEASE}  # t
 LIMIT_BODIES = {"admit": ADMIT}  # a tenant's rate limits (common/tenants.py): any client admitting work for one
 # bump a name's version with a body change: a worker of an older version loads its library over a newer one's
 # (FUNCTION LOAD REPLACE), and a caller then falls back to EVALSHA of its own body rather than run an older one
-# (enqueue v2: a named tenant's stream, its group and the queued-tenants set)
-FUNCTION_NAMES = {"enqueue": "bf_enqueue_v2", "cancel": "bf_cancel_v1"}
-LEGACY_BODIES = {"bf_enqueue_v1": ENQUEUE_V1}  # registered for older callers; nobody here calls them
+# (enqueue v2: a named tenant's stream, its group and the queued-tenants set; v3: the tenant bell)
+FUNCTION_NAMES = {"enqueue": "bf_enqueue_v3", "cancel": "bf_cancel_v1"}
+# registered for older callers; nobody here calls them
+LEGACY_BODIES = {"bf_enqueue_v1": ENQUEUE_V1, "bf_enqueue_v2": ENQUEUE_V2}
 LEASE_FUNCTION_NAMES = {name: f"bf_{name}_v1" for name in LEASE_BODIES}
 LIMIT_FUNCTION_NAMES = {name: f"bf_{name}_v1" for name in LIMIT_BODIES}
 ALL_BODIES = {**BODIES, **LEASE_BODIES, **LIMIT_BODIES}

@@ -122,6 +122,10 @@ class BoundedReader:
         # the last read was a blocking one that found nothing: whatever is there now arrived since, and a
         # blocking XREADGROUP returns it at once, so the next read goes straight to the blocking read
         self._quiet = False
+        # every read also takes the rings of the tenant bell (``Keys.tenant_bell``, same group): a tenant new to the
+        # set rang; ``rang`` tells the transport to read the set now (set from shard waiters' threads too)
+        self.bell = keys.tenant_bell
+        self.rang = threading.Event()
 
     def set_tenants(self, named: tuple[str, ...] | list[str] | set[str]) -> bool:
         """Read the streams of the default tenant and of ``named`` (``Keys.queued_tenants``) from now on; True when
@@ -173,7 +177,7 @@ class BoundedReader:
         """The blocking read alone: the first entry to arrive in a stream of a priority with room (``COUNT 1`` per
         stream); ``r``: the client to block on (default this reader's)."""
         wanted = [s for s, _, priority in self.streams if counts.get(priority, 0) > 0]
-        return self._read(r or self.r, [(1, wanted)], block_ms) if wanted else []
+        return self._read(r or self.r, [(1, [*wanted, self.bell])], block_ms) if wanted else []
 
     def read_now(self, counts: dict[str, int]) -> list[Entry]:
         """Up to ``counts[priority]`` new entries per stream, without blocking; too-large entries come cut short. While
@@ -186,7 +190,10 @@ class BoundedReader:
         for stream, _, priority in self.streams:
             if (n := shares.get(priority, {}).get(self.where[stream][2], 0)) > 0:
                 plan.setdefault(n, []).append(stream)
-        return self._read(self.r, list(plan.items()), None) if plan else []
+        if not plan:
+            return []
+        plan[min(plan)].append(self.bell)  # a busy worker hears the bell too: no extra command
+        return self._read(self.r, list(plan.items()), None)
 
     def held(self, entries: list[Entry]) -> list[Entry]:
         """``entries`` taken another way (a reclaim), noted as handed over (never recovered as unseen)."""
@@ -194,9 +201,11 @@ class BoundedReader:
         return entries
 
     def _read(self, r: Any, plan: list[tuple[int, list[str]]], block_ms: int | None) -> list[Entry]:
-        """``XREADGROUP >`` of each (count, streams) in ``plan`` under one reply budget; on a trip, the recovery."""
-        token, since = self.delivered.begin([s for _, streams in plan for s in streams])
+        """``XREADGROUP >`` of each (count, streams) in ``plan`` under one reply budget; on a trip, the recovery.
+        The bell's rings (``plan`` may name it) are deleted, never handed over: ``rang`` is set."""
+        token, since = self.delivered.begin([s for _, streams in plan for s in streams if s != self.bell])
         tripped = False
+        rings: list[str] = []
         try:
             with one_budget(REPLY_LIMIT_BYTES):
                 replies = self._xreadgroup(r, plan, block_ms)
@@ -204,7 +213,10 @@ class BoundedReader:
             for resp in replies:
                 for stream, entries in by_stream(resp):
                     key = as_str(stream)
-                    got[key] = [self._entry(key, eid, fields) for eid, fields in entries]
+                    if key == self.bell:
+                        rings += [as_str(eid) for eid, _ in entries]
+                    else:
+                        got[key] = [self._entry(key, eid, fields) for eid, fields in entries]
             del replies  # the raw (maybe large) entries go now, not at the end of the call
         except ReplyTooLarge:
             tripped = True  # handled below, once this frame no longer holds the partial reply
@@ -212,18 +224,30 @@ class BoundedReader:
             self._failed(since, exc)
             self.delivered.end(token, [])
             raise
-        if tripped:
+        if rings:
+            self._answer_rings(r, rings)
+        if tripped:  # (a ring the cut-off read delivered unseen stays pending: harmless, the bell is capped)
             self.delivered.owe(since)
             self.delivered.end(token, [])
             return self.recover_owed()
         self._charge(plan, got)
         return self.delivered.end(token, [(s, e) for s, _, _ in self.streams for e in got.get(s, ())])
 
+    def _answer_rings(self, r: Any, rings: list[str]) -> None:
+        """Delete the rings read (acked: nothing to reclaim) and have the transport read the tenants' set."""
+        self.rang.set()
+        pipe = r.pipeline(transaction=False)
+        pipe.xack(self.bell, self.group, *rings)
+        pipe.xdel(self.bell, *rings)
+        pipe.execute()
+
     def _charge(self, plan: list[tuple[int, list[str]]], got: dict[str, list[Entry]]) -> None:
         """Tell each tenant's share what a read gave: how many, and whether one of its streams came back full."""
         seen: dict[tuple[str, str], list[int]] = {}  # (priority, tenant) -> [entries, full]
         for n, streams in plan:
             for s in streams:
+                if s == self.bell:
+                    continue
                 _, priority, tenant = self.where[s]
                 k = len(got.get(s, ()))
                 row = seen.setdefault((priority, tenant), [0, 0])

@@ -148,7 +148,11 @@ class StreamConsumer(Transport):
         if not force and now - self._tenants_at < TENANTS_CHECK_S:
             return
         self._tenants_at = now
-        self.reader.set_tenants(queued_tenants(self.r, self.keys))
+        before = {s for s, _, _ in self.reader.streams}
+        if self.reader.set_tenants(queued_tenants(self.r, self.keys)):
+            # the enqueue made only the stream it added to: a read naming a missing stream fails (NOGROUP), which
+            # would read as Redis having lost the groups (StreamsLost) and re-create every one of them
+            self._create_groups([s for s, _, _ in self.reader.streams if s not in before])
         weights: dict[str, float] = {}
         for label, raw in self.r.hgetall(self.keys.of_shard(0).tenants).items():
             try:
@@ -160,14 +164,21 @@ class StreamConsumer(Transport):
         for share in self.reader.shares.values():
             share.weigh(weights)
 
+    def _create_groups(self, streams: list[str]) -> None:
+        """The workers' group on each of ``streams`` (made empty when missing), reading from the start; one round trip
+        (one command at a time on a cluster client). A group there already stays as it is."""
+        if not streams:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
+        for got in pipe.execute(raise_on_error=False):
+            if isinstance(got, redis.ResponseError) and "BUSYGROUP" not in str(got):
+                raise got
+
     def _setup_once(self) -> None:
         self.follow_tenants(force=True)
-        for stream, _, _ in self.reader.streams:
-            try:
-                self.r.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+        self._create_groups([*(s for s, _, _ in self.reader.streams), self.keys.tenant_bell])
         self._load_functions()
         if is_cluster(self.conn.redis_url):  # pipelines on a cluster do not load a missing script
             self._scripts.load()
@@ -203,7 +214,20 @@ class StreamConsumer(Transport):
         Without a deadline to keep (``exact=False``: an idle worker) one blocking read is the whole wait.
         """
         counts = dict.fromkeys(PRIORITIES, count) if isinstance(count, int) else count
-        self.follow_tenants()
+        self.follow_tenants(force=self._heard_bell())
+        out = self._read(counts, block_ms, exact)
+        if self._heard_bell():  # a tenant new to the set rang during this read: its streams now, its entry at once
+            self.follow_tenants(force=True)
+            out = out or self.reader.read(counts, None)
+        return out
+
+    def _heard_bell(self) -> bool:
+        """Whether a read took a ring of the tenant bell since the last call (``BoundedReader.rang``)."""
+        rang = self.reader.rang.is_set()
+        self.reader.rang.clear()
+        return rang
+
+    def _read(self, counts: dict[str, int], block_ms: int | None, exact: bool) -> list[Entry]:
         if block_ms is None:
             return self.reader.read(counts, None)
         if not exact:
@@ -213,7 +237,7 @@ class StreamConsumer(Transport):
             left_ms = (end - time.monotonic()) * 1000
             block = int(left_ms - BLOCK_SLACK_MS) if left_ms > BLOCK_SLACK_MS + 10 else None
             out = self.reader.read(counts, block)
-            if out or left_ms <= 0:
+            if out or left_ms <= 0 or self.reader.rang.is_set():
                 return out
             if block is None:
                 time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))

@@ -36,6 +36,7 @@ class Waiters:
         # waiter busy elsewhere (a retry pause) when a short wait began and ended still reads once for it
         self._armed = False
         self._arms = 0
+        self._rang = False  # a waiter read a ring of its shard's tenant bell (the loop's wait ends early)
         self.stopped = threading.Event()
         self.failing = False  # a waiter's last read failed: the loop sweeps on every read until one works
         self.counts: dict[str, int] = dict.fromkeys(PRIORITIES, 1)
@@ -57,10 +58,10 @@ class Waiters:
         ``timeout_s`` passes; what they read (loop's thread)."""
         self.counts = counts
         with self._cond:
-            self._armed, self._arms = True, self._arms + 1
+            self._armed, self._arms, self._rang = True, self._arms + 1, False
             self._cond.notify_all()
             try:
-                self._cond.wait_for(lambda: self._got, timeout_s)
+                self._cond.wait_for(lambda: self._got or self._rang, timeout_s)
             finally:
                 self._armed = False
             return self._take_locked()
@@ -120,8 +121,9 @@ class Waiters:
                 self.stopped.wait(RETRY_S)
                 continue
             self.failing = False
-            if got:
+            if got or part.reader.rang.is_set():  # a ring: the loop's wait ends, its sweep reads the new tenant's
                 with self._cond:
                     self._got += [(dataclasses.replace(e, shard=shard), time.monotonic()) for e in got]
+                    self._rang = True
                     self._cond.notify()
         r.close()

@@ -107,7 +107,8 @@ class ShardedConsumer(Transport):
         if out or block_ms is None or not any(counts.values()):
             return out
         out = self.waiters.wait(counts, max(1, min(int(block_ms), self.max_block_ms)) / 1000)
-        self._quiet = not out
+        # a wait a ring ended is no quiet one: the next sweep reads the tenants' set and the new tenant's streams
+        self._quiet = not out and not any(p.reader.rang.is_set() for p in self.parts)
         return out
 
     def _sweep(self, counts: dict[str, int]) -> list[Entry]:

@@ -1,0 +1,72 @@
+"""A tenant new to the fleet is heard at once (the tenant bell, ``Keys.tenant_bell``), with a real worker and real
+Redis: the worker's periodic look at the tenants' set is switched off (``TENANTS_CHECK_S``), so each request
+below is answered only because its enqueue rang and the worker's read (blocking while idle, not blocking while
+the engine runs) took the ring. Before the bell a new tenant's first request waited for that look (0.8 s on
+average, up to 3 s on an idle worker), and the first read naming the tenant's other streams, not made yet, failed
+as if Redis had lost its data (every group re-created, a warning logged)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import redis
+
+from batchfleet.common.keys import Keys
+from batchfleet.producer import Client
+from batchfleet.worker.transport import consumer
+from tests.helpers.loops import wait_until
+
+NATIVE = dict(engine="native", mode="continuous", max_wait_ms=5)
+
+
+@pytest.fixture
+def no_periodic_look(monkeypatch):
+    monkeypatch.setattr(consumer, "TENANTS_CHECK_S", 3600.0)
+
+
+def as_tenant(client: Client, tenant: str) -> Client:
+    client._async.tenant = tenant  # the client's own parameter is the edge's (issue 57); the core takes it here
+    return client
+
+
+def test_an_idle_worker_answers_a_new_tenant_without_looking_at_the_set(no_periodic_look, start_worker, redis_url,
+                                                                        namespace, caplog):
+    start_worker(**NATIVE)
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    with Client(redis_url, namespace) as client:
+        assert client.generate([1, 10, 11], max_new_tokens=2, timeout=60).completion_tokens == 2  # the worker idles
+        for tenant in ("first", "second"):
+            with caplog.at_level(logging.WARNING):
+                got = as_tenant(client, tenant).generate([1, 12, 13], max_new_tokens=2, timeout=30)
+            assert got.completion_tokens == 2
+    assert not [rec for rec in caplog.records if "consumer groups are gone" in rec.getMessage()]
+    assert r.xlen(keys.tenant_bell) == 0  # each ring deleted once heard
+    assert r.smembers(keys.queued_tenants) == {b"first", b"second"}
+
+
+def test_a_busy_worker_answers_a_new_tenant_while_its_engine_runs(no_periodic_look, start_worker, redis_url,
+                                                                  namespace):
+    start_worker(**NATIVE)
+    keys = Keys(namespace)
+    r = redis.Redis.from_url(redis_url)
+    with Client(redis_url, namespace) as old, as_tenant(Client(redis_url, namespace), "newcomer") as new:
+        long = old.submit([1, 10, 11], max_new_tokens=500, ignore_eos=True)
+        wait_until(lambda: r.xpending(keys.stream(32), keys.group)["pending"] == 1, 60, "the long request read")
+        assert new.generate([1, 12, 13], max_new_tokens=2, timeout=60).completion_tokens == 2
+        assert not r.exists(keys.done(long, old.reply_key))  # heard while the engine still ran the long one
+        old.cancel(long)
+
+
+def test_a_tenant_the_set_lost_rings_again(no_periodic_look, start_worker, redis_url, namespace):
+    """The set lost the tenant (Redis restarted without it, or an operator removed it): the next enqueue, plain add
+    or function, adds it again and rings; a worker that started after the loss hears it."""
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    first = start_worker(**NATIVE)
+    with as_tenant(Client(redis_url, namespace), "returning") as client:
+        assert client.generate([1, 12, 13], max_new_tokens=2, timeout=60).completion_tokens == 2
+        first.stop()
+        r.srem(keys.queued_tenants, "returning")
+        start_worker(**NATIVE)  # its start reads the set: no "returning" there
+        assert client.generate([1, 14, 15], max_new_tokens=2, timeout=60).completion_tokens == 2
+    assert r.sismember(keys.queued_tenants, "returning")
