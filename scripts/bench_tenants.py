@@ -3,6 +3,7 @@ get their weights' share of the tokens? One worker at user defaults (native engi
 one run, four phases, each with tenants of its own (labels ``<phase>-a`` / ``<phase>-b``):
 
 1. idle: B sends ``--b-requests`` requests at ``--b-rate`` per second (16 new tokens): B's TTFT p50 on an idle fleet;
+   then ``--newcomers`` tenants new to the fleet send one request each: their first request's TTFT;
 2. flood: A submits ``--flood`` interactive requests at once (16 new tokens), then keeps its queue full (submitting
    again as it is served) while B sends the same requests at the same rate: how many of B's were refused (target 0;
    A, whose queue fills at the worker's queue limit, gets the ``QueueFull``), B's TTFT p50 / idle (target <= 1.3),
@@ -89,6 +90,20 @@ def paced(client: Client, n: int, rate: float, tag: str, busy: Callable[[], bool
     return out
 
 
+def newcomers(client: Client, n: int, rate: float) -> dict:
+    """``n`` tenants new to the fleet send one request each at ``rate`` per second, on the idle fleet: their
+    TTFTs (ms). A worker hears a new tenant when its enqueue rings the tenant bell (``Keys.tenant_bell``), not at
+    its next look at the tenants' set (once a second)."""
+    ttfts: list[float] = []
+    for i in range(n):
+        time.sleep(1 / rate)
+        client._async.tenant = f"newcomer-{i}"
+        ttfts.append(round(client.generate(f"{PROMPT} (newcomer {i})", max_new_tokens=16, timeout=300).ttft_ms, 1))
+    client._async.tenant = "idle-b"
+    return {"requests": n, "ttft_p50_ms": round(statistics.median(ttfts), 1) if ttfts else None,
+            "ttft_max_ms": max(ttfts) if ttfts else None, "ttfts_ms": ttfts}
+
+
 def keep_full(client: Client, tag: str, stop: threading.Event, jobs: list[str], **params) -> None:
     """Submit until ``stop``, waiting a little whenever the queue is full: the tenant's queue stays at its limit."""
     i = 0
@@ -160,10 +175,12 @@ def share_phase(url: str, ns: str, r: redis.Redis, keys: Keys, phase: str, weigh
               help="The worker's --max-queue-len (per bucket and tenant): A's flood fills it.")
 @click.option("--b-requests", type=int, default=20, show_default=True, help="B's requests per paced phase.")
 @click.option("--b-rate", type=float, default=1.0, show_default=True, help="B's requests per second.")
+@click.option("--newcomers", "newcomer_n", type=int, default=10, show_default=True,
+              help="Tenants new to the fleet sending one request each on the idle fleet.")
 @click.option("--backlog", type=int, default=400, show_default=True, help="Requests per tenant in the share phases.")
 @click.option("--worker-arg", multiple=True, help="Extra worker CLI argument (repeatable).")
 @click.option("--json", "json_path", default=None, help="Write the result as JSON here.")
-def main(redis_url: str, flood_n: int, queue_limit: int, b_requests: int, b_rate: float, backlog: int,
+def main(redis_url: str, flood_n: int, queue_limit: int, b_requests: int, b_rate: float, newcomer_n: int, backlog: int,
          worker_arg: tuple[str, ...], json_path: str | None) -> None:
     url, private = ensure_redis(redis_url)
     ns = f"benchten{uuid.uuid4().hex[:6]}"
@@ -175,6 +192,7 @@ def main(redis_url: str, flood_n: int, queue_limit: int, b_requests: int, b_rate
         with tenant_client(url, ns, "idle-b") as b:
             paced(b, 3, b_rate, "warm")
             out["idle"] = paced(b, b_requests, b_rate, "idle")
+            out["newcomers"] = newcomers(b, newcomer_n, b_rate)
         with tenant_client(url, ns, "flood-a") as a, tenant_client(url, ns, "flood-b") as b:
             t0 = time.monotonic()
             jobs, a_refused = flood(a, flood_n, "flood", max_new_tokens=16)
@@ -209,6 +227,9 @@ def main(redis_url: str, flood_n: int, queue_limit: int, b_requests: int, b_rate
     print("| measure | value | target |\n|---|---:|---|")
     print(f"| B's TTFT p50, idle fleet ({out['idle']['answered']} requests at {b_rate}/s) | "
           f"{out['idle']['ttft_p50_ms']} ms | - |")
+    nc = out["newcomers"]
+    print(f"| TTFT p50 of {nc['requests']} tenants' first requests, idle fleet | {nc['ttft_p50_ms']} ms (max "
+          f"{nc['ttft_max_ms']} ms) | about B's idle |")
     print(f"| B's TTFT p50 during A's flood of {flood_n} ({fl['a_waiting_when_b_began']} of A's waiting when B "
           f"began, kept full: {fl['a_added_during_b']} more; {fl['b']['sent_while_busy']} of B's sent while A "
           f"waited) | {fl['b']['ttft_p50_while_busy_ms']} ms ({out['b_ttft_ratio']}x idle; max "
