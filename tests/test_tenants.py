@@ -118,10 +118,15 @@ def test_gateway_tenant_keys_are_api_keys_and_never_in_an_error():
     key = "sk-acme-0123456789abcdef"
     c = GatewayConfig(api_keys="plain-key-0123456", tenant_keys=f"acme:{key}")
     assert c.key_tenants == {key: "acme"} and set(c.api_keys) == {"plain-key-0123456", key}
-    for bad in (f"ACME:{key}", key.replace(":", ""), f"acme:{key},beta:{key}", "acme:short"):
-        with pytest.raises(ConfigError) as err:
+    assert GatewayConfig(tenant_keys=f"acme:{key}:x").key_tenants == {f"{key}:x": "acme"}  # a key may hold a ':'
+    # a bad entry's error shows none of it: the label's place may hold a key (swapped, or a key with a ':')
+    for bad in (f"ACME:{key}", key.replace(":", ""), f"acme:{key},beta:{key}", "acme:short", f"{key}:acme",
+                f":{key}", "Sk-acme-0123:456789abcdef"):
+        with pytest.raises(ConfigError, match="tenant-key|key") as err:
             GatewayConfig(tenant_keys=bad)
-        assert key not in str(err.value)
+        assert key not in str(err.value) and "sk-acme" not in str(err.value), str(err.value)
+    with pytest.raises(ConfigError, match="both an --api-key .* and a --tenant-key"):  # which tenant: ambiguous
+        GatewayConfig(api_keys=key, tenant_keys=f"acme:{key}")
 
 
 def test_a_refusal_is_a_429_with_openais_headers():
