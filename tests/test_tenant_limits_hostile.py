@@ -94,10 +94,11 @@ def test_every_enqueuing_endpoint_refuses_a_tenant_over_its_limit_before_queuein
         usage = usage_rows(r.hgetall(keys.usage()))
         assert {e: usage[e]["requests"] for e in ENDPOINTS} == {**dict.fromkeys(ENDPOINTS, 1), "embeddings": 2}
         assert usage["tokens"]["requests"] == 2
-        # clients naming many tenants of their own, and a queued-tenants set holding what is no label (a producer
-        # calling the enqueue function by hand): the scrape answers, its tenant labels stay the configured ones,
-        # default and other, and the worker still reads its streams
+        # clients naming many tenants of their own, a queued-tenants set holding what is no label (a producer
+        # calling the enqueue function by hand), a tenants hash too: the scrape answers, its tenant labels stay
+        # the configured ones, default and other, and the worker still reads its streams
         r.sadd(keys.queued_tenants, "Bad Label!", b"\xff")
+        r.hset(keys.tenants, b"\xff", "{}")  # an operator's hand-written HSET: no label, not even UTF-8
 
     async def visitors() -> None:
         async with AsyncClient(redis_url, namespace) as client:
