@@ -29,6 +29,7 @@ OTHER_LABEL = "other"  # a metric label: every tenant not configured (bounded la
 WINDOW_MS = 60_000  # the per-minute limits' sliding window
 DAY_S = 86_400
 MAX_WEIGHT = 1_000_000
+MAX_LIMIT = 2**53 - 1  # the admit function compares in Lua's doubles: exact up to here
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,10 @@ class Tenant:
         object.__setattr__(self, "weight", float(weight))
         for name in LIMITS:
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"tenant {self.label}: {name} must be a whole number >= 1 (or absent: no limit), "
-                                  f"got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 1 <= value <= MAX_LIMIT):
+                raise ConfigError(f"tenant {self.label}: {name} must be a whole number in [1, {MAX_LIMIT}] (or "
+                                  f"absent: no limit), got {value!r:.40}")
 
     @property
     def limited(self) -> bool:
@@ -83,7 +85,7 @@ class Tenant:
 
     @classmethod
     def decode(cls, label: str | bytes, raw: str | bytes) -> Tenant:
-        label = label.decode() if isinstance(label, bytes) else label
+        label = label.decode(errors="replace") if isinstance(label, bytes) else label  # not UTF-8: no label
         try:
             settings = json.loads(raw)
         except ValueError:

@@ -35,12 +35,15 @@ def test_tenant_settings_are_checked_with_a_clear_error():
                       ({"label": "a", "weight": 0}, "weight"), ({"label": "a", "weight": float("nan")}, "weight"),
                       ({"label": "a", "weight": True}, "weight"),
                       ({"label": "a", "requests_per_minute": 0}, "requests"),
-                      ({"label": "a", "tokens_per_day": 1.5}, "tokens_per_day")]:
+                      ({"label": "a", "tokens_per_day": 1.5}, "tokens_per_day"),
+                      ({"label": "a", "tokens_per_day": 2**64}, r"tokens_per_day must be a whole number in \[1, ")]:
         with pytest.raises(ConfigError, match=said):
             Tenant(**bad)
     with pytest.raises(ConfigError, match="unknown setting.*rpm"):
         Tenant.of("a", {"rpm": 3})
     assert Tenant.decode(b"acme", json.dumps(t.settings())) == t
+    with pytest.raises(ConfigError, match="tenant label must be"):  # a hand-written label, not even UTF-8
+        Tenant.decode(b"\xff", "{}")
 
 
 def test_tenants_files_in_every_format(tmp_path):
