@@ -18,7 +18,7 @@ import redis
 
 from batchfleet.common.keys import Keys
 from batchfleet.common.tenants import Tenant, usage_rows, write_tenants
-from batchfleet.producer import AsyncClient
+from batchfleet.producer import AsyncClient, limits
 
 DURATION = re.compile(r"^(\d+ms|\d+(\.\d+)?s|(\d+h)?\d+m\d+s)$")  # OpenAI's reset format: 20ms, 1.5s, 6m0s, 1h2m3s
 ENDPOINTS = ("chat", "chat-stream", "completions", "completions-stream", "responses", "responses-stream",
@@ -113,7 +113,7 @@ def test_every_enqueuing_endpoint_refuses_a_tenant_over_its_limit_before_queuein
 
 
 def test_each_choice_counts_as_a_request_streamed_or_not_seeded_or_not(start_worker, start_gateway, redis_url: str,
-                                                                       namespace: str):
+                                                                       namespace: str, monkeypatch):
     keys = Keys(namespace)
     kinds = ("plain", "seeded", "stream")
     with redis.Redis.from_url(redis_url) as r:
@@ -131,6 +131,13 @@ def test_each_choice_counts_as_a_request_streamed_or_not_seeded_or_not(start_wor
         with redis.Redis.from_url(redis_url) as r:
             counted[kind] = (r.zcard(keys.limit_window(kind)), made.headers["x-ratelimit-remaining-requests"])
     assert counted == dict.fromkeys(kinds, (3, "1")), counted
+    # its limit removed, a tenant's answers carry no x-ratelimit-* headers (not the last ones it had)
+    monkeypatch.setattr(limits, "SETTINGS_TRUST_S", 0.0)
+    with redis.Redis.from_url(redis_url) as r:
+        write_tenants(r, keys, [Tenant("plain")])
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key_of("plain"), max_retries=0, timeout=60)
+    made = client.completions.with_raw_response.create(model="x", prompt="hi", max_tokens=2)
+    assert not [h for h in made.headers if h.startswith("x-ratelimit")], made.headers
 
 
 def test_a_scrape_through_a_redis_outage_answers_and_shows_no_secret(caplog):
