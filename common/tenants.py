@@ -26,6 +26,12 @@ SETTINGS = ("weight", *LIMITS)
 USAGE_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens")
 DEFAULT_LABEL = "default"  # how the default tenant ("": requests naming none) is shown in tables and metric labels
 OTHER_LABEL = "other"  # a metric label: every tenant not configured (bounded label set)
+# what metrics and tables call the default tenant and the tenants not configured: a tenant of either name would
+# be counted with them
+RESERVED_LABELS = (DEFAULT_LABEL, OTHER_LABEL)
+RESERVED_TEXT = (f"the tenant labels {DEFAULT_LABEL!r} and {OTHER_LABEL!r} are reserved (metrics and tables name the "
+                 "default tenant and the tenants not configured so); the default tenant's settings are its own: "
+                 "weight 1, no limit")
 WINDOW_MS = 60_000  # the per-minute limits' sliding window
 DAY_S = 86_400
 MAX_WEIGHT = 1_000_000
@@ -50,6 +56,8 @@ class Tenant:
         if not valid_tenant(self.label):
             raise ConfigError(f"tenant label must be 1-{TENANT_MAX_CHARS} chars of [a-z0-9_-], got "
                               f"{str(self.label)[:40]!r}")
+        if self.label in RESERVED_LABELS:
+            raise ConfigError(RESERVED_TEXT)
         weight = self.weight
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
                 or not 0 < weight <= MAX_WEIGHT:

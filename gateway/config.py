@@ -20,6 +20,7 @@ from batchfleet.common.config import (
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.keys import TENANT_MAX_CHARS, valid_tenant
 from batchfleet.common.optionspec import option
+from batchfleet.common.tenants import RESERVED_LABELS, RESERVED_TEXT
 
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")  # gateway/openai/tools/parsers.py
 
@@ -102,6 +103,8 @@ class GatewayConfig:
                 raise ConfigError(f"each --tenant-key is LABEL:KEY, the label first, of 1-{TENANT_MAX_CHARS} chars "
                                   f"of [a-z0-9_-]; entry {i + 1} has an invalid label ({len(label)} chars)" if sep else
                                   f"each --tenant-key is LABEL:KEY; entry {i + 1} has no ':'")
+            if label in RESERVED_LABELS:  # "default": a key of the default tenant is an --api-key
+                raise ConfigError(f"--tenant-key: {RESERVED_TEXT}; a key of the default tenant is an --api-key")
         keyed = tuple(entry.partition(":")[2] for entry in self.tenant_keys)
         check_api_keys(keyed)
         if len(keyed) != len(set(keyed)):

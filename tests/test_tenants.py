@@ -39,6 +39,9 @@ def test_tenant_settings_are_checked_with_a_clear_error():
                       ({"label": "a", "tokens_per_day": 2**64}, r"tokens_per_day must be a whole number in \[1, ")]:
         with pytest.raises(ConfigError, match=said):
             Tenant(**bad)
+    for reserved in ("default", "other"):  # what metrics call the default tenant and the ones not configured
+        with pytest.raises(ConfigError, match="reserved"):
+            Tenant(reserved, requests_per_minute=5)
     with pytest.raises(ConfigError, match="unknown setting.*rpm"):
         Tenant.of("a", {"rpm": 3})
     assert Tenant.decode(b"acme", json.dumps(t.settings())) == t
@@ -130,6 +133,8 @@ def test_gateway_tenant_keys_are_api_keys_and_never_in_an_error():
         assert key not in str(err.value) and "sk-acme" not in str(err.value), str(err.value)
     with pytest.raises(ConfigError, match="both an --api-key .* and a --tenant-key"):  # which tenant: ambiguous
         GatewayConfig(api_keys=key, tenant_keys=f"acme:{key}")
+    with pytest.raises(ConfigError, match="reserved.*a key of the default tenant is an --api-key"):
+        GatewayConfig(tenant_keys=f"default:{key}")
 
 
 def test_a_refusal_is_a_429_with_openais_headers():
