@@ -152,5 +152,7 @@ def test_a_call_names_its_tenant_checked_like_a_label():
     from batchfleet.producer.ask import Ask
 
     assert Ask.of({"tenant": "acme", "max_new_tokens": 4}).tenant == "acme" and Ask.of({}).tenant == ""
-    with pytest.raises(InvalidRequest, match="tenant must be"):
-        Ask.of({"tenant": "sk-Secret Key"})
+    assert Ask.of({"tenant": None}).tenant == ""
+    for bad in ("sk-Secret Key", 0, False, 7, ["acme"]):  # a falsy one too: never the default tenant silently
+        with pytest.raises(InvalidRequest, match="tenant must be"):
+            Ask.of({"tenant": bad})
