@@ -106,7 +106,10 @@ class GatewayConfig:
             if label in RESERVED_LABELS:  # "default": a key of the default tenant is an --api-key
                 raise ConfigError(f"--tenant-key: {RESERVED_TEXT}; a key of the default tenant is an --api-key")
         keyed = tuple(entry.partition(":")[2] for entry in self.tenant_keys)
-        check_api_keys(keyed)
+        try:
+            check_api_keys(keyed)
+        except ConfigError as exc:  # KEY:LABEL swapped reads as a short key: say which part is which
+            raise ConfigError(f"--tenant-key is LABEL:KEY, the label first: {exc}") from None
         if len(keyed) != len(set(keyed)):
             raise ConfigError("a key must not be given to two tenants (--tenant-key)")
         if set(keyed) & set(parse_api_keys(self.api_keys)):  # which tenant its requests run for would be a guess
