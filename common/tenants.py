@@ -26,9 +26,16 @@ SETTINGS = ("weight", *LIMITS)
 USAGE_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens")
 DEFAULT_LABEL = "default"  # how the default tenant ("": requests naming none) is shown in tables and metric labels
 OTHER_LABEL = "other"  # a metric label: every tenant not configured (bounded label set)
+# what metrics and tables call the default tenant and the tenants not configured: a tenant of either name would
+# be counted with them
+RESERVED_LABELS = (DEFAULT_LABEL, OTHER_LABEL)
+RESERVED_TEXT = (f"the tenant labels {DEFAULT_LABEL!r} and {OTHER_LABEL!r} are reserved (metrics and tables name the "
+                 "default tenant and the tenants not configured so); the default tenant's settings are its own: "
+                 "weight 1, no limit")
 WINDOW_MS = 60_000  # the per-minute limits' sliding window
 DAY_S = 86_400
 MAX_WEIGHT = 1_000_000
+MAX_LIMIT = 2**53 - 1  # the admit function compares in Lua's doubles: exact up to here
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,8 @@ class Tenant:
         if not valid_tenant(self.label):
             raise ConfigError(f"tenant label must be 1-{TENANT_MAX_CHARS} chars of [a-z0-9_-], got "
                               f"{str(self.label)[:40]!r}")
+        if self.label in RESERVED_LABELS:
+            raise ConfigError(RESERVED_TEXT)
         weight = self.weight
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
                 or not 0 < weight <= MAX_WEIGHT:
@@ -56,9 +65,10 @@ class Tenant:
         object.__setattr__(self, "weight", float(weight))
         for name in LIMITS:
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"tenant {self.label}: {name} must be a whole number >= 1 (or absent: no limit), "
-                                  f"got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 1 <= value <= MAX_LIMIT):
+                raise ConfigError(f"tenant {self.label}: {name} must be a whole number in [1, {MAX_LIMIT}] (or "
+                                  f"absent: no limit), got {value!r:.40}")
 
     @property
     def limited(self) -> bool:
@@ -83,7 +93,7 @@ class Tenant:
 
     @classmethod
     def decode(cls, label: str | bytes, raw: str | bytes) -> Tenant:
-        label = label.decode() if isinstance(label, bytes) else label
+        label = label.decode(errors="replace") if isinstance(label, bytes) else label  # not UTF-8: no label
         try:
             settings = json.loads(raw)
         except ValueError:

@@ -20,6 +20,7 @@ from batchfleet.common.config import (
 from batchfleet.common.errors import ConfigError
 from batchfleet.common.keys import TENANT_MAX_CHARS, valid_tenant
 from batchfleet.common.optionspec import option
+from batchfleet.common.tenants import RESERVED_LABELS, RESERVED_TEXT
 
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")  # gateway/openai/tools/parsers.py
 
@@ -94,16 +95,25 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tenant_keys", parse_api_keys(self.tenant_keys))
-        for entry in self.tenant_keys:
+        for i, entry in enumerate(self.tenant_keys):
             label, sep, key = entry.partition(":")
-            if not sep or not valid_tenant(label):  # the message never shows the key
-                raise ConfigError(f"each --tenant-key is LABEL:KEY with a label of 1-{TENANT_MAX_CHARS} chars of "
-                                  f"[a-z0-9_-]; got one with label {label[:40]!r}" if sep else
-                                  "each --tenant-key is LABEL:KEY (no ':' found in one)")
+            # the message never shows the entry: what stands before its ':' may be a key (KEY:LABEL swapped, a
+            # key with a ':' and no label)
+            if not sep or not valid_tenant(label):
+                raise ConfigError(f"each --tenant-key is LABEL:KEY, the label first, of 1-{TENANT_MAX_CHARS} chars "
+                                  f"of [a-z0-9_-]; entry {i + 1} has an invalid label ({len(label)} chars)" if sep else
+                                  f"each --tenant-key is LABEL:KEY; entry {i + 1} has no ':'")
+            if label in RESERVED_LABELS:  # "default": a key of the default tenant is an --api-key
+                raise ConfigError(f"--tenant-key: {RESERVED_TEXT}; a key of the default tenant is an --api-key")
         keyed = tuple(entry.partition(":")[2] for entry in self.tenant_keys)
-        check_api_keys(keyed)
+        try:
+            check_api_keys(keyed)
+        except ConfigError as exc:  # KEY:LABEL swapped reads as a short key: say which part is which
+            raise ConfigError(f"--tenant-key is LABEL:KEY, the label first: {exc}") from None
         if len(keyed) != len(set(keyed)):
             raise ConfigError("a key must not be given to two tenants (--tenant-key)")
+        if set(keyed) & set(parse_api_keys(self.api_keys)):  # which tenant its requests run for would be a guess
+            raise ConfigError("a key must not be both an --api-key (the default tenant's) and a --tenant-key")
         # a tenant's key is an API key: every check of API keys (authorization, operator keys) covers it
         object.__setattr__(self, "api_keys", tuple(dict.fromkeys((*parse_api_keys(self.api_keys), *keyed))))
         object.__setattr__(self, "operator_keys", parse_api_keys(self.operator_keys))

@@ -137,18 +137,20 @@ class Gateway:
                 raise api_error(exc, job.guide_param) from None
             raise
 
-    async def run(self, request: Request, jobs: list[tuple[str, Any, Ask]], timeout: float) -> list[Result]:
+    async def run(self, request: Request, jobs: list[tuple[str, Any, Ask]], timeout: float,
+                  together: bool = False) -> list[Result]:
         """Submit ``jobs`` (job id, prompt, what it asks) and wait for their results, in order,
         within ``timeout`` s. A submission error raises before anything runs, the jobs already submitted
-        cancelled; then as ``_wait``. Jobs that ask the same (an embeddings request's inputs, up to
-        2,048) go in one ``AsyncClient.submit_many``: validated together, enqueued at once, not one
-        round trip each."""
+        cancelled; then as ``_wait``. ``together``: the jobs are one request's (an embeddings request's
+        inputs, up to 2,048) and, when they ask the same, go in one ``AsyncClient.submit_many``: validated
+        together, enqueued at once, not one round trip each, and counted once against the tenant's limits
+        (docs/TENANTS.md); otherwise (a request's choices) each is submitted, and counted, on its own."""
         start = time.monotonic()
         submitted: list[str] = []
         tenant = tenant_of(request)  # on the account of the request's key (an Ask naming one keeps its own)
         jobs = [(jid, prompt, ask if ask.tenant else replace(ask, tenant=tenant)) for jid, prompt, ask in jobs]
         try:
-            if len(jobs) > 1 and all(ask == jobs[0][2] for _, _, ask in jobs):
+            if together and len(jobs) > 1 and all(ask == jobs[0][2] for _, _, ask in jobs):
                 submitted = await self.client.submit_many([prompt for _, prompt, _ in jobs],
                                                           job_ids=[jid for jid, _, _ in jobs], timeout=timeout,
                                                           ask=jobs[0][2])

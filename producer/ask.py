@@ -83,7 +83,8 @@ class Ask:
                      for k in sorted(unknown)]
             raise InvalidRequest(f"unknown generation parameter(s): {', '.join(named)}")
         kind = values.pop("kind", "generate")
-        tenant = values.pop("tenant", None) or ""
+        tenant = values.pop("tenant", None)
+        tenant = "" if tenant is None else tenant  # None: the client's; 0 or False is no label (checked when made)
         if kind not in REQUEST_KINDS:
             raise InvalidRequest(f"kind must be one of {', '.join(REQUEST_KINDS)}, got {kind!r}"[:200])
         if kind == "embed" and set(values) - {"priority"}:

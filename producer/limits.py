@@ -68,6 +68,7 @@ class Limits:
             return None
         tenant = await self.tenant(label, deadline)
         if tenant is None or not tenant.limited:
+            self._last.pop(label, None)  # its limits removed: a success no longer shows the old ones' headers
             return None
         too_large = too_large_text(tenant, tokens)
         if too_large is not None:

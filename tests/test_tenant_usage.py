@@ -36,6 +36,16 @@ def test_tenants_and_usage_commands(redis_url: str, namespace: str, tmp_path):
         "acme": {"weight": 3.0, "requests_per_minute": 60}, "beta": {"weight": 2.0}}
     bad = CliRunner().invoke(main, ["--redis-url", redis_url, "--namespace", namespace, "tenants", "set", "Bad"])
     assert bad.exit_code == 2 and "tenant label must be" in bad.output
+    huge = CliRunner().invoke(main, ["--redis-url", redis_url, "--namespace", namespace, "tenants", "set", "beta",
+                                     "--requests-per-minute", str(2**64)])
+    assert huge.exit_code == 2 and "requests_per_minute must be a whole number in [1, " in huge.output
+    with redis.Redis.from_url(redis_url) as r:  # hand-written entries that do not decode: shown, never hidden
+        r.hset(keys.tenants, mapping={"broken": "{not json", b"\xff": "{}"})
+    listed = CliRunner().invoke(main, ["--redis-url", redis_url, "--namespace", namespace, "tenants", "list"])
+    assert listed.exit_code == 0 and "tenant 'broken': stored settings do not decode" in listed.output
+    fix = CliRunner().invoke(main, ["--redis-url", redis_url, "--namespace", namespace, "tenants", "set", "broken"])
+    assert fix.exit_code == 2 and "`batchfleet tenants remove broken`" in fix.output
+    cli(redis_url, namespace, "tenants", "remove", "broken")
     with redis.Redis.from_url(redis_url) as r:
         r.hset(keys.usage(), mapping=USAGE)
         r.hset(keys.usage(utc_day()), mapping={"acme|prompt_tokens": 10, "acme|generated_tokens": 20})

@@ -35,12 +35,18 @@ def test_tenant_settings_are_checked_with_a_clear_error():
                       ({"label": "a", "weight": 0}, "weight"), ({"label": "a", "weight": float("nan")}, "weight"),
                       ({"label": "a", "weight": True}, "weight"),
                       ({"label": "a", "requests_per_minute": 0}, "requests"),
-                      ({"label": "a", "tokens_per_day": 1.5}, "tokens_per_day")]:
+                      ({"label": "a", "tokens_per_day": 1.5}, "tokens_per_day"),
+                      ({"label": "a", "tokens_per_day": 2**64}, r"tokens_per_day must be a whole number in \[1, ")]:
         with pytest.raises(ConfigError, match=said):
             Tenant(**bad)
+    for reserved in ("default", "other"):  # what metrics call the default tenant and the ones not configured
+        with pytest.raises(ConfigError, match="reserved"):
+            Tenant(reserved, requests_per_minute=5)
     with pytest.raises(ConfigError, match="unknown setting.*rpm"):
         Tenant.of("a", {"rpm": 3})
     assert Tenant.decode(b"acme", json.dumps(t.settings())) == t
+    with pytest.raises(ConfigError, match="tenant label must be"):  # a hand-written label, not even UTF-8
+        Tenant.decode(b"\xff", "{}")
 
 
 def test_tenants_files_in_every_format(tmp_path):
@@ -118,10 +124,17 @@ def test_gateway_tenant_keys_are_api_keys_and_never_in_an_error():
     key = "sk-acme-0123456789abcdef"
     c = GatewayConfig(api_keys="plain-key-0123456", tenant_keys=f"acme:{key}")
     assert c.key_tenants == {key: "acme"} and set(c.api_keys) == {"plain-key-0123456", key}
-    for bad in (f"ACME:{key}", key.replace(":", ""), f"acme:{key},beta:{key}", "acme:short"):
-        with pytest.raises(ConfigError) as err:
+    assert GatewayConfig(tenant_keys=f"acme:{key}:x").key_tenants == {f"{key}:x": "acme"}  # a key may hold a ':'
+    # a bad entry's error shows none of it: the label's place may hold a key (swapped, or a key with a ':')
+    for bad in (f"ACME:{key}", key.replace(":", ""), f"acme:{key},beta:{key}", "acme:short", f"{key}:acme",
+                f":{key}", "Sk-acme-0123:456789abcdef"):
+        with pytest.raises(ConfigError, match="tenant-key|key") as err:
             GatewayConfig(tenant_keys=bad)
-        assert key not in str(err.value)
+        assert key not in str(err.value) and "sk-acme" not in str(err.value), str(err.value)
+    with pytest.raises(ConfigError, match="both an --api-key .* and a --tenant-key"):  # which tenant: ambiguous
+        GatewayConfig(api_keys=key, tenant_keys=f"acme:{key}")
+    with pytest.raises(ConfigError, match="reserved.*a key of the default tenant is an --api-key"):
+        GatewayConfig(tenant_keys=f"default:{key}")
 
 
 def test_a_refusal_is_a_429_with_openais_headers():
@@ -139,5 +152,7 @@ def test_a_call_names_its_tenant_checked_like_a_label():
     from batchfleet.producer.ask import Ask
 
     assert Ask.of({"tenant": "acme", "max_new_tokens": 4}).tenant == "acme" and Ask.of({}).tenant == ""
-    with pytest.raises(InvalidRequest, match="tenant must be"):
-        Ask.of({"tenant": "sk-Secret Key"})
+    assert Ask.of({"tenant": None}).tenant == ""
+    for bad in ("sk-Secret Key", 0, False, 7, ["acme"]):  # a falsy one too: never the default tenant silently
+        with pytest.raises(InvalidRequest, match="tenant must be"):
+            Ask.of({"tenant": bad})

@@ -195,7 +195,7 @@ class _LoopCollector(Collector):
             queues = self.metrics.queues
             try:
                 with queues._lock:
-                    known = frozenset(t.decode() if isinstance(t, bytes) else t
+                    known = frozenset(t.decode(errors="replace") if isinstance(t, bytes) else t
                                       for t in queues.r.hkeys(queues.keys.tenants))
             except redis.RedisError as exc:
                 log.debug("tenants not read: %r", exc)

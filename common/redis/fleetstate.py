@@ -12,7 +12,7 @@ from typing import Any
 import msgpack
 import redis
 
-from batchfleet.common.keys import Keys
+from batchfleet.common.keys import Keys, valid_tenant
 from batchfleet.common.redis.clients import same_node
 from batchfleet.common.redis.functions import LIVE_WORKER_MS
 from batchfleet.common.wire.protocol import FleetInfo
@@ -92,8 +92,11 @@ def queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int]
 
 
 def queued_tenants(r: redis.Redis, keys: Keys) -> list[str]:
-    """The named tenants that ever queued work on ``keys``' shard (``Keys.queued_tenants``)."""
-    return sorted(t for t in (_decode(m) for m in r.smembers(keys.queued_tenants)) if isinstance(t, str) and t)
+    """The named tenants that ever queued work on ``keys``' shard (``Keys.queued_tenants``). A member that is no
+    label (the enqueue function stores what its caller passes: a producer writing it by hand) names no stream of
+    ours: left out, rather than fail every reader of the streams (workers, gauges) with it."""
+    members = (m.decode(errors="replace") if isinstance(m, bytes) else m for m in r.smembers(keys.queued_tenants))
+    return sorted(t for t in members if valid_tenant(t))
 
 
 def request_streams(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int]) -> list[tuple[str, int, str]]:

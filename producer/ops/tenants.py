@@ -55,7 +55,9 @@ def set_tenant(redis_url: str, namespace: str, label: str, weight: float | None,
     check_reachable(conn)
     with _redis(conn) as r:
         raw = r.hget(conn.keys.tenants, label) if valid_tenant(label) else None
-        settings: dict[str, Any] = Tenant.decode(label, raw).settings() if raw is not None else {}
+        stored = _checked(lambda: Tenant.decode(label, raw).settings(), f"; `batchfleet tenants remove {label}` "
+                          "drops what is stored") if raw is not None else {}
+        settings: dict[str, Any] = stored
         if weight is not None:
             settings["weight"] = weight
         for name, value in limits.items():
@@ -76,7 +78,13 @@ def list_tenants(redis_url: str, namespace: str, as_json: bool) -> None:
     """The configured tenants and their settings."""
     conn = ConnectionConfig(redis_url, namespace)
     with _redis(conn) as r:
-        stored = decode_tenants(r.hgetall(conn.keys.tenants))
+        raw = r.hgetall(conn.keys.tenants)
+    stored = decode_tenants(raw)
+    # an entry that does not decode (written by hand) counts as no tenant everywhere: say so, never hide it
+    broken = sorted({k.decode(errors="replace") if isinstance(k, bytes) else str(k) for k in raw} - set(stored))
+    for label in broken:
+        click.echo(f"tenant {label[:40]!r}: stored settings do not decode (ignored: weight 1, no limit); "
+                   "`batchfleet tenants remove` drops them", err=True)
     if as_json:
         click.echo(json.dumps({label: t.settings() for label, t in sorted(stored.items())}))
         return
@@ -133,9 +141,9 @@ def usage(redis_url: str, namespace: str, day: str | None, as_json: bool) -> Non
     click.echo(json.dumps(rows) if as_json else render_usage(rows) if rows else "no usage counted yet")
 
 
-def _checked(make: Any) -> Any:
-    """``make()``; a ConfigError is a usage error (one line, exit 2)."""
+def _checked(make: Any, hint: str = "") -> Any:
+    """``make()``; a ConfigError is a usage error (one line, exit 2), ``hint`` added."""
     try:
         return make()
     except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
+        raise click.UsageError(f"{exc}{hint}") from None

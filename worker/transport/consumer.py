@@ -160,7 +160,7 @@ class StreamConsumer(Transport):
             except (ValueError, TypeError, AttributeError):
                 continue
             if math.isfinite(w) and w > 0:
-                weights[label.decode() if isinstance(label, bytes) else label] = w
+                weights[label.decode(errors="replace") if isinstance(label, bytes) else label] = w
         for share in self.reader.shares.values():
             share.weigh(weights)
 

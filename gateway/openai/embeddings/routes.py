@@ -42,7 +42,8 @@ async def embeddings(request: Request, gateway: Service) -> Any:
     job_id = uuid.uuid4().hex
     ids = [job_id] if len(job.inputs) == 1 else [f"{job_id}-{i}" for i in range(len(job.inputs))]
     try:
-        results = await gateway.run(request, [(jid, x, job.ask) for jid, x in zip(ids, job.inputs)], job.timeout)
+        results = await gateway.run(request, [(jid, x, job.ask) for jid, x in zip(ids, job.inputs)], job.timeout,
+                                    together=True)
     except PromptTooLong as exc:
         raise too_long(exc) from None
     return JSONResponse(embedding_response(results, model, job.encoding_format),
