@@ -64,8 +64,9 @@ class EngineConfig:
         "measured at load (not batch-invariant); default = F.linear; onednn = as auto, oneDNN on AMX too.",
         choices=LINEAR_CHOICES))
     enforce_eager: bool = field(default=False, metadata=option(
-        "Native engine: run every decode step op by op (vLLM's name). Default: on CUDA each decode step replays a "
-        "CUDA graph captured once per padded batch size; CPU and NPU always run eagerly."))
+        "Native engine: run every decode step op by op (vLLM's name). Default: on CUDA and NPU each decode step "
+        "replays a graph (CUDA graph, torch_npu's NPUGraph) captured once per padded batch size; CPU always runs "
+        "eagerly, and a capture that fails turns the graphs off with a warning."))
     batch_invariant: bool = field(default=False, metadata=option(
         "Native engine on CUDA: a request's tokens and logprobs do not depend on what runs beside it (weight "
         "matmuls in fixed 128-row calls, no reduced-precision cuBLAS reductions; its cost is not measured yet). "

@@ -222,8 +222,10 @@ def main(phase: str, shape: str, strategies: str, clients: str, prompts: int, ch
 
 # -- correctness ---------------------------------------------------------------------------------------------------
 def greedy_tokens(loaded: LoadedModel, device: str, graph: str, prompts: list[list[int]], new_tokens: int,
-                  native_kernel: bool = True) -> list[list[int]]:
-    """Greedy continuations of ``prompts``, all decoding together, through the native engine."""
+                  native_kernel: bool = True) -> tuple[list[list[int]], object]:
+    """Greedy continuations of ``prompts``, all decoding together, through the native engine, and the runner's
+    decode graphs at the end (the buckets captured, or "off (...)" after a failed capture: its eager fallback would
+    otherwise pass the graph-vs-eager check unseen)."""
     batching = DynamicBatchingConfig(max_batch_size=len(prompts), max_seq_len=512, buckets=(64, 128, 256))
     cfg = EngineConfig(engine="native", mode="continuous", device=device, block_size=16, kv_cache_gb=0.25,
                        max_running=len(prompts), native_kernel=native_kernel)
@@ -236,7 +238,7 @@ def greedy_tokens(loaded: LoadedModel, device: str, graph: str, prompts: list[li
             if c.error is not None:
                 raise RuntimeError(f"request {c.id}: {c.error}")
             done[int(c.id)] = list(c.token_ids)
-    return [done[i] for i in range(len(prompts))]
+    return [done[i] for i in range(len(prompts))], engine.runner.describe()["decode_graphs"]
 
 
 def compare(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -258,16 +260,17 @@ def check_correctness(shape: str, device: str, json_path: str | None, t0: float,
     for dtype in (torch.bfloat16, torch.float32):
         loaded = build_model(shape, device, dtype, head_scale=4.0)
         # the torch path on the device and for both here (on CPU the C kernels would otherwise run the eager path)
-        graphed = greedy_tokens(loaded, device, graph, prompts, new_tokens, native_kernel=False)
-        eager = greedy_tokens(loaded, device, "off", prompts, new_tokens, native_kernel=False)
-        row = {"dtype": str(dtype).removeprefix("torch."), "graph_vs_eager": compare(graphed, eager)}
+        graphed, graphs = greedy_tokens(loaded, device, graph, prompts, new_tokens, native_kernel=False)
+        eager, _ = greedy_tokens(loaded, device, "off", prompts, new_tokens, native_kernel=False)
+        row = {"dtype": str(dtype).removeprefix("torch."), "graph_vs_eager": compare(graphed, eager), "graphs": graphs}
         if dtype == torch.float32:  # the same weights on this host's CPU (the C kernels: the CPU default path)
             cpu = replace(loaded, model=loaded.model.to("cpu"), device=torch.device("cpu"))
-            row["graph_vs_cpu"] = compare(graphed, greedy_tokens(cpu, "cpu", "off", prompts, new_tokens))
+            row["graph_vs_cpu"] = compare(graphed, greedy_tokens(cpu, "cpu", "off", prompts, new_tokens)[0])
         doc["rows"].append(row)
         doc["total_s"] = round(time.perf_counter() - t0, 1)
         write(json_path, doc)
-        print(f"correctness {row['dtype']}: graph vs eager {row['graph_vs_eager']['identical']}/{n} identical"
+        print(f"correctness {row['dtype']} (graphs {graphs}): graph vs eager {row['graph_vs_eager']['identical']}/{n}"
+              " identical"
               + (f", graph vs CPU reference {row['graph_vs_cpu']['identical']}/{n} (first differences at "
                  f"{row['graph_vs_cpu']['first_difference_at']})" if "graph_vs_cpu" in row else ""), flush=True)
         del loaded
@@ -384,9 +387,11 @@ def summary(out: Path) -> None:
         for r in doc.get("rows", []):
             if "graph_vs_eager" in r:
                 cpu = r.get("graph_vs_cpu")
+                off = isinstance(r.get("graphs"), str)  # "off (capture ... failed: ...)": eager on both sides
                 lines.append(f"| {name} | {r['dtype']} | graph = eager: {r['graph_vs_eager']['identical']}/"
                              f"{r['graph_vs_eager']['of']}" + (f"; graph = CPU: {cpu['identical']}/{cpu['of']}"
-                                                                  if cpu else "") + " |")
+                                                                  if cpu else "")
+                             + (f" (graphs {r['graphs']})" if off else "") + " |")
             elif "throughput_tok_s" in r:
                 lines.append(f"| {name} | {r.get('clients', '')} clients, {r['strategy']} | "
                              f"{r['throughput_tok_s']:,.0f} tok/s, TTFT p50 {r['ttft_p50_ms']:,.0f} ms, "

@@ -1,10 +1,13 @@
 """Graph-captured decode (worker/engine/native/graphs.py) run eagerly on CPU: the padded buckets, the persistent
 inputs and the step a CUDA graph captures, with the capture replaced by a plain call (``graph="eager"``), give the
-unpadded eager path's tokens and logprobs, bit for bit. The capture itself (torch.cuda.CUDAGraph) needs a GPU:
-scripts/bench_gpu.sh checks it there. Also the batch-invariant mode's fixed-row matmul and the options' checks."""
+unpadded eager path's tokens and logprobs, bit for bit. The capture itself (torch.cuda.CUDAGraph, torch.npu.NPUGraph)
+needs the device: scripts/bench_gpu.sh checks it on a GPU; here, a capture that raises turns the graphs off with the
+eager path's tokens. Also the batch-invariant mode's fixed-row matmul and the options' checks."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -15,7 +18,17 @@ from batchfleet.common.engine_config import EngineConfig
 from batchfleet.common.wire.params import Params
 from batchfleet.worker.engine.base import GenRequest
 from batchfleet.worker.engine.native.engine import NativeEngine
-from batchfleet.worker.engine.native.graphs import DecodeGraphs, StepInputs, batch_sizes, eager_capture
+from batchfleet.worker.engine.native.graphs import (
+    CaptureFailed,
+    DecodeGraphs,
+    DeviceCapture,
+    Outputs,
+    Replay,
+    StepInputs,
+    batch_sizes,
+    eager_capture,
+    graph_module,
+)
 from batchfleet.worker.engine.native.invariance import FixedRowsLinear
 from batchfleet.worker.engine.native.linear import Linear
 from tests.helpers.native import build_model
@@ -105,11 +118,54 @@ def test_eager_graph_decode_gives_the_unpadded_paths_tokens_and_logprobs(loaded)
 
 def test_enforce_eager_and_cpu_run_decode_without_graphs(loaded):
     assert _engine(loaded, None, enforce_eager=True).runner.graphs is None
-    assert _engine(loaded, None).runner.describe()["decode_graphs"] == "off"  # auto: captured on CUDA only
-    with pytest.raises(ValueError, match="need CUDA"):
+    assert _engine(loaded, None).runner.describe()["decode_graphs"] == "off"  # auto: captured on CUDA and NPU only
+    with pytest.raises(ValueError, match="need CUDA or an NPU"):
         _engine(loaded, "captured")
     with pytest.raises(ValueError, match="graph must be one of"):
         _engine(loaded, "always")
+
+
+def test_graphs_are_captured_through_torch_cuda_and_torch_npu_only():
+    assert graph_module("cuda") == "cuda" and graph_module("npu") == "npu"
+    assert graph_module("cpu") is None and graph_module("mps") is None and graph_module("xpu") is None
+    with pytest.raises(ValueError, match="CUDA or NPU only"):
+        DeviceCapture("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a usable CUDA")
+def test_a_device_capture_that_cannot_run_raises_capture_failed():
+    """The real CUDA capture where there is no GPU fails at its first capture, as ``CaptureFailed`` (what the runner
+    turns into eager decoding), not when the runner is built."""
+    graphs = DecodeGraphs(lambda inp: inp.tokens.float().expand(-1, 3), max_rows=4, max_width=4, trash=9,
+                          device=torch.device("cpu"), capture=DeviceCapture("cuda"))
+    with pytest.raises(CaptureFailed, match="capture of bucket 1x1 failed: "):
+        graphs.run([5], [0], [[1]])
+    assert not graphs.buckets
+
+
+def test_a_failed_capture_turns_the_graphs_off_with_the_eager_paths_tokens(loaded, caplog):
+    """The second bucket's capture raises after its warm-up ran the step once (K/V of that step written), as a
+    device capture might: one warning naming the error, that step and every later one eager, tokens and logprobs
+    those of the eager path."""
+    captures: list[int] = []
+
+    def flaky(fn: Callable[[], Outputs]) -> Replay:
+        captures.append(1)
+        if len(captures) == 1:
+            return fn  # the first bucket replays (eagerly) as a captured one would
+        fn()
+        raise RuntimeError("capture of an op the device cannot record")
+
+    want = _drain(_engine(loaded, "off"))
+    graphed = _engine(loaded, "eager")
+    graphed.runner.graphs.capture = flaky
+    with caplog.at_level(logging.WARNING, logger="batchfleet.worker.engine.native.runner"):
+        got = _drain(graphed)
+    assert got == want
+    assert len(captures) == 2 and graphed.runner.graphs is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "RuntimeError: capture of an op the device cannot record" in warnings[0], warnings
+    assert graphed.runner.describe()["decode_graphs"].startswith("off (capture of bucket ")
 
 
 def test_fixed_rows_linear_gives_a_row_its_bits_alone():

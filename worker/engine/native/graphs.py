@@ -12,12 +12,15 @@ graph's own tensors: the next replay of any bucket overwrites them (graphs share
 reads them before the next step.
 
 What a captured step may do: no host sync (``.item()``, ``.tolist()``, ``.cpu()``), no shape or Python branch taken
-from a tensor's values, no host list read as data (torch_npu's ``actual_seq_lengths``: the NPU decode is not
-captured, see docs/NATIVE_ENGINE.md); the KV pool, weights and the bucket's inputs are its only outside tensors.
+from a tensor's values, no host list read as data (torch_npu's ``npu_incre_flash_attention`` reads its
+``actual_seq_lengths`` from one: the NPU's graphs run the torch paged attention instead, see docs/NATIVE_ENGINE.md);
+the KV pool, weights and the bucket's inputs are its only outside tensors.
 
-``capture`` is what turns a step function into a replay function: ``CudaCapture`` (torch.cuda.CUDAGraph) on CUDA,
-``eager_capture`` (the function itself, called each step) elsewhere, so that the bucket choice, the buffer filling
-and the padded step run, and are tested, on CPU.
+``capture`` is what turns a step function into a replay function: ``DeviceCapture`` through the device's graph API
+(torch.cuda.CUDAGraph on CUDA; torch.npu.NPUGraph on an Ascend NPU, torch_npu's ACL graphs, whose Python API mirrors
+CUDA's), ``eager_capture`` (the function itself, called each step) elsewhere, so that the bucket choice, the buffer
+filling and the padded step run, and are tested, on CPU. A capture that raises surfaces as ``CaptureFailed``: the
+runner then decodes eagerly (runner.py).
 """
 
 from __future__ import annotations
@@ -32,7 +35,18 @@ Outputs = tuple[torch.Tensor, torch.Tensor]  # logits [B, V] fp32, greedy tokens
 Replay = Callable[[], Outputs]
 Capture = Callable[[Callable[[], Outputs]], Replay]
 MODES = ("auto", "off", "captured", "eager")  # the runner's ``graph`` argument
-CUDA_WARMUP = 2  # eager runs on a side stream before a capture (lazy cuBLAS/Triton init happens outside the graph)
+WARMUP = 2  # eager runs on a side stream before a capture (lazy cuBLAS/Triton/ACL init happens outside the graph)
+GRAPH_CLASSES = {"cuda": "CUDAGraph", "npu": "NPUGraph"}  # device type -> graph class of torch.<device type>
+
+
+def graph_module(device_type: str) -> str | None:
+    """The torch module (``torch.<name>``) whose graph API captures decode steps on ``device_type``: "cuda", "npu"
+    (torch.npu, which torch_npu adds: imported wherever a model sits on an NPU), None where there is none (CPU)."""
+    return device_type if device_type in GRAPH_CLASSES else None
+
+
+class CaptureFailed(RuntimeError):
+    """A bucket's capture raised (an op the device cannot capture, an old driver): ``__cause__`` says why."""
 
 
 def batch_sizes(max_rows: int) -> tuple[int, ...]:
@@ -58,7 +72,8 @@ class StepInputs:
     tokens: torch.Tensor
     positions: torch.Tensor
     tables: torch.Tensor
-    staging: torch.Tensor | None  # pinned host copy of ``flat`` (CUDA): the upload runs asynchronously
+    staging: torch.Tensor | None  # pinned host copy of ``flat`` (CUDA): the upload runs asynchronously;
+    # elsewhere (NPU: pinning through torch_npu never tried) one synchronous copy
 
     @classmethod
     def empty(cls, rows: int, width: int, device: torch.device) -> StepInputs:
@@ -73,26 +88,38 @@ def eager_capture(fn: Callable[[], Outputs]) -> Replay:
     return fn
 
 
-class CudaCapture:
-    """torch.cuda.CUDAGraph per bucket, all in one memory pool (buckets never run concurrently)."""
+class DeviceCapture:
+    """A graph per bucket through ``torch.<graph_module(device_type)>``, all in one memory pool (buckets never run
+    concurrently). torch_npu mirrors the CUDA names used here (NPUGraph, graph(graph, pool=..., capture_error_mode=...),
+    graph_pool_handle, Stream, current_stream, stream); arguments are passed by keyword, as the two ``graph``
+    signatures order them differently."""
 
-    def __init__(self) -> None:
-        self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: list[torch.cuda.CUDAGraph] = []  # kept alive with their pool
+    def __init__(self, device_type: str) -> None:
+        name = graph_module(device_type)
+        if name is None:
+            raise ValueError(f"no graph capture on {device_type!r} (CUDA or NPU only)")
+        self.name = name
+        # made at the first capture: a torch_npu (or torch) without graphs fails there, as a capture, not at load
+        self.pool: tuple[int, int] | None = None
+        self.graphs: list = []  # kept alive with their pool
 
     def __call__(self, fn: Callable[[], Outputs]) -> Replay:
-        # warm-up on a side stream (torch's documented pattern): cuBLAS workspaces, Triton compilation and the
-        # caching allocator's first blocks are made here, not recorded. The step's inputs are already filled, so
-        # these runs write this step's K/V, which the replay writes again (the same values to the same slots)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(CUDA_WARMUP):
+        mod = getattr(torch, self.name)
+        if self.pool is None:
+            self.pool = mod.graph_pool_handle()
+        # warm-up on a side stream (torch's documented pattern): cuBLAS workspaces, Triton compilation, ACL op
+        # setup and the caching allocator's first blocks are made here, not recorded. The step's inputs are already
+        # filled, so these runs write this step's K/V, which the replay writes again (the same values to the same
+        # slots)
+        side = mod.Stream()
+        side.wait_stream(mod.current_stream())
+        with mod.stream(side):
+            for _ in range(WARMUP):
                 fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA calls of the worker's other threads (metrics, heartbeat) do not break the capture
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        mod.current_stream().wait_stream(side)
+        graph = getattr(mod, GRAPH_CLASSES[self.name])()
+        # thread_local: device calls of the worker's other threads (metrics, heartbeat) do not break the capture
+        with mod.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
         self.graphs.append(graph)
 
@@ -108,8 +135,9 @@ class DecodeGraphs:
 
     step: the runner's decode step over a bucket's inputs -> fp32 logits [B, V] (static shapes, no host sync);
     max_rows: the largest bucket (a step with more sequences runs eagerly: ``fits`` is False);
-    max_width: the widest block table; trash: the trash block id; capture: ``CudaCapture()`` or ``eager_capture``.
-    Buckets are captured on first use (a capture runs the step ``CUDA_WARMUP`` + 1 times)."""
+    max_width: the widest block table; trash: the trash block id; capture: ``DeviceCapture(type)`` or
+    ``eager_capture``. Buckets are captured on first use (a capture runs the step ``WARMUP`` + 1 times); a capture
+    that raises raises ``CaptureFailed`` from ``run``, and the bucket is left uncaptured."""
 
     def __init__(self, step: Callable[[StepInputs], torch.Tensor], max_rows: int, max_width: int, trash: int,
                  device: torch.device, capture: Capture) -> None:
@@ -154,7 +182,11 @@ class DecodeGraphs:
         if entry is None:
             inputs = StepInputs.empty(*key, self.device)
             self.fill(inputs, tokens, positions, tables)
-            entry = self.buckets[key] = (inputs, self.capture(lambda: _with_argmax(self.step(inputs))))
+            try:
+                replay = self.capture(lambda: _with_argmax(self.step(inputs)))
+            except Exception as e:  # whatever the device's capture raises: the caller decodes without graphs
+                raise CaptureFailed(f"capture of bucket {key[0]}x{key[1]} failed: {type(e).__name__}: {e}") from e
+            entry = self.buckets[key] = (inputs, replay)
         else:
             self.fill(entry[0], tokens, positions, tables)
         logits, greedy = entry[1]()

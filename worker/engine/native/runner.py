@@ -13,7 +13,15 @@ import torch
 from batchfleet.worker.engine.native import attention as A
 from batchfleet.worker.engine.native import cpu_kernel, hugepages, invariance, memlimit, small_ops
 from batchfleet.worker.engine.native.block_manager import blocks_for
-from batchfleet.worker.engine.native.graphs import MODES, CudaCapture, DecodeGraphs, StepInputs, eager_capture
+from batchfleet.worker.engine.native.graphs import (
+    MODES,
+    CaptureFailed,
+    DecodeGraphs,
+    DeviceCapture,
+    StepInputs,
+    eager_capture,
+    graph_module,
+)
 from batchfleet.worker.engine.native.linear import LinearFactory
 from batchfleet.worker.engine.native.model import NativeModel
 from batchfleet.worker.engine.native.step import ScheduledBatch
@@ -57,9 +65,10 @@ class ModelRunner:
         kernel_dir: where the C kernel is built (None: never use it);
         static_decode: pad decode steps to a few shapes (None: on CUDA/NPU, where a new shape recompiles);
         linear: the weight matmuls' kernel ("auto": measured per shape at load; see linear.py), or a LinearFactory;
-        graph: decode steps through graphs.py: "captured" (CUDA graphs), "eager" (the same padded buckets and
-        persistent inputs, the capture replaced by a plain call: CPU tests), "off" (``--enforce-eager``) or
-        "auto" (captured on CUDA where the decode path allows it, else off);
+        graph: decode steps through graphs.py: "captured" (CUDA graphs; NPU graphs through torch_npu), "eager" (the
+        same padded buckets and persistent inputs, the capture replaced by a plain call: CPU tests), "off"
+        (``--enforce-eager``) or "auto" (captured on CUDA and NPU where the decode path allows it, else off); a
+        capture that fails turns the graphs off with a warning (that step and the later ones run eagerly);
         batch_invariant: on CUDA, the settings and fixed-row matmuls of invariance.py (CPU: already invariant)."""
         if graph not in MODES:
             raise ValueError(f"graph must be one of {MODES}, not {graph!r}")
@@ -104,6 +113,7 @@ class ModelRunner:
         self.decode_shapes: set[tuple[int, int]] = set()  # (rows, table width) of every decode step run
         self.num_threads = torch.get_num_threads()  # read once; never changed here
         self.graphs = self._graphs(graph, max_batch_size)
+        self.graph_failure: str | None = None  # why a capture failed, once graphs were turned off for it
         log.info("KV pool: %d blocks x %d slots (%.1f MiB); prefill %s, decode %s", self.num_blocks, block_size,
                  self.kv.numel() * elem / 2**20, self.prefill_mode, self.decode_mode)
         log.info("weight matmuls (measured in %.1f s): %s", m.linears.seconds, m.linears.describe())
@@ -119,7 +129,8 @@ class ModelRunner:
         graphs = self.graphs and {"rows": list(self.graphs.sizes),  # buckets: rows x table width, captured so far
                                   "captured": [f"{b}x{w}" for b, w in sorted(list(self.graphs.buckets))]}
         return {"linear_kernels": self.model.linears.describe(), "decode_attention": attn,
-                "decode_graphs": graphs or "off", "batch_invariant": self.batch_invariant,
+                "decode_graphs": graphs or (f"off ({self.graph_failure})" if self.graph_failure else "off"),
+                "batch_invariant": self.batch_invariant,
                 "decode_small_ops": ("C: rms_norm rope_kv" + " silu_mul" * self.c_silu + " argmax") if self.ops
                 else "torch"}
 
@@ -136,8 +147,11 @@ class ModelRunner:
         """Compute one step for ``batch``; return one sampled token per ``batch.sampled`` sequence (and,
         for those that asked, append its logprobs entry to its StopChecker's, which the token then joins)."""
         # a step of partial prefill chunks only writes KV: logits [0, V], nothing sampled
+        graphed = None
         if not batch.is_prefill and self.graphs is not None and self.graphs.fits(len(batch.seqs)):
-            logits, greedy = self._decode_graph(batch)  # fp32 [n, V], [n]: the step's argmax, from the graph
+            graphed = self._decode_graph(batch)  # fp32 [n, V], [n]: the step's argmax, from the graph (None: failed)
+        if graphed is not None:
+            logits, greedy = graphed
             # the graph's argmax where sample() takes the argmax of these logits (a grammar masks a copy)
             argmax = partial(_precomputed, logits, greedy)
         else:
@@ -268,26 +282,40 @@ class ModelRunner:
 
     def _graphs(self, graph: str, max_rows: int) -> DecodeGraphs | None:
         """The decode graphs for ``graph`` (None: every decode step eagerly, as ``_decode``)."""
-        capturable = self.decode_mode == "gather"  # the torch paths; the C kernel is CPU-only, NPU takes host lists
+        # the torch paths (decode 'gather', the default on CUDA and NPU): the C kernel is CPU-only, and decode 'npu'
+        # (npu_incre_flash_attention) reads the context lengths from a host list, which a graph would freeze
+        capturable = self.decode_mode == "gather"
+        device_graphs = graph_module(self.device.type) is not None  # CUDA, NPU
         if graph == "auto":
-            graph = "captured" if capturable and self.device.type == "cuda" else "off"
+            graph = "captured" if capturable and device_graphs else "off"
         if graph == "off":
             return None
         if not capturable:
             raise ValueError(f"decode graphs need the torch decode path (decode 'gather'), not {self.decode_mode!r}")
-        if graph == "captured" and self.device.type != "cuda":
-            raise ValueError(f"captured decode graphs need CUDA, not {self.device} (graph 'eager' runs them eagerly)")
-        capture = CudaCapture() if graph == "captured" else eager_capture
+        if graph == "captured" and not device_graphs:
+            raise ValueError(f"captured decode graphs need CUDA or an NPU, not {self.device} "
+                             "(graph 'eager' runs them eagerly)")
+        capture = DeviceCapture(self.device.type) if graph == "captured" else eager_capture
         return DecodeGraphs(self._graph_step, max_rows, blocks_for(self.max_seq_len, self.block_size),
                             self.trash_block, self.device, capture)
 
-    def _decode_graph(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode step through the graphs: (logits [n, V] fp32, greedy tokens [n])."""
+    def _decode_graph(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step through the graphs: (logits [n, V] fp32, greedy tokens [n]); None when a capture failed:
+        the graphs are then off for good and the caller runs this step eagerly (its K/V writes, if the failed
+        capture's warm-up ran, are the same values to the same slots)."""
         assert self.graphs is not None
         seqs = batch.seqs
         tables = [s.block_table for s in seqs]
-        self.decode_shapes.add(self.graphs.bucket(len(seqs), max(len(t) for t in tables)))
-        return self.graphs.run([s.token_ids[-1] for s in seqs], [s.num_cached for s in seqs], tables)
+        bucket = self.graphs.bucket(len(seqs), max(len(t) for t in tables))
+        try:
+            out = self.graphs.run([s.token_ids[-1] for s in seqs], [s.num_cached for s in seqs], tables)
+        except CaptureFailed as e:
+            # a worker keeps serving: captures were never run on some devices (NPU), so a failure is not fatal
+            log.warning("decode graphs off, decoding eagerly: %s", e)
+            self.graphs, self.graph_failure = None, str(e)
+            return None
+        self.decode_shapes.add(bucket)
+        return out
 
     def _graph_step(self, inp: StepInputs) -> torch.Tensor:
         """The decode step a graph captures: everything from the bucket's inputs, static shapes, no host sync
