@@ -133,7 +133,8 @@ class ConnectionConfig:
         "redis+sentinel://host:26379[,host2:26379]/<master>/<db> to follow Sentinel failovers, or "
         "redis+cluster://host:port[,host2:port] for a Redis Cluster.", parse=check_redis_url))
     namespace: str = field(default=DEFAULT_NAMESPACE, metadata=option(
-        "Key namespace: isolates fleets on one Redis (tenants share one fleet: docs/TENANTS.md).", parse=check_namespace))
+        "Key namespace: isolates fleets on one Redis (tenants share one fleet: docs/TENANTS.md).",
+        parse=check_namespace))
     wait_replicas: int = field(default=0, metadata=option(
         "An enqueue and a reply count as written only once this many replicas acknowledged them (Redis WAIT); "
         "0: replication stays asynchronous and a failover may lose the last writes (docs/OPERATIONS.md)."))
