@@ -42,6 +42,7 @@ from batchfleet.worker.transport.delivered import Delivered
 from batchfleet.worker.transport.fair_share import FairShare
 from batchfleet.worker.transport.reply_guard import ELEMENT_BYTES, ReplyTooLarge, guard, one_budget
 from batchfleet.worker.transport.scripts import WorkerScripts
+from batchfleet.worker.transport.tenant_gc import gone
 
 MAX_ENTRY_BYTES = MAX_PAYLOAD_BYTES + 64 * 1024  # payload + id, reply key and field names, with room to spare
 MAX_FIELDS = 32  # names + values (16 pairs); a request has 3 pairs
@@ -268,8 +269,12 @@ class BoundedReader:
 
     def _failed(self, since: dict[str, str], exc: BaseException) -> None:
         """A read whose connection failed after it was sent may have delivered entries nobody saw: owed
-        (recovered once Redis answers again). Lost streams (NOGROUP) make every id we were handed meaningless."""
-        if isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
+        (recovered once Redis answers again). Lost streams (NOGROUP) make every id we were handed meaningless,
+        unless the stream is a retired tenant's (``gone``): the read's other commands (a pipeline) may have delivered
+        entries, owed as after a lost connection (the recovery passes over streams no longer there)."""
+        if gone(exc):
+            self.delivered.owe(since)
+        elif isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
             self.delivered.reset()
         elif isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
             self.delivered.owe(since)
@@ -283,7 +288,7 @@ class BoundedReader:
             resp = self._recover_script(keys=keys, args=[self.group, self.consumer, *LIMIT_ARGS, ELEMENT_BYTES,
                                                          *(owed[k] for k in keys)])
         except BaseException as exc:
-            if not (isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc)):
+            if gone(exc) or not (isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc)):
                 self.delivered.owe(owed)  # still owed: the next read tries again
             self._failed({}, exc)
             self.delivered.end(token, [])
