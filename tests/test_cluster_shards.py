@@ -182,3 +182,30 @@ def test_new_tenants_on_every_shard_are_heard_at_once(redis_url, namespace, star
         assert heard == {f"new{i}".encode() for i in range(6)}
     finally:
         r.close()
+
+
+def test_an_idle_tenant_is_retired_on_every_shard_it_queued_on_and_answered_again(redis_url, namespace,
+                                                                                   start_worker, caplog):
+    """A tenant's backlog spread over the shards (no worker live) is answered, then the tenant, idle, is retired on
+    each shard by the sharded worker's sweeps (worker/transport/tenant_gc.py): its streams there go, the shards'
+    queued-tenants sets forget it; its next request is answered."""
+    keys = _layout(redis_url, namespace)
+    config = {"max_wait_ms": 10, "max_batch_size": 8, "shards": SHARDS, "scale_to_zero": True, "tenant_idle_s": 0.5}
+    w = start_worker(**config)
+    r = sync_client(redis_url)
+    with Client(redis_url, namespace, tenant="brief") as client:
+        client.generate([1, 2, 3], max_new_tokens=2, timeout=60)
+        w.stop()
+        jobs = [client.submit([10 + i, 11], max_new_tokens=2, timeout=120) for i in range(24)]
+        on = [k for k in keys.every_shard if r.sismember(k.queued_tenants, "brief")]
+        assert len(on) >= 2, "the backlog spread over several shards"
+        start_worker(**config)
+        assert all(len(client.result(j, timeout=120).token_ids) == 2 for j in jobs)
+        wait_until(lambda: not any(r.sismember(k.queued_tenants, "brief") for k in keys.every_shard), 30,
+                   "the idle tenant's retirement on every shard")
+        streams = [k.stream(b, p, "brief") for k in keys.every_shard for b in (32, 64, 128, 256)
+                   for p in ("interactive", "background")]
+        assert not any(r.exists(s) for s in streams)
+        assert len(client.generate([4, 5, 6], max_new_tokens=2, timeout=60).token_ids) == 2
+    r.close()
+    assert not [rec for rec in caplog.records if "consumer groups are gone" in rec.getMessage()]
