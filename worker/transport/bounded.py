@@ -222,7 +222,7 @@ class BoundedReader:
         except ReplyTooLarge:
             tripped = True  # handled below, once this frame no longer holds the partial reply
         except BaseException as exc:
-            self._failed(since, exc)
+            self._failed(since, exc, several=len(plan) > 1)
             self.delivered.end(token, [])
             raise
         if rings:
@@ -267,13 +267,15 @@ class BoundedReader:
             pipe.execute_command(*xread_args(dict.fromkeys(streams, ">"), n, block_ms, (self.group, self.consumer)))
         return pipe.execute()
 
-    def _failed(self, since: dict[str, str], exc: BaseException) -> None:
+    def _failed(self, since: dict[str, str], exc: BaseException, several: bool = False) -> None:
         """A read whose connection failed after it was sent may have delivered entries nobody saw: owed
         (recovered once Redis answers again). Lost streams (NOGROUP) make every id we were handed meaningless,
-        unless the stream is a retired tenant's (``gone``): the read's other commands (a pipeline) may have delivered
-        entries, owed as after a lost connection (the recovery passes over streams no longer there)."""
+        unless the stream is a retired tenant's (``gone``): a refused command delivered nothing, but a read of
+        ``several`` commands may have delivered entries with the others, owed as after a lost connection (the
+        recovery passes over streams no longer there)."""
         if gone(exc):
-            self.delivered.owe(since)
+            if several:
+                self.delivered.owe(since)
         elif isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
             self.delivered.reset()
         elif isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):

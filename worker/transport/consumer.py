@@ -123,8 +123,10 @@ class StreamConsumer(Transport):
         self.reader = BoundedReader(self.r, scripts, self.keys.group, name, self.keys, buckets)
         self.admission_order = self.reader.order  # the reader's fair share also orders what is held
         self._tenants_at = -float("inf")  # time.monotonic() of the last look at the tenants (follow_tenants)
+        self._tenants_stale = False  # a read on another thread met a tenant's stream gone (tenants_gone)
         self.tenant_streams = TenantStreams(self.r, scripts, self.keys, buckets, name, tenant_idle_s)
         self.presence = Presence(self.r, scripts, self.keys, name)
+        self.presence.chores.append(self._retire_idle_tenants)  # on the lease keeper's thread: never the loop's
         self.settler = Settler(self.r, self.keys, conn.wait_replicas, name, reply_ttl_s, served=self.reader.served)
         self.cancel_watch = CancelWatch(self.r, scripts, self.keys)
         self.pending = PendingList(self.r, scripts, self.keys, name, buckets, self.reader)
@@ -146,10 +148,12 @@ class StreamConsumer(Transport):
     def follow_tenants(self, force: bool = False, ensure_all: bool = False) -> None:
         """At most every TENANTS_CHECK_S: read the streams of the tenants queued here now (``Keys.queued_tenants``:
         a tenant first seen has its other streams made, a retired one is dropped, worker/transport/tenant_gc.py)
-        and take the configured weights (``Keys.tenants``, on the fleet's shard 0) into the fair share; then, when
-        due, retire idle tenants. One round trip (two for new tenants); an unreadable weight counts as 1.
+        and take the configured weights (``Keys.tenants``, on the fleet's shard 0) into the fair share. One round
+        trip (two for new tenants); an unreadable weight counts as 1.
         ``ensure_all``: make every queued tenant's streams, not only new ones' (after a read met one missing)."""
         now = time.monotonic()
+        if self._tenants_stale:
+            self._tenants_stale, force, ensure_all = False, True, True
         if not force and now - self._tenants_at < TENANTS_CHECK_S:
             return
         self._tenants_at = now
@@ -170,8 +174,22 @@ class StreamConsumer(Transport):
                 weights[label.decode(errors="replace") if isinstance(label, bytes) else label] = w
         for share in self.reader.shares.values():
             share.weigh(weights)
-        if not force and (retired := self.tenant_streams.sweep(self.reader.tenants)):
-            self.reader.set_tenants(kept - set(retired))
+
+    def tenants_gone(self) -> None:
+        """A read on another thread (a shard waiter, worker/transport/shard_waiters.py) met a tenant's stream gone:
+        the loop's next ``follow_tenants`` looks at once and makes every queued tenant's streams (a tenant retired and
+        queued again between two looks is still in the reader's list, its streams not all there)."""
+        self._tenants_stale = True
+
+    def _retire_idle_tenants(self) -> None:
+        """When due, retire the idle tenants among those read here (``TenantStreams.sweep``). From the lease keeper's
+        thread (``presence.chores``): a sweep of many tenants takes tens of ms, which the loop never waits for; the
+        loop drops the retired at its next look at the set (``follow_tenants``), or at once if a read meets one.
+        Never raises: an outage is the loop's to report."""
+        try:
+            self.tenant_streams.sweep(self.reader.tenants)
+        except (redis.RedisError, *TRANSIENT) as exc:
+            log.debug("idle tenants not swept: %r", exc)
 
     def _create_groups(self, streams: list[str]) -> None:
         """The workers' group on each of ``streams`` (made empty when missing), reading from the start; one round trip

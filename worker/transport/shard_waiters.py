@@ -116,7 +116,8 @@ class Waiters:
             try:
                 got = part.reader.wait(self.counts, self.block_ms, r=r)
             except Exception as exc:  # noqa: BLE001 - a waiter outlives any error; the loop's sweeps report it
-                if gone(exc):  # a retired tenant's stream: the loop's next sweep reads the tenants again
+                if gone(exc):  # a retired tenant's stream: the loop's next read looks at the tenants again
+                    part.tenants_gone()
                     log.debug("shard %d: a tenant's stream went away under a blocking read: %s", shard, exc)
                 elif not self.failing:
                     log.warning("shard %d: blocking read failed (the loop sweeps until it works): %r", shard, exc)

@@ -6,10 +6,11 @@ set. A worker reads every stream of every queued tenant (each bucket, both class
 tenant it first sees, it makes the tenant's other streams (``ensure``: the ENSURE_TENANT script, only while the
 tenant is in the set, so a retired tenant's streams are never made again by a worker).
 
-Retiring: once per ``sweep_s`` one worker of the fleet (whoever takes ``Keys.tenant_sweep``, ``SET NX PX``) asks,
-per queued tenant, the RETIRE_TENANT script (worker/transport/scripts.py): a tenant whose streams were empty
-(XLEN 0: answered entries are deleted, so nothing queued or running) at two looks ``idle_s`` apart with no entry
-added in between loses its streams and its place in the set, in that one call. An enqueue is then either
+Retiring: once per ``sweep_s`` one worker of the fleet (whoever takes ``Keys.tenant_sweep``, ``SET NX PX``; on its
+lease keeper's thread, never the loop's) asks, per queued tenant, the RETIRE_TENANT script
+(worker/transport/scripts.py): a tenant whose streams were empty (XLEN 0: answered entries are deleted, so nothing
+queued or running) at two looks ``idle_s`` apart with no entry added in between loses its streams and its place
+in the set, in that one call. An enqueue is then either
 before it (the tenant has work: kept) or after it (the enqueue makes the stream and group again and adds the
 tenant, as a first enqueue does; workers pick it up within ``TENANTS_CHECK_S``, worker/transport/consumer.py).
 
