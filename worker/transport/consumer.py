@@ -306,8 +306,11 @@ class StreamConsumer(Transport):
             if self.presence.leave():  # the last live worker: producers now get NoWorkers
                 log.info("last live worker of %r stopped: fleet description deleted", self.keys.namespace)
             for stream, _, _ in self.reader.streams:
-                if not self.r.xpending_range(stream, self.keys.group, "-", "+", 1, consumername=self.name):
-                    self.r.xgroup_delconsumer(stream, self.keys.group, self.name)  # would drop its PEL: empty
+                try:
+                    if not self.r.xpending_range(stream, self.keys.group, "-", "+", 1, consumername=self.name):
+                        self.r.xgroup_delconsumer(stream, self.keys.group, self.name)  # would drop its PEL: empty
+                except redis.ResponseError:  # a retired tenant's stream (worker/transport/tenant_gc.py): the others
+                    continue
         except redis.RedisError:
             pass
         if disconnect:
