@@ -177,6 +177,11 @@ class WorkerConfig:
     max_deliveries: int = field(default=3, metadata=option(
         "Deliveries before an entry is dead-lettered and answered worker_failed."))
     reclaim_budget: int = 256  # most entries one reclaim tick may take over (across all buckets)
+    # a named tenant whose streams (of a shard) stayed empty this long is retired: dropped from the queued-tenants set
+    # with its streams, so short-lived tenant labels do not grow every worker's reads (worker/transport/tenant_gc.py).
+    # Minutes, not seconds: a tenant that comes back soon keeps its streams (re-creating them costs its next
+    # enqueue and every worker a round trip), and retiring is never needed for correctness, only for bounds.
+    tenant_idle_s: float = 300.0
     replace_fleet: bool = field(default=False, metadata=option(
         "Start even though live workers of this namespace serve another model, tokenizer or buckets (a "
         "different fleet fingerprint): publish this worker's fleet description in their place. Without it "
@@ -220,6 +225,8 @@ class WorkerConfig:
             raise ConfigError("reclaim_budget must be >= 1")
         if not self.stall_timeout_s > 0:
             raise ConfigError("stall_timeout_s must be > 0")
+        if not self.tenant_idle_s > 0:
+            raise ConfigError("tenant_idle_s must be > 0")
         if not 1 <= self.shards <= MAX_SHARDS:
             raise ConfigError(f"shards must be 1..{MAX_SHARDS}, got {self.shards}")
         if self.shards > 1 and not is_cluster(self.connection.redis_url):

@@ -149,8 +149,8 @@ class Keys:
     def streams(self, buckets: tuple[int, ...] | list[int], tenants: tuple[str, ...] | list[str] | set[str] = (),
                 ) -> list[tuple[str, int, str]]:
         """(stream, bucket, priority) of every request stream: the default tenant's and those of ``tenants``
-        (the named tenants that ever queued work here: ``SMEMBERS`` of ``queued_tenants``, as
-        common/redis/fleetstate.py ``request_streams`` reads it), interactive ones first. The one enumeration of
+        (the named tenants with streams here: ``SMEMBERS`` of ``queued_tenants``, as common/redis/fleetstate.py
+        ``request_streams`` reads it), interactive ones first. The one enumeration of
         request streams: whoever counts or scans them all passes the tenants."""
         named = sorted(t for t in set(tenants) if t)
         return [(self.stream(b, priority, t), b, priority) for priority in PRIORITIES for t in ("", *named)
@@ -159,7 +159,9 @@ class Keys:
     @property
     def queued_tenants(self) -> str:
         """Set of the named tenants that have queued work on this shard (the enqueue function adds the tenant
-        when it creates its stream): workers read these tenants' streams (``streams``)."""
+        when it creates its stream): workers read these tenants' streams (``streams``). A tenant whose streams
+        stayed empty for a while is retired: removed with its streams (worker/transport/tenant_gc.py); its next
+        enqueue adds it again."""
         return f"{self.prefix}:queued-tenants"
 
     @property
@@ -167,6 +169,19 @@ class Keys:
         """Stream rung (an entry ``t`` = the tenant) when a tenant joins ``queued_tenants``: every worker's read
         includes it, so the worker it wakes reads the new tenant's streams at once (common/redis/functions.py)."""
         return f"{self.prefix}:tenant-bell"
+
+    @property
+    def idle_tenants(self) -> str:
+        """Hash of the queued tenants whose streams were all empty when last looked at: field = tenant, value =
+        Redis time (ms) they were first seen so (worker/transport/tenant_gc.py); a tenant leaves it when work
+        comes or when it is retired."""
+        return f"{self.prefix}:idle-tenants"
+
+    @property
+    def tenant_sweep(self) -> str:
+        """Who looks for idle tenants on this shard now: a worker's name under ``SET NX PX`` (one sweep per period
+        for the whole fleet, worker/transport/tenant_gc.py)."""
+        return f"{self.prefix}:tenant-sweep"
 
     def inbox(self, token: str) -> str:
         """One client's reply stream: workers XADD every reply (and stream delta) of the client's jobs here;

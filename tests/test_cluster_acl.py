@@ -11,13 +11,15 @@ import re
 import pytest
 import redis
 
+from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.errors import Cancelled
+from batchfleet.common.redis.clients import sync_client
 from batchfleet.producer import Client
 from tests.conftest import worker_config
 from tests.helpers.acl import BUCKETS, NAMESPACE, PASSWORDS, SECURITY_MD, acl_block, paste, run_load_command
 from tests.helpers.batches import bodies_of, run_batch
 from tests.helpers.cluster import PrivateCluster
-from tests.helpers.loops import LoopThread
+from tests.helpers.loops import LoopThread, wait_until
 
 
 def cluster_acl_lines(sharded: bool = False) -> str:
@@ -57,7 +59,7 @@ def test_the_documented_users_run_a_fleet_on_a_cluster(tiny_model_dir, tmp_path,
             done = run_load_command(node)
             assert done.returncode == 0, done.stderr
         worker = LoopThread(worker_config(_url(cluster, "worker-a"), NAMESPACE, tiny_model_dir, buckets=BUCKETS,
-                                          max_seq_len=BUCKETS[-1], max_wait_ms=10, shards=shards))
+                                          max_seq_len=BUCKETS[-1], max_wait_ms=10, shards=shards, tenant_idle_s=0.5))
         gw = GatewayThread(_url(cluster, "gateway-a"), NAMESPACE, files_dir=str(tmp_path / "files"),
                            batch_lease_s=2.0)
         try:
@@ -68,6 +70,18 @@ def test_the_documented_users_run_a_fleet_on_a_cluster(tiny_model_dir, tmp_path,
                 client.submit([5, 6], max_new_tokens=8, job_id="acl-cancelled-job")
                 with pytest.raises(Cancelled):
                     client.result("acl-cancelled-job", timeout=30)
+            # a named tenant: its streams made by the enqueue function and the worker, retired once idle (the
+            # worker's tenant scripts under worker-a), made again by its next request
+            admin = sync_client(f"redis+cluster://127.0.0.1:{cluster.nodes[0].port}")
+            queued = [k.queued_tenants for k in ConnectionConfig("redis+cluster://x", NAMESPACE).keys
+                      .with_shards(shards).every_shard]
+            with Client(_url(cluster, "producer-a"), NAMESPACE, tenant="acme") as acme:
+                assert len(acme.generate([14, 15], max_new_tokens=2, timeout=30).token_ids) == 2
+                wait_until(lambda: not any(admin.sismember(q, "acme") for q in queued), 30, "acme's retirement")
+                assert len(acme.generate([16, 17], max_new_tokens=2, timeout=30).token_ids) == 2
+            admin.close()
+            assert sum(p.tenant_streams.retired for p in getattr(worker.loop.transport, "parts",
+                                                                   [worker.loop.transport])) >= 1
             api = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=30)
             batch = run_batch(api, "/v1/completions", {f"r{i}": {"prompt": f"item {i}", "max_tokens": 2}
                                                         for i in range(3)}, timeout_s=60)

@@ -6,6 +6,8 @@ tests/test_cluster_acl.py)."""
 
 from __future__ import annotations
 
+import random
+import threading
 import time
 from collections.abc import Iterator
 
@@ -14,8 +16,10 @@ import pytest
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.errors import Timeout
 from batchfleet.common.redis.clients import sync_client
+from batchfleet.common.wire.priority import PRIORITIES
 from batchfleet.producer import Client
 from batchfleet.producer.ops.status import snapshot
+from batchfleet.worker.transport.scripts import WorkerScripts
 from tests.helpers.cluster import answers_streams_and_cancels, module_cluster_url
 from tests.helpers.loops import wait_until
 
@@ -182,3 +186,76 @@ def test_new_tenants_on_every_shard_are_heard_at_once(redis_url, namespace, star
         assert heard == {f"new{i}".encode() for i in range(6)}
     finally:
         r.close()
+
+
+def test_an_idle_tenant_is_retired_on_every_shard_it_queued_on_and_answered_again(redis_url, namespace,
+                                                                                   start_worker, caplog):
+    """A tenant's backlog spread over the shards (no worker live) is answered, then the tenant, idle, is retired on
+    each shard by the sharded worker's sweeps (worker/transport/tenant_gc.py): its streams there go, the shards'
+    queued-tenants sets forget it; its next request is answered."""
+    keys = _layout(redis_url, namespace)
+    config = {"max_wait_ms": 10, "max_batch_size": 8, "shards": SHARDS, "scale_to_zero": True, "tenant_idle_s": 0.5}
+    w = start_worker(**config)
+    r = sync_client(redis_url)
+    with Client(redis_url, namespace, tenant="brief") as client:
+        client.generate([1, 2, 3], max_new_tokens=2, timeout=60)
+        w.stop()
+        jobs = [client.submit([10 + i, 11], max_new_tokens=2, timeout=120) for i in range(24)]
+        on = [k for k in keys.every_shard if r.sismember(k.queued_tenants, "brief")]
+        assert len(on) >= 2, "the backlog spread over several shards"
+        start_worker(**config)
+        assert all(len(client.result(j, timeout=120).token_ids) == 2 for j in jobs)
+        wait_until(lambda: not any(r.sismember(k.queued_tenants, "brief") for k in keys.every_shard), 30,
+                   "the idle tenant's retirement on every shard")
+        streams = [k.stream(b, p, "brief") for k in keys.every_shard for b in (32, 64, 128, 256)
+                   for p in ("interactive", "background")]
+        assert not any(r.exists(s) for s in streams)
+        assert len(client.generate([4, 5, 6], max_new_tokens=2, timeout=60).token_ids) == 2
+    r.close()
+    assert not [rec for rec in caplog.records if "consumer groups are gone" in rec.getMessage()]
+
+
+def test_no_request_is_lost_while_tenants_are_retired_under_a_sharded_worker(redis_url, namespace, start_worker,
+                                                                            caplog):
+    """tests/test_tenant_retirement.py's race on a sharded fleet: the waiters' blocking reads meet the retired
+    streams (UNBLOCKED, NOGROUP) on their own threads, and a tenant retired and queued again between two of the
+    loop's looks must still be read (its stream made again by a plain add, without the group)."""
+    keys = _layout(redis_url, namespace)
+    start_worker(max_wait_ms=10, max_batch_size=8, shards=SHARDS, scale_to_zero=True, tenant_idle_s=0.05)
+    r = sync_client(redis_url)
+    retire = WorkerScripts(r).retire_tenant
+    tenants = [f"race{i}" for i in range(4)]
+    stop = threading.Event()
+    retired = [0]
+
+    def retirer() -> None:
+        while not stop.is_set():
+            for k in keys.every_shard:
+                for t in tenants:
+                    streams = [k.stream(b, p, t) for p in PRIORITIES for b in (32, 64, 128, 256)]
+                    retired[0] += int(retire(keys=[k.queued_tenants, k.idle_tenants, *streams], args=[t, 0])) == 3
+            time.sleep(0.001)
+
+    def sender(tenant: str, seed: int, out: list) -> None:
+        rng = random.Random(seed)
+        with Client(redis_url, namespace, tenant=tenant) as c:
+            for i in range(10):
+                time.sleep(rng.choice((0.0, 0.01, 0.05, 0.3)))
+                out.append(len(c.generate([10 + i, 11 + seed], max_new_tokens=2, timeout=120).token_ids))
+
+    thread = threading.Thread(target=retirer, daemon=True)
+    thread.start()
+    results: dict[str, list] = {t: [] for t in tenants}
+    senders = [threading.Thread(target=sender, args=(t, i, results[t])) for i, t in enumerate(tenants)]
+    try:
+        for s in senders:
+            s.start()
+        for s in senders:
+            s.join(300)
+    finally:
+        stop.set()
+        thread.join(10)
+        r.close()
+    assert all(results[t] == [2] * 10 for t in tenants), results
+    assert retired[0] >= len(tenants)
+    assert not [rec for rec in caplog.records if "consumer groups are gone" in rec.getMessage()]

@@ -127,7 +127,8 @@ def _build(cfg: WorkerConfig, transport: Transport | None, loaded: LoadedModel |
         engine = wrap_engine(engine)
     if transport is None:
         transport = redis_transport(cfg.connection, cfg.keys, cfg.batching.buckets,
-                                    cfg.name or default_consumer_name(), cfg.reply_ttl_s, cfg.claim_idle_ms)
+                                    cfg.name or default_consumer_name(), cfg.reply_ttl_s, cfg.claim_idle_ms,
+                                    cfg.tenant_idle_s)
     with PHASES.phase("redis", "setting up the streams (namespace %s)", cfg.connection.namespace):
         transport.setup()
     info = with_fingerprint(fleet_info(cfg, loaded))

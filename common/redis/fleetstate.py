@@ -92,9 +92,10 @@ def queue_stats(r: redis.Redis, keys: Keys, buckets: tuple[int, ...] | list[int]
 
 
 def queued_tenants(r: redis.Redis, keys: Keys) -> list[str]:
-    """The named tenants that ever queued work on ``keys``' shard (``Keys.queued_tenants``). A member that is no
-    label (the enqueue function stores what its caller passes: a producer writing it by hand) names no stream of
-    ours: left out, rather than fail every reader of the streams (workers, gauges) with it."""
+    """The named tenants that queued work lately on ``keys``' shard (``Keys.queued_tenants``: idle ones are
+    retired, worker/transport/tenant_gc.py). A member that is no label (the enqueue function stores what its caller
+    passes: a producer writing it by hand) names no stream of ours: left out, rather than fail every reader of the
+    streams (workers, gauges) with it."""
     members = (m.decode(errors="replace") if isinstance(m, bytes) else m for m in r.smembers(keys.queued_tenants))
     return sorted(t for t in members if valid_tenant(t))
 

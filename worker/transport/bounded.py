@@ -42,6 +42,7 @@ from batchfleet.worker.transport.delivered import Delivered
 from batchfleet.worker.transport.fair_share import FairShare
 from batchfleet.worker.transport.reply_guard import ELEMENT_BYTES, ReplyTooLarge, guard, one_budget
 from batchfleet.worker.transport.scripts import WorkerScripts
+from batchfleet.worker.transport.tenant_gc import gone
 
 MAX_ENTRY_BYTES = MAX_PAYLOAD_BYTES + 64 * 1024  # payload + id, reply key and field names, with room to spare
 MAX_FIELDS = 32  # names + values (16 pairs); a request has 3 pairs
@@ -221,7 +222,7 @@ class BoundedReader:
         except ReplyTooLarge:
             tripped = True  # handled below, once this frame no longer holds the partial reply
         except BaseException as exc:
-            self._failed(since, exc)
+            self._failed(since, exc, several=len(plan) > 1)
             self.delivered.end(token, [])
             raise
         if rings:
@@ -266,10 +267,16 @@ class BoundedReader:
             pipe.execute_command(*xread_args(dict.fromkeys(streams, ">"), n, block_ms, (self.group, self.consumer)))
         return pipe.execute()
 
-    def _failed(self, since: dict[str, str], exc: BaseException) -> None:
+    def _failed(self, since: dict[str, str], exc: BaseException, several: bool = False) -> None:
         """A read whose connection failed after it was sent may have delivered entries nobody saw: owed
-        (recovered once Redis answers again). Lost streams (NOGROUP) make every id we were handed meaningless."""
-        if isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
+        (recovered once Redis answers again). Lost streams (NOGROUP) make every id we were handed meaningless,
+        unless the stream is a retired tenant's (``gone``): a refused command delivered nothing, but a read of
+        ``several`` commands may have delivered entries with the others, owed as after a lost connection (the
+        recovery passes over streams no longer there)."""
+        if gone(exc):
+            if several:
+                self.delivered.owe(since)
+        elif isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
             self.delivered.reset()
         elif isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
             self.delivered.owe(since)
@@ -283,7 +290,7 @@ class BoundedReader:
             resp = self._recover_script(keys=keys, args=[self.group, self.consumer, *LIMIT_ARGS, ELEMENT_BYTES,
                                                          *(owed[k] for k in keys)])
         except BaseException as exc:
-            if not (isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc)):
+            if gone(exc) or not (isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc)):
                 self.delivered.owe(owed)  # still owed: the next read tries again
             self._failed({}, exc)
             self.delivered.end(token, [])

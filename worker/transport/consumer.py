@@ -43,6 +43,7 @@ from batchfleet.worker.transport.presence import Presence
 from batchfleet.worker.transport.refused import refused as _refused
 from batchfleet.worker.transport.scripts import WorkerScripts
 from batchfleet.worker.transport.settle import Settler
+from batchfleet.worker.transport.tenant_gc import TenantStreams, gone
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +107,10 @@ class StreamConsumer(Transport):
     ``Transport`` and the part protocols for each method)."""
 
     def __init__(self, conn: ConnectionConfig, buckets: tuple[int, ...], name: str, reply_ttl_s: int,
-                 keys: Keys | None = None, r: redis.Redis | None = None) -> None:
+                 keys: Keys | None = None, r: redis.Redis | None = None, tenant_idle_s: float = 300.0) -> None:
         """``keys``: one shard's (worker/transport/sharded.py), default the namespace's; ``r``: a client to share (the
-        shards' consumers share one cluster client), default a new one."""
+        shards' consumers share one cluster client), default a new one; ``tenant_idle_s``: how long a named tenant's
+        streams stay empty before it is retired (worker/transport/tenant_gc.py)."""
         self.conn = conn
         self.keys: Keys = keys or conn.keys
         self.buckets = buckets
@@ -121,7 +123,10 @@ class StreamConsumer(Transport):
         self.reader = BoundedReader(self.r, scripts, self.keys.group, name, self.keys, buckets)
         self.admission_order = self.reader.order  # the reader's fair share also orders what is held
         self._tenants_at = -float("inf")  # time.monotonic() of the last look at the tenants (follow_tenants)
+        self._tenants_stale = False  # a read on another thread met a tenant's stream gone (tenants_gone)
+        self.tenant_streams = TenantStreams(self.r, scripts, self.keys, buckets, name, tenant_idle_s)
         self.presence = Presence(self.r, scripts, self.keys, name)
+        self.presence.chores.append(self._retire_idle_tenants)  # on the lease keeper's thread: never the loop's
         self.settler = Settler(self.r, self.keys, conn.wait_replicas, name, reply_ttl_s, served=self.reader.served)
         self.cancel_watch = CancelWatch(self.r, scripts, self.keys)
         self.pending = PendingList(self.r, scripts, self.keys, name, buckets, self.reader)
@@ -140,19 +145,25 @@ class StreamConsumer(Transport):
         """
         wait_writable(self._setup_once, wait_s)
 
-    def follow_tenants(self, force: bool = False) -> None:
-        """At most every TENANTS_CHECK_S: read the streams of the tenants that queued work here since
-        (``Keys.queued_tenants``) and take the configured weights (``Keys.tenants``, on the fleet's shard 0) into
-        the fair share. One round trip; an unreadable weight counts as 1."""
+    def follow_tenants(self, force: bool = False, ensure_all: bool = False) -> None:
+        """At most every TENANTS_CHECK_S: read the streams of the tenants queued here now (``Keys.queued_tenants``:
+        a tenant first seen has its other streams made, a retired one is dropped, worker/transport/tenant_gc.py)
+        and take the configured weights (``Keys.tenants``, on the fleet's shard 0) into the fair share. One round
+        trip (two for new tenants); an unreadable weight counts as 1.
+        ``ensure_all``: make every queued tenant's streams, not only new ones' (after a read met one missing)."""
         now = time.monotonic()
+        if self._tenants_stale:
+            self._tenants_stale, force, ensure_all = False, True, True
         if not force and now - self._tenants_at < TENANTS_CHECK_S:
             return
         self._tenants_at = now
-        before = {s for s, _, _ in self.reader.streams}
-        if self.reader.set_tenants(queued_tenants(self.r, self.keys)):
-            # the enqueue made only the stream it added to: a read naming a missing stream fails (NOGROUP), which
-            # would read as Redis having lost the groups (StreamsLost) and re-create every one of them
-            self._create_groups([s for s, _, _ in self.reader.streams if s not in before])
+        queued = set(queued_tenants(self.r, self.keys))
+        known = set(self.reader.tenants)
+        new = queued if ensure_all else queued - known
+        # the enqueue made only the stream it added to: a read naming a missing stream fails (NOGROUP); a tenant's
+        # streams are made only while it is queued (a retired tenant's never again here, worker/transport/tenant_gc.py)
+        kept = (queued & known) - new | set(self.tenant_streams.ensure(new))
+        self.reader.set_tenants(kept)
         weights: dict[str, float] = {}
         for label, raw in self.r.hgetall(self.keys.of_shard(0).tenants).items():
             try:
@@ -163,6 +174,22 @@ class StreamConsumer(Transport):
                 weights[label.decode(errors="replace") if isinstance(label, bytes) else label] = w
         for share in self.reader.shares.values():
             share.weigh(weights)
+
+    def tenants_gone(self) -> None:
+        """A read on another thread (a shard waiter, worker/transport/shard_waiters.py) met a tenant's stream gone:
+        the loop's next ``follow_tenants`` looks at once and makes every queued tenant's streams (a tenant retired and
+        queued again between two looks is still in the reader's list, its streams not all there)."""
+        self._tenants_stale = True
+
+    def _retire_idle_tenants(self) -> None:
+        """When due, retire the idle tenants among those read here (``TenantStreams.sweep``). From the lease keeper's
+        thread (``presence.chores``): a sweep of many tenants takes tens of ms, which the loop never waits for; the
+        loop drops the retired at its next look at the set (``follow_tenants``), or at once if a read meets one.
+        Never raises: an outage is the loop's to report."""
+        try:
+            self.tenant_streams.sweep(self.reader.tenants)
+        except (redis.RedisError, *TRANSIENT) as exc:
+            log.debug("idle tenants not swept: %r", exc)
 
     def _create_groups(self, streams: list[str]) -> None:
         """The workers' group on each of ``streams`` (made empty when missing), reading from the start; one round trip
@@ -177,8 +204,8 @@ class StreamConsumer(Transport):
                 raise got
 
     def _setup_once(self) -> None:
-        self.follow_tenants(force=True)
-        self._create_groups([*(s for s, _, _ in self.reader.streams), self.keys.tenant_bell])
+        self.follow_tenants(force=True, ensure_all=True)  # the named tenants' streams: made only while queued
+        self._create_groups([*(s for s, _, _ in self.keys.streams(self.buckets)), self.keys.tenant_bell])
         self._load_functions()
         if is_cluster(self.conn.redis_url):  # pipelines on a cluster do not load a missing script
             self._scripts.load()
@@ -214,12 +241,21 @@ class StreamConsumer(Transport):
         Without a deadline to keep (``exact=False``: an idle worker) one blocking read is the whole wait.
         """
         counts = dict.fromkeys(PRIORITIES, count) if isinstance(count, int) else count
-        self.follow_tenants(force=self._heard_bell())
-        out = self._read(counts, block_ms, exact)
-        if self._heard_bell():  # a tenant new to the set rang during this read: its streams now, its entry at once
-            self.follow_tenants(force=True)
-            out = out or self.reader.read(counts, None)
-        return out
+        try:
+            self.follow_tenants(force=self._heard_bell())
+            out = self._read(counts, block_ms, exact)
+            if self._heard_bell():  # a tenant new to the set rang during this read: its streams now, its entry at once
+                self.follow_tenants(force=True)
+                out = out or self.reader.read(counts, None)
+            return out
+        except redis.ResponseError as exc:
+            if not gone(exc):
+                raise
+            # a retired tenant's stream (worker/transport/tenant_gc.py), or one retired and queued again since
+            # the last look: look again, making what is queued; what the read delivered elsewhere is owed
+            log.debug("a tenant's stream went away under a read: %s", exc)
+            self.follow_tenants(force=True, ensure_all=True)
+            return []
 
     def _heard_bell(self) -> bool:
         """Whether a read took a ring of the tenant bell since the last call (``BoundedReader.rang``)."""
@@ -270,8 +306,11 @@ class StreamConsumer(Transport):
             if self.presence.leave():  # the last live worker: producers now get NoWorkers
                 log.info("last live worker of %r stopped: fleet description deleted", self.keys.namespace)
             for stream, _, _ in self.reader.streams:
-                if not self.r.xpending_range(stream, self.keys.group, "-", "+", 1, consumername=self.name):
-                    self.r.xgroup_delconsumer(stream, self.keys.group, self.name)  # would drop its PEL: empty
+                try:
+                    if not self.r.xpending_range(stream, self.keys.group, "-", "+", 1, consumername=self.name):
+                        self.r.xgroup_delconsumer(stream, self.keys.group, self.name)  # would drop its PEL: empty
+                except redis.ResponseError:  # a retired tenant's stream (worker/transport/tenant_gc.py): the others
+                    continue
         except redis.RedisError:
             pass
         if disconnect:

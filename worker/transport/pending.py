@@ -12,7 +12,7 @@ import time
 
 import redis
 
-from batchfleet.common.keys import Keys
+from batchfleet.common.keys import TENANT_STREAM_SUFFIX, Keys
 from batchfleet.worker.transport.base import Entry, Leases
 from batchfleet.worker.transport.bounded import BoundedReader, as_str, autoclaim_args, entry_of
 from batchfleet.worker.transport.reclaim import scan_period_s
@@ -155,7 +155,13 @@ class PendingList(Leases):
         so the group's consumer list does not grow with every restart. Returns how many were removed."""
         removed = 0
         for stream, _, _ in self.streams:
-            for c in self.r.xinfo_consumers(stream, self.keys.group):
+            try:
+                consumers = self.r.xinfo_consumers(stream, self.keys.group)
+            except redis.ResponseError as exc:  # a retired tenant's stream, or one made again without the group yet
+                if TENANT_STREAM_SUFFIX in stream and ("no such key" in str(exc).lower() or "NOGROUP" in str(exc)):
+                    continue  # (worker/transport/tenant_gc.py): no consumer name to forget there
+                raise
+            for c in consumers:
                 name = as_str(c["name"])
                 if name != self.name and c["pending"] == 0 and c["idle"] >= min_idle_ms:
                     self.r.xgroup_delconsumer(stream, self.keys.group, name)

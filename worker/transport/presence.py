@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import msgpack
 import redis
@@ -44,6 +45,9 @@ class Presence(Membership):
         self.scripts = scripts
         self.last_beat = -1e9  # time.monotonic() of the last beat
         self._beats = 0
+        # what else the lease keeper's thread does each time it calls ``alive`` (every few seconds), off the loop's
+        # thread: the stream consumer's idle-tenant sweep (worker/transport/tenant_gc.py); each must not raise
+        self.chores: list[Callable[[], None]] = []
 
     @refused
     def join(self, info: FleetInfo, replace: bool = False) -> None:
@@ -83,9 +87,11 @@ class Presence(Membership):
     @refused
     def alive(self) -> None:
         """Beat unless a beat (the loop's heartbeat) went out within ALIVE_WITHIN_S: the lease keeper's call
-        (from its thread), which only matters while the loop is inside a long engine step."""
+        (from its thread), which only matters while the loop is inside a long engine step; then the ``chores``."""
         if time.monotonic() - self.last_beat >= ALIVE_WITHIN_S:
             self.beat(b"")
+        for chore in self.chores:
+            chore()
 
     def clock_offset(self) -> float:
         """Redis time minus this host's time (s), as measured by the last beat."""

@@ -1,8 +1,8 @@
 """Every Lua script a worker runs inside Redis, in one module, registered once per connection.
 
 Producers' server-side code (enqueue, cancel) is common/redis/functions.py. Here: the heartbeat, joining and leaving the
-fleet, and the size-checking reads of request entries, cancel entries and job markers (worker/transport/bounded.py
-says why).
+fleet, making and retiring a named tenant's streams (worker/transport/tenant_gc.py), and the size-checking reads of
+request entries, cancel entries and job markers (worker/transport/bounded.py says why).
 Replies are plain commands (worker/transport/settle.py): a script's inner commands cost Redis ~3x the same commands sent
 plain (issue 29). ``WorkerScripts(r)``
 registers each body once on client ``r`` (redis-py then sends EVALSHA, loading the body again by itself after
@@ -81,6 +81,16 @@ return 0
 """
 
 
+# Shared by both scripts: whether an error is NOGROUP of a named tenant's stream (``:t:``): the stream was retired
+# (worker/transport/tenant_gc.py; it held nothing, so nothing is pending there), or a producer's plain XADD made it
+# again since without the workers' group (the worker's next look at the tenants gives it the group; nothing was read
+# from it). Skipped. A default stream's NOGROUP is raised: Redis lost its data.
+_TENANT_MADE_AGAIN = """
+local function tenant_made_again(key, err)
+  return string.find(key, ':t:', 1, true) ~= nil and string.find(err, 'NOGROUP', 1, true) ~= nil
+end
+"""
+
 # Shared by both scripts: cut one entry down when it is too large. Returns fields, oversize (0 = whole),
 # bytes it adds to the reply. A dropped big string is collected at once, so the Lua heap stays small.
 _SHRINK = """
@@ -100,13 +110,18 @@ end
 # stream {last id looked at, {{id, fields, oversize, deliveries}, ...}, 1 when none is left}: one entry at a time
 # (XPENDING, then XRANGE: the Lua heap holds one raw entry, and the delivery count stays what the read made it),
 # until the budgets; what an entry adds to the reply counts as the guard counts it, so the reply always passes.
-RECOVER = _SHRINK + """
+RECOVER = _SHRINK + _TENANT_MADE_AGAIN + """
 local budget, scan_budget, element = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local returned, scanned, res = 0, 0, {}
 for i = 1, #KEYS do
   local cursor, out, done = ARGV[9 + i], {}, 0
   while returned < budget and scanned < scan_budget do
-    local p = redis.call('XPENDING', KEYS[i], ARGV[1], '(' .. cursor, '+', 1, ARGV[2])[1]
+    local pend = redis.pcall('XPENDING', KEYS[i], ARGV[1], '(' .. cursor, '+', 1, ARGV[2])
+    if pend.err then
+      if not tenant_made_again(KEYS[i], pend.err) then return redis.error_reply(pend.err) end
+      done = 1; break
+    end
+    local p = pend[1]
     if not p then done = 1; break end
     cursor = p[1]
     local e = redis.call('XRANGE', KEYS[i], cursor, cursor)[1]
@@ -132,14 +147,18 @@ return res
 # Returns per stream {next cursor, {{id, fields or false, oversize}, ...}, deleted count}: XAUTOCLAIM one
 # entry at a time (so the Lua heap holds one raw entry), stream after stream, until count, the budgets, or
 # the end of each pending list. One call for every stream: a reclaim pass costs 1 + streams commands.
-AUTOCLAIM = _SHRINK + """
+AUTOCLAIM = _SHRINK + _TENANT_MADE_AGAIN + """
 local res = {}
 local count, budget, scan_budget = tonumber(ARGV[4]), tonumber(ARGV[9]), tonumber(ARGV[10])
 local n, returned, scanned = 0, 0, 0
 for i = 1, #KEYS do
   local cursor, out, deleted = ARGV[10 + i], {}, 0
   while n < count and returned < budget and scanned < scan_budget do
-    local r = redis.call('XAUTOCLAIM', KEYS[i], ARGV[1], ARGV[2], ARGV[3], cursor, 'COUNT', 1)
+    local r = redis.pcall('XAUTOCLAIM', KEYS[i], ARGV[1], ARGV[2], ARGV[3], cursor, 'COUNT', 1)
+    if r.err then
+      if not tenant_made_again(KEYS[i], r.err) then return redis.error_reply(r.err) end
+      cursor = '0-0'; break
+    end
     cursor = r[1]
     if r[3] then deleted = deleted + #r[3] end
     local e = r[2][1]
@@ -200,6 +219,64 @@ end
 return out
 """
 
+# A named tenant's streams on one shard (worker/transport/tenant_gc.py). KEYS: queued tenants (set), then the tenant's
+# streams (every bucket, both classes). ARGV: tenant, the workers' group. While the tenant is queued, makes each of
+# its streams that is missing with the group (from its start: ids '0'; an existing group is kept), so a worker reads
+# them all without NOGROUP; a retired tenant's are never made again here (only its next enqueue does, adding it to
+# the set in the same call). Returns 1 when the tenant is queued (its streams exist now), else 0.
+ENSURE_TENANT = """
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 0 then return 0 end
+for i = 2, #KEYS do
+  local ok = redis.pcall('XGROUP', 'CREATE', KEYS[i], ARGV[2], '0', 'MKSTREAM')
+  if type(ok) == 'table' and ok.err and not string.find(ok.err, 'BUSYGROUP', 1, true) then
+    return redis.error_reply(ok.err)
+  end
+end
+return 1
+"""
+
+# Retires a named tenant of one shard once its streams stayed empty (worker/transport/tenant_gc.py). KEYS: queued
+# tenants (set), idle tenants (hash), then the tenant's streams (every bucket, both classes). ARGV: tenant, how long
+# they must stay empty (ms). An answered entry is deleted, so XLEN 0 everywhere means nothing queued or running.
+# Empty for the first time: the tenant's clock starts (HSET now); empty still, with no entry added since the clock
+# started (every stream's last-generated-id older) and for long enough: its streams are deleted and it leaves the
+# set, in this one call, so an enqueue is either before (its entry keeps the tenant) or after (it makes the stream
+# and its group and adds the tenant again, as a first enqueue does). Returns 0 not queued, 1 has work, 2 idle
+# (waiting), 3 retired.
+RETIRE_TENANT = """
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 0 then
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  return 0
+end
+local newest = 0
+for i = 3, #KEYS do
+  if redis.call('XLEN', KEYS[i]) > 0 then
+    redis.call('HDEL', KEYS[2], ARGV[1])
+    return 1
+  end
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    local info = redis.call('XINFO', 'STREAM', KEYS[i])
+    for j = 1, #info - 1, 2 do
+      if info[j] == 'last-generated-id' then
+        newest = math.max(newest, tonumber(string.match(info[j + 1], '^(%d+)')) or 0)
+      end
+    end
+  end
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local since = tonumber(redis.call('HGET', KEYS[2], ARGV[1]))
+if not since or newest >= since then
+  redis.call('HSET', KEYS[2], ARGV[1], now)
+  return 2
+end
+if now - since < tonumber(ARGV[2]) then return 2 end
+for i = 3, #KEYS do redis.call('DEL', KEYS[i]) end
+redis.call('SREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 3
+"""
+
 
 class WorkerScripts:
     """The worker's scripts registered on one client (call each with keys=[...], args=[...], client=pipe)."""
@@ -212,6 +289,8 @@ class WorkerScripts:
         self.autoclaim = r.register_script(AUTOCLAIM)
         self.cancels = r.register_script(CANCELS)
         self.marks = r.register_script(MARKS)
+        self.ensure_tenant = r.register_script(ENSURE_TENANT)
+        self.retire_tenant = r.register_script(RETIRE_TENANT)
 
     def load(self) -> None:
         """``SCRIPT LOAD`` every script (a cluster client: on every master): no pipeline meets a NOSCRIPT at startup."""

@@ -19,6 +19,7 @@ import time
 from batchfleet.common.wire.priority import PRIORITIES
 from batchfleet.worker.transport.base import Entry
 from batchfleet.worker.transport.consumer import StreamConsumer, connect
+from batchfleet.worker.transport.tenant_gc import gone
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,10 @@ class Waiters:
             try:
                 got = part.reader.wait(self.counts, self.block_ms, r=r)
             except Exception as exc:  # noqa: BLE001 - a waiter outlives any error; the loop's sweeps report it
-                if not self.failing:
+                if gone(exc):  # a retired tenant's stream: the loop's next read looks at the tenants again
+                    part.tenants_gone()
+                    log.debug("shard %d: a tenant's stream went away under a blocking read: %s", shard, exc)
+                elif not self.failing:
                     log.warning("shard %d: blocking read failed (the loop sweeps until it works): %r", shard, exc)
                 self.failing = True
                 self.stopped.wait(RETRY_S)

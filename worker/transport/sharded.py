@@ -41,23 +41,25 @@ T = TypeVar("T", Entry, Reply)
 
 
 def redis_transport(conn: ConnectionConfig, keys: Keys, buckets: tuple[int, ...], name: str, reply_ttl_s: int,
-                    claim_idle_ms: int = 30_000) -> Transport:
-    """The worker's Redis transport for the fleet layout ``keys`` (shard 0 of it)."""
+                    claim_idle_ms: int = 30_000, tenant_idle_s: float = 300.0) -> Transport:
+    """The worker's Redis transport for the fleet layout ``keys`` (shard 0 of it); ``tenant_idle_s``: how long a
+    named tenant's streams stay empty before it is retired (worker/transport/tenant_gc.py)."""
     if keys.shards == 1:
-        return StreamConsumer(conn, buckets, name, reply_ttl_s, keys=keys)
-    return ShardedConsumer(conn, keys, buckets, name, reply_ttl_s, claim_idle_ms)
+        return StreamConsumer(conn, buckets, name, reply_ttl_s, keys=keys, tenant_idle_s=tenant_idle_s)
+    return ShardedConsumer(conn, keys, buckets, name, reply_ttl_s, claim_idle_ms, tenant_idle_s)
 
 
 class ShardedConsumer(Transport):
     """One ``StreamConsumer`` per shard behind the ``Transport`` interface (module docstring)."""
 
     def __init__(self, conn: ConnectionConfig, keys: Keys, buckets: tuple[int, ...], name: str,
-                 reply_ttl_s: int, claim_idle_ms: int = 30_000) -> None:
+                 reply_ttl_s: int, claim_idle_ms: int = 30_000, tenant_idle_s: float = 300.0) -> None:
         self.keys = keys  # shard 0: every key of the fleet as a whole lives there
         self.name = name
         self.claim_idle_ms = claim_idle_ms  # how idle a released entry is made (any reclaim takes it at once)
         r = connect(conn)
-        self.parts = [StreamConsumer(conn, buckets, name, reply_ttl_s, keys=k, r=r) for k in keys.every_shard]
+        self.parts = [StreamConsumer(conn, buckets, name, reply_ttl_s, keys=k, r=r, tenant_idle_s=tenant_idle_s)
+                      for k in keys.every_shard]
         for part in self.parts:  # a reply may be written on its inbox's shard: its cost goes to its entry's shard
             part.settler.served = self._served
         self.max_block_ms = self.parts[0].max_block_ms
@@ -100,6 +102,8 @@ class ShardedConsumer(Transport):
         """What the waiters read, else one sweep over the shards, else (``block_ms``) wait for the waiters to
         read something (``exact`` needs no polling here: the wait is on a local condition)."""
         counts = dict.fromkeys(PRIORITIES, count) if isinstance(count, int) else count
+        # every shard's tenants followed (and retired) on time, also while an idle worker's reads are the waiters'
+        self._each(StreamConsumer.follow_tenants)
         # right after a wait that found nothing, a blocking read skips the sweep (an idle worker's cycle is
         # the waiters' reads alone): an armed waiter's XREADGROUP ">" returns whatever arrived meanwhile
         quiet, self._quiet = self._quiet and not self.waiters.failing, False
