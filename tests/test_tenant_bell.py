@@ -70,3 +70,19 @@ def test_a_tenant_the_set_lost_rings_again(no_periodic_look, start_worker, redis
         start_worker(**NATIVE)  # its start reads the set: no "returning" there
         assert client.generate([1, 14, 15], max_new_tokens=2, timeout=60).completion_tokens == 2
     assert r.sismember(keys.queued_tenants, "returning")
+
+
+def test_a_deleted_bell_is_made_again_without_taking_it_for_lost_data(no_periodic_look, start_worker, redis_url,
+                                                                      namespace, caplog):
+    """An operator deletes the bell under an idle worker's blocking read: the worker makes it again (no 'Redis lost
+    its data' warning, no re-join) and hears the next new tenant's ring."""
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    w = start_worker(**NATIVE)
+    with Client(redis_url, namespace) as client, caplog.at_level(logging.INFO):
+        assert client.generate([1, 10, 11], max_new_tokens=2, timeout=60).completion_tokens == 2  # the worker idles
+        r.delete(keys.tenant_bell)
+        wait_until(lambda: r.exists(keys.tenant_bell), 10, "the bell made again")
+        got = as_tenant(client, "after-delete").generate([1, 12, 13], max_new_tokens=2, timeout=30)
+    assert got.completion_tokens == 2
+    assert not [rec for rec in caplog.records if "consumer groups are gone" in rec.getMessage()]
+    assert w.loop.ledger.get("internal_errors", 0) == 0

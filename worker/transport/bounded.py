@@ -42,7 +42,7 @@ from batchfleet.worker.transport.delivered import Delivered
 from batchfleet.worker.transport.fair_share import FairShare
 from batchfleet.worker.transport.reply_guard import ELEMENT_BYTES, ReplyTooLarge, guard, one_budget
 from batchfleet.worker.transport.scripts import WorkerScripts
-from batchfleet.worker.transport.tenant_gc import gone
+from batchfleet.worker.transport.tenant_gc import bell_gone, gone
 
 MAX_ENTRY_BYTES = MAX_PAYLOAD_BYTES + 64 * 1024  # payload + id, reply key and field names, with room to spare
 MAX_FIELDS = 32  # names + values (16 pairs); a request has 3 pairs
@@ -272,8 +272,9 @@ class BoundedReader:
         (recovered once Redis answers again). Lost streams (NOGROUP) make every id we were handed meaningless,
         unless the stream is a retired tenant's (``gone``): a refused command delivered nothing, but a read of
         ``several`` commands may have delivered entries with the others, owed as after a lost connection (the
-        recovery passes over streams no longer there)."""
-        if gone(exc):
+        recovery passes over streams no longer there). The bell without its group (``bell_gone``) is the same: the
+        request streams kept theirs."""
+        if gone(exc) or bell_gone(exc, self.bell):
             if several:
                 self.delivered.owe(since)
         elif isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
