@@ -86,3 +86,25 @@ def test_a_deleted_bell_is_made_again_without_taking_it_for_lost_data(no_periodi
     assert got.completion_tokens == 2
     assert not [rec for rec in caplog.records if "consumer groups are gone" in rec.getMessage()]
     assert w.loop.ledger.get("internal_errors", 0) == 0
+
+
+def test_no_consumer_name_stays_on_the_bell_after_a_worker_stops_or_dies(no_periodic_look, start_worker, redis_url,
+                                                                        namespace):
+    """A stopped worker drops its name from the bell's group, and a dead one's name goes with the next prune even
+    with a ring pending on it (nothing reclaims a ring): the group does not grow with every restart."""
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    r.xgroup_create(keys.tenant_bell, keys.group, id="0", mkstream=True)
+    r.xadd(keys.tenant_bell, {"t": "rung-before"})
+    r.xreadgroup(keys.group, "dead-worker", {keys.tenant_bell: ">"}, count=1)  # died before acking it
+    first = start_worker(**NATIVE)
+    with as_tenant(Client(redis_url, namespace), "rings") as client:
+        assert client.generate([1, 12, 13], max_new_tokens=2, timeout=60).completion_tokens == 2
+    first.stop()
+    names = {c["name"].decode() for c in r.xinfo_consumers(keys.tenant_bell, keys.group)}
+    assert names == {"dead-worker"}, names
+    second = start_worker(**NATIVE)
+    wait_until(lambda: r.xinfo_consumers(keys.tenant_bell, keys.group), 30, "the second worker reading the bell")
+    assert second.loop.transport.pending.prune_consumers(0) >= 1  # type: ignore[attr-defined]
+    names = {c["name"].decode() for c in r.xinfo_consumers(keys.tenant_bell, keys.group)}
+    assert names <= {second.loop.transport.name}, names  # type: ignore[attr-defined]
+    assert r.xpending(keys.tenant_bell, keys.group)["pending"] == 0

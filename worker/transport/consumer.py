@@ -315,6 +315,12 @@ class StreamConsumer(Transport):
                         self.r.xgroup_delconsumer(stream, self.keys.group, self.name)  # would drop its PEL: empty
                 except redis.ResponseError:  # a retired tenant's stream (worker/transport/tenant_gc.py): the others
                     continue
+            # the bell's name goes whatever it holds: a ring pending on us is a wake-up nobody reclaims (the
+            # tenant is in the set, every worker's next look finds it)
+            try:
+                self.r.xgroup_delconsumer(self.keys.tenant_bell, self.keys.group, self.name)
+            except redis.ResponseError:  # the bell deleted (worker/transport/tenant_gc.py ``bell_gone``)
+                pass
         except redis.RedisError:
             pass
         if disconnect:
