@@ -12,9 +12,12 @@ import logging
 import pytest
 import redis
 
+from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.keys import Keys
 from batchfleet.producer import Client
 from batchfleet.worker.transport import consumer
+from batchfleet.worker.transport.consumer import StreamConsumer
+from tests.conftest import TEST_BUCKETS
 from tests.helpers.loops import wait_until
 
 NATIVE = dict(engine="native", mode="continuous", max_wait_ms=5)
@@ -108,3 +111,21 @@ def test_no_consumer_name_stays_on_the_bell_after_a_worker_stops_or_dies(no_peri
     names = {c["name"].decode() for c in r.xinfo_consumers(keys.tenant_bell, keys.group)}
     assert names <= {second.loop.transport.name}, names  # type: ignore[attr-defined]
     assert r.xpending(keys.tenant_bell, keys.group)["pending"] == 0
+
+
+def test_a_ring_a_failed_read_left_pending_on_a_live_worker_is_acked_at_its_prune(redis_url, namespace):
+    """A read that failed or was cut off after the bell's part delivered (a several-command read, the reply guard)
+    leaves the ring pending on the live worker, never acked: its next prune acks and deletes it, so the bell's
+    pending list does not grow (trimming the bell keeps PEL entries)."""
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    worker = StreamConsumer(ConnectionConfig(redis_url=redis_url, namespace=namespace), TEST_BUCKETS, "w1", 60)
+    try:
+        worker.setup()
+        r.xadd(keys.tenant_bell, {"t": "lost"})
+        assert r.xreadgroup(keys.group, "w1", {keys.tenant_bell: ">"}, count=1)  # delivered, the read then failed
+        assert r.xpending(keys.tenant_bell, keys.group)["pending"] == 1
+        worker.pending.prune_consumers(3_600_000)
+        assert r.xpending(keys.tenant_bell, keys.group)["pending"] == 0
+        assert r.xlen(keys.tenant_bell) == 0
+    finally:
+        worker.close()

@@ -227,7 +227,7 @@ class BoundedReader:
             raise
         if rings:
             self._answer_rings(r, rings)
-        if tripped:  # (a ring the cut-off read delivered unseen stays pending: harmless, the bell is capped)
+        if tripped:  # (a ring the cut-off read delivered unseen stays pending: the next prune acks it)
             self.delivered.owe(since)
             self.delivered.end(token, [])
             return self.recover_owed()

@@ -167,7 +167,22 @@ class PendingList(Leases):
                 raise
             for c in consumers:
                 name = as_str(c["name"])
+                if name == self.name and stream == bell and c["pending"]:
+                    self._drop_lost_rings(int(c["pending"]))
                 if name != self.name and (c["pending"] == 0 or stream == bell) and c["idle"] >= min_idle_ms:
                     self.r.xgroup_delconsumer(stream, self.keys.group, name)
                     removed += 1
         return removed
+
+    def _drop_lost_rings(self, n: int) -> None:
+        """Ack and delete the rings pending on us: a read acks its rings at once (worker/transport/bounded.py), so
+        these are a failed or cut-off read's, which nothing else would ack (trimming the bell keeps their PEL
+        entries). One that a read on another thread is about to ack is only acked first: its ``rang`` stands."""
+        rows = self.r.xpending_range(self.keys.tenant_bell, self.keys.group, "-", "+", min(n, 1000),
+                                     consumername=self.name)
+        ids = [row["message_id"] for row in rows]
+        if ids:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.xack(self.keys.tenant_bell, self.keys.group, *ids)
+            pipe.xdel(self.keys.tenant_bell, *ids)
+            pipe.execute()
