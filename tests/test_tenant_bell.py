@@ -129,3 +129,25 @@ def test_a_ring_a_failed_read_left_pending_on_a_live_worker_is_acked_at_its_prun
         assert r.xlen(keys.tenant_bell) == 0
     finally:
         worker.close()
+
+
+def test_a_read_whose_ring_cannot_be_acked_still_hands_over_its_entries():
+    """The read took a request and a ring, then deleting the ring failed (here an ACL without ``XDEL`` on the bell,
+    as a lost connection would): the request is handed over all the same, not left pending unseen until a reclaim."""
+    from tests.helpers.acl import start_redis7
+
+    server = start_redis7()
+    try:
+        admin = redis.Redis(port=server.port)
+        admin.execute_command("ACL", "SETUSER", "w", "on", ">pw", "~*", "+@all", "-xdel", "(~ns:stream:* +xdel)")
+        keys = Keys("ns")
+        worker = StreamConsumer(ConnectionConfig(redis_url=f"redis://w:pw@127.0.0.1:{server.port}/0", namespace="ns"),
+                                TEST_BUCKETS, "w1", 60)
+        worker.setup()
+        admin.xadd(keys.stream(32), {"id": "job1", "r": "inbox", "p": "x"})
+        admin.xadd(keys.tenant_bell, {"t": "new"})
+        got = worker.read(4, None)
+        assert [e.fields[b"id"] for e in got] == [b"job1"]
+        worker.close()
+    finally:
+        server.stop()

@@ -226,7 +226,10 @@ class BoundedReader:
             self.delivered.end(token, [])
             raise
         if rings:
-            self._answer_rings(r, rings)
+            try:
+                self._answer_rings(r, rings)
+            except redis.RedisError:  # the entries read are this read's all the same (the next prune acks the rings)
+                self.rang.set()
         if tripped:  # (a ring the cut-off read delivered unseen stays pending: the next prune acks it)
             self.delivered.owe(since)
             self.delivered.end(token, [])
