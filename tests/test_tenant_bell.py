@@ -151,3 +151,24 @@ def test_a_read_whose_ring_cannot_be_acked_still_hands_over_its_entries():
         worker.close()
     finally:
         server.stop()
+
+
+def test_a_burst_of_rings_is_heard_in_a_few_reads(redis_url, namespace):
+    """300 new tenants ring at once: the read that hears the first ring takes the rest with it (one look at the set
+    covers them all), instead of one ring, and one look at the whole set, per read (40 s of them after 1000)."""
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    worker = StreamConsumer(ConnectionConfig(redis_url=redis_url, namespace=namespace), TEST_BUCKETS, "w1", 60)
+    try:
+        worker.setup()
+        pipe = r.pipeline(transaction=False)
+        for i in range(300):
+            pipe.xadd(keys.tenant_bell, {"t": f"burst{i}"})
+        pipe.execute()
+        reads = 0
+        while r.xlen(keys.tenant_bell) and reads < 300:
+            worker.read(4, None)
+            reads += 1
+        assert r.xlen(keys.tenant_bell) == 0 and reads <= 3, reads
+        assert r.xpending(keys.tenant_bell, keys.group)["pending"] == 0
+    finally:
+        worker.close()
