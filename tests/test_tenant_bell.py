@@ -172,3 +172,20 @@ def test_a_burst_of_rings_is_heard_in_a_few_reads(redis_url, namespace):
         assert r.xpending(keys.tenant_bell, keys.group)["pending"] == 0
     finally:
         worker.close()
+
+
+def test_a_fleet_whose_redis_lost_everything_hears_a_cached_tenant_again(start_worker, redis_url, namespace):
+    """Redis loses every key of the fleet (a restart without persistence; here the namespace's keys deleted) while a
+    tenant is queued and a client still takes its stream for made (its plain add makes the stream again without the
+    group, adds the tenant and rings a bell that has no group yet): the worker re-creates its groups, the bell's
+    among them (from 0: the ring is heard), and answers the tenant."""
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    start_worker(**NATIVE, scale_to_zero=True)  # no live-worker check: the client's next add is a plain one
+    with as_tenant(Client(redis_url, namespace), "survivor") as client:
+        for _ in range(2):
+            assert client.generate([1, 12, 13], max_new_tokens=2, timeout=60).completion_tokens == 2
+        for key in r.scan_iter(f"{namespace}:*"):
+            r.delete(key)
+        assert client.generate([1, 14, 15], max_new_tokens=2, timeout=60).completion_tokens == 2
+    assert r.sismember(keys.queued_tenants, "survivor")
+    assert [g["name"] for g in r.xinfo_groups(keys.tenant_bell)] == [keys.group.encode()]
