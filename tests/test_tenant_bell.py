@@ -189,3 +189,31 @@ def test_a_fleet_whose_redis_lost_everything_hears_a_cached_tenant_again(start_w
         assert client.generate([1, 14, 15], max_new_tokens=2, timeout=60).completion_tokens == 2
     assert r.sismember(keys.queued_tenants, "survivor")
     assert [g["name"] for g in r.xinfo_groups(keys.tenant_bell)] == [keys.group.encode()]
+
+
+def test_a_plain_add_whose_ring_is_cut_off_is_not_added_again(start_worker, redis_url, namespace):
+    """The plain add of a tenant the set lost (its SADD answers 1) is in Redis when the connection drops as it
+    rings: the ring is best effort (the workers' next look at the set finds the tenant), the add is not sent again
+    (a second copy of the request)."""
+    from urllib.parse import urlparse
+
+    from tests.helpers.cutting_proxy import CuttingProxy
+
+    keys, r = Keys(namespace), redis.Redis.from_url(redis_url)
+    url = urlparse(redis_url)
+    proxy = CuttingProxy((url.hostname or "127.0.0.1", url.port or 6379))
+    worker = start_worker(**NATIVE, scale_to_zero=True)  # no live-worker check: the second add is a plain one
+    try:
+        with as_tenant(Client(f"redis://127.0.0.1:{proxy.port}{url.path}", namespace), "cut") as client:
+            assert client.generate([1, 12, 13], max_new_tokens=2, timeout=60).completion_tokens == 2
+            worker.stop()  # what is added now stays queued
+            r.srem(keys.queued_tenants, "cut")
+            bell = keys.tenant_bell.encode()
+            proxy.arm(b"XADD\r\n$%d\r\n%s\r\n" % (len(bell), bell))
+            client.submit([1, 14, 15], max_new_tokens=2)
+        assert proxy.cuts == 1
+        streams = [keys.stream(b, p, "cut") for p in ("interactive", "background") for b in TEST_BUCKETS]
+        assert sum(r.xlen(s) for s in streams) == 1
+        assert r.sismember(keys.queued_tenants, "cut")
+    finally:
+        proxy.close()
