@@ -117,7 +117,13 @@ class RedisCalls:
         if n > 0:
             require_replicas(out[-1], n, f"enqueue to {stream}")
         if tenant and bell and out[2] == 1:  # new to the set again (Redis lost it, or it was retired): ring, as the
-            await self.r.xadd(bell, {"t": tenant}, maxlen=BELL_MAXLEN, approximate=True)  # function does
+            # function does. The add stands whatever becomes of the ring: one lost with its connection must not
+            # have the caller send the add again (a second copy of the request); the workers' next look at the set
+            # finds the tenant within a second
+            try:
+                await self.r.xadd(bell, {"t": tenant}, maxlen=BELL_MAXLEN, approximate=True)
+            except TRANSIENT as exc:
+                log.debug("ring of tenant %s not sent: %r", tenant, exc)
         return out[0], int(out[1])
 
     async def enqueue(self, job: Outgoing, workers: str, check: bool, deadline: Deadline, queued: str = "",

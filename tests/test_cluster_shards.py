@@ -259,3 +259,29 @@ def test_no_request_is_lost_while_tenants_are_retired_under_a_sharded_worker(red
     assert all(results[t] == [2] * 10 for t in tenants), results
     assert retired[0] >= len(tenants)
     assert not [rec for rec in caplog.records if "consumer groups are gone" in rec.getMessage()]
+
+
+def test_a_bell_deleted_on_every_shard_is_made_again_without_taking_it_for_lost_data(redis_url, namespace,
+                                                                                      start_worker, caplog,
+                                                                                      monkeypatch):
+    """An operator deletes every shard's tenant bell under the waiters' blocking reads: each shard's bell is made
+    again (no 'Redis lost its data' recovery), and new tenants over the shards are heard at once again."""
+    from batchfleet.worker.transport import consumer
+
+    keys = _layout(redis_url, namespace)
+    w = start_worker(max_wait_ms=5, shards=SHARDS)
+    r = sync_client(redis_url)
+    try:
+        with Client(redis_url, namespace) as client:
+            assert client.generate([1, 10, 11], max_new_tokens=2, timeout=60).completion_tokens == 2
+            for k in keys.every_shard:
+                r.delete(k.tenant_bell)
+            wait_until(lambda: all(r.exists(k.tenant_bell) for k in keys.every_shard), 10, "every bell made again")
+            monkeypatch.setattr(consumer, "TENANTS_CHECK_S", 3600.0)  # heard by the bell alone from now on
+            for i in range(6):
+                client._async.tenant = f"rebell{i}"
+                assert client.generate([1, 12 + i, 13], max_new_tokens=2, timeout=30).completion_tokens == 2
+    finally:
+        r.close()
+    assert not [rec for rec in caplog.records if "consumer groups are gone" in rec.getMessage()]
+    assert w.loop.ledger.get("internal_errors", 0) == 0

@@ -109,6 +109,54 @@ def test_no_request_is_lost_while_tenants_are_retired_under_it(start_worker, red
     assert w.loop.ledger.get("internal_errors", 0) == 0
 
 
+def test_two_workers_answer_each_request_once_while_tenants_are_retired_under_them(start_worker, redis_url, namespace,
+                                                                                  caplog):
+    """The race above on a fleet of two workers (each sweeping, one retiring while the other reads) with bursts of
+    submits in both classes: every request is answered once (the workers completed exactly as many, no duplicate)."""
+    caplog.set_level(logging.INFO)
+    config = dict(NATIVE, tenant_idle_s=0.05, scale_to_zero=True)
+    workers = [start_worker(**config), start_worker(**config)]
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys(namespace)
+    tenants = [f"pair{i}" for i in range(4)]
+    retire = WorkerScripts(r).retire_tenant
+    stop = threading.Event()
+
+    def retirer() -> None:
+        while not stop.is_set():
+            for t in tenants:
+                retire(keys=[keys.queued_tenants, keys.idle_tenants, *tenant_streams(keys, t)], args=[t, 0])
+            time.sleep(0.001)
+
+    def sender(tenant: str, seed: int, out: list) -> None:
+        rng = random.Random(seed)
+        with Client(redis_url, namespace, tenant=tenant) as c:
+            for burst in range(5):
+                time.sleep(rng.choice((0.0, 0.01, 0.05, 0.2)))
+                jobs = [c.submit([10 + burst, 11 + seed, 12 + k], max_new_tokens=2,
+                                 priority=rng.choice(PRIORITIES)) for k in range(rng.randint(1, 4))]
+                out += [c.result(j, timeout=120).completion_tokens for j in jobs]
+
+    thread = threading.Thread(target=retirer, daemon=True)
+    thread.start()
+    results: dict[str, list] = {t: [] for t in tenants}
+    senders = [threading.Thread(target=sender, args=(t, i, results[t])) for i, t in enumerate(tenants)]
+    try:
+        for s in senders:
+            s.start()
+        for s in senders:
+            s.join(300)
+    finally:
+        stop.set()
+        thread.join(10)
+    answered = [n for t in tenants for n in results[t]]
+    assert answered and all(n == 2 for n in answered) and not any(s.is_alive() for s in senders), results
+    assert sum(w.loop.ledger["completed"] for w in workers) == len(answered)
+    assert sum(w.loop.ledger["duplicates"] for w in workers) == 0
+    assert not [rec for rec in caplog.records if "consumer groups are gone" in rec.getMessage()]
+    assert all(w.loop.ledger.get("internal_errors", 0) == 0 for w in workers)
+
+
 def test_the_retire_script_keeps_a_tenant_with_work_or_new_entries_and_retires_it_after_the_idle_time(
         redis_url, namespace):
     r = redis.Redis.from_url(redis_url)

@@ -42,7 +42,7 @@ from batchfleet.worker.transport.delivered import Delivered
 from batchfleet.worker.transport.fair_share import FairShare
 from batchfleet.worker.transport.reply_guard import ELEMENT_BYTES, ReplyTooLarge, guard, one_budget
 from batchfleet.worker.transport.scripts import WorkerScripts
-from batchfleet.worker.transport.tenant_gc import gone
+from batchfleet.worker.transport.tenant_gc import bell_gone, gone
 
 MAX_ENTRY_BYTES = MAX_PAYLOAD_BYTES + 64 * 1024  # payload + id, reply key and field names, with room to spare
 MAX_FIELDS = 32  # names + values (16 pairs); a request has 3 pairs
@@ -52,6 +52,7 @@ READ_BUDGET_BYTES = 4 << 20  # whole entries returned by one script call
 SCAN_BUDGET_BYTES = 64 << 20  # raw entry bytes one script call looks at (its Lua heap)
 # the most one reply on the worker's client may take (or a read's replies together): a script's budget, the
 # entry that crosses it, and room for the 64-byte charge per element (a reclaim of small entries)
+BELL_DRAIN = 100  # rings of the tenant bell a ring heard takes with it (``BoundedReader._answer_rings``)
 REPLY_LIMIT_BYTES = READ_BUDGET_BYTES + MAX_ENTRY_BYTES + (1 << 20)
 
 GUARDED = guard(REPLY_LIMIT_BYTES)  # what the worker's client wraps its connections in (worker/transport/consumer.py)
@@ -226,8 +227,11 @@ class BoundedReader:
             self.delivered.end(token, [])
             raise
         if rings:
-            self._answer_rings(r, rings)
-        if tripped:  # (a ring the cut-off read delivered unseen stays pending: harmless, the bell is capped)
+            try:
+                self._answer_rings(r, rings)
+            except redis.RedisError:  # the entries read are this read's all the same (the next prune acks the rings)
+                self.rang.set()
+        if tripped:  # (a ring the cut-off read delivered unseen stays pending: the next prune acks it)
             self.delivered.owe(since)
             self.delivered.end(token, [])
             return self.recover_owed()
@@ -235,12 +239,27 @@ class BoundedReader:
         return self.delivered.end(token, [(s, e) for s, _, _ in self.streams for e in got.get(s, ())])
 
     def _answer_rings(self, r: Any, rings: list[str]) -> None:
-        """Delete the rings read (acked: nothing to reclaim) and have the transport read the tenants' set."""
+        """Delete the rings read (acked: nothing to reclaim) and have the transport read the tenants' set. The look
+        that follows covers every ring added so far, so up to ``BELL_DRAIN`` more are taken and deleted with them
+        (the same round trip, a second one when there were): a read takes one ring at a time, and a burst of new
+        tenants otherwise costs a look at the whole set, and a read of every stream, per ring (40 s of them after
+        1000 new tenants). The fleet's other workers still hear the rest, or the set at their next look."""
         self.rang.set()
         pipe = r.pipeline(transaction=False)
         pipe.xack(self.bell, self.group, *rings)
         pipe.xdel(self.bell, *rings)
-        pipe.execute()
+        if self._one_by_one:  # a cluster client: the read on its own (``_xreadgroup``)
+            pipe.execute()
+            more = xread(r, {self.bell: ">"}, BELL_DRAIN, None, (self.group, self.consumer))
+        else:
+            pipe.execute_command(*xread_args({self.bell: ">"}, BELL_DRAIN, None, (self.group, self.consumer)))
+            more = pipe.execute()[2]
+        rings = [as_str(eid) for _, entries in by_stream(more) for eid, _ in entries]
+        if rings:
+            pipe = r.pipeline(transaction=False)
+            pipe.xack(self.bell, self.group, *rings)
+            pipe.xdel(self.bell, *rings)
+            pipe.execute()
 
     def _charge(self, plan: list[tuple[int, list[str]]], got: dict[str, list[Entry]]) -> None:
         """Tell each tenant's share what a read gave: how many, and whether one of its streams came back full."""
@@ -272,8 +291,9 @@ class BoundedReader:
         (recovered once Redis answers again). Lost streams (NOGROUP) make every id we were handed meaningless,
         unless the stream is a retired tenant's (``gone``): a refused command delivered nothing, but a read of
         ``several`` commands may have delivered entries with the others, owed as after a lost connection (the
-        recovery passes over streams no longer there)."""
-        if gone(exc):
+        recovery passes over streams no longer there). The bell without its group (``bell_gone``) is the same: the
+        request streams kept theirs."""
+        if gone(exc) or bell_gone(exc, self.bell):
             if several:
                 self.delivered.owe(since)
         elif isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):

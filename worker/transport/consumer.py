@@ -43,7 +43,7 @@ from batchfleet.worker.transport.presence import Presence
 from batchfleet.worker.transport.refused import refused as _refused
 from batchfleet.worker.transport.scripts import WorkerScripts
 from batchfleet.worker.transport.settle import Settler
-from batchfleet.worker.transport.tenant_gc import TenantStreams, gone
+from batchfleet.worker.transport.tenant_gc import TenantStreams, bell_gone, gone
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +249,10 @@ class StreamConsumer(Transport):
                 out = out or self.reader.read(counts, None)
             return out
         except redis.ResponseError as exc:
+            if bell_gone(exc, self.keys.tenant_bell):  # an operator deleted the bell: made again, heard from now on
+                log.info("the tenant bell %s had no group: made again", self.keys.tenant_bell)
+                self._create_groups([self.keys.tenant_bell])
+                return []
             if not gone(exc):
                 raise
             # a retired tenant's stream (worker/transport/tenant_gc.py), or one retired and queued again since
@@ -311,6 +315,12 @@ class StreamConsumer(Transport):
                         self.r.xgroup_delconsumer(stream, self.keys.group, self.name)  # would drop its PEL: empty
                 except redis.ResponseError:  # a retired tenant's stream (worker/transport/tenant_gc.py): the others
                     continue
+            # the bell's name goes whatever it holds: a ring pending on us is a wake-up nobody reclaims (the
+            # tenant is in the set, every worker's next look finds it)
+            try:
+                self.r.xgroup_delconsumer(self.keys.tenant_bell, self.keys.group, self.name)
+            except redis.ResponseError:  # the bell deleted (worker/transport/tenant_gc.py ``bell_gone``)
+                pass
         except redis.RedisError:
             pass
         if disconnect:

@@ -152,18 +152,37 @@ class PendingList(Leases):
     @refused
     def prune_consumers(self, min_idle_ms: int) -> int:
         """Remove group consumers (dead workers' names) that hold nothing and were silent for min_idle_ms,
-        so the group's consumer list does not grow with every restart. Returns how many were removed."""
+        so the group's consumer list does not grow with every restart. Returns how many were removed. On the tenant
+        bell (every worker reads it) a silent name goes with what it holds: a ring pending there is a wake-up nobody
+        reclaims (a worker that died before acking it), so it would keep the name for ever."""
         removed = 0
-        for stream, _, _ in self.streams:
+        bell = self.keys.tenant_bell
+        for stream in [*(s for s, _, _ in self.streams), bell]:
             try:
                 consumers = self.r.xinfo_consumers(stream, self.keys.group)
             except redis.ResponseError as exc:  # a retired tenant's stream, or one made again without the group yet
-                if TENANT_STREAM_SUFFIX in stream and ("no such key" in str(exc).lower() or "NOGROUP" in str(exc)):
+                if (TENANT_STREAM_SUFFIX in stream or stream == bell) and (
+                        "no such key" in str(exc).lower() or "NOGROUP" in str(exc)):
                     continue  # (worker/transport/tenant_gc.py): no consumer name to forget there
                 raise
             for c in consumers:
                 name = as_str(c["name"])
-                if name != self.name and c["pending"] == 0 and c["idle"] >= min_idle_ms:
+                if name == self.name and stream == bell and c["pending"]:
+                    self._drop_lost_rings(int(c["pending"]))
+                if name != self.name and (c["pending"] == 0 or stream == bell) and c["idle"] >= min_idle_ms:
                     self.r.xgroup_delconsumer(stream, self.keys.group, name)
                     removed += 1
         return removed
+
+    def _drop_lost_rings(self, n: int) -> None:
+        """Ack and delete the rings pending on us: a read acks its rings at once (worker/transport/bounded.py), so
+        these are a failed or cut-off read's, which nothing else would ack (trimming the bell keeps their PEL
+        entries). One that a read on another thread is about to ack is only acked first: its ``rang`` stands."""
+        rows = self.r.xpending_range(self.keys.tenant_bell, self.keys.group, "-", "+", min(n, 1000),
+                                     consumername=self.name)
+        ids = [row["message_id"] for row in rows]
+        if ids:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.xack(self.keys.tenant_bell, self.keys.group, *ids)
+            pipe.xdel(self.keys.tenant_bell, *ids)
+            pipe.execute()

@@ -19,7 +19,7 @@ import time
 from batchfleet.common.wire.priority import PRIORITIES
 from batchfleet.worker.transport.base import Entry
 from batchfleet.worker.transport.consumer import StreamConsumer, connect
-from batchfleet.worker.transport.tenant_gc import gone
+from batchfleet.worker.transport.tenant_gc import bell_gone, gone
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,9 @@ class Waiters:
             try:
                 got = part.reader.wait(self.counts, self.block_ms, r=r)
             except Exception as exc:  # noqa: BLE001 - a waiter outlives any error; the loop's sweeps report it
-                if gone(exc):  # a retired tenant's stream: the loop's next read looks at the tenants again
+                # a retired tenant's stream: the loop's next read looks at the tenants again; the bell without its
+                # group: the loop's next sweep (``failing``) makes it again
+                if gone(exc) or bell_gone(exc, part.keys.tenant_bell):
                     part.tenants_gone()
                     log.debug("shard %d: a tenant's stream went away under a blocking read: %s", shard, exc)
                 elif not self.failing:

@@ -56,6 +56,16 @@ def gone(exc: BaseException) -> bool:
     return key is not None and TENANT_STREAM_SUFFIX in key.group(1)
 
 
+def bell_gone(exc: BaseException, bell: str) -> bool:
+    """Whether a refused read names the tenant bell (``Keys.tenant_bell``) as having no group: the bell alone went (an
+    operator deleted it). Redis names the first key of a read without the group and the bell comes last, so every
+    request stream it read still had its group: not Redis losing its data (the reader makes the bell again)."""
+    if not isinstance(exc, redis.ResponseError) or "NOGROUP" not in str(exc):
+        return False
+    key = _NO_SUCH_KEY.search(str(exc))
+    return key is not None and key.group(1) == bell
+
+
 def refusal(exc: BaseException) -> bool:
     """An ACL refusal, of a command or of one inside a script."""
     msg = str(exc)
