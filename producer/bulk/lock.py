@@ -21,10 +21,12 @@ import errno
 import fcntl
 import os
 import socket
+import time
 
 from batchfleet.common.errors import BatchfleetError
 
 LOCK_SUFFIX = ".lock"
+HOLDER_WAIT_S = 1.0  # how long a refused run waits for the holder to have written who it is
 
 
 class OutputBusy(BatchfleetError):
@@ -48,7 +50,7 @@ class OutputLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            holder = _read(fd)
+            holder = _holder(fd)
             os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise OutputBusy(f"another bulk run writes {self.output_path} now{holder}: wait for it to end "
@@ -70,6 +72,15 @@ class OutputLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _holder(fd: int) -> str:
+    """The holder's ``_read``, waiting up to HOLDER_WAIT_S for it: a run that just took the lock writes it right
+    after (two runs started together: the refused one would otherwise name no holder)."""
+    end = time.monotonic() + HOLDER_WAIT_S
+    while not (holder := _read(fd)) and time.monotonic() < end:
+        time.sleep(0.02)
+    return holder
 
 
 def _read(fd: int) -> str:
