@@ -21,7 +21,7 @@ from batchfleet.producer import Client
 from batchfleet.producer.ops.status import snapshot
 from batchfleet.worker.transport.scripts import WorkerScripts
 from tests.helpers.cluster import answers_streams_and_cancels, module_cluster_url
-from tests.helpers.loops import wait_until
+from tests.helpers.loops import beside, wait_until
 
 pytestmark = pytest.mark.integration
 SHARDS = 3
@@ -225,10 +225,9 @@ def test_no_request_is_lost_while_tenants_are_retired_under_a_sharded_worker(red
     r = sync_client(redis_url)
     retire = WorkerScripts(r).retire_tenant
     tenants = [f"race{i}" for i in range(4)]
-    stop = threading.Event()
     retired = [0]
 
-    def retirer() -> None:
+    def retirer(stop: threading.Event) -> None:
         while not stop.is_set():
             for k in keys.every_shard:
                 for t in tenants:
@@ -243,18 +242,9 @@ def test_no_request_is_lost_while_tenants_are_retired_under_a_sharded_worker(red
                 time.sleep(rng.choice((0.0, 0.01, 0.05, 0.3)))
                 out.append(len(c.generate([10 + i, 11 + seed], max_new_tokens=2, timeout=120).token_ids))
 
-    thread = threading.Thread(target=retirer, daemon=True)
-    thread.start()
-    results: dict[str, list] = {t: [] for t in tenants}
-    senders = [threading.Thread(target=sender, args=(t, i, results[t])) for i, t in enumerate(tenants)]
     try:
-        for s in senders:
-            s.start()
-        for s in senders:
-            s.join(300)
+        results = beside(retirer, tenants, sender)
     finally:
-        stop.set()
-        thread.join(10)
         r.close()
     assert all(results[t] == [2] * 10 for t in tenants), results
     assert retired[0] >= len(tenants)

@@ -18,7 +18,7 @@ from batchfleet.producer import Client
 from batchfleet.worker.transport.scripts import WorkerScripts
 from batchfleet.worker.transport.tenant_gc import RETIRED, gone
 from tests.conftest import TEST_BUCKETS
-from tests.helpers.loops import wait_until
+from tests.helpers.loops import beside, wait_until
 
 NATIVE = dict(engine="native", mode="continuous", max_running=8, max_batch_size=8, max_wait_ms=5)
 # scale_to_zero: a client then skips the live-worker check, so after its first add to a stream (through the enqueue
@@ -70,10 +70,9 @@ def test_no_request_is_lost_while_tenants_are_retired_under_it(start_worker, red
     keys = Keys(namespace)
     tenants = [f"race{i}" for i in range(6)]
     retire = WorkerScripts(r).retire_tenant
-    stop = threading.Event()
     retired = [0]
 
-    def retirer() -> None:
+    def retirer(stop: threading.Event) -> None:
         while not stop.is_set():
             for t in tenants:
                 code = retire(keys=[keys.queued_tenants, keys.idle_tenants, *tenant_streams(keys, t)], args=[t, 0])
@@ -87,18 +86,7 @@ def test_no_request_is_lost_while_tenants_are_retired_under_it(start_worker, red
                 time.sleep(rng.choice((0.0, 0.0, 0.01, 0.05, 0.2)))  # bursts and pauses: retired in the pauses
                 out.append(c.generate([10 + i, 11 + seed, 12], max_new_tokens=2, timeout=120).completion_tokens)
 
-    thread = threading.Thread(target=retirer, daemon=True)
-    thread.start()
-    results: dict[str, list] = {t: [] for t in tenants}
-    senders = [threading.Thread(target=sender, args=(t, i, results[t])) for i, t in enumerate(tenants)]
-    try:
-        for s in senders:
-            s.start()
-        for s in senders:
-            s.join(300)
-    finally:
-        stop.set()
-        thread.join(10)
+    results = beside(retirer, tenants, sender)
     assert all(len(results[t]) == 12 and all(n == 2 for n in results[t]) for t in tenants), results
     assert retired[0] + w.loop.transport.tenant_streams.retired >= len(tenants), "tenants were retired meanwhile"  # type: ignore[attr-defined]
     lost = [rec.getMessage() for rec in caplog.records if "consumer groups are gone" in rec.getMessage()]
@@ -120,9 +108,8 @@ def test_two_workers_answer_each_request_once_while_tenants_are_retired_under_th
     keys = Keys(namespace)
     tenants = [f"pair{i}" for i in range(4)]
     retire = WorkerScripts(r).retire_tenant
-    stop = threading.Event()
 
-    def retirer() -> None:
+    def retirer(stop: threading.Event) -> None:
         while not stop.is_set():
             for t in tenants:
                 retire(keys=[keys.queued_tenants, keys.idle_tenants, *tenant_streams(keys, t)], args=[t, 0])
@@ -137,20 +124,9 @@ def test_two_workers_answer_each_request_once_while_tenants_are_retired_under_th
                                  priority=rng.choice(PRIORITIES)) for k in range(rng.randint(1, 4))]
                 out += [c.result(j, timeout=120).completion_tokens for j in jobs]
 
-    thread = threading.Thread(target=retirer, daemon=True)
-    thread.start()
-    results: dict[str, list] = {t: [] for t in tenants}
-    senders = [threading.Thread(target=sender, args=(t, i, results[t])) for i, t in enumerate(tenants)]
-    try:
-        for s in senders:
-            s.start()
-        for s in senders:
-            s.join(300)
-    finally:
-        stop.set()
-        thread.join(10)
+    results = beside(retirer, tenants, sender)
     answered = [n for t in tenants for n in results[t]]
-    assert answered and all(n == 2 for n in answered) and not any(s.is_alive() for s in senders), results
+    assert answered and all(n == 2 for n in answered), results
     assert sum(w.loop.ledger["completed"] for w in workers) == len(answered)
     assert sum(w.loop.ledger["duplicates"] for w in workers) == 0
     assert not [rec for rec in caplog.records if "consumer groups are gone" in rec.getMessage()]

@@ -152,6 +152,27 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, what: str, every_s: f
     return time.monotonic() - t0
 
 
+def beside(background: Callable[[threading.Event], None], tenants: list[str],
+           sender: Callable[[str, int, list], None]) -> dict[str, list]:
+    """One ``sender(tenant, index, out)`` thread per tenant while ``background(stop)`` runs on a thread of its own
+    (until every sender ended, each within 300 s); each tenant's ``out``. Fails when a sender did not end."""
+    stop = threading.Event()
+    thread = threading.Thread(target=background, args=(stop,), daemon=True)
+    thread.start()
+    results: dict[str, list] = {t: [] for t in tenants}
+    senders = [threading.Thread(target=sender, args=(t, i, results[t]), daemon=True) for i, t in enumerate(tenants)]
+    try:
+        for s in senders:
+            s.start()
+        for s in senders:
+            s.join(300)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not any(s.is_alive() for s in senders), f"a sender did not end: {results}"
+    return results
+
+
 HOLDS_NOTHING = {"waiting": 0, "abandoned": 0, "unclaimed": 0, "to_delete": 0}
 
 
