@@ -182,6 +182,19 @@ def xread_args(streams: dict[str, Any], count: int, block: int | None = None,
             *streams.values()]
 
 
+def create_groups(r: Any, group: str, streams: list[str]) -> None:
+    """Consumer group ``group`` on each of ``streams`` (made empty when missing), reading from the start, in one
+    pipeline; a group there already stays as it is (BUSYGROUP), any other refusal is raised."""
+    if not streams:
+        return
+    pipe = r.pipeline(transaction=False)
+    for stream in streams:
+        pipe.xgroup_create(stream, group, id="0", mkstream=True)
+    for got in pipe.execute(raise_on_error=False):
+        if isinstance(got, redis.ResponseError) and "BUSYGROUP" not in str(got):
+            raise got
+
+
 def require_replicas(acked: Any, wanted: int, what: str) -> None:
     """Raise NotReplicated when WAIT answered fewer than ``wanted`` replicas."""
     if int(acked) < wanted:

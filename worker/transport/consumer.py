@@ -29,7 +29,7 @@ import redis
 
 from batchfleet.common.config import ConnectionConfig
 from batchfleet.common.keys import Keys
-from batchfleet.common.redis.clients import sync_client
+from batchfleet.common.redis.clients import create_groups, sync_client
 from batchfleet.common.redis.fleetstate import queued_tenants
 from batchfleet.common.redis.functions import load_library
 from batchfleet.common.redis.retry import TRANSIENT, Backoff
@@ -191,21 +191,10 @@ class StreamConsumer(Transport):
         except (redis.RedisError, *TRANSIENT) as exc:
             log.debug("idle tenants not swept: %r", exc)
 
-    def _create_groups(self, streams: list[str]) -> None:
-        """The workers' group on each of ``streams`` (made empty when missing), reading from the start; one round trip
-        (one command at a time on a cluster client). A group there already stays as it is."""
-        if not streams:
-            return
-        pipe = self.r.pipeline(transaction=False)
-        for stream in streams:
-            pipe.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
-        for got in pipe.execute(raise_on_error=False):
-            if isinstance(got, redis.ResponseError) and "BUSYGROUP" not in str(got):
-                raise got
-
     def _setup_once(self) -> None:
         self.follow_tenants(force=True, ensure_all=True)  # the named tenants' streams: made only while queued
-        self._create_groups([*(s for s, _, _ in self.keys.streams(self.buckets)), self.keys.tenant_bell])
+        defaults = [s for s, _, _ in self.keys.streams(self.buckets)]
+        create_groups(self.r, self.keys.group, [*defaults, self.keys.tenant_bell])
         self._load_functions()
         if is_cluster(self.conn.redis_url):  # pipelines on a cluster do not load a missing script
             self._scripts.load()
@@ -251,7 +240,7 @@ class StreamConsumer(Transport):
         except redis.ResponseError as exc:
             if bell_gone(exc, self.keys.tenant_bell):  # an operator deleted the bell: made again, heard from now on
                 log.info("the tenant bell %s had no group: made again", self.keys.tenant_bell)
-                self._create_groups([self.keys.tenant_bell])
+                create_groups(self.r, self.keys.group, [self.keys.tenant_bell])
                 return []
             if not gone(exc):
                 raise

@@ -28,6 +28,7 @@ import time
 import redis
 
 from batchfleet.common.keys import TENANT_STREAM_SUFFIX, Keys
+from batchfleet.common.redis.clients import create_groups
 from batchfleet.common.wire.priority import PRIORITIES
 from batchfleet.worker.transport.scripts import WorkerScripts
 
@@ -110,13 +111,8 @@ class TenantStreams:
                 if not refusal(exc):
                     raise
                 self._refuse(exc)
-        for t in tenants:  # an older ACL: made as before tenants were retired (none is, then)
-            for stream in self.streams(t):
-                try:
-                    self.r.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
-                except redis.ResponseError as exc:
-                    if "BUSYGROUP" not in str(exc):
-                        raise
+        # an older ACL: made as before tenants were retired (none is, then)
+        create_groups(self.r, self.keys.group, [s for t in tenants for s in self.streams(t)])
         return tenants
 
     def _refuse(self, exc: BaseException) -> None:
